@@ -1,0 +1,1 @@
+"""The config database (SQLAlchemy) and the JSON bundles shipped per GPU."""

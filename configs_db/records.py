@@ -1,0 +1,39 @@
+"""Plain records exchanged between storage (DB, bundles) and the runtime, free of SQLAlchemy.
+
+The dispatcher imports these without importing SQLAlchemy; :mod:`configs_db.store` and
+:mod:`configs_db.bundles` produce them from a database or a JSON bundle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class WinnerRecord:
+    """One stored winner: the best measured config of a kernel at one tuning key on one GPU."""
+
+    kernel: str
+    kernel_version: str
+    gpu: str  # DeviceInfo.slug, e.g. "nvidia-h200-sm90-132sm"
+    key: dict[str, Any]
+    config: dict[str, Any]
+    time_ms: float
+    portable_ms: float
+    speedup: float
+    trials: int
+    triton_version: str
+    torch_version: str
+    tritune_version: str
+    #: Where the record came from, for messages: "db:<url>" or "bundle:<path>".
+    source: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A record or file refused on load, with the one reason given to the user."""
+
+    source: str
+    reason: str

@@ -1,0 +1,168 @@
+"""The one seam between kernels, the dispatcher and the tuner: the kernel spec.
+
+Each kernel family exposes exactly one :class:`KernelSpec`. It says what the kernel is called,
+which version of its source is running (a hash, so an edited kernel invalidates stored configs),
+how to build a tuning key from call arguments, what the portable default config is, how to launch
+with a given config, what the reference computes, and how to make random problems for the tuner.
+Neither the dispatcher nor the tuner knows anything about a kernel beyond this object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, TypeVar
+
+import torch
+
+from tritune.search_spaces.base import SearchSpace, TargetLimits
+
+from .device import DeviceInfo
+
+C = TypeVar("C")
+K = TypeVar("K", bound="TuningKey")
+
+
+def pow2_bucket(n: int, minimum: int = 16) -> int:
+    """Round ``n`` up to a power of two, at least ``minimum`` (bucketed lengths in keys)."""
+    n = max(int(n), minimum, 1)
+    return 1 << (n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class TuningKey:
+    """Base of every kernel's frozen key dataclass.
+
+    Fields named in ``BUCKETS`` are bucketed lengths; the dispatcher's nearest-bucket lookup only
+    moves along those and keeps every other field (GPU, dtype, head dim, ...) fixed.
+    """
+
+    arch: str
+    sm_count: int
+
+    BUCKETS: ClassVar[tuple[str, ...]] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls: type[K], values: Mapping[str, Any]) -> K:
+        """Strictly rebuild a key read from a file: exact field set, exact types."""
+        if not isinstance(values, Mapping):
+            raise ValueError(f"{cls.__name__}: expected a mapping, got {type(values).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if set(values) != set(fields):
+            raise ValueError(f"{cls.__name__}: fields {sorted(values)} differ from {sorted(fields)}")
+        hints = {f.name: f.type for f in dataclasses.fields(cls)}
+        for name, value in values.items():
+            expected = {"int": int, "str": str, "bool": bool}.get(str(hints[name]), None)
+            if expected is None:
+                raise ValueError(f"{cls.__name__}.{name}: unsupported field type {hints[name]!r}")
+            if isinstance(value, bool) != (expected is bool) or not isinstance(value, expected):
+                raise ValueError(f"{cls.__name__}.{name}={value!r}: expected {expected.__name__}")
+        return cls(**values)
+
+    def group(self) -> tuple[Any, ...]:
+        """The non-bucket fields: keys of one group may borrow each other's winners."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in self.BUCKETS)
+
+    def distance(self, other: TuningKey) -> float:
+        """Sum of log2 distances over bucket fields (only meaningful within one group)."""
+        return sum(
+            abs(math.log2(max(getattr(self, b), 1)) - math.log2(max(getattr(other, b), 1))) for b in self.BUCKETS
+        )
+
+
+@dataclass
+class Problem:
+    """One random problem for the tuner: the call's arguments plus what a report needs."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    flops: float = 0.0
+    bytes_moved: float = 0.0
+    #: Whether timing should flush the L2 between repetitions (the real workload exceeds it).
+    flush_l2: bool = True
+    #: Whether the kernel is launch-bound at this size (time CUDA-graph replays instead).
+    launch_bound: bool = False
+
+
+class KernelSpec(ABC, Generic[C, K]):
+    """Everything the dispatcher and the tuner may know about one kernel."""
+
+    #: Kernel name used in the DB, bundles, the CLI and ``use_config``.
+    name: ClassVar[str]
+    #: Modules whose source text defines the kernel version.
+    source_modules: ClassVar[tuple[str, ...]]
+    key_type: ClassVar[type[TuningKey]]
+    space: SearchSpace[C, K]
+
+    @functools.cached_property
+    def version(self) -> str:
+        digest = hashlib.sha256()
+        for module_name in self.source_modules:
+            module = importlib.import_module(module_name)
+            path = getattr(module, "__file__", None)
+            if path is None:
+                raise RuntimeError(f"{self.name}: module {module_name} has no source file to hash")
+            with open(path, "rb") as fh:
+                digest.update(fh.read())
+        return digest.hexdigest()[:16]
+
+    # ---- the runtime half --------------------------------------------------------------
+
+    @abstractmethod
+    def key_for(self, device: DeviceInfo, *args: Any, **kwargs: Any) -> K:
+        """The tuning key of a call (cheap: it runs on every dispatch)."""
+
+    def default_config(self, key: K) -> C:
+        """The portable configuration for ``key``; the dataclass defaults unless overridden."""
+        return self.space.default()
+
+    def pinned_config(self, values: Mapping[str, Any]) -> C:
+        """Turn a ``use_config`` dict into a config (fields left out take the defaults)."""
+        return self.space.parse(values)
+
+    def is_portable(self, config: C) -> bool:
+        """Whether a config runs on the portable path (kernels with several paths override)."""
+        return True
+
+    def serveable(self, config: C, device: DeviceInfo, args: Sequence[Any], kwargs: Mapping[str, Any]) -> C:
+        """Last word before launch: replace a config that cannot serve this call (a hook)."""
+        return config
+
+    @abstractmethod
+    def launch(self, config: C, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Run the kernel with ``config`` on already-validated call arguments."""
+
+    # ---- the tuning half ---------------------------------------------------------------
+
+    @abstractmethod
+    def reference(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The pure-PyTorch result of the same call, in fp32 or better."""
+
+    @abstractmethod
+    def check(self, out: torch.Tensor, expected: torch.Tensor, problem: Problem) -> str | None:
+        """``None`` if ``out`` is close enough to ``expected``, else why not."""
+
+    @abstractmethod
+    def make_problem(self, key: K, device: torch.device, seed: int) -> Problem:
+        """Fresh random inputs representative of ``key`` (tiny shapes on the interpreter)."""
+
+    @abstractmethod
+    def default_keys(self, device: DeviceInfo, **options: Any) -> list[K]:
+        """Keys ``tune`` sweeps when the user names none (CLI options narrow them)."""
+
+    def limits(self, device: DeviceInfo) -> TargetLimits:
+        if device.is_interpreter:
+            return TargetLimits(interpreter=True)
+        smem = 227 * 1024 if device.capability >= (9, 0) else 163 * 1024 if device.capability >= (8, 0) else 96 * 1024
+        if device.capability in ((8, 6), (8, 9)):
+            smem = 99 * 1024
+        return TargetLimits(smem_bytes=smem)

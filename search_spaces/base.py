@@ -1,0 +1,144 @@
+"""Declarative search spaces: a frozen config dataclass whose fields carry their allowed values.
+
+A kernel's config type is an ordinary frozen dataclass; each tunable field is declared with
+:func:`choice`, which records the values the tuner may try. :class:`SearchSpace` reads those
+declarations, validates configs that come from outside (bundles, databases, ``use_config``),
+enumerates the grid, and applies the kernel's analytic feasibility rule before anything compiles.
+
+Validation is strict on purpose: a config read from a file is only ever *checked against* the
+declared choices, never evaluated, so a hostile or stale file cannot reach a kernel launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+Value = int | str | bool
+C = TypeVar("C")
+K = TypeVar("K")
+
+#: Hopper's opt-in shared memory per block; the default limit for feasibility estimates.
+DEFAULT_SMEM_LIMIT_BYTES = 227 * 1024
+
+
+def choice(default: Value, options: tuple[Value, ...] | list[Value]) -> Any:
+    """Declare a tunable dataclass field: its default and the values the tuner may try."""
+    options = tuple(options)
+    if default not in options:
+        raise ValueError(f"default {default!r} must be one of the options {options!r}")
+    return dataclasses.field(default=default, metadata={"choices": options})
+
+
+@dataclass(frozen=True)
+class TargetLimits:
+    """What the feasibility rule may assume about the compile target."""
+
+    smem_bytes: int = DEFAULT_SMEM_LIMIT_BYTES
+    #: Under the Triton interpreter nothing compiles, so resource estimates do not apply.
+    interpreter: bool = False
+
+
+class ConfigError(ValueError):
+    """A config that is not a member of its kernel's search space."""
+
+
+#: A feasibility rule returns ``None`` for a config that may compile, else the reason it cannot.
+FeasibilityRule = Callable[[C, K, TargetLimits], "str | None"]
+
+
+class SearchSpace(Generic[C, K]):
+    """The tunable dimensions of one kernel, read from its frozen config dataclass."""
+
+    def __init__(
+        self,
+        kernel: str,
+        config_type: type[C],
+        feasibility: Callable[[C, K, TargetLimits], str | None] | None = None,
+    ) -> None:
+        if not dataclasses.is_dataclass(config_type):
+            raise TypeError(f"config_type for {kernel} must be a dataclass, got {config_type!r}")
+        self.kernel = kernel
+        self.config_type = config_type
+        self._feasibility = feasibility
+        self.dimensions: dict[str, tuple[Value, ...]] = {}
+        for f in dataclasses.fields(config_type):
+            options = f.metadata.get("choices")
+            if options is None:
+                raise TypeError(f"{config_type.__name__}.{f.name} must be declared with choice()")
+            self.dimensions[f.name] = options
+
+    # ---- conversion and validation -------------------------------------------------------
+
+    def default(self) -> C:
+        """The dataclass defaults: the kernel's portable configuration."""
+        return self.config_type()
+
+    def parse(self, values: Mapping[str, Any], base: C | None = None) -> C:
+        """Build a config from a plain mapping, refusing anything outside the space.
+
+        Fields left out take their value from ``base`` (or the dataclass defaults). Unknown
+        fields, values of the wrong type and values not among the declared choices raise
+        :class:`ConfigError` naming the field.
+        """
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{self.kernel}: a config must be a mapping of field names, got {type(values).__name__}")
+        unknown = sorted(set(values) - set(self.dimensions))
+        if unknown:
+            raise ConfigError(
+                f"{self.kernel}: unknown config field(s) {unknown}; the space has {sorted(self.dimensions)}"
+            )
+        start = dataclasses.asdict(base if base is not None else self.default())  # type: ignore[call-overload]
+        for name, value in values.items():
+            options = self.dimensions[name]
+            if not _same_kind(value, options[0]) or value not in options:
+                raise ConfigError(f"{self.kernel}: {name}={value!r} is not in the space; expected one of {options}")
+            start[name] = value
+        return self.config_type(**start)
+
+    def to_dict(self, config: C) -> dict[str, Value]:
+        return dataclasses.asdict(config)  # type: ignore[call-overload, no-any-return]
+
+    def contains(self, config: C) -> bool:
+        try:
+            self.parse(self.to_dict(config))
+        except ConfigError:
+            return False
+        return True
+
+    # ---- enumeration and pruning ---------------------------------------------------------
+
+    def size(self) -> int:
+        n = 1
+        for options in self.dimensions.values():
+            n *= len(options)
+        return n
+
+    def grid(self) -> Iterator[C]:
+        names = list(self.dimensions)
+        for combo in itertools.product(*(self.dimensions[n] for n in names)):
+            yield self.config_type(**dict(zip(names, combo, strict=True)))
+
+    def infeasible_reason(self, config: C, key: K, limits: TargetLimits) -> str | None:
+        """Why ``config`` cannot run for ``key`` on this target, or ``None`` if it may."""
+        if self._feasibility is None:
+            return None
+        return self._feasibility(config, key, limits)
+
+    def feasible(self, key: K, limits: TargetLimits) -> list[C]:
+        return [c for c in self.grid() if self.infeasible_reason(c, key, limits) is None]
+
+
+def _same_kind(value: Any, example: Value) -> bool:
+    # bool is a subclass of int: keep True from passing as BLOCK_M=1 and 1 as a flag.
+    if isinstance(example, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(example, bool)
+    return isinstance(value, type(example))
+
+
+def tile_smem_bytes(*tiles: tuple[int, int, int]) -> int:
+    """Bytes of shared memory for tiles given as (rows, cols, element_bytes)."""
+    return sum(r * c * b for r, c, b in tiles)
