@@ -18,7 +18,9 @@ from triton.runtime.interpreter import InterpretedFunction
 __all__ = ["register_op", "wrap_triton"]
 
 
-def register_op(name: str, body: Callable[..., None], *, mutates_args: Iterable[str], kernels: Iterable[Any]) -> Any:
+def register_op(
+    name: str, body: Callable[..., None], *, mutates_args: Iterable[str], kernels: Iterable[Any]
+) -> Any:
     """Register ``body`` as op ``name`` ("tritune::..."), traceable where Triton allows it."""
     mutates = tuple(mutates_args)
     if any(isinstance(k, InterpretedFunction) for k in kernels):

@@ -23,15 +23,19 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import torch
+
 from . import settings as settings_module
-from .device import DeviceInfo
+from .device import DeviceInfo, device_info
 from .registry import get_spec
 from .spec import KernelSpec, TuningKey
 from .winners import WinnerTable, build_table
 
 log = logging.getLogger("tritune.dispatch")
 
-_pinned: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar("tritune_pinned", default=None)
+_pinned: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
+    "tritune_pinned", default=None
+)
 
 
 class Dispatcher:
@@ -120,6 +124,26 @@ class Dispatcher:
 
 DISPATCHER = Dispatcher()
 settings_module.on_change(DISPATCHER.clear)
+
+
+@torch.compiler.assume_constant_result
+def dispatch(kernel: str, device_type: str, device_index: int, facts: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The config values serving one call, from plain scalars only.
+
+    Public wrappers call this with their spec's facts. Its arguments and result are plain
+    Python values, so under ``torch.compile`` the choice is made once at trace time and baked in
+    as a constant instead of breaking the graph on the dispatcher's dicts and locks.
+    """
+    spec = get_spec(kernel)
+    device = device_info(torch.device(device_type, device_index) if device_type != "cpu" else "cpu")
+    key = spec.key_for(device, facts)
+    config = spec.serveable(DISPATCHER.select(spec, device, key), device, facts)
+    return tuple(spec.space.to_dict(config).values())
+
+
+def config_from_values(spec: KernelSpec[Any, Any], values: tuple[Any, ...]) -> Any:
+    """Rebuild the config dataclass from :func:`dispatch`'s tuple (field order)."""
+    return spec.space.config_type(*values)
 
 
 @contextlib.contextmanager

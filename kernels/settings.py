@@ -22,12 +22,21 @@ TmaMode = Literal["auto", "on", "off"]
 
 #: Environment variable -> (settings field, one-line meaning). The README table mirrors this.
 ENVIRONMENT: dict[str, tuple[str, str]] = {
-    "TRITUNE_DB": ("db_url", "SQLAlchemy URL or file path of the user config DB (default: platformdirs user data dir)"),
-    "TRITUNE_MARGIN": ("margin", "minimum stored speedup over the portable default before a tuned config is served"),
+    "TRITUNE_DB": (
+        "db_url",
+        "SQLAlchemy URL or file path of the user config DB (default: platformdirs user data dir)",
+    ),
+    "TRITUNE_MARGIN": (
+        "margin",
+        "minimum stored speedup over the portable default before a tuned config is served",
+    ),
     "TRITUNE_DISABLE_TUNED": ("disable_tuned", "1 serves the portable defaults only (no DB, no bundle)"),
     "TRITUNE_DISABLE_BUNDLES": ("disable_bundles", "1 ignores the bundles shipped in configs_db/bundles"),
     "TRITUNE_LOG_LEVEL": ("log_level", "level of the 'tritune' logger (DEBUG, INFO, WARNING, ...)"),
-    "TRITUNE_ENABLE_TMA_CAUSAL_PREFILL": ("enable_tma_causal_prefill", "auto | on | off for the TMA prefill path"),
+    "TRITUNE_ENABLE_TMA_CAUSAL_PREFILL": (
+        "enable_tma_causal_prefill",
+        "auto | on | off for the TMA prefill path",
+    ),
 }
 
 

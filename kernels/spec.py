@@ -15,12 +15,11 @@ import hashlib
 import importlib
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
-
 from tritune.search_spaces.base import SearchSpace, TargetLimits
 
 from .device import DeviceInfo
@@ -61,7 +60,7 @@ class TuningKey:
             raise ValueError(f"{cls.__name__}: fields {sorted(values)} differ from {sorted(fields)}")
         hints = {f.name: f.type for f in dataclasses.fields(cls)}
         for name, value in values.items():
-            expected = {"int": int, "str": str, "bool": bool}.get(str(hints[name]), None)
+            expected = {"int": int, "str": str, "bool": bool}.get(str(hints[name]))
             if expected is None:
                 raise ValueError(f"{cls.__name__}.{name}: unsupported field type {hints[name]!r}")
             if isinstance(value, bool) != (expected is bool) or not isinstance(value, expected):
@@ -75,7 +74,8 @@ class TuningKey:
     def distance(self, other: TuningKey) -> float:
         """Sum of log2 distances over bucket fields (only meaningful within one group)."""
         return sum(
-            abs(math.log2(max(getattr(self, b), 1)) - math.log2(max(getattr(other, b), 1))) for b in self.BUCKETS
+            abs(math.log2(max(getattr(self, b), 1)) - math.log2(max(getattr(other, b), 1)))
+            for b in self.BUCKETS
         )
 
 
@@ -118,8 +118,17 @@ class KernelSpec(ABC, Generic[C, K]):
     # ---- the runtime half --------------------------------------------------------------
 
     @abstractmethod
-    def key_for(self, device: DeviceInfo, *args: Any, **kwargs: Any) -> K:
-        """The tuning key of a call (cheap: it runs on every dispatch)."""
+    def facts(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        """The call's arguments reduced to a tuple of Python scalars (shapes, dtype, flags).
+
+        Facts are what key building and path eligibility may look at. Being plain scalars, they
+        let ``torch.compile`` treat the whole config choice as a constant (see
+        :func:`tritune.kernels.dispatcher.dispatch`). Runs on every call: keep it cheap.
+        """
+
+    @abstractmethod
+    def key_for(self, device: DeviceInfo, facts: tuple[Any, ...]) -> K:
+        """The tuning key of a call, from its facts."""
 
     def default_config(self, key: K) -> C:
         """The portable configuration for ``key``; the dataclass defaults unless overridden."""
@@ -133,8 +142,12 @@ class KernelSpec(ABC, Generic[C, K]):
         """Whether a config runs on the portable path (kernels with several paths override)."""
         return True
 
-    def serveable(self, config: C, device: DeviceInfo, args: Sequence[Any], kwargs: Mapping[str, Any]) -> C:
-        """Last word before launch: replace a config that cannot serve this call (a hook)."""
+    def serveable(self, config: C, device: DeviceInfo, facts: tuple[Any, ...]) -> C:
+        """Last word before launch: replace a config that cannot serve this call (a hook).
+
+        Kernels with an optimized path check its eligibility here (target, strides, settings)
+        and fall back to their portable config where it is not valid.
+        """
         return config
 
     @abstractmethod
@@ -162,7 +175,13 @@ class KernelSpec(ABC, Generic[C, K]):
     def limits(self, device: DeviceInfo) -> TargetLimits:
         if device.is_interpreter:
             return TargetLimits(interpreter=True)
-        smem = 227 * 1024 if device.capability >= (9, 0) else 163 * 1024 if device.capability >= (8, 0) else 96 * 1024
+        smem = (
+            227 * 1024
+            if device.capability >= (9, 0)
+            else 163 * 1024
+            if device.capability >= (8, 0)
+            else 96 * 1024
+        )
         if device.capability in ((8, 6), (8, 9)):
             smem = 99 * 1024
         return TargetLimits(smem_bytes=smem)

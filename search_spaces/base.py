@@ -85,7 +85,9 @@ class SearchSpace(Generic[C, K]):
         :class:`ConfigError` naming the field.
         """
         if not isinstance(values, Mapping):
-            raise ConfigError(f"{self.kernel}: a config must be a mapping of field names, got {type(values).__name__}")
+            raise ConfigError(
+                f"{self.kernel}: a config must be a mapping of field names, got {type(values).__name__}"
+            )
         unknown = sorted(set(values) - set(self.dimensions))
         if unknown:
             raise ConfigError(
@@ -95,7 +97,9 @@ class SearchSpace(Generic[C, K]):
         for name, value in values.items():
             options = self.dimensions[name]
             if not _same_kind(value, options[0]) or value not in options:
-                raise ConfigError(f"{self.kernel}: {name}={value!r} is not in the space; expected one of {options}")
+                raise ConfigError(
+                    f"{self.kernel}: {name}={value!r} is not in the space; expected one of {options}"
+                )
             start[name] = value
         return self.config_type(**start)
 

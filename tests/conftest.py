@@ -1,0 +1,45 @@
+"""Test tiers: without a CUDA GPU every kernel runs on the Triton interpreter at tiny shapes.
+
+``TRITON_INTERPRET`` must be set before Triton decorates any kernel, so it is decided here, before
+test modules import tritune. GPU-tier tests carry the ``gpu`` marker and are skipped on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+# Tests must never read or write the developer's real config DB or shipped bundles implicitly.
+os.environ.setdefault("TRITUNE_DISABLE_BUNDLES", "1")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_settings(tmp_path, monkeypatch):
+    """Each test gets its own empty config DB and freshly read settings."""
+    from tritune.kernels import settings
+
+    monkeypatch.setenv("TRITUNE_DB", str(tmp_path / "configs.sqlite"))
+    settings.reload()
+    yield
+    monkeypatch.undo()
+    settings.reload()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip_gpu = pytest.mark.skip(reason="GPU tier: needs a CUDA GPU (run on the H200)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def device() -> str:
+    return "cuda" if HAS_CUDA else "cpu"
