@@ -168,6 +168,15 @@ class KernelSpec(ABC, Generic[C, K]):
     def make_problem(self, key: K, device: torch.device, seed: int) -> Problem:
         """Fresh random inputs representative of ``key`` (tiny shapes on the interpreter)."""
 
+    def check_problem(self, key: K, device: torch.device, seed: int) -> Problem:
+        """The problem the tuner's correctness gate compares with the reference.
+
+        Defaults to a fresh :meth:`make_problem`. Kernels whose timed size is too large for a dense
+        reference return a smaller problem of the same key here; the tuner then also cross-checks
+        each candidate against the portable output at the timed size.
+        """
+        return self.make_problem(key, device, seed)
+
     @abstractmethod
     def default_keys(self, device: DeviceInfo, **options: Any) -> list[K]:
         """Keys ``tune`` sweeps when the user names none (CLI options narrow them)."""

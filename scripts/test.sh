@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Newcomer command 2 (and CI's): set up with the test extras, lint, then run the CPU test tier
+# (kernels on the Triton interpreter at tiny shapes; GPU-tier tests skip without a GPU).
+# Extra arguments go to pytest, e.g.  bash scripts/test.sh -k prefill
+set -euo pipefail
+. "$(dirname "$0")/_venv.sh"
+if python -c "import torch, sys; sys.exit(torch.cuda.is_available())"; then
+  # CPU tier: the interpreter's Triton must match the GPU machine's.
+  pip install -q "triton==3.6.0"
+fi
+pip install -q -e ".[dev]"
+ruff check .
+exec python -m pytest "$@"

@@ -1,0 +1,113 @@
+"""GPU identity, architecture-list parsing and the settings module."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tritune.kernels import settings
+from tritune.kernels.device import DeviceInfo, device_info, parse_arch_list, target_supports
+
+H200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
+A100 = DeviceInfo(name="NVIDIA A100-SXM4-80GB", vendor="nvidia", capability=(8, 0), sm_count=108, arch="sm80")
+MI300 = DeviceInfo(name="AMD Instinct MI300X", vendor="amd", capability=(9, 4), sm_count=304, arch="gfx942")
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("9.0", [(9, 0)]),
+        ("9.0a", [(9, 0)]),
+        ("sm_90", [(9, 0)]),
+        ("sm_90a", [(9, 0)]),
+        ("9.0+PTX", [(9, 0)]),
+        ("8.0;9.0", [(8, 0), (9, 0)]),
+        ("8.0 8.6 9.0", [(8, 0), (8, 6), (9, 0)]),
+        ("10.0,12.0", [(10, 0), (12, 0)]),
+    ],
+    ids=["plain", "arch-specific", "sm_form", "sm_form_a", "ptx", "semicolon", "spaces", "comma"],
+)
+def test_parse_arch_list(text, expected):
+    assert parse_arch_list(text) == expected
+
+
+def test_parse_arch_list_rejects_garbage():
+    with pytest.raises(ValueError, match="TORCH_CUDA_ARCH_LIST entry 'hopper'"):
+        parse_arch_list("9.0;hopper")
+
+
+@pytest.mark.parametrize(
+    "arch_list, device, expected",
+    [
+        (None, H200, True),
+        (None, A100, False),
+        ("8.0;9.0", H200, False),
+        ("9.0a", H200, True),
+        ("sm_90", H200, True),
+        ("9.0+PTX", H200, True),
+        ("9.0;10.0", H200, True),
+        (None, MI300, False),
+        ("not-an-arch", H200, False),
+    ],
+    ids=["h200", "a100", "mixed-list", "90a", "sm_90", "ptx", "90-and-100", "rocm", "garbage-list"],
+)
+def test_target_supports_sm90(monkeypatch, arch_list, device, expected):
+    if arch_list is None:
+        monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch_list)
+    assert target_supports(device, (9, 0)) is expected
+
+
+def test_slugs():
+    assert H200.slug == "nvidia-h200-sm90-132sm"
+    assert MI300.slug == "amd-instinct-mi300x-gfx942-304sm"
+    assert device_info("cpu").slug == "cpu-interpreter"
+    assert device_info("cpu").is_interpreter
+
+
+def test_settings_read_lazily_and_validated(monkeypatch):
+    monkeypatch.setenv("TRITUNE_MARGIN", "0.1")
+    monkeypatch.setenv("TRITUNE_ENABLE_TMA_CAUSAL_PREFILL", "ON")
+    current = settings.reload()
+    assert current.margin == pytest.approx(0.1)
+    assert current.enable_tma_causal_prefill == "on"
+    monkeypatch.setenv("TRITUNE_MARGIN", "lots")
+    with pytest.raises(ValueError, match="TRITUNE_MARGIN"):
+        settings.reload()
+    monkeypatch.setenv("TRITUNE_MARGIN", "0.03")
+    monkeypatch.setenv("TRITUNE_ENABLE_TMA_CAUSAL_PREFILL", "sometimes")
+    with pytest.raises(ValueError, match="TRITUNE_ENABLE_TMA_CAUSAL_PREFILL"):
+        settings.reload()
+    monkeypatch.setenv("TRITUNE_ENABLE_TMA_CAUSAL_PREFILL", "auto")
+    monkeypatch.setenv("TRITUNE_DISABLE_TUNED", "maybe")
+    with pytest.raises(ValueError, match="TRITUNE_DISABLE_TUNED"):
+        settings.reload()
+
+
+def test_override_restores(tmp_path):
+    before = settings.settings()
+    with settings.override(margin=0.5, db_url=str(tmp_path / "x.sqlite")) as inside:
+        assert settings.settings().margin == 0.5
+        assert inside.db_url.startswith("sqlite:///") and inside.db_url.endswith("x.sqlite")
+    assert settings.settings() == before
+
+
+def test_import_is_cheap_and_touches_no_gpu():
+    """Importing the runtime must not import Optuna, create a CUDA context or read settings."""
+    code = (
+        "import sys, torch\n"
+        "import tritune.kernels, tritune.configs_db, tritune.search_spaces\n"
+        "import tritune.kernels.dispatcher, tritune.kernels.registry\n"
+        "from tritune.kernels import settings\n"
+        "assert 'optuna' not in sys.modules, 'optuna imported by the runtime'\n"
+        "assert 'sqlalchemy' not in sys.modules, 'sqlalchemy imported at import time'\n"
+        "assert settings._current is None, 'settings read at import'\n"
+        "assert not torch.cuda.is_initialized()\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
