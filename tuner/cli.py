@@ -288,7 +288,9 @@ def bench(
                 for config in (default, served):
                     times.append(
                         timer(
-                            lambda config=config: spec.launch(config, *problem.args, **problem.kwargs),
+                            lambda config=config, spec=spec, problem=problem: spec.launch(
+                                config, *problem.args, **problem.kwargs
+                            ),
                             config=config,
                             flush_l2=problem.flush_l2,
                             launch_bound=problem.launch_bound,

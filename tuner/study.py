@@ -30,7 +30,6 @@ from typing import Any
 import optuna
 import torch
 import triton
-
 from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.store import ConfigStore
 from tritune.kernels.device import DeviceInfo
@@ -168,6 +167,9 @@ class KeyTuner:
         if self.on_trial is not None:
             self.on_trial(self.spec.name, self.space.to_dict(config), status, ms)
 
+    def _spent(self) -> int:
+        return self.counts["measured"] + self.counts["failed"] + self.counts["reused"]
+
     def _launch(self, config: Any, problem: Problem, out: torch.Tensor) -> None:
         self.spec.launch(config, *problem.args, **_with_out(problem, out))
 
@@ -233,13 +235,14 @@ class KeyTuner:
 
         # The budget counts trials measured by earlier runs of the same study too (resume).
         budget = opts.trials
+        max_asks = 4 * budget + len(feasible)
         asks = 0
-        while self.counts["measured"] + self.counts["failed"] + self.counts["reused"] < budget and asks < 4 * budget + len(feasible):
+        while self._spent() < budget and asks < max_asks:
             if opts.time_budget_s is not None and time.monotonic() - started > opts.time_budget_s:
                 log.info("%s %s: time budget reached", spec.name, self.key)
                 break
             pending: list[tuple[optuna.trial.Trial, Any]] = []
-            while len(pending) < opts.batch and asks < 4 * budget + len(feasible):
+            while len(pending) < opts.batch and asks < max_asks:
                 trial = study.ask(distributions)
                 asks += 1
                 config = self.space.parse(trial.params)

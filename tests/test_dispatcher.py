@@ -1,0 +1,177 @@
+"""Dispatcher lookup order on a small real kernel: exact, nearest bucket, margin, pinned, fallback."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import toy_kernel
+import triton
+from tritune.configs_db.records import WinnerRecord
+from tritune.configs_db.store import ConfigStore
+from tritune.kernels import registry, settings
+from tritune.kernels.device import device_info
+from tritune.kernels.dispatcher import DISPATCHER, dispatch, use_config
+from tritune.search_spaces.base import ConfigError
+
+CPU = device_info("cpu")
+
+
+@pytest.fixture(autouse=True)
+def toy_registered(monkeypatch):
+    monkeypatch.setitem(registry._SPECS, "toy_scale", f"{toy_kernel.__name__}:SPEC")
+    DISPATCHER.clear()
+    yield
+    DISPATCHER.clear()
+
+
+def _winner(n_bucket: int, config: dict, speedup: float, **overrides) -> WinnerRecord:
+    spec = toy_kernel.SPEC
+    key = toy_kernel.ToyKey(CPU.arch, CPU.sm_count, "float32", n_bucket)
+    fields = dict(
+        kernel=spec.name,
+        kernel_version=spec.version,
+        gpu=CPU.slug,
+        key=key.to_dict(),
+        config=config,
+        time_ms=1.0,
+        portable_ms=speedup,
+        speedup=speedup,
+        trials=5,
+        triton_version=triton.__version__,
+        torch_version=torch.__version__,
+        tritune_version="test",
+    )
+    fields.update(overrides)
+    return WinnerRecord(**fields)
+
+
+def _store(*records: WinnerRecord) -> None:
+    store = ConfigStore(settings.settings().db_url)
+    env = store.environment(
+        gpu=CPU.slug, gpu_name=CPU.name, capability="0.0", sm_count=1, driver="", cuda="",
+        torch_version=torch.__version__, triton_version=triton.__version__, tritune_version="test",
+    )
+    for record in records:
+        assert store.offer_winner(record, env)
+
+
+def _served(n: int, dtype: torch.dtype = torch.float32) -> dict:
+    spec = toy_kernel.SPEC
+    x = torch.randn(n).to(dtype)
+    values = dispatch("toy_scale", "cpu", -1, spec.facts(x))
+    return spec.space.to_dict(spec.space.config_type(*values))
+
+
+def test_portable_default_without_winners():
+    assert _served(100) == {"BLOCK": 32, "BROKEN": False, "num_warps": 4}
+
+
+def test_exact_winner_served_when_it_clears_the_margin():
+    _store(_winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5))
+    assert _served(100)["BLOCK"] == 64
+
+
+def test_exact_winner_below_margin_serves_portable_not_a_neighbour():
+    _store(
+        _winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.01),
+        _winner(256, {"BLOCK": 128, "BROKEN": False, "num_warps": 4}, speedup=2.0),
+    )
+    assert _served(100)["BLOCK"] == 32
+
+
+def test_margin_setting_changes_the_rule():
+    _store(_winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.05))
+    assert _served(100)["BLOCK"] == 64
+    with settings.override(margin=0.10):
+        assert _served(100)["BLOCK"] == 32
+
+
+def test_nearest_bucket_in_the_same_group():
+    _store(
+        _winner(64, {"BLOCK": 16, "BROKEN": False, "num_warps": 1}, speedup=1.2),
+        _winner(4096, {"BLOCK": 128, "BROKEN": False, "num_warps": 4}, speedup=1.9),
+    )
+    # 300 -> bucket 512: log2 distance 3 to 64, 3 to 4096: tie broken by the larger speedup.
+    assert _served(300)["BLOCK"] == 128
+    # 100 -> bucket 128: nearer to 64.
+    assert _served(100)["BLOCK"] == 16
+
+
+def test_other_group_never_borrows():
+    _store(_winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5))
+    assert _served(100, torch.float64)["BLOCK"] == 32
+
+
+def test_pinned_config_wins_and_fills_defaults():
+    _store(_winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5))
+    with use_config("toy_scale", {"BLOCK": 16}) as pinned:
+        assert pinned == toy_kernel.ToyConfig(BLOCK=16)
+        assert _served(100) == {"BLOCK": 16, "BROKEN": False, "num_warps": 4}
+    assert _served(100)["BLOCK"] == 64
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"BLOCK": 48}, "BLOCK=48 is not in the space"),
+        ({"BLOCK": "64"}, "BLOCK='64' is not in the space"),
+        ({"BROKEN": 1}, "BROKEN=1 is not in the space"),
+        ({"TILE": 16}, "unknown config field"),
+    ],
+    ids=["value", "type", "int-for-bool", "unknown-field"],
+)
+def test_pinned_config_outside_space_refused(config, match):
+    with pytest.raises(ConfigError, match=match), use_config("toy_scale", config):
+        pass
+
+
+def test_unknown_kernel_refused():
+    with pytest.raises(KeyError, match="unknown kernel 'nope'"), use_config("nope", {}):
+        pass
+
+
+def test_disable_tuned():
+    _store(_winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5))
+    with settings.override(disable_tuned=True):
+        assert _served(100)["BLOCK"] == 32
+
+
+def test_fallback_logged_once_per_key(caplog):
+    caplog.set_level(logging.INFO, logger="tritune.dispatch")
+    for _ in range(5):
+        _served(100)
+    messages = [r.getMessage() for r in caplog.records if "portable default serves" in r.getMessage()]
+    assert len(messages) == 1
+
+
+@pytest.mark.parametrize(
+    "overrides, reason",
+    [
+        ({"gpu": "nvidia-h200-sm90-132sm"}, "recorded for GPU"),
+        ({"kernel_version": "0123456789abcdef"}, "stale kernel version"),
+        ({"triton_version": "2.0.0"}, "tuned with Triton 2.0.0"),
+        ({"config": {"BLOCK": 48, "BROKEN": False, "num_warps": 2}}, "outside the search space"),
+        ({"key": {"arch": "sm90", "sm_count": 132, "dtype": "float32", "n_bucket": 128}}, "not this GPU"),
+        ({"key": {"arch": "cpu-interpreter", "dtype": "float32", "n_bucket": 128}}, "malformed key"),
+        ({"kernel": "gone_kernel"}, "unknown kernel"),
+    ],
+    ids=["foreign-gpu", "stale-kernel", "stale-triton", "config-outside-space", "key-other-gpu", "key-missing",
+         "unknown-kernel"],
+)
+def test_refused_records_log_reason_and_portable_serves(caplog, overrides, reason):
+    caplog.set_level(logging.WARNING, logger="tritune.dispatch")
+    _store(_winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5, **overrides))
+    assert _served(100)["BLOCK"] == 32
+    assert any(reason in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_served_config_computes_the_right_thing():
+    _store(_winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5))
+    spec = toy_kernel.SPEC
+    x = torch.randn(100)
+    config = spec.space.config_type(*dispatch("toy_scale", "cpu", -1, spec.facts(x)))
+    out = torch.full_like(x, float("nan"))
+    spec.launch(config, x, alpha=3.0, out=out)
+    torch.testing.assert_close(out, x * 3.0)

@@ -1,0 +1,89 @@
+"""The tuning loop on a small real kernel with a fake timer: gate, prune, store, resume."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import toy_kernel
+from tritune.configs_db.store import ConfigStore
+from tritune.kernels import registry
+from tritune.kernels.device import device_info
+from tritune.tuner.study import KeyTuner, TuneOptions, TuningError, environment_id
+from tritune.tuner.timing import FakeTimer
+
+CPU = device_info("cpu")
+SPEC = toy_kernel.SPEC
+
+
+@pytest.fixture(autouse=True)
+def toy_registered(monkeypatch):
+    monkeypatch.setitem(registry._SPECS, "toy_scale", f"{toy_kernel.__name__}:SPEC")
+
+
+def cost(config) -> float:
+    """Bigger blocks are faster; two warps best; the broken config would be fastest of all."""
+    if config.BROKEN:
+        return 0.01
+    return 10.0 / config.BLOCK + (0.0 if config.num_warps == 2 else 0.05)
+
+
+def _tuner(store: ConfigStore, trials: int, timer: FakeTimer | None = None, n: int = 256) -> KeyTuner:
+    key = SPEC.default_keys(CPU, n=[n])[0]
+    return KeyTuner(
+        SPEC, key, CPU, torch.device("cpu"), store, environment_id(store, CPU), timer or FakeTimer(cost),
+        TuneOptions(trials=trials, seed=1, batch=4, final_rounds=1),
+    )
+
+
+def test_exhaustive_sweep_finds_best_correct_config(tmp_path):
+    store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    result = _tuner(store, trials=40).run()
+    assert result.config == {"BLOCK": 128, "BROKEN": False, "num_warps": 2}
+    assert result.portable_ms == pytest.approx(cost(SPEC.space.default()))
+    assert result.speedup == pytest.approx(cost(SPEC.space.default()) / cost(toy_kernel.ToyConfig(128, False, 2)))
+    key = SPEC.default_keys(CPU, n=[256])[0].to_dict()
+    rows = store.measured_trials(environment_id(store, CPU), SPEC.name, SPEC.version, key)
+    statuses = {}
+    for row in rows:
+        statuses.setdefault(row.status, []).append(row)
+    # Every broken config failed the correctness gate and none of them won.
+    assert {r.config["BROKEN"] for r in statuses["failed-correctness"]} == {True}
+    assert all("max error" in (r.error or "") for r in statuses["failed-correctness"])
+    assert all(not r.config["BROKEN"] for r in statuses["ok"])
+    # Exhaustive over the feasible space: each config measured exactly once.
+    assert len(rows) == len({tuple(r.config.items()) for r in rows}) == len(SPEC.space.feasible(None, None))
+    winners = store.winners(gpu=CPU.slug, kernel=SPEC.name)
+    assert len(winners) == 1 and winners[0].config == result.config and winners[0].speedup > 1
+
+
+def test_resume_does_not_measure_again(tmp_path):
+    store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    first = FakeTimer(cost)
+    _tuner(store, trials=6, timer=first).run()
+    key = SPEC.default_keys(CPU, n=[256])[0].to_dict()
+    env = environment_id(store, CPU)
+    measured_before = {tuple(r.config.items()) for r in store.measured_trials(env, SPEC.name, SPEC.version, key)}
+    assert 6 <= len(measured_before) < 22
+
+    second = FakeTimer(cost)
+    _tuner(store, trials=40, timer=second).run()
+    rows = store.measured_trials(env, SPEC.name, SPEC.version, key)
+    configs = [tuple(r.config.items()) for r in rows]
+    assert len(configs) == len(set(configs)), "a config was measured twice"
+    new_ok = [r for r in rows if r.status == "ok" and tuple(r.config.items()) not in measured_before]
+    # The second run timed only new configs (plus the final winner-vs-portable re-timing).
+    assert second.calls <= len(new_ok) + 2
+
+
+def test_trial_budget_with_tpe(tmp_path):
+    store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    result = _tuner(store, trials=5).run()
+    assert result.measured + result.failed <= 5
+    assert result.portable_ms > 0
+
+
+def test_failing_portable_default_is_an_error(tmp_path, monkeypatch):
+    store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    monkeypatch.setattr(SPEC, "default_config", lambda key: toy_kernel.ToyConfig(BROKEN=True))
+    with pytest.raises(TuningError, match="portable default failed"):
+        _tuner(store, trials=3).run()
