@@ -26,7 +26,7 @@ def toy_registered(monkeypatch):
     DISPATCHER.clear()
 
 
-def _winner(n_bucket: int, config: dict, speedup: float, **overrides) -> WinnerRecord:
+def _winner(n_bucket: int, chosen: dict, speedup: float, **overrides) -> WinnerRecord:
     spec = toy_kernel.SPEC
     key = toy_kernel.ToyKey(CPU.arch, CPU.sm_count, "float32", n_bucket)
     fields = dict(
@@ -34,7 +34,7 @@ def _winner(n_bucket: int, config: dict, speedup: float, **overrides) -> WinnerR
         kernel_version=spec.version,
         gpu=CPU.slug,
         key=key.to_dict(),
-        config=config,
+        config=chosen,
         time_ms=1.0,
         portable_ms=speedup,
         speedup=speedup,
@@ -49,11 +49,12 @@ def _winner(n_bucket: int, config: dict, speedup: float, **overrides) -> WinnerR
 
 def _store(*records: WinnerRecord) -> None:
     store = ConfigStore(settings.settings().db_url)
-    env = store.environment(
-        gpu=CPU.slug, gpu_name=CPU.name, capability="0.0", sm_count=1, driver="", cuda="",
-        torch_version=torch.__version__, triton_version=triton.__version__, tritune_version="test",
-    )
     for record in records:
+        # Provenance is stamped from the environment row, so each record gets a matching one.
+        env = store.environment(
+            gpu=record.gpu, gpu_name=record.gpu, capability="0.0", sm_count=1, driver="", cuda="",
+            torch_version=record.torch_version, triton_version=record.triton_version, tritune_version="test",
+        )
         assert store.offer_winner(record, env)
 
 
@@ -149,7 +150,6 @@ def test_fallback_logged_once_per_key(caplog):
 @pytest.mark.parametrize(
     "overrides, reason",
     [
-        ({"gpu": "nvidia-h200-sm90-132sm"}, "recorded for GPU"),
         ({"kernel_version": "0123456789abcdef"}, "stale kernel version"),
         ({"triton_version": "2.0.0"}, "tuned with Triton 2.0.0"),
         ({"config": {"BLOCK": 48, "BROKEN": False, "num_warps": 2}}, "outside the search space"),
@@ -157,7 +157,7 @@ def test_fallback_logged_once_per_key(caplog):
         ({"key": {"arch": "cpu-interpreter", "dtype": "float32", "n_bucket": 128}}, "malformed key"),
         ({"kernel": "gone_kernel"}, "unknown kernel"),
     ],
-    ids=["foreign-gpu", "stale-kernel", "stale-triton", "config-outside-space", "key-other-gpu", "key-missing",
+    ids=["stale-kernel", "stale-triton", "config-outside-space", "key-other-gpu", "key-missing",
          "unknown-kernel"],
 )
 def test_refused_records_log_reason_and_portable_serves(caplog, overrides, reason):
@@ -175,3 +175,8 @@ def test_served_config_computes_the_right_thing():
     out = torch.full_like(x, float("nan"))
     spec.launch(config, x, alpha=3.0, out=out)
     torch.testing.assert_close(out, x * 3.0)
+
+
+def test_winner_of_another_gpu_in_the_db_is_not_served():
+    _store(_winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5, gpu="nvidia-h200-sm90-132sm"))
+    assert _served(100)["BLOCK"] == 32

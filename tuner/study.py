@@ -242,7 +242,7 @@ class KeyTuner:
                 log.info("%s %s: time budget reached", spec.name, self.key)
                 break
             pending: list[tuple[optuna.trial.Trial, Any]] = []
-            while len(pending) < opts.batch and asks < max_asks:
+            while len(pending) < min(opts.batch, budget - self._spent()) and asks < max_asks:
                 trial = study.ask(distributions)
                 asks += 1
                 config = self.space.parse(trial.params)
