@@ -119,6 +119,7 @@ def bench_shape(d: int, lq: int, lkv: int, best_by_path: dict, flex) -> list[Row
     """Check, then time, every implementation at one shape."""
     from torch.nn.attention import SDPBackend
     from torch.nn.attention.bias import causal_lower_right
+
     from tritune.kernels import prefill_attention, use_config
     from tritune.kernels.device import device_info
     from tritune.kernels.prefill.spec import SPEC
@@ -197,6 +198,7 @@ def _sdpa(backend, q, k, v, mask) -> torch.Tensor:
 def _best_trials_by_path(db: str) -> dict[tuple[str, str], dict]:
     """Best ok trial per (key, path) from the DB, for 'tuned TMA vs tuned portable'."""
     from sqlalchemy import create_engine, text
+
     from tritune.kernels import settings
 
     engine = create_engine(settings.db_url_from(db))

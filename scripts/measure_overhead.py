@@ -16,6 +16,7 @@ import statistics
 import time
 
 import torch
+
 import tritune.kernels  # noqa: F401  (import first: must not initialise CUDA)
 
 CUDA_INITIALISED_AFTER_IMPORT = torch.cuda.is_initialized()

@@ -8,6 +8,7 @@ import pytest
 import torch
 import toy_kernel
 import triton
+
 from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.store import ConfigStore
 from tritune.kernels import registry, settings

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import toy_kernel
+
 from tritune.configs_db.store import ConfigStore
 from tritune.kernels import registry
 from tritune.kernels.device import device_info

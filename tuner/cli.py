@@ -223,10 +223,26 @@ def export_bundle(
     records = store.winners(gpu=gpu)
     if not records:
         raise typer.BadParameter(f"--gpu {gpu!r}: the DB holds no winners for that GPU")
+    # A bundle states one provenance: export the largest group of records sharing one.
+    groups: dict[tuple[str, str, str, str, str], list[Any]] = {}
+    for record in records:
+        stamp = (
+            str(record.extra.get("cuda", "")),
+            str(record.extra.get("driver", "")),
+            record.torch_version,
+            record.triton_version,
+            record.tritune_version,
+        )
+        groups.setdefault(stamp, []).append(record)
+    stamp, chosen = max(groups.items(), key=lambda item: len(item[1]))
+    for other, left in groups.items():
+        if other != stamp:
+            console.print(f"[yellow]left out {len(left)} winner(s) tuned under other versions {other}[/yellow]")
     path = out or bundles.shipped_bundle_dir() / f"{gpu}.json"
-    env = store.environment_of(gpu)
-    bundles.write_bundle(records, path, gpu=gpu, gpu_name=env.get("gpu_name", gpu), provenance=env)
-    console.print(f"wrote {len(records)} winner(s) to {path}")
+    provenance = dict(zip(("cuda", "driver", "torch", "triton", "tritune"), stamp, strict=True))
+    gpu_name = str(chosen[0].extra.get("gpu_name") or gpu)
+    bundles.write_bundle(chosen, path, gpu=gpu, gpu_name=gpu_name, provenance=provenance)
+    console.print(f"wrote {len(chosen)} winner(s) to {path}")
 
 
 @app.command("import")

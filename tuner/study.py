@@ -30,6 +30,7 @@ from typing import Any
 import optuna
 import torch
 import triton
+
 from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.store import ConfigStore
 from tritune.kernels.device import DeviceInfo

@@ -1,0 +1,100 @@
+"""The ``tune`` CLI through its entry function, on the toy kernel and on the real prefill kernel."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import toy_kernel
+from typer.testing import CliRunner
+
+from tritune.configs_db.store import ConfigStore
+from tritune.kernels import registry
+from tritune.tuner.cli import app
+
+runner = CliRunner(env={"COLUMNS": "250"})
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    monkeypatch.setitem(registry._SPECS, "toy_scale", f"{toy_kernel.__name__}:SPEC")
+
+
+def _run(*args: str):
+    result = runner.invoke(app, list(args), catch_exceptions=False)
+    return result
+
+
+def test_tune_show_export_import_round_trip(toy, tmp_path):
+    db = f"sqlite:///{tmp_path / 'a.sqlite'}"
+    result = _run("--device", "cpu", "--kernel", "toy_scale", "--trials", "8", "--db", db)
+    assert result.exit_code == 0, result.output
+    assert "Triton interpreter" in result.output
+    assert "tuning summary" in result.output
+    winners = ConfigStore(db).winners(gpu="cpu-interpreter", kernel="toy_scale")
+    assert {w.key["n_bucket"] for w in winners} == {64, 256}
+
+    shown = _run("show", "--db", db)
+    assert shown.exit_code == 0 and "toy_scale" in shown.output
+
+    bundle = tmp_path / "cpu-interpreter.json"
+    exported = _run("export", "--gpu", "cpu-interpreter", "--db", db, "--out", str(bundle))
+    assert exported.exit_code == 0, exported.output
+    doc = json.loads(bundle.read_text())
+    assert doc["gpu"] == "cpu-interpreter" and len(doc["winners"]) == 2
+
+    other = f"sqlite:///{tmp_path / 'b.sqlite'}"
+    imported = _run("import", str(bundle), "--db", other)
+    assert imported.exit_code == 0, imported.output
+    assert sorted((w.key["n_bucket"], tuple(w.config.items())) for w in ConfigStore(other).winners()) == sorted(
+        (w.key["n_bucket"], tuple(w.config.items())) for w in winners
+    )
+
+
+def test_import_refuses_entries_outside_the_space(toy, tmp_path):
+    db = f"sqlite:///{tmp_path / 'a.sqlite'}"
+    assert _run("--device", "cpu", "--kernel", "toy_scale", "--trials", "4", "--db", db).exit_code == 0
+    bundle = tmp_path / "b.json"
+    assert _run("export", "--gpu", "cpu-interpreter", "--db", db, "--out", str(bundle)).exit_code == 0
+    doc = json.loads(bundle.read_text())
+    doc["winners"][0]["config"]["BLOCK"] = 48
+    bundle.write_text(json.dumps(doc))
+    other = f"sqlite:///{tmp_path / 'b.sqlite'}"
+    result = _run("import", str(bundle), "--db", other)
+    assert result.exit_code == 0
+    assert "BLOCK=48 is not in the space" in result.output
+    assert len(ConfigStore(other).winners()) == 1
+
+
+def test_list_shows_spaces(toy):
+    result = _run("list")
+    assert result.exit_code == 0
+    assert "toy_scale" in result.output and "BLOCK" in result.output
+
+
+def test_unknown_kernel_is_a_usage_error(tmp_path):
+    result = runner.invoke(app, ["--device", "cpu", "--kernel", "nope", "--db", str(tmp_path / "x.sqlite")])
+    assert result.exit_code == 2
+    assert "nope" in result.output
+
+
+def test_option_that_does_not_apply(toy, tmp_path):
+    result = runner.invoke(app, ["--device", "cpu", "--kernel", "toy_scale", "--lq", "64", "--db", str(tmp_path / "x")])
+    assert result.exit_code == 2
+    assert "--lq does not apply to kernel toy_scale" in result.output
+
+
+def test_export_with_nothing_stored(tmp_path):
+    result = runner.invoke(app, ["export", "--gpu", "cpu-interpreter", "--db", str(tmp_path / "x.sqlite")])
+    assert result.exit_code == 2
+    assert "no winners" in result.output
+
+
+@pytest.mark.slow
+def test_full_tune_of_prefill_on_the_interpreter(tmp_path):
+    """The newcomer's main job, end to end on the real kernel, into a temporary DB."""
+    db = f"sqlite:///{tmp_path / 'p.sqlite'}"
+    result = _run("--device", "cpu", "--kernel", "tma_prefill", "--trials", "4", "--db", db)
+    assert result.exit_code == 0, result.output
+    winners = ConfigStore(db).winners(gpu="cpu-interpreter", kernel="tma_prefill")
+    assert winners and all(w.trials >= 1 and w.portable_ms > 0 for w in winners)
