@@ -7,7 +7,11 @@ The dispatcher imports these without importing SQLAlchemy; :mod:`configs_db.stor
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
+
+#: What became of one measured config. Only ``ok`` trials carry a time.
+TRIAL_STATUSES = ("ok", "failed-compile", "failed-correctness", "failed-runtime", "pruned")
 
 
 @dataclass(frozen=True)
@@ -37,3 +41,18 @@ class Rejection:
 
     source: str
     reason: str
+
+
+@dataclass(frozen=True)
+class TrialRow:
+    """One measured config as stored, for resuming a tune and skipping configs already tried."""
+
+    environment_id: int
+    kernel: str
+    kernel_version: str
+    key: dict[str, Any]
+    config: dict[str, Any]
+    status: str  # one of TRIAL_STATUSES
+    time_ms: float | None
+    error: str | None
+    created_at: datetime

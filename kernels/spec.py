@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
+
 from tritune.search_spaces.base import SearchSpace, TargetLimits
 
 from .device import DeviceInfo

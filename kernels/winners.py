@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import triton
+
 from tritune.configs_db.records import Rejection, WinnerRecord
 
 from .device import DeviceInfo

@@ -1,0 +1,212 @@
+"""Engines, sessions and schema upgrades for the config DB.
+
+SQLite is the common case: one file shared by a serving process that reads it and tuner
+processes that write it, sometimes several at once. So every SQLite connection gets a busy
+timeout (wait for a lock instead of failing), foreign keys, and WAL journaling (readers never
+block the writer, and a killed writer leaves a valid file). Write transactions start with
+``BEGIN IMMEDIATE``: taking the write lock up front means two writers queue on the busy timeout
+instead of one of them failing when it upgrades a read lock. That requires managing BEGIN
+ourselves (the ``sqlite3`` driver's legacy mode would otherwise emit its own), which also makes
+DDL and savepoints transactional, as the SQLAlchemy SQLite dialect docs describe.
+
+The schema is versioned with Alembic. :func:`upgrade` runs the migrations in ``migrations/``
+inside one transaction, so concurrent openers do not race to create tables; a database stamped
+with a revision this code does not know (written by a newer tritune) is refused, never touched.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session
+from sqlalchemy.pool import NullPool, StaticPool
+
+from .errors import StoreError
+from .urls import sqlite_file
+
+#: The Alembic revision this code writes and reads; older known revisions can be upgraded.
+SCHEMA_HEAD = "0002"
+#: Every revision this code knows, oldest first (a test checks them against ``migrations/``).
+SCHEMA_REVISIONS = ("0001", "0002")
+MIGRATIONS_DIR = Path(__file__).resolve().with_name("migrations")
+#: How long a connection waits for another process's write lock before giving up.
+BUSY_TIMEOUT_MS = 30_000
+#: PostgreSQL advisory lock taken while upgrading (an arbitrary constant: "tritune" in base 36).
+SCHEMA_LOCK_KEY = 64790900330
+#: Tables of a tritune DB, used to tell an empty database from somebody else's.
+TRITUNE_TABLES = frozenset({"alembic_version", "environments", "trials", "winners"})
+
+
+def _enable_wal(cursor: sqlite3.Cursor) -> None:
+    """Switch the file to WAL, retrying while another process holds it.
+
+    Changing the journal mode needs an exclusive lock, and SQLite reports a conflict there as
+    "database is locked" at once instead of calling the busy handler; two tuners opening a new
+    file together hit that. So retry until the busy timeout, and stop as soon as either process
+    has made the switch (it is persistent in the file).
+    """
+    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            if str(cursor.execute("PRAGMA journal_mode").fetchone()[0]).lower() == "wal":
+                return
+            if str(cursor.execute("PRAGMA journal_mode = WAL").fetchone()[0]).lower() == "wal":
+                return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc):
+                raise
+            if time.monotonic() > deadline:
+                raise
+        if time.monotonic() > deadline:
+            raise sqlite3.OperationalError("could not switch the database to WAL journaling")
+        time.sleep(0.01)
+
+
+def _configure_sqlite(engine: Engine, *, wal: bool, read_only: bool) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Turn off the driver's own BEGIN handling; the "begin" hook below emits ours.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            cursor.execute("PRAGMA foreign_keys = ON")
+            if read_only:
+                cursor.execute("PRAGMA query_only = ON")
+            elif wal:
+                _enable_wal(cursor)
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Connection) -> None:
+        # Readers take a snapshot; writers take the write lock before their first read.
+        connection.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+
+
+def make_engine(url: str, *, read_only: bool = False) -> Engine:
+    """An engine for ``url`` with the SQLite settings above.
+
+    For a SQLite file the parent directory is created, unless ``read_only``: then nothing is
+    ever created and nothing written through SQL. The file is opened with SQLite's ``mode=rw``
+    (no create flag, so a file deleted meanwhile is an error, not a new empty DB) and
+    ``query_only``. Not ``mode=ro``: a read-only connection to a WAL database leaves its
+    ``-wal``/``-shm`` side files behind, a read-write one removes them when it closes last.
+    In-memory SQLite shares one connection (``StaticPool``), otherwise each connection would see
+    its own empty database. Other databases get a plain engine with pre-ping.
+    """
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return create_engine(url, pool_pre_ping=True)
+    path = sqlite_file(url)
+    if path is None:
+        if parsed.database and parsed.database.startswith("file:"):
+            raise StoreError(f"{url}: SQLite URI filenames are not supported; give a plain file path")
+        engine = create_engine(url, poolclass=StaticPool, connect_args={"check_same_thread": False})
+        _configure_sqlite(engine, wal=False, read_only=read_only)
+        return engine
+    if read_only:
+        uri = path.resolve().as_uri() + "?mode=rw"
+
+        def connect() -> sqlite3.Connection:
+            return sqlite3.connect(uri, uri=True, check_same_thread=False)
+
+        engine = create_engine("sqlite://", creator=connect, poolclass=NullPool)
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url)
+    _configure_sqlite(engine, wal=True, read_only=read_only)
+    return engine
+
+
+@contextmanager
+def session_scope(engine: Engine) -> Iterator[Session]:
+    """A session that commits when the block ends and rolls back if it raises.
+
+    Every store operation is one short scope, so whatever a tune measured is committed before
+    the next measurement starts.
+    """
+    session = Session(engine, expire_on_commit=False)
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+def schema_revision(connection: Connection) -> str | None:
+    """The database's Alembic revision, ``None`` for an empty database.
+
+    Raises :class:`StoreError` for a database that has tables but is not a tritune DB, and for
+    one stamped with a revision this code does not know.
+    """
+    tables = set(inspect(connection).get_table_names())
+    if not tables:
+        return None
+    if "alembic_version" not in tables:
+        foreign = ", ".join(sorted(tables - TRITUNE_TABLES)[:5]) or ", ".join(sorted(tables))
+        raise StoreError(f"not a tritune config DB (no alembic_version table; it holds {foreign})")
+    versions = [row[0] for row in connection.execute(text("SELECT version_num FROM alembic_version"))]
+    if len(versions) != 1:
+        raise StoreError(f"not a tritune config DB (alembic_version holds {versions!r}, expected one revision)")
+    revision = str(versions[0])
+    if revision not in SCHEMA_REVISIONS:
+        raise StoreError(
+            f"unknown schema revision {revision!r} (this tritune knows {', '.join(SCHEMA_REVISIONS)}): "
+            "it was written by a newer tritune, or is not a tritune config DB; upgrade tritune to use it"
+        )
+    return revision
+
+
+def alembic_config() -> Any:
+    """An Alembic ``Config`` built in code: no ``alembic.ini`` needed, independent of the CWD."""
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    return config
+
+
+def upgrade(engine_or_url: Engine | str, revision: str = "head") -> str:
+    """Migrate the database to ``revision`` (default: head) and return the revision now in force.
+
+    Runs in one write transaction, so a second process opening the same new file waits and
+    then finds the schema already there. A revision this code does not know is refused with
+    :class:`StoreError` before anything is changed.
+    """
+    from alembic import command
+    from alembic.util.exc import CommandError
+
+    engine = make_engine(engine_or_url) if isinstance(engine_or_url, str) else engine_or_url
+    try:
+        with engine.begin() as connection:
+            if connection.dialect.name == "postgresql":
+                # Serialise concurrent upgraders, as BEGIN IMMEDIATE does on SQLite.
+                connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEMA_LOCK_KEY})
+            current = schema_revision(connection)
+            target = SCHEMA_HEAD if revision == "head" else revision
+            if target not in SCHEMA_REVISIONS:
+                raise StoreError(f"unknown target revision {revision!r}")
+            if current is not None and SCHEMA_REVISIONS.index(current) > SCHEMA_REVISIONS.index(target):
+                raise StoreError(f"database is at revision {current}, newer than the requested {target}")
+            if current != target:
+                config = alembic_config()
+                config.attributes["connection"] = connection
+                try:
+                    command.upgrade(config, target)
+                except CommandError as exc:
+                    raise StoreError(f"schema upgrade to {target} failed: {exc}") from exc
+            return target
+    finally:
+        if isinstance(engine_or_url, str):
+            engine.dispose()

@@ -1,0 +1,156 @@
+"""Writes that stay correct when several tuner processes share one database.
+
+A trial is inserted with ``ON CONFLICT DO NOTHING`` and a winner with one conditional upsert
+(``ON CONFLICT DO UPDATE ... WHERE`` the offer is faster, or the stored winner is stale), so the
+database itself decides every race: no read-then-write window exists. SQLite and PostgreSQL
+have that syntax through their SQLAlchemy dialects; other databases get a portable fallback
+that locks the row (``SELECT ... FOR UPDATE``) and absorbs lost insert races in a savepoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, cast
+
+from sqlalchemy import CursorResult, Result, insert, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from .errors import StoreError
+from .models import Environment, Trial, Winner, utcnow
+
+#: Dialects whose INSERT supports ON CONFLICT through SQLAlchemy.
+UPSERT_DIALECTS = ("sqlite", "postgresql")
+
+
+@dataclass(frozen=True)
+class WinnerValues:
+    """One offered winner, validated and in column form."""
+
+    gpu: str
+    kernel: str
+    kernel_version: str
+    key_json: str
+    config_json: str
+    time_ms: float
+    portable_ms: float
+    speedup: float
+    trial_count: int
+    environment_id: int
+
+    def columns(self, now: datetime) -> dict[str, Any]:
+        values = dict(self.__dict__)
+        values.update(created_at=now, updated_at=now)
+        return values
+
+
+def dialect_insert(dialect: str) -> Any:
+    """The ``insert`` construct with ``on_conflict_*`` methods for one of :data:`UPSERT_DIALECTS`."""
+    if dialect == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        return sqlite_insert
+    from sqlalchemy.dialects.postgresql import insert as postgresql_insert
+
+    return postgresql_insert
+
+
+def _rows_written(result: Result[Any]) -> int:
+    """Rows an INSERT/upsert changed (a DML statement's result is a ``CursorResult``)."""
+    return int(cast("CursorResult[Any]", result).rowcount)
+
+
+def insert_trial(session: Session, values: dict[str, Any]) -> bool:
+    """Insert one trials row; ``False`` if the same trial is already stored."""
+    dialect = session.get_bind().dialect.name
+    if dialect not in UPSERT_DIALECTS:
+        return insert_trial_portable(session, values)
+    statement = dialect_insert(dialect)(Trial.__table__).values(**values).on_conflict_do_nothing()
+    return _rows_written(session.execute(statement)) == 1
+
+
+def offer_winner(session: Session, values: WinnerValues, triton_version: str) -> bool:
+    """Write the winner unless a better, current one is stored; ``True`` if written."""
+    dialect = session.get_bind().dialect.name
+    if dialect not in UPSERT_DIALECTS:
+        return offer_portable(session, values, triton_version)
+    return offer_upsert(session, values, triton_version, dialect)
+
+
+def insert_trial_portable(session: Session, values: dict[str, Any]) -> bool:
+    """``insert_trial`` for databases without ``ON CONFLICT``: insert in a savepoint, absorb the duplicate."""
+    try:
+        with session.begin_nested():
+            session.execute(insert(Trial).values(**values))
+        return True
+    except IntegrityError:
+        existing = Trial.find(
+            session,
+            values["environment_id"],
+            values["kernel"],
+            values["kernel_version"],
+            values["key_json"],
+            values["config_json"],
+        )
+        if existing is None:
+            # Not a duplicate: a foreign key or check constraint refused the row.
+            raise
+        return False
+
+
+def _stale_environments(triton_version: str) -> Any:
+    """Environment ids measured under another Triton version than ``triton_version``."""
+    return select(Environment.id).where(Environment.triton_version != triton_version)
+
+
+def offer_upsert(session: Session, values: WinnerValues, triton_version: str, dialect: str) -> bool:
+    """``offer_winner`` as one ``INSERT ... ON CONFLICT DO UPDATE ... WHERE`` statement."""
+    table = Winner.__table__
+    now = utcnow()
+    statement = dialect_insert(dialect)(table).values(**values.columns(now))
+    excluded = statement.excluded
+    replace = {
+        name: excluded[name]
+        for name in ("config_json", "time_ms", "portable_ms", "speedup", "trial_count", "environment_id")
+    }
+    replace["updated_at"] = now
+    statement = statement.on_conflict_do_update(
+        index_elements=["gpu", "kernel", "kernel_version", "key_json"],
+        set_=replace,
+        where=(excluded.time_ms < table.c.time_ms) | table.c.environment_id.in_(_stale_environments(triton_version)),
+    )
+    return _rows_written(session.execute(statement)) == 1
+
+
+def offer_portable(session: Session, values: WinnerValues, triton_version: str) -> bool:
+    """``offer_winner`` for databases without ``ON CONFLICT``: row lock, then insert or update.
+
+    An insert that loses a race to another process hits the unique constraint inside a
+    savepoint; the loop then reads the row that process wrote and compares against it.
+    """
+    for _ in range(3):
+        query = (
+            select(Winner)
+            .filter_by(gpu=values.gpu, kernel=values.kernel, kernel_version=values.kernel_version)
+            .filter_by(key_json=values.key_json)
+            .with_for_update()
+        )
+        held = session.execute(query).scalar_one_or_none()
+        now = utcnow()
+        if held is None:
+            try:
+                with session.begin_nested():
+                    session.add(Winner(**values.columns(now)))
+                return True
+            except IntegrityError:
+                continue
+        held_triton = session.get(Environment, held.environment_id)
+        stale = held_triton is not None and held_triton.triton_version != triton_version
+        if not (values.time_ms < held.time_ms or stale):
+            return False
+        for name in ("config_json", "time_ms", "portable_ms", "speedup", "trial_count", "environment_id"):
+            setattr(held, name, getattr(values, name))
+        held.updated_at = now
+        return True
+    raise StoreError(f"winner for {values.kernel} at {values.key_json}: kept losing the race to insert it")

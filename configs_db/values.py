@@ -1,0 +1,140 @@
+"""Canonical JSON for keys and configs, and the sanity rules every stored winner must pass.
+
+Keys and configs are flat objects of ``str -> int | str | bool | float``. The database compares
+them as text (they are part of unique constraints), so they must be written one way only: sorted
+keys, no spaces, ASCII. Bundles and the database share the same parse and the same number
+checks, so a record refused in one is refused in the other. Nothing here imports SQLAlchemy: the
+runtime's bundle loader uses it too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+Scalar = int | str | bool | float
+
+#: A winner claiming more than this speedup over the portable default is a measurement error.
+MAX_SPEEDUP = 1000.0
+
+
+class NonFinite:
+    """Stands in for a ``NaN``/``Infinity`` literal met while parsing, so a check can name it.
+
+    ``json.loads`` accepts those literals by default; mapping them to this marker (instead of a
+    float) guarantees that no validator here lets one through, while the caller can still
+    report *which* field held it instead of refusing the whole document.
+    """
+
+    def __init__(self, literal: str) -> None:
+        self.literal = literal
+
+    def __repr__(self) -> str:
+        return self.literal
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook``: a reviewed file must not say one thing twice (json keeps the last)."""
+    result: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in result:
+            raise ValueError(f"duplicate key {name!r} in one object")
+        result[name] = value
+    return result
+
+
+def strict_loads(text: str) -> Any:
+    """``json.loads`` with duplicate keys refused and ``NaN``/``Infinity`` mapped to :class:`NonFinite`.
+
+    Raises ``ValueError`` (``json.JSONDecodeError`` is one) for text that is not JSON, and
+    ``RecursionError`` is turned into ``ValueError`` too: deeply nested input is hostile, not a bug.
+    """
+    try:
+        return json.loads(text, parse_constant=NonFinite, object_pairs_hook=_reject_duplicate_keys)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def describe(value: object) -> str:
+    """Name a JSON value's type the way a reader of the file thinks of it."""
+    if isinstance(value, NonFinite):
+        return f"{value.literal} (not a finite number)"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def check_flat(value: object, what: str) -> dict[str, Scalar]:
+    """Return ``value`` as a flat ``str -> int | str | bool | float`` dict, or raise ``ValueError``.
+
+    Keys and configs are compared and hashed as text, so nested values, nulls and non-finite
+    floats are refused rather than coerced.
+    """
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{what} is {describe(value)}, expected an object")
+    result: dict[str, Scalar] = {}
+    for name, item in value.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{what} has a field name {name!r} that is not a non-empty string")
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ValueError(f"{what}.{name} is {item!r}, not a finite number")
+        if not isinstance(item, int | str | float):
+            raise ValueError(f"{what}.{name} is {describe(item)}, expected a number, string or boolean")
+        result[name] = item
+    return result
+
+
+def canonical_json(obj: Mapping[str, Scalar]) -> str:
+    """The one text form of a key or config: sorted keys, no spaces, ASCII, finite numbers only."""
+    flat = check_flat(obj, "value")
+    return json.dumps(flat, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def parse_canonical_json(text: str) -> dict[str, Scalar]:
+    """Inverse of :func:`canonical_json` with a strict parse: a flat object of scalars, or ``ValueError``."""
+    if not isinstance(text, str):
+        raise ValueError(f"expected JSON text, got {type(text).__name__}")
+    return check_flat(strict_loads(text), "value")
+
+
+def number_problem(value: object, name: str, *, positive: bool = True) -> str | None:
+    """Why ``value`` is not a usable finite (positive) number, or ``None`` when it is."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return f"{name} is {describe(value)}, expected a number"
+    if not math.isfinite(value):
+        return f"{name} is {value!r}, not a finite number"
+    if positive and value <= 0:
+        return f"{name} is {value!r}, expected a positive number"
+    return None
+
+
+def winner_numbers_problem(time_ms: object, portable_ms: object, speedup: object, trials: object) -> str | None:
+    """Why a winner's measurements are absurd, or ``None``.
+
+    Times must be finite and positive, the speedup in ``(0, MAX_SPEEDUP]`` and the trial count a
+    whole number of at least one; anything else came from a broken timer or an edited file.
+    """
+    for value, name in ((time_ms, "time_ms"), (portable_ms, "portable_ms"), (speedup, "speedup")):
+        problem = number_problem(value, name)
+        if problem is not None:
+            return problem
+    assert isinstance(speedup, int | float)
+    if speedup > MAX_SPEEDUP:
+        return f"speedup is {speedup!r}, more than {MAX_SPEEDUP:g} is a measurement error"
+    if isinstance(trials, bool) or not isinstance(trials, int):
+        return f"trials is {describe(trials)}, expected a whole number"
+    if trials < 1:
+        return f"trials is {trials}, expected at least 1"
+    return None

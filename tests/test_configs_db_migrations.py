@@ -1,0 +1,202 @@
+"""Schema migrations: the committed revision-0001 database upgrades to head with its rows intact.
+
+``tests/data/configs_v0001.sqlite`` was made by :func:`make_v0001_db` (run this file as a script
+with the output path) and committed; it must never be regenerated with newer code, since its
+point is to be what an old tritune wrote.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine
+
+from tritune.configs_db import storage
+from tritune.configs_db.models import Base
+from tritune.configs_db.store import ConfigStore, StoreError, read_winners
+
+V0001_DB = Path(__file__).parent / "data" / "configs_v0001.sqlite"
+GPU = "nvidia-h200-sm90-132sm"
+KEY_A = '{"arch":"sm90","head_dim":128,"seqlen":1024,"sm_count":132}'
+KEY_B = '{"arch":"sm90","head_dim":64,"seqlen":4096,"sm_count":132}'
+
+
+@contextmanager
+def _sqlite(path: Path, **options: Any) -> Iterator[sqlite3.Connection]:
+    """A plain sqlite3 connection that commits and closes (sqlite3's own ``with`` only commits)."""
+    db = sqlite3.connect(path, **options)
+    try:
+        with db:
+            yield db
+    finally:
+        db.close()
+
+
+def make_v0001_db(path: Path) -> None:
+    """Build the revision-0001 fixture: one environment, three trials at key A, winners at A and B."""
+    path.unlink(missing_ok=True)
+    storage.upgrade(f"sqlite:///{path}", revision="0001")
+    with _sqlite(path) as db:
+        db.execute(
+            "INSERT INTO environments VALUES"
+            " (1, ?, 'NVIDIA H200', '9.0', 132, '570.86', '12.8', '2.7.0', '3.3.0', '0.0.1')",
+            (GPU,),
+        )
+        trials = [
+            (1, '{"BLOCK_M":128,"BLOCK_N":64}', "ok", 0.21),
+            (2, '{"BLOCK_M":64,"BLOCK_N":64}', "ok", 0.25),
+            (3, '{"BLOCK_M":256,"BLOCK_N":128}', "failed-compile", None),
+        ]
+        for trial_id, config, status, time_ms in trials:
+            db.execute(
+                "INSERT INTO trials VALUES (?, 1, 'tma_prefill', 'abc123', ?, ?, ?, ?, '2025-01-02 03:04:05')",
+                (trial_id, KEY_A, config, status, time_ms),
+            )
+        winners = [
+            (1, KEY_A, '{"BLOCK_M":128,"BLOCK_N":64}', 0.21, 0.30, 0.30 / 0.21),
+            (2, KEY_B, '{"BLOCK_M":64,"BLOCK_N":32}', 0.50, 0.55, 1.1),
+        ]
+        for winner_id, key, config, time_ms, portable_ms, speedup in winners:
+            db.execute(
+                "INSERT INTO winners VALUES (?, ?, 'tma_prefill', 'abc123', ?, ?, ?, ?, ?, 1,"
+                " '2025-01-02 03:04:05', '2025-01-02 03:04:05')",
+                (winner_id, GPU, key, config, time_ms, portable_ms, speedup),
+            )
+    # A self-contained single file: no WAL side files to commit alongside it.
+    with _sqlite(path, isolation_level=None) as db:
+        db.execute("PRAGMA journal_mode = DELETE")
+        db.execute("VACUUM")
+
+
+@pytest.fixture
+def old_db(tmp_path: Path) -> Path:
+    copy = tmp_path / "old.sqlite"
+    shutil.copyfile(V0001_DB, copy)
+    return copy
+
+
+def _revision(path: Path) -> str:
+    with _sqlite(path) as db:
+        return str(db.execute("SELECT version_num FROM alembic_version").fetchone()[0])
+
+
+def test_committed_fixture_is_at_revision_0001() -> None:
+    assert _revision(V0001_DB) == "0001"
+
+
+def test_runtime_refuses_old_revision_and_says_how_to_upgrade(old_db: Path) -> None:
+    with pytest.raises(StoreError, match="older than this tritune"):
+        read_winners(f"sqlite:///{old_db}", GPU)
+    assert _revision(old_db) == "0001", "the runtime must not upgrade (write) the DB"
+
+
+def test_upgrade_from_0001_keeps_rows(old_db: Path) -> None:
+    url = f"sqlite:///{old_db}"
+    with ConfigStore(url) as store:
+        winners = {w.key["seqlen"]: w for w in store.winners()}
+        env_id = store.environment(
+            gpu=GPU,
+            gpu_name="NVIDIA H200",
+            capability="9.0",
+            sm_count=132,
+            driver="570.86",
+            cuda="12.8",
+            torch_version="2.7.0",
+            triton_version="3.3.0",
+            tritune_version="0.0.1",
+        )
+        trials = store.measured_trials(env_id, "tma_prefill", "abc123", winners[1024].key)
+        added = store.record_trial(
+            env_id,
+            "tma_prefill",
+            "abc123",
+            winners[1024].key,
+            {"BLOCK_M": 32, "BLOCK_N": 32},
+            "failed-runtime",
+            error="illegal memory access",
+        )
+    assert _revision(old_db) == storage.SCHEMA_HEAD
+    assert env_id == 1, "the old environment row is found again, not duplicated"
+    assert sorted(winners) == [1024, 4096]
+    assert winners[1024].config == {"BLOCK_M": 128, "BLOCK_N": 64}
+    assert winners[1024].time_ms == pytest.approx(0.21)
+    assert winners[1024].triton_version == "3.3.0"
+    assert winners[1024].extra["driver"] == "570.86"
+    # trial_count is backfilled from the trials at the winner's key (at least 1).
+    assert winners[1024].trials == 3
+    assert winners[4096].trials == 1
+    assert [(t.status, t.time_ms, t.error) for t in trials] == [
+        ("ok", 0.21, None),
+        ("ok", 0.25, None),
+        ("failed-compile", None, None),
+    ]
+    assert added
+    assert len(read_winners(url, GPU)) == 2
+
+
+def _schema_diff(url: str) -> list[object]:
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    engine = create_engine(url)
+    try:
+        with engine.connect() as connection:
+            context = MigrationContext.configure(connection)
+            return list(compare_metadata(context, Base.metadata))
+    finally:
+        engine.dispose()
+
+
+def test_migrations_build_what_the_models_describe(tmp_path: Path, old_db: Path) -> None:
+    fresh = f"sqlite:///{tmp_path / 'fresh.sqlite'}"
+    storage.upgrade(fresh)
+    assert _schema_diff(fresh) == []
+    storage.upgrade(f"sqlite:///{old_db}")
+    assert _schema_diff(f"sqlite:///{old_db}") == []
+
+
+def test_known_revisions_match_the_migration_scripts() -> None:
+    from alembic.script import ScriptDirectory
+
+    scripts = ScriptDirectory.from_config(storage.alembic_config())
+    assert scripts.get_current_head() == storage.SCHEMA_HEAD
+    chain = [revision.revision for revision in scripts.walk_revisions()]
+    assert tuple(reversed(chain)) == storage.SCHEMA_REVISIONS
+
+
+def test_upgrade_does_not_depend_on_the_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert storage.upgrade("sqlite:///relative/db.sqlite") == storage.SCHEMA_HEAD
+    assert storage.upgrade("sqlite:///relative/db.sqlite") == storage.SCHEMA_HEAD
+    assert _revision(tmp_path / "relative" / "db.sqlite") == storage.SCHEMA_HEAD
+
+
+def test_upgrade_refuses_a_future_revision(tmp_path: Path) -> None:
+    path = tmp_path / "future.sqlite"
+    storage.upgrade(f"sqlite:///{path}")
+    with _sqlite(path) as db:
+        db.execute("UPDATE alembic_version SET version_num = '0099'")
+    with pytest.raises(StoreError, match="unknown schema revision '0099'"):
+        storage.upgrade(f"sqlite:///{path}")
+    with pytest.raises(StoreError, match="newer tritune"):
+        ConfigStore(f"sqlite:///{path}")
+    assert _revision(path) == "0099", "a DB from a newer tritune is never touched"
+
+
+def test_upgrade_refuses_somebody_elses_database(tmp_path: Path) -> None:
+    path = tmp_path / "other.sqlite"
+    with _sqlite(path) as db:
+        db.execute("CREATE TABLE invoices (id INTEGER PRIMARY KEY)")
+    with pytest.raises(StoreError, match=r"not a tritune config DB.*invoices"):
+        ConfigStore(f"sqlite:///{path}")
+
+
+if __name__ == "__main__":
+    make_v0001_db(Path(sys.argv[1]))

@@ -1,0 +1,231 @@
+"""``read_winners``: what the runtime does with whatever it finds at the configured DB URL."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import subprocess
+import sys
+from contextlib import closing
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy.engine import make_url
+
+from tritune.configs_db.records import WinnerRecord
+from tritune.configs_db.store import ConfigStore, StoreError, read_winners
+from tritune.configs_db.urls import sqlite_file
+
+GPU = "nvidia-h200-sm90-132sm"
+ENV: dict[str, Any] = {
+    "gpu": GPU,
+    "gpu_name": "NVIDIA H200",
+    "capability": "9.0",
+    "sm_count": 132,
+    "driver": "570.86",
+    "cuda": "12.8",
+    "torch_version": "2.13.0",
+    "triton_version": "3.6.0",
+    "tritune_version": "0.1.0",
+}
+
+
+def record(seqlen: int, time_ms: float = 1.0, gpu: str = GPU) -> WinnerRecord:
+    return WinnerRecord(
+        kernel="tma_prefill",
+        kernel_version="abc123",
+        gpu=gpu,
+        key={"arch": "sm90", "sm_count": 132, "seqlen": seqlen},
+        config={"BLOCK_M": 128},
+        time_ms=time_ms,
+        portable_ms=2.0,
+        speedup=2.0 / time_ms,
+        trials=7,
+        triton_version="3.6.0",
+        torch_version="2.13.0",
+        tritune_version="0.1.0",
+    )
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    """A head-revision DB with winners at three keys for GPU and one for another GPU."""
+    path = tmp_path / "configs.sqlite"
+    with ConfigStore(f"sqlite:///{path}") as store:
+        env_id = store.environment(**ENV)
+        a100 = store.environment(**{**ENV, "gpu": "nvidia-a100-sm80-108sm"})
+        for seqlen in (512, 1024, 2048):
+            store.offer_winner(record(seqlen), env_id)
+        store.offer_winner(record(512, gpu="nvidia-a100-sm80-108sm"), a100)
+    return path
+
+
+def execute(path: Path, sql: str) -> None:
+    with closing(sqlite3.connect(path)) as db, db:
+        db.execute(sql)
+
+
+def test_reads_the_gpus_winners_with_provenance(db_path: Path) -> None:
+    url = f"sqlite:///{db_path}"
+    winners = read_winners(url, GPU)
+    assert [w.key["seqlen"] for w in winners] == [1024, 2048, 512]  # ordered by canonical key text
+    first = winners[0]
+    assert first == replace(record(1024), source=f"db:{url}", extra=first.extra)
+    assert first.extra == {
+        "gpu_name": "NVIDIA H200",
+        "capability": "9.0",
+        "sm_count": 132,
+        "driver": "570.86",
+        "cuda": "12.8",
+    }
+    assert read_winners(url, "cpu-interpreter") == []
+
+
+def test_missing_file_gives_nothing_and_creates_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "not" / "there" / "configs.sqlite"
+    assert read_winners(f"sqlite:///{path}", GPU) == []
+    assert not (tmp_path / "not").exists()
+
+
+def test_reading_leaves_the_file_and_folder_as_found(db_path: Path) -> None:
+    before = {p.name: p.read_bytes() for p in db_path.parent.iterdir()}
+    assert len(read_winners(f"sqlite:///{db_path}", GPU)) == 3
+    assert {p.name: p.read_bytes() for p in db_path.parent.iterdir()} == before
+
+
+def test_reads_while_a_tuner_holds_the_db_open(db_path: Path) -> None:
+    with ConfigStore(f"sqlite:///{db_path}") as store:
+        env_id = store.environment(**ENV)
+        store.offer_winner(record(4096), env_id)
+        assert len(read_winners(f"sqlite:///{db_path}", GPU)) == 4
+        store.offer_winner(record(8192), env_id)
+        assert len(read_winners(f"sqlite:///{db_path}", GPU)) == 5
+
+
+def test_empty_file_holds_no_winners(tmp_path: Path) -> None:
+    path = tmp_path / "empty.sqlite"
+    path.touch()
+    assert read_winners(f"sqlite:///{path}", GPU) == []
+    assert path.stat().st_size == 0
+
+
+def test_in_memory_url_holds_no_winners() -> None:
+    assert read_winners("sqlite://", GPU) == []
+
+
+def test_corrupt_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "corrupt.sqlite"
+    garbage = bytes(range(256)) * 64
+    path.write_bytes(garbage)
+    with pytest.raises(StoreError, match="file is not a database"):
+        read_winners(f"sqlite:///{path}", GPU)
+    assert path.read_bytes() == garbage
+
+
+def test_truncated_file_is_refused(db_path: Path) -> None:
+    with closing(sqlite3.connect(db_path, isolation_level=None)) as db:
+        db.execute("PRAGMA journal_mode = DELETE")
+    data = db_path.read_bytes()
+    db_path.write_bytes(data[:100] + os.urandom(len(data) - 100))
+    with pytest.raises(StoreError):
+        read_winners(f"sqlite:///{db_path}", GPU)
+
+
+def test_somebody_elses_database_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "other.sqlite"
+    execute(path, "CREATE TABLE invoices (id INTEGER PRIMARY KEY)")
+    with pytest.raises(StoreError, match="not a tritune config DB"):
+        read_winners(f"sqlite:///{path}", GPU)
+
+
+def test_future_schema_revision_is_refused(db_path: Path) -> None:
+    execute(db_path, "UPDATE alembic_version SET version_num = '0042_from_the_future'")
+    with pytest.raises(StoreError, match=r"unknown schema revision '0042_from_the_future'.*newer tritune"):
+        read_winners(f"sqlite:///{db_path}", GPU)
+
+
+def test_rows_with_malformed_json_are_skipped_one_warning_each(db_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    execute(db_path, "UPDATE winners SET key_json = '{\"seqlen\": ' WHERE key_json LIKE '%\"seqlen\":512%'")
+    execute(db_path, "UPDATE winners SET config_json = '[1, 2]' WHERE key_json LIKE '%\"seqlen\":2048%'")
+    with caplog.at_level(logging.WARNING, logger="tritune.configs_db"):
+        winners = read_winners(f"sqlite:///{db_path}", GPU)
+    assert [w.key["seqlen"] for w in winners] == [1024]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2
+    assert all("skipping winners row" in r.getMessage() for r in warnings)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "sqlite:///relative/configs.sqlite",
+        "sqlite:////abs/configs.sqlite",
+        "sqlite:////abs/with%20space.sqlite",
+        "sqlite:////abs/configs.sqlite?timeout=5",
+        "sqlite+pysqlite:////abs/configs.sqlite",
+        "sqlite://",
+        "sqlite:///:memory:",
+        "postgresql://user:pw@host/db",
+    ],
+)
+def test_sqlite_file_parses_like_sqlalchemy(url: str) -> None:
+    parsed = make_url(url)
+    expected = None
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        expected = Path(parsed.database)
+    assert sqlite_file(url) == expected
+
+
+def test_runtime_path_imports_neither_sqlalchemy_nor_optuna(tmp_path: Path) -> None:
+    script = f"""
+import sys
+from tritune.configs_db import bundles, store
+assert store.read_winners("sqlite:///{tmp_path / "missing.sqlite"}", "{GPU}") == []
+assert bundles.shipped_records("test-gpu-without-a-bundle") == ([], [])
+leaked = sorted(m for m in ("sqlalchemy", "alembic", "optuna", "torch") if m in sys.modules)
+assert not leaked, leaked
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+
+
+def test_missing_table_is_refused(db_path: Path) -> None:
+    # A DB that claims the head revision but lacks its tables is not trusted either.
+    execute(db_path, "DROP TABLE winners")
+    with pytest.raises(StoreError, match="no such table"):
+        read_winners(f"sqlite:///{db_path}", GPU)
+
+
+def test_passing_lock_conflicts_are_retried(db_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sqlalchemy.exc import OperationalError
+
+    from tritune.configs_db import store
+
+    real = store._read_winners_once
+    calls = []
+
+    def flaky(url: str, gpu: str, source: str) -> list[WinnerRecord]:
+        calls.append(url)
+        if len(calls) < 3:
+            raise OperationalError("SELECT 1", {}, sqlite3.OperationalError("database is locked"))
+        return real(url, gpu, source)
+
+    monkeypatch.setattr(store, "_read_winners_once", flaky)
+    assert len(read_winners(f"sqlite:///{db_path}", GPU)) == 3
+    assert len(calls) == 3
+
+
+def test_lasting_lock_conflicts_are_refused(db_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sqlalchemy.exc import OperationalError
+
+    from tritune.configs_db import store
+
+    def locked(url: str, gpu: str, source: str) -> list[WinnerRecord]:
+        raise OperationalError("SELECT 1", {}, sqlite3.OperationalError("database is locked"))
+
+    monkeypatch.setattr(store, "_read_winners_once", locked)
+    monkeypatch.setattr(store.time, "sleep", lambda seconds: None)
+    with pytest.raises(StoreError, match="database is locked"):
+        read_winners(f"sqlite:///{db_path}", GPU)
