@@ -10,6 +10,9 @@ from .spec import KernelSpec
 #: Kernel name -> "module:attribute" of its spec object.
 _SPECS: dict[str, str] = {
     "tma_prefill": "tritune.kernels.prefill.spec:SPEC",
+    "splitk_decode": "tritune.kernels.decode.spec:SPEC",
+    "q4k_fp8_gemm": "tritune.kernels.q4k.spec:SPEC",
+    "varlen_sdpa": "tritune.kernels.varlen.spec:SPEC",
 }
 
 

@@ -1,0 +1,44 @@
+"""One entry point for attention: decode steps go to split-K decode, everything else to prefill.
+
+A call is a decode step when it brings at most ``MAX_QUERY_TOKENS`` new tokens per sequence,
+attends causally, and names the valid length of each sequence with a ``[B]`` ``kv_len``: then
+``k`` and ``v`` are read as KV caches of which only ``kv_len[b]`` positions count. Prefill is
+imported on first use, so a decode-only process never loads it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .decode.op import MAX_QUERY_TOKENS, decode_attention
+
+__all__ = ["attention"]
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    kv_len: torch.Tensor | None = None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of ``q [B, Hq, Lq, D]`` over ``k, v [B, Hkv, Lkv, D]``, routed to the kernel that fits.
+
+    Causal attention is aligned bottom-right: query ``i`` sits at position ``kv_len - Lq + i``.
+    """
+    decode_step = (
+        causal
+        and isinstance(q, torch.Tensor)
+        and isinstance(kv_len, torch.Tensor)
+        and q.dim() == 4
+        and 1 <= q.shape[2] <= MAX_QUERY_TOKENS
+        and kv_len.dim() == 1
+    )
+    if decode_step:
+        return decode_attention(q, k, v, kv_len, softmax_scale=softmax_scale, out=out)
+    from .prefill.op import prefill_attention
+
+    return prefill_attention(q, k, v, causal=causal, kv_len=kv_len, softmax_scale=softmax_scale, out=out)

@@ -1,0 +1,322 @@
+"""Decode attention over a KV cache: the public op, its input checks and its launch.
+
+``decode_attention(q, k_cache, v_cache, kv_len)`` attends ``Lq <= 8`` new query tokens per
+sequence over the first ``kv_len[b]`` positions of a ``[B, Hkv, Lmax, D]`` cache. ``kv_len`` stays on
+the device and is read by the kernels, so a call never synchronises and can be captured in a CUDA
+graph once and replayed for any lengths up to ``Lmax``.
+
+Layout contract: every tensor may have any strides as long as its last (head-dim) stride is 1; a
+tensor whose last stride is not 1 is refused with a ValueError rather than copied, because a copy
+of a cache would cost more than the attention itself. ``kv_len`` values outside ``[0, Lmax]`` are
+clamped on the device.
+
+The launch is registered once as ``tritune::decode_attention`` (a ``triton_op`` on GPUs, so
+``torch.compile`` sees the kernels); tracers and dispatch modes always go through it. In eager mode
+on plain tensors the wrapper launches the same kernels itself: the op dispatcher adds tens of
+microseconds of host time per call, more than a short decode step takes on the GPU. Serving loops
+should capture decode steps in CUDA graphs anyway, where neither path costs anything per replay.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+from tritune.search_spaces.splitk_decode import (
+    HEAD_DIMS,
+    DecodeConfig,
+    block_m_for,
+    max_splits,
+    padded_head_dim,
+    row_blocks,
+    splits_target,
+)
+
+from .._oplib import register_op, wrap_triton
+from ..device import device_info
+from ..dispatcher import dispatch
+from ._triton_decode import _decode_merge_kernel, _decode_split_kernel
+
+__all__ = ["MAX_QUERY_TOKENS", "DecodeFacts", "check_inputs", "decode_attention"]
+
+KERNEL = "splitk_decode"
+#: Most new tokens per sequence one call serves (speculative / multi-token decode steps).
+MAX_QUERY_TOKENS = 8
+#: Key names of the dtypes served (the names the prefill family uses too).
+DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_LOG2E = 1.4426950408889634
+#: fp32 values of one merge program's tile of partials (64 registers a thread at 4 warps).
+_MERGE_TILE = 8192
+
+
+class DecodeFacts(NamedTuple):
+    """A call reduced to plain scalars: what keys and configs may depend on."""
+
+    dtype: str
+    head_dim: int
+    batch: int
+    q_heads: int
+    kv_heads: int
+    lq: int
+    lmax: int
+
+
+# ---- input checks ----------------------------------------------------------------------------
+
+
+def _check_tensor(name: str, t: object, rank: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != rank:
+        raise ValueError(f"{name}: expected {rank} dims, got shape {tuple(t.shape)}")
+    return t
+
+
+def check_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_len: torch.Tensor,
+    out: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+) -> DecodeFacts:
+    """Validate a call (TypeError/ValueError naming the argument) and return its facts."""
+    _check_tensor("q", q, 4)
+    _check_tensor("k_cache", k_cache, 4)
+    _check_tensor("v_cache", v_cache, 4)
+    _check_tensor("kv_len", kv_len, 1)
+    if q.dtype not in DTYPE_NAMES:
+        raise TypeError(f"q: expected dtype torch.bfloat16 or torch.float16, got {q.dtype}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: expected dtype {q.dtype} (the dtype of q), got {t.dtype}")
+    if kv_len.dtype != torch.int32:
+        raise TypeError(f"kv_len: expected dtype torch.int32, got {kv_len.dtype}")
+    device = q.device
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("kv_len", kv_len)):
+        if t.device != device:
+            raise ValueError(f"{name}: expected device {device} (the device of q), got {t.device}")
+
+    batch, q_heads, lq, head_dim = q.shape
+    kv_batch, kv_heads, lmax, kv_dim = k_cache.shape
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"q: head dim {head_dim} is not supported; expected one of {HEAD_DIMS}")
+    if not 1 <= lq <= MAX_QUERY_TOKENS:
+        raise ValueError(f"q: expected 1 to {MAX_QUERY_TOKENS} query tokens (dim 2), got {lq}")
+    if kv_batch != batch or kv_dim != head_dim:
+        raise ValueError(
+            f"k_cache: expected shape [{batch}, Hkv, Lmax, {head_dim}] to match q {tuple(q.shape)}, "
+            f"got {tuple(k_cache.shape)}"
+        )
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if kv_heads == 0 or q_heads % kv_heads != 0:
+        raise ValueError(f"q: {q_heads} query heads are not a multiple of k_cache's {kv_heads} KV heads (GQA)")
+    if tuple(kv_len.shape) != (batch,):
+        raise ValueError(f"kv_len: expected shape ({batch},), got {tuple(kv_len.shape)}")
+    if out is not None:
+        _check_tensor("out", out, 4)
+        if out.dtype != q.dtype:
+            raise TypeError(f"out: expected dtype {q.dtype} (the dtype of q), got {out.dtype}")
+        if out.device != device:
+            raise ValueError(f"out: expected device {device} (the device of q), got {out.device}")
+        if tuple(out.shape) != tuple(q.shape):
+            raise ValueError(f"out: expected the shape of q {tuple(q.shape)}, got {tuple(out.shape)}")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, int | float)):
+        raise TypeError(f"softmax_scale: expected a float or None, got {type(softmax_scale).__name__}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError(f"{name}: the head dim must be contiguous (stride 1), got strides {tuple(t.stride())}")
+    return DecodeFacts(DTYPE_NAMES[q.dtype], head_dim, batch, q_heads, kv_heads, lq, lmax)
+
+
+# ---- launch ----------------------------------------------------------------------------------
+
+
+class _Plan(NamedTuple):
+    """Everything a launch needs that follows from static facts and the config."""
+
+    block_m: int
+    d_pad: int
+    row_blocks: int
+    splits_target: int
+    num_splits: int
+    workspace: int
+    lse_offset: int
+    split_block: int
+    merge_block_d: int
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(
+    values: tuple[int, ...], sm_count: int, batch: int, kv_heads: int, rows: int, lmax: int, head_dim: int
+) -> _Plan:
+    config = DecodeConfig(*values)
+    target = splits_target(config, sm_count, batch * kv_heads, rows)
+    num_splits = max_splits(config, sm_count, batch * kv_heads, rows, lmax)
+    # Workspace: normalised partial outputs [B, Hkv, splits, rows, D], then their log2-sum-exps.
+    partials = batch * kv_heads * num_splits * rows
+    workspace = partials * (head_dim + 1) if num_splits > 1 else 1
+    d_pad = padded_head_dim(head_dim)
+    # The merge holds a [split_block, merge_block_d] fp32 tile: at most 8K values, split across head-dim
+    # blocks when there are many splits, so that one pass covers up to 512 of them.
+    split_block = max(2, min(1 << (num_splits - 1).bit_length(), 512))
+    merge_block_d = min(d_pad, max(16, _MERGE_TILE // split_block))
+    return _Plan(
+        block_m_for(rows), d_pad, row_blocks(rows), target, num_splits, workspace, partials * head_dim, split_block,
+        merge_block_d,
+    )  # fmt: skip
+
+
+_SM_COUNTS: dict[torch.device, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    count = _SM_COUNTS.get(device)
+    if count is None:
+        count = _SM_COUNTS[device] = device_info(device).sm_count
+    return count
+
+
+def _workspace(numel: int, device: torch.device) -> torch.Tensor:
+    # Never initialised: the merge reads only partials that this launch's split programs wrote.
+    return torch.empty(numel, dtype=torch.float32, device=device)
+
+
+def _launch(
+    split_kernel: Any,
+    merge_kernel: Any,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_len: torch.Tensor,
+    out: torch.Tensor,
+    softmax_scale: float,
+    values: tuple[int, ...],
+) -> None:
+    """Launch the split kernel, and the merge where some sequence may need more than one split."""
+    # Plain ints: under dynamic-shape tracing sizes arrive as SymInts, and the grid, the workspace and
+    # the kernels' stride specialisation are all fixed per shape anyway.
+    batch, q_heads, lq, head_dim = (int(n) for n in q.shape)
+    kv_heads, lmax = int(k_cache.shape[1]), int(k_cache.shape[2])
+    group = q_heads // kv_heads
+    _, MIN_CHUNK, BLOCK_N, num_warps, num_stages = values
+    plan = _plan(values, _sm_count(q.device), batch, kv_heads, group * lq, lmax, head_dim)
+    ws = _workspace(plan.workspace, q.device)
+    sq, sk, sv, so = (tuple(int(x) for x in t.stride()[:3]) for t in (q, k_cache, v_cache, out))
+    # Only the interpreter runs CPU tensors; its bf16 dot is broken, so its MMAs take fp32 operands.
+    dot_in_fp32 = q.device.type == "cpu"
+    split_kernel[(plan.num_splits, plan.row_blocks * kv_heads, batch)](
+        q, k_cache, v_cache, kv_len, out, ws, *sq, *sk, *sv, *so,
+        kv_heads, lmax, softmax_scale * _LOG2E, plan.splits_target, MIN_CHUNK, plan.num_splits, plan.lse_offset,
+        GROUP=group, LQ=lq, BLOCK_M=plan.block_m, HEAD_DIM=head_dim, D_PAD=plan.d_pad, BLOCK_N=BLOCK_N,
+        DOT_IN_FP32=dot_in_fp32, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if plan.num_splits > 1:
+        d_blocks = -(-head_dim // plan.merge_block_d)
+        merge_kernel[(group * lq * d_blocks, kv_heads, batch)](
+            kv_len, out, ws, *so,
+            kv_heads, lmax, plan.splits_target, MIN_CHUNK, plan.num_splits, plan.lse_offset,
+            GROUP=group, LQ=lq, HEAD_DIM=head_dim, BLOCK_N=BLOCK_N,
+            SPLIT_BLOCK=plan.split_block, BLOCK_D=plan.merge_block_d, num_warps=4, num_stages=2,
+        )  # fmt: skip
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_len: torch.Tensor,
+    out: torch.Tensor,
+    softmax_scale: float,
+    TARGET_WAVES: int,
+    MIN_CHUNK: int,
+    BLOCK_N: int,
+    num_warps: int,
+    num_stages: int,
+) -> None:
+    """The registered op's body: the launch, with its kernels wrapped so that tracers see them."""
+    values = (TARGET_WAVES, MIN_CHUNK, BLOCK_N, num_warps, num_stages)
+    _launch(
+        wrap_triton(_decode_split_kernel),
+        wrap_triton(_decode_merge_kernel),
+        q, k_cache, v_cache, kv_len, out, softmax_scale, values,
+    )  # fmt: skip
+
+
+register_op(
+    "tritune::decode_attention",
+    _decode_attention,
+    mutates_args={"out"},
+    kernels=[_decode_split_kernel, _decode_merge_kernel],
+)
+_decode_op = torch.ops.tritune.decode_attention.default
+
+
+def _run(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_len: torch.Tensor,
+    out: torch.Tensor,
+    softmax_scale: float,
+    values: tuple[int, ...],
+) -> None:
+    if torch.compiler.is_compiling() or type(q) is not torch.Tensor or is_in_torch_dispatch_mode():
+        # Tracers (dynamo, make_fx, export) and dispatch modes must see the registered op.
+        _decode_op(q, k_cache, v_cache, kv_len, out, softmax_scale, *values)
+    else:
+        # Eager on plain tensors: the same launch without the op dispatcher or wrap_triton's tracing
+        # machinery, each of which costs more host time than a whole decode kernel.
+        _launch(_decode_split_kernel, _decode_merge_kernel, q, k_cache, v_cache, kv_len, out, softmax_scale, values)
+
+
+def launch(
+    config: DecodeConfig,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_len: torch.Tensor,
+    out: torch.Tensor,
+    softmax_scale: float,
+) -> None:
+    """Run ``config`` on already-checked arguments into a preallocated ``out``, as a call would."""
+    values = (config.TARGET_WAVES, config.MIN_CHUNK, config.BLOCK_N, config.num_warps, config.num_stages)
+    _run(q, k_cache, v_cache, kv_len, out, softmax_scale, values)
+
+
+# ---- the public op ---------------------------------------------------------------------------
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_len: torch.Tensor,
+    *,
+    softmax_scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of ``q [B, Hq, Lq, D]`` (``Lq <= 8``) over the first ``kv_len[b]`` cache positions.
+
+    ``k_cache, v_cache``: ``[B, Hkv, Lmax, D]`` with ``Hq % Hkv == 0`` (GQA); ``kv_len``: int32 ``[B]``
+    on q's device, read there (no host synchronisation). The new tokens are causal among
+    themselves: token ``i`` sits at position ``kv_len - Lq + i`` and sees the keys up to it; a row
+    that sees no key (``kv_len == 0``) is zero. ``softmax_scale`` defaults to ``1 / sqrt(D)``.
+    Returns ``out`` (allocated when not given), ``[B, Hq, Lq, D]`` in q's dtype.
+    """
+    facts = check_inputs(q, k_cache, v_cache, kv_len, out, softmax_scale)
+    device = q.device
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    if q.numel() == 0:
+        return out
+    # A plain tuple: dynamo hands a NamedTuple to assume_constant_result functions empty (torch 2.13).
+    values = dispatch(KERNEL, device.type, -1 if device.index is None else device.index, tuple(facts))
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(facts.head_dim)
+    _run(q, k_cache, v_cache, kv_len, out, scale, values)
+    return out

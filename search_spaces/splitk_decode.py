@@ -1,0 +1,187 @@
+"""Search space of the ``splitk_decode`` kernel: the split policy, the KV tile and the launch options.
+
+The kernel has one path (plain pointer loads, any CUDA GPU). Its grid is sized from static facts
+and each program decides on the device, from the runtime ``kv_len``, whether its split has work:
+
+- ``TARGET_WAVES``: how many programs per SM the split count aims for,
+  ``splits_target = max(1, sm_count * TARGET_WAVES // (batch * kv_heads * row_blocks))``;
+- ``MIN_CHUNK``: the fewest keys a split is given, so short sequences are not shredded into
+  splits whose merge costs more than they save;
+- ``BLOCK_N``: keys per tile of the inner loop (the chunk is rounded up to a multiple of it);
+- ``num_warps`` and ``num_stages``: Triton's launch options (software-pipelining depth).
+
+The geometry helpers below are shared with the kernel wrapper so that the feasibility rule and
+the launch agree on the tile shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from .base import SearchSpace, TargetLimits, choice, tile_smem_bytes
+
+#: Head dims the kernel serves; 80 and 96 are padded to 128 inside the kernel.
+HEAD_DIMS = (64, 80, 96, 128, 256)
+#: Most query rows (query heads of one group x new tokens) one program packs into its M tile.
+MAX_BLOCK_M = 64
+#: Per-thread fp32 registers the accumulator and score tiles may take before the rule calls it a spill.
+_MAX_TILE_REGISTERS = 128
+#: Tiles the interpreter rule keeps, so tuning at tiny shapes stays quick.
+_INTERPRETER_BLOCK_N = (16, 64)
+_INTERPRETER_MIN_CHUNK = (64, 128)
+_INTERPRETER_TARGET_WAVES = (2, 4)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    TARGET_WAVES: int = choice(2, (1, 2, 4))
+    MIN_CHUNK: int = choice(128, (64, 128, 256, 512, 1024, 2048))
+    BLOCK_N: int = choice(64, (16, 32, 64, 128))
+    num_warps: int = choice(4, (2, 4, 8))
+    num_stages: int = choice(3, (1, 2, 3, 4))
+
+
+_OPTIONS = {f.name: f.metadata["choices"] for f in dataclasses.fields(DecodeConfig)}
+_DEFAULTS = dataclasses.asdict(DecodeConfig())
+
+
+class _DecodeKeyFields(Protocol):
+    """What the rule reads from a key (``tritune.kernels.decode.spec.DecodeKey``)."""
+
+    arch: str
+    sm_count: int
+    head_dim: int
+    gqa_group: int
+    lq: int
+    bh_bucket: int
+    lkv_bucket: int
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The power of two a head dim is padded to inside the kernel."""
+    return 1 << (max(head_dim, 16) - 1).bit_length()
+
+
+def block_m_for(rows: int) -> int:
+    """Rows of the M tile for ``rows`` query rows per KV head: a power of two in [16, MAX_BLOCK_M]."""
+    return min(MAX_BLOCK_M, 1 << (max(rows, 16) - 1).bit_length())
+
+
+def row_blocks(rows: int) -> int:
+    """Programs along M per KV head (1 unless a group packs more than ``MAX_BLOCK_M`` rows)."""
+    return -(-rows // block_m_for(rows))
+
+
+def splits_target(config: DecodeConfig, sm_count: int, batch_kv_heads: int, rows: int) -> int:
+    """How many splits per (sequence, KV head) fill ``TARGET_WAVES`` programs per SM."""
+    return max(1, sm_count * config.TARGET_WAVES // (batch_kv_heads * row_blocks(rows)))
+
+
+def max_splits(config: DecodeConfig, sm_count: int, batch_kv_heads: int, rows: int, lmax: int) -> int:
+    """Split programs launched per (sequence, KV head): the most any ``kv_len <= lmax`` can use.
+
+    A program's chunk is at least ``MIN_CHUNK`` keys, so no length up to ``lmax`` needs more than
+    ``cdiv(lmax, MIN_CHUNK)`` splits, nor more than the target.
+    """
+    return max(1, min(splits_target(config, sm_count, batch_kv_heads, rows), -(-lmax // config.MIN_CHUNK)))
+
+
+def _representative(value: int, field: str, same: Callable[[int], bool]) -> int:
+    """The one value kept of ``field``'s options that act like ``value`` (the default where it is one)."""
+    options = [v for v in _OPTIONS[field] if same(v)]
+    default = _DEFAULTS[field]
+    return default if default in options else min(options, default=value)
+
+
+def duplicate_reason(config: DecodeConfig, key: _DecodeKeyFields) -> str | None:
+    """Why ``config`` launches exactly what another config of the space launches at ``key``, if it does.
+
+    Split policies collapse: wave targets that give the same split count, a ``MIN_CHUNK`` that can
+    never matter (one split target) or that always means one split (not below the cache length).
+    Of each such set only the default's value, or else the smallest, stays in the space.
+    """
+    rows = key.gqa_group * key.lq
+    waves, chunk = config.TARGET_WAVES, config.MIN_CHUNK
+
+    def target(w: int) -> int:
+        return splits_target(dataclasses.replace(config, TARGET_WAVES=w), key.sm_count, key.bh_bucket, rows)
+
+    now = target(waves)
+    kept = _representative(waves, "TARGET_WAVES", lambda w: target(w) == now)
+    if waves != kept:
+        return f"TARGET_WAVES={waves} gives the same {now} split target as TARGET_WAVES={kept}"
+    if now == 1 and chunk != _DEFAULTS["MIN_CHUNK"]:
+        return "MIN_CHUNK is moot with a split target of 1"
+    if chunk >= key.lkv_bucket:
+        kept = _representative(chunk, "MIN_CHUNK", lambda c: c >= key.lkv_bucket)
+        if chunk != kept:
+            return f"MIN_CHUNK={chunk} means one split for any cache up to {key.lkv_bucket}, as {kept} does"
+    if chunk < config.BLOCK_N:
+        return "MIN_CHUNK below BLOCK_N rounds up to BLOCK_N (a duplicate of MIN_CHUNK == BLOCK_N)"
+    return None
+
+
+def feasibility(config: DecodeConfig, key: _DecodeKeyFields, limits: TargetLimits) -> str | None:
+    """Why ``config`` cannot (or should not) run for ``key`` on this target, or ``None``."""
+    duplicate = duplicate_reason(config, key)
+    if duplicate is not None:
+        return duplicate
+
+    if limits.interpreter:
+        if (
+            config.BLOCK_N not in _INTERPRETER_BLOCK_N
+            or config.MIN_CHUNK not in _INTERPRETER_MIN_CHUNK
+            or config.TARGET_WAVES not in _INTERPRETER_TARGET_WAVES
+        ):
+            return "the interpreter keeps a few small tiles and split policies (quick tuning at tiny shapes)"
+        if config.num_warps != _DEFAULTS["num_warps"] or config.num_stages != _DEFAULTS["num_stages"]:
+            return "num_warps and num_stages mean nothing to the interpreter"
+        return None
+
+    d = padded_head_dim(key.head_dim)
+    block_m = block_m_for(key.gqa_group * key.lq)
+    threads = 32 * config.num_warps
+    if config.BLOCK_N * d < 8 * threads:
+        return f"a {config.BLOCK_N} x {d} KV tile leaves some of {threads} threads without a 16-byte load"
+    per_thread = (block_m * d + block_m * config.BLOCK_N) // threads
+    if per_thread > _MAX_TILE_REGISTERS:
+        return f"accumulator and scores take {per_thread} fp32 registers per thread (> {_MAX_TILE_REGISTERS})"
+    # The pipeliner keeps num_stages - 1 K/V tiles in flight (checked against Triton 3.6's sm90 builds).
+    buffers = max(config.num_stages - 1, 1)
+    smem = tile_smem_bytes(
+        (block_m, d, 2),  # Q
+        (2 * buffers * config.BLOCK_N, d, 2),  # K and V, one copy per buffered stage
+        (block_m, config.BLOCK_N, 2),  # P staged for the second MMA
+    )
+    if smem > limits.smem_bytes:
+        return f"needs about {smem // 1024} KiB of shared memory (> {limits.smem_bytes // 1024} KiB)"
+    return None
+
+
+#: Shared memory every CUDA GPU the portable default must run on offers a block (Ampere consumer parts: 99 KiB).
+_PORTABLE_LIMITS = TargetLimits(smem_bytes=96 * 1024)
+#: The portable default, then smaller tiles for the keys (head dim 256, packed groups) where it does not fit.
+_PORTABLE_STEPS: tuple[dict[str, int], ...] = (
+    {},
+    {"BLOCK_N": 32},
+    {"BLOCK_N": 32, "num_warps": 8},
+    {"BLOCK_N": 16, "num_warps": 8},
+    {"BLOCK_N": 16, "num_warps": 8, "num_stages": 1},
+)
+
+
+def portable_config(key: _DecodeKeyFields, *, interpreter: bool) -> DecodeConfig:
+    """The default config for ``key``: the dataclass defaults where they fit any CUDA GPU, else smaller tiles."""
+    limits = TargetLimits(interpreter=True) if interpreter else _PORTABLE_LIMITS
+    config = DecodeConfig()
+    for changes in _PORTABLE_STEPS:
+        config = dataclasses.replace(DecodeConfig(), **changes)
+        if feasibility(config, key, limits) is None:
+            break
+    return config
+
+
+SPACE: SearchSpace[DecodeConfig, _DecodeKeyFields] = SearchSpace("splitk_decode", DecodeConfig, feasibility=feasibility)

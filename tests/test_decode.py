@@ -1,0 +1,411 @@
+"""Split-K decode attention against its fp64 reference, the op's contract, and the unified entry.
+
+CPU tier: the kernels run on the Triton interpreter at tiny shapes. On the interpreter the SM
+count is 1, which would leave every problem with one split; the ``many_sms`` fixture makes the
+launch plan believe in 64 SMs so that the split kernel, the merge and empty splits are exercised.
+GPU tier (``gpu`` marker): CUDA-graph capture and replay with new lengths, and bigger shapes.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from tritune.kernels import attention as _attention_export  # noqa: F401 (resolves the lazy export)
+from tritune.kernels.decode import op as decode_op
+from tritune.kernels.decode.op import decode_attention
+from tritune.kernels.decode.reference import compare, decode_reference
+from tritune.kernels.dispatcher import use_config
+
+# The package exports the function ``attention``; its module is reached through sys.modules (importing
+# the submodule by name would rebind the package attribute to the module).
+attention_module = sys.modules["tritune.kernels.attention"]
+attention = attention_module.attention
+
+#: Pinned configs: many small splits (with 64 SMs planned on the interpreter), and one split per sequence.
+MANY_SPLITS = {"MIN_CHUNK": 64, "BLOCK_N": 16, "TARGET_WAVES": 4}
+ONE_SPLIT = {"MIN_CHUNK": 2048, "BLOCK_N": 16}
+
+
+def make_case(
+    device,
+    *,
+    batch: int,
+    kv_heads: int,
+    group: int,
+    lq: int,
+    head_dim: int,
+    lmax: int,
+    lengths: list[int],
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    tail: float | None = float("nan"),
+):
+    """Random q and caches; positions past each kv_len hold ``tail`` (NaN by default)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    q = normal(batch, kv_heads * group, lq, head_dim)
+    k = normal(batch, kv_heads, lmax, head_dim)
+    v = normal(batch, kv_heads, lmax, head_dim)
+    if tail is not None:
+        for b, n in enumerate(lengths):
+            k[b, :, n:] = tail
+            v[b, :, n:] = tail
+    kv_len = torch.tensor(lengths, dtype=torch.int32)
+    return q.to(device), k.to(device), v.to(device), kv_len.to(device)
+
+
+def run_and_compare(q, k, v, kv_len, config=None, **kwargs):
+    out = torch.full_like(q, float("nan"))
+    if config is None:
+        decode_attention(q, k, v, kv_len, out=out, **kwargs)
+    else:
+        with use_config("splitk_decode", config):
+            decode_attention(q, k, v, kv_len, out=out, **kwargs)
+    expected = decode_reference(q, k, v, kv_len, softmax_scale=kwargs.get("softmax_scale"))
+    problem = compare(out, expected, q.dtype)
+    assert problem is None, problem
+    return out, expected
+
+
+@pytest.fixture
+def many_sms(monkeypatch, device):
+    """On the interpreter, plan splits as if the device had 64 SMs (a GPU keeps its own count)."""
+    if device == "cpu":
+        monkeypatch.setitem(decode_op._SM_COUNTS, torch.device("cpu"), 64)
+
+
+def splits_used(q, k, config: dict, lengths: list[int]) -> list[int]:
+    """How many splits each sequence used, by the same rule the kernels apply on the device."""
+    spec_config = decode_op.DecodeConfig(**config)
+    plan = decode_op._plan(
+        tuple(vars(spec_config).values()), decode_op._sm_count(q.device), q.shape[0], k.shape[1],
+        q.shape[1] // k.shape[1] * q.shape[2], k.shape[2], q.shape[3],
+    )  # fmt: skip
+    used = []
+    for n in lengths:
+        n = min(max(n, 0), k.shape[2])
+        chunk = max(spec_config.MIN_CHUNK, -(-n // plan.splits_target))
+        chunk = -(-chunk // spec_config.BLOCK_N) * spec_config.BLOCK_N
+        used.append(-(-n // chunk))
+    return used
+
+
+# ---- numerics against the reference ------------------------------------------------------------
+
+REFERENCE_CASES = [
+    pytest.param(dict(batch=1, kv_heads=2, group=1, lq=1, head_dim=64, lmax=64, lengths=[1]), id="mha-d64-len1"),
+    pytest.param(dict(batch=2, kv_heads=2, group=4, lq=1, head_dim=64, lmax=100, lengths=[37, 97]), id="gqa4-d64-odd"),
+    pytest.param(dict(batch=3, kv_heads=1, group=8, lq=1, head_dim=128, lmax=72, lengths=[0, 7, 63]),
+                 id="gqa8-d128-zero"),
+    pytest.param(dict(batch=4, kv_heads=1, group=4, lq=1, head_dim=256, lmax=40, lengths=[1, 17, 33, 40]),
+                 id="gqa4-d256-b4"),
+    pytest.param(dict(batch=2, kv_heads=2, group=1, lq=1, head_dim=80, lmax=50, lengths=[49, 3]), id="mha-d80-padded"),
+    pytest.param(dict(batch=1, kv_heads=1, group=7, lq=2, head_dim=96, lmax=40, lengths=[25]), id="gqa7-d96-lq2"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", REFERENCE_CASES)
+def test_default_config_matches_reference(device, case):
+    run_and_compare(*make_case(device, **case))
+
+
+@pytest.mark.parametrize(
+    "case, dtype",
+    [
+        pytest.param(dict(batch=2, kv_heads=1, group=4, lq=1, head_dim=64, lmax=300, lengths=[300, 129]),
+                     torch.bfloat16, id="bf16-lengths-300-129"),
+        pytest.param(dict(batch=3, kv_heads=2, group=2, lq=1, head_dim=64, lmax=260, lengths=[0, 64, 257]),
+                     torch.float16, id="fp16-lengths-0-64-257"),
+        pytest.param(dict(batch=1, kv_heads=1, group=8, lq=4, head_dim=128, lmax=200, lengths=[199]),
+                     torch.bfloat16, id="bf16-gqa8-lq4-d128"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("config", [MANY_SPLITS, ONE_SPLIT], ids=["many-splits", "one-split"])
+def test_split_policies_match_reference(device, many_sms, monkeypatch, case, dtype, config):
+    q, k, v, kv_len = make_case(device, dtype=dtype, **case)
+    used = splits_used(q, k, config, case["lengths"])
+    if config is MANY_SPLITS:
+        assert max(used) >= 3, used
+    else:
+        assert max(used) <= 1, used
+    # The workspace is never initialised: poison it to prove only written partials are read.
+    monkeypatch.setattr(
+        decode_op, "_workspace", lambda n, dev: torch.full((n,), float("nan"), dtype=torch.float32, device=dev)
+    )
+    run_and_compare(q, k, v, kv_len, config)
+
+
+def test_merge_in_head_dim_blocks(device, many_sms, monkeypatch):
+    """Many splits with a small merge tile: each merge program takes a 16-wide slice of the head dim."""
+    monkeypatch.setattr(decode_op, "_MERGE_TILE", 64)
+    decode_op._plan.cache_clear()
+    q, k, v, kv_len = make_case(device, batch=1, kv_heads=1, group=2, lq=2, head_dim=80, lmax=300, lengths=[300])
+    plan = decode_op._plan((4, 64, 16, 4, 3), decode_op._sm_count(q.device), 1, 1, 4, 300, 80)
+    assert plan.num_splits == 5 and plan.merge_block_d == 16
+    run_and_compare(q, k, v, kv_len, MANY_SPLITS)
+    decode_op._plan.cache_clear()
+
+
+def test_garbage_tails_are_never_read(device, many_sms):
+    """Huge finite garbage past kv_len would dominate any score it reached; NaN would poison it."""
+    for tail in (3e4, float("inf"), float("nan")):
+        case = make_case(device, batch=2, kv_heads=1, group=4, lq=1, head_dim=64, lmax=160, lengths=[70, 150],
+                         tail=tail)  # fmt: skip
+        run_and_compare(*case, MANY_SPLITS)
+
+
+@pytest.mark.parametrize("lq, lengths", [(2, [9, 2]), (5, [3, 40]), (8, [8, 77])], ids=["lq2", "lq5-short", "lq8"])
+def test_new_tokens_are_causal(device, many_sms, lq, lengths):
+    q, k, v, kv_len = make_case(device, batch=2, kv_heads=2, group=2, lq=lq, head_dim=64, lmax=80, lengths=lengths)
+    out, _ = run_and_compare(q, k, v, kv_len, MANY_SPLITS)
+    for b, n in enumerate(lengths):
+        # Token i sits at n - lq + i: those before position 0 see no key and must be zeros.
+        blind = max(0, lq - n)
+        assert torch.equal(out[b, :, :blind].float().cpu(), torch.zeros_like(out[b, :, :blind].float().cpu()))
+    # Changing a key after token 0's position must not change token 0's output.
+    k2 = k.clone()
+    k2[:, :, int(lengths[0]) - 1] = 5.0
+    with use_config("splitk_decode", MANY_SPLITS):
+        out2 = decode_attention(q, k2, v, kv_len)
+    first_visible = max(0, lq - lengths[0])
+    if first_visible < lq - 1:
+        torch.testing.assert_close(out2[0, :, first_visible], out[0, :, first_visible], atol=0, rtol=0)
+
+
+def test_zero_lengths_give_zeros(device, many_sms):
+    q, k, v, kv_len = make_case(device, batch=3, kv_heads=1, group=4, lq=2, head_dim=64, lmax=64, lengths=[0, 0, 0])
+    for config in (MANY_SPLITS, ONE_SPLIT):
+        with use_config("splitk_decode", config):
+            out = decode_attention(q, k, v, kv_len, out=torch.full_like(q, float("nan")))
+        assert torch.equal(out.float().cpu(), torch.zeros(q.shape))
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["scaled-q", "negated-scaled-q"])
+def test_large_logits_stay_exact(device, many_sms, sign):
+    q, k, v, kv_len = make_case(device, batch=2, kv_heads=1, group=4, lq=1, head_dim=64, lmax=200, lengths=[200, 91])
+    out, _ = run_and_compare((q.float() * 1e3 * sign).to(q.dtype), k, v, kv_len, MANY_SPLITS)
+    assert torch.isfinite(out.float()).all()
+
+
+def test_all_scores_hugely_negative(device, many_sms):
+    """Every score near -3e4: a kernel without max subtraction would underflow to 0/0."""
+    q, k, v, kv_len = make_case(device, batch=1, kv_heads=1, group=4, lq=1, head_dim=64, lmax=150, lengths=[150])
+    k = k.clone()
+    k[..., 0] += 200.0
+    q = q.clone()
+    q[..., 0] = -1200.0
+    run_and_compare(q, k, v, kv_len, MANY_SPLITS)
+
+
+def test_strided_layouts(device, many_sms):
+    """A cache stored [B, Lmax, Hkv, D] and q stored [B, Lq, Hq, D], seen through permuted views."""
+    batch, kv_heads, group, lq, dim, lmax = 2, 2, 2, 2, 64, 96
+    q0, k0, v0, kv_len = make_case(device, batch=batch, kv_heads=kv_heads, group=group, lq=lq, head_dim=dim,
+                                   lmax=lmax, lengths=[95, 30])  # fmt: skip
+    k = k0.transpose(1, 2).contiguous().transpose(1, 2)
+    v = v0.transpose(1, 2).contiguous().transpose(1, 2)
+    q = q0.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not k.is_contiguous() and not q.is_contiguous()
+    out = torch.empty(batch, lq, kv_heads * group, dim, dtype=q.dtype, device=device).transpose(1, 2)
+    with use_config("splitk_decode", MANY_SPLITS):
+        decode_attention(q, k, v, kv_len, out=out)
+    assert compare(out, decode_reference(q0, k0, v0, kv_len), q.dtype) is None
+
+
+def test_lengths_outside_the_cache_are_clamped(device):
+    q, k, v, _ = make_case(device, batch=2, kv_heads=1, group=2, lq=1, head_dim=64, lmax=48, lengths=[48, 0])
+    out = decode_attention(q, k, v, torch.tensor([1000, -5], dtype=torch.int32, device=device))
+    expected = decode_reference(q, k, v, torch.tensor([48, 0], dtype=torch.int32))
+    assert compare(out, expected, q.dtype) is None
+
+
+def test_softmax_scale_and_allocated_out(device):
+    q, k, v, kv_len = make_case(device, batch=1, kv_heads=2, group=2, lq=1, head_dim=64, lmax=40, lengths=[33])
+    out = decode_attention(q, k, v, kv_len, softmax_scale=0.3)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert compare(out, decode_reference(q, k, v, kv_len, softmax_scale=0.3), q.dtype) is None
+
+
+def test_direct_launch_and_registered_op_agree(device, many_sms):
+    q, k, v, kv_len = make_case(device, batch=2, kv_heads=1, group=4, lq=3, head_dim=64, lmax=130, lengths=[130, 61])
+    values = (4, 64, 16, 4, 2)
+    direct = torch.full_like(q, float("nan"))
+    through_op = torch.full_like(q, float("nan"))
+    decode_op._decode_attention(q, k, v, kv_len, direct, 0.125, *values)
+    torch.ops.tritune.decode_attention(q, k, v, kv_len, through_op, 0.125, *values)
+    assert torch.equal(direct, through_op)
+
+
+# ---- input checks --------------------------------------------------------------------------------
+
+
+def _valid_args(device="cpu"):
+    q, k, v, kv_len = make_case(device, batch=2, kv_heads=2, group=2, lq=1, head_dim=64, lmax=32, lengths=[5, 9])
+    return {"q": q, "k_cache": k, "v_cache": v, "kv_len": kv_len}
+
+
+BAD_INPUTS = [
+    pytest.param(lambda a: {**a, "q": a["q"].float()}, TypeError, "q: expected dtype", id="q-dtype"),
+    pytest.param(lambda a: {**a, "q": a["q"].tolist()}, TypeError, "q: expected a torch.Tensor", id="q-not-tensor"),
+    pytest.param(lambda a: {**a, "q": a["q"][0]}, ValueError, "q: expected 4 dims", id="q-rank"),
+    pytest.param(lambda a: {**a, "k_cache": a["k_cache"].half()}, TypeError, "k_cache: expected dtype", id="k-dtype"),
+    pytest.param(lambda a: {**a, "v_cache": a["v_cache"][:, :, :16]}, ValueError, "v_cache: expected the shape",
+                 id="v-shape"),
+    pytest.param(lambda a: {**a, "k_cache": a["k_cache"][:1]}, ValueError, "k_cache: expected shape", id="k-batch"),
+    pytest.param(lambda a: {**a, "q": a["q"].repeat(1, 1, 9, 1)}, ValueError, "1 to 8 query tokens", id="lq-9"),
+    pytest.param(lambda a: {**a, "q": a["q"][:, :3]}, ValueError, "not a multiple of", id="gqa-divisibility"),
+    pytest.param(lambda a: {**a, "q": a["q"][..., :48], "k_cache": a["k_cache"][..., :48],
+                            "v_cache": a["v_cache"][..., :48]}, ValueError, "head dim 48", id="head-dim"),
+    pytest.param(lambda a: {**a, "kv_len": a["kv_len"].long()}, TypeError, "kv_len: expected dtype torch.int32",
+                 id="kv-len-dtype"),
+    pytest.param(lambda a: {**a, "kv_len": a["kv_len"][:1]}, ValueError, "kv_len: expected shape", id="kv-len-shape"),
+    pytest.param(lambda a: {**a, "kv_len": a["kv_len"][0]}, ValueError, "kv_len: expected 1 dims", id="kv-len-rank"),
+    pytest.param(lambda a: {**a, "kv_len": a["kv_len"].to("meta")}, ValueError, "kv_len: expected device",
+                 id="kv-len-device"),
+    pytest.param(lambda a: {**a, "k_cache": a["k_cache"].to("meta")}, ValueError, "k_cache: expected device",
+                 id="k-device"),
+    pytest.param(lambda a: {**a, "v_cache": a["v_cache"].transpose(2, 3).contiguous().transpose(2, 3)},
+                 ValueError, "v_cache: the head dim must be contiguous", id="v-inner-stride"),
+    pytest.param(lambda a: {**a, "out": torch.empty_like(a["q"]).float()}, TypeError, "out: expected dtype",
+                 id="out-dtype"),
+    pytest.param(lambda a: {**a, "out": torch.empty_like(a["q"])[:1]}, ValueError, "out: expected the shape",
+                 id="out-shape"),
+    pytest.param(lambda a: {**a, "softmax_scale": "0.1"}, TypeError, "softmax_scale", id="scale-type"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("mutate, error, message", BAD_INPUTS)
+def test_bad_inputs_name_the_argument(mutate, error, message):
+    args = mutate(_valid_args())
+    with pytest.raises(error, match=message):
+        decode_attention(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), args.pop("kv_len"), **args)
+
+
+# ---- torch.library integration -------------------------------------------------------------------
+
+
+def test_opcheck(device):
+    q, k, v, kv_len = make_case(device, batch=2, kv_heads=1, group=2, lq=2, head_dim=64, lmax=40, lengths=[40, 3],
+                                tail=None)  # fmt: skip
+    out = torch.empty_like(q)
+    torch.library.opcheck(torch.ops.tritune.decode_attention.default, (q, k, v, kv_len, out, 0.125, 2, 64, 16, 4, 2))
+
+
+def test_torch_compile_fullgraph(device):
+    q, k, v, kv_len = make_case(device, batch=2, kv_heads=1, group=4, lq=1, head_dim=64, lmax=48, lengths=[48, 20])
+
+    def step(q, k, v, kv_len):
+        return decode_attention(q, k, v, kv_len) * 2.0
+
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    torch.testing.assert_close(compiled(q, k, v, kv_len), step(q, k, v, kv_len), atol=0, rtol=0)
+
+
+# ---- the unified entry ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def spies(monkeypatch):
+    """Record which kernel family the unified entry calls (prefill is faked: not needed here)."""
+    calls: list[tuple[str, dict]] = []
+
+    def fake_decode(q, k, v, kv_len, **kwargs):
+        calls.append(("decode", kwargs))
+        return q
+
+    def fake_prefill(q, k, v, **kwargs):
+        calls.append(("prefill", kwargs))
+        return q
+
+    monkeypatch.setattr(attention_module, "decode_attention", fake_decode)
+    fake_module = types.ModuleType("tritune.kernels.prefill.op")
+    fake_module.prefill_attention = fake_prefill
+    monkeypatch.setitem(sys.modules, "tritune.kernels.prefill.op", fake_module)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "lq, kv_len, causal, expected",
+    [
+        (1, [5, 6], True, "decode"),
+        (8, [9, 9], True, "decode"),
+        (9, [9, 9], True, "prefill"),
+        (1, None, True, "prefill"),
+        (1, [5, 6], False, "prefill"),
+        (4, 5, True, "prefill"),
+    ],
+    ids=["lq1", "lq8", "lq9-prefill", "no-kv-len", "not-causal", "scalar-kv-len"],
+)
+def test_attention_routes(spies, lq, kv_len, causal, expected):
+    q = torch.zeros(2, 4, lq, 64, dtype=torch.bfloat16)
+    k = torch.zeros(2, 2, 16, 64, dtype=torch.bfloat16)
+    lengths = None if kv_len is None else torch.tensor(kv_len, dtype=torch.int32)
+    attention(q, k, k, kv_len=lengths, causal=causal, softmax_scale=0.5)
+    assert [name for name, _ in spies] == [expected]
+    assert spies[0][1]["softmax_scale"] == 0.5
+
+
+def test_attention_decode_step_is_decode_attention(device):
+    q, k, v, kv_len = make_case(device, batch=2, kv_heads=1, group=2, lq=1, head_dim=64, lmax=40, lengths=[40, 11])
+    assert torch.equal(attention(q, k, v, kv_len=kv_len), decode_attention(q, k, v, kv_len))
+
+
+# ---- GPU tier ------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_with_new_lengths():
+    q, k, v, kv_len = make_case("cuda", batch=4, kv_heads=8, group=4, lq=1, head_dim=128, lmax=16384,
+                                lengths=[16384] * 4, tail=None)  # fmt: skip
+    out = torch.empty_like(q)
+    decode_attention(q, k, v, kv_len, out=out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(q, k, v, kv_len, out=out)
+    for lengths in ([16384, 1, 0, 777], [5, 9000, 16383, 64], [0, 0, 0, 0], [129, 4096, 12000, 16384]):
+        kv_len.copy_(torch.tensor(lengths, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        problem = compare(out, decode_reference(q, k, v, kv_len), q.dtype)
+        assert problem is None, f"{lengths}: {problem}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(batch=1, kv_heads=8, group=4, lq=1, head_dim=128, lmax=32768, lengths=[32000]),
+        dict(batch=16, kv_heads=8, group=8, lq=1, head_dim=64, lmax=4096, lengths=list(range(1, 4097, 273))[:16]),
+        dict(batch=3, kv_heads=4, group=4, lq=4, head_dim=256, lmax=5000, lengths=[5000, 2, 3001]),
+        dict(batch=2, kv_heads=2, group=16, lq=8, head_dim=128, lmax=9000, lengths=[8999, 4500]),
+        dict(batch=2, kv_heads=8, group=1, lq=1, head_dim=96, lmax=3000, lengths=[2999, 1500]),
+    ],
+    ids=["b1-long", "b16-d64-gqa8", "d256-lq4", "gqa16-lq8-rowblocks", "d96"],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_bigger_shapes(case, dtype):
+    q, k, v, kv_len = make_case("cuda", dtype=dtype, **case)
+    out, expected = run_and_compare(q, k, v, kv_len)
+    # Stay within about twice the error of PyTorch's own SDPA in the same dtype (sequences whose
+    # every token sees a key: SDPA returns NaN for a row that sees none).
+    group, lq = case["group"], case["lq"]
+    for b, n in enumerate(case["lengths"]):
+        if n < lq:
+            continue
+        kk = k[b : b + 1, :, :n].repeat_interleave(group, dim=1)
+        vv = v[b : b + 1, :, :n].repeat_interleave(group, dim=1)
+        mask = torch.ones(lq, n, dtype=torch.bool, device="cuda").tril(n - lq)
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q[b : b + 1], kk, vv, attn_mask=mask)
+        ours = (out[b].double() - expected[b]).abs().max().item()
+        theirs = (sdpa[0].double() - expected[b]).abs().max().item()
+        assert ours <= 2 * theirs + 1e-3, (b, ours, theirs)

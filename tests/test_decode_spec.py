@@ -1,0 +1,198 @@
+"""The ``splitk_decode`` spec and search space: keys and buckets, the split policy, feasibility, problems."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tritune.kernels.decode.op import DecodeFacts
+from tritune.kernels.decode.reference import compare
+from tritune.kernels.decode.spec import SPEC, DecodeKey, lq_bucket
+from tritune.kernels.device import DeviceInfo, device_info, interpreter_device
+from tritune.kernels.dispatcher import DISPATCHER, config_from_values, dispatch
+from tritune.kernels.registry import get_spec
+from tritune.search_spaces.base import TargetLimits
+from tritune.search_spaces.splitk_decode import (
+    SPACE,
+    DecodeConfig,
+    block_m_for,
+    max_splits,
+    row_blocks,
+    splits_target,
+)
+
+H200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
+CPU = interpreter_device()
+H200_LIMITS = SPEC.limits(H200)
+
+
+def _key(**changes) -> DecodeKey:
+    base = DecodeKey(arch="sm90", sm_count=132, dtype="bf16", head_dim=128, gqa_group=4, lq=1, bh_bucket=8,
+                     lkv_bucket=4096)  # fmt: skip
+    return dataclasses.replace(base, **changes)
+
+
+# ---- keys and buckets ------------------------------------------------------------------------------
+
+
+def test_registered_under_its_name():
+    assert get_spec("splitk_decode") is SPEC
+    assert SPEC.space is SPACE and SPEC.key_type is DecodeKey
+    assert len(SPEC.version) == 16
+
+
+@pytest.mark.parametrize(
+    "facts, expected",
+    [
+        (DecodeFacts("bf16", 128, 1, 32, 8, 1, 1000), dict(gqa_group=4, lq=1, bh_bucket=8, lkv_bucket=1024)),
+        (DecodeFacts("fp16", 64, 3, 24, 8, 3, 4097), dict(gqa_group=3, lq=4, bh_bucket=32, lkv_bucket=8192)),
+        (DecodeFacts("bf16", 256, 64, 8, 8, 8, 131072), dict(gqa_group=1, lq=8, bh_bucket=512, lkv_bucket=131072)),
+        (DecodeFacts("bf16", 80, 1, 1, 1, 5, 7), dict(gqa_group=1, lq=8, bh_bucket=1, lkv_bucket=16)),
+    ],
+    ids=["b1-gqa4", "b3-lq3", "b64-lq8", "tiny"],
+)
+def test_key_for_buckets(facts, expected):
+    key = SPEC.key_for(H200, facts)
+    assert key == _key(dtype=facts.dtype, head_dim=facts.head_dim, **expected)
+    assert DecodeKey.from_dict(key.to_dict()) == key
+    # Bucket fields move, everything else (GPU, dtype, head dim, group, lq) fixes the group.
+    assert key.group() == ("sm90", 132, facts.dtype, facts.head_dim, expected["gqa_group"], expected["lq"])
+    assert key.distance(dataclasses.replace(key, bh_bucket=key.bh_bucket * 4)) == 2
+
+
+def test_lq_buckets():
+    assert [lq_bucket(n) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+
+
+def test_key_rejects_wrong_field_types():
+    values = _key().to_dict()
+    values["lkv_bucket"] = "4096"
+    with pytest.raises(ValueError, match="lkv_bucket"):
+        DecodeKey.from_dict(values)
+
+
+def test_dispatch_values_rebuild_the_config():
+    DISPATCHER.clear()
+    facts = DecodeFacts("bf16", 64, 2, 8, 2, 1, 128)
+    values = dispatch("splitk_decode", "cpu", -1, tuple(facts))
+    assert config_from_values(SPEC, values) == SPEC.default_config(SPEC.key_for(CPU, facts))
+
+
+def test_default_keys():
+    gpu = SPEC.default_keys(H200)
+    assert len(gpu) == 2 * 4 * 5
+    assert {k.head_dim for k in gpu} == {128, 64}
+    assert {k.bh_bucket for k in gpu} == {8, 32, 128, 512}
+    assert {k.lkv_bucket for k in gpu} == {1024, 4096, 16384, 32768, 131072}
+    assert {(k.lq, k.gqa_group, k.dtype) for k in gpu} == {(1, 4, "bf16")}
+    narrowed = SPEC.default_keys(H200, head_dims=[256], batches=[2], lkv=[3000])
+    assert narrowed == [_key(head_dim=256, bh_bucket=16, lkv_bucket=4096)]
+    tiny = SPEC.default_keys(CPU)
+    assert [(k.arch, k.head_dim, k.bh_bucket, k.lkv_bucket) for k in tiny] == [
+        ("cpu-interpreter", 64, 2, 64),
+        ("cpu-interpreter", 64, 2, 128),
+    ]
+
+
+# ---- the split policy ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config, batch_kv_heads, rows, lmax, target, launched",
+    [
+        (DecodeConfig(), 8, 4, 131072, 33, 33),  # B=1, 8 KV heads: 132 SMs x 2 waves / 8
+        (DecodeConfig(), 8, 4, 1024, 33, 8),  # a 1K cache never needs more than 1024 / MIN_CHUNK splits
+        (DecodeConfig(), 512, 4, 131072, 1, 1),  # B=64 fills the GPU without splitting
+        (DecodeConfig(TARGET_WAVES=4, MIN_CHUNK=64), 1, 4, 131072, 528, 528),
+        (DecodeConfig(), 8, 128, 131072, 16, 16),  # two row blocks per KV head count as programs
+    ],
+    ids=["b1-long", "b1-short", "b64", "mqa-b1", "row-blocks"],
+)
+def test_split_plan_from_static_facts(config, batch_kv_heads, rows, lmax, target, launched):
+    assert splits_target(config, 132, batch_kv_heads, rows) == target
+    assert max_splits(config, 132, batch_kv_heads, rows, lmax) == launched
+
+
+def test_row_tiles():
+    assert [block_m_for(r) for r in (1, 4, 16, 17, 32, 64, 128)] == [16, 16, 16, 32, 32, 64, 64]
+    assert [row_blocks(r) for r in (4, 64, 65, 128)] == [1, 1, 2, 2]
+
+
+# ---- feasibility and the portable default ----------------------------------------------------------
+
+
+def test_portable_default_is_the_dataclass_default_where_it_fits():
+    assert SPEC.default_config(_key()) == DecodeConfig()
+    assert SPEC.default_config(_key(arch=CPU.arch, sm_count=1)) == DecodeConfig()
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("group, lq", [(1, 1), (4, 1), (8, 8), (16, 8)], ids=["mha", "gqa4", "gqa8-lq8", "gqa16-lq8"])
+def test_portable_default_fits_every_cuda_gpu(head_dim, group, lq):
+    key = _key(head_dim=head_dim, gqa_group=group, lq=lq)
+    config = SPEC.default_config(key)
+    assert SPACE.contains(config)
+    for smem_kib in (96, 99, 163, 227):
+        assert SPACE.infeasible_reason(config, key, TargetLimits(smem_bytes=smem_kib * 1024)) is None
+
+
+def test_default_keys_have_feasible_configs_on_h200():
+    for key in SPEC.default_keys(H200):
+        feasible = SPACE.feasible(key, H200_LIMITS)
+        assert SPEC.default_config(key) in feasible
+        assert 20 < len(feasible) < SPACE.size()
+
+
+def test_infeasible_reasons():
+    limits = TargetLimits(smem_bytes=99 * 1024)
+    big = DecodeConfig(BLOCK_N=128, num_stages=4, num_warps=8)
+    assert "shared memory" in SPACE.infeasible_reason(big, _key(head_dim=256), limits)
+    crowded = DecodeConfig(BLOCK_N=64, num_warps=2)
+    assert "registers" in SPACE.infeasible_reason(crowded, _key(head_dim=256, gqa_group=8, lq=8), limits)
+    assert "MIN_CHUNK" in SPACE.infeasible_reason(DecodeConfig(MIN_CHUNK=64, BLOCK_N=128), _key(), limits)
+
+
+def test_interpreter_keeps_few_configs():
+    key = SPEC.default_keys(CPU)[0]
+    feasible = SPACE.feasible(key, SPEC.limits(CPU))
+    assert DecodeConfig() in feasible
+    assert 2 <= len(feasible) <= 8
+    assert {c.BLOCK_N for c in feasible} <= {16, 64}
+
+
+# ---- problems and the correctness gate -------------------------------------------------------------
+
+
+def test_make_problem_launch_and_check(device):
+    info = device_info(device)
+    key = SPEC.default_keys(info)[1] if device == "cpu" else SPEC.default_keys(info, batches=[2], lkv=[2048])[0]
+    problem = SPEC.make_problem(key, torch.device(device), seed=3)
+    q, k_cache, _, kv_len = problem.args
+    lmax = k_cache.shape[2]
+    assert q.shape[0] * k_cache.shape[1] == key.bh_bucket and lmax == key.lkv_bucket
+    assert q.shape[1] == k_cache.shape[1] * key.gqa_group and q.shape[2] == key.lq and q.shape[3] == key.head_dim
+    assert kv_len.dtype == torch.int32 and int(kv_len[0]) == lmax and int(kv_len.min()) >= lmax // 2
+    assert problem.bytes_moved >= 2 * int(kv_len.sum()) * k_cache.shape[1] * key.head_dim * 2
+    assert problem.launch_bound and problem.flush_l2
+    expected = SPEC.reference(*problem.args, **problem.kwargs)
+    for config in SPACE.feasible(key, SPEC.limits(info))[:3]:
+        out = SPEC.launch(config, *problem.args, **problem.kwargs)
+        assert SPEC.check(out, expected, problem) is None
+    assert SPEC.make_problem(key, torch.device(device), seed=3).args[0].equal(q)
+
+
+def test_check_refuses_nan_and_wrong_values():
+    key = SPEC.default_keys(CPU)[0]
+    problem = SPEC.make_problem(key, torch.device("cpu"), seed=0)
+    expected = SPEC.reference(*problem.args)
+    good = expected.to(torch.bfloat16)
+    assert SPEC.check(good, expected, problem) is None
+    poisoned = good.clone()
+    poisoned[0, 0, 0, 0] = float("nan")
+    assert "non-finite" in SPEC.check(poisoned, expected, problem)
+    off = good.clone()
+    off[1, 2, 0, 5] += 0.1 * float(expected.abs().max())
+    assert "max error" in SPEC.check(off, expected, problem)
+    assert "shape" in compare(good[:1], expected, torch.bfloat16)
