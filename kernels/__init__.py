@@ -13,7 +13,12 @@ from typing import Any
 _EXPORTS: dict[str, str] = {
     "prefill_attention": "tritune.kernels.prefill.op",
     "decode_attention": "tritune.kernels.decode.op",
-    "attention": "tritune.kernels.attention",
+    "attention": "tritune.kernels.routing",
+    "q4k_linear": "tritune.kernels.q4k.op",
+    "Q4KWeight": "tritune.kernels.q4k.weight",
+    "varlen_attention": "tritune.kernels.varlen.op",
+    "validate_seq_info": "tritune.kernels.varlen.op",
+    "BatchedSequenceCache": "tritune.kernels.varlen.cache",
     "use_config": "tritune.kernels.dispatcher",
     "device_info": "tritune.kernels.device",
     "get_spec": "tritune.kernels.registry",

@@ -44,6 +44,8 @@ class Dispatcher:
         self._tables: dict[str, WinnerTable] = {}
         self._resolved: dict[tuple[str, str, TuningKey], Any] = {}
         self._logged: set[tuple[str, TuningKey]] = set()
+        #: (kernel, device type, device index, facts) -> config values: the steady-state hit.
+        self.values: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
     def clear(self) -> None:
         """Forget loaded winners and resolutions (settings changed, DB rewritten)."""
@@ -51,6 +53,7 @@ class Dispatcher:
             self._tables.clear()
             self._resolved.clear()
             self._logged.clear()
+            self.values.clear()
 
     def select(self, spec: KernelSpec[Any, Any], device: DeviceInfo, key: TuningKey) -> Any:
         pinned = _pinned.get()
@@ -130,15 +133,27 @@ settings_module.on_change(DISPATCHER.clear)
 def dispatch(kernel: str, device_type: str, device_index: int, facts: tuple[Any, ...]) -> tuple[Any, ...]:
     """The config values serving one call, from plain scalars only.
 
-    Public wrappers call this with their spec's facts. Its arguments and result are plain
-    Python values, so under ``torch.compile`` the choice is made once at trace time and baked in
-    as a constant instead of breaking the graph on the dispatcher's dicts and locks.
+    Public wrappers call this with their spec's facts as a plain ``tuple`` (Dynamo hands a
+    NamedTuple to an ``assume_constant_result`` function as an empty tuple). Its arguments and
+    result are plain Python values, so under ``torch.compile`` the choice is made once at trace
+    time and baked in as a constant instead of breaking the graph on the dispatcher's dicts.
+    In eager mode a call whose facts were seen before costs one dict lookup.
     """
+    pinned = _pinned.get()
+    unpinned = pinned is None or kernel not in pinned
+    memo = (kernel, device_type, device_index, facts)
+    if unpinned:
+        values = DISPATCHER.values.get(memo)
+        if values is not None:
+            return values
     spec = get_spec(kernel)
     device = device_info(torch.device(device_type, device_index) if device_type != "cpu" else "cpu")
     key = spec.key_for(device, facts)
     config = spec.serveable(DISPATCHER.select(spec, device, key), device, facts)
-    return tuple(spec.space.to_dict(config).values())
+    values = tuple(getattr(config, name) for name in spec.space.dimensions)
+    if unpinned:
+        DISPATCHER.values[memo] = values
+    return values
 
 
 def config_from_values(spec: KernelSpec[Any, Any], values: tuple[Any, ...]) -> Any:

@@ -14,16 +14,12 @@ import types
 import pytest
 import torch
 
-from tritune.kernels import attention as _attention_export  # noqa: F401 (resolves the lazy export)
+from tritune.kernels import routing as attention_module
 from tritune.kernels.decode import op as decode_op
 from tritune.kernels.decode.op import decode_attention
 from tritune.kernels.decode.reference import compare, decode_reference
 from tritune.kernels.dispatcher import use_config
-
-# The package exports the function ``attention``; its module is reached through sys.modules (importing
-# the submodule by name would rebind the package attribute to the module).
-attention_module = sys.modules["tritune.kernels.attention"]
-attention = attention_module.attention
+from tritune.kernels.routing import attention
 
 #: Pinned configs: many small splits (with 64 SMs planned on the interpreter), and one split per sequence.
 MANY_SPLITS = {"MIN_CHUNK": 64, "BLOCK_N": 16, "TARGET_WAVES": 4}
