@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -21,7 +22,8 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-console = Console()
+# Without a terminal (CI logs, pipes) rich would wrap tables at 80 columns.
+console = Console(width=None if sys.stdout.isatty() else 160)
 app = typer.Typer(
     add_completion=False,
     invoke_without_command=True,
@@ -41,7 +43,10 @@ def _choose_device(device: str) -> Any:
     if wanted == "auto":
         wanted = "0" if torch.cuda.is_available() else "cpu"
     if wanted == "cpu":
+        from tritune.kernels._interpreter import fix_interpreter_index
+
         os.environ["TRITON_INTERPRET"] = "1"
+        fix_interpreter_index()
         console.print(
             "[yellow]No GPU selected: running on the Triton interpreter at tiny shapes. Times are CPU "
             "wall-clock and results are stored under the pseudo-device 'cpu-interpreter'.[/yellow]"
@@ -88,7 +93,7 @@ def tune(
     lkv: Annotated[list[int] | None, typer.Option(help="KV lengths to tune")] = None,
     batch: Annotated[list[int] | None, typer.Option(help="batch sizes to tune (decode)")] = None,
     m: Annotated[list[int] | None, typer.Option(help="M (rows) to tune (GEMM)")] = None,
-    trials: Annotated[int, typer.Option(min=1, help="measured trials per key")] = 40,
+    trials: Annotated[int | None, typer.Option(min=1, help="measured trials per key [default: 40; 12 on cpu]")] = None,
     time_budget: Annotated[float | None, typer.Option(help="seconds per key")] = None,
     db: Annotated[str | None, typer.Option(help="config DB (SQLAlchemy URL or file path)")] = None,
     seed: Annotated[int, typer.Option(help="seed of the sampler and the random problems")] = 0,
@@ -112,6 +117,8 @@ def tune(
     url = _db_url(db)
     store = ConfigStore(url)
     env_id = environment_id(store, info)
+    if trials is None:
+        trials = 12 if torch_device.type == "cpu" else 40
     options = TuneOptions(trials=trials, time_budget_s=time_budget, seed=seed)
     timer = timer_for(torch_device)
     given = {"head_dim": head_dim or [], "lq": lq or [], "lkv": lkv or [], "batch": batch or [], "m": m or []}

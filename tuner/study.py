@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import random
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -208,6 +209,7 @@ class KeyTuner:
             else optuna.samplers.TPESampler(multivariate=True, seed=seed, n_startup_trials=min(10, opts.trials // 3))
         )
         study = optuna.create_study(direction="minimize", sampler=sampler)
+        rng = random.Random(seed)
 
         # Resume: whatever an earlier (possibly killed) run measured is known, not re-measured.
         for row in self.store.measured_trials(self.env_id, spec.name, spec.version, self.key_dict):
@@ -233,10 +235,15 @@ class KeyTuner:
         if exhaustive:
             for config in feasible:
                 study.enqueue_trial(self.space.to_dict(config), skip_if_exists=True)
+        else:
+            # TPE's random start-up draws from the whole product, mostly infeasible for large
+            # spaces: start it from a seeded sample of feasible configs instead.
+            for config in rng.sample(feasible, min(len(feasible), max(1, opts.trials // 3))):
+                study.enqueue_trial(self.space.to_dict(config), skip_if_exists=True)
 
         # The budget counts trials measured by earlier runs of the same study too (resume).
         budget = opts.trials
-        max_asks = 4 * budget + len(feasible)
+        max_asks = 20 * budget + len(feasible)
         asks = 0
         while self._spent() < budget and asks < max_asks:
             if opts.time_budget_s is not None and time.monotonic() - started > opts.time_budget_s:
@@ -261,6 +268,10 @@ class KeyTuner:
                 if reason is not None:
                     self._record(config, PRUNED, None, reason)
                     study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                    # Keep the sweep moving: the next ask measures an unseen feasible config.
+                    unseen = [c for c in feasible if self._ident(c) not in self.status]
+                    if unseen:
+                        study.enqueue_trial(self.space.to_dict(rng.choice(unseen)))
                     continue
                 self.status[ident] = "pending"
                 pending.append((trial, config))
