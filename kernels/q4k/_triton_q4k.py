@@ -1,0 +1,309 @@
+"""Triton kernels of ``q4k_fp8_gemm``: ``out[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ bias)``.
+
+The weight arrives in :class:`~tritune.kernels.q4k.weight.Q4KWeight`'s layout: nibbles ``qs``
+``[N, K/2]`` in natural order, 6-bit ``scales``/``mins`` ``[N, K/32]``, and ``(d, dmin)`` fp16
+``[N, K/256, 2]``. With ``s = d*sc`` and ``o = dmin*m`` for a 32-wide sub-block, a weight is
+``s*q - o``.
+
+* The portable kernel dequantizes a ``[BLOCK_N, BLOCK_K]`` weight tile in registers (float32
+  ``s*q - o``, then x's dtype) and accumulates ``tl.dot`` in float32.
+* The fp8 kernel never rounds the weight. Writing ``q = (q - 8) + 8``, one 32-wide sub-block
+  contributes ``s * dot(x, q - 8) + (8s - o) * sum(x)``. ``q - 8`` (-8..7) is exact in e4m3, so
+  each sub-block is one fp8 ``tl.dot`` of the row-scaled e4m3 activations against ``q - 8``,
+  scaled by ``s`` into the float32 accumulator; after the loop the row scale is applied and the
+  "centre" term ``sum_g rowsum(x)[m, g] * (8s - o)[n, g]`` is added as a small float32 dot over
+  the sub-block index. The row sums are of the exact activations (the pre-pass computes them),
+  so only the centred part ``s*(q-8)`` sees the e4m3 rounding of x: centring keeps that part
+  small, which is what holds the SQNR near 30 dB.
+* With ``SPLIT_K > 1`` each program covers a slice of K and writes float32 partials that
+  :func:`_splitk_reduce_kernel` sums (deterministic, no atomics); small-M calls use this to
+  spread one pass over the weight across the whole GPU.
+
+Loop trip counts are compile-time (``K_TILES``): the Triton 3.6 interpreter cannot take a run-time
+``range`` bound under numpy 2.4, and on a GPU a model has only a few distinct K.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _e4m3_grid(x):
+    """``x`` (``|x| <= 448``) rounded to the nearest e4m3 value, ties to even, in float32."""
+    exponent = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    ulp = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    # Adding 1.5 * 2**23 leaves no fraction bits: float32 addition rounds to an integer, ties to even.
+    return ((x / ulp + 12582912.0) - 12582912.0) * ulp
+
+
+@triton.jit
+def _quantize_rows_fp8_kernel(
+    x_ptr,
+    xq_ptr,
+    row_scale_ptr,
+    rowsum_ptr,
+    K,
+    stride_xm,
+    stride_xk,
+    BLOCK_K: tl.constexpr,
+    K_TILES: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,
+):
+    """One row per program: e4m3 row with scale ``amax / 448``, and exact 32-wide row sums."""
+    pid_m = tl.program_id(0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + pid_m * stride_xm
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for i in range(K_TILES):
+        x = tl.load(x_row + (i * BLOCK_K + offs_k) * stride_xk).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    row_max = tl.max(amax, axis=0)
+    scale = tl.where(row_max > 0, row_max / 448.0, 1.0)
+    tl.store(row_scale_ptr + pid_m, scale)
+    offs_g = tl.arange(0, BLOCK_K // 32)
+    for i in range(K_TILES):
+        k0 = i * BLOCK_K
+        x = tl.load(x_row + (k0 + offs_k) * stride_xk).to(tl.float32)
+        xq = tl.clamp(x / scale, -448.0, 448.0)
+        if ROUND_IN_FP32:
+            # The interpreter's e4m3 cast drops the carry when rounding up to a power of two
+            # (31.3 -> 16): round on the e4m3 grid first so that the cast is exact.
+            xq = _e4m3_grid(xq)
+        tl.store(xq_ptr + pid_m * K + k0 + offs_k, xq.to(tl.float8e4nv))
+        sums = tl.sum(tl.reshape(x, (BLOCK_K // 32, 32)), axis=1)
+        tl.store(rowsum_ptr + pid_m * (K // 32) + k0 // 32 + offs_g, sums)
+
+
+@triton.jit
+def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of this program, GROUP_M row tiles at a time so weight tiles stay in L2."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _unpack_nibbles(qb, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """uint8 ``[ROWS, COLS/2]`` of packed pairs -> ``[ROWS, COLS]`` values 0..15 in natural order."""
+    return tl.reshape(tl.join(qb & 0xF, qb >> 4), (ROWS, COLS))
+
+
+@triton.jit
+def _store_tile(
+    acc,
+    out_ptr,
+    bias_ptr,
+    offs_m,
+    offs_n,
+    M,
+    N,
+    pid_k,
+    stride_om,
+    stride_on,
+    stride_ok,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+            acc = acc + bias[None, :]
+        ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        # Float32 partials [SPLIT_K, M, N]; the reduce kernel adds the bias.
+        ptrs = out_ptr + pid_k * stride_ok + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+        tl.store(ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _q4k_gemm_portable_kernel(
+    x_ptr,
+    qs_ptr,
+    sc_ptr,
+    mn_ptr,
+    ss_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_xm,
+    stride_xk,
+    stride_qn,
+    stride_sn,
+    stride_ssn,
+    stride_om,
+    stride_on,
+    stride_ok,
+    HAS_BIAS: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    K_TILES: tl.constexpr,
+):
+    """Each program reduces ``K_TILES`` tiles of K (its split), dequantized to x's dtype."""
+    G: tl.constexpr = BLOCK_K // 32
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
+    k_start = pid_k * (K_TILES * BLOCK_K)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Out-of-range rows and columns read row 0 / column 0 (valid memory); their results are masked.
+    rows_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    rows_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_b = tl.arange(0, BLOCK_K // 2)
+    offs_g = tl.arange(0, G)
+
+    x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk
+    q_ptrs = qs_ptr + rows_n[:, None] * stride_qn + (k_start // 2 + offs_b)[None, :]
+    sc_ptrs = sc_ptr + rows_n[:, None] * stride_sn + (k_start // 32 + offs_g)[None, :]
+    mn_ptrs = mn_ptr + rows_n[:, None] * stride_sn + (k_start // 32 + offs_g)[None, :]
+    ss_row = ss_ptr + rows_n[:, None] * stride_ssn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(K_TILES):
+        # d of each sub-block's super-block, dmin one element on: [BLOCK_N, G] pointers.
+        d_ptrs = ss_row + ((k_start // 32 + i * G + offs_g) // 8 * 2)[None, :]
+        x = tl.load(x_ptrs)  # [BLOCK_M, BLOCK_K]
+        qb = tl.load(q_ptrs)  # [BLOCK_N, BLOCK_K / 2]
+        scale = tl.load(d_ptrs).to(tl.float32) * tl.load(sc_ptrs).to(tl.float32)  # [BLOCK_N, G]
+        offset = tl.load(d_ptrs + 1).to(tl.float32) * tl.load(mn_ptrs).to(tl.float32)
+        q = tl.reshape(_unpack_nibbles(qb, BLOCK_N, BLOCK_K), (BLOCK_N, G, 32)).to(tl.float32)
+        w = tl.reshape(q * scale[:, :, None] - offset[:, :, None], (BLOCK_N, BLOCK_K)).to(x.dtype)
+        if DOT_IN_FP32:
+            # The interpreter multiplies bf16 tiles wrongly; fp32 operands hold the same values.
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K * stride_xk
+        q_ptrs += BLOCK_K // 2
+        sc_ptrs += G
+        mn_ptrs += G
+
+    _store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, stride_om, stride_on, stride_ok, HAS_BIAS, SPLIT_K)
+
+
+@triton.jit
+def _q4k_gemm_fp8_kernel(
+    xq_ptr,
+    row_scale_ptr,
+    rowsum_ptr,
+    qs_ptr,
+    sc_ptr,
+    mn_ptr,
+    ss_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_qn,
+    stride_sn,
+    stride_ssn,
+    stride_om,
+    stride_on,
+    stride_ok,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    K_TILES: tl.constexpr,
+):
+    """Each program reduces ``K_TILES`` tiles of K (its split): fp8 dots of e4m3 x with ``q - 8``."""
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
+    k_start = pid_k * (K_TILES * BLOCK_K)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    rows_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    offs_s = tl.arange(0, 32)
+    offs_b = tl.arange(0, 16)
+
+    x_ptrs = xq_ptr + rows_m[:, None] * K + (k_start + offs_s)[None, :]
+    q_ptrs = qs_ptr + rows_n[:, None] * stride_qn + (k_start // 2 + offs_b)[None, :]
+    sc_ptrs = sc_ptr + rows_n * stride_sn + k_start // 32
+    ss_row = ss_ptr + rows_n * stride_ssn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(K_TILES):
+        # BLOCK_K divides 256, so the whole tile shares one super-block's d.
+        d = tl.load(ss_row + (k_start + i * BLOCK_K) // 256 * 2).to(tl.float32)  # [BLOCK_N]
+        for j in tl.static_range(BLOCK_K // 32):
+            x = tl.load(x_ptrs + j * 32)  # [BLOCK_M, 32] e4m3
+            qb = tl.load(q_ptrs + j * 16)  # [BLOCK_N, 16]
+            sc = tl.load(sc_ptrs + j).to(tl.float32)  # [BLOCK_N]
+            w = (_unpack_nibbles(qb, BLOCK_N, 32).to(tl.float16) - 8.0).to(tl.float8e4nv)
+            acc += tl.dot(x, tl.trans(w)) * (d * sc)[None, :]
+        x_ptrs += BLOCK_K
+        q_ptrs += BLOCK_K // 2
+        sc_ptrs += BLOCK_K // 32
+
+    row_scale = tl.load(row_scale_ptr + rows_m)
+    acc = acc * row_scale[:, None]
+
+    # The centre term: sum over sub-blocks g of rowsum(x)[m, g] * (8*d*sc - dmin*m)[g, n]. tf32
+    # operands cost ~55 dB on this (already centred, small) term, far below the e4m3 error.
+    GC: tl.constexpr = 16
+    GROUPS: tl.constexpr = K_TILES * BLOCK_K // 32
+    offs_gc = tl.arange(0, GC)
+    for c in range((GROUPS + GC - 1) // GC):
+        g_ok = c * GC + offs_gc < GROUPS
+        g = k_start // 32 + c * GC + offs_gc
+        rs = tl.load(rowsum_ptr + rows_m[:, None] * (K // 32) + g[None, :], mask=g_ok[None, :], other=0.0)
+        sc_mn = rows_n[None, :] * stride_sn + g[:, None]  # [GC, BLOCK_N]
+        sc = tl.load(sc_ptr + sc_mn, mask=g_ok[:, None], other=0).to(tl.float32)
+        mn = tl.load(mn_ptr + sc_mn, mask=g_ok[:, None], other=0).to(tl.float32)
+        d_ptrs = ss_ptr + rows_n[None, :] * stride_ssn + (g // 8 * 2)[:, None]
+        d = tl.load(d_ptrs, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        dmin = tl.load(d_ptrs + 1, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        centre = 8.0 * (d * sc) - dmin * mn  # [GC, BLOCK_N]
+        acc = tl.dot(rs, centre, acc, input_precision="tf32")
+
+    _store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, stride_om, stride_on, stride_ok, HAS_BIAS, SPLIT_K)
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    part_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_pk,
+    stride_pm,
+    stride_om,
+    stride_on,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """``out = sum of SPLIT_K float32 partials (+ bias)``, cast to out's dtype."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    ptrs = part_ptr + offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]
+    acc = tl.load(ptrs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(ptrs + s * stride_pk, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,172 @@
+"""Host side of ``q4k_fp8_gemm``: allocate workspaces and launch the kernels for one config.
+
+Arguments arrive validated (see :func:`tritune.kernels.q4k.op.q4k_linear`): ``x`` is ``[M, K]``
+with unit stride along K, the weight tensors are :class:`~tritune.kernels.q4k.weight.Q4KWeight`'s,
+and ``out`` is a contiguous ``[M, N]`` of x's dtype. Launches go through ``wrap_triton`` so the
+registered op stays traceable by ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+
+from tritune.search_spaces.q4k_fp8_gemm import Q4KConfig
+
+from .._oplib import wrap_triton
+from ._triton_q4k import (
+    _q4k_gemm_fp8_kernel,
+    _q4k_gemm_portable_kernel,
+    _quantize_rows_fp8_kernel,
+    _splitk_reduce_kernel,
+)
+
+KERNELS = (_quantize_rows_fp8_kernel, _q4k_gemm_fp8_kernel, _q4k_gemm_portable_kernel, _splitk_reduce_kernel)
+
+_REDUCE_BLOCK_M = 16
+_REDUCE_BLOCK_N = 128
+
+
+def _direct(kernel: Any) -> Any:
+    return kernel
+
+
+def _prepass_block(k: int) -> int:
+    # The largest power-of-two chunk (256 .. 2048) that divides K; K is a multiple of 256.
+    block = 2048
+    while k % block:
+        block //= 2
+    return block
+
+
+def run_q4k_gemm(
+    config: Q4KConfig,
+    x: torch.Tensor,
+    qs: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    super_scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    *,
+    traceable: bool = True,
+) -> None:
+    """``out = x @ dequant(W)^T (+ bias)`` with ``config``; writes every element of ``out``.
+
+    ``traceable=False`` launches the kernels directly: eager calls skip ``wrap_triton``'s
+    per-launch bookkeeping, which costs more than a whole decode-sized GEMM.
+    """
+    launcher = wrap_triton if traceable else _direct
+    m, k = x.shape
+    n = qs.shape[0]
+    if m == 0:
+        return
+    # Plain // and % (not divmod): under torch.compile's dynamic shapes k is a SymInt.
+    k_tiles = k // config.BLOCK_K // config.SPLIT_K
+    if (k // config.BLOCK_K) % config.SPLIT_K or k % config.BLOCK_K:
+        raise ValueError(
+            f"config: SPLIT_K={config.SPLIT_K} must divide the {k // config.BLOCK_K} BLOCK_K={config.BLOCK_K} "
+            f"tiles of K={k}"
+        )
+    has_bias = bias is not None
+    bias_arg = bias if bias is not None else out
+    grid = (triton.cdiv(m, config.BLOCK_M) * triton.cdiv(n, config.BLOCK_N), config.SPLIT_K)
+    if config.SPLIT_K > 1:
+        target = torch.empty((config.SPLIT_K, m, n), dtype=torch.float32, device=out.device)
+        stride_ok, stride_om, stride_on = target.stride()
+    else:
+        target = out
+        stride_ok, (stride_om, stride_on) = 0, out.stride()
+    launch = {
+        "HAS_BIAS": has_bias,
+        "BLOCK_M": config.BLOCK_M,
+        "BLOCK_N": config.BLOCK_N,
+        "BLOCK_K": config.BLOCK_K,
+        "GROUP_M": config.GROUP_M,
+        "SPLIT_K": config.SPLIT_K,
+        "K_TILES": k_tiles,
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+    }
+    if config.path == "fp8":
+        xq = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+        row_scale = torch.empty((m,), dtype=torch.float32, device=x.device)
+        rowsum = torch.empty((m, k // 32), dtype=torch.float32, device=x.device)
+        block = _prepass_block(k)
+        launcher(_quantize_rows_fp8_kernel)[(m,)](
+            x,
+            xq,
+            row_scale,
+            rowsum,
+            k,
+            x.stride(0),
+            x.stride(1),
+            BLOCK_K=block,
+            K_TILES=k // block,
+            ROUND_IN_FP32=x.device.type == "cpu",
+            num_warps=4,
+        )
+        launcher(_q4k_gemm_fp8_kernel)[grid](
+            xq,
+            row_scale,
+            rowsum,
+            qs,
+            scales,
+            mins,
+            super_scales,
+            bias_arg,
+            target,
+            m,
+            n,
+            k,
+            qs.stride(0),
+            scales.stride(0),
+            super_scales.stride(0),
+            stride_om,
+            stride_on,
+            stride_ok,
+            **launch,
+        )
+    else:
+        launcher(_q4k_gemm_portable_kernel)[grid](
+            x,
+            qs,
+            scales,
+            mins,
+            super_scales,
+            bias_arg,
+            target,
+            m,
+            n,
+            x.stride(0),
+            x.stride(1),
+            qs.stride(0),
+            scales.stride(0),
+            super_scales.stride(0),
+            stride_om,
+            stride_on,
+            stride_ok,
+            # The interpreter (CPU tensors) multiplies bf16 tiles wrongly: give it fp32 operands.
+            DOT_IN_FP32=x.device.type == "cpu",
+            **launch,
+        )
+    if config.SPLIT_K > 1:
+        reduce_grid = (triton.cdiv(m, _REDUCE_BLOCK_M), triton.cdiv(n, _REDUCE_BLOCK_N))
+        launcher(_splitk_reduce_kernel)[reduce_grid](
+            target,
+            bias_arg,
+            out,
+            m,
+            n,
+            target.stride(0),
+            target.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HAS_BIAS=has_bias,
+            SPLIT_K=config.SPLIT_K,
+            BLOCK_M=_REDUCE_BLOCK_M,
+            BLOCK_N=_REDUCE_BLOCK_N,
+            num_warps=4,
+        )

@@ -1,0 +1,96 @@
+"""``q4k_linear``: a linear layer with a GGUF Q4_K weight, registered as ``tritune::q4k_linear``."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+from tritune.search_spaces.q4k_fp8_gemm import Q4KConfig
+
+from .._oplib import register_op
+from ..dispatcher import dispatch
+from .launch import KERNELS, run_q4k_gemm
+from .spec import SPEC
+from .weight import Q4KWeight
+
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _q4k_linear_op(
+    x: torch.Tensor,
+    qs: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    super_scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    path: str,
+    BLOCK_M: int,
+    BLOCK_N: int,
+    BLOCK_K: int,
+    GROUP_M: int,
+    num_warps: int,
+    num_stages: int,
+    SPLIT_K: int,
+) -> None:
+    config = Q4KConfig(path, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT_K)
+    run_q4k_gemm(config, x, qs, scales, mins, super_scales, bias, out)
+
+
+q4k_linear_op = register_op("tritune::q4k_linear", _q4k_linear_op, mutates_args=("out",), kernels=KERNELS)
+
+
+def _check(x: torch.Tensor, weight: Q4KWeight, bias: torch.Tensor | None, out: torch.Tensor | None) -> None:
+    if not isinstance(weight, Q4KWeight):
+        raise TypeError(f"weight: expected a Q4KWeight, got {type(weight).__name__}")
+    n, k = weight.shape
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"x: expected dtype torch.bfloat16 or torch.float16, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(f"x: expected shape [..., K={k}] to match the weight, got {tuple(x.shape)}")
+    if x.device != weight.device:
+        raise ValueError(f"x: on {x.device}, but weight is on {weight.device}")
+    if bias is not None:
+        if tuple(bias.shape) != (n,):
+            raise ValueError(f"bias: expected shape ({n},), got {tuple(bias.shape)}")
+        if bias.device != x.device:
+            raise ValueError(f"bias: on {bias.device}, but x is on {x.device}")
+        if not bias.is_floating_point():
+            raise TypeError(f"bias: expected a floating-point dtype, got {bias.dtype}")
+    if out is not None:
+        expected = (*x.shape[:-1], n)
+        if tuple(out.shape) != expected:
+            raise ValueError(f"out: expected shape {expected}, got {tuple(out.shape)}")
+        if out.dtype != x.dtype:
+            raise TypeError(f"out: expected dtype {x.dtype} (x's), got {out.dtype}")
+        if out.device != x.device:
+            raise ValueError(f"out: on {out.device}, but x is on {x.device}")
+        if not out.is_contiguous():
+            raise ValueError("out: expected a contiguous tensor")
+
+
+def q4k_linear(
+    x: torch.Tensor, weight: Q4KWeight, bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ W^T + bias`` for a Q4_K weight ``W`` ``[N, K]``; ``x`` is ``[..., K]`` bf16 or fp16.
+
+    The result is ``[..., N]`` in x's dtype, written to ``out`` when given. The config (portable
+    or fp8 path, tiles, split-K) comes from the dispatcher for this GPU, M bucket, N and K.
+    """
+    _check(x, weight, bias, out)
+    n, k = weight.shape
+    x2d = x.reshape(-1, k)
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    if out is None:
+        out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    facts = SPEC.facts(x2d, weight, bias)
+    values = dispatch(SPEC.name, x.device.type, x.device.index or 0, facts)
+    if torch.compiler.is_compiling() or type(x) is not torch.Tensor or is_in_torch_dispatch_mode():
+        # Tracers (dynamo, make_fx, export) and dispatch modes must see the registered op.
+        q4k_linear_op(x2d, *weight.tensors(), bias, out.view(-1, n), *values)
+    else:
+        run_q4k_gemm(Q4KConfig(*values), x2d, *weight.tensors(), bias, out.view(-1, n), traceable=False)
+    return out

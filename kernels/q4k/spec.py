@@ -1,0 +1,180 @@
+"""The kernel spec of ``q4k_fp8_gemm``: keys, defaults, launch, reference and checks."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import triton
+
+from tritune.search_spaces import q4k_fp8_gemm as q4k_space
+from tritune.search_spaces.q4k_fp8_gemm import Q4KConfig
+
+from ..device import DeviceInfo, target_supports
+from ..spec import KernelSpec, Problem, TuningKey, pow2_bucket
+from .launch import run_q4k_gemm
+from .reference import q4k_linear_reference, sqnr_db
+from .weight import Q4KWeight
+
+#: SQNR (dB) each path must reach against the exactly dequantized float32 reference.
+#: fp8: e4m3 activations (about 30 dB on Gaussian data); portable: bf16/fp16 rounding only.
+MIN_SQNR_DB = {"fp8": 25.0, "portable": 40.0}
+
+_GPU_SHAPES = ((4096, 14336), (14336, 4096), (4096, 4096))  # (K, N)
+_GPU_M_BUCKETS = (1, 16, 64, 256, 1024, 4096, 8192)
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Q4KKey(TuningKey):
+    dtype: str
+    m_bucket: int
+    n: int
+    k: int
+
+    BUCKETS: ClassVar[tuple[str, ...]] = ("m_bucket",)
+
+
+def check_path(out: torch.Tensor, expected: torch.Tensor, path: str) -> str | None:
+    """``None`` if ``out`` reaches ``path``'s SQNR floor against ``expected``, else why not."""
+    if torch.isnan(out).any():
+        return "output contains NaN"
+    sqnr = sqnr_db(out, expected)
+    floor = MIN_SQNR_DB[path]
+    if not sqnr >= floor:
+        return f"SQNR {sqnr:.1f} dB is below the {path} path's {floor:.0f} dB"
+    return None
+
+
+class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
+    name = "q4k_fp8_gemm"
+    source_modules = ("tritune.kernels.q4k._triton_q4k", "tritune.kernels.q4k.launch")
+    key_type = Q4KKey
+
+    def __init__(self) -> None:
+        self.space = q4k_space.space()
+
+    # ---- the runtime half --------------------------------------------------------------
+
+    def facts(self, x: torch.Tensor, weight: Q4KWeight, bias: torch.Tensor | None = None) -> tuple[Any, ...]:
+        """``(M, N, K, dtype name)`` of a call with ``x`` already flattened to ``[M, K]``."""
+        n, k = weight.shape
+        return (x.shape[0], n, k, str(x.dtype).removeprefix("torch."))
+
+    def key_for(self, device: DeviceInfo, facts: tuple[Any, ...]) -> Q4KKey:
+        m, n, k, dtype = facts
+        return Q4KKey(
+            arch=device.arch, sm_count=device.sm_count, dtype=dtype, m_bucket=pow2_bucket(m, minimum=1), n=n, k=k
+        )
+
+    def default_config(self, key: Q4KKey) -> Q4KConfig:
+        """Portable defaults by M, from H200 measurements (Llama-3-8B shapes, bf16).
+
+        Up to M=64: 64-wide N tiles, split along K until about 1.5 programs per SM (one pass over
+        the weight; 256-deep K tiles for decode). Beyond: 128x128x64 tiles, 8 warps.
+        """
+        if key.arch == "cpu-interpreter":
+            block_m = 16 if key.m_bucket <= 16 else 32
+            return Q4KConfig(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=1)
+        if key.m_bucket <= q4k_space.SMALL_M:
+            decode = key.m_bucket <= 16
+            block_k = 256 if decode else 128
+            tiles = triton.cdiv(key.n, 64) * triton.cdiv(key.m_bucket, 16 if decode else key.m_bucket)
+            split = 1
+            while split < 8 and 2 * tiles * split < 3 * key.sm_count and (key.k // block_k) % (2 * split) == 0:
+                split *= 2
+            return Q4KConfig(
+                BLOCK_M=16 if decode else key.m_bucket,
+                BLOCK_N=64,
+                BLOCK_K=block_k,
+                GROUP_M=1,
+                num_warps=4,
+                num_stages=3 if decode else 4,
+                SPLIT_K=split,
+            )
+        return Q4KConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+    def pinned_config(self, values: Mapping[str, Any]) -> Q4KConfig:
+        """A ``use_config`` dict; fields left out take the defaults of the path it names."""
+        base = Q4KConfig()
+        if values.get("path") == "fp8":
+            base = dataclasses.replace(base, path="fp8", BLOCK_K=128)
+        return self.space.parse(values, base=base)
+
+    def is_portable(self, config: Q4KConfig) -> bool:
+        return config.path == "portable"
+
+    def serveable(self, config: Q4KConfig, device: DeviceInfo, facts: tuple[Any, ...]) -> Q4KConfig:
+        """The fp8 path needs e4m3 tensor cores (SM89+, every built arch) or the interpreter.
+
+        A pinned SPLIT_K that does not divide K's tiles is halved until it does.
+        """
+        if config.path == "fp8" and not (device.is_interpreter or target_supports(device, (8, 9))):
+            config = self.default_config(self.key_for(device, facts))
+        tiles = facts[2] // config.BLOCK_K
+        split = config.SPLIT_K
+        while split > 1 and tiles % split:
+            split //= 2
+        return config if split == config.SPLIT_K else dataclasses.replace(config, SPLIT_K=split)
+
+    def launch(
+        self, config: Q4KConfig, x: torch.Tensor, weight: Q4KWeight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x2d = x.reshape(-1, x.shape[-1])
+        out = torch.empty((x2d.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+        run_q4k_gemm(config, x2d, *weight.tensors(), bias, out, traceable=False)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    # ---- the tuning half ---------------------------------------------------------------
+
+    def reference(self, x: torch.Tensor, weight: Q4KWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return q4k_linear_reference(x, weight, bias)
+
+    def check(self, out: torch.Tensor, expected: torch.Tensor, problem: Problem) -> str | None:
+        """SQNR against the exact-weight reference, at the floor of the loosest path (fp8).
+
+        ``check`` does not see the config; :func:`check_path` holds each path to its own floor.
+        """
+        return check_path(out, expected, "fp8")
+
+    def make_problem(self, key: Q4KKey, device: torch.device, seed: int) -> Problem:
+        generator = torch.Generator(device=device).manual_seed(seed)
+        m = key.m_bucket
+        w = torch.randn((key.n, key.k), generator=generator, device=device) * 0.02
+        weight = Q4KWeight.quantize(w)
+        x = torch.randn((m, key.k), generator=generator, device=device).to(_DTYPES[key.dtype])
+        x_bytes = x.numel() * x.element_size()
+        return Problem(
+            args=(x, weight),
+            flops=2.0 * m * key.n * key.k,
+            bytes_moved=float(weight.nbytes + x_bytes + m * key.n * x.element_size()),
+            flush_l2=True,
+            launch_bound=m <= q4k_space.SMALL_M,
+        )
+
+    def default_keys(self, device: DeviceInfo, **options: Any) -> list[Q4KKey]:
+        """GPU: the Llama-3-8B MLP and attention shapes over M buckets; interpreter: one tiny key.
+
+        Options: ``m`` (iterable of M values) and ``dtype`` ("bfloat16" or "float16") narrow them.
+        """
+        dtype = str(options.get("dtype") or "bfloat16")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r}: expected one of {sorted(_DTYPES)}")
+        if device.is_interpreter:
+            shapes: Iterable[tuple[int, int]] = ((256, 64),)
+            buckets: Iterable[int] = (16,)
+        else:
+            shapes, buckets = _GPU_SHAPES, _GPU_M_BUCKETS
+        if options.get("m"):
+            buckets = sorted({pow2_bucket(int(m), minimum=1) for m in options["m"]})
+        return [
+            Q4KKey(arch=device.arch, sm_count=device.sm_count, dtype=dtype, m_bucket=mb, n=n, k=k)
+            for (k, n) in shapes
+            for mb in buckets
+        ]
+
+
+SPEC = Q4KSpec()

@@ -1,0 +1,401 @@
+"""Q4_K weights and the ``q4k_fp8_gemm`` kernel: format, GGUF files, quantizer, GEMM paths, op.
+
+CPU tier: the kernels run on the Triton interpreter at tiny shapes. GPU tier (``gpu`` marker): the
+same checks over larger K and the Llama-3-8B shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tritune.kernels import Q4KWeight, q4k_linear, use_config
+from tritune.kernels.device import DeviceInfo, device_info, interpreter_device
+from tritune.kernels.q4k import format as q4k_format
+from tritune.kernels.q4k.op import q4k_linear_op
+from tritune.kernels.q4k.reference import q4k_linear_reference, sqnr_db
+from tritune.kernels.q4k.spec import MIN_SQNR_DB, SPEC, Q4KKey, check_path
+from tritune.search_spaces.base import TargetLimits
+from tritune.search_spaces.q4k_fp8_gemm import Q4KConfig
+
+Q4_K = gguf.GGMLQuantizationType.Q4_K
+
+
+def _random_blocks(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    """Random Q4_K rows whose d and dmin are finite fp16 values (everything else random bytes)."""
+    raw = rng.integers(0, 256, size=(n, k // 256 * 144), dtype=np.uint8)
+    blocks = raw.reshape(n, -1, 144)
+    halves = (rng.standard_normal((n, blocks.shape[1], 2)) * 0.01).astype(np.float16)
+    blocks[..., 0:4] = halves.view(np.uint8).reshape(n, -1, 4)
+    return raw
+
+
+def _gguf_values(raw: np.ndarray) -> np.ndarray:
+    return gguf.quants.dequantize(raw, Q4_K).astype(np.float32)
+
+
+def _assert_bitwise(ours: torch.Tensor, theirs: np.ndarray) -> None:
+    assert ours.dtype == torch.float32 and tuple(ours.shape) == theirs.shape
+    np.testing.assert_array_equal(ours.numpy().view(np.int32), theirs.view(np.int32))
+
+
+# ---- the block format ------------------------------------------------------------------------
+
+
+def test_decode_matches_gguf_on_random_blocks():
+    raw = _random_blocks(np.random.default_rng(0), 6, 1024)
+    _assert_bitwise(q4k_format.dequantize_q4k_blocks(torch.from_numpy(raw)), _gguf_values(raw))
+
+
+def test_decode_matches_gguf_on_every_scale_and_min_pattern():
+    # 64 super-blocks: sub-block j of block b gets scale (b + 9j) % 64 and min (5b + 3j + 1) % 64,
+    # so every sub-block position sees all 64 six-bit values of both, with varied partners.
+    rng = np.random.default_rng(1)
+    b = np.arange(64)[:, None]
+    j = np.arange(8)[None, :]
+    sc = torch.from_numpy(((b + 9 * j) % 64).astype(np.uint8)).reshape(1, -1)
+    m = torch.from_numpy(((5 * b + 3 * j + 1) % 64).astype(np.uint8)).reshape(1, -1)
+    q = torch.from_numpy(rng.integers(0, 16, size=(1, 64 * 256), dtype=np.uint8))
+    d = torch.from_numpy(rng.uniform(0.001, 0.01, size=(1, 64)).astype(np.float16))
+    dmin = torch.from_numpy(rng.uniform(0.001, 0.01, size=(1, 64)).astype(np.float16))
+    raw = q4k_format.pack_blocks(d, dmin, sc, m, q).numpy()
+
+    # gguf's own unpacking of our bytes gives back exactly the codes we meant.
+    scales = raw.reshape(64, 144)[:, 4:16]
+    gguf_sc, gguf_m = gguf.quants.Q4_K.get_scale_min(scales)
+    np.testing.assert_array_equal(gguf_sc.reshape(1, -1), sc.numpy())
+    np.testing.assert_array_equal(gguf_m.reshape(1, -1), m.numpy())
+    _assert_bitwise(q4k_format.dequantize_q4k_blocks(torch.from_numpy(raw)), _gguf_values(raw))
+
+
+def test_repack_is_lossless():
+    raw = _random_blocks(np.random.default_rng(2), 5, 768)
+    weight = Q4KWeight.from_blocks(raw, (5, 768))
+    assert weight.shape == (5, 768)
+    assert weight.qs.shape == (5, 384) and weight.scales.shape == (5, 24) and weight.super_scales.shape == (5, 3, 2)
+    _assert_bitwise(weight.dequantize(), _gguf_values(raw))
+    np.testing.assert_array_equal(weight.to_blocks().numpy(), raw)
+
+
+def test_weight_is_immutable_and_moves():
+    weight = Q4KWeight.from_blocks(_random_blocks(np.random.default_rng(3), 2, 256), (2, 256))
+    with pytest.raises(AttributeError, match="immutable"):
+        weight.qs = weight.qs  # type: ignore[misc]
+    moved = weight.to("cpu")
+    assert moved is not weight and moved.shape == weight.shape
+    assert torch.equal(moved.dequantize(), weight.dequantize())
+
+
+def test_gguf_file_round_trip(tmp_path):
+    raw = _random_blocks(np.random.default_rng(4), 7, 512)
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=Q4_K)
+    writer.add_tensor("output_norm.weight", np.ones(512, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    weight = Q4KWeight.from_gguf(path, "blk.0.ffn_down.weight")
+    assert weight.shape == (7, 512)
+    np.testing.assert_array_equal(weight.to_blocks().numpy(), raw)
+    _assert_bitwise(weight.dequantize(), _gguf_values(raw))
+    with pytest.raises(KeyError, match="tensor_name: no tensor 'missing'"):
+        Q4KWeight.from_gguf(path, "missing")
+    with pytest.raises(ValueError, match="stored as F32, not Q4_K"):
+        Q4KWeight.from_gguf(path, "output_norm.weight")
+
+
+def test_from_blocks_rejects_bad_input():
+    raw = _random_blocks(np.random.default_rng(5), 2, 256)
+    with pytest.raises(ValueError, match="K=300"):
+        Q4KWeight.from_blocks(raw, (2, 300))
+    with pytest.raises(TypeError, match="raw: expected uint8"):
+        Q4KWeight.from_blocks(torch.from_numpy(raw).to(torch.int16), (2, 256))
+    with pytest.raises(ValueError, match=r"raw: a Q4_K weight of shape \(2, 512\)"):
+        Q4KWeight.from_blocks(raw, (2, 512))
+    with pytest.raises(ValueError, match="K=100"):
+        Q4KWeight.quantize(torch.randn(4, 100))
+
+
+# ---- the quantizer ---------------------------------------------------------------------------
+
+
+def test_quantizer_error_on_gaussian_data():
+    w = torch.randn(64, 1024, generator=torch.Generator().manual_seed(6))
+    raw = q4k_format.quantize_q4_k(w)
+    assert raw.dtype == torch.uint8 and tuple(raw.shape) == (64, 4 * 144)
+    values = torch.from_numpy(_gguf_values(raw.numpy()))
+    rel_rms = ((values - w).square().mean() / w.square().mean()).sqrt().item()
+    assert rel_rms <= 0.075, f"relative RMS error {rel_rms:.4f} (ggml's Q4_K reaches about 0.07)"
+
+
+def test_quantizer_degenerate_rows():
+    w = torch.zeros(3, 256)
+    w[1] = 0.5  # constant positive: min clamps to zero
+    w[2, ::2] = -1.0  # two levels
+    values = Q4KWeight.quantize(w).dequantize()
+    assert torch.isfinite(values).all()
+    torch.testing.assert_close(values, w, atol=0.02, rtol=0)
+
+
+# ---- the GEMM --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    path: str
+    m: int
+    k: int
+    n: int
+    split_k: int = 1
+    block_k: int = 64
+    bias: bool = False
+    dtype: torch.dtype = torch.bfloat16
+
+    def __str__(self) -> str:
+        dt = "bf16" if self.dtype == torch.bfloat16 else "fp16"
+        return f"{self.path}-M{self.m}-K{self.k}-N{self.n}-split{self.split_k}-bk{self.block_k}-{dt}" + (
+            "-bias" if self.bias else ""
+        )
+
+
+CPU_CASES = [
+    Case("portable", 1, 256, 37),
+    Case("portable", 3, 768, 37, bias=True),
+    Case("portable", 16, 768, 37, split_k=4),
+    Case("portable", 64, 256, 64, block_k=128),
+    Case("portable", 257, 256, 37),
+    Case("portable", 5, 512, 33, dtype=torch.float16, bias=True),
+    Case("fp8", 1, 256, 37),
+    Case("fp8", 3, 768, 37, bias=True),
+    Case("fp8", 16, 768, 37, split_k=2, block_k=128),
+    Case("fp8", 64, 768, 64, block_k=32),
+    Case("fp8", 257, 256, 37),
+    Case("fp8", 5, 512, 33, dtype=torch.float16, bias=True),
+]
+
+GPU_CASES = [
+    Case(path, m, k, n, split_k=split, block_k=bk, bias=bias)
+    for path in ("portable", "fp8")
+    for m in (1, 3, 16, 64, 257)
+    for (k, n, split, bk, bias) in ((256, 129, 1, 64, False), (768, 1001, 1, 128, True), (4096, 4095, 1, 128, False))
+] + [
+    Case("portable", 1, 4096, 4096, split_k=8, block_k=128),
+    Case("fp8", 16, 4096, 4096, split_k=4, block_k=256),
+    Case("portable", 9, 4096, 1000, dtype=torch.float16, bias=True),
+    Case("fp8", 9, 4096, 1000, dtype=torch.float16, bias=True),
+]
+
+
+def _config(case: Case, device: str) -> dict[str, object]:
+    small = device == "cpu"
+    block_m = 16 if case.m <= 16 or small else 64
+    return {
+        "path": case.path,
+        "BLOCK_M": block_m if not small or case.m <= 16 else 32,
+        "BLOCK_N": 32 if small else 64,
+        "BLOCK_K": case.block_k,
+        "GROUP_M": 1 if small else 4,
+        "num_warps": 4,
+        "num_stages": 1 if small else 3,
+        "SPLIT_K": case.split_k,
+    }
+
+
+def _problem(case: Case, device: str, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    weight = Q4KWeight.quantize(torch.randn(case.n, case.k, generator=gen) * 0.05).to(device)
+    x = (torch.randn(case.m, case.k, generator=gen) * 2.0).to(case.dtype).to(device)
+    bias = torch.randn(case.n, generator=gen).to(device) if case.bias else None
+    return x, weight, bias
+
+
+def _run_case(case: Case, device: str, record_property) -> None:
+    x, weight, bias = _problem(case, device)
+    out = torch.full((case.m, case.n), float("nan"), dtype=case.dtype, device=device)
+    with use_config("q4k_fp8_gemm", _config(case, device)):
+        result = q4k_linear(x, weight, bias, out=out)
+    assert result is out
+    expected = q4k_linear_reference(x, weight, bias)
+    sqnr = sqnr_db(out.float(), expected)
+    record_property("sqnr_db", round(sqnr, 2))
+    assert not torch.isnan(out).any(), "some outputs were never written"
+    assert check_path(out.float(), expected, case.path) is None, f"{case}: SQNR {sqnr:.1f} dB"
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=str)
+def test_gemm_matches_reference(case, device, record_property):
+    _run_case(case, device, record_property)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_gemm_matches_reference_gpu(case, record_property):
+    _run_case(case, "cuda", record_property)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["portable", "fp8"])
+@pytest.mark.parametrize("m", [1, 16, 256, 4096])
+def test_llama_shapes_gpu(path, m, record_property):
+    """The dispatcher's default (portable) and the fp8 path's default on the Llama-3-8B MLP shape."""
+    case = Case(path, m, 4096, 14336)
+    x, weight, _ = _problem(case, "cuda")
+    config = {"path": path} if path == "fp8" else {}
+    if config:
+        with use_config("q4k_fp8_gemm", config):
+            out = q4k_linear(x, weight)
+    else:
+        out = q4k_linear(x, weight)
+    expected = q4k_linear_reference(x, weight)
+    record_property("sqnr_db", round(sqnr_db(out.float(), expected), 2))
+    assert check_path(out.float(), expected, path) is None
+
+
+@pytest.mark.parametrize("path", ["portable", "fp8"])
+def test_split_k_agrees_with_one_split(path, device):
+    x, weight, bias = _problem(Case(path, 2, 1024, 40), device, seed=7)
+    outs = []
+    for split in (1, 4):
+        config = {"path": path, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": split}
+        with use_config("q4k_fp8_gemm", config):
+            outs.append(q4k_linear(x, weight, bias).float())
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-2, atol=1e-2)
+
+
+def test_batched_input_matches_rows(device):
+    x, weight, bias = _problem(Case("portable", 6, 256, 24), device, seed=8)
+    x3 = x.reshape(2, 3, 256)
+    out = q4k_linear(x3, weight, bias)
+    assert out.shape == (2, 3, 24) and out.dtype == x.dtype
+    rows = torch.stack([q4k_linear(x[i], weight, bias) for i in range(6)])
+    torch.testing.assert_close(out.reshape(6, 24), rows, rtol=0, atol=0)
+
+
+def test_empty_batch(device):
+    _, weight, _ = _problem(Case("portable", 1, 256, 8), device)
+    out = q4k_linear(torch.empty(0, 256, dtype=torch.bfloat16, device=device), weight)
+    assert out.shape == (0, 8)
+
+
+# ---- argument checks -------------------------------------------------------------------------
+
+
+def test_bad_inputs_name_the_argument():
+    x, weight, _ = _problem(Case("portable", 2, 256, 8), "cpu")
+    with pytest.raises(ValueError, match=r"x: expected shape \[\.\.\., K=256\]"):
+        q4k_linear(torch.zeros(2, 512, dtype=torch.bfloat16), weight)
+    with pytest.raises(TypeError, match="x: expected dtype"):
+        q4k_linear(x.float(), weight)
+    with pytest.raises(TypeError, match="weight: expected a Q4KWeight"):
+        q4k_linear(x, weight.dequantize())
+    with pytest.raises(ValueError, match=r"bias: expected shape \(8,\)"):
+        q4k_linear(x, weight, torch.zeros(9))
+    with pytest.raises(ValueError, match=r"out: expected shape \(2, 8\)"):
+        q4k_linear(x, weight, out=torch.empty(2, 9, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match=r"out: expected dtype torch\.bfloat16"):
+        q4k_linear(x, weight, out=torch.empty(2, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="x: on meta, but weight is on cpu"):
+        q4k_linear(torch.empty(2, 256, dtype=torch.bfloat16, device="meta"), weight)
+
+
+def test_config_outside_the_space_is_refused():
+    from tritune.search_spaces.base import ConfigError
+
+    with pytest.raises(ConfigError, match="BLOCK_K=48"), use_config("q4k_fp8_gemm", {"BLOCK_K": 48}):
+        pass
+
+
+# ---- torch.library ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["portable", "fp8"])
+def test_opcheck(path, device):
+    x, weight, bias = _problem(Case(path, 3, 256, 16), device, seed=9)
+    out = torch.empty(3, 16, dtype=torch.bfloat16, device=device)
+    config = Q4KConfig(path=path, BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_stages=1, SPLIT_K=2)
+    torch.library.opcheck(q4k_linear_op, (x, *weight.tensors(), bias, out, *dataclasses.astuple(config)))
+
+
+def test_torch_compile_fullgraph(device):
+    x, weight, bias = _problem(Case("fp8", 4, 256, 16), device, seed=10)
+
+    def layer(inp: torch.Tensor) -> torch.Tensor:
+        return q4k_linear(inp, weight, bias) * 2
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), layer(x), rtol=0, atol=0)
+
+
+# ---- the spec --------------------------------------------------------------------------------
+
+
+def test_spec_keys_defaults_and_problems(device):
+    info = device_info(device)
+    # On a GPU, the smallest M buckets of the real keys (the large ones are the tuner's work).
+    keys = SPEC.default_keys(info) if info.is_interpreter else SPEC.default_keys(info, m=[1, 16])[:2]
+    assert keys and all(isinstance(k, Q4KKey) for k in keys)
+    limits = SPEC.limits(info)
+    for key in keys:
+        config = SPEC.default_config(key)
+        assert SPEC.is_portable(config)
+        assert SPEC.space.infeasible_reason(config, key, limits) is None
+        problem = SPEC.make_problem(key, torch.device(device), seed=0)
+        out = SPEC.launch(config, *problem.args, **problem.kwargs)
+        assert SPEC.check(out.float(), SPEC.reference(*problem.args, **problem.kwargs), problem) is None
+    fp8 = SPEC.launch(dataclasses.replace(SPEC.default_config(keys[0]), path="fp8"), *problem.args)
+    assert check_path(fp8.float(), SPEC.reference(*problem.args), "fp8") is None
+
+
+def test_spec_gpu_keys_and_feasible_defaults():
+    h200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
+    keys = SPEC.default_keys(h200)
+    assert {k.m_bucket for k in keys} == {1, 16, 64, 256, 1024, 4096, 8192}
+    assert {(k.k, k.n) for k in keys} == {(4096, 14336), (14336, 4096), (4096, 4096)}
+    limits = SPEC.limits(h200)
+    for key in keys:
+        assert SPEC.space.infeasible_reason(SPEC.default_config(key), key, limits) is None, key
+        assert SPEC.space.feasible(key, limits), key
+    assert SPEC.key_for(h200, (3, 14336, 4096, "bfloat16")).m_bucket == 4
+    assert SPEC.default_keys(h200, m=[3, 4])[0].m_bucket == 4
+
+
+def test_space_rules():
+    space = SPEC.space
+    assert space.default() == Q4KConfig() and Q4KConfig().path == "portable"
+    key = Q4KKey(arch="sm90", sm_count=132, dtype="bfloat16", m_bucket=4096, n=4096, k=4096)
+    assert "SPLIT_K" in space.infeasible_reason(Q4KConfig(SPLIT_K=2), key, TargetLimits())
+    huge = Q4KConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=256, num_warps=8, num_stages=5)
+    assert "shared memory" in space.infeasible_reason(huge, key, TargetLimits())
+    small_blocks = space.infeasible_reason(Q4KConfig(BLOCK_N=256), key, TargetLimits(interpreter=True))
+    assert small_blocks is not None and "interpreter" in small_blocks
+
+
+def test_pinned_and_serveable_configs():
+    pinned = SPEC.pinned_config({"path": "fp8"})
+    assert pinned.path == "fp8" and pinned.BLOCK_K == 128
+    assert SPEC.pinned_config({}).path == "portable"
+    facts = (16, 4096, 4096, "bfloat16")
+    a100 = DeviceInfo(name="NVIDIA A100", vendor="nvidia", capability=(8, 0), sm_count=108, arch="sm80")
+    h100 = DeviceInfo(name="NVIDIA H100", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
+    assert SPEC.serveable(pinned, a100, facts).path == "portable"
+    assert SPEC.serveable(pinned, h100, facts) == pinned
+    assert SPEC.serveable(pinned, interpreter_device(), facts) == pinned
+    # A split that does not divide K's tiles is narrowed rather than refused at launch.
+    odd = SPEC.serveable(Q4KConfig(BLOCK_K=256, SPLIT_K=8), h100, (1, 4096, 768, "bfloat16"))
+    assert odd.SPLIT_K == 1
+
+
+def test_check_rejects_nan_and_noise():
+    expected = torch.randn(4, 8)
+    problem = SPEC.make_problem(SPEC.default_keys(interpreter_device())[0], torch.device("cpu"), seed=1)
+    assert "NaN" in SPEC.check(torch.full_like(expected, float("nan")), expected, problem)
+    noisy = expected + 0.2 * torch.randn(4, 8)
+    assert "SQNR" in SPEC.check(noisy, expected, problem)
+    assert MIN_SQNR_DB["fp8"] < MIN_SQNR_DB["portable"]
