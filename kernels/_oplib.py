@@ -19,11 +19,20 @@ __all__ = ["register_op", "wrap_triton"]
 
 
 def register_op(
-    name: str, body: Callable[..., None], *, mutates_args: Iterable[str], kernels: Iterable[Any]
+    name: str,
+    body: Callable[..., None],
+    *,
+    mutates_args: Iterable[str],
+    kernels: Iterable[Any],
+    opaque: bool = False,
 ) -> Any:
-    """Register ``body`` as op ``name`` ("tritune::..."), traceable where Triton allows it."""
+    """Register ``body`` as op ``name`` ("tritune::..."), traceable where Triton allows it.
+
+    ``opaque=True`` keeps the op a ``custom_op`` on the GPU too: torch cannot yet trace a
+    ``triton_op`` body whose kernels take host-side tensor descriptors (it would bake them in).
+    """
     mutates = tuple(mutates_args)
-    if any(isinstance(k, InterpretedFunction) for k in kernels):
+    if opaque or any(isinstance(k, InterpretedFunction) for k in kernels):
         op = custom_op(name, body, mutates_args=mutates)
         op.register_fake(lambda *args, **kwargs: None)
         return op

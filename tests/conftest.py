@@ -13,7 +13,10 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
+    from tritune.kernels._interpreter import fix_interpreter_index
+
     os.environ["TRITON_INTERPRET"] = "1"
+    fix_interpreter_index()
 
 # Tests must never read or write the developer's real config DB or shipped bundles implicitly.
 os.environ.setdefault("TRITUNE_DISABLE_BUNDLES", "1")

@@ -1,0 +1,128 @@
+"""Search space of the ``tma_prefill`` kernel family: tile sizes, launch options and the TMA path's extras.
+
+The portable path (plain pointer loads, any CUDA GPU) tunes ``BLOCK_M``, ``BLOCK_N``, ``num_warps``
+and ``num_stages``. The TMA path (tensor descriptors, SM90+) tunes the same plus ``PACK_GQA`` (the
+query heads of one GQA group share an M tile, so each K/V tile is read once per group) and
+``SPLIT_KV`` (the KV range is split across programs and merged by log-sum-exp). On the portable
+path those two stay at their neutral values, so the grid holds no duplicate configs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from .base import SearchSpace, TargetLimits, choice, tile_smem_bytes
+
+#: Head dims the kernels serve; 80 and 96 are padded to 128 inside the kernel.
+HEAD_DIMS = (64, 80, 96, 128, 256)
+#: Head dims the TMA path serves (its tiles span the whole head dim, no padding).
+TMA_HEAD_DIMS = (64, 128, 256)
+#: Query heads of the problems the tuner times on a GPU (the occupancy rule for SPLIT_KV assumes it).
+TUNED_QUERY_HEADS = 16
+#: Per-thread fp32 registers the accumulator and score tiles may take before the rule calls it a spill.
+_MAX_TILE_REGISTERS = 192
+#: Largest tiles the interpreter rule keeps, so tuning at tiny shapes stays quick.
+_INTERPRETER_MAX_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    path: str = choice("portable", ("portable", "tma"))
+    BLOCK_M: int = choice(64, (16, 32, 64, 128))
+    BLOCK_N: int = choice(64, (16, 32, 64, 128))
+    num_warps: int = choice(4, (4, 8))
+    num_stages: int = choice(2, (1, 2, 3, 4))
+    PACK_GQA: bool = choice(False, (False, True))
+    SPLIT_KV: int = choice(1, (1, 2, 4, 8))
+
+
+class _PrefillKeyFields(Protocol):
+    """What the rule reads from a key (``tritune.kernels.prefill.spec.PrefillKey``)."""
+
+    arch: str
+    sm_count: int
+    head_dim: int
+    gqa_group: int
+    causal: bool
+    lq_bucket: int
+    lkv_bucket: int
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The power of two a head dim is padded to inside the kernels."""
+    return 1 << (max(head_dim, 16) - 1).bit_length()
+
+
+def _arch_number(arch: str) -> int | None:
+    """90 for "sm90"; None for anything that is not an NVIDIA architecture."""
+    digits = arch.removeprefix("sm")
+    return int(digits) if arch.startswith("sm") and digits.isdigit() else None
+
+
+def pack_gqa_applies(config: PrefillConfig, group: int) -> bool:
+    """Whether packing ``group`` query heads into one M tile is possible for this config."""
+    return group > 1 and group & (group - 1) == 0 and group <= config.BLOCK_M
+
+
+def grid_programs(config: PrefillConfig, group: int, seqlen_q: int, q_heads: int, batch: int = 1) -> int:
+    """Programs of the TMA kernel before any KV split: (M tiles) x (head tiles) x batch."""
+    heads_per_tile = group if config.PACK_GQA else 1
+    return -(-seqlen_q // (config.BLOCK_M // heads_per_tile)) * (q_heads // heads_per_tile) * batch
+
+
+def feasibility(config: PrefillConfig, key: _PrefillKeyFields, limits: TargetLimits) -> str | None:
+    """Why ``config`` cannot (or should not) run for ``key`` on this target, or ``None``."""
+    tma = config.path == "tma"
+    if not tma and (config.PACK_GQA or config.SPLIT_KV != 1):
+        return "PACK_GQA and SPLIT_KV apply to the tma path only (neutral on the portable path)"
+    if tma:
+        if not key.causal:
+            return "the tma path serves causal attention only"
+        if key.head_dim not in TMA_HEAD_DIMS:
+            return f"the tma path covers head dims {TMA_HEAD_DIMS}, not {key.head_dim}"
+        arch = _arch_number(key.arch)
+        if not limits.interpreter and (arch is None or arch < 90):
+            return f"the tma path needs SM90 or newer, not {key.arch}"
+        if config.PACK_GQA and not pack_gqa_applies(config, key.gqa_group):
+            return f"PACK_GQA needs a power-of-two group in 2..BLOCK_M, not {key.gqa_group}"
+        if config.SPLIT_KV > 1:
+            if key.lkv_bucket < config.SPLIT_KV * 2 * config.BLOCK_N:
+                return "SPLIT_KV leaves fewer than two KV tiles per split"
+            programs = grid_programs(config, key.gqa_group, key.lq_bucket, TUNED_QUERY_HEADS)
+            if not limits.interpreter and programs >= 2 * key.sm_count:
+                return f"{programs} programs already fill {key.sm_count} SMs twice: no KV split needed"
+
+    if limits.interpreter:
+        if config.BLOCK_M > _INTERPRETER_MAX_BLOCK or config.BLOCK_N > _INTERPRETER_MAX_BLOCK:
+            return f"the interpreter keeps tiles of at most {_INTERPRETER_MAX_BLOCK} (quick tuning at tiny shapes)"
+        if config.num_warps != 4 or config.num_stages != 2:
+            return "num_warps and num_stages mean nothing to the interpreter"
+        return None
+
+    d = padded_head_dim(key.head_dim)
+    if d == 256 and config.BLOCK_N > 64:
+        return "head dim 256 takes BLOCK_N <= 64"
+    if config.num_warps == 8 and config.BLOCK_M < 64:
+        return "8 warps need BLOCK_M >= 64"
+    if tma and config.BLOCK_M < 64:
+        return "the tma path wants BLOCK_M >= 64 (one warpgroup MMA per 64 rows)"
+    threads = 32 * config.num_warps
+    per_thread = (config.BLOCK_M * d + config.BLOCK_M * config.BLOCK_N) // threads
+    if per_thread > _MAX_TILE_REGISTERS:
+        return f"accumulator and scores take {per_thread} fp32 registers per thread (> {_MAX_TILE_REGISTERS})"
+    # Q, then K and V once per pipeline stage, plus the descriptor path's barriers: what Triton 3.6
+    # allocates on SM90 for both paths (P stays in registers).
+    smem = tile_smem_bytes(
+        (config.BLOCK_M, d, 2),
+        (2 * max(config.num_stages, 1) * config.BLOCK_N, d, 2),
+        (1, 1024 if tma else 0, 1),
+    )
+    if smem > limits.smem_bytes:
+        return f"needs about {smem // 1024} KiB of shared memory (> {limits.smem_bytes // 1024} KiB)"
+    return None
+
+
+SPACE: SearchSpace[PrefillConfig, _PrefillKeyFields] = SearchSpace(
+    "tma_prefill", PrefillConfig, feasibility=feasibility
+)
