@@ -153,7 +153,11 @@ class KernelSpec(ABC, Generic[C, K]):
 
     @abstractmethod
     def launch(self, config: C, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Run the kernel with ``config`` on already-validated call arguments."""
+        """Run the kernel with ``config`` on already-validated call arguments.
+
+        Takes the public op's arguments, ``out=`` included: the tuner passes a NaN-poisoned
+        ``out`` so that a config which leaves part of the output unwritten cannot pass its check.
+        """
 
     # ---- the tuning half ---------------------------------------------------------------
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from tritune.kernels import settings
 from tritune.kernels.device import DeviceInfo, device_info, parse_arch_list, target_supports
 

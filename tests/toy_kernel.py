@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 import triton
 import triton.language as tl
+
 from tritune.kernels.device import DeviceInfo
 from tritune.kernels.spec import KernelSpec, Problem, TuningKey, pow2_bucket
 from tritune.search_spaces.base import SearchSpace, TargetLimits, choice

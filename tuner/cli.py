@@ -71,12 +71,13 @@ def _db_url(db: str | None) -> str:
 
 def _keys_for(spec: Any, device_info: Any, given: dict[str, list[int]]) -> list[Any]:
     accepted = inspect.signature(spec.default_keys).parameters
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
     kwargs: dict[str, Any] = {}
     for option, values in given.items():
         name = _KEY_OPTIONS[option]
         if not values:
             continue
-        if name not in accepted:
+        if name not in accepted and not open_ended:
             raise typer.BadParameter(f"--{option.replace('_', '-')} does not apply to kernel {spec.name}")
         kwargs[name] = values
     keys: list[Any] = spec.default_keys(device_info, **kwargs)

@@ -1,0 +1,51 @@
+"""Every registered kernel honours the spec seam the dispatcher and the tuner rely on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tritune.kernels.device import device_info
+from tritune.kernels.registry import get_spec, kernel_names
+
+CPU = device_info("cpu")
+
+
+@pytest.fixture(params=kernel_names())
+def spec(request):
+    return get_spec(request.param)
+
+
+def test_portable_default_is_feasible_and_in_space(spec):
+    for key in spec.default_keys(CPU):
+        default = spec.default_config(key)
+        assert spec.space.contains(default)
+        assert spec.space.infeasible_reason(default, key, spec.limits(CPU)) is None
+
+
+def test_keys_round_trip_through_dicts(spec):
+    for key in spec.default_keys(CPU):
+        assert spec.key_type.from_dict(key.to_dict()) == key
+
+
+def test_launch_writes_every_output_element_through_out(spec, device):
+    """The tuner's correctness gate: NaN-poisoned ``out``, default config, reference check."""
+    if device != "cpu":
+        pytest.skip("CPU-tier contract (the GPU tier checks the same through the tuner)")
+    key = spec.default_keys(CPU)[0]
+    problem = spec.make_problem(key, torch.device("cpu"), seed=3)
+    first = spec.launch(spec.default_config(key), *problem.args, **problem.kwargs)
+    out = torch.full_like(first, float("nan"))
+    returned = spec.launch(spec.default_config(key), *problem.args, **{**problem.kwargs, "out": out})
+    assert returned.data_ptr() == out.data_ptr()
+    expected = spec.reference(*problem.args, **problem.kwargs)
+    assert spec.check(out, expected, problem) is None
+    # The check can fail: a corrupted output is refused.
+    broken = out.clone()
+    broken.view(-1)[0] = float("nan")
+    assert spec.check(broken, expected, problem) is not None
+
+
+def test_version_is_a_source_hash(spec):
+    assert len(spec.version) == 16
+    int(spec.version, 16)
