@@ -1,0 +1,274 @@
+"""The ``varlen_sdpa`` kernel spec: its key, facts, launch, reference and tuning problems."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from tritune.search_spaces.varlen_sdpa import HEAD_DIMS, SPACE, VarlenConfig, portable_config
+
+from ..device import DeviceInfo
+from ..spec import KernelSpec, Problem, TuningKey, pow2_bucket
+from .op import DTYPE_NAMES, DYNAMIC, KERNEL, VarlenFacts, check_inputs, launch
+from .reference import compare, varlen_reference
+
+_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+#: KV heads of the problems the tuner times on a GPU.
+TUNED_KV_HEADS = 8
+#: Below this many bytes a step is launch-bound on any current GPU: time CUDA-graph replays.
+_LAUNCH_BOUND_BYTES = 64 << 20
+#: Store rows of the dense-reference problem on a GPU (the timed problem is cross-checked instead).
+_CHECK_ROWS = 2048
+#: Problem sizes on the interpreter.
+_CPU_MAX_ROWS, _CPU_MAX_TOKENS, _CPU_MAX_SEGMENTS = 64, 32, 16
+#: The mixes ``tune`` sweeps on a GPU: (T, S) = pure decode, 28 decode + 4 prefill chunks, 4 prefill chunks.
+_GPU_MIXES = ((32, 32), (4096, 32), (2048, 4))
+_GPU_ROWS = 32768
+
+
+def _bucket(n: int, minimum: int) -> int:
+    return DYNAMIC if n == DYNAMIC else pow2_bucket(n, minimum=minimum)
+
+
+@dataclass(frozen=True)
+class VarlenKey(TuningKey):
+    dtype: str
+    head_dim: int
+    #: Query heads per KV head (not ``group``: that name is TuningKey.group(), the bucket group).
+    gqa_group: int
+    causal: bool
+    windowed: bool
+    ring: bool
+    #: The step's static width T, rounded up to a power of two (0: symbolic under torch.compile).
+    t_bucket: int
+    #: The static number of segment slots S, rounded up to a power of two (0: symbolic).
+    s_bucket: int
+    #: Store rows, rounded up to a power of two (0: symbolic); the true lengths live on the device.
+    rows_bucket: int
+
+    BUCKETS: ClassVar[tuple[str, ...]] = ("t_bucket", "s_bucket", "rows_bucket")
+
+
+@functools.lru_cache(maxsize=4096)
+def _key_for(arch: str, sm_count: int, facts: tuple[Any, ...]) -> VarlenKey:
+    # Runs on every call through the dispatcher: cached, since a serving loop repeats its shapes.
+    f = VarlenFacts(*facts)
+    return VarlenKey(
+        arch=arch,
+        sm_count=sm_count,
+        dtype=f.dtype,
+        head_dim=f.head_dim,
+        gqa_group=f.q_heads // f.kv_heads,
+        causal=f.causal,
+        windowed=f.windowed,
+        ring=f.ring,
+        t_bucket=_bucket(f.tokens, 1),
+        s_bucket=_bucket(f.segments, 1),
+        rows_bucket=_bucket(f.rows, 16),
+    )
+
+
+def _segment_lengths(tokens: int, segments: int) -> list[int]:
+    """New tokens per segment of a key's mix: decode-only when T <= S, else prefill chunks (and decodes)."""
+    if tokens <= segments:
+        return [1] * tokens
+    # Few slots: every segment is a prefill chunk; many: one in eight is, the rest decode one token.
+    chunks = segments if segments <= 8 else segments // 8
+    decodes = segments - chunks
+    share, extra = divmod(tokens - decodes, chunks)
+    return [share + (i < extra) for i in range(chunks)] + [1] * decodes
+
+
+def _visible_keys(q_len: int, kv_end: int, rows: int, causal: bool, window: int | None, ring: bool) -> int:
+    """Keys the segment's queries see in all (for flop counts)."""
+    first = max(0, kv_end - rows) if ring else 0
+    total = 0
+    for j in range(q_len):
+        position = kv_end - q_len + j
+        hi = position + 1 if causal else kv_end
+        lo = max(first, position - window + 1) if window is not None else first
+        total += max(0, hi - lo)
+    return total
+
+
+class VarlenSpec(KernelSpec[VarlenConfig, VarlenKey]):
+    name = KERNEL
+    source_modules = ("tritune.kernels.varlen._triton_varlen", "tritune.kernels.varlen.op")
+    key_type = VarlenKey
+    space = SPACE
+
+    # ---- the runtime half --------------------------------------------------------------
+
+    def facts(
+        self,
+        q: torch.Tensor,
+        k_store: torch.Tensor,
+        v_store: torch.Tensor,
+        seq_info: torch.Tensor,
+        *,
+        causal: bool = True,
+        window: int | None = None,
+        ring: bool = False,
+        softmax_scale: float | None = None,
+        out: torch.Tensor | None = None,
+    ) -> VarlenFacts:
+        return check_inputs(
+            q, k_store, v_store, seq_info, causal=causal, window=window, ring=ring, softmax_scale=softmax_scale, out=out
+        )
+
+    def key_for(self, device: DeviceInfo, facts: tuple[Any, ...]) -> VarlenKey:
+        return _key_for(device.arch, device.sm_count, tuple(facts))
+
+    def default_config(self, key: VarlenKey) -> VarlenConfig:
+        return portable_config(key, interpreter=key.arch == "cpu-interpreter")
+
+    def launch(
+        self,
+        config: VarlenConfig,
+        q: torch.Tensor,
+        k_store: torch.Tensor,
+        v_store: torch.Tensor,
+        seq_info: torch.Tensor,
+        *,
+        causal: bool = True,
+        window: int | None = None,
+        ring: bool = False,
+        softmax_scale: float | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        launch(config, q, k_store, v_store, seq_info, out, causal=causal, window=window, ring=ring, softmax_scale=scale)
+        return out
+
+    # ---- the tuning half ---------------------------------------------------------------
+
+    def reference(
+        self,
+        q: torch.Tensor,
+        k_store: torch.Tensor,
+        v_store: torch.Tensor,
+        seq_info: torch.Tensor,
+        *,
+        causal: bool = True,
+        window: int | None = None,
+        ring: bool = False,
+        softmax_scale: float | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return varlen_reference(
+            q, k_store, v_store, seq_info, causal=causal, window=window, ring=ring, softmax_scale=softmax_scale
+        )
+
+    def check(self, out: torch.Tensor, expected: torch.Tensor, problem: Problem) -> str | None:
+        """Within the dtype's tolerance of the fp64 reference (see ``reference.compare``); NaN never passes."""
+        return compare(out, expected, problem.args[0].dtype)
+
+    def make_problem(self, key: VarlenKey, device: torch.device, seed: int) -> Problem:
+        """A random mix at the key's buckets: T = t_bucket rows, S = s_bucket slots, rows_bucket store rows.
+
+        T <= S: S decode tokens. Otherwise up to 8 slots are all prefill chunks sharing T; more
+        slots hold one chunk per eight slots and decode tokens in the rest (32 slots, T 4096: 28
+        decodes and 4 chunks). KV lengths are drawn over the store (one sequence full length); a
+        ring's run past it. On the interpreter: one KV head and tiny sizes.
+        """
+        return self._problem(key, torch.device(device), seed, max_rows=None)
+
+    def check_problem(self, key: VarlenKey, device: torch.device, seed: int) -> Problem:
+        """On a GPU, the same mix over at most 2048 store rows (the dense reference stays small)."""
+        return self._problem(key, torch.device(device), seed, max_rows=_CHECK_ROWS)
+
+    def _problem(self, key: VarlenKey, device: torch.device, seed: int, max_rows: int | None) -> Problem:
+        dtype = _DTYPES[key.dtype]
+        tokens, segments, rows = max(key.t_bucket, 1), max(key.s_bucket, 1), max(key.rows_bucket, 16)
+        if device.type == "cpu":
+            kv_heads = 1
+            tokens, segments = min(tokens, _CPU_MAX_TOKENS), min(segments, _CPU_MAX_SEGMENTS)
+            rows = min(rows, _CPU_MAX_ROWS)
+        else:
+            kv_heads = TUNED_KV_HEADS
+            rows = min(rows, max_rows) if max_rows is not None else rows
+        lengths = [min(n, rows) for n in _segment_lengths(tokens, segments)]
+        window = None
+        if key.windowed:
+            window = max(1, rows - max(lengths) + 1) if key.ring else max(1, rows // 4)
+        cpu_gen = torch.Generator().manual_seed(seed)
+
+        def draw(low: int, high: int) -> int:
+            return int(torch.randint(low, high + 1, (1,), generator=cpu_gen))
+
+        # Columns and query ranges in random orders; the first segment drawn is full length.
+        columns = torch.randperm(segments + 1, generator=cpu_gen)[: len(lengths)].tolist()
+        order = torch.randperm(len(lengths), generator=cpu_gen).tolist()
+        table = torch.zeros(segments, 4, dtype=torch.int32)
+        q_start = 0
+        visible = 0
+        for slot, i in enumerate(order):
+            q_len = lengths[i]
+            top = 3 * rows if key.ring else rows
+            kv_end = top if slot == 0 else draw(max(q_len, rows // 32, 1), top)
+            table[slot] = torch.tensor([q_start, q_len, columns[i], kv_end], dtype=torch.int32)
+            visible += _visible_keys(q_len, kv_end, rows, key.causal, window, key.ring)
+            q_start += q_len
+        gen = torch.Generator(device=device).manual_seed(seed)
+
+        def normal(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+
+        q_heads = kv_heads * key.gqa_group
+        q = normal(tokens, q_heads, key.head_dim)
+        k_store = normal(rows, segments + 1, kv_heads, key.head_dim)
+        v_store = normal(rows, segments + 1, kv_heads, key.head_dim)
+        element = torch.finfo(dtype).bits // 8
+        keys_read = sum(min(int(e), rows) for e in table[:, 3].tolist()) * kv_heads
+        bytes_moved = (2 * keys_read * key.head_dim + 2 * q.numel()) * element
+        return Problem(
+            args=(q, k_store, v_store, table.to(device)),
+            kwargs={"causal": key.causal, "window": window, "ring": key.ring, "softmax_scale": None},
+            flops=4.0 * visible * q_heads * key.head_dim,
+            bytes_moved=float(bytes_moved),
+            flush_l2=True,
+            launch_bound=bytes_moved < _LAUNCH_BOUND_BYTES,
+        )
+
+    def default_keys(self, device: DeviceInfo, head_dims: int | Iterable[int] | None = None) -> list[VarlenKey]:
+        """GPU: bf16 causal GQA-4 over 32K-row stores, D 128 and 64, at three mixes: 32 decode tokens,
+        28 decodes + 4 prefill chunks (T 4096), 4 prefill chunks (T 2048). Interpreter: D 64, GQA 2, tiny.
+        """
+        if head_dims is None:
+            dims = [64] if device.is_interpreter else [128, 64]
+        else:
+            dims = [head_dims] if isinstance(head_dims, int) else [int(d) for d in head_dims]
+        for d in dims:
+            if d not in HEAD_DIMS:
+                raise ValueError(f"head_dims: {d} is not served; expected one of {HEAD_DIMS}")
+        if device.is_interpreter:
+            mixes, rows, group = ((4, 4), (32, 16)), 64, 2
+        else:
+            mixes, rows, group = _GPU_MIXES, _GPU_ROWS, 4
+        return [
+            VarlenKey(
+                arch=device.arch,
+                sm_count=device.sm_count,
+                dtype="bf16",
+                head_dim=d,
+                gqa_group=group,
+                causal=True,
+                windowed=False,
+                ring=False,
+                t_bucket=pow2_bucket(t, minimum=1),
+                s_bucket=pow2_bucket(s, minimum=1),
+                rows_bucket=pow2_bucket(rows),
+            )
+            for d in dims
+            for t, s in mixes
+        ]
+
+
+SPEC = VarlenSpec()

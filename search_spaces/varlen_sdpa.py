@@ -1,0 +1,164 @@
+"""Search space of the ``varlen_sdpa`` kernel: tiles, launch options and the on-device split policy.
+
+One program computes one M tile: ``BLOCK_M`` query rows, which are the query heads of one GQA
+group for ``BLOCK_M // group`` consecutive tokens of one segment, so each K/V tile is read once
+per group. The grid is sized from static facts; each program reads the step's ``seq_info`` and
+works out on the device which tile (and which KV split of it) is its own.
+
+The split policy (split-K over the keys, merged by log-sum-exp):
+
+- ``TARGET_WAVES``: the work budget is ``sm_count * TARGET_WAVES // kv_heads`` programs per KV head;
+- the step's total key work ``C`` (tiles x keys each tile may see) sets the chunk
+  ``max(MIN_CHUNK, cdiv(C, budget))``, so a step that already fills the GPU is not split while a
+  decode-heavy step over long caches is;
+- ``MAX_SPLITS``: the most splits one tile takes (1 switches split-K off);
+- ``MIN_CHUNK``: the fewest keys a split is given.
+
+The geometry helpers below are shared with the launch so that feasibility and launch agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Protocol
+
+from .base import SearchSpace, TargetLimits, choice, tile_smem_bytes
+
+#: Head dims the kernel serves; 80 and 96 are padded to 128 inside the kernel.
+HEAD_DIMS = (64, 80, 96, 128, 256)
+#: Per-thread fp32 registers the accumulator and score tiles may take before the rule calls it a spill.
+_MAX_TILE_REGISTERS = 192
+#: Largest tiles the interpreter keeps, so tuning at tiny shapes stays quick.
+_INTERPRETER_MAX_BLOCK = 32
+#: Split chunks the GPU rule keeps: shorter ones cost more to merge than they save.
+_GPU_MIN_CHUNK = 128
+
+
+@dataclass(frozen=True)
+class VarlenConfig:
+    BLOCK_M: int = choice(64, (16, 32, 64, 128))
+    BLOCK_N: int = choice(64, (16, 32, 64, 128))
+    num_warps: int = choice(4, (2, 4, 8))
+    num_stages: int = choice(2, (1, 2, 3, 4))
+    MAX_SPLITS: int = choice(16, (1, 4, 16, 64))
+    MIN_CHUNK: int = choice(512, (16, 32, 64, 128, 256, 512, 1024, 2048))
+    TARGET_WAVES: int = choice(2, (1, 2, 4))
+
+
+_DEFAULTS = dataclasses.asdict(VarlenConfig())
+
+
+class _VarlenKeyFields(Protocol):
+    """What the rule reads from a key (``tritune.kernels.varlen.spec.VarlenKey``)."""
+
+    arch: str
+    sm_count: int
+    head_dim: int
+    gqa_group: int
+    t_bucket: int
+    rows_bucket: int
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The power of two a head dim is padded to inside the kernel."""
+    return 1 << (max(head_dim, 16) - 1).bit_length()
+
+
+def block_m_for(block_m: int, group: int) -> int:
+    """Rows of the M tile: ``BLOCK_M``, raised to the power of two that holds one whole GQA group."""
+    return max(block_m, 1 << (max(group, 1) - 1).bit_length())
+
+
+def tokens_per_tile(block_m: int, group: int) -> int:
+    """Tokens of one segment one M tile covers (each brings ``group`` query rows)."""
+    return block_m_for(block_m, group) // max(group, 1)
+
+
+def split_budget(config: VarlenConfig, sm_count: int, kv_heads: int) -> int:
+    """Programs per KV head the split policy aims for (the chunk is sized so that the work fills them)."""
+    return max(1, sm_count * config.TARGET_WAVES // max(kv_heads, 1))
+
+
+def duplicate_reason(config: VarlenConfig, key: _VarlenKeyFields) -> str | None:
+    """Why ``config`` launches what another config of the space launches at ``key``, if it does."""
+    g = 1 << (max(key.gqa_group, 1) - 1).bit_length()
+    if min(g, 128) > config.BLOCK_M:
+        return f"BLOCK_M={config.BLOCK_M} is raised to the group's {g} rows"
+    moot = {"MIN_CHUNK": config.MIN_CHUNK, "TARGET_WAVES": config.TARGET_WAVES}
+    if config.MAX_SPLITS == 1 and any(_DEFAULTS[name] != value for name, value in moot.items()):
+        return "MIN_CHUNK and TARGET_WAVES are moot with MAX_SPLITS=1"
+    if config.MIN_CHUNK < config.BLOCK_N:
+        return "MIN_CHUNK below BLOCK_N rounds up to BLOCK_N"
+    return None
+
+
+def feasibility(config: VarlenConfig, key: _VarlenKeyFields, limits: TargetLimits) -> str | None:
+    """Why ``config`` cannot (or should not) run for ``key`` on this target, or ``None``."""
+    duplicate = duplicate_reason(config, key)
+    if duplicate is not None:
+        return duplicate
+    if limits.interpreter:
+        if config.BLOCK_M > _INTERPRETER_MAX_BLOCK or config.BLOCK_N > _INTERPRETER_MAX_BLOCK:
+            return f"the interpreter keeps tiles of at most {_INTERPRETER_MAX_BLOCK} (quick tuning at tiny shapes)"
+        if config.num_warps != _DEFAULTS["num_warps"] or config.num_stages != _DEFAULTS["num_stages"]:
+            return "num_warps and num_stages mean nothing to the interpreter"
+        if config.MIN_CHUNK > 128 or config.MAX_SPLITS > 16:
+            return "the interpreter keeps split policies that act at tiny shapes"
+        return None
+
+    if config.MIN_CHUNK < _GPU_MIN_CHUNK:
+        return f"chunks under {_GPU_MIN_CHUNK} keys cost more to merge than they save"
+    d = padded_head_dim(key.head_dim)
+    block_m = block_m_for(config.BLOCK_M, key.gqa_group)
+    threads = 32 * config.num_warps
+    if d == 256 and config.BLOCK_N > 64:
+        return "head dim 256 takes BLOCK_N <= 64"
+    if config.num_warps == 8 and block_m < 64:
+        return "8 warps need BLOCK_M >= 64"
+    if config.BLOCK_N * d < 8 * threads:
+        return f"a {config.BLOCK_N} x {d} KV tile leaves some of {threads} threads without a 16-byte load"
+    per_thread = (block_m * d + block_m * config.BLOCK_N) // threads
+    if per_thread > _MAX_TILE_REGISTERS:
+        return f"accumulator and scores take {per_thread} fp32 registers per thread (> {_MAX_TILE_REGISTERS})"
+    # Q, K and V once per buffered stage, and P staged for the second MMA.
+    smem = tile_smem_bytes(
+        (block_m, d, 2),
+        (2 * max(config.num_stages - 1, 1) * config.BLOCK_N, d, 2),
+        (block_m, config.BLOCK_N, 2),
+    )
+    if smem > limits.smem_bytes:
+        return f"needs about {smem // 1024} KiB of shared memory (> {limits.smem_bytes // 1024} KiB)"
+    return None
+
+
+#: Shared memory every CUDA GPU the portable default must run on offers a block (Ampere consumer parts: 99 KiB).
+_PORTABLE_LIMITS = TargetLimits(smem_bytes=96 * 1024)
+#: The portable default, then smaller tiles for the keys (head dim 256, wide groups) where it does not fit.
+_PORTABLE_STEPS: tuple[dict[str, int], ...] = (
+    {},
+    {"BLOCK_N": 32},
+    {"BLOCK_N": 32, "num_warps": 8},
+    {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
+    {"BLOCK_M": 128, "BLOCK_N": 16, "num_warps": 8, "num_stages": 1},
+)
+_INTERPRETER_DEFAULT = VarlenConfig(BLOCK_M=16, BLOCK_N=16, MIN_CHUNK=64)
+
+
+def portable_config(key: _VarlenKeyFields, *, interpreter: bool) -> VarlenConfig:
+    """The default config for ``key``: the dataclass defaults where they fit any CUDA GPU, else smaller tiles."""
+    if interpreter:
+        config = _INTERPRETER_DEFAULT
+        group_rows = block_m_for(config.BLOCK_M, key.gqa_group)
+        if group_rows > config.BLOCK_M:
+            config = dataclasses.replace(config, BLOCK_M=min(group_rows, 128))
+        return config
+    config = VarlenConfig()
+    for changes in _PORTABLE_STEPS:
+        config = dataclasses.replace(VarlenConfig(), **changes)
+        if feasibility(config, key, _PORTABLE_LIMITS) is None:
+            break
+    return config
+
+
+SPACE: SearchSpace[VarlenConfig, _VarlenKeyFields] = SearchSpace("varlen_sdpa", VarlenConfig, feasibility=feasibility)

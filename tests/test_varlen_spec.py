@@ -1,0 +1,188 @@
+"""The ``varlen_sdpa`` spec and search space: keys and buckets, feasibility, defaults, tuning problems."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tritune.kernels.device import DeviceInfo, interpreter_device
+from tritune.kernels.dispatcher import DISPATCHER, config_from_values, dispatch
+from tritune.kernels.registry import get_spec
+from tritune.kernels.varlen.op import DYNAMIC, VarlenFacts
+from tritune.kernels.varlen.spec import SPEC, VarlenKey, _segment_lengths
+from tritune.search_spaces.base import TargetLimits
+from tritune.search_spaces.varlen_sdpa import (
+    SPACE,
+    VarlenConfig,
+    block_m_for,
+    split_budget,
+    tokens_per_tile,
+)
+
+H200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
+CPU = interpreter_device()
+
+
+def _key(**changes) -> VarlenKey:
+    base = VarlenKey(arch="sm90", sm_count=132, dtype="bf16", head_dim=128, gqa_group=4, causal=True, windowed=False,
+                     ring=False, t_bucket=32, s_bucket=32, rows_bucket=32768)  # fmt: skip
+    return dataclasses.replace(base, **changes)
+
+
+def test_registered_under_its_name():
+    assert get_spec("varlen_sdpa") is SPEC
+    assert SPEC.space is SPACE and SPEC.key_type is VarlenKey
+    assert len(SPEC.version) == 16
+
+
+@pytest.mark.parametrize(
+    "facts, expected",
+    [
+        (VarlenFacts("bf16", 128, 32, 8, 32, 32, 30000, True, False, False),
+         dict(t_bucket=32, s_bucket=32, rows_bucket=32768)),
+        (VarlenFacts("bf16", 128, 32, 8, 2076, 32, 32768, True, True, True),
+         dict(t_bucket=4096, s_bucket=32, rows_bucket=32768, windowed=True, ring=True)),
+        (VarlenFacts("fp16", 64, 8, 1, 3, 5, 7, False, False, False),
+         dict(dtype="fp16", head_dim=64, gqa_group=8, causal=False, t_bucket=4, s_bucket=8, rows_bucket=16)),
+        (VarlenFacts("bf16", 128, 32, 8, DYNAMIC, DYNAMIC, DYNAMIC, True, False, False),
+         dict(t_bucket=0, s_bucket=0, rows_bucket=0)),
+    ],
+    ids=["decode", "mixed-ring", "tiny", "symbolic"],
+)  # fmt: skip
+def test_key_for_buckets(facts, expected):
+    key = SPEC.key_for(H200, facts)
+    assert key == _key(**expected)
+    assert VarlenKey.from_dict(key.to_dict()) == key
+    # Bucket fields move; everything else (GPU, dtype, head dim, group, flags) fixes the group.
+    assert key.group() == ("sm90", 132, key.dtype, key.head_dim, key.gqa_group, key.causal, key.windowed, key.ring)
+    assert key.distance(dataclasses.replace(key, t_bucket=key.t_bucket * 4 or 4)) >= 2
+
+
+def test_facts_from_a_call():
+    q = torch.zeros(5, 8, 64, dtype=torch.bfloat16)
+    store = torch.zeros(100, 3, 2, 64, dtype=torch.bfloat16)
+    seq_info = torch.zeros(3, 4, dtype=torch.int32)
+    facts = SPEC.facts(q, store, store, seq_info, window=7, ring=True)
+    assert facts == VarlenFacts("bf16", 64, 8, 2, 5, 3, 100, True, True, True)
+
+
+def test_dispatch_values_rebuild_the_config():
+    DISPATCHER.clear()
+    facts = VarlenFacts("bf16", 64, 8, 2, 16, 4, 64, True, False, False)
+    values = dispatch("varlen_sdpa", "cpu", -1, tuple(facts))
+    assert config_from_values(SPEC, values) == SPEC.default_config(SPEC.key_for(CPU, facts))
+
+
+def test_default_keys():
+    gpu = SPEC.default_keys(H200)
+    assert len(gpu) == 6
+    assert {k.head_dim for k in gpu} == {128, 64}
+    assert {(k.t_bucket, k.s_bucket) for k in gpu} == {(32, 32), (4096, 32), (2048, 4)}
+    assert {(k.rows_bucket, k.gqa_group, k.dtype, k.causal, k.windowed, k.ring) for k in gpu} == {
+        (32768, 4, "bf16", True, False, False)
+    }
+    assert {k.head_dim for k in SPEC.default_keys(H200, head_dims=[256])} == {256}
+    with pytest.raises(ValueError, match="head_dims: 48"):
+        SPEC.default_keys(H200, head_dims=48)
+    tiny = SPEC.default_keys(CPU)
+    assert [(k.arch, k.head_dim, k.t_bucket, k.s_bucket) for k in tiny] == [
+        ("cpu-interpreter", 64, 4, 4),
+        ("cpu-interpreter", 64, 32, 16),
+    ]
+
+
+@pytest.mark.parametrize(
+    "tokens, segments, lengths",
+    [
+        (32, 32, [1] * 32),
+        (4, 16, [1] * 4),
+        (4096, 32, [1017] * 4 + [1] * 28),
+        (2048, 4, [512] * 4),
+        (33, 16, [10, 9] + [1] * 14),
+    ],
+    ids=["decode", "decode-few-tokens", "mixed", "prefill", "mixed-remainder"],
+)
+def test_problem_mixes(tokens, segments, lengths):
+    assert _segment_lengths(tokens, segments) == lengths
+    assert sum(lengths) == min(tokens, sum(lengths))
+
+
+# ---- geometry, feasibility and the portable default ----------------------------------------------
+
+
+def test_tile_geometry():
+    assert [block_m_for(16, g) for g in (1, 4, 7, 8, 16, 32)] == [16, 16, 16, 16, 16, 32]
+    assert [tokens_per_tile(64, g) for g in (1, 4, 7, 8)] == [64, 16, 9, 8]
+    assert split_budget(VarlenConfig(), 132, 8) == 33
+    assert split_budget(VarlenConfig(TARGET_WAVES=1), 1, 8) == 1
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("group", [1, 4, 8, 16])
+def test_portable_default_fits_every_cuda_gpu(head_dim, group):
+    key = _key(head_dim=head_dim, gqa_group=group)
+    config = SPEC.default_config(key)
+    assert SPACE.contains(config)
+    for smem_kib in (96, 99, 163, 227):
+        assert SPACE.infeasible_reason(config, key, TargetLimits(smem_bytes=smem_kib * 1024)) is None
+
+
+def test_interpreter_default_and_space():
+    key = _key(arch=CPU.arch, sm_count=1, head_dim=64, gqa_group=2)
+    default = SPEC.default_config(key)
+    limits = SPEC.limits(CPU)
+    assert SPACE.infeasible_reason(default, key, limits) is None
+    feasible = SPACE.feasible(key, limits)
+    assert default in feasible and 10 <= len(feasible) <= 200
+    assert all(c.BLOCK_M <= 32 and c.BLOCK_N <= 32 and c.num_warps == 4 for c in feasible)
+
+
+@pytest.mark.parametrize(
+    "changes, reason",
+    [
+        (dict(BLOCK_M=16), "raised to the group's 32 rows"),
+        (dict(MAX_SPLITS=1, MIN_CHUNK=1024), "moot with MAX_SPLITS=1"),
+        (dict(BLOCK_N=128, MIN_CHUNK=64), "MIN_CHUNK below BLOCK_N"),
+        (dict(MIN_CHUNK=64), "chunks under 128 keys"),
+        (dict(BLOCK_M=128, BLOCK_N=128, num_warps=4), "fp32 registers per thread"),
+        (dict(BLOCK_M=32, num_warps=8), "8 warps need BLOCK_M >= 64"),
+        (dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4), "shared memory"),
+    ],
+    ids=["block-m-under-group", "split-off-duplicates", "chunk-under-block-n", "short-chunk", "registers", "warps",
+         "smem"],
+)  # fmt: skip
+def test_infeasible_configs(changes, reason):
+    key = _key(gqa_group=32) if "group" in reason else _key()
+    config = dataclasses.replace(VarlenConfig(), **changes)
+    assert reason in (SPACE.infeasible_reason(config, key, SPEC.limits(H200)) or "")
+
+
+def test_gpu_space_keeps_a_real_choice():
+    feasible = SPACE.feasible(_key(), SPEC.limits(H200))
+    assert SPEC.default_config(_key()) in feasible
+    assert {c.MAX_SPLITS for c in feasible} == {1, 4, 16, 64}
+    assert {c.BLOCK_M for c in feasible} == {16, 32, 64, 128}
+
+
+# ---- tuning problems ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [dict(), dict(t_bucket=32, s_bucket=16), dict(t_bucket=8, s_bucket=4, windowed=True, ring=True, causal=False)],
+    ids=["decode", "mixed", "ring-window-draft"],
+)
+def test_problems_pass_the_check_on_the_interpreter(changes):
+    key = dataclasses.replace(_key(arch=CPU.arch, sm_count=1, head_dim=64, gqa_group=2, t_bucket=4, s_bucket=4,
+                                   rows_bucket=64), **changes)  # fmt: skip
+    problem = SPEC.make_problem(key, torch.device("cpu"), seed=3)
+    q, k_store, _, seq_info = problem.args
+    assert q.shape == (min(key.t_bucket, 32), 2, 64) and k_store.shape[0] == 64
+    assert int(seq_info[:, 1].sum()) == q.shape[0] and problem.flops > 0 and problem.launch_bound
+    if key.ring:
+        assert int(seq_info[:, 3].max()) > k_store.shape[0]
+    out = SPEC.launch(SPEC.default_config(key), *problem.args, **problem.kwargs)
+    assert SPEC.check(out, SPEC.reference(*problem.args, **problem.kwargs), problem) is None
+    assert SPEC.check(torch.full_like(out, float("nan")), SPEC.reference(*problem.args, **problem.kwargs), problem)
