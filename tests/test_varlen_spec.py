@@ -98,15 +98,16 @@ def test_default_keys():
     [
         (32, 32, [1] * 32),
         (4, 16, [1] * 4),
-        (4096, 32, [1017] * 4 + [1] * 28),
+        (4096, 32, [512] * 4 + [1] * 28),
         (2048, 4, [512] * 4),
         (33, 16, [10, 9] + [1] * 14),
+        (1024, 4, [256] * 4),
     ],
-    ids=["decode", "decode-few-tokens", "mixed", "prefill", "mixed-remainder"],
+    ids=["decode", "decode-few-tokens", "mixed-padded", "prefill", "mixed-remainder", "prefill-short-chunks"],
 )
 def test_problem_mixes(tokens, segments, lengths):
-    assert _segment_lengths(tokens, segments) == lengths
-    assert sum(lengths) == min(tokens, sum(lengths))
+    assert _segment_lengths(tokens, segments, max_chunk=512) == lengths
+    assert sum(lengths) <= tokens
 
 
 # ---- geometry, feasibility and the portable default ----------------------------------------------
@@ -180,7 +181,7 @@ def test_problems_pass_the_check_on_the_interpreter(changes):
     problem = SPEC.make_problem(key, torch.device("cpu"), seed=3)
     q, k_store, _, seq_info = problem.args
     assert q.shape == (min(key.t_bucket, 32), 2, 64) and k_store.shape[0] == 64
-    assert int(seq_info[:, 1].sum()) == q.shape[0] and problem.flops > 0 and problem.launch_bound
+    assert 0 < int(seq_info[:, 1].sum()) <= q.shape[0] and problem.flops > 0 and problem.launch_bound
     if key.ring:
         assert int(seq_info[:, 3].max()) > k_store.shape[0]
     out = SPEC.launch(SPEC.default_config(key), *problem.args, **problem.kwargs)

@@ -242,7 +242,8 @@ def _plan(
     max_cost = min(rows, tq + window - 1) if causal and window > 0 else rows
     split = config.MAX_SPLITS > 1 and max_cost > config.MIN_CHUNK
     s_pad = max(16, 1 << (segments - 1).bit_length())
-    zero_tokens = max(16, min(64, _ZERO_TILE // s_pad))
+    # The zero-fill compares ZERO_TOKENS rows with every segment: keep that tile small in registers.
+    zero_tokens = max(2, min(64, _ZERO_TILE // s_pad))
     d_pad = padded_head_dim(head_dim)
     return _Plan(
         block_m=block_m,

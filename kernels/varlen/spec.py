@@ -29,6 +29,8 @@ _CPU_MAX_ROWS, _CPU_MAX_TOKENS, _CPU_MAX_SEGMENTS = 64, 32, 16
 #: The mixes ``tune`` sweeps on a GPU: (T, S) = pure decode, 28 decode + 4 prefill chunks, 4 prefill chunks.
 _GPU_MIXES = ((32, 32), (4096, 32), (2048, 4))
 _GPU_ROWS = 32768
+#: Prefill chunk lengths of the problems (tokens a chunked-prefill engine adds per step).
+_GPU_MAX_CHUNK, _CPU_MAX_CHUNK = 512, 16
 
 
 def _bucket(n: int, minimum: int) -> int:
@@ -73,15 +75,19 @@ def _key_for(arch: str, sm_count: int, facts: tuple[Any, ...]) -> VarlenKey:
     )
 
 
-def _segment_lengths(tokens: int, segments: int) -> list[int]:
-    """New tokens per segment of a key's mix: decode-only when T <= S, else prefill chunks (and decodes)."""
+def _segment_lengths(tokens: int, segments: int, max_chunk: int) -> list[int]:
+    """New tokens per segment of a key's mix: decode-only when T <= S, else prefill chunks (and decodes).
+
+    Chunks share the width up to ``max_chunk`` tokens each (a chunked-prefill size); whatever
+    they leave is padding, as in a step padded to its width bucket.
+    """
     if tokens <= segments:
         return [1] * tokens
     # Few slots: every segment is a prefill chunk; many: one in eight is, the rest decode one token.
     chunks = segments if segments <= 8 else segments // 8
     decodes = segments - chunks
     share, extra = divmod(tokens - decodes, chunks)
-    return [share + (i < extra) for i in range(chunks)] + [1] * decodes
+    return [min(share + (i < extra), max_chunk) for i in range(chunks)] + [1] * decodes
 
 
 def _visible_keys(q_len: int, kv_end: int, rows: int, causal: bool, window: int | None, ring: bool) -> int:
@@ -173,9 +179,10 @@ class VarlenSpec(KernelSpec[VarlenConfig, VarlenKey]):
     def make_problem(self, key: VarlenKey, device: torch.device, seed: int) -> Problem:
         """A random mix at the key's buckets: T = t_bucket rows, S = s_bucket slots, rows_bucket store rows.
 
-        T <= S: S decode tokens. Otherwise up to 8 slots are all prefill chunks sharing T; more
-        slots hold one chunk per eight slots and decode tokens in the rest (32 slots, T 4096: 28
-        decodes and 4 chunks). KV lengths are drawn over the store (one sequence full length); a
+        T <= S: T decode tokens. Otherwise up to 8 slots are all prefill chunks sharing T; more
+        slots hold one chunk per eight slots and decode tokens in the rest; chunks take at most 512
+        tokens and leave the rest of the width as padding (32 slots, T 4096: 28 decodes and 4
+        chunks of 512). KV lengths are drawn over the store (one sequence full length); a
         ring's run past it. On the interpreter: one KV head and tiny sizes.
         """
         return self._problem(key, torch.device(device), seed, max_rows=None)
@@ -194,7 +201,8 @@ class VarlenSpec(KernelSpec[VarlenConfig, VarlenKey]):
         else:
             kv_heads = TUNED_KV_HEADS
             rows = min(rows, max_rows) if max_rows is not None else rows
-        lengths = [min(n, rows) for n in _segment_lengths(tokens, segments)]
+        max_chunk = _CPU_MAX_CHUNK if device.type == "cpu" else _GPU_MAX_CHUNK
+        lengths = [min(n, rows) for n in _segment_lengths(tokens, segments, max_chunk)]
         window = None
         if key.windowed:
             window = max(1, rows - max(lengths) + 1) if key.ring else max(1, rows // 4)
@@ -239,7 +247,7 @@ class VarlenSpec(KernelSpec[VarlenConfig, VarlenKey]):
 
     def default_keys(self, device: DeviceInfo, head_dims: int | Iterable[int] | None = None) -> list[VarlenKey]:
         """GPU: bf16 causal GQA-4 over 32K-row stores, D 128 and 64, at three mixes: 32 decode tokens,
-        28 decodes + 4 prefill chunks (T 4096), 4 prefill chunks (T 2048). Interpreter: D 64, GQA 2, tiny.
+        28 decodes + 4 prefill chunks of 512 (width 4096), 4 chunks of 512 (width 2048). Interpreter: D 64, GQA 2, tiny.
         """
         if head_dims is None:
             dims = [64] if device.is_interpreter else [128, 64]
