@@ -131,8 +131,13 @@ def winner_numbers_problem(time_ms: object, portable_ms: object, speedup: object
         if problem is not None:
             return problem
     assert isinstance(speedup, int | float)
+    assert isinstance(time_ms, int | float) and isinstance(portable_ms, int | float)
     if speedup > MAX_SPEEDUP:
         return f"speedup is {speedup!r}, more than {MAX_SPEEDUP:g} is a measurement error"
+    # The dispatcher's margin rule trusts the speedup: it must be what the two times say.
+    implied = portable_ms / time_ms
+    if abs(speedup - implied) > 1e-3 * max(speedup, implied):
+        return f"speedup {speedup!r} disagrees with portable_ms / time_ms = {implied:.6g}"
     if isinstance(trials, bool) or not isinstance(trials, int):
         return f"trials is {describe(trials)}, expected a whole number"
     if trials < 1:

@@ -20,6 +20,7 @@ _EXPORTS: dict[str, str] = {
     "validate_seq_info": "tritune.kernels.varlen.op",
     "BatchedSequenceCache": "tritune.kernels.varlen.cache",
     "use_config": "tritune.kernels.dispatcher",
+    "reload_configs": "tritune.kernels.dispatcher",
     "device_info": "tritune.kernels.device",
     "get_spec": "tritune.kernels.registry",
     "kernel_names": "tritune.kernels.registry",

@@ -38,6 +38,11 @@ _pinned: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextV
 )
 
 
+#: Bound on memoised (kernel, device, facts) entries: a server seeing ever new exact lengths
+#: must not grow the memo forever; past the bound it starts over (resolution stays per key).
+MEMO_LIMIT = 4096
+
+
 class Dispatcher:
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -45,15 +50,29 @@ class Dispatcher:
         self._resolved: dict[tuple[str, str, TuningKey], Any] = {}
         self._logged: set[tuple[str, TuningKey]] = set()
         #: (kernel, device type, device index, facts) -> config values: the steady-state hit.
-        self.values: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        self._memo: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        #: Bumped by :meth:`clear`; a resolution started before a clear is not cached after it.
+        self.generation = 0
 
     def clear(self) -> None:
-        """Forget loaded winners and resolutions (settings changed, DB rewritten)."""
+        """Forget loaded winners and resolutions (settings changed, or :func:`reload_configs`)."""
         with self._lock:
+            self.generation += 1
             self._tables.clear()
             self._resolved.clear()
             self._logged.clear()
-            self.values.clear()
+            self._memo.clear()
+
+    def memo_get(self, memo: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        return self._memo.get(memo)
+
+    def memo_put(self, memo: tuple[Any, ...], values: tuple[Any, ...], generation: int) -> None:
+        with self._lock:
+            if generation != self.generation:
+                return
+            if len(self._memo) >= MEMO_LIMIT:
+                self._memo.clear()
+            self._memo[memo] = values
 
     def select(self, spec: KernelSpec[Any, Any], device: DeviceInfo, key: TuningKey) -> Any:
         pinned = _pinned.get()
@@ -75,26 +94,33 @@ class Dispatcher:
         return table
 
     def _load(self, device: DeviceInfo) -> WinnerTable:
+        """Bundle, then the user's DB on top; a source that cannot be read is skipped, once."""
         from tritune.configs_db import bundles, store
 
         current = settings_module.settings()
         record_sets = []
         if not current.disable_bundles:
-            records, rejections = bundles.shipped_records(device.slug)
+            try:
+                records, rejections = bundles.shipped_records(device.slug)
+            except Exception as exc:  # a broken install must not take the kernels down
+                log.warning("shipped bundle for %s not used: %s", device.slug, exc)
+                records, rejections = [], []
             for rejection in rejections:
                 log.warning("refused bundle content: %s", rejection.reason)
             record_sets.append(records)
         try:
             record_sets.append(store.read_winners(current.db_url, device.slug))
-        except store.StoreError as exc:
-            log.warning("config DB %s not used: %s", current.db_url, exc)
+        except Exception as exc:  # StoreError, a missing DB driver, ...: serve without the DB
+            log.warning("config DB %s not used: %s", store.display_url(current.db_url), exc)
         table = build_table(record_sets, device)
         log.info("loaded %d tuned configs for %s", len(table), device.slug)
         return table
 
     def _resolve(self, spec: KernelSpec[Any, Any], device: DeviceInfo, key: TuningKey) -> Any:
+        generation = self.generation
         current = settings_module.settings()
         threshold = 1.0 + current.margin
+        limits = spec.limits(device)
         config, reason = None, ""
         if current.disable_tuned:
             reason = "tuned configs disabled (TRITUNE_DISABLE_TUNED)"
@@ -102,15 +128,20 @@ class Dispatcher:
             table = self.table(device)
             exact = table.exact.get((spec.name, key))
             if exact is not None:
-                if exact.speedup >= threshold:
+                why = spec.space.infeasible_reason(exact.config, key, limits)
+                if why is not None:
+                    reason = f"stored winner is infeasible here ({why})"
+                elif exact.speedup >= threshold:
                     config = exact.config
                 else:
                     reason = f"stored winner is only {exact.speedup:.3f}x the portable default"
             else:
+                # A neighbour's winner must also be feasible at this key (e.g. a split-K config
+                # tuned for small M must not be borrowed at M=8192).
                 candidates = [
                     (k.distance(key), -e.speedup, e)
                     for k, e in table.groups.get((spec.name, key.group()), [])
-                    if e.speedup >= threshold
+                    if e.speedup >= threshold and spec.space.infeasible_reason(e.config, key, limits) is None
                 ]
                 if candidates:
                     config = min(candidates, key=lambda c: (c[0], c[1]))[2].config
@@ -121,12 +152,24 @@ class Dispatcher:
             if (spec.name, key) not in self._logged:
                 self._logged.add((spec.name, key))
                 log.info("%s: portable default serves %s: %s", spec.name, key, reason)
-        self._resolved[(spec.name, device.slug, key)] = config
+        with self._lock:
+            if generation == self.generation:
+                self._resolved[(spec.name, device.slug, key)] = config
         return config
 
 
 DISPATCHER = Dispatcher()
 settings_module.on_change(DISPATCHER.clear)
+
+
+def reload_configs() -> None:
+    """Drop every loaded winner and cached choice; the next call of each kernel reloads them.
+
+    A serving process reads the bundle and the DB once per device. Call this after a tune or an
+    import into the DB it uses (or restart the process). Graphs already compiled by
+    ``torch.compile`` keep the config they were traced with.
+    """
+    DISPATCHER.clear()
 
 
 @torch.compiler.assume_constant_result
@@ -136,24 +179,39 @@ def dispatch(kernel: str, device_type: str, device_index: int, facts: tuple[Any,
     Public wrappers call this with their spec's facts as a plain ``tuple`` (Dynamo hands a
     NamedTuple to an ``assume_constant_result`` function as an empty tuple). Its arguments and
     result are plain Python values, so under ``torch.compile`` the choice is made once at trace
-    time and baked in as a constant instead of breaking the graph on the dispatcher's dicts.
-    In eager mode a call whose facts were seen before costs one dict lookup.
+    time and baked in as a constant: a compiled graph keeps the config (pinned or stored) that
+    was in force when it was traced. In eager mode a call whose facts were seen before costs one
+    dict lookup.
     """
     pinned = _pinned.get()
-    unpinned = pinned is None or kernel not in pinned
+    pin = pinned.get(kernel) if pinned is not None else None
     memo = (kernel, device_type, device_index, facts)
-    if unpinned:
-        values = DISPATCHER.values.get(memo)
+    if pin is None:
+        values = DISPATCHER.memo_get(memo)
         if values is not None:
             return values
+    generation = DISPATCHER.generation
     spec = get_spec(kernel)
     device = device_info(torch.device(device_type, device_index) if device_type != "cpu" else "cpu")
     key = spec.key_for(device, facts)
-    config = spec.serveable(DISPATCHER.select(spec, device, key), device, facts)
+    chosen = DISPATCHER.select(spec, device, key)
+    config = spec.serveable(chosen, device, facts)
+    if pin is not None and config != pin:
+        _log_pin_rewrite(kernel, pin, config)
     values = tuple(getattr(config, name) for name in spec.space.dimensions)
-    if unpinned:
-        DISPATCHER.values[memo] = values
+    if pin is None:
+        DISPATCHER.memo_put(memo, values, generation)
     return values
+
+
+_rewritten_pins: set[tuple[str, Any, Any]] = set()
+
+
+def _log_pin_rewrite(kernel: str, pin: Any, served: Any) -> None:
+    """A pinned config that cannot serve this call is replaced; say so once per pair."""
+    if (kernel, pin, served) not in _rewritten_pins:
+        _rewritten_pins.add((kernel, pin, served))
+        log.warning("%s: pinned config %s cannot serve this call; serving %s instead", kernel, pin, served)
 
 
 def config_from_values(spec: KernelSpec[Any, Any], values: tuple[Any, ...]) -> Any:
@@ -166,7 +224,9 @@ def use_config(kernel: str, config: Mapping[str, Any]) -> Iterator[Any]:
     """Pin ``kernel`` to ``config`` (a plain dict of its space's fields) inside the block.
 
     Fields left out take the kernel's defaults (for the chosen path, where a kernel has several);
-    a config outside the space is refused here, before anything launches.
+    a config outside the space is refused here, before anything launches. A pinned config that
+    cannot serve a call (say, the TMA path on a GPU without TMA) is replaced by what can, with
+    one warning. Graphs compiled inside the block keep the pinned config after it ends.
     """
     spec = get_spec(kernel)
     parsed = spec.pinned_config(config)

@@ -10,7 +10,7 @@ refused with one logged reason, and the portable path serves that key instead.
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +80,9 @@ def admit(record: WinnerRecord, device: DeviceInfo) -> tuple[str, TuningKey, Ent
         config = spec.space.parse(record.config)
     except ValueError as exc:
         return Rejection(record.source, f"{where}: config outside the search space ({exc})")
+    why = spec.space.infeasible_reason(config, key, spec.limits(device))
+    if why is not None:
+        return Rejection(record.source, f"{where}: config infeasible on this GPU ({why})")
     if not (record.speedup > 0 and record.speedup < 1e3):
         return Rejection(record.source, f"{where}: absurd speedup {record.speedup!r}")
     return record.kernel, key, Entry(config=config, speedup=record.speedup, source=record.source)
@@ -88,11 +91,15 @@ def admit(record: WinnerRecord, device: DeviceInfo) -> tuple[str, TuningKey, Ent
 def build_table(record_sets: Iterable[Iterable[WinnerRecord]], device: DeviceInfo) -> WinnerTable:
     """Admit records in order (later sets override earlier ones), logging each refusal once."""
     table = WinnerTable()
+    refused: Counter[str] = Counter()
     for records in record_sets:
         for record in records:
             outcome = admit(record, device)
             if isinstance(outcome, Rejection):
-                log.warning("refused stored config: %s", outcome.reason)
+                refused[outcome.reason] += 1
                 continue
             table.add(*outcome)
+    # Rows of an older kernel version share one reason: say it once with a count, not per row.
+    for reason, count in refused.items():
+        log.warning("refused stored config: %s%s", reason, f" ({count} entries)" if count > 1 else "")
     return table

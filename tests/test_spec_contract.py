@@ -49,3 +49,16 @@ def test_launch_writes_every_output_element_through_out(spec, device):
 def test_version_is_a_source_hash(spec):
     assert len(spec.version) == 16
     int(spec.version, 16)
+
+
+@pytest.mark.parametrize("m", [1 << i for i in range(14)])
+def test_q4k_default_feasible_at_every_m_bucket(m):
+    """Every M bucket's portable default must be tunable (a regression: 65..128 was not)."""
+    from tritune.kernels.device import DeviceInfo
+
+    h200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
+    spec = get_spec("q4k_fp8_gemm")
+    for k, n in ((4096, 14336), (14336, 4096), (4096, 4096)):
+        key = spec.key_type(arch="sm90", sm_count=132, dtype="bfloat16", m_bucket=m, n=n, k=k)
+        default = spec.default_config(key)
+        assert spec.space.infeasible_reason(default, key, spec.limits(h200)) is None, (m, k, n)

@@ -65,7 +65,12 @@ def _key_for(arch: str, sm_count: int, facts: tuple[Any, ...]) -> DecodeKey:
 
 class DecodeSpec(KernelSpec[DecodeConfig, DecodeKey]):
     name = KERNEL
-    source_modules = ("tritune.kernels.decode._triton_decode", "tritune.kernels.decode.op")
+    # The space module holds launch geometry rules too: editing it must invalidate stored configs.
+    source_modules = (
+        "tritune.kernels.decode._triton_decode",
+        "tritune.kernels.decode.op",
+        "tritune.search_spaces.splitk_decode",
+    )
     key_type = DecodeKey
     space = SPACE
 

@@ -118,7 +118,12 @@ def _portable_for(config: PrefillConfig, key: PrefillKey, limits: TargetLimits) 
 
 class PrefillSpec(KernelSpec[PrefillConfig, PrefillKey]):
     name = "tma_prefill"
-    source_modules = ("tritune.kernels.prefill._triton_portable", "tritune.kernels.prefill._triton_tma")
+    # The space module holds launch geometry rules too: editing it must invalidate stored configs.
+    source_modules = (
+        "tritune.kernels.prefill._triton_portable",
+        "tritune.kernels.prefill._triton_tma",
+        "tritune.search_spaces.tma_prefill",
+    )
     key_type = PrefillKey
     space = SPACE
 

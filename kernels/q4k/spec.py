@@ -51,7 +51,12 @@ def check_path(out: torch.Tensor, expected: torch.Tensor, path: str) -> str | No
 
 class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
     name = "q4k_fp8_gemm"
-    source_modules = ("tritune.kernels.q4k._triton_q4k", "tritune.kernels.q4k.launch")
+    # The space module holds launch geometry rules too: editing it must invalidate stored configs.
+    source_modules = (
+        "tritune.kernels.q4k._triton_q4k",
+        "tritune.kernels.q4k.launch",
+        "tritune.search_spaces.q4k_fp8_gemm",
+    )
     key_type = Q4KKey
 
     def __init__(self) -> None:
@@ -95,7 +100,10 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
                 num_stages=3 if decode else 4,
                 SPLIT_K=split,
             )
-        return Q4KConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+        # GROUP_M only reorders programs when more than one M tile exists (the space prunes the
+        # duplicate launch otherwise).
+        group_m = 8 if key.m_bucket > 128 else 1
+        return Q4KConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=group_m, num_warps=8, num_stages=3)
 
     def pinned_config(self, values: Mapping[str, Any]) -> Q4KConfig:
         """A ``use_config`` dict; fields left out take the defaults of the path it names."""

@@ -104,7 +104,12 @@ def _visible_keys(q_len: int, kv_end: int, rows: int, causal: bool, window: int 
 
 class VarlenSpec(KernelSpec[VarlenConfig, VarlenKey]):
     name = KERNEL
-    source_modules = ("tritune.kernels.varlen._triton_varlen", "tritune.kernels.varlen.op")
+    # The space module holds launch geometry rules too: editing it must invalidate stored configs.
+    source_modules = (
+        "tritune.kernels.varlen._triton_varlen",
+        "tritune.kernels.varlen.op",
+        "tritune.search_spaces.varlen_sdpa",
+    )
     key_type = VarlenKey
     space = SPACE
 
