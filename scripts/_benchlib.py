@@ -1,0 +1,203 @@
+"""What the benchmark scripts share: timing, CUDA-graph capture, tuned-trial lookup and the report files.
+
+The scripts choose the Triton interpreter themselves (``--smoke``) before they import triton, so this
+module imports triton only inside its functions: importing it decides nothing.
+
+Timing on a GPU is ``triton.testing.do_bench`` (median; a warm-up, then the L2 flushed before every
+repetition). A CUDA-graph time is the same ``do_bench`` around ``graph.replay()`` of one captured
+call, so eager and graph numbers see the same cold L2. On the CPU (smoke mode) times are wall-clock
+medians of the interpreter: they prove the script runs, nothing more.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("tritune.bench")
+
+#: Peak HBM bandwidth of the GPUs we report on (TB/s), for the "% of peak" lines of the headers.
+HBM_TBPS = {"NVIDIA H200": 4.8, "NVIDIA H100 80GB HBM3": 3.35}
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+
+
+def prepare_interpreter() -> None:
+    """Let the Triton 3.6 interpreter run our kernels (the test tiers and ``tune --device cpu`` do this too)."""
+    from tritune.kernels._interpreter import fix_interpreter_index
+
+    fix_interpreter_index()
+
+
+def bench_device(smoke: bool) -> torch.device:
+    if smoke:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA GPU visible: run on the GPU machine, or pass --smoke for the CPU dry run")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Median milliseconds of one call of ``fn``: ``do_bench`` on a GPU, wall-clock on the interpreter."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()
+    samples = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def capture_graph(fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Capture one call of ``fn`` (warmed up on a side stream first); returns the graph and its output."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    torch.cuda.synchronize()
+    return graph, out
+
+
+def graph_replay_ms(graph: torch.cuda.CUDAGraph) -> float:
+    """Median milliseconds of one replay, L2 flushed before each (``do_bench`` around ``replay``)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median"))
+
+
+def error_text(exc: BaseException, limit: int = 240) -> str:
+    """One line naming an exception, short enough for a table cell."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def environment(device: torch.device, smoke: bool) -> dict[str, Any]:
+    """Device, versions, date and the exact command line of this run."""
+    import triton
+
+    env: dict[str, Any] = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "python " + shlex.join(sys.argv),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "smoke": smoke,
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        env.update(
+            gpu=props.name,
+            sm_count=props.multi_processor_count,
+            cudnn=cudnn,
+            memory_gib=round(props.total_memory / 2**30, 1),
+        )
+    else:
+        env.update(gpu="CPU (Triton interpreter; smoke mode, times are meaningless)", sm_count=None, cudnn=None)
+    return env
+
+
+def header_markdown(env: dict[str, Any], title: str, notes: Iterable[str]) -> str:
+    lines = [
+        f"# {title}",
+        "",
+        f"GPU: {env['gpu']}" + (f" ({env['sm_count']} SMs, {env['memory_gib']} GiB)" if env.get("sm_count") else ""),
+        "",
+        f"torch {env['torch']} | triton {env['triton']} | CUDA {env['cuda']} | cuDNN {env['cudnn']} | "
+        f"Python {env['python']} | {env['date_utc']}",
+        "",
+        f"Command: `{env['command']}`",
+        "",
+    ]
+    lines.extend(f"- {note}" for note in notes)
+    return "\n".join(lines) + "\n\n"
+
+
+def write_report(
+    markdown: str, env: dict[str, Any], rows: list[dict[str, Any]], out: str | None, json_path: str | None
+) -> None:
+    """Write the markdown report and the JSON rows (called after every shape: a killed run keeps its results)."""
+    if out:
+        Path(out).write_text(markdown)
+    if json_path:
+        Path(json_path).write_text(json.dumps({"environment": env, "rows": rows}, indent=1) + "\n")
+
+
+def print_report(markdown: str) -> None:
+    from rich.console import Console
+
+    Console(soft_wrap=True).print(markdown, markup=False, highlight=False, emoji=False)
+
+
+def checked_db(db: str | None) -> str | None:
+    """``--db`` must name an existing file (or a URL): a typo must not silently benchmark an empty DB."""
+    if db is None or "://" in db:
+        return db
+    if not Path(db).expanduser().is_file():
+        raise SystemExit(f"--db {db}: no such file (tune into it first, or leave --db out)")
+    return db
+
+
+def best_trials_by_path(db: str, kernel: str, version: str, gpu: str) -> dict[tuple[str, str], dict[str, Any]]:
+    """Fastest ok trial per (key JSON, path) of ``kernel`` at this source version on this GPU."""
+    from sqlalchemy import create_engine, text
+
+    from tritune.kernels import settings
+
+    engine = create_engine(settings.db_url_from(db))
+    query = text(
+        "SELECT t.key_json, t.config_json, t.time_ms FROM trials t JOIN environments e ON e.id = t.environment_id "
+        "WHERE t.kernel = :kernel AND t.kernel_version = :version AND t.status = 'ok' AND e.gpu = :gpu "
+        "AND t.time_ms IS NOT NULL"
+    )
+    best: dict[tuple[str, str], tuple[float, dict[str, Any]]] = {}
+    try:
+        with engine.connect() as conn:
+            for key_json, config_json, time_ms in conn.execute(
+                query, {"kernel": kernel, "version": version, "gpu": gpu}
+            ):
+                config = json.loads(config_json)
+                slot = (json.dumps(json.loads(key_json), sort_keys=True), str(config.get("path", "portable")))
+                if slot not in best or time_ms < best[slot][0]:
+                    best[slot] = (time_ms, config)
+    finally:
+        engine.dispose()
+    return {slot: config for slot, (_, config) in best.items()}
+
+
+def fmt(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def ratio(reference: float | None, value: float | None) -> str:
+    """``reference / value`` as ``1.23x`` (above 1: faster than the reference)."""
+    return f"{reference / value:.2f}x" if reference and value else "-"

@@ -1,0 +1,405 @@
+"""Benchmark GQA decode attention over a KV cache: tritune (untuned, tuned) vs SDPA flash, SDPA cuDNN, FlexAttention.
+
+On the GPU machine, after tuning ``splitk_decode`` into a DB:
+
+    python scripts/bench_decode.py --db /tmp/tune.sqlite --out decode.md --json decode.json
+
+Hq=32, Hkv=8, D=128, bf16, one new token per sequence, B x Lkv over a cache of exactly Lkv positions.
+``kv_len`` is Lkv for every sequence, or drawn per sequence with ``--ragged``. Every implementation is
+checked against the fp64 reference (``tritune.kernels.decode.reference``) before it is timed; one that
+fails is reported as FAILED, a peer that cannot run as unavailable with its error. Each is timed
+eagerly (``do_bench``, L2 flushed) and as one captured CUDA graph replayed under ``do_bench`` (same L2
+flush); the graph output is poisoned with NaN and checked again after a replay. Effective bandwidth
+counts the bytes of K and V the valid lengths need (2 x sum(kv_len) x Hkv x D x 2 B), the same for
+every implementation, so it compares times rather than measuring what each one really reads.
+
+``--smoke`` runs the same code on the CPU under ``TRITON_INTERPRET=1`` at tiny shapes (no CUDA graphs,
+no cuDNN): a dry run that proves the script works before GPU time is spent on it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# The interpreter must be chosen before triton is first imported.
+if "--smoke" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import argparse
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import _benchlib as bl
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("tritune.bench")
+
+HQ, HKV, HEAD_DIM = 32, 8, 128
+DTYPE = torch.bfloat16
+BATCHES = (1, 8, 32, 64)
+LKVS = (4096, 32768, 131072)
+SMOKE_BATCHES = (1, 3)
+SMOKE_LKVS = (160,)
+PEERS = ("SDPA flash", "SDPA cuDNN", "FlexAttention")
+UNTUNED = "tritune untuned (portable default)"
+TUNED = "tritune tuned (dispatcher)"
+
+
+@dataclass
+class Row:
+    batch: int
+    lkv: int
+    ragged: bool
+    impl: str
+    kv_bytes: int
+    status: str = "ok"  # ok | FAILED | unavailable
+    max_err: float | None = None
+    eager_us: float | None = None
+    graph_us: float | None = None
+    graph_status: str = ""
+    note: str = ""
+
+    def tbps(self, us: float | None) -> float | None:
+        return self.kv_bytes / (us * 1e-6) / 1e12 if us else None
+
+
+@dataclass
+class Impl:
+    name: str
+    fn: Callable[[], torch.Tensor] | None
+    note: str = ""
+    #: Why it cannot run here (reported as unavailable); ``fn`` is then None.
+    error: str = ""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--db", default=None, help="config DB holding the tuned winners (settings db_url)")
+    parser.add_argument("--out", default=None, help="markdown file to write the report to")
+    parser.add_argument("--json", default=None, help="JSON file to write the rows to")
+    parser.add_argument("--batch", type=int, action="append", help="batch sizes (default 1 8 32 64)")
+    parser.add_argument("--lkv", type=int, action="append", help="cache lengths (default 4096 32768 131072)")
+    parser.add_argument("--ragged", action="store_true", help="per-sequence kv_len drawn from U[1, Lkv]")
+    parser.add_argument("--max-kv-gb", type=float, default=40.0, help="skip combinations whose K+V exceed this")
+    parser.add_argument("--skip-flex", action="store_true", help="leave FlexAttention out (it compiles per shape)")
+    parser.add_argument("--no-graph", action="store_true", help="eager timings only")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true", help="CPU dry run on the Triton interpreter at tiny shapes")
+    args = parser.parse_args()
+    bl.setup_logging()
+    if args.smoke:
+        bl.prepare_interpreter()
+    device = bl.bench_device(args.smoke)
+    db = bl.checked_db(args.db)
+    batches = args.batch or list(SMOKE_BATCHES if args.smoke else BATCHES)
+    lkvs = args.lkv or list(SMOKE_LKVS if args.smoke else LKVS)
+    graphs = device.type == "cuda" and not args.no_graph
+    env = bl.environment(device, args.smoke)
+    flex = None if args.skip_flex else _compiled_flex()
+
+    from tritune.kernels import settings
+
+    rows: list[Row] = []
+    with contextlib.ExitStack() as stack:
+        if db:
+            stack.enter_context(settings.override(db_url=db))
+        for batch in batches:
+            for lkv in lkvs:
+                kv_gb = 2 * batch * HKV * lkv * HEAD_DIM * DTYPE.itemsize / 1e9
+                if kv_gb > args.max_kv_gb:
+                    log.info(
+                        "skip B=%d Lkv=%d: K+V would take %.1f GB (> --max-kv-gb %.0f)",
+                        batch,
+                        lkv,
+                        kv_gb,
+                        args.max_kv_gb,
+                    )
+                    continue
+                rows.extend(bench_shape(batch, lkv, args, device, flex, graphs))
+                report = _report(rows, env, args, db, graphs)
+                bl.write_report(report, env, [_json_row(r) for r in rows], args.out, args.json)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    bl.print_report(_report(rows, env, args, db, graphs))
+    return 0
+
+
+def _json_row(r: Row) -> dict:
+    return {**dataclasses.asdict(r), "eager_tbps": r.tbps(r.eager_us), "graph_tbps": r.tbps(r.graph_us)}
+
+
+def _compiled_flex() -> Callable[..., torch.Tensor]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # Every (B, Lkv) is its own static compile; the default limit of 8 would fall back to eager after 8.
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, limit, max(getattr(config, limit), 64))
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def draw_lengths(batch: int, lkv: int, ragged: bool, seed: int) -> torch.Tensor:
+    """int32 [B] on the host: Lkv everywhere, or U[1, Lkv] with the first sequence full (the longest split plan)."""
+    if not ragged:
+        return torch.full((batch,), lkv, dtype=torch.int32)
+    lengths = torch.randint(1, lkv + 1, (batch,), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
+    lengths[0] = lkv
+    return lengths
+
+
+def bench_shape(batch: int, lkv: int, args: argparse.Namespace, device: torch.device, flex, graphs: bool) -> list[Row]:
+    """Check, then time (eager and CUDA graph), every implementation at one (B, Lkv)."""
+    from tritune.kernels.decode.reference import compare, decode_reference
+
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    q = torch.randn(batch, HQ, 1, HEAD_DIM, generator=gen, device=device, dtype=DTYPE)
+    k = torch.randn(batch, HKV, lkv, HEAD_DIM, generator=gen, device=device, dtype=DTYPE)
+    v = torch.randn(batch, HKV, lkv, HEAD_DIM, generator=gen, device=device, dtype=DTYPE)
+    lengths = draw_lengths(batch, lkv, args.ragged, args.seed)
+    kv_len = lengths.to(device)
+    kv_bytes = 2 * int(lengths.sum()) * HKV * HEAD_DIM * DTYPE.itemsize
+    expected = decode_reference(q, k, v, kv_len)
+    log.info(
+        "B=%d Lkv=%d%s: K+V %.2f GB, reference ready",
+        batch,
+        lkv,
+        " ragged" if args.ragged else "",
+        2 * k.numel() * DTYPE.itemsize / 1e9,
+    )
+    # Ragged lengths need a padding mask for SDPA; uniform ones need none (the cache is exactly Lkv long).
+    mask = None
+    if args.ragged:
+        mask = (torch.arange(lkv, device=device)[None, :] < kv_len[:, None])[:, None, None, :]  # [B, 1, 1, Lkv]
+
+    from torch.nn.attention import SDPBackend
+
+    impls = [
+        *_tritune_impls(q, k, v, kv_len),
+        _sdpa_impl("SDPA flash", SDPBackend.FLASH_ATTENTION, q, k, v, mask),
+        _sdpa_impl("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION, q, k, v, mask),
+    ]
+    if flex is not None:
+        impls.append(_flex_impl(flex, q, k, v, kv_len))
+
+    rows = []
+    for impl in impls:
+        row = Row(batch, lkv, args.ragged, impl.name, kv_bytes, note=impl.note)
+        rows.append(row)
+        if impl.fn is None:
+            row.status, row.note = "unavailable", impl.error
+            _log_row(row)
+            continue
+        fn = impl.fn
+        try:
+            started = time.perf_counter()
+            out = fn()
+            bl.synchronize(device)
+            first_s = time.perf_counter() - started
+            if first_s > 5:
+                log.info("  %s: first call (compiles) took %.0f s", impl.name, first_s)
+            row.max_err = float((out.double() - expected).abs().max())
+            problem = compare(out, expected, DTYPE)
+            if problem is not None:
+                row.status, row.note = "FAILED", f"FAILED correctness check: {problem}"
+                _log_row(row)
+                continue
+            row.eager_us = bl.time_ms(fn, device) * 1e3
+        except Exception as exc:  # a peer that cannot run here is reported, and the others still run
+            row.status, row.note = "unavailable", bl.error_text(exc)
+            _log_row(row)
+            continue
+        if graphs:
+            row.graph_us, row.graph_status = _graph_time(fn, expected)
+        _log_row(row)
+    return rows
+
+
+def _graph_time(fn: Callable[[], torch.Tensor], expected: torch.Tensor) -> tuple[float | None, str]:
+    """Capture one call, poison its output, replay, check, then time replays: (us, status)."""
+    from tritune.kernels.decode.reference import compare
+
+    try:
+        graph, out = bl.capture_graph(fn)
+    except Exception as exc:
+        _recover_after_capture()
+        return None, f"cannot capture: {bl.error_text(exc, 160)}"
+    try:
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        problem = compare(out, expected, DTYPE)
+        if problem is not None:
+            return None, f"FAILED after replay: {problem}"
+        return bl.graph_replay_ms(graph) * 1e3, "ok"
+    except Exception as exc:
+        return None, f"replay failed: {bl.error_text(exc, 160)}"
+    finally:
+        del graph
+
+
+def _recover_after_capture() -> None:
+    # A failed capture is ended by torch.cuda.graph's exit; make sure nothing is left pending.
+    with contextlib.suppress(Exception):
+        torch.cuda.synchronize()
+
+
+def _tritune_impls(q, k, v, kv_len) -> list[Impl]:
+    from tritune.kernels import decode_attention, use_config
+    from tritune.kernels.decode.op import KERNEL
+    from tritune.kernels.decode.spec import SPEC
+    from tritune.kernels.device import device_info
+    from tritune.kernels.dispatcher import config_from_values, dispatch
+
+    facts = SPEC.facts(q, k, v, kv_len)
+    key = SPEC.key_for(device_info(q.device), facts)
+    untuned = SPEC.space.to_dict(SPEC.default_config(key))
+    index = -1 if q.device.index is None else q.device.index
+    served = SPEC.space.to_dict(config_from_values(SPEC, dispatch(KERNEL, q.device.type, index, tuple(facts))))
+
+    def run_untuned() -> torch.Tensor:
+        with use_config(KERNEL, untuned):
+            return decode_attention(q, k, v, kv_len)
+
+    def run_tuned() -> torch.Tensor:
+        return decode_attention(q, k, v, kv_len)
+
+    tag = "same as untuned" if served == untuned else "tuned"
+    return [
+        Impl(UNTUNED, run_untuned, note=_config_text(untuned)),
+        Impl(TUNED, run_tuned, note=f"{tag}: {_config_text(served)}"),
+    ]
+
+
+def _config_text(config: dict) -> str:
+    return " ".join(f"{name}={value}" for name, value in config.items())
+
+
+def _sdpa_impl(name: str, backend, q, k, v, mask) -> Impl:
+    """SDPA pinned to one backend; GQA natively where the backend takes ``enable_gqa``, else KV heads repeated."""
+    from torch.nn.attention import sdpa_kernel
+
+    def call(key: torch.Tensor, value: torch.Tensor, gqa: bool) -> torch.Tensor:
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, key, value, attn_mask=mask, enable_gqa=gqa)
+
+    try:
+        call(k, v, True)
+        return Impl(name, lambda: call(k, v, True), note="enable_gqa=True")
+    except Exception as exc:
+        refused = bl.error_text(exc, 120)
+    group = q.shape[1] // k.shape[1]
+    needed = 2 * k.numel() * group * k.element_size()
+    if q.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(q.device)
+        if needed > 0.8 * free:
+            return Impl(
+                name,
+                None,
+                error=f"refused enable_gqa ({refused}); repeating KV heads would need "
+                f"{needed / 1e9:.1f} GB of {free / 1e9:.1f} GB free",
+            )
+    # Outside the timed region: the repeated cache costs memory, not time, in what is measured.
+    k_rep = k.repeat_interleave(group, dim=1)
+    v_rep = v.repeat_interleave(group, dim=1)
+    try:
+        call(k_rep, v_rep, False)
+    except Exception as exc:
+        return Impl(
+            name, None, error=f"refused enable_gqa ({refused}); with repeated KV heads: {bl.error_text(exc, 120)}"
+        )
+    return Impl(
+        name,
+        lambda: call(k_rep, v_rep, False),
+        note=f"refused enable_gqa, so KV heads repeated {group}x outside the timed region ({refused})",
+    )
+
+
+def _flex_impl(flex, q, k, v, kv_len) -> Impl:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, lkv = k.shape[0], k.shape[2]
+
+    def within_kv_len(b, h, q_idx, kv_idx):
+        return kv_idx < kv_len[b]
+
+    try:
+        block_mask = create_block_mask(within_kv_len, B=batch, H=None, Q_LEN=1, KV_LEN=lkv, device=q.device)
+    except Exception as exc:
+        return Impl("FlexAttention", None, error=f"create_block_mask: {bl.error_text(exc)}")
+    return Impl(
+        "FlexAttention",
+        lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=True),
+        note="torch.compile(flex_attention), block mask kv_idx < kv_len[b], enable_gqa=True",
+    )
+
+
+def _log_row(r: Row) -> None:
+    eager = f"{r.eager_us:9.1f} us {r.tbps(r.eager_us):5.2f} TB/s" if r.eager_us else f"{'-':>21s}"
+    graph = f"{r.graph_us:9.1f} us {r.tbps(r.graph_us):5.2f} TB/s" if r.graph_us else f"{'-':>21s}"
+    log.info(
+        "  B=%-3d Lkv=%-6d %-36s %-11s eager %s | graph %s %s | err=%s %s",
+        r.batch,
+        r.lkv,
+        r.impl,
+        r.status,
+        eager,
+        graph,
+        r.graph_status,
+        bl.fmt(r.max_err, 4),
+        r.note[:160],
+    )
+
+
+def _report(rows: list[Row], env: dict, args: argparse.Namespace, db: str | None, graphs: bool) -> str:
+    peak = bl.HBM_TBPS.get(env["gpu"])
+    notes = [
+        f"Hq={HQ}, Hkv={HKV}, D={HEAD_DIM}, bf16, 1 new token per sequence; cache [B, Hkv, Lkv, D] of exactly Lkv "
+        + (
+            "positions, per-sequence kv_len drawn from U[1, Lkv] (sequence 0 full); SDPA gets a padding mask."
+            if args.ragged
+            else "positions, kv_len = Lkv for every sequence."
+        ),
+        "Times: median of triton.testing.do_bench (warm-up, L2 flushed before every repetition), in us. "
+        "Graph: one call captured in a CUDA graph, replay() timed the same way (output NaN-poisoned and "
+        "re-checked after a replay first).",
+        "TB/s: effective K+V bandwidth, 2 x sum(kv_len) x Hkv x D x 2 bytes / time, the same bytes for every "
+        "implementation" + (f" (HBM peak of this GPU: about {peak} TB/s)." if peak else "."),
+        "vs peer: fastest passing peer (SDPA flash, SDPA cuDNN, FlexAttention) time / this time, eager and graph "
+        "separately; above 1.00x is faster than every peer.",
+        "Checked against the fp64 reference (tritune.kernels.decode.reference.compare, bf16 tolerance) before "
+        "timing; FAILED rows are never timed.",
+        f"Tuned configs: {'DB ' + db if db else 'default settings (user DB and shipped bundles)'}; untuned = "
+        "portable default pinned with use_config.",
+    ]
+    if not graphs:
+        notes.append("CUDA graphs: not measured (" + ("CPU smoke run" if env["smoke"] else "--no-graph") + ").")
+    text = bl.header_markdown(env, "Decode attention (splitk_decode)", notes)
+    lines = [
+        "| B | Lkv | implementation | check | max err | eager us | eager TB/s | eager vs peer | graph us | graph TB/s "
+        "| graph vs peer | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for shape in dict.fromkeys((r.batch, r.lkv) for r in rows):
+        group = [r for r in rows if (r.batch, r.lkv) == shape]
+        eager_peer = min((r.eager_us for r in group if r.impl in PEERS and r.eager_us), default=None)
+        graph_peer = min((r.graph_us for r in group if r.impl in PEERS and r.graph_us), default=None)
+        for r in group:
+            # The cell says what happened; the note says why.
+            graph_cell = bl.fmt(r.graph_us, 1) if r.graph_us else (r.graph_status.split(":")[0] or "-")
+            note = r.note if r.graph_status in ("", "ok") else f"{r.note}; graph: {r.graph_status}".lstrip("; ")
+            lines.append(
+                f"| {r.batch} | {r.lkv} | {r.impl} | {r.status} | {bl.fmt(r.max_err, 4)} | {bl.fmt(r.eager_us, 1)} "
+                f"| {bl.fmt(r.tbps(r.eager_us), 2)} | {bl.ratio(eager_peer, r.eager_us)} | {graph_cell} "
+                f"| {bl.fmt(r.tbps(r.graph_us), 2)} | {bl.ratio(graph_peer, r.graph_us)} | {note.replace('|', '/')} |"
+            )
+    return text + "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,332 @@
+"""Benchmark the Q4_K linear layer: tritune ``q4k_linear`` vs bf16 cuBLAS and an FP8 ``torch._scaled_mm`` ceiling.
+
+On the GPU machine, after tuning ``q4k_fp8_gemm`` into a DB:
+
+    python scripts/bench_q4k.py --db /tmp/tune.sqlite --out q4k.md --json q4k.json
+
+Llama-3-8B shapes (K, N) in {(4096, 14336), (14336, 4096), (4096, 4096)}, M from 1 (decode) to 8192
+(prefill), bf16 activations. The weight is Gaussian (std 0.02), quantized once per shape with
+``Q4KWeight.quantize``; the reference is the fp32 product with the exactly dequantized weight.
+
+Implementations (every one checked by SQNR against the reference before it is timed; one below its
+floor is reported as FAILED, a peer that cannot run as unavailable with its error):
+
+- bf16 cuBLAS: ``x @ W.T`` with W dequantized to bf16 once, outside timing (floor: the portable 40 dB);
+- FP8 ``torch._scaled_mm``: W quantized once to e4m3 with one scale per output row, x quantized to e4m3
+  with one scale per row outside timing (mat2 passed column-major, as cuBLASLt wants): the fp8 GEMM
+  alone, a ceiling for a kernel that also dequantizes (floor: the fp8 path's 25 dB);
+- tritune untuned: the portable default for the key, pinned with ``use_config``;
+- tritune portable path and fp8 path, pinned: the fastest tuned trial of that path in ``--db``, or
+  without one the default tiles on that path;
+- tritune tuned: whatever the dispatcher serves (``--db`` on top of the shipped bundles).
+
+Times are medians of ``triton.testing.do_bench`` (L2 flushed before every repetition); TFLOP/s count
+2 x M x N x K. ``--smoke`` runs the same code on the CPU under ``TRITON_INTERPRET=1`` at tiny shapes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# The interpreter must be chosen before triton is first imported.
+if "--smoke" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import _benchlib as bl
+import torch
+
+log = logging.getLogger("tritune.bench")
+
+SHAPES = ((4096, 14336), (14336, 4096), (4096, 4096))  # (K, N)
+MS = (1, 16, 64, 256, 1024, 4096, 8192)
+SMOKE_SHAPES = ((256, 64), (512, 96))
+SMOKE_MS = (1, 16, 33)
+DTYPE = torch.bfloat16
+WEIGHT_STD = 0.02
+E4M3_MAX = 448.0
+CUBLAS = "bf16 cuBLAS (x @ W.T)"
+SCALED_MM = "FP8 torch._scaled_mm (ceiling)"
+KERNEL = "q4k_fp8_gemm"
+
+
+@dataclass
+class Row:
+    k: int
+    n: int
+    m: int
+    impl: str
+    status: str = "ok"  # ok | FAILED | unavailable
+    sqnr_db: float | None = None
+    us: float | None = None
+    note: str = ""
+
+    @property
+    def tflops(self) -> float | None:
+        return 2.0 * self.m * self.n * self.k / (self.us * 1e-6) / 1e12 if self.us else None
+
+
+@dataclass
+class Impl:
+    name: str
+    fn: Callable[[], torch.Tensor] | None
+    #: SQNR floor (dB) the output must reach against the reference.
+    floor: float
+    note: str = ""
+    error: str = ""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--db", default=None, help="config DB holding the tuned winners and trials (settings db_url)")
+    parser.add_argument("--out", default=None, help="markdown file to write the report to")
+    parser.add_argument("--json", default=None, help="JSON file to write the rows to")
+    parser.add_argument("--shape", action="append", help="KxN, e.g. 4096x14336 (default: the three Llama-3-8B ones)")
+    parser.add_argument("--m", type=int, action="append", help="rows of x (default 1 16 64 256 1024 4096 8192)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true", help="CPU dry run on the Triton interpreter at tiny shapes")
+    args = parser.parse_args()
+    bl.setup_logging()
+    if args.smoke:
+        bl.prepare_interpreter()
+    device = bl.bench_device(args.smoke)
+    db = bl.checked_db(args.db)
+    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shape] if args.shape else None
+    shapes = shapes or list(SMOKE_SHAPES if args.smoke else SHAPES)
+    ms = args.m or list(SMOKE_MS if args.smoke else MS)
+    env = bl.environment(device, args.smoke)
+    # The reference must be a true fp32 product, not TF32.
+    torch.set_float32_matmul_precision("highest")
+
+    from tritune.kernels import settings
+    from tritune.kernels.device import device_info
+    from tritune.kernels.q4k.spec import SPEC
+
+    info = device_info(device)
+    best = bl.best_trials_by_path(db, KERNEL, SPEC.version, info.slug) if db else {}
+    rows: list[Row] = []
+    with contextlib.ExitStack() as stack:
+        if db:
+            stack.enter_context(settings.override(db_url=db))
+        for k, n in shapes:
+            rows.extend(bench_shape(k, n, ms, args.seed, device, best))
+            report = _report(rows, env, db)
+            bl.write_report(
+                report, env, [{**dataclasses.asdict(r), "tflops": r.tflops} for r in rows], args.out, args.json
+            )
+    bl.print_report(_report(rows, env, db))
+    return 0
+
+
+def fp8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 values and fp32 scales ``[rows, 1]`` with one scale per row (its max maps to 448)."""
+    t32 = t.float()
+    scale = t32.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / E4M3_MAX
+    return (t32 / scale).to(torch.float8_e4m3fn), scale
+
+
+def bench_shape(k: int, n: int, ms: list[int], seed: int, device: torch.device, best: dict) -> list[Row]:
+    """Quantize one weight, then check and time every implementation at each M."""
+    from tritune.kernels import Q4KWeight
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    weight = Q4KWeight.quantize(torch.randn(n, k, generator=gen, device=device) * WEIGHT_STD)
+    w32 = weight.dequantize()  # [N, K] fp32, exactly gguf's values
+    w_bf16 = w32.to(DTYPE)
+    w_fp8, w_scale = fp8_rows(w32)
+    w_scale_row = w_scale.reshape(1, n).contiguous()  # [1, N]: scale_b of _scaled_mm
+    log.info("K=%d N=%d: weight quantized (%.1f MB as Q4_K)", k, n, weight.nbytes / 1e6)
+    rows: list[Row] = []
+    for m in ms:
+        x = torch.randn(m, k, generator=gen, device=device).to(DTYPE)
+        expected = x.float() @ w32.t()
+        impls = [
+            Impl(CUBLAS, lambda x=x: x @ w_bf16.t(), floor=_floor("portable"), note="W dequantized to bf16 once"),
+            _scaled_mm_impl(x, w_fp8, w_scale_row),
+            *_tritune_impls(x, weight, best),
+        ]
+        for impl in impls:
+            rows.append(_measure(Row(k, n, m, impl.name, note=impl.note), impl, expected, device))
+        del x, expected
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _floor(path: str) -> float:
+    from tritune.kernels.q4k.spec import MIN_SQNR_DB
+
+    return MIN_SQNR_DB[path]
+
+
+def _measure(row: Row, impl: Impl, expected: torch.Tensor, device: torch.device) -> Row:
+    from tritune.kernels.q4k.reference import sqnr_db
+
+    if impl.fn is None:
+        row.status, row.note = "unavailable", impl.error
+        _log_row(row)
+        return row
+    try:
+        out = impl.fn()
+        bl.synchronize(device)
+        row.sqnr_db = sqnr_db(out.float(), expected)
+        if not row.sqnr_db >= impl.floor:
+            row.status = "FAILED"
+            failed = f"FAILED: SQNR {row.sqnr_db:.1f} dB is below the {impl.floor:.0f} dB floor"
+            row.note = f"{failed}; {row.note}" if row.note else failed
+        else:
+            row.us = bl.time_ms(impl.fn, device) * 1e3
+    except Exception as exc:  # a peer that cannot run here is reported, and the others still run
+        row.status, row.note = "unavailable", bl.error_text(exc)
+    _log_row(row)
+    return row
+
+
+def _scaled_mm_impl(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_row: torch.Tensor) -> Impl:
+    """Row-wise scaled FP8 GEMM; per-tensor scales where the build refuses row-wise ones."""
+    x_fp8, x_scale = fp8_rows(x)
+    mat2 = w_fp8.t()  # [K, N], column-major: the layout _scaled_mm requires of its second operand
+
+    def rowwise() -> torch.Tensor:
+        return torch._scaled_mm(x_fp8, mat2, scale_a=x_scale, scale_b=w_scale_row, out_dtype=DTYPE)
+
+    try:
+        rowwise()
+        return Impl(SCALED_MM, rowwise, floor=_floor("fp8"), note="e4m3, row-wise scales (x per row, W per column)")
+    except Exception as exc:
+        refused = bl.error_text(exc, 120)
+    # Per-tensor fallback: requantize both operands against one scale each.
+    x_t_scale = x.float().abs().amax().clamp(min=1e-12) / E4M3_MAX
+    w32 = w_fp8.float() * w_scale_row.t()
+    w_t_scale = w32.abs().amax().clamp(min=1e-12) / E4M3_MAX
+    x_t = (x.float() / x_t_scale).to(torch.float8_e4m3fn)
+    w_t = (w32 / w_t_scale).to(torch.float8_e4m3fn).t()
+
+    def tensorwise() -> torch.Tensor:
+        return torch._scaled_mm(x_t, w_t, scale_a=x_t_scale, scale_b=w_t_scale, out_dtype=DTYPE)
+
+    try:
+        tensorwise()
+    except Exception as exc:
+        return Impl(
+            SCALED_MM, None, floor=_floor("fp8"), error=f"row-wise: {refused}; per-tensor: {bl.error_text(exc, 120)}"
+        )
+    return Impl(
+        SCALED_MM, tensorwise, floor=_floor("fp8"), note=f"e4m3, per-tensor scales (row-wise refused: {refused})"
+    )
+
+
+def _tritune_impls(x: torch.Tensor, weight, best: dict) -> list[Impl]:
+    from tritune.kernels import q4k_linear, use_config
+    from tritune.kernels.device import device_info
+    from tritune.kernels.dispatcher import config_from_values, dispatch
+    from tritune.kernels.q4k.spec import SPEC
+
+    info = device_info(x.device)
+    facts = SPEC.facts(x, weight, None)
+    key = SPEC.key_for(info, facts)
+    key_json = json.dumps(key.to_dict(), sort_keys=True)
+    untuned = SPEC.space.to_dict(SPEC.default_config(key))
+    served = SPEC.space.to_dict(config_from_values(SPEC, dispatch(KERNEL, x.device.type, x.device.index or 0, facts)))
+
+    def pinned(config: dict[str, Any]) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            with use_config(KERNEL, config):
+                return q4k_linear(x, weight)
+
+        return run
+
+    impls = [Impl("tritune untuned (portable default)", pinned(untuned), _floor("portable"), _config_text(untuned))]
+    for path in ("portable", "fp8"):
+        config, origin = best.get((key_json, path)), "fastest tuned trial"
+        if config is None:
+            config, origin = _path_default(untuned, path, key, info), "default tiles, no tuned trial"
+        if config == untuned:
+            continue  # the untuned row already times it
+        impls.append(
+            Impl(f"tritune {path} path (pinned)", pinned(config), _floor(path), f"{origin}: {_config_text(config)}")
+        )
+    tag = "same as untuned" if served == untuned else "tuned"
+    impls.append(
+        Impl(
+            "tritune tuned (dispatcher)",
+            lambda: q4k_linear(x, weight),
+            _floor(served["path"]),
+            f"{tag}: {_config_text(served)}",
+        )
+    )
+    return impls
+
+
+def _path_default(untuned: dict[str, Any], path: str, key, info) -> dict[str, Any]:
+    """The untuned tiles on ``path`` where they are feasible there, else that path's own defaults."""
+    from tritune.kernels.q4k.spec import SPEC
+
+    config = {**untuned, "path": path}
+    if SPEC.space.infeasible_reason(SPEC.space.parse(config), key, SPEC.limits(info)) is None:
+        return config
+    return SPEC.space.to_dict(SPEC.pinned_config({"path": path}))
+
+
+def _config_text(config: dict[str, Any]) -> str:
+    return " ".join(f"{name}={value}" for name, value in config.items())
+
+
+def _log_row(r: Row) -> None:
+    time_text = f"{r.us:10.1f} us {r.tflops:7.1f} TFLOP/s" if r.us else f"{'-':>28s}"
+    log.info(
+        "  K=%-5d N=%-5d M=%-5d %-36s %-11s %s SQNR=%s %s",
+        r.k,
+        r.n,
+        r.m,
+        r.impl,
+        r.status,
+        time_text,
+        bl.fmt(r.sqnr_db, 1),
+        r.note[:160],
+    )
+
+
+def _report(rows: list[Row], env: dict, db: str | None) -> str:
+    notes = [
+        f"bf16 x [M, K] (std 1) times a Q4_K weight [N, K] (Gaussian, std {WEIGHT_STD}, quantized with "
+        "Q4KWeight.quantize); out [M, N] bf16.",
+        "Times: median of triton.testing.do_bench (warm-up, L2 flushed before every repetition), in us. "
+        "TFLOP/s: 2 x M x N x K / time.",
+        "vs cuBLAS / vs _scaled_mm: that peer's time / this time (above 1.00x is faster).",
+        "SQNR: dB against the fp32 product with the exactly dequantized weight; checked before timing against "
+        "40 dB (portable path, bf16 cuBLAS) or 25 dB (fp8 path, _scaled_mm); FAILED rows are never timed.",
+        "The _scaled_mm row times the fp8 GEMM alone (weight and activation quantized outside timing): a ceiling, "
+        "not a like-for-like peer.",
+        f"Tuned configs and trials: {'DB ' + db if db else 'default settings (user DB and shipped bundles)'}; "
+        "untuned = portable default pinned with use_config.",
+    ]
+    text = bl.header_markdown(env, "Q4_K linear (q4k_fp8_gemm)", notes)
+    lines = [
+        "| K x N | M | implementation | check | SQNR dB | time us | TFLOP/s | vs bf16 cuBLAS | vs _scaled_mm | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for shape in dict.fromkeys((r.k, r.n, r.m) for r in rows):
+        group = [r for r in rows if (r.k, r.n, r.m) == shape]
+        cublas = next((r.us for r in group if r.impl == CUBLAS), None)
+        scaled = next((r.us for r in group if r.impl == SCALED_MM), None)
+        for r in group:
+            lines.append(
+                f"| {r.k} x {r.n} | {r.m} | {r.impl} | {r.status} | {bl.fmt(r.sqnr_db, 1)} | {bl.fmt(r.us, 1)} "
+                f"| {bl.fmt(r.tflops, 1)} | {bl.ratio(cublas, r.us)} | {bl.ratio(scaled, r.us)} "
+                f"| {r.note.replace('|', '/')} |"
+            )
+    return text + "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
