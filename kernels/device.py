@@ -97,6 +97,13 @@ def _from_nvml(cuda_index: int) -> DeviceInfo | None:
             handle = pynvml.nvmlDeviceGetHandleByIndex(target)
         else:
             handle = pynvml.nvmlDeviceGetHandleByUUID(target)
+        try:
+            mig_current, _ = pynvml.nvmlDeviceGetMigMode(handle)
+        except pynvml.NVMLError:
+            mig_current = 0
+        if mig_current:
+            # A MIG slice has fewer SMs than the parent GPU NVML describes.
+            return None
         name = pynvml.nvmlDeviceGetName(handle)
         name = name.decode() if isinstance(name, bytes) else str(name)
         major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
@@ -145,9 +152,32 @@ def _from_torch(cuda_index: int) -> DeviceInfo:
     )
 
 
+def _nvml_order_is_cuda_order() -> bool:
+    """NVML numbers GPUs in PCI bus order, CUDA fastest first unless told otherwise."""
+    if os.environ.get("CUDA_DEVICE_ORDER", "").strip().upper() == "PCI_BUS_ID":
+        return True
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and len([e for e in visible.split(",") if e.strip()]) == 1:
+        return True
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetCount()) == 1
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return False
+
+
 @functools.lru_cache(maxsize=64)
 def _identify_cuda(cuda_index: int) -> DeviceInfo:
-    info = None if torch.version.hip else _from_nvml(cuda_index)
+    # Once CUDA is up (any call with GPU tensors), torch answers exactly and for free. Before
+    # that (the CLI, a process that only asks), NVML avoids creating a context, but only where
+    # its numbering provably matches CUDA's.
+    use_nvml = not torch.version.hip and not torch.cuda.is_initialized() and _nvml_order_is_cuda_order()
+    info = _from_nvml(cuda_index) if use_nvml else None
     return info if info is not None else _from_torch(cuda_index)
 
 

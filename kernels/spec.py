@@ -187,15 +187,19 @@ class KernelSpec(ABC, Generic[C, K]):
         """Keys ``tune`` sweeps when the user names none (CLI options narrow them)."""
 
     def limits(self, device: DeviceInfo) -> TargetLimits:
+        """Shared memory per block the feasibility rules may assume on this GPU."""
         if device.is_interpreter:
             return TargetLimits(interpreter=True)
-        smem = (
-            227 * 1024
-            if device.capability >= (9, 0)
-            else 163 * 1024
-            if device.capability >= (8, 0)
-            else 96 * 1024
-        )
-        if device.capability in ((8, 6), (8, 9)):
-            smem = 99 * 1024
-        return TargetLimits(smem_bytes=smem)
+        return TargetLimits(smem_bytes=smem_limit_bytes(device.capability))
+
+
+def smem_limit_bytes(capability: tuple[int, int]) -> int:
+    """Opt-in shared memory per block by compute capability (CUDA programming guide tables)."""
+    major, minor = capability
+    if major in (9, 10):
+        return 227 * 1024  # Hopper, datacenter Blackwell
+    if (major, minor) in ((8, 0), (8, 7)):
+        return 163 * 1024  # A100, Orin
+    if major in (8, 12):
+        return 99 * 1024  # Ampere/Ada consumer, consumer Blackwell
+    return 96 * 1024

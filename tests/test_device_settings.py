@@ -111,3 +111,33 @@ def test_import_is_cheap_and_touches_no_gpu():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize(
+    "capability, kib",
+    [((9, 0), 227), ((10, 0), 227), ((8, 0), 163), ((8, 6), 99), ((8, 9), 99), ((12, 0), 99), ((7, 5), 96)],
+    ids=["h100", "b200", "a100", "rtx30", "l40", "rtx50", "t4"],
+)
+def test_shared_memory_limits(capability, kib):
+    from tritune.kernels.spec import smem_limit_bytes
+
+    assert smem_limit_bytes(capability) == kib * 1024
+
+
+def test_nvml_numbering_trusted_only_when_it_matches_cuda(monkeypatch):
+    from tritune.kernels import device
+
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    assert device._nvml_order_is_cuda_order()
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "FASTEST_FIRST")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert device._nvml_order_is_cuda_order()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    import pynvml
+
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlShutdown", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 2)
+    assert not device._nvml_order_is_cuda_order()
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 1)
+    assert device._nvml_order_is_cuda_order()
