@@ -205,7 +205,12 @@ class PrefillSpec(KernelSpec[PrefillConfig, PrefillKey]):
         f = PrefillFacts(*facts)
         if wants_tma and self._tma_target(device, warn=mode == "on") and self._tma_call(f):
             if config.path != "tma":
-                config = self.tma_default(self.key_for(device, f))
+                key = self.key_for(device, f)
+                forced = self.tma_default(key)
+                if self.space.infeasible_reason(forced, key, self.limits(device)) is not None:
+                    # The TMA default's tiles do not fit this GPU (e.g. 99 KB of shared memory).
+                    return config
+                config = forced
             group = f.q_heads // f.kv_heads
             if config.PACK_GQA and not pack_gqa_applies(config, group):
                 config = dataclasses.replace(config, PACK_GQA=False)
