@@ -29,6 +29,9 @@ def attention(
 
     Causal attention is aligned bottom-right: query ``i`` sits at position ``kv_len - Lq + i``.
     """
+    # Checked here: a decode step is recognised by causal, and decode_attention takes no flag to check.
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     decode_step = (
         causal
         and isinstance(q, torch.Tensor)

@@ -3,10 +3,19 @@
 It is a real Triton kernel (row-wise scaled copy, ``out = x * alpha``) with a real search space,
 plus one config that is wrong on purpose (``BROKEN=True`` writes ``x * alpha + 1``) so that the
 tuner's correctness gate has something to refuse.
+
+For the reliability tests, which tune in worker processes, the end of the file adds what must be
+importable there by name: :class:`CostTimer` (a fake timer that pickles) and
+:data:`MISBEHAVING`, a spec of the same kernel whose ``ACTION`` configs crash, hang, run out
+of memory or poison the (simulated) CUDA context on purpose, and only inside a worker process.
 """
 
 from __future__ import annotations
 
+import ctypes
+import multiprocessing
+import resource
+import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -95,3 +104,88 @@ class ToySpec(KernelSpec[ToyConfig, ToyKey]):
 
 
 SPEC = ToySpec()
+
+
+# ---- for the reliability tests: importable by a worker process --------------------------------
+
+
+def toy_cost(config: Any) -> float:
+    """Fake time of a config: bigger blocks are faster, two warps best, a broken config fastest of all."""
+    if getattr(config, "BROKEN", False):
+        return 0.01
+    return 10.0 / config.BLOCK + (0.0 if getattr(config, "num_warps", 2) == 2 else 0.05)
+
+
+class CostTimer:
+    """The FakeTimer of isolated tuning: module-level, so it pickles into the worker process.
+
+    Times are ``toy_cost(config) * scale``. With ``hold_after``, every measurement after the first
+    ``hold_after`` blocks until the process is killed: a kill -9 test can stop a tune at a known point.
+    """
+
+    def __init__(self, scale: float = 1.0, hold_after: int | None = None) -> None:
+        self.scale = scale
+        self.hold_after = hold_after
+        self.calls = 0
+
+    def __call__(self, fn: Any, *, config: object, flush_l2: bool, launch_bound: bool) -> float:
+        while self.hold_after is not None and self.calls >= self.hold_after:
+            time.sleep(1.0)
+        fn()
+        self.calls += 1
+        return toy_cost(config) * self.scale
+
+
+ACTIONS = ("none", "segfault", "hang", "oom", "illegal_access")
+
+
+@dataclass(frozen=True)
+class MisbehavingConfig:
+    BLOCK: int = choice(32, (32, 64))
+    ACTION: str = choice("none", ACTIONS)
+
+
+def _misbehaving_feasible(config: MisbehavingConfig, key: ToyKey, limits: TargetLimits) -> str | None:
+    if config.ACTION != "none" and config.BLOCK != 64:
+        return "misbehaviour is tried at BLOCK=64 only"
+    return None
+
+
+def misbehave(action: str) -> None:
+    if action == "none":
+        return
+    if multiprocessing.parent_process() is None:
+        # In the test process itself a segfault or a hang would take pytest down.
+        raise RuntimeError(f"ACTION={action!r} misbehaves only inside a worker process")
+    if action == "segfault":
+        # A real invalid read (SIGSEGV), without leaving a core file behind.
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        ctypes.string_at(0)
+    elif action == "hang":
+        while True:
+            time.sleep(1.0)
+    elif action == "oom":
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB (toy_misbehaving)")
+    elif action == "illegal_access":
+        # What an illegal memory access does on a GPU: the launch fails and every later CUDA call
+        # in the process fails too. The interpreter has no CUDA context to poison, so this worker's
+        # health check is made to report it lost.
+        from tritune.tuner import candidates
+
+        candidates.context_alive = lambda device: False
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (toy_misbehaving)")
+
+
+class MisbehavingSpec(ToySpec):
+    name = "toy_misbehaving"
+    space = SearchSpace("toy_misbehaving", MisbehavingConfig, feasibility=_misbehaving_feasible)  # type: ignore[assignment]
+
+    def launch(self, config: Any, x: torch.Tensor, *, alpha: float = 2.0, out: torch.Tensor | None = None):
+        misbehave(config.ACTION)
+        out = torch.empty_like(x) if out is None else out
+        grid = (triton.cdiv(x.numel(), config.BLOCK),)
+        _scale_kernel[grid](x, out, x.numel(), alpha, BLOCK=config.BLOCK, BROKEN=False)
+        return out
+
+
+MISBEHAVING = MisbehavingSpec()

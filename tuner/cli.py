@@ -98,6 +98,16 @@ def tune(
     time_budget: Annotated[float | None, typer.Option(help="seconds per key")] = None,
     db: Annotated[str | None, typer.Option(help="config DB (SQLAlchemy URL or file path)")] = None,
     seed: Annotated[int, typer.Option(help="seed of the sampler and the random problems")] = 0,
+    isolate: Annotated[
+        bool,
+        typer.Option(
+            "--isolate/--no-isolate",
+            help="run candidates in a worker process, so one that crashes or hangs costs only its trial",
+        ),
+    ] = True,
+    trial_timeout: Annotated[
+        float, typer.Option(min=1, help="seconds one candidate may take (isolated) before it is killed")
+    ] = 120.0,
 ) -> None:
     """Tune kernels at their default keys (or the ones narrowed by the options) into the DB."""
     if ctx.invoked_subcommand is not None:
@@ -109,6 +119,7 @@ def tune(
 
     from .study import KeyResult, KeyTuner, TuneOptions, TuningError, environment_id
     from .timing import timer_for
+    from .worker import Worker, worker_device
 
     names = kernel or kernel_names()
     for name in names:
@@ -120,7 +131,9 @@ def tune(
     env_id = environment_id(store, info)
     if trials is None:
         trials = 12 if torch_device.type == "cpu" else 40
-    options = TuneOptions(trials=trials, time_budget_s=time_budget, seed=seed)
+    options = TuneOptions(
+        trials=trials, time_budget_s=time_budget, seed=seed, isolate=isolate, trial_timeout_s=trial_timeout
+    )
     timer = timer_for(torch_device)
     given = {"head_dim": head_dim or [], "lq": lq or [], "lkv": lkv or [], "batch": batch or [], "m": m or []}
     plan = [(get_spec(n), k) for n in names for k in _keys_for(get_spec(n), info, given)]
@@ -128,27 +141,44 @@ def tune(
 
     results: list[KeyResult] = []
     started = time.monotonic()
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
-    ) as progress:
-        for spec, key in plan:
-            task = progress.add_task(f"{spec.name} {_short_key(key)}", total=trials)
-            tuner = KeyTuner(
-                spec,
-                key,
-                info,
-                torch_device,
-                store,
-                env_id,
-                timer,
-                options,
-                on_trial=lambda *_args, task=task: progress.advance(task),
-            )
-            try:
-                results.append(tuner.run())
-            except TuningError as exc:
-                console.print(f"[red]{exc}[/red]")
-            progress.update(task, completed=trials)
+    # One worker for the whole run: its start-up (importing torch, CUDA init) is paid once.
+    worker = (
+        Worker(
+            worker_device(torch_device),
+            timer,
+            trial_timeout_s=options.trial_timeout_s,
+            noise=options.noise,
+            compile_workers=options.compile_workers,
+        )
+        if isolate
+        else None
+    )
+    try:
+        with Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+        ) as progress:
+            for spec, key in plan:
+                task = progress.add_task(f"{spec.name} {_short_key(key)}", total=trials)
+                tuner = KeyTuner(
+                    spec,
+                    key,
+                    info,
+                    torch_device,
+                    store,
+                    env_id,
+                    timer,
+                    options,
+                    on_trial=lambda *_args, task=task: progress.advance(task),
+                    bench=worker,
+                )
+                try:
+                    results.append(tuner.run())
+                except TuningError as exc:
+                    console.print(f"[red]{exc}[/red]")
+                progress.update(task, completed=trials)
+    finally:
+        if worker is not None:
+            worker.close()
     _print_results(results)
     console.print(f"done in {time.monotonic() - started:.1f} s; winners stored in {url}")
 
@@ -258,26 +288,52 @@ def import_bundle(
     path: Annotated[Path, typer.Argument(help="bundle JSON file")],
     db: Annotated[str | None, typer.Option(help="config DB")] = None,
 ) -> None:
-    """Load a bundle's winners into the DB (entries outside a kernel's space are refused)."""
+    """Load a bundle's winners into the DB (entries this tritune could never serve are refused).
+
+    Refused, each with its reason: unknown kernels, kernel versions other than the running
+    source, other Triton versions, and keys or configs outside the kernel's types and space. A
+    bundle of another GPU is loaded (a DB may hold several GPUs; each is only served on its own).
+    """
     from tritune.configs_db import bundles
     from tritune.configs_db.store import ConfigStore
-    from tritune.kernels.registry import get_spec
 
     records, rejections = bundles.read_bundle(path)
     accepted = []
     for record in records:
-        try:
-            spec = get_spec(record.kernel)
-            spec.key_type.from_dict(record.key)
-            spec.space.parse(record.config)
-        except (KeyError, ValueError) as exc:
-            console.print(f"[yellow]refused {record.kernel} entry: {exc}[/yellow]")
+        refusal = _import_refusal(record)
+        if refusal is not None:
+            console.print(f"[yellow]refused {record.kernel}: {refusal}[/yellow]")
             continue
         accepted.append(record)
     for rejection in rejections:
         console.print(f"[yellow]refused: {rejection.reason}[/yellow]")
     imported, skipped = ConfigStore(_db_url(db)).import_records(accepted)
     console.print(f"imported {imported} winner(s), kept {skipped} existing better one(s)")
+
+
+def _import_refusal(record: Any) -> str | None:
+    """Why a bundle record can never be served by this tritune, in the dispatcher's words; ``None`` if it can."""
+    import triton
+
+    from tritune.kernels.registry import get_spec
+
+    try:
+        spec = get_spec(record.kernel)
+    except KeyError:
+        return "unknown kernel"
+    if record.kernel_version != spec.version:
+        return f"stale kernel version {record.kernel_version} (running {spec.version})"
+    if record.triton_version != triton.__version__:
+        return f"tuned with Triton {record.triton_version}, running {triton.__version__}"
+    try:
+        spec.key_type.from_dict(record.key)
+    except (TypeError, ValueError) as exc:
+        return f"malformed key ({exc})"
+    try:
+        spec.space.parse(record.config)
+    except ValueError as exc:
+        return f"config outside the search space ({exc})"
+    return None
 
 
 @app.command()

@@ -5,28 +5,32 @@ The loop, per batch of proposals:
 1. Optuna proposes configs (TPE, multivariate; every feasible config enqueued when the feasible
    space fits the trial budget, which makes the sweep exhaustive). The portable default and any
    stored winner are enqueued first, so the portable time is always measured in the same run.
-2. Infeasible proposals become pruned trials with the rule's reason; configs already measured
-   at this key (this run or a killed earlier one) are answered from the DB, not measured again.
-3. The batch compiles in parallel threads (Triton's compiler and ptxas release the GIL for most
-   of their work), then each candidate is checked against the reference on a fresh random
-   problem with a NaN-poisoned output, cross-checked against the portable output at the timed
-   size, and timed. Each trial is committed as soon as it is measured.
-4. The best config is re-timed against the portable default in interleaved rounds, and offered
-   to the DB as the key's winner (the DB keeps the faster of concurrent offers).
+2. Infeasible proposals become pruned trials with the rule's reason; configs already stored at
+   this key (by this run, a killed earlier one, or another tuner running now on the same DB) are
+   answered from the DB, not measured again. The DB is read again before every batch.
+3. The candidates run on a bench (:mod:`.candidates`), by default in a worker process
+   (:mod:`.worker`): on a GPU the batch compiles in parallel threads, then each candidate is
+   checked against the reference on a fresh random problem with a NaN-poisoned output,
+   cross-checked against the portable output at the timed size, and timed (a noisy measurement
+   is repeated once, see :mod:`.noise`). A candidate that kills or hangs the worker is a failed
+   trial with the reason. Each trial is committed as soon as it is measured.
+4. The best config, the runner-up and the portable default are re-timed in interleaved rounds,
+   and the fastest is offered to the DB as the key's winner (the DB keeps the faster of
+   concurrent offers).
+
+This process keeps Optuna, the DB writes and the choice of the winner; the bench only measures.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any
+from typing import Any, TypeVar
 
 import optuna
 import torch
@@ -35,20 +39,40 @@ import triton
 from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.store import ConfigStore
 from tritune.kernels.device import DeviceInfo
-from tritune.kernels.spec import KernelSpec, Problem, TuningKey
+from tritune.kernels.spec import KernelSpec, TuningKey
 
+from .candidates import (
+    FAILED_COMPILE,
+    FAILED_CORRECTNESS,
+    FAILED_RUNTIME,
+    OK,
+    PRUNED,
+    Bench,
+    BenchError,
+    LocalBench,
+    TrialOutcome,
+)
+from .noise import NoisePolicy
 from .timing import Timer
 
 log = logging.getLogger("tritune.tuner")
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
-OK, FAILED_COMPILE, FAILED_CORRECTNESS, FAILED_RUNTIME, PRUNED = (
-    "ok",
-    "failed-compile",
-    "failed-correctness",
-    "failed-runtime",
-    "pruned",
-)
+__all__ = [
+    "FAILED_COMPILE",
+    "FAILED_CORRECTNESS",
+    "FAILED_RUNTIME",
+    "OK",
+    "PRUNED",
+    "KeyResult",
+    "KeyTuner",
+    "TuneOptions",
+    "TuningError",
+    "environment_id",
+    "pick_winner",
+]
+
+Ident = TypeVar("Ident", bound=Hashable)
 
 
 @dataclass
@@ -58,8 +82,15 @@ class TuneOptions:
     seed: int = 0
     batch: int = 8
     compile_workers: int = max(1, min(16, os.cpu_count() or 1))
-    #: Rounds of the final interleaved re-timing of winner and portable default.
+    #: Rounds of the final interleaved re-timing of winner, runner-up and portable default.
     final_rounds: int = 3
+    #: Run candidates in a worker process (crash and hang isolation). The ``tune`` command turns
+    #: it on; in-process is the default here for tests of the loop with a fake timer.
+    isolate: bool = False
+    #: Seconds one candidate (first launch, check and timing) may take in the worker before it is
+    #: killed and recorded as failed; ``None`` waits forever.
+    trial_timeout_s: float | None = 120.0
+    noise: NoisePolicy = field(default_factory=NoisePolicy)
 
 
 @dataclass
@@ -105,25 +136,18 @@ def environment_id(store: ConfigStore, device: DeviceInfo) -> int:
     )
 
 
-def _with_out(problem: Problem, out: torch.Tensor) -> dict[str, Any]:
-    return {**problem.kwargs, "out": out}
-
-
-def _nan_like(t: torch.Tensor) -> torch.Tensor:
-    return torch.full_like(t, float("nan"))
-
-
-def _consistent(out: torch.Tensor, portable: torch.Tensor) -> str | None:
-    """A loose size-dependent sanity check against the portable output at the timed size."""
-    if not bool(torch.isfinite(out).all()) and bool(torch.isfinite(portable).all()):
-        return "non-finite values where the portable path has none"
-    scale = float(portable.float().abs().max()) or 1.0
-    err = float((out.float() - portable.float()).abs().max()) / scale
-    return None if err <= 5e-2 else f"differs from the portable output by {err:.3g} of max|out| at the timed size"
+def pick_winner(times: dict[Ident, float], default: Ident) -> Ident:
+    """The fastest of the re-timed configs; the portable default unless another is strictly faster."""
+    return min(times, key=lambda ident: (times[ident], ident != default))
 
 
 class KeyTuner:
-    """Tunes one key of one kernel on one device into one store."""
+    """Tunes one key of one kernel on one device into one store.
+
+    ``bench`` is where candidates run; without one, the tuner makes its own for this key (a
+    worker process when ``options.isolate``, else this process) and closes it afterwards. The
+    ``tune`` command passes one worker for the whole run so that its start-up is paid once.
+    """
 
     def __init__(
         self,
@@ -136,15 +160,18 @@ class KeyTuner:
         timer: Timer,
         options: TuneOptions,
         on_trial: Callable[[str, dict[str, Any], str, float | None], None] | None = None,
+        bench: Bench | None = None,
     ) -> None:
         self.spec, self.key, self.device, self.torch_device = spec, key, device, torch_device
         self.store, self.env_id, self.timer, self.options = store, env_id, timer, options
         self.on_trial = on_trial
+        self.bench = bench
         self.space = spec.space
         self.key_dict = key.to_dict()
         self.limits = spec.limits(device)
         self.times: dict[tuple[Any, ...], float] = {}
         self.status: dict[tuple[Any, ...], str] = {}
+        self.errors: dict[tuple[Any, ...], str] = {}
         self.counts = {"measured": 0, "reused": 0, "failed": 0, "pruned": 0}
 
     # ---- helpers --------------------------------------------------------------------------
@@ -157,6 +184,8 @@ class KeyTuner:
         self.status[ident] = status
         if ms is not None:
             self.times[ident] = ms
+        if error is not None:
+            self.errors[ident] = error
         self.store.record_trial(
             self.env_id, self.spec.name, self.spec.version, self.key_dict, self.space.to_dict(config), status, ms, error
         )
@@ -172,31 +201,68 @@ class KeyTuner:
     def _spent(self) -> int:
         return self.counts["measured"] + self.counts["failed"] + self.counts["reused"]
 
-    def _launch(self, config: Any, problem: Problem, out: torch.Tensor) -> None:
-        self.spec.launch(config, *problem.args, **_with_out(problem, out))
+    def _own_bench(self) -> Bench:
+        opts = self.options
+        if not opts.isolate:
+            return LocalBench(self.torch_device, self.timer, noise=opts.noise, compile_workers=opts.compile_workers)
+        from .worker import Worker, worker_device
 
-    def _sync(self) -> None:
-        if self.torch_device.type == "cuda":
-            torch.cuda.synchronize(self.torch_device)
+        return Worker(
+            worker_device(self.torch_device),
+            self.timer,
+            trial_timeout_s=opts.trial_timeout_s,
+            noise=opts.noise,
+            compile_workers=opts.compile_workers,
+        )
+
+    def _absorb_stored(self, study: optuna.Study, distributions: dict[str, Any]) -> None:
+        """Take in trials stored at this key by anyone else (an earlier run, a concurrent tuner)."""
+        for row in self.store.measured_trials(self.env_id, self.spec.name, self.spec.version, self.key_dict):
+            try:
+                config = self.space.parse(row.config)
+            except ValueError:
+                continue
+            ident = self._ident(config)
+            if ident in self.status:
+                continue
+            self.status[ident] = row.status
+            if row.error is not None:
+                self.errors[ident] = row.error
+            if row.status == OK and row.time_ms is not None:
+                self.times[ident] = row.time_ms
+                study.add_trial(
+                    optuna.trial.create_trial(
+                        params=self.space.to_dict(config), distributions=distributions, value=row.time_ms
+                    )
+                )
+            self.counts["reused"] += 1
 
     # ---- the study ------------------------------------------------------------------------
 
     def run(self) -> KeyResult:
-        spec, opts = self.spec, self.options
-        started = time.monotonic()
-        default = spec.default_config(self.key)
+        default = self.spec.default_config(self.key)
         why = self.space.infeasible_reason(default, self.key, self.limits)
         if why is not None:
-            raise TuningError(f"{spec.name} {self.key}: the portable default is infeasible here ({why})")
+            raise TuningError(f"{self.spec.name} {self.key}: the portable default is infeasible here ({why})")
+        owned = self.bench is None
+        bench = self._own_bench() if self.bench is None else self.bench
+        try:
+            try:
+                bench.open(self.spec, self.key, self.options.seed, self.space.to_dict(default))
+            except BenchError as exc:
+                raise TuningError(f"{self.spec.name} {self.key}: cannot set up the problem ({exc})") from exc
+            try:
+                return self._run(bench, default)
+            except BenchError as exc:
+                raise TuningError(f"{self.spec.name} {self.key}: {exc}") from exc
+        finally:
+            if owned:
+                bench.close()
 
+    def _run(self, bench: Bench, default: Any) -> KeyResult:
+        spec, opts = self.spec, self.options
+        started = time.monotonic()
         seed = opts.seed
-        self.problem = spec.make_problem(self.key, self.torch_device, seed)
-        self.check_problem = spec.check_problem(self.key, self.torch_device, seed + 1)
-        self.expected = spec.reference(*self.check_problem.args, **self.check_problem.kwargs)
-        self.portable_out = spec.launch(default, *self.problem.args, **self.problem.kwargs)
-        self.check_out_template = spec.launch(default, *self.check_problem.args, **self.check_problem.kwargs)
-        self._sync()
-
         distributions = {
             name: optuna.distributions.CategoricalDistribution(list(options))
             for name, options in self.space.dimensions.items()
@@ -212,21 +278,7 @@ class KeyTuner:
         rng = random.Random(seed)
 
         # Resume: whatever an earlier (possibly killed) run measured is known, not re-measured.
-        for row in self.store.measured_trials(self.env_id, spec.name, spec.version, self.key_dict):
-            try:
-                config = self.space.parse(row.config)
-            except ValueError:
-                continue
-            ident = self._ident(config)
-            self.status[ident] = row.status
-            if row.status == OK and row.time_ms is not None:
-                self.times[ident] = row.time_ms
-                study.add_trial(
-                    optuna.trial.create_trial(
-                        params=self.space.to_dict(config), distributions=distributions, value=row.time_ms
-                    )
-                )
-            self.counts["reused"] += 1
+        self._absorb_stored(study, distributions)
 
         study.enqueue_trial(self.space.to_dict(default), skip_if_exists=True)
         for winner in self.store.winners(gpu=self.device.slug, kernel=spec.name):
@@ -249,6 +301,8 @@ class KeyTuner:
             if opts.time_budget_s is not None and time.monotonic() - started > opts.time_budget_s:
                 log.info("%s %s: time budget reached", spec.name, self.key)
                 break
+            # Another tuner on the same DB may have measured configs since the last batch.
+            self._absorb_stored(study, distributions)
             pending: list[tuple[optuna.trial.Trial, Any]] = []
             while len(pending) < min(opts.batch, budget - self._spent()) and asks < max_asks:
                 trial = study.ask(distributions)
@@ -277,95 +331,57 @@ class KeyTuner:
                 pending.append((trial, config))
             if not pending:
                 break
-            compiled = self._compile([c for _, c in pending])
-            for (trial, config), compile_error in zip(pending, compiled, strict=True):
-                ms = self._measure(config, compile_error)
-                if ms is None:
-                    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            outcomes = self._measure_batch(bench, [config for _, config in pending])
+            for (trial, _), result in zip(pending, outcomes, strict=True):
+                if result["status"] == OK and result["ms"] is not None:
+                    study.tell(trial, result["ms"])
                 else:
-                    study.tell(trial, ms)
+                    study.tell(trial, state=optuna.trial.TrialState.FAIL)
 
-        return self._finish(default)
+        return self._finish(bench, default)
 
-    def _compile(self, configs: list[Any]) -> list[str | None]:
-        """First launch of each config (which compiles it), in parallel on a GPU."""
-
-        def first_launch(config: Any) -> str | None:
-            try:
-                self._launch(config, self.problem, torch.empty_like(self.portable_out))
-                return None
-            except Exception as exc:
-                return f"{type(exc).__name__}: {exc}"[:2000]
-
-        if self.torch_device.type != "cuda" or self.options.compile_workers <= 1:
-            # The interpreter patches triton.language globally while it runs: one at a time.
-            return [first_launch(c) for c in configs]
-        with ThreadPoolExecutor(max_workers=self.options.compile_workers) as pool:
-            results = list(pool.map(first_launch, configs))
-        self._sync()
+    def _measure_batch(self, bench: Bench, configs: list[Any]) -> list[TrialOutcome]:
+        """Run one batch on the bench, recording each trial as soon as its outcome is in."""
+        values = [self.space.to_dict(c) for c in configs]
+        early: list[TrialOutcome | None] | None = None
+        if self.torch_device.type == "cuda" and self.options.compile_workers > 1 and len(configs) > 1:
+            early = bench.precompile(values)
+        results = []
+        for index, config in enumerate(configs):
+            failed_early = early[index] if early is not None else None
+            result = failed_early or bench.trial(values[index], compiled=early is not None)
+            self._record(config, result["status"], result["ms"], result["error"])
+            results.append(result)
         return results
 
-    def _measure(self, config: Any, compile_error: str | None) -> float | None:
-        if compile_error is not None:
-            self._record(config, FAILED_COMPILE, None, compile_error)
-            return None
-        try:
-            out = _nan_like(self.check_out_template)
-            self._launch(config, self.check_problem, out)
-            self._sync()
-            problem_text = self.spec.check(out, self.expected, self.check_problem)
-            if problem_text is None:
-                full = _nan_like(self.portable_out)
-                self._launch(config, self.problem, full)
-                self._sync()
-                problem_text = _consistent(full, self.portable_out)
-            if problem_text is not None:
-                self._record(config, FAILED_CORRECTNESS, None, problem_text)
-                return None
-            target = torch.empty_like(self.portable_out)
-            ms = self.timer(
-                lambda: self._launch(config, self.problem, target),
-                config=config,
-                flush_l2=self.problem.flush_l2,
-                launch_bound=self.problem.launch_bound,
-            )
-        except Exception as exc:
-            self._record(config, FAILED_RUNTIME, None, f"{type(exc).__name__}: {exc}"[:2000])
-            return None
-        if not math.isfinite(ms) or ms <= 0:
-            self._record(config, FAILED_RUNTIME, None, f"timer returned {ms!r}")
-            return None
-        self._record(config, OK, ms, None)
-        return ms
-
-    def _retime(self, config: Any) -> float:
-        target = torch.empty_like(self.portable_out)
-        return self.timer(
-            lambda: self._launch(config, self.problem, target),
-            config=config,
-            flush_l2=self.problem.flush_l2,
-            launch_bound=self.problem.launch_bound,
-        )
-
-    def _finish(self, default: Any) -> KeyResult:
+    def _finish(self, bench: Bench, default: Any) -> KeyResult:
         default_ident = self._ident(default)
         if default_ident not in self.times:
-            raise TuningError(
-                f"{self.spec.name} {self.key}: the portable default failed ({self.status.get(default_ident)})"
-            )
-        best_ident = min(self.times, key=lambda i: self.times[i])
-        best = self.space.config_type(*best_ident)
+            status = self.status.get(default_ident)
+            error = self.errors.get(default_ident)
+            detail = f"{status}: {error}" if error else str(status)
+            raise TuningError(f"{self.spec.name} {self.key}: the portable default failed ({detail})")
+        ranked = sorted(self.times, key=lambda i: self.times[i])
+        # Winner, runner-up and portable default, each once.
+        contenders = list(dict.fromkeys([*ranked[:2], default_ident]))
+        timed = {ident: self.times[ident] for ident in contenders}
         notes: list[str] = []
-        best_ms, portable_ms = self.times[best_ident], self.times[default_ident]
-        if best_ident != default_ident and self.options.final_rounds > 0:
-            # Interleaved re-timing: both see the same clocks and temperature.
-            pairs = [(self._retime(best), self._retime(default)) for _ in range(self.options.final_rounds)]
-            best_ms = sorted(p[0] for p in pairs)[len(pairs) // 2]
-            portable_ms = sorted(p[1] for p in pairs)[len(pairs) // 2]
-            if best_ms >= portable_ms:
-                notes.append("re-timing found no gain over the portable default")
-        if best_ident == default_ident or best_ms >= portable_ms:
-            best, best_ms = default, portable_ms
+        if len(contenders) > 1 and self.options.final_rounds > 0:
+            configs = [self.space.to_dict(self.space.config_type(*ident)) for ident in contenders]
+            retimed = bench.retime(configs, self.options.final_rounds)
+            if retimed is None:
+                notes.append("final re-timing failed; the winner is chosen on the trial times")
+            else:
+                # Interleaved re-timing: all contenders see the same clocks and temperature.
+                timed = dict(zip(contenders, retimed["ms"], strict=True))
+                notes.extend(retimed["notes"])
+        winner = pick_winner(timed, default_ident)
+        if winner == default_ident and ranked[0] != default_ident:
+            notes.append("re-timing found no gain over the portable default")
+        elif winner != ranked[0]:
+            notes.append("re-timing put the runner-up of the trials ahead")
+        best = self.space.config_type(*winner)
+        best_ms, portable_ms = timed[winner], timed[default_ident]
         record = WinnerRecord(
             kernel=self.spec.name,
             kernel_version=self.spec.version,

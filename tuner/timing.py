@@ -5,6 +5,10 @@ which is what a workload larger than the L2 sees), or ``do_bench_cudagraph`` for
 sizes so that Python launch overhead does not drown the kernel. On the interpreter, wall-clock
 medians: meaningless as GPU numbers, but they exercise the same loop end to end.
 Tests substitute a :class:`FakeTimer` where timing is not the point.
+
+A timer may also offer ``measure``, which returns a :class:`Measurement` with the spread of the
+repetitions; :func:`measure` asks any timer for one. The noise checks (:mod:`.noise`) need the
+spread, and only :class:`GpuTimer` has one to give.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -23,22 +28,59 @@ class Timer(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Measurement:
+    """One timing of a candidate: the median and, where the timer has them, the 20th and 80th percentiles."""
+
+    ms: float
+    p20: float | None = None
+    p80: float | None = None
+
+    @property
+    def spread(self) -> float | None:
+        """``(p80 - p20) / median``: how much the repetitions disagree; ``None`` without percentiles."""
+        if self.p20 is None or self.p80 is None or not self.ms > 0:
+            return None
+        return (self.p80 - self.p20) / self.ms
+
+
+def measure(
+    timer: Timer, fn: Callable[[], object], *, config: object, flush_l2: bool, launch_bound: bool
+) -> Measurement:
+    """A :class:`Measurement` from any timer: its ``measure`` where it has one, else its median alone."""
+    method = getattr(timer, "measure", None)
+    if callable(method):
+        result = method(fn, config=config, flush_l2=flush_l2, launch_bound=launch_bound)
+        if not isinstance(result, Measurement):
+            raise TypeError(f"{type(timer).__name__}.measure returned {type(result).__name__}, not a Measurement")
+        return result
+    return Measurement(float(timer(fn, config=config, flush_l2=flush_l2, launch_bound=launch_bound)))
+
+
+#: Percentiles the GPU timer asks ``do_bench`` for: the spread and the median.
+QUANTILES = (0.2, 0.5, 0.8)
+
+
 class GpuTimer:
     def __init__(self, warmup_ms: int = 25, rep_ms: int = 100) -> None:
         self.warmup_ms = warmup_ms
         self.rep_ms = rep_ms
 
-    def __call__(self, fn: Callable[[], object], *, config: object, flush_l2: bool, launch_bound: bool) -> float:
+    def measure(self, fn: Callable[[], object], *, config: object, flush_l2: bool, launch_bound: bool) -> Measurement:
         import triton.testing
 
+        quantiles = list(QUANTILES)
         if launch_bound:
             # Replaying a captured graph removes the host launch gaps from the measurement.
-            with torch.cuda.stream(torch.cuda.Stream()):
-                ms = triton.testing.do_bench_cudagraph(fn, rep=self.rep_ms, return_mode="median")
+            with torch.cuda.stream(torch.cuda.Stream()):  # type: ignore[no-untyped-call]
+                p20, p50, p80 = triton.testing.do_bench_cudagraph(fn, rep=self.rep_ms, quantiles=quantiles)
         else:
             # do_bench zeroes a buffer larger than the L2 before each repetition.
-            ms = triton.testing.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median")
-        return float(ms)
+            p20, p50, p80 = triton.testing.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, quantiles=quantiles)
+        return Measurement(float(p50), float(p20), float(p80))
+
+    def __call__(self, fn: Callable[[], object], *, config: object, flush_l2: bool, launch_bound: bool) -> float:
+        return self.measure(fn, config=config, flush_l2=flush_l2, launch_bound=launch_bound).ms
 
 
 class InterpreterTimer:

@@ -100,6 +100,8 @@ def check_inputs(
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("kv_len", kv_len)):
         if t.device != device:
             raise ValueError(f"{name}: expected device {device} (the device of q), got {t.device}")
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"q: expected a CUDA tensor (or a CPU one on the Triton interpreter), got device {device}")
 
     batch, q_heads, lq, head_dim = q.shape
     kv_batch, kv_heads, lmax, kv_dim = k_cache.shape
@@ -128,6 +130,8 @@ def check_inputs(
             raise ValueError(f"out: expected the shape of q {tuple(q.shape)}, got {tuple(out.shape)}")
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, int | float)):
         raise TypeError(f"softmax_scale: expected a float or None, got {type(softmax_scale).__name__}")
+    if softmax_scale is not None and not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale: expected a finite number, got {softmax_scale}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name}: the head dim must be contiguous (stride 1), got strides {tuple(t.stride())}")

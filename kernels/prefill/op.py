@@ -45,6 +45,8 @@ def _check_inputs(
             raise TypeError(f"{name}: expected the dtype of q ({q.dtype}), got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name}: expected q's device {q.device}, got {t.device}")
+    if q.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"q: expected a CUDA tensor (or a CPU one on the Triton interpreter), got device {q.device}")
     batch, q_heads, _, head_dim = q.shape
     if k.shape[-1] != head_dim or v.shape[-1] != head_dim:
         raise ValueError(f"k, v: head dims differ from q's {head_dim}: k has {k.shape[-1]}, v has {v.shape[-1]}")
@@ -60,6 +62,8 @@ def _check_inputs(
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, int | float)):
         raise TypeError(f"softmax_scale: expected a float or None, got {type(softmax_scale).__name__}")
+    if softmax_scale is not None and not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale: expected a finite number, got {softmax_scale}")
     if kv_len is not None:
         if not isinstance(kv_len, torch.Tensor):
             raise TypeError(f"kv_len: expected an int32 tensor or None, got {type(kv_len).__name__}")

@@ -52,7 +52,11 @@ def _check(x: torch.Tensor, weight: Q4KWeight, bias: torch.Tensor | None, out: t
         raise ValueError(f"x: expected shape [..., K={k}] to match the weight, got {tuple(x.shape)}")
     if x.device != weight.device:
         raise ValueError(f"x: on {x.device}, but weight is on {weight.device}")
+    if x.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"x: expected a CUDA tensor (or a CPU one on the Triton interpreter), got device {x.device}")
     if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias: expected a torch.Tensor or None, got {type(bias).__name__}")
         if tuple(bias.shape) != (n,):
             raise ValueError(f"bias: expected shape ({n},), got {tuple(bias.shape)}")
         if bias.device != x.device:
@@ -60,6 +64,8 @@ def _check(x: torch.Tensor, weight: Q4KWeight, bias: torch.Tensor | None, out: t
         if not bias.is_floating_point():
             raise TypeError(f"bias: expected a floating-point dtype, got {bias.dtype}")
     if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out: expected a torch.Tensor or None, got {type(out).__name__}")
         expected = (*x.shape[:-1], n)
         if tuple(out.shape) != expected:
             raise ValueError(f"out: expected shape {expected}, got {tuple(out.shape)}")

@@ -82,7 +82,13 @@ class Q4KWeight:
                 raise TypeError(f"raw: expected uint8 Q4_K blocks, got numpy {raw.dtype}")
             # Memory-mapped GGUF data is read-only; torch wants a writable array to wrap.
             raw = torch.from_numpy(np.array(raw) if not raw.flags.writeable else np.ascontiguousarray(raw))
+        if not isinstance(shape, tuple | list) or len(shape) != 2:
+            raise TypeError(f"shape: expected (N, K), got {shape!r}")
+        if any(isinstance(v, bool) or not isinstance(v, int | np.integer) for v in shape):
+            raise TypeError(f"shape: expected two ints (N, K), got {shape!r}")
         n, k = (int(v) for v in shape)
+        if n < 0:
+            raise ValueError(f"shape: N={n} must not be negative")
         if k % q4k_format.QK_K != 0 or k <= 0:
             raise ValueError(f"shape: K={k} must be a positive multiple of {q4k_format.QK_K} for Q4_K")
         if not isinstance(raw, torch.Tensor) or raw.dtype != torch.uint8:

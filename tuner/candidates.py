@@ -1,0 +1,373 @@
+"""What happens to one candidate config: first launch, correctness gate, timing, final re-timing.
+
+A :class:`CandidateBench` holds one key's problems (the timed problem, the smaller check problem
+with its reference result, and the portable default's outputs of both) and answers requests that
+take and give plain values: configs as dicts in, :class:`TrialOutcome` dicts out. It normally runs
+inside a worker process (:mod:`.worker`), where a candidate that crashes, hangs or poisons the
+CUDA context takes only the worker down; :class:`LocalBench` runs it in the tuner's own process
+(``TuneOptions(isolate=False)``, for tests with a fake timer).
+
+Every bench, local or isolated, offers the same :class:`Bench` interface to the study.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypedDict
+
+import torch
+
+from tritune.kernels.spec import KernelSpec, Problem, TuningKey
+
+from .noise import ClockMonitor, NoisePolicy, monitor_for, stable_measurement
+from .timing import Timer, measure
+
+log = logging.getLogger("tritune.tuner")
+
+OK, FAILED_COMPILE, FAILED_CORRECTNESS, FAILED_RUNTIME, PRUNED = (
+    "ok",
+    "failed-compile",
+    "failed-correctness",
+    "failed-runtime",
+    "pruned",
+)
+#: A failure message beyond this says nothing more (the DB cuts at 8 KB anyway).
+MAX_ERROR_CHARS = 2000
+
+
+class TrialOutcome(TypedDict):
+    status: str
+    ms: float | None
+    #: Why the trial failed; for an ``ok`` trial, a note on a measurement that stayed noisy.
+    error: str | None
+    #: The candidate left the CUDA context unusable: the process that ran it must be replaced.
+    fatal: bool
+
+
+class RetimeOutcome(TypedDict):
+    #: Median of the interleaved rounds, one per config, in the order asked.
+    ms: list[float]
+    notes: list[str]
+
+
+class BenchError(RuntimeError):
+    """The key's problems cannot be set up (or the process running them cannot be started)."""
+
+
+class ContextLost(RuntimeError):
+    """The CUDA context is unusable: nothing more can run in this process."""
+
+
+class Bench(Protocol):
+    """Where candidates of one key at a time run (this process or a worker process)."""
+
+    def open(self, spec: KernelSpec[Any, Any], key: TuningKey, seed: int, default: dict[str, Any]) -> None:
+        """Build the problems of ``key``; raise :class:`BenchError` if the portable default cannot run."""
+        ...
+
+    def precompile(self, configs: list[dict[str, Any]]) -> list[TrialOutcome | None] | None:
+        """First launches of a batch in parallel: a failed outcome or ``None`` each; ``None`` if unknown."""
+        ...
+
+    def trial(self, config: dict[str, Any], compiled: bool) -> TrialOutcome:
+        """Launch (unless ``compiled``), check and time one config."""
+        ...
+
+    def retime(self, configs: list[dict[str, Any]], rounds: int) -> RetimeOutcome | None:
+        """Time ``configs`` in interleaved rounds; ``None`` if that failed."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def outcome(status: str, ms: float | None = None, error: str | None = None, fatal: bool = False) -> TrialOutcome:
+    return {"status": status, "ms": ms, "error": error, "fatal": fatal}
+
+
+def describe_exception(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def context_alive(device: torch.device) -> bool:
+    """Whether this process can still run GPU work (an illegal memory access poisons the context)."""
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(device)
+        torch.empty(1, device=device).add_(1)
+        torch.cuda.synchronize(device)
+    except Exception:
+        return False
+    return True
+
+
+def _nan_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(t, float("nan"))
+
+
+def consistency_problem(out: torch.Tensor, portable: torch.Tensor) -> str | None:
+    """A loose size-dependent sanity check against the portable output at the timed size."""
+    if not bool(torch.isfinite(out).all()) and bool(torch.isfinite(portable).all()):
+        return "non-finite values where the portable path has none"
+    scale = float(portable.float().abs().max()) or 1.0
+    err = float((out.float() - portable.float()).abs().max()) / scale
+    return None if err <= 5e-2 else f"differs from the portable output by {err:.3g} of max|out| at the timed size"
+
+
+def resolve_spec(kernel: str, target: str) -> KernelSpec[Any, Any]:
+    """The spec registered as ``kernel`` at ``target`` ("module:attribute"), registering it in this process.
+
+    A worker process learns kernels from the tuner's registry entries, so a kernel registered at
+    run time in the tuner process (a test's toy kernel) resolves in the worker too.
+    """
+    from tritune.kernels import registry
+
+    registry._SPECS[kernel] = target
+    return registry.get_spec(kernel)
+
+
+def spec_target(spec: KernelSpec[Any, Any]) -> str:
+    """The "module:attribute" a worker process imports ``spec`` from."""
+    import sys
+
+    from tritune.kernels import registry
+
+    target = registry._SPECS.get(spec.name)
+    if target is not None:
+        return str(target)
+    module = sys.modules.get(type(spec).__module__)
+    for attribute, value in vars(module).items() if module is not None else ():
+        if value is spec:
+            return f"{type(spec).__module__}:{attribute}"
+    raise BenchError(f"{spec.name}: not in the kernel registry, so a worker process cannot import it")
+
+
+class CandidateBench:
+    """One key's problems, and what each candidate config goes through."""
+
+    def __init__(
+        self,
+        spec: KernelSpec[Any, Any],
+        key: TuningKey,
+        device: torch.device,
+        seed: int,
+        default: Any,
+        timer: Timer,
+        *,
+        monitor: ClockMonitor | None = None,
+        noise: NoisePolicy | None = None,
+        compile_workers: int = 1,
+    ) -> None:
+        self.spec, self.key, self.device, self.timer = spec, key, device, timer
+        self.monitor, self.noise = monitor, noise or NoisePolicy()
+        self.compile_workers = compile_workers
+        self.problem = spec.make_problem(key, device, seed)
+        self.check_problem = spec.check_problem(key, device, seed + 1)
+        self.expected = spec.reference(*self.check_problem.args, **self.check_problem.kwargs)
+        self.portable_out = spec.launch(default, *self.problem.args, **self.problem.kwargs)
+        self.check_out_template = spec.launch(default, *self.check_problem.args, **self.check_problem.kwargs)
+        self._sync()
+
+    @classmethod
+    def from_plain(
+        cls,
+        kernel: str,
+        target: str,
+        key: Mapping[str, Any],
+        seed: int,
+        default: Mapping[str, Any],
+        device: str,
+        timer: Timer,
+        *,
+        noise: NoisePolicy | None = None,
+        compile_workers: int = 1,
+    ) -> CandidateBench:
+        """Build a bench from plain values only (what crosses into a worker process)."""
+        spec = resolve_spec(kernel, target)
+        torch_device = torch.device(device)
+        return cls(
+            spec,
+            spec.key_type.from_dict(key),
+            torch_device,
+            seed,
+            spec.space.parse(default),
+            timer,
+            monitor=monitor_for(torch_device),
+            noise=noise,
+            compile_workers=compile_workers,
+        )
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _launch(self, config: Any, problem: Problem, out: torch.Tensor) -> None:
+        self.spec.launch(config, *problem.args, **{**problem.kwargs, "out": out})
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def context_alive(self) -> bool:
+        return context_alive(self.device)
+
+    def _failed(self, exc: Exception, status: str) -> TrialOutcome:
+        fatal = not self.context_alive()
+        # Running out of memory, or a launch that broke the context, happened at run time even
+        # when it was the first launch (which also compiles).
+        if fatal or is_out_of_memory(exc):
+            status = FAILED_RUNTIME
+        if is_out_of_memory(exc) and not fatal and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return outcome(status, None, describe_exception(exc), fatal=fatal)
+
+    def _first_launch(self, config: Any) -> TrialOutcome | None:
+        try:
+            self._launch(config, self.problem, torch.empty_like(self.portable_out))
+            return None
+        except Exception as exc:
+            return self._failed(exc, FAILED_COMPILE)
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def precompile(self, configs: list[dict[str, Any]]) -> list[TrialOutcome | None]:
+        """First launch of each config (which compiles it), in parallel threads on a GPU."""
+        parsed = [self.spec.space.parse(c) for c in configs]
+        if self.device.type != "cuda" or self.compile_workers <= 1:
+            # The interpreter patches triton.language globally while it runs: one at a time.
+            return [self._first_launch(c) for c in parsed]
+        # Triton's compiler and ptxas release the GIL for most of their work.
+        with ThreadPoolExecutor(max_workers=self.compile_workers) as pool:
+            results = list(pool.map(self._first_launch, parsed))
+        if not self.context_alive():
+            raise ContextLost("the CUDA context was lost while compiling a batch")
+        return results
+
+    def trial(self, values: dict[str, Any], compiled: bool = False) -> TrialOutcome:
+        config = self.spec.space.parse(values)
+        if not compiled:
+            failure = self._first_launch(config)
+            if failure is not None:
+                return failure
+        try:
+            out = _nan_like(self.check_out_template)
+            self._launch(config, self.check_problem, out)
+            self._sync()
+            problem_text = self.spec.check(out, self.expected, self.check_problem)
+            if problem_text is None:
+                full = _nan_like(self.portable_out)
+                self._launch(config, self.problem, full)
+                self._sync()
+                problem_text = consistency_problem(full, self.portable_out)
+            if problem_text is not None:
+                return outcome(FAILED_CORRECTNESS, None, problem_text)
+            sample, note = self._measure(config)
+        except Exception as exc:
+            return self._failed(exc, FAILED_RUNTIME)
+        if not math.isfinite(sample) or sample <= 0:
+            return outcome(FAILED_RUNTIME, None, f"timer returned {sample!r}")
+        return outcome(OK, sample, note)
+
+    def _measure(self, config: Any) -> tuple[float, str | None]:
+        target = torch.empty_like(self.portable_out)
+
+        def take() -> Any:
+            return measure(
+                self.timer,
+                lambda: self._launch(config, self.problem, target),
+                config=config,
+                flush_l2=self.problem.flush_l2,
+                launch_bound=self.problem.launch_bound,
+            )
+
+        sample, note = stable_measurement(take, self.monitor, self.noise)
+        return sample.ms, note
+
+    def retime(self, configs: list[dict[str, Any]], rounds: int) -> RetimeOutcome:
+        """Interleaved rounds over ``configs``: each round sees the same clocks and temperature."""
+        parsed = [self.spec.space.parse(c) for c in configs]
+        samples: list[list[float]] = [[] for _ in parsed]
+        notes: list[str] = []
+        for _ in range(rounds):
+            for index, config in enumerate(parsed):
+                ms, note = self._measure(config)
+                samples[index].append(ms)
+                if note is not None:
+                    notes.append(f"final re-timing of {configs[index]}: {note}")
+        return {"ms": [sorted(s)[len(s) // 2] for s in samples], "notes": notes}
+
+
+class LocalBench:
+    """Runs candidates in this process: no crash isolation (a crash here ends the tune)."""
+
+    def __init__(
+        self, device: torch.device, timer: Timer, *, noise: NoisePolicy | None = None, compile_workers: int = 1
+    ) -> None:
+        self.device, self.timer, self.noise, self.compile_workers = device, timer, noise, compile_workers
+        self._bench: CandidateBench | None = None
+
+    def _current(self) -> CandidateBench:
+        if self._bench is None:
+            raise BenchError("no key is open")
+        return self._bench
+
+    def open(self, spec: KernelSpec[Any, Any], key: TuningKey, seed: int, default: dict[str, Any]) -> None:
+        try:
+            self._bench = CandidateBench(
+                spec,
+                key,
+                self.device,
+                seed,
+                spec.space.parse(default),
+                self.timer,
+                monitor=monitor_for(self.device),
+                noise=self.noise,
+                compile_workers=self.compile_workers,
+            )
+        except Exception as exc:
+            raise BenchError(describe_exception(exc)) from exc
+
+    def precompile(self, configs: list[dict[str, Any]]) -> list[TrialOutcome | None] | None:
+        try:
+            return self._current().precompile(configs)
+        except ContextLost as exc:
+            raise BenchError(f"{exc}; tune with isolation to survive such candidates") from exc
+
+    def trial(self, config: dict[str, Any], compiled: bool) -> TrialOutcome:
+        result = self._current().trial(config, compiled)
+        if result["fatal"]:
+            raise BenchError(
+                f"{config} left the CUDA context unusable ({result['error']}); tune with isolation to survive it"
+            )
+        return result
+
+    def retime(self, configs: list[dict[str, Any]], rounds: int) -> RetimeOutcome | None:
+        try:
+            return self._current().retime(configs, rounds)
+        except Exception as exc:
+            log.warning("final re-timing failed: %s", describe_exception(exc))
+            return None
+
+    def close(self) -> None:
+        self._bench = None
+
+
+__all__ = [
+    "FAILED_COMPILE",
+    "FAILED_CORRECTNESS",
+    "FAILED_RUNTIME",
+    "OK",
+    "PRUNED",
+    "Bench",
+    "BenchError",
+    "CandidateBench",
+    "ContextLost",
+    "LocalBench",
+    "RetimeOutcome",
+    "TrialOutcome",
+]
