@@ -166,8 +166,14 @@ class KernelSpec(ABC, Generic[C, K]):
         """The pure-PyTorch result of the same call, in fp32 or better."""
 
     @abstractmethod
-    def check(self, out: torch.Tensor, expected: torch.Tensor, problem: Problem) -> str | None:
-        """``None`` if ``out`` is close enough to ``expected``, else why not."""
+    def check(
+        self, out: torch.Tensor, expected: torch.Tensor, problem: Problem, config: Any = None
+    ) -> str | None:
+        """``None`` if ``out`` is close enough to ``expected``, else why not.
+
+        ``config`` is the config that produced ``out`` (the tuner passes it), for kernels whose
+        paths have different accuracy floors; ``None`` means the loosest floor applies.
+        """
 
     @abstractmethod
     def make_problem(self, key: K, device: torch.device, seed: int) -> Problem:

@@ -62,3 +62,17 @@ def test_q4k_default_feasible_at_every_m_bucket(m):
         key = spec.key_type(arch="sm90", sm_count=132, dtype="bfloat16", m_bucket=m, n=n, k=k)
         default = spec.default_config(key)
         assert spec.space.infeasible_reason(default, key, spec.limits(h200)) is None, (m, k, n)
+
+
+def test_q4k_gate_holds_each_path_to_its_floor():
+    """The tuner passes the config to ``check``: portable candidates face the 40 dB floor."""
+    spec = get_spec("q4k_fp8_gemm")
+    key = spec.default_keys(CPU)[0]
+    problem = spec.make_problem(key, torch.device("cpu"), seed=5)
+    expected = spec.reference(*problem.args, **problem.kwargs)
+    # Noise at about 30 dB SQNR: good enough for fp8, not for the portable path.
+    noisy = expected + expected.std() * 0.03 * torch.randn_like(expected)
+    portable = spec.space.parse({"path": "portable"})
+    fp8 = spec.space.parse({"path": "fp8"})
+    assert spec.check(noisy, expected, problem, fp8) is None
+    assert "portable" in spec.check(noisy, expected, problem, portable)

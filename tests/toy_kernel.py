@@ -88,7 +88,9 @@ class ToySpec(KernelSpec[ToyConfig, ToyKey]):
     def reference(self, x: torch.Tensor, *, alpha: float = 2.0, out: torch.Tensor | None = None) -> torch.Tensor:
         return x.double() * alpha
 
-    def check(self, out: torch.Tensor, expected: torch.Tensor, problem: Problem) -> str | None:
+    def check(
+        self, out: torch.Tensor, expected: torch.Tensor, problem: Problem, config: Any = None
+    ) -> str | None:
         if not bool(torch.isfinite(out).all()):
             return "non-finite output"
         err = float((out.double() - expected).abs().max())

@@ -258,7 +258,7 @@ class CandidateBench:
             out = _nan_like(self.check_out_template)
             self._launch(config, self.check_problem, out)
             self._sync()
-            problem_text = self.spec.check(out, self.expected, self.check_problem)
+            problem_text = self.spec.check(out, self.expected, self.check_problem, config)
             if problem_text is None:
                 full = _nan_like(self.portable_out)
                 self._launch(config, self.problem, full)

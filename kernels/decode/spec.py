@@ -125,7 +125,9 @@ class DecodeSpec(KernelSpec[DecodeConfig, DecodeKey]):
     ) -> torch.Tensor:
         return decode_reference(q, k_cache, v_cache, kv_len, softmax_scale=softmax_scale)
 
-    def check(self, out: torch.Tensor, expected: torch.Tensor, problem: Problem) -> str | None:
+    def check(
+        self, out: torch.Tensor, expected: torch.Tensor, problem: Problem, config: Any = None
+    ) -> str | None:
         return compare(out, expected, problem.args[0].dtype)
 
     def make_problem(self, key: DecodeKey, device: torch.device, seed: int) -> Problem:

@@ -279,7 +279,9 @@ class PrefillSpec(KernelSpec[PrefillConfig, PrefillKey]):
     ) -> torch.Tensor:
         return prefill_reference(q, k, v, causal=causal, kv_len=kv_len, softmax_scale=softmax_scale)
 
-    def check(self, out: torch.Tensor, expected: torch.Tensor, problem: Problem) -> str | None:
+    def check(
+        self, out: torch.Tensor, expected: torch.Tensor, problem: Problem, config: Any = None
+    ) -> str | None:
         """Max-abs error within 2e-2 (bf16) or 4e-3 (fp16) of max|reference|; NaN never passes."""
         if not bool(torch.isfinite(out).all()):
             return "non-finite values in the output"

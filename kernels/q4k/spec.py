@@ -149,12 +149,14 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
     def reference(self, x: torch.Tensor, weight: Q4KWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         return q4k_linear_reference(x, weight, bias)
 
-    def check(self, out: torch.Tensor, expected: torch.Tensor, problem: Problem) -> str | None:
-        """SQNR against the exact-weight reference, at the floor of the loosest path (fp8).
+    def check(
+        self, out: torch.Tensor, expected: torch.Tensor, problem: Problem, config: Any = None
+    ) -> str | None:
+        """SQNR against the exact-weight reference at the floor of the config's path.
 
-        ``check`` does not see the config; :func:`check_path` holds each path to its own floor.
+        Without a config the loosest floor (fp8) applies.
         """
-        return check_path(out, expected, "fp8")
+        return check_path(out, expected, config.path if config is not None else "fp8")
 
     def make_problem(self, key: Q4KKey, device: torch.device, seed: int) -> Problem:
         generator = torch.Generator(device=device).manual_seed(seed)

@@ -177,7 +177,9 @@ class VarlenSpec(KernelSpec[VarlenConfig, VarlenKey]):
             q, k_store, v_store, seq_info, causal=causal, window=window, ring=ring, softmax_scale=softmax_scale
         )
 
-    def check(self, out: torch.Tensor, expected: torch.Tensor, problem: Problem) -> str | None:
+    def check(
+        self, out: torch.Tensor, expected: torch.Tensor, problem: Problem, config: Any = None
+    ) -> str | None:
         """Within the dtype's tolerance of the fp64 reference (see ``reference.compare``); NaN never passes."""
         return compare(out, expected, problem.args[0].dtype)
 
