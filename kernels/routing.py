@@ -2,7 +2,9 @@
 
 A call is a decode step when it brings at most ``MAX_QUERY_TOKENS`` new tokens per sequence,
 attends causally, and names the valid length of each sequence with a ``[B]`` ``kv_len``: then
-``k`` and ``v`` are read as KV caches of which only ``kv_len[b]`` positions count. Prefill is
+``k`` and ``v`` are read as KV caches of which only ``kv_len[b]`` positions count. A decode step
+whose layout decode does not serve (a head dim of stride other than 1) goes to prefill, which takes
+any strides. Errors name the arguments as this function calls them (``k``, ``v``). Prefill is
 imported on first use, so a decode-only process never loads it.
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .decode.op import MAX_QUERY_TOKENS, decode_attention
+from .decode.op import MAX_QUERY_TOKENS, decode_attention_named, serves_layout
 
 __all__ = ["attention"]
 
@@ -39,9 +41,10 @@ def attention(
         and q.dim() == 4
         and 1 <= q.shape[2] <= MAX_QUERY_TOKENS
         and kv_len.dim() == 1
+        and serves_layout(q, k, v, out)
     )
     if decode_step:
-        return decode_attention(q, k, v, kv_len, softmax_scale=softmax_scale, out=out)
+        return decode_attention_named(q, k, v, kv_len, softmax_scale, out, ("k", "v"))
     from .prefill.op import prefill_attention
 
     return prefill_attention(q, k, v, causal=causal, kv_len=kv_len, softmax_scale=softmax_scale, out=out)

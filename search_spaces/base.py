@@ -23,6 +23,8 @@ K = TypeVar("K")
 
 #: Hopper's opt-in shared memory per block; the default limit for feasibility estimates.
 DEFAULT_SMEM_LIMIT_BYTES = 227 * 1024
+#: Head dims the attention kernels serve; 80 and 96 are padded to 128 inside the kernels.
+HEAD_DIMS = (64, 80, 96, 128, 256)
 
 
 def choice(default: Value, options: tuple[Value, ...] | list[Value]) -> Any:
@@ -146,3 +148,57 @@ def _same_kind(value: Any, example: Value) -> bool:
 def tile_smem_bytes(*tiles: tuple[int, int, int]) -> int:
     """Bytes of shared memory for tiles given as (rows, cols, element_bytes)."""
     return sum(r * c * b for r, c, b in tiles)
+
+
+# ---- attention tiles ---------------------------------------------------------------------------
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The power of two a head dim is padded to inside the attention kernels."""
+    return 1 << (max(head_dim, 16) - 1).bit_length()
+
+
+def register_reason(block_m: int, block_n: int, head_dim_pad: int, num_warps: int, limit: int) -> str | None:
+    """Why the fp32 accumulator ``[block_m, D]`` and score tile ``[block_m, block_n]`` would spill, or ``None``."""
+    per_thread = (block_m * head_dim_pad + block_m * block_n) // (32 * num_warps)
+    if per_thread > limit:
+        return f"accumulator and scores take {per_thread} fp32 registers per thread (> {limit})"
+    return None
+
+
+def smem_reason(smem_bytes: int, limits: TargetLimits) -> str | None:
+    """Why ``smem_bytes`` of shared memory per block do not fit the target, or ``None``."""
+    if smem_bytes > limits.smem_bytes:
+        return f"needs about {smem_bytes // 1024} KiB of shared memory (> {limits.smem_bytes // 1024} KiB)"
+    return None
+
+
+def pointer_attention_reason(
+    block_m: int,
+    block_n: int,
+    head_dim_pad: int,
+    num_warps: int,
+    num_stages: int,
+    limits: TargetLimits,
+    *,
+    max_registers: int,
+) -> str | None:
+    """The resource rule of the attention kernels that load K/V tiles through pointers (decode, varlen).
+
+    Every thread issues 16-byte loads of the KV tile, the accumulator and scores stay in registers,
+    and shared memory holds Q, K and V once per buffered stage and P staged for the second MMA.
+    """
+    threads = 32 * num_warps
+    if block_n * head_dim_pad < 8 * threads:
+        return f"a {block_n} x {head_dim_pad} KV tile leaves some of {threads} threads without a 16-byte load"
+    reason = register_reason(block_m, block_n, head_dim_pad, num_warps, max_registers)
+    if reason is not None:
+        return reason
+    # The pipeliner keeps num_stages - 1 K/V tiles in flight (checked against Triton 3.6's sm90 builds).
+    buffers = max(num_stages - 1, 1)
+    smem = tile_smem_bytes(
+        (block_m, head_dim_pad, 2),  # Q
+        (2 * buffers * block_n, head_dim_pad, 2),  # K and V, one copy per buffered stage
+        (block_m, block_n, 2),  # P staged for the second MMA
+    )
+    return smem_reason(smem, limits)

@@ -21,10 +21,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from .base import SearchSpace, TargetLimits, choice, tile_smem_bytes
+from .base import HEAD_DIMS, SearchSpace, TargetLimits, choice, padded_head_dim, pointer_attention_reason
 
-#: Head dims the kernel serves; 80 and 96 are padded to 128 inside the kernel.
-HEAD_DIMS = (64, 80, 96, 128, 256)
+__all__ = [
+    "HEAD_DIMS",
+    "MAX_BLOCK_M",
+    "SPACE",
+    "DecodeConfig",
+    "block_m_for",
+    "duplicate_reason",
+    "feasibility",
+    "max_splits",
+    "padded_head_dim",
+    "portable_config",
+    "row_blocks",
+    "splits_target",
+]
+
 #: Most query rows (query heads of one group x new tokens) one program packs into its M tile.
 MAX_BLOCK_M = 64
 #: Per-thread fp32 registers the accumulator and score tiles may take before the rule calls it a spill.
@@ -58,11 +71,6 @@ class _DecodeKeyFields(Protocol):
     lq: int
     bh_bucket: int
     lkv_bucket: int
-
-
-def padded_head_dim(head_dim: int) -> int:
-    """The power of two a head dim is padded to inside the kernel."""
-    return 1 << (max(head_dim, 16) - 1).bit_length()
 
 
 def block_m_for(rows: int) -> int:
@@ -141,24 +149,15 @@ def feasibility(config: DecodeConfig, key: _DecodeKeyFields, limits: TargetLimit
             return "num_warps and num_stages mean nothing to the interpreter"
         return None
 
-    d = padded_head_dim(key.head_dim)
-    block_m = block_m_for(key.gqa_group * key.lq)
-    threads = 32 * config.num_warps
-    if config.BLOCK_N * d < 8 * threads:
-        return f"a {config.BLOCK_N} x {d} KV tile leaves some of {threads} threads without a 16-byte load"
-    per_thread = (block_m * d + block_m * config.BLOCK_N) // threads
-    if per_thread > _MAX_TILE_REGISTERS:
-        return f"accumulator and scores take {per_thread} fp32 registers per thread (> {_MAX_TILE_REGISTERS})"
-    # The pipeliner keeps num_stages - 1 K/V tiles in flight (checked against Triton 3.6's sm90 builds).
-    buffers = max(config.num_stages - 1, 1)
-    smem = tile_smem_bytes(
-        (block_m, d, 2),  # Q
-        (2 * buffers * config.BLOCK_N, d, 2),  # K and V, one copy per buffered stage
-        (block_m, config.BLOCK_N, 2),  # P staged for the second MMA
+    return pointer_attention_reason(
+        block_m_for(key.gqa_group * key.lq),
+        config.BLOCK_N,
+        padded_head_dim(key.head_dim),
+        config.num_warps,
+        config.num_stages,
+        limits,
+        max_registers=_MAX_TILE_REGISTERS,
     )
-    if smem > limits.smem_bytes:
-        return f"needs about {smem // 1024} KiB of shared memory (> {limits.smem_bytes // 1024} KiB)"
-    return None
 
 
 #: Shared memory every CUDA GPU the portable default must run on offers a block (Ampere consumer parts: 99 KiB).

@@ -12,10 +12,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from .base import SearchSpace, TargetLimits, choice, tile_smem_bytes
+from .base import (
+    HEAD_DIMS,
+    SearchSpace,
+    TargetLimits,
+    choice,
+    padded_head_dim,
+    register_reason,
+    smem_reason,
+    tile_smem_bytes,
+)
 
-#: Head dims the kernels serve; 80 and 96 are padded to 128 inside the kernel.
-HEAD_DIMS = (64, 80, 96, 128, 256)
+__all__ = [
+    "HEAD_DIMS",
+    "SPACE",
+    "TMA_HEAD_DIMS",
+    "TUNED_QUERY_HEADS",
+    "PrefillConfig",
+    "feasibility",
+    "grid_programs",
+    "pack_gqa_applies",
+    "padded_head_dim",
+]
+
 #: Head dims the TMA path serves (its tiles span the whole head dim, no padding).
 TMA_HEAD_DIMS = (64, 128, 256)
 #: Query heads of the problems the tuner times on a GPU (the occupancy rule for SPLIT_KV assumes it).
@@ -47,11 +66,6 @@ class _PrefillKeyFields(Protocol):
     causal: bool
     lq_bucket: int
     lkv_bucket: int
-
-
-def padded_head_dim(head_dim: int) -> int:
-    """The power of two a head dim is padded to inside the kernels."""
-    return 1 << (max(head_dim, 16) - 1).bit_length()
 
 
 def _arch_number(arch: str) -> int | None:
@@ -107,10 +121,9 @@ def feasibility(config: PrefillConfig, key: _PrefillKeyFields, limits: TargetLim
         return "8 warps need BLOCK_M >= 64"
     if tma and config.BLOCK_M < 64:
         return "the tma path wants BLOCK_M >= 64 (one warpgroup MMA per 64 rows)"
-    threads = 32 * config.num_warps
-    per_thread = (config.BLOCK_M * d + config.BLOCK_M * config.BLOCK_N) // threads
-    if per_thread > _MAX_TILE_REGISTERS:
-        return f"accumulator and scores take {per_thread} fp32 registers per thread (> {_MAX_TILE_REGISTERS})"
+    registers = register_reason(config.BLOCK_M, config.BLOCK_N, d, config.num_warps, _MAX_TILE_REGISTERS)
+    if registers is not None:
+        return registers
     # Q, then K and V once per pipeline stage, plus the descriptor path's barriers: what Triton 3.6
     # allocates on SM90 for both paths (P stays in registers).
     smem = tile_smem_bytes(
@@ -118,9 +131,7 @@ def feasibility(config: PrefillConfig, key: _PrefillKeyFields, limits: TargetLim
         (2 * max(config.num_stages, 1) * config.BLOCK_N, d, 2),
         (1, 1024 if tma else 0, 1),
     )
-    if smem > limits.smem_bytes:
-        return f"needs about {smem // 1024} KiB of shared memory (> {limits.smem_bytes // 1024} KiB)"
-    return None
+    return smem_reason(smem, limits)
 
 
 SPACE: SearchSpace[PrefillConfig, _PrefillKeyFields] = SearchSpace(

@@ -23,10 +23,21 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
-from .base import SearchSpace, TargetLimits, choice, tile_smem_bytes
+from .base import HEAD_DIMS, SearchSpace, TargetLimits, choice, padded_head_dim, pointer_attention_reason
 
-#: Head dims the kernel serves; 80 and 96 are padded to 128 inside the kernel.
-HEAD_DIMS = (64, 80, 96, 128, 256)
+__all__ = [
+    "HEAD_DIMS",
+    "SPACE",
+    "VarlenConfig",
+    "block_m_for",
+    "duplicate_reason",
+    "feasibility",
+    "padded_head_dim",
+    "portable_config",
+    "split_budget",
+    "tokens_per_tile",
+]
+
 #: Per-thread fp32 registers the accumulator and score tiles may take before the rule calls it a spill.
 _MAX_TILE_REGISTERS = 192
 #: Largest tiles the interpreter keeps, so tuning at tiny shapes stays quick.
@@ -58,11 +69,6 @@ class _VarlenKeyFields(Protocol):
     gqa_group: int
     t_bucket: int
     rows_bucket: int
-
-
-def padded_head_dim(head_dim: int) -> int:
-    """The power of two a head dim is padded to inside the kernel."""
-    return 1 << (max(head_dim, 16) - 1).bit_length()
 
 
 def block_m_for(block_m: int, group: int) -> int:
@@ -111,25 +117,13 @@ def feasibility(config: VarlenConfig, key: _VarlenKeyFields, limits: TargetLimit
         return f"chunks under {_GPU_MIN_CHUNK} keys cost more to merge than they save"
     d = padded_head_dim(key.head_dim)
     block_m = block_m_for(config.BLOCK_M, key.gqa_group)
-    threads = 32 * config.num_warps
     if d == 256 and config.BLOCK_N > 64:
         return "head dim 256 takes BLOCK_N <= 64"
     if config.num_warps == 8 and block_m < 64:
         return "8 warps need BLOCK_M >= 64"
-    if config.BLOCK_N * d < 8 * threads:
-        return f"a {config.BLOCK_N} x {d} KV tile leaves some of {threads} threads without a 16-byte load"
-    per_thread = (block_m * d + block_m * config.BLOCK_N) // threads
-    if per_thread > _MAX_TILE_REGISTERS:
-        return f"accumulator and scores take {per_thread} fp32 registers per thread (> {_MAX_TILE_REGISTERS})"
-    # Q, K and V once per buffered stage, and P staged for the second MMA.
-    smem = tile_smem_bytes(
-        (block_m, d, 2),
-        (2 * max(config.num_stages - 1, 1) * config.BLOCK_N, d, 2),
-        (block_m, config.BLOCK_N, 2),
+    return pointer_attention_reason(
+        block_m, config.BLOCK_N, d, config.num_warps, config.num_stages, limits, max_registers=_MAX_TILE_REGISTERS
     )
-    if smem > limits.smem_bytes:
-        return f"needs about {smem // 1024} KiB of shared memory (> {limits.smem_bytes // 1024} KiB)"
-    return None
 
 
 #: Shared memory every CUDA GPU the portable default must run on offers a block (Ampere consumer parts: 99 KiB).

@@ -14,6 +14,7 @@ import types
 import pytest
 import torch
 
+from tritune.kernels import _launch
 from tritune.kernels import routing as attention_module
 from tritune.kernels.decode import op as decode_op
 from tritune.kernels.decode.op import decode_attention
@@ -74,14 +75,14 @@ def run_and_compare(q, k, v, kv_len, config=None, **kwargs):
 def many_sms(monkeypatch, device):
     """On the interpreter, plan splits as if the device had 64 SMs (a GPU keeps its own count)."""
     if device == "cpu":
-        monkeypatch.setitem(decode_op._SM_COUNTS, torch.device("cpu"), 64)
+        monkeypatch.setitem(_launch.SM_COUNTS, torch.device("cpu"), 64)
 
 
 def splits_used(q, k, config: dict, lengths: list[int]) -> list[int]:
     """How many splits each sequence used, by the same rule the kernels apply on the device."""
     spec_config = decode_op.DecodeConfig(**config)
     plan = decode_op._plan(
-        tuple(vars(spec_config).values()), decode_op._sm_count(q.device), q.shape[0], k.shape[1],
+        tuple(vars(spec_config).values()), decode_op.sm_count(q.device), q.shape[0], k.shape[1],
         q.shape[1] // k.shape[1] * q.shape[2], k.shape[2], q.shape[3],
     )  # fmt: skip
     used = []
@@ -133,17 +134,17 @@ def test_split_policies_match_reference(device, many_sms, monkeypatch, case, dty
         assert max(used) <= 1, used
     # The workspace is never initialised: poison it to prove only written partials are read.
     monkeypatch.setattr(
-        decode_op, "_workspace", lambda n, dev: torch.full((n,), float("nan"), dtype=torch.float32, device=dev)
+        decode_op, "workspace", lambda n, dev: torch.full((n,), float("nan"), dtype=torch.float32, device=dev)
     )
     run_and_compare(q, k, v, kv_len, config)
 
 
 def test_merge_in_head_dim_blocks(device, many_sms, monkeypatch):
     """Many splits with a small merge tile: each merge program takes a 16-wide slice of the head dim."""
-    monkeypatch.setattr(decode_op, "_MERGE_TILE", 64)
+    monkeypatch.setattr(decode_op, "MERGE_TILE", 64)
     decode_op._plan.cache_clear()
     q, k, v, kv_len = make_case(device, batch=1, kv_heads=1, group=2, lq=2, head_dim=80, lmax=300, lengths=[300])
-    plan = decode_op._plan((4, 64, 16, 4, 3), decode_op._sm_count(q.device), 1, 1, 4, 300, 80)
+    plan = decode_op._plan((4, 64, 16, 4, 3), decode_op.sm_count(q.device), 1, 1, 4, 300, 80)
     assert plan.num_splits == 5 and plan.merge_block_d == 16
     run_and_compare(q, k, v, kv_len, MANY_SPLITS)
     decode_op._plan.cache_clear()
@@ -222,6 +223,20 @@ def test_lengths_outside_the_cache_are_clamped(device):
     assert compare(out, expected, q.dtype) is None
 
 
+@pytest.mark.parametrize("config", [MANY_SPLITS, ONE_SPLIT], ids=["many-splits", "one-split"])
+def test_kv_len_view_is_read_through_its_stride(device, many_sms, config):
+    """``lengths[::2]``: the split and merge kernels must step over the lengths in between."""
+    q, k, v, kv_len = make_case(device, batch=3, kv_heads=1, group=2, lq=1, head_dim=64, lmax=200,
+                                lengths=[200, 61, 5])  # fmt: skip
+    interleaved = torch.tensor([200, 1, 61, 150, 5, 0], dtype=torch.int32, device=device)[::2]
+    assert interleaved.stride(0) == 2 and interleaved.tolist() == kv_len.tolist()
+    run_and_compare(q, k, v, interleaved, config)
+    out = torch.full_like(q, float("nan"))
+    with use_config("splitk_decode", config):
+        attention(q, k, v, kv_len=interleaved, out=out)
+    assert compare(out, decode_reference(q, k, v, kv_len), q.dtype) is None
+
+
 def test_softmax_scale_and_allocated_out(device):
     q, k, v, kv_len = make_case(device, batch=1, kv_heads=2, group=2, lq=1, head_dim=64, lmax=40, lengths=[33])
     out = decode_attention(q, k, v, kv_len, softmax_scale=0.3)
@@ -236,6 +251,7 @@ def test_direct_launch_and_registered_op_agree(device, many_sms):
     through_op = torch.full_like(q, float("nan"))
     decode_op._decode_attention(q, k, v, kv_len, direct, 0.125, *values)
     torch.ops.tritune.decode_attention(q, k, v, kv_len, through_op, 0.125, *values)
+    assert compare(direct, decode_reference(q, k, v, kv_len, softmax_scale=0.125), q.dtype) is None
     assert torch.equal(direct, through_op)
 
 
@@ -297,12 +313,16 @@ def test_opcheck(device):
 def test_torch_compile_fullgraph(device):
     q, k, v, kv_len = make_case(device, batch=2, kv_heads=1, group=4, lq=1, head_dim=64, lmax=48, lengths=[48, 20])
 
-    def step(q, k, v, kv_len):
-        return decode_attention(q, k, v, kv_len) * 2.0
+    def step(q, k, v, kv_len, out):
+        return decode_attention(q, k, v, kv_len, out=out) * 2.0
 
     backend = "inductor" if device == "cuda" else "aot_eager"
     compiled = torch.compile(step, fullgraph=True, backend=backend)
-    torch.testing.assert_close(compiled(q, k, v, kv_len), step(q, k, v, kv_len), atol=0, rtol=0)
+    out, eager_out = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
+    result = compiled(q, k, v, kv_len, out)
+    assert compare(out, decode_reference(q, k, v, kv_len), q.dtype) is None
+    torch.testing.assert_close(result, out * 2.0, atol=0, rtol=0)
+    torch.testing.assert_close(result, step(q, k, v, kv_len, eager_out), atol=0, rtol=0)
 
 
 # ---- the unified entry ---------------------------------------------------------------------------
@@ -313,45 +333,102 @@ def spies(monkeypatch):
     """Record which kernel family the unified entry calls (prefill is faked: not needed here)."""
     calls: list[tuple[str, dict]] = []
 
-    def fake_decode(q, k, v, kv_len, **kwargs):
-        calls.append(("decode", kwargs))
+    def fake_decode(q, k, v, kv_len, softmax_scale, out, kv_names):
+        calls.append(("decode", {"softmax_scale": softmax_scale, "kv_names": kv_names}))
         return q
 
     def fake_prefill(q, k, v, **kwargs):
         calls.append(("prefill", kwargs))
         return q
 
-    monkeypatch.setattr(attention_module, "decode_attention", fake_decode)
+    monkeypatch.setattr(attention_module, "decode_attention_named", fake_decode)
     fake_module = types.ModuleType("tritune.kernels.prefill.op")
     fake_module.prefill_attention = fake_prefill
     monkeypatch.setitem(sys.modules, "tritune.kernels.prefill.op", fake_module)
     return calls
 
 
+def _strided_head_dim(t: torch.Tensor) -> torch.Tensor:
+    """The same values seen with a head-dim stride of 2 (every other element of a wider buffer)."""
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
 @pytest.mark.parametrize(
-    "lq, kv_len, causal, expected",
+    "lq, kv_len, causal, strided, expected",
     [
-        (1, [5, 6], True, "decode"),
-        (8, [9, 9], True, "decode"),
-        (9, [9, 9], True, "prefill"),
-        (1, None, True, "prefill"),
-        (1, [5, 6], False, "prefill"),
-        (4, 5, True, "prefill"),
+        (1, [5, 6], True, None, "decode"),
+        (8, [9, 9], True, None, "decode"),
+        (9, [9, 9], True, None, "prefill"),
+        (1, None, True, None, "prefill"),
+        (1, [5, 6], False, None, "prefill"),
+        (4, 5, True, None, "prefill"),
+        (1, [5, 6], True, "k", "prefill"),
+        (2, [5, 6], True, "q", "prefill"),
+        (1, [5, 6], True, "out", "prefill"),
     ],
-    ids=["lq1", "lq8", "lq9-prefill", "no-kv-len", "not-causal", "scalar-kv-len"],
-)
-def test_attention_routes(spies, lq, kv_len, causal, expected):
-    q = torch.zeros(2, 4, lq, 64, dtype=torch.bfloat16)
-    k = torch.zeros(2, 2, 16, 64, dtype=torch.bfloat16)
+    ids=["lq1", "lq8", "lq9-prefill", "no-kv-len", "not-causal", "scalar-kv-len", "strided-k", "strided-q",
+         "strided-out"],
+)  # fmt: skip
+def test_attention_routes(spies, lq, kv_len, causal, strided, expected):
+    tensors = {
+        "q": torch.zeros(2, 4, lq, 64, dtype=torch.bfloat16),
+        "k": torch.zeros(2, 2, 16, 64, dtype=torch.bfloat16),
+        "out": torch.zeros(2, 4, lq, 64, dtype=torch.bfloat16),
+    }
+    if strided is not None:
+        tensors[strided] = _strided_head_dim(tensors[strided])
+    q, k, out = tensors["q"], tensors["k"], tensors["out"]
     lengths = None if kv_len is None else torch.tensor(kv_len, dtype=torch.int32)
-    attention(q, k, k, kv_len=lengths, causal=causal, softmax_scale=0.5)
+    attention(q, k, k, kv_len=lengths, causal=causal, softmax_scale=0.5, out=out)
     assert [name for name, _ in spies] == [expected]
     assert spies[0][1]["softmax_scale"] == 0.5
+    if expected == "decode":
+        assert spies[0][1]["kv_names"] == ("k", "v")
 
 
-def test_attention_decode_step_is_decode_attention(device):
+def test_attention_decode_step_is_decode_attention(device, monkeypatch):
     q, k, v, kv_len = make_case(device, batch=2, kv_heads=1, group=2, lq=1, head_dim=64, lmax=40, lengths=[40, 11])
-    assert torch.equal(attention(q, k, v, kv_len=kv_len), decode_attention(q, k, v, kv_len))
+    ran: list[str] = []
+    monkeypatch.setattr(attention_module, "decode_attention_named",
+                        lambda *args: ran.append("decode") or decode_op.decode_attention_named(*args))  # fmt: skip
+    routed, direct = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
+    attention(q, k, v, kv_len=kv_len, out=routed)
+    decode_attention(q, k, v, kv_len, out=direct)
+    assert ran == ["decode"]
+    assert compare(routed, decode_reference(q, k, v, kv_len), q.dtype) is None
+    assert torch.equal(routed, direct)
+
+
+@pytest.mark.parametrize("strided", ["q", "k", "v", "out"])
+def test_attention_serves_strided_head_dims_through_prefill(device, strided):
+    """A decode step whose head dim has stride 2: decode refuses that layout, prefill takes it."""
+    q, k, v, kv_len = make_case(device, batch=2, kv_heads=1, group=2, lq=2, head_dim=64, lmax=40, lengths=[40, 11])
+    out = torch.full_like(q, float("nan"))
+    tensors = {"q": q, "k": k, "v": v, "out": out}
+    tensors[strided] = _strided_head_dim(tensors[strided])
+    if strided == "out":
+        tensors["out"].fill_(float("nan"))
+    result = attention(tensors["q"], tensors["k"], tensors["v"], kv_len=kv_len, out=tensors["out"])
+    assert result is tensors["out"]
+    assert compare(result, decode_reference(q, k, v, kv_len), q.dtype) is None
+
+
+def test_attention_errors_name_its_own_arguments():
+    args = _valid_args()
+    q, k, v, kv_len = args["q"], args["k_cache"], args["v_cache"], args["kv_len"]
+    with pytest.raises(TypeError, match=r"^k: expected dtype"):
+        attention(q, k.half(), v, kv_len=kv_len)
+    with pytest.raises(ValueError, match=r"^v: expected the shape of k "):
+        attention(q, k, v[:, :, :16], kv_len=kv_len)
+    with pytest.raises(ValueError, match=r"^q: 3 query heads are not a multiple of k's 2 KV heads"):
+        attention(q[:, :3], k, v, kv_len=kv_len)
+    with pytest.raises(ValueError, match=r"^k: expected device"):
+        attention(q, k.to("meta"), v, kv_len=kv_len)
+    # Called directly, decode names them as its own parameters.
+    with pytest.raises(TypeError, match=r"^k_cache: expected dtype"):
+        decode_attention(q, k.half(), v, kv_len)
 
 
 # ---- GPU tier ------------------------------------------------------------------------------------
@@ -405,3 +482,20 @@ def test_gpu_bigger_shapes(case, dtype):
         ours = (out[b].double() - expected[b]).abs().max().item()
         theirs = (sdpa[0].double() - expected[b]).abs().max().item()
         assert ours <= 2 * theirs + 1e-3, (b, ours, theirs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [MANY_SPLITS, ONE_SPLIT], ids=["many-splits", "one-split"])
+def test_gpu_head_offsets_past_int32(config):
+    """q and out as the last token of [1, Hq, L, D] buffers: head offsets pass 2**31 elements."""
+    heads, kv_heads, length, dim, lmax = 32, 4, 557056, 128, 512
+    assert (heads - 1) * length * dim >= 2**31
+    gen = torch.Generator(device="cuda").manual_seed(14)
+    q = torch.randn(1, heads, length, dim, generator=gen, device="cuda", dtype=torch.bfloat16)[:, :, -1:]
+    out = torch.full((1, heads, length, dim), float("nan"), device="cuda", dtype=torch.bfloat16)[:, :, -1:]
+    k = torch.randn(1, kv_heads, lmax, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, kv_heads, lmax, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+    kv_len = torch.tensor([lmax - 11], dtype=torch.int32, device="cuda")
+    with use_config("splitk_decode", config):
+        decode_attention(q, k, v, kv_len, out=out)
+    assert compare(out, decode_reference(q, k, v, kv_len), q.dtype) is None

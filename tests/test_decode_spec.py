@@ -178,7 +178,8 @@ def test_make_problem_launch_and_check(device):
     assert problem.launch_bound and problem.flush_l2
     expected = SPEC.reference(*problem.args, **problem.kwargs)
     for config in SPACE.feasible(key, SPEC.limits(info))[:3]:
-        out = SPEC.launch(config, *problem.args, **problem.kwargs)
+        out = torch.full_like(q, float("nan"))
+        assert SPEC.launch(config, *problem.args, **problem.kwargs, out=out) is out
         assert SPEC.check(out, expected, problem) is None
     assert SPEC.make_problem(key, torch.device(device), seed=3).args[0].equal(q)
 

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -321,17 +324,13 @@ def test_decode_attention_refuses(mutation, data):
     expect_refusal(lambda: decode_attention(*args, **call), offenders)
 
 
-#: ``attention`` hands decode steps to ``decode_attention``, whose messages call k and v by its names.
-ATTENTION_ALIASES = {"k": {"k", "k_cache"}, "v": {"v", "v_cache"}}
-
-
 @pytest.mark.parametrize("mutation", sorted(PREFILL))
 @FUZZ
 @given(data=st.data())
 def test_attention_refuses(mutation, data):
+    # Decode steps reach decode_attention, whose errors must still call k and v by attention's names.
     call = attention_call(data.draw, lq_max=9, kv_name="")
     offenders = PREFILL[mutation](data.draw, call)
-    offenders = set().union(*(ATTENTION_ALIASES.get(name, {name}) for name in offenders))
     expect_refusal(lambda: attention(call.pop("q"), call.pop("k"), call.pop("v"), **call), offenders)
 
 
@@ -550,23 +549,8 @@ def _varlen_head_dim(draw: Any, call: dict[str, Any]) -> set[str]:
     return {"q"}
 
 
-#: Gaps the fuzzing found in the varlen family, which its author is still writing (reported to them
-#: rather than edited under them). Strict: once fixed, these cases fail until the mark goes.
-VARLEN_GAPS = {
-    "all-meta": "varlen_attention does not check the device type: meta tensors raise RuntimeError in dispatch",
-    "softmax_scale": "varlen_attention accepts a non-finite softmax_scale (NaN, inf) and returns a result",
-}
-
-
 @varlen
-@pytest.mark.parametrize(
-    "mutation",
-    [
-        pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=VARLEN_GAPS[name])) if name in VARLEN_GAPS
-        else name
-        for name in sorted(VARLEN)
-    ],
-)
+@pytest.mark.parametrize("mutation", sorted(VARLEN))
 @FUZZ
 @given(data=st.data())
 def test_varlen_attention_refuses(mutation, data):
@@ -610,11 +594,6 @@ def test_validate_seq_info_refuses_bad_tables(data):
 
 
 @varlen
-@pytest.mark.xfail(
-    strict=True,
-    reason="validate_seq_info does not check T, rows and cols: None or '4' raise an unnamed TypeError from a "
-    "comparison, 4.0 and True are accepted, -1 is blamed on seq_info",
-)
 @FUZZ
 @given(data=st.data())
 def test_validate_seq_info_refuses_bad_arguments(data):
@@ -628,6 +607,52 @@ def test_validate_seq_info_refuses_bad_arguments(data):
         call[name] = data.draw(st.sampled_from([None, "4", 4.0, True, -1]))
     table = call.pop("seq_info")
     expect_refusal(lambda: validate_seq_info(table, **call), {name})
+
+
+# ---- CPU tensors without the interpreter ---------------------------------------------------------
+
+_WITHOUT_INTERPRETER = """
+import torch
+from tritune.kernels import Q4KWeight, attention, decode_attention, prefill_attention, q4k_linear, varlen_attention
+
+q = torch.randn(1, 2, 1, 64).to(torch.bfloat16)
+k = torch.randn(1, 1, 8, 64).to(torch.bfloat16)
+kv_len = torch.tensor([8], dtype=torch.int32)
+store = torch.randn(8, 1, 1, 64).to(torch.bfloat16)
+info = torch.tensor([[0, 1, 0, 8]], dtype=torch.int32)
+weight = Q4KWeight.quantize(torch.randn(16, 256))
+calls = {
+    "prefill_attention": lambda: prefill_attention(q, k, k, kv_len=kv_len),
+    "decode_attention": lambda: decode_attention(q, k, k, kv_len),
+    "attention": lambda: attention(q, k, k, kv_len=kv_len),
+    "varlen_attention": lambda: varlen_attention(q[0].transpose(0, 1), store, store, info),
+    "q4k_linear": lambda: q4k_linear(torch.randn(2, 256).to(torch.bfloat16), weight),
+}
+for name, call in calls.items():
+    try:
+        call()
+    except Exception as exc:
+        print(f"{name}|{type(exc).__name__}|{exc}")
+    else:
+        print(f"{name}|accepted|")
+"""
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused(tmp_path):
+    """Without ``TRITON_INTERPRET=1`` a CPU call is refused up front, naming the tensor and the way out."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(CUDA_VISIBLE_DEVICES="", TRITUNE_DB=str(tmp_path / "configs.sqlite"), TRITUNE_DISABLE_BUNDLES="1")
+    run = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_INTERPRETER], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    results = dict(line.split("|", 1) for line in run.stdout.splitlines())
+    assert sorted(results) == ["attention", "decode_attention", "prefill_attention", "q4k_linear", "varlen_attention"]
+    for name, result in results.items():
+        error, message = result.split("|", 1)
+        assert error == "ValueError", f"{name}: {result}"
+        assert message.startswith("x: " if name == "q4k_linear" else "q: "), f"{name}: {message}"
+        assert "TRITON_INTERPRET=1" in message, f"{name}: {message}"
 
 
 # ---- controls: the valid calls behind every mutation run, and kv_len out of range is clamped -----

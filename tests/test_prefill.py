@@ -20,6 +20,7 @@ import torch
 
 from tritune.kernels import prefill_attention, settings, use_config
 from tritune.kernels.device import device_info
+from tritune.kernels.prefill import _triton_portable
 from tritune.kernels.prefill import op as prefill_op
 from tritune.kernels.prefill.reference import prefill_reference, visible_keys
 from tritune.kernels.prefill.spec import SPEC
@@ -234,6 +235,55 @@ def test_tma_pinned_on_a_strided_head_dim_falls_back_to_portable(spy):
     _expect_close(out, q, k, v, causal=True, kv_len=None)
 
 
+def test_tma_op_on_a_misaligned_base_runs_portable_tiles_that_fit(monkeypatch):
+    """A compiled graph can hand the TMA op a base that is not 16-byte aligned (its facts cannot see
+    pointers): the portable stand-in must keep the TMA tiles only where the portable kernel fits them."""
+    case = Case(1, 4, 2, 9, 40, 128)
+    q0, k, v, _ = _inputs(case, seed=11)
+    q = torch.empty(q0.numel() + 1, dtype=q0.dtype, device=DEVICE)[1:].view(q0.shape)
+    q.copy_(q0)
+    assert q.data_ptr() % 16
+    configs = []
+    real = prefill_op.prefill_portable
+
+    def portable(*args, config, **kwargs):
+        configs.append(config)
+        return real(*args, config=config, **kwargs)
+
+    monkeypatch.setattr(prefill_op, "prefill_portable", portable)
+    out = _poisoned_out(case, q)
+    # 128 x 128 tiles in 4 stages: past the interpreter's tiles, and past an H200's shared memory at D 128.
+    prefill_op._prefill_tma_body(q, k, v, None, out, True, 0.125, 128, 128, 8, 4, False, 1)
+    [config] = configs
+    device = device_info(q.device)
+    key = SPEC.key_for(device, SPEC.facts(q, k, v, causal=True, out=out))
+    assert config.path == "portable"
+    assert SPEC.space.infeasible_reason(config, key, SPEC.limits(device)) is None
+    _expect_close(out, q, k, v, causal=True, kv_len=None, softmax_scale=0.125)
+
+
+def test_wide_kv_tiles_take_64_bit_offsets():
+    """A K/V tile whose elements lie 2**31 or more apart needs 64-bit in-tile offsets (set on the host)."""
+    narrow = torch.empty_strided((1, 2, 64, 128), (0, 128, 256, 1), device="meta", dtype=BF16)
+    wide = torch.empty_strided((1, 2, 64, 128), (0, 128, 2**25, 1), device="meta", dtype=BF16)
+    wide_d = torch.empty_strided((1, 2, 64, 128), (0, 1, 2, 2**24), device="meta", dtype=BF16)
+    assert not _triton_portable._wide_tile(narrow, 64, 128)
+    assert _triton_portable._wide_tile(wide, 64, 128) and not _triton_portable._wide_tile(wide, 32, 128)
+    assert _triton_portable._wide_tile(wide_d, 64, 128)
+
+
+@pytest.mark.parametrize("case", [PORTABLE_CASES["gqa8-lq33-lkv97-d128-kvlen-per-batch"],
+                                  PORTABLE_CASES["strided-d"], PORTABLE_CASES["d80-kvlen-below-lq-and-zero"]],
+                         ids=["gqa8-kvlen", "strided-d", "d80"])  # fmt: skip
+def test_portable_kernel_with_64_bit_kv_tile_offsets(case, spy, monkeypatch):
+    """The WIDE_KV_TILES variant of the portable kernel, forced at small shapes, is as exact as the other."""
+    monkeypatch.setattr(_triton_portable, "_INT32_SPAN", 1)
+    q, k, v, kv_len = _inputs(case)
+    out = prefill_attention(q, k, v, causal=case.causal, kv_len=kv_len, out=_poisoned_out(case, q))
+    assert spy.ran == ["portable"]
+    _expect_close(out, q, k, v, causal=case.causal, kv_len=kv_len)
+
+
 @pytest.mark.parametrize(
     "mode, pinned, expected",
     [("auto", None, "portable"), ("on", None, "tma"), ("off", None, "portable"), ("off", {"path": "tma"}, "portable")],
@@ -412,3 +462,38 @@ def test_gpu_cuda_graph_replays_with_new_kv_len(pinned):
         graph.replay()
         torch.cuda.synchronize()
         _expect_close(out, q, k, v, causal=True, kv_len=kv_len)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pinned, causal", [({}, False), ({"path": "tma"}, True)], ids=["portable", "tma"])
+@pytest.mark.parametrize("long", ["q", "kv"], ids=["long-q", "long-kv"])
+def test_gpu_offsets_past_int32(pinned, causal, long, spy):
+    """[1, L, H, D] views whose L * H * D passes 2**31 elements: every offset along L must be 64-bit.
+
+    ``long-q``: q and out span the range, over few keys (quick); the last rows (the largest
+    offsets) are checked, and with causal masking every row before the first key's position must
+    be zero. ``long-kv``: K and V span it, under a few query rows. The reference covers a few heads.
+    """
+    length, heads, d = 139264, 128, 128
+    assert (length - 1) * heads * d >= 2**31
+    lq, lkv, kv_heads = (length, 128, 8) if long == "q" else (64, length, heads)
+    gen = torch.Generator(device="cuda").manual_seed(13)
+
+    def blhd(n: int, h: int) -> torch.Tensor:
+        return torch.randn(1, n, h, d, generator=gen, device="cuda", dtype=BF16).transpose(1, 2)
+
+    q, k, v = blhd(lq, heads), blhd(lkv, kv_heads), blhd(lkv, kv_heads)
+    out = torch.full((1, lq, heads, d), float("nan"), device="cuda", dtype=BF16).transpose(1, 2)
+    with use_config("tma_prefill", pinned):
+        prefill_attention(q, k, v, causal=causal, out=out)
+    assert spy.ran == [pinned.get("path", "portable")]
+    assert bool(torch.isfinite(out).all()), "some rows were never written"
+    # Bottom-right alignment: the last rows keep their positions when sliced off.
+    rows = slice(max(lq - 256, 0), lq)
+    group = heads // kv_heads
+    kv_part = max(1, 4 // group)
+    q_heads = slice(0, kv_part * group)
+    sub_q, sub_out = q[:, q_heads, rows], out[:, q_heads, rows]
+    _expect_close(sub_out, sub_q, k[:, :kv_part], v[:, :kv_part], causal=causal, kv_len=None)
+    if causal and lq > lkv:
+        assert not bool(out[:, :, : lq - lkv].any()), "rows that see no key must be zero"

@@ -16,6 +16,7 @@ import torch
 from tritune.kernels import Q4KWeight, q4k_linear, use_config
 from tritune.kernels.device import DeviceInfo, device_info, interpreter_device
 from tritune.kernels.q4k import format as q4k_format
+from tritune.kernels.q4k import launch as q4k_launch
 from tritune.kernels.q4k.op import q4k_linear_op
 from tritune.kernels.q4k.reference import q4k_linear_reference, sqnr_db
 from tritune.kernels.q4k.spec import MIN_SQNR_DB, SPEC, Q4KKey, check_path
@@ -216,12 +217,42 @@ def _problem(case: Case, device: str, seed: int = 0):
     return x, weight, bias
 
 
-def _run_case(case: Case, device: str, record_property) -> None:
+class _KernelSpy:
+    """Records the kernels an eager ``q4k_linear`` launches (the real kernels still run)."""
+
+    def __init__(self, monkeypatch):
+        self.ran: list[str] = []
+        names = {
+            q4k_launch._quantize_rows_fp8_kernel: "quantize",
+            q4k_launch._q4k_gemm_fp8_kernel: "fp8",
+            q4k_launch._q4k_gemm_portable_kernel: "portable",
+            q4k_launch._splitk_reduce_kernel: "reduce",
+        }
+
+        def direct(kernel):
+            self.ran.append(names[kernel])
+            return kernel
+
+        monkeypatch.setattr(q4k_launch, "_direct", direct)
+
+    @staticmethod
+    def expected(path: str, split_k: int) -> list[str]:
+        return (["quantize", "fp8"] if path == "fp8" else ["portable"]) + (["reduce"] if split_k > 1 else [])
+
+
+@pytest.fixture
+def kernel_spy(monkeypatch):
+    return _KernelSpy(monkeypatch)
+
+
+def _run_case(case: Case, device: str, record_property, spy: _KernelSpy) -> None:
     x, weight, bias = _problem(case, device)
     out = torch.full((case.m, case.n), float("nan"), dtype=case.dtype, device=device)
     with use_config("q4k_fp8_gemm", _config(case, device)):
         result = q4k_linear(x, weight, bias, out=out)
     assert result is out
+    # The pinned path and split ran, not a stand-in the dispatcher chose.
+    assert spy.ran == spy.expected(case.path, case.split_k)
     expected = q4k_linear_reference(x, weight, bias)
     sqnr = sqnr_db(out.float(), expected)
     record_property("sqnr_db", round(sqnr, 2))
@@ -230,14 +261,14 @@ def _run_case(case: Case, device: str, record_property) -> None:
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=str)
-def test_gemm_matches_reference(case, device, record_property):
-    _run_case(case, device, record_property)
+def test_gemm_matches_reference(case, device, record_property, kernel_spy):
+    _run_case(case, device, record_property, kernel_spy)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
-def test_gemm_matches_reference_gpu(case, record_property):
-    _run_case(case, "cuda", record_property)
+def test_gemm_matches_reference_gpu(case, record_property, kernel_spy):
+    _run_case(case, "cuda", record_property, kernel_spy)
 
 
 @pytest.mark.gpu
@@ -258,23 +289,46 @@ def test_llama_shapes_gpu(path, m, record_property):
     assert check_path(out.float(), expected, path) is None
 
 
+def _nan_out(shape: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=x.dtype, device=x.device)
+
+
 @pytest.mark.parametrize("path", ["portable", "fp8"])
-def test_split_k_agrees_with_one_split(path, device):
+def test_split_k_agrees_with_one_split(path, device, kernel_spy):
     x, weight, bias = _problem(Case(path, 2, 1024, 40), device, seed=7)
+    expected = q4k_linear_reference(x, weight, bias)
     outs = []
     for split in (1, 4):
         config = {"path": path, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": split}
+        kernel_spy.ran.clear()
         with use_config("q4k_fp8_gemm", config):
-            outs.append(q4k_linear(x, weight, bias).float())
+            out = q4k_linear(x, weight, bias, out=_nan_out((2, 40), x))
+        assert kernel_spy.ran == kernel_spy.expected(path, split)
+        assert check_path(out.float(), expected, path) is None, f"SPLIT_K={split}"
+        outs.append(out.float())
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("path", ["portable", "fp8"])
+@pytest.mark.parametrize("split", [1, 2], ids=["one-split", "split2"])
+def test_bias_view_is_read_through_its_stride(path, split, device):
+    """``b[::2]``: every kernel that adds the bias must step over the values in between."""
+    x, weight, bias = _problem(Case(path, 3, 512, 24, bias=True), device, seed=12)
+    interleaved = torch.stack([bias, torch.full_like(bias, 1e3)], dim=1).reshape(-1)[::2]
+    assert interleaved.stride(0) == 2 and torch.equal(interleaved, bias)
+    config = {"path": path, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": split}
+    with use_config("q4k_fp8_gemm", config):
+        out = q4k_linear(x, weight, interleaved, out=_nan_out((3, 24), x))
+    assert check_path(out.float(), q4k_linear_reference(x, weight, bias), path) is None
 
 
 def test_batched_input_matches_rows(device):
     x, weight, bias = _problem(Case("portable", 6, 256, 24), device, seed=8)
     x3 = x.reshape(2, 3, 256)
-    out = q4k_linear(x3, weight, bias)
+    out = q4k_linear(x3, weight, bias, out=_nan_out((2, 3, 24), x))
     assert out.shape == (2, 3, 24) and out.dtype == x.dtype
-    rows = torch.stack([q4k_linear(x[i], weight, bias) for i in range(6)])
+    assert check_path(out.reshape(6, 24).float(), q4k_linear_reference(x, weight, bias), "portable") is None
+    rows = torch.stack([q4k_linear(x[i], weight, bias, out=_nan_out((24,), x)) for i in range(6)])
     torch.testing.assert_close(out.reshape(6, 24), rows, rtol=0, atol=0)
 
 
@@ -326,11 +380,16 @@ def test_opcheck(path, device):
 def test_torch_compile_fullgraph(device):
     x, weight, bias = _problem(Case("fp8", 4, 256, 16), device, seed=10)
 
-    def layer(inp: torch.Tensor) -> torch.Tensor:
-        return q4k_linear(inp, weight, bias) * 2
+    def layer(inp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return q4k_linear(inp, weight, bias, out=out) * 2
 
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    torch.testing.assert_close(compiled(x), layer(x), rtol=0, atol=0)
+    out = _nan_out((4, 16), x)
+    result = compiled(x, out)
+    # The dispatcher's default for this key (the portable path) ran inside the graph.
+    assert check_path(out.float(), q4k_linear_reference(x, weight, bias), "portable") is None
+    torch.testing.assert_close(result, out * 2, rtol=0, atol=0)
+    torch.testing.assert_close(result, layer(x, _nan_out((4, 16), x)), rtol=0, atol=0)
 
 
 # ---- the spec --------------------------------------------------------------------------------

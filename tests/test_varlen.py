@@ -1,4 +1,4 @@
-"""``varlen_attention`` against a loop of the reference over single sequences, and the op's contract.
+"""``varlen_attention`` against a loop of the reference over single sequences: every mode, split-K, mixes.
 
 CPU tier: the kernels run on the Triton interpreter at tiny shapes. The interpreter's SM count is 1,
 which leaves almost every step with one split; the ``many_sms`` fixture makes the launch plan
@@ -7,6 +7,7 @@ every tile that has more than 16 of them, so the split kernel, the merge and emp
 Stores hold NaN wherever no live position sits (past ``kv_end``, unused columns), and so do the
 query rows no segment covers: none of it may reach the output.
 GPU tier (``gpu`` marker): one captured CUDA graph replayed over different mixes, bigger shapes.
+The op's contract (input checks, ``validate_seq_info``, torch.library) is in ``test_varlen_contract.py``.
 """
 
 from __future__ import annotations
@@ -18,87 +19,21 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from varlen_cases import DEVICE, NAN, NO_SPLIT, SPLIT, Mix, make_inputs, run_and_compare
 
-from tritune.kernels import validate_seq_info, varlen_attention
+from tritune.kernels import _launch, validate_seq_info, varlen_attention
 from tritune.kernels.dispatcher import use_config
 from tritune.kernels.prefill.reference import prefill_reference
 from tritune.kernels.varlen import op as varlen_op
 from tritune.kernels.varlen.reference import compare, segment_keys, sequence_reference, varlen_reference
 from tritune.search_spaces.varlen_sdpa import VarlenConfig
 
-HAS_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if HAS_CUDA else "cpu"
-NAN = float("nan")
-
-#: Pinned configs: many short splits (with 4 SMs planned on the interpreter), and split-K off.
-SPLIT = {"BLOCK_M": 16, "BLOCK_N": 16, "MIN_CHUNK": 16, "MAX_SPLITS": 4, "TARGET_WAVES": 4}
-NO_SPLIT = {"BLOCK_M": 16, "BLOCK_N": 16, "MAX_SPLITS": 1}
-
-
-@dataclass(frozen=True)
-class Mix:
-    """One step: segments (q_start, q_len, col, kv_end) over [rows, cols, kv_heads, D] stores."""
-
-    segments: tuple[tuple[int, int, int, int], ...]
-    tokens: int
-    rows: int
-    cols: int
-    kv_heads: int = 1
-    group: int = 4
-    head_dim: int = 64
-    causal: bool = True
-    window: int | None = None
-    ring: bool = False
-    dtype: torch.dtype = torch.float16
-    #: S; the table's rows past the segments are unused (zeros).
-    slots: int | None = None
-
-    @property
-    def kwargs(self) -> dict:
-        return {"causal": self.causal, "window": self.window, "ring": self.ring}
-
-
-def make_inputs(mix: Mix, *, seed: int = 0, tail: float = NAN, device: str = DEVICE):
-    """Random q and stores; ``tail`` wherever no live position or covered query row sits."""
-    gen = torch.Generator().manual_seed(seed)
-    q_heads = mix.kv_heads * mix.group
-    q = torch.randn(mix.tokens, q_heads, mix.head_dim, generator=gen)
-    k = torch.randn(mix.rows, mix.cols, mix.kv_heads, mix.head_dim, generator=gen)
-    v = torch.randn(mix.rows, mix.cols, mix.kv_heads, mix.head_dim, generator=gen)
-    live = torch.zeros(mix.rows, mix.cols, dtype=torch.bool)
-    covered = torch.zeros(mix.tokens, dtype=torch.bool)
-    for q_start, q_len, col, kv_end in mix.segments:
-        if q_len == 0:
-            continue
-        covered[q_start : q_start + q_len] = True
-        live[: min(kv_end, mix.rows), col] = True
-    k[~live], v[~live] = tail, tail
-    q[~covered] = tail
-    table = torch.zeros(mix.slots or len(mix.segments), 4, dtype=torch.int32)
-    table[: len(mix.segments)] = torch.tensor(mix.segments, dtype=torch.int32).reshape(-1, 4)
-    return (q.to(device, mix.dtype), k.to(device, mix.dtype), v.to(device, mix.dtype), table.to(device))
-
-
-def run_and_compare(mix: Mix, config: dict | None = None, *, seed: int = 0, tail: float = NAN, **overrides):
-    q, k, v, seq_info = make_inputs(mix, seed=seed, tail=tail)
-    out = torch.full_like(q, NAN)
-    kwargs = {**mix.kwargs, **overrides}
-    if config is None:
-        varlen_attention(q, k, v, seq_info, out=out, **kwargs)
-    else:
-        with use_config("varlen_sdpa", config):
-            varlen_attention(q, k, v, seq_info, out=out, **kwargs)
-    expected = varlen_reference(q, k, v, seq_info, **kwargs)
-    problem = compare(out, expected, mix.dtype)
-    assert problem is None, problem
-    return out, expected
-
 
 @pytest.fixture
 def many_sms(monkeypatch, device):
     """On the interpreter, plan splits as if the device had 4 SMs (a GPU keeps its own count)."""
     if device == "cpu":
-        monkeypatch.setitem(varlen_op._SM_COUNTS, torch.device("cpu"), 4)
+        monkeypatch.setitem(_launch.SM_COUNTS, torch.device("cpu"), 4)
 
 
 @dataclass(frozen=True)
@@ -120,7 +55,7 @@ class Schedule:
 def schedule(mix: Mix, config: dict, sm_count: int | None = None) -> Schedule:
     cfg = VarlenConfig(**{**dataclasses.asdict(VarlenConfig()), **config})
     values = tuple(dataclasses.asdict(cfg).values())
-    sm_count = sm_count or varlen_op._sm_count(torch.device(DEVICE))
+    sm_count = sm_count or varlen_op.sm_count(torch.device(DEVICE))
     slots = mix.slots or len(mix.segments)
     plan = varlen_op._plan(values, sm_count, slots, mix.rows, mix.kv_heads, mix.group, mix.head_dim, mix.causal,
                            mix.window or 0)  # fmt: skip
@@ -231,7 +166,7 @@ def test_default_config_matches_reference(mix):
 def test_split_k_matches_reference(many_sms, monkeypatch, mix):
     assert max(tile_splits(mix, SPLIT)) >= 2
     # The workspace is never initialised: poison it to prove only written partials are read.
-    monkeypatch.setattr(varlen_op, "_workspace", lambda n, dev: torch.full((n,), NAN, device=dev))
+    monkeypatch.setattr(varlen_op, "workspace", lambda n, dev: torch.full((n,), NAN, device=dev))
     run_and_compare(mix, SPLIT)
 
 
@@ -297,16 +232,6 @@ def test_strided_q_and_out(many_sms):
     assert compare(out, varlen_reference(q0, k0, v0, seq_info), q0.dtype) is None
 
 
-def test_direct_launch_and_registered_op_agree(many_sms):
-    mix = Mix(((0, 3, 0, 40), (3, 1, 1, 37)), tokens=4, rows=40, cols=2, group=2)
-    q, k, v, seq_info = make_inputs(mix)
-    values = tuple(dataclasses.asdict(VarlenConfig(**{**dataclasses.asdict(VarlenConfig()), **SPLIT})).values())
-    direct, through_op = torch.full_like(q, NAN), torch.full_like(q, NAN)
-    varlen_op._varlen_attention(q, k, v, seq_info, direct, True, 0, False, 0.125, *values)
-    torch.ops.tritune.varlen_attention(q, k, v, seq_info, through_op, True, 0, False, 0.125, *values)
-    assert torch.equal(direct, through_op)
-
-
 # ---- random mixes ---------------------------------------------------------------------------------
 
 
@@ -364,147 +289,6 @@ def test_reference_ring_gathers_the_last_rows_positions():
     assert positions.tolist() == list(range(13, 23))
     assert keys[:, 0, 0].tolist() == [p % 10 for p in range(13, 23)]
     assert sequence_reference(torch.zeros(0, 1, 2), keys, keys, positions[:0], positions).shape == (0, 1, 2)
-
-
-# ---- validate_seq_info ---------------------------------------------------------------------------
-
-GOOD_TABLE = [[0, 2, 0, 5], [2, 1, 1, 9], [0, 0, 0, 0]]
-
-SEQ_INFO_ERRORS = [
-    pytest.param([[0, 2, 0, 5], [1, 1, 1, 9]], {}, "query ranges overlap", id="overlap"),
-    pytest.param([[0, 2, 0, 5], [3, 2, 1, 9]], {}, "leave q's 4 rows", id="q-outside-T"),
-    pytest.param([[0, 2, 2, 5]], {}, "column 2 is outside", id="column"),
-    pytest.param([[0, 2, 0, 17]], {}, "beyond the flat store's 16 rows", id="kv-end-flat"),
-    pytest.param([[0, 3, 0, 2]], {}, "q_len 3 exceeds kv_end 2", id="q-len-over-kv-end"),
-    pytest.param([[0, -1, 0, 2]], {}, "q_len is negative", id="negative"),
-    pytest.param([[0, 0, 0, -3]], {}, "kv_end is negative", id="negative-unused"),
-    pytest.param([[0, 4, 0, 40]], {"rows": 3, "ring": True}, "overwrite each other", id="ring-step-too-long"),
-    pytest.param(torch.zeros(2, 4, dtype=torch.int64), {}, "expected dtype torch.int32", id="dtype"),
-    pytest.param(torch.zeros(2, 3, dtype=torch.int32), {}, "expected shape", id="shape"),
-    pytest.param(torch.zeros(0, 4, dtype=torch.int32), {}, "expected shape", id="empty"),
-    pytest.param([1, 2, 3, 4], {}, "expected a torch.Tensor", id="not-a-tensor"),
-]
-
-
-@pytest.mark.parametrize("table, changes, message", SEQ_INFO_ERRORS)
-def test_validate_seq_info_errors(table, changes, message):
-    if isinstance(table, list) and isinstance(table[0], list):
-        table = torch.tensor(table, dtype=torch.int32)
-    with pytest.raises(ValueError, match=message):
-        validate_seq_info(table, **{"T": 4, "rows": 16, "cols": 2, **changes})
-
-
-def test_validate_seq_info_accepts_valid_tables():
-    validate_seq_info(torch.tensor(GOOD_TABLE, dtype=torch.int32), T=4, rows=16, cols=2)
-    # A ring holds any length; unused slots may hold anything non-negative.
-    validate_seq_info(torch.tensor([[0, 3, 1, 500], [9, 0, 7, 3]], dtype=torch.int32), T=3, rows=8, cols=2, ring=True)
-
-
-# ---- input checks --------------------------------------------------------------------------------
-
-
-def _valid_args():
-    q, k, v, seq_info = make_inputs(Mix(((0, 2, 0, 5),), tokens=2, rows=8, cols=2, kv_heads=2, group=2),
-                                    device="cpu", tail=0.0)  # fmt: skip
-    return {"q": q, "k_store": k, "v_store": v, "seq_info": seq_info}
-
-
-BAD_INPUTS = [
-    pytest.param(lambda a: {**a, "q": a["q"].float()}, TypeError, "q: expected dtype", id="q-dtype"),
-    pytest.param(lambda a: {**a, "q": a["q"].tolist()}, TypeError, "q: expected a torch.Tensor", id="q-not-tensor"),
-    pytest.param(lambda a: {**a, "q": a["q"][None]}, ValueError, "q: expected 3 dims", id="q-rank"),
-    pytest.param(lambda a: {**a, "k_store": a["k_store"].bfloat16()}, TypeError, "k_store: expected dtype",
-                 id="k-dtype"),
-    pytest.param(lambda a: {**a, "v_store": a["v_store"][:4]}, ValueError, "v_store: expected the shape",
-                 id="v-shape"),
-    pytest.param(lambda a: {**a, "k_store": a["k_store"][0]}, ValueError, "k_store: expected 4 dims", id="k-rank"),
-    pytest.param(lambda a: {**a, "k_store": a["k_store"][:0], "v_store": a["v_store"][:0]}, ValueError,
-                 "at least one row", id="empty-store"),
-    pytest.param(lambda a: {**a, "q": a["q"][:, :3]}, ValueError, "not a multiple of", id="gqa-divisibility"),
-    pytest.param(lambda a: {**a, "q": a["q"][..., :48], "k_store": a["k_store"][..., :48],
-                            "v_store": a["v_store"][..., :48]}, ValueError, "head dim 48", id="head-dim"),
-    pytest.param(lambda a: {**a, "k_store": a["k_store"][..., :32], "v_store": a["v_store"][..., :32]}, ValueError,
-                 "k_store: expected head dim 64", id="kv-head-dim"),
-    pytest.param(lambda a: {**a, "seq_info": a["seq_info"].long()}, TypeError, "seq_info: expected dtype torch.int32",
-                 id="seq-info-dtype"),
-    pytest.param(lambda a: {**a, "seq_info": a["seq_info"][:, :3]}, ValueError, r"seq_info: expected shape \[S, 4\]",
-                 id="seq-info-shape"),
-    pytest.param(lambda a: {**a, "seq_info": a["seq_info"][0]}, ValueError, "seq_info: expected 2 dims",
-                 id="seq-info-rank"),
-    pytest.param(lambda a: {**a, "seq_info": a["seq_info"].to("meta")}, ValueError, "seq_info: expected device",
-                 id="seq-info-device"),
-    pytest.param(lambda a: {**a, "k_store": a["k_store"].to("meta")}, ValueError, "k_store: expected device",
-                 id="k-device"),
-    pytest.param(lambda a: {**a, "v_store": a["v_store"].transpose(2, 3).contiguous().transpose(2, 3)},
-                 ValueError, "v_store: the head dim must be contiguous", id="v-inner-stride"),
-    pytest.param(lambda a: {**a, "window": 0}, ValueError, "window: expected a positive", id="window-zero"),
-    pytest.param(lambda a: {**a, "window": -4}, ValueError, "window: expected a positive", id="window-negative"),
-    pytest.param(lambda a: {**a, "window": 2.5}, TypeError, "window: expected an int", id="window-float"),
-    pytest.param(lambda a: {**a, "causal": 1}, TypeError, "causal: expected a bool", id="causal-type"),
-    pytest.param(lambda a: {**a, "ring": "yes"}, TypeError, "ring: expected a bool", id="ring-type"),
-    pytest.param(lambda a: {**a, "out": torch.empty_like(a["q"]).float()}, TypeError, "out: expected dtype",
-                 id="out-dtype"),
-    pytest.param(lambda a: {**a, "out": torch.empty_like(a["q"])[:1]}, ValueError, "out: expected the shape",
-                 id="out-shape"),
-    pytest.param(lambda a: {**a, "softmax_scale": "0.1"}, TypeError, "softmax_scale", id="scale-type"),
-]  # fmt: skip
-
-
-@pytest.mark.parametrize("mutate, error, message", BAD_INPUTS)
-def test_bad_inputs_name_the_argument(mutate, error, message):
-    args = mutate(_valid_args())
-    with pytest.raises(error, match=message):
-        varlen_attention(args.pop("q"), args.pop("k_store"), args.pop("v_store"), args.pop("seq_info"), **args)
-
-
-def test_empty_step_returns_out():
-    args = _valid_args()
-    q = args["q"][:0]
-    assert varlen_attention(q, args["k_store"], args["v_store"], args["seq_info"]).shape == q.shape
-
-
-# ---- torch.library integration -------------------------------------------------------------------
-
-
-def test_opcheck():
-    mix = Mix(((0, 2, 0, 9), (2, 1, 1, 4)), tokens=4, rows=12, cols=2, group=2)
-    q, k, v, seq_info = make_inputs(mix, tail=0.0)
-    q = torch.nan_to_num(q)
-    values = tuple(dataclasses.asdict(VarlenConfig(**{**dataclasses.asdict(VarlenConfig()), **NO_SPLIT})).values())
-    torch.library.opcheck(
-        torch.ops.tritune.varlen_attention.default,
-        (q, k, v, seq_info, torch.empty_like(q), True, 0, False, 0.125, *values),
-    )
-
-
-def test_torch_compile_fullgraph():
-    mix = Mix(((0, 2, 0, 9), (2, 1, 1, 4)), tokens=3, rows=12, cols=2, group=2)
-    q, k, v, seq_info = make_inputs(mix)
-
-    def step(q, k, v, seq_info):
-        return varlen_attention(q, k, v, seq_info, window=4) * 2.0
-
-    backend = "inductor" if HAS_CUDA else "aot_eager"
-    compiled = torch.compile(step, fullgraph=True, backend=backend)
-    torch.testing.assert_close(compiled(q, k, v, seq_info), step(q, k, v, seq_info), atol=0, rtol=0)
-
-
-def test_torch_compile_dynamic_width_compiles_once():
-    """A symbolic T reaches neither the key nor a guard: two widths share one compiled graph."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("aot_eager")
-
-    def step(q, k, v, seq_info):
-        return varlen_attention(q, k, v, seq_info) + 1.0
-
-    compiled = torch.compile(step, fullgraph=True, dynamic=True, backend=counter)
-    for tokens in (5, 9):
-        mix = Mix(((0, 2, 0, 9), (2, 1, 1, 4)), tokens=tokens, rows=12, cols=2, group=2)
-        q, k, v, seq_info = make_inputs(mix)
-        torch.testing.assert_close(compiled(q, k, v, seq_info), step(q, k, v, seq_info), atol=0, rtol=0)
-    assert counter.frame_count == 1
 
 
 # ---- GPU tier ------------------------------------------------------------------------------------
@@ -594,3 +378,29 @@ def test_gpu_bigger_shapes(segments, rows, group, head_dim, kwargs, dtype):
         # Half an ulp of the largest output: the rounding no implementation avoids.
         floor = torch.finfo(dtype).eps / 2 * float(expected[rows_].abs().max())
         assert err <= 2 * max(sdpa_err, floor), (err, sdpa_err, floor)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [SPLIT, {}], ids=["split", "default"])
+def test_gpu_head_offsets_past_int32(config):
+    """q and out as [T, Hq, D] views of [Hq, T, D] buffers: head offsets pass 2**31 elements."""
+    heads, kv_heads, tokens, dim, rows = 32, 4, 557056, 128, 512
+    assert (heads - 1) * tokens * dim >= 2**31
+    gen = torch.Generator(device="cuda").manual_seed(15)
+    q = torch.randn(heads, tokens, dim, generator=gen, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
+    out = torch.full((heads, tokens, dim), NAN, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
+    k = torch.randn(rows, 2, kv_heads, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(rows, 2, kv_heads, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+    # Two segments at the end of the step (the largest offsets); every row before them is uncovered.
+    segments = ((tokens - 9, 1, 1, 300), (tokens - 5, 5, 0, rows))
+    seq_info = torch.tensor(segments, dtype=torch.int32, device="cuda")
+    with use_config("varlen_sdpa", config):
+        varlen_attention(q, k, v, seq_info, out=out)
+    assert bool(torch.isfinite(out).all()), "some rows were never written"
+    assert not bool(out[: tokens - 9].any()) and not bool(out[tokens - 8 : tokens - 5].any())
+    for q_start, q_len, col, kv_end in segments:
+        keys, values, positions = segment_keys(k, v, col, kv_end, ring=False)
+        q_positions = torch.arange(kv_end - q_len, kv_end, device="cuda")
+        rows_ = slice(q_start, q_start + q_len)
+        expected = sequence_reference(q[rows_], keys, values, q_positions, positions)
+        assert compare(out[rows_], expected, q.dtype) is None

@@ -19,9 +19,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _split_plan(KV_LEN, pid_b, lmax, splits_target, min_chunk, BLOCK_N: tl.constexpr):
+def _split_plan(KV_LEN, stride_kvl, pid_b, lmax, splits_target, min_chunk, BLOCK_N: tl.constexpr):
     # A length past the cache is clamped so that no key outside the buffer is ever read.
-    kv_len = tl.load(KV_LEN + pid_b)
+    kv_len = tl.load(KV_LEN + pid_b * stride_kvl)
     kv_len = tl.minimum(tl.maximum(kv_len, 0), lmax)
     chunk = tl.maximum(min_chunk, tl.cdiv(kv_len, splits_target))
     chunk = tl.cdiv(chunk, BLOCK_N) * BLOCK_N
@@ -36,6 +36,7 @@ def _decode_split_kernel(
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
+    stride_kvl,
     num_kv_heads, lmax, qk_scale, splits_target, min_chunk, num_splits_max, lse_offset,
     GROUP: tl.constexpr,
     LQ: tl.constexpr,
@@ -64,14 +65,17 @@ def _decode_split_kernel(
     q_head = pid_h * GROUP + offs_m // LQ
     b64 = pid_b.to(tl.int64)
     h64 = pid_h.to(tl.int64)
+    # Row offsets in 64 bits: a head or token stride of a view into a large buffer can pass 2**31 elements.
+    q_head64 = q_head.to(tl.int64)
+    token64 = token.to(tl.int64)
     # Issued before kv_len is known, so that the two loads' latencies overlap.
-    q_ptrs = Q + b64 * stride_qb + (q_head * stride_qh + token * stride_qm)[:, None] + offs_d[None, :]
+    q_ptrs = Q + b64 * stride_qb + (q_head64 * stride_qh + token64 * stride_qm)[:, None] + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_IN_FP32:
         # The interpreter multiplies bf16 tiles wrongly (Triton 3.6); fp32 is exact for bf16/fp16 data.
         q = q.to(tl.float32)
 
-    kv_len, chunk, num_splits = _split_plan(KV_LEN, pid_b, lmax, splits_target, min_chunk, BLOCK_N)
+    kv_len, chunk, num_splits = _split_plan(KV_LEN, stride_kvl, pid_b, lmax, splits_target, min_chunk, BLOCK_N)
     # Program 0 always runs: with no key at all it writes the zeros of an empty sequence.
     if pid_s >= tl.maximum(num_splits, 1):
         return
@@ -122,7 +126,7 @@ def _decode_split_kernel(
     o = acc / l_safe[:, None]
     tile_ok = row_ok[:, None] & d_ok[None, :]
     if num_splits <= 1:
-        o_ptrs = O + b64 * stride_ob + (q_head * stride_oh + token * stride_om)[:, None] + offs_d[None, :]
+        o_ptrs = O + b64 * stride_ob + (q_head64 * stride_oh + token64 * stride_om)[:, None] + offs_d[None, :]
         tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=tile_ok)
     else:
         ws_row = ((b64 * num_kv_heads + pid_h) * num_splits_max + pid_s) * ROWS + offs_m
@@ -136,6 +140,7 @@ def _decode_split_kernel(
 def _decode_merge_kernel(
     KV_LEN, O, WS,
     stride_ob, stride_oh, stride_om,
+    stride_kvl,
     num_kv_heads, lmax, splits_target, min_chunk, num_splits_max, lse_offset,
     GROUP: tl.constexpr,
     LQ: tl.constexpr,
@@ -152,7 +157,7 @@ def _decode_merge_kernel(
     pid_r = pid_rd // D_BLOCKS
     pid_h = tl.program_id(1)
     pid_b = tl.program_id(2)
-    _kv_len, _chunk, num_splits = _split_plan(KV_LEN, pid_b, lmax, splits_target, min_chunk, BLOCK_N)
+    _kv_len, _chunk, num_splits = _split_plan(KV_LEN, stride_kvl, pid_b, lmax, splits_target, min_chunk, BLOCK_N)
     if num_splits <= 1:
         return
 
@@ -182,6 +187,6 @@ def _decode_merge_kernel(
         m_run = m_new
 
     o = acc / tl.where(l_run > 0.0, l_run, 1.0)
-    o_ptrs = O + pid_b.to(tl.int64) * stride_ob + (pid_h * GROUP + pid_r // LQ) * stride_oh
-    o_ptrs = o_ptrs + (pid_r % LQ) * stride_om + offs_d
+    o_ptrs = O + pid_b.to(tl.int64) * stride_ob + (pid_h * GROUP + pid_r // LQ).to(tl.int64) * stride_oh
+    o_ptrs = o_ptrs + (pid_r % LQ).to(tl.int64) * stride_om + offs_d
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=d_ok)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -36,21 +37,35 @@ from tritune.search_spaces.splitk_decode import (
     splits_target,
 )
 
+from .._launch import (
+    DTYPE_NAMES,
+    LOG2E,
+    MERGE_TILE,
+    check_device,
+    check_tensor,
+    device_index,
+    sm_count,
+    workspace,
+)
 from .._oplib import register_op, wrap_triton
-from ..device import device_info
 from ..dispatcher import dispatch
 from ._triton_decode import _decode_merge_kernel, _decode_split_kernel
 
-__all__ = ["MAX_QUERY_TOKENS", "DecodeFacts", "check_inputs", "decode_attention"]
+__all__ = [
+    "DTYPE_NAMES",
+    "MAX_QUERY_TOKENS",
+    "DecodeFacts",
+    "check_inputs",
+    "decode_attention",
+    "decode_attention_named",
+    "serves_layout",
+]
 
 KERNEL = "splitk_decode"
 #: Most new tokens per sequence one call serves (speculative / multi-token decode steps).
 MAX_QUERY_TOKENS = 8
-#: Key names of the dtypes served (the names the prefill family uses too).
-DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-_LOG2E = 1.4426950408889634
-#: fp32 values of one merge program's tile of partials (64 registers a thread at 4 warps).
-_MERGE_TILE = 8192
+#: What the errors of a direct call name the caches.
+CACHE_NAMES = ("k_cache", "v_cache")
 
 
 class DecodeFacts(NamedTuple):
@@ -68,12 +83,9 @@ class DecodeFacts(NamedTuple):
 # ---- input checks ----------------------------------------------------------------------------
 
 
-def _check_tensor(name: str, t: object, rank: int) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != rank:
-        raise ValueError(f"{name}: expected {rank} dims, got shape {tuple(t.shape)}")
-    return t
+def serves_layout(*tensors: object) -> bool:
+    """Whether the tensors among ``tensors`` meet the layout contract (a head dim of stride 1)."""
+    return all(not isinstance(t, torch.Tensor) or t.dim() == 0 or t.stride(-1) == 1 for t in tensors)
 
 
 def check_inputs(
@@ -83,25 +95,30 @@ def check_inputs(
     kv_len: torch.Tensor,
     out: torch.Tensor | None = None,
     softmax_scale: float | None = None,
+    *,
+    kv_names: Sequence[str] = CACHE_NAMES,
 ) -> DecodeFacts:
-    """Validate a call (TypeError/ValueError naming the argument) and return its facts."""
-    _check_tensor("q", q, 4)
-    _check_tensor("k_cache", k_cache, 4)
-    _check_tensor("v_cache", v_cache, 4)
-    _check_tensor("kv_len", kv_len, 1)
+    """Validate a call (TypeError/ValueError naming the argument) and return its facts.
+
+    ``kv_names``: what the errors call ``k_cache`` and ``v_cache`` (the caller's own names).
+    """
+    k_name, v_name = kv_names
+    check_tensor("q", q, 4)
+    check_tensor(k_name, k_cache, 4)
+    check_tensor(v_name, v_cache, 4)
+    check_tensor("kv_len", kv_len, 1)
     if q.dtype not in DTYPE_NAMES:
         raise TypeError(f"q: expected dtype torch.bfloat16 or torch.float16, got {q.dtype}")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+    for name, t in ((k_name, k_cache), (v_name, v_cache)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name}: expected dtype {q.dtype} (the dtype of q), got {t.dtype}")
     if kv_len.dtype != torch.int32:
         raise TypeError(f"kv_len: expected dtype torch.int32, got {kv_len.dtype}")
     device = q.device
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("kv_len", kv_len)):
+    for name, t in ((k_name, k_cache), (v_name, v_cache), ("kv_len", kv_len)):
         if t.device != device:
             raise ValueError(f"{name}: expected device {device} (the device of q), got {t.device}")
-    if device.type not in ("cuda", "cpu"):
-        raise ValueError(f"q: expected a CUDA tensor (or a CPU one on the Triton interpreter), got device {device}")
+    check_device("q", q, _decode_split_kernel)
 
     batch, q_heads, lq, head_dim = q.shape
     kv_batch, kv_heads, lmax, kv_dim = k_cache.shape
@@ -111,17 +128,19 @@ def check_inputs(
         raise ValueError(f"q: expected 1 to {MAX_QUERY_TOKENS} query tokens (dim 2), got {lq}")
     if kv_batch != batch or kv_dim != head_dim:
         raise ValueError(
-            f"k_cache: expected shape [{batch}, Hkv, Lmax, {head_dim}] to match q {tuple(q.shape)}, "
+            f"{k_name}: expected shape [{batch}, Hkv, Lmax, {head_dim}] to match q {tuple(q.shape)}, "
             f"got {tuple(k_cache.shape)}"
         )
     if tuple(v_cache.shape) != tuple(k_cache.shape):
-        raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"{v_name}: expected the shape of {k_name} {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}"
+        )
     if kv_heads == 0 or q_heads % kv_heads != 0:
-        raise ValueError(f"q: {q_heads} query heads are not a multiple of k_cache's {kv_heads} KV heads (GQA)")
+        raise ValueError(f"q: {q_heads} query heads are not a multiple of {k_name}'s {kv_heads} KV heads (GQA)")
     if tuple(kv_len.shape) != (batch,):
         raise ValueError(f"kv_len: expected shape ({batch},), got {tuple(kv_len.shape)}")
     if out is not None:
-        _check_tensor("out", out, 4)
+        check_tensor("out", out, 4)
         if out.dtype != q.dtype:
             raise TypeError(f"out: expected dtype {q.dtype} (the dtype of q), got {out.dtype}")
         if out.device != device:
@@ -132,7 +151,7 @@ def check_inputs(
         raise TypeError(f"softmax_scale: expected a float or None, got {type(softmax_scale).__name__}")
     if softmax_scale is not None and not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale: expected a finite number, got {softmax_scale}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+    for name, t in (("q", q), (k_name, k_cache), (v_name, v_cache), ("out", out)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name}: the head dim must be contiguous (stride 1), got strides {tuple(t.stride())}")
     return DecodeFacts(DTYPE_NAMES[q.dtype], head_dim, batch, q_heads, kv_heads, lq, lmax)
@@ -169,26 +188,11 @@ def _plan(
     # The merge holds a [split_block, merge_block_d] fp32 tile: at most 8K values, split across head-dim
     # blocks when there are many splits, so that one pass covers up to 512 of them.
     split_block = max(2, min(1 << (num_splits - 1).bit_length(), 512))
-    merge_block_d = min(d_pad, max(16, _MERGE_TILE // split_block))
+    merge_block_d = min(d_pad, max(16, MERGE_TILE // split_block))
     return _Plan(
         block_m_for(rows), d_pad, row_blocks(rows), target, num_splits, workspace, partials * head_dim, split_block,
         merge_block_d,
     )  # fmt: skip
-
-
-_SM_COUNTS: dict[torch.device, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    count = _SM_COUNTS.get(device)
-    if count is None:
-        count = _SM_COUNTS[device] = device_info(device).sm_count
-    return count
-
-
-def _workspace(numel: int, device: torch.device) -> torch.Tensor:
-    # Never initialised: the merge reads only partials that this launch's split programs wrote.
-    return torch.empty(numel, dtype=torch.float32, device=device)
 
 
 def _launch(
@@ -209,21 +213,23 @@ def _launch(
     kv_heads, lmax = int(k_cache.shape[1]), int(k_cache.shape[2])
     group = q_heads // kv_heads
     _, MIN_CHUNK, BLOCK_N, num_warps, num_stages = values
-    plan = _plan(values, _sm_count(q.device), batch, kv_heads, group * lq, lmax, head_dim)
-    ws = _workspace(plan.workspace, q.device)
+    plan = _plan(values, sm_count(q.device), batch, kv_heads, group * lq, lmax, head_dim)
+    ws = workspace(plan.workspace, q.device)
     sq, sk, sv, so = (tuple(int(x) for x in t.stride()[:3]) for t in (q, k_cache, v_cache, out))
+    # A view such as lengths[::2] is read through its stride.
+    stride_kvl = int(kv_len.stride(0))
     # Only the interpreter runs CPU tensors; its bf16 dot is broken, so its MMAs take fp32 operands.
     dot_in_fp32 = q.device.type == "cpu"
     split_kernel[(plan.num_splits, plan.row_blocks * kv_heads, batch)](
-        q, k_cache, v_cache, kv_len, out, ws, *sq, *sk, *sv, *so,
-        kv_heads, lmax, softmax_scale * _LOG2E, plan.splits_target, MIN_CHUNK, plan.num_splits, plan.lse_offset,
+        q, k_cache, v_cache, kv_len, out, ws, *sq, *sk, *sv, *so, stride_kvl,
+        kv_heads, lmax, softmax_scale * LOG2E, plan.splits_target, MIN_CHUNK, plan.num_splits, plan.lse_offset,
         GROUP=group, LQ=lq, BLOCK_M=plan.block_m, HEAD_DIM=head_dim, D_PAD=plan.d_pad, BLOCK_N=BLOCK_N,
         DOT_IN_FP32=dot_in_fp32, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if plan.num_splits > 1:
         d_blocks = -(-head_dim // plan.merge_block_d)
         merge_kernel[(group * lq * d_blocks, kv_heads, batch)](
-            kv_len, out, ws, *so,
+            kv_len, out, ws, *so, stride_kvl,
             kv_heads, lmax, plan.splits_target, MIN_CHUNK, plan.num_splits, plan.lse_offset,
             GROUP=group, LQ=lq, HEAD_DIM=head_dim, BLOCK_N=BLOCK_N,
             SPLIT_BLOCK=plan.split_block, BLOCK_D=plan.merge_block_d, num_warps=4, num_stages=2,
@@ -313,14 +319,27 @@ def decode_attention(
     that sees no key (``kv_len == 0``) is zero. ``softmax_scale`` defaults to ``1 / sqrt(D)``.
     Returns ``out`` (allocated when not given), ``[B, Hq, Lq, D]`` in q's dtype.
     """
-    facts = check_inputs(q, k_cache, v_cache, kv_len, out, softmax_scale)
+    return decode_attention_named(q, k_cache, v_cache, kv_len, softmax_scale, out, CACHE_NAMES)
+
+
+def decode_attention_named(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_len: torch.Tensor,
+    softmax_scale: float | None,
+    out: torch.Tensor | None,
+    kv_names: Sequence[str],
+) -> torch.Tensor:
+    """:func:`decode_attention`, with errors that call the caches ``kv_names`` (for wrappers such as ``attention``)."""
+    facts = check_inputs(q, k_cache, v_cache, kv_len, out, softmax_scale, kv_names=kv_names)
     device = q.device
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=device)
     if q.numel() == 0:
         return out
     # A plain tuple: dynamo hands a NamedTuple to assume_constant_result functions empty (torch 2.13).
-    values = dispatch(KERNEL, device.type, -1 if device.index is None else device.index, tuple(facts))
+    values = dispatch(KERNEL, device.type, device_index(device), tuple(facts))
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(facts.head_dim)
     _run(q, k_cache, v_cache, kv_len, out, scale, values)
     return out

@@ -65,11 +65,14 @@ def _key_for(arch: str, sm_count: int, facts: tuple[Any, ...]) -> DecodeKey:
 
 class DecodeSpec(KernelSpec[DecodeConfig, DecodeKey]):
     name = KERNEL
-    # The space module holds launch geometry rules too: editing it must invalidate stored configs.
+    # The space modules and the shared launch module hold launch geometry rules too: editing them
+    # must invalidate stored configs.
     source_modules = (
         "tritune.kernels.decode._triton_decode",
         "tritune.kernels.decode.op",
         "tritune.search_spaces.splitk_decode",
+        "tritune.search_spaces.base",
+        "tritune.kernels._launch",
     )
     key_type = DecodeKey
     space = SPACE

@@ -12,16 +12,19 @@ The jit helpers here (KV bounds, one online-softmax step) are shared with the TM
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from .._launch import LOG2E
 from .._oplib import wrap_triton
 
-LOG2E = math.log2(math.e)
+__all__ = ["LOG2E", "prefill_portable"]
+
+#: In-tile offsets are int32: a K/V tile whose elements lie this far apart takes 64-bit ones.
+_INT32_SPAN = 2**31
 
 
 @triton.jit
@@ -140,6 +143,7 @@ def _prefill_fwd_kernel(
     CAUSAL: tl.constexpr,
     HAS_KV_LEN: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    WIDE_KV_TILES: tl.constexpr,
 ):
     # Causal tiles further down see more keys: start the heaviest first to shorten the tail.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -162,19 +166,27 @@ def _prefill_fwd_kernel(
     row_ok = offs_m < seqlen_q
     q_pos = q_shift + offs_m
 
-    q_ptrs = (
-        Q
-        + pid_b.to(tl.int64) * stride_qb
-        + pid_h.to(tl.int64) * stride_qh
-        + offs_m[:, None] * stride_qm
-        + offs_d[None, :] * stride_qd
-    )
+    # Q and O offsets in 64 bits: in a [B, L, H, D] view the row stride is H * D, and L * H * D may pass
+    # 2**31 elements. They are used once each, outside the KV loop.
+    q_ptrs = Q + pid_b.to(tl.int64) * stride_qb + pid_h.to(tl.int64) * stride_qh
+    q_ptrs += offs_m.to(tl.int64)[:, None] * stride_qm + offs_d.to(tl.int64)[None, :] * stride_qd
     q = _load_tile(q_ptrs, row_ok, d_ok, True, D_MASK)
-    # Scalar bases walk the KV sequence; the in-tile offsets stay fixed. K is read as K^T [D, BLOCK_N].
+    # Scalar 64-bit bases walk the KV sequence; the in-tile offsets stay fixed, in int32 unless one
+    # tile spans 2**31 elements (the host sets WIDE_KV_TILES). K is read as K^T [D, BLOCK_N].
     k_base = K + pid_b.to(tl.int64) * stride_kb + pid_kvh.to(tl.int64) * stride_kh
     v_base = V + pid_b.to(tl.int64) * stride_vb + pid_kvh.to(tl.int64) * stride_vh
-    kt_offs = offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn
-    v_offs = offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    if WIDE_KV_TILES:
+        tile_n = offs_n.to(tl.int64)
+        tile_d = offs_d.to(tl.int64)
+        k_step = tl.cast(stride_kn, tl.int64) * BLOCK_N
+        v_step = tl.cast(stride_vn, tl.int64) * BLOCK_N
+    else:
+        tile_n = offs_n
+        tile_d = offs_d
+        k_step = BLOCK_N * stride_kn
+        v_step = BLOCK_N * stride_vn
+    kt_offs = tile_d[:, None] * stride_kd + tile_n[None, :] * stride_kn
+    v_offs = tile_n[:, None] * stride_vn + tile_d[None, :] * stride_vd
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -185,8 +197,8 @@ def _prefill_fwd_kernel(
         kt = _load_tile(k_base + kt_offs, d_ok, offs_n, D_MASK, False)
         v = _load_tile(v_base + v_offs, offs_n, d_ok, False, D_MASK)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, kt, v, qk_scale, offs_n, q_pos, kv, False, CAUSAL, DOT_IN_FP32)
-        k_base += BLOCK_N * stride_kn
-        v_base += BLOCK_N * stride_vn
+        k_base += k_step
+        v_base += v_step
     # Boundary tiles: the causal diagonal and the end of the valid keys.
     for start_n in tl.range(n_full * BLOCK_N, n_total * BLOCK_N, BLOCK_N):
         n_ok = start_n + offs_n < kv
@@ -195,22 +207,22 @@ def _prefill_fwd_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, kt, v, qk_scale, start_n + offs_n, q_pos, kv, True, CAUSAL, DOT_IN_FP32
         )
-        k_base += BLOCK_N * stride_kn
-        v_base += BLOCK_N * stride_vn
+        k_base += k_step
+        v_base += v_step
 
     # Rows that saw no key have l = 0 and acc = 0: they store zeros.
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_ptrs = (
-        Out
-        + pid_b.to(tl.int64) * stride_ob
-        + pid_h.to(tl.int64) * stride_oh
-        + offs_m[:, None] * stride_om
-        + offs_d[None, :] * stride_od
-    )
+    o_ptrs = Out + pid_b.to(tl.int64) * stride_ob + pid_h.to(tl.int64) * stride_oh
+    o_ptrs += offs_m.to(tl.int64)[:, None] * stride_om + offs_d.to(tl.int64)[None, :] * stride_od
     if D_MASK:
         tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
         tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _wide_tile(t: torch.Tensor, rows: int, cols: int) -> bool:
+    """Whether a ``[rows, cols]`` tile of ``t``'s last two dims spans 2**31 elements or more."""
+    return bool(rows * t.stride(2) + cols * t.stride(3) >= _INT32_SPAN)
 
 
 def prefill_portable(
@@ -228,6 +240,8 @@ def prefill_portable(
     batch, q_heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
     grid = (triton.cdiv(seqlen_q, config.BLOCK_M), q_heads, batch)
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    wide = _wide_tile(k, config.BLOCK_N, head_dim_pad) or _wide_tile(v, config.BLOCK_N, head_dim_pad)
     wrap_triton(_prefill_fwd_kernel)[grid](
         q,
         k,
@@ -244,12 +258,13 @@ def prefill_portable(
         softmax_scale * LOG2E,
         GROUP=q_heads // kv_heads,
         HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        HEAD_DIM_PAD=head_dim_pad,
         BLOCK_M=config.BLOCK_M,
         BLOCK_N=config.BLOCK_N,
         CAUSAL=causal,
         HAS_KV_LEN=kv_len is not None,
         DOT_IN_FP32=q.device.type == "cpu",
+        WIDE_KV_TILES=wide,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -149,7 +149,7 @@ def _merge_splits_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < seqlen_q
     row = (pid_b.to(tl.int64) * q_heads + pid_h) * seqlen_q + offs_m
-    split_rows = batch * q_heads * seqlen_q
+    split_rows = tl.cast(batch, tl.int64) * q_heads * seqlen_q
 
     m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for s in tl.static_range(SPLIT_KV):
@@ -164,13 +164,9 @@ def _merge_splits_kernel(
         part = tl.load(Part_O + (s * split_rows + row)[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None])
         acc += weight[:, None] * part
     acc = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-    o_ptrs = (
-        Out
-        + pid_b.to(tl.int64) * stride_ob
-        + pid_h.to(tl.int64) * stride_oh
-        + offs_m[:, None] * stride_om
-        + offs_d[None, :] * stride_od
-    )
+    # 64-bit row offsets: in a [B, L, H, D] view L * H * D may pass 2**31 elements.
+    o_ptrs = Out + pid_b.to(tl.int64) * stride_ob + pid_h.to(tl.int64) * stride_oh
+    o_ptrs += offs_m.to(tl.int64)[:, None] * stride_om + offs_d.to(tl.int64)[None, :] * stride_od
     tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 

@@ -15,11 +15,13 @@ import torch
 
 from tritune.search_spaces.tma_prefill import HEAD_DIMS
 
+from .._launch import DTYPE_NAMES, check_device, device_index
 from .._oplib import register_op
+from ..device import device_info
 from ..dispatcher import config_from_values, dispatch
 from ._triton_portable import _prefill_fwd_kernel, prefill_portable
 from ._triton_tma import _merge_splits_kernel, _prefill_tma_kernel, prefill_tma
-from .spec import DTYPE_NAMES, SPEC, PrefillConfig
+from .spec import SPEC, PrefillConfig, portable_for
 
 __all__ = ["prefill_attention"]
 
@@ -45,8 +47,7 @@ def _check_inputs(
             raise TypeError(f"{name}: expected the dtype of q ({q.dtype}), got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name}: expected q's device {q.device}, got {t.device}")
-    if q.device.type not in ("cuda", "cpu"):
-        raise ValueError(f"q: expected a CUDA tensor (or a CPU one on the Triton interpreter), got device {q.device}")
+    check_device("q", q, _prefill_fwd_kernel)
     batch, q_heads, _, head_dim = q.shape
     if k.shape[-1] != head_dim or v.shape[-1] != head_dim:
         raise ValueError(f"k, v: head dims differ from q's {head_dim}: k has {k.shape[-1]}, v has {v.shape[-1]}")
@@ -102,7 +103,10 @@ def _prefill_tma_body(
     config = PrefillConfig("tma", block_m, block_n, num_warps, num_stages, pack_gqa, split_kv)
     if any(t.data_ptr() % 16 for t in (q, k, v, out)):
         # Only a compiled graph gets here with a misaligned base: its facts could not see pointers.
-        portable = PrefillConfig("portable", block_m, block_n, num_warps, num_stages)
+        # The stand-in keeps the TMA tiles only where the portable kernel fits them.
+        device = device_info(q.device)
+        facts = SPEC.facts(q, k, v, causal=causal, kv_len=kv_len, softmax_scale=softmax_scale, out=out)
+        portable = portable_for(config, SPEC.key_for(device, facts), SPEC.limits(device))
         prefill_portable(q, k, v, kv_len, out, causal=causal, softmax_scale=softmax_scale, config=portable)
         return
     prefill_tma(q, k, v, kv_len, out, causal=causal, softmax_scale=softmax_scale, config=config)
@@ -174,9 +178,8 @@ def prefill_attention(
         return out
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     facts = SPEC.facts(q, k, v, causal=causal, kv_len=kv_len, softmax_scale=scale, out=out)
-    device_index = -1 if q.device.type == "cpu" else (q.device.index or 0)
     # A plain tuple: dynamo rebuilds NamedTuple arguments of constant-result functions wrongly.
-    values = dispatch(SPEC.name, q.device.type, device_index, tuple(facts))
+    values = dispatch(SPEC.name, q.device.type, device_index(q.device), tuple(facts))
     config = config_from_values(SPEC, values)
     _prefill_op(
         q,

@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from .._numerics import masked_attention
+
 #: Score elements computed at once: bounds the reference's memory at long contexts.
 _CHUNK_ELEMENTS = 1 << 27
 
@@ -77,11 +79,5 @@ def prefill_reference(
         mask = visible_keys(batch, seqlen_q, seqlen_k, causal=causal, kv_len=kv_len, device=q.device, rows=rows)[
             :, None, None
         ]  # [B, 1, 1, rows, Lkv]
-        scores = (qg[:, :, :, rows] @ kt) * scale
-        scores = scores.masked_fill(~mask, float("-inf"))
-        top = scores.amax(dim=-1, keepdim=True)
-        # A row without any visible key has top = -inf; shift it by 0 so its weights are exactly 0.
-        weights = torch.exp(scores - torch.where(torch.isinf(top), torch.zeros_like(top), top))
-        total = weights.sum(dim=-1, keepdim=True)
-        out[:, :, :, rows] = (weights @ vg) / torch.where(total > 0, total, torch.ones_like(total))
+        out[:, :, :, rows] = masked_attention((qg[:, :, :, rows] @ kt) * scale, mask, vg)
     return out.reshape(batch, q_heads, seqlen_q, head_dim)

@@ -30,6 +30,7 @@ from tritune.search_spaces.tma_prefill import (
 )
 
 from .. import settings as settings_module
+from .._launch import DTYPE_NAMES
 from ..device import DeviceInfo, target_supports
 from ..spec import KernelSpec, Problem, TuningKey, pow2_bucket
 from ._triton_portable import prefill_portable
@@ -38,7 +39,6 @@ from .reference import prefill_reference
 
 log = logging.getLogger("tritune.prefill")
 
-DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 #: Error bound of :meth:`PrefillSpec.check`, relative to max|reference|.
 _TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -108,7 +108,7 @@ def _values(option: int | Iterable[int] | None, default: Iterable[int]) -> list[
 
 
 @functools.lru_cache(maxsize=256)
-def _portable_for(config: PrefillConfig, key: PrefillKey, limits: TargetLimits) -> PrefillConfig:
+def portable_for(config: PrefillConfig, key: PrefillKey, limits: TargetLimits) -> PrefillConfig:
     """The portable config standing in for a TMA one: same tiles if they fit, else the default."""
     candidate = dataclasses.replace(config, path="portable", PACK_GQA=False, SPLIT_KV=1)
     if SPACE.infeasible_reason(candidate, key, limits) is None:
@@ -118,11 +118,12 @@ def _portable_for(config: PrefillConfig, key: PrefillKey, limits: TargetLimits) 
 
 class PrefillSpec(KernelSpec[PrefillConfig, PrefillKey]):
     name = "tma_prefill"
-    # The space module holds launch geometry rules too: editing it must invalidate stored configs.
+    # The space modules hold launch geometry rules too: editing them must invalidate stored configs.
     source_modules = (
         "tritune.kernels.prefill._triton_portable",
         "tritune.kernels.prefill._triton_tma",
         "tritune.search_spaces.tma_prefill",
+        "tritune.search_spaces.base",
     )
     key_type = PrefillKey
     space = SPACE
@@ -224,7 +225,7 @@ class PrefillSpec(KernelSpec[PrefillConfig, PrefillKey]):
                 config = dataclasses.replace(config, SPLIT_KV=1)
             return config
         if config.path == "tma":
-            return _portable_for(config, self.key_for(device, f), self.limits(device))
+            return portable_for(config, self.key_for(device, f), self.limits(device))
         return config
 
     def _tma_target(self, device: DeviceInfo, *, warn: bool) -> bool:

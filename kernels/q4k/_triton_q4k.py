@@ -110,13 +110,14 @@ def _store_tile(
     stride_om,
     stride_on,
     stride_ok,
+    stride_bn,
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if SPLIT_K == 1:
         if HAS_BIAS:
-            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+            bias = tl.load(bias_ptr + offs_n * stride_bn, mask=offs_n < N, other=0.0).to(tl.float32)
             acc = acc + bias[None, :]
         ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -145,6 +146,7 @@ def _q4k_gemm_portable_kernel(
     stride_om,
     stride_on,
     stride_ok,
+    stride_bn,
     HAS_BIAS: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -194,7 +196,10 @@ def _q4k_gemm_portable_kernel(
         sc_ptrs += G
         mn_ptrs += G
 
-    _store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, stride_om, stride_on, stride_ok, HAS_BIAS, SPLIT_K)
+    _store_tile(
+        acc, out_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k,
+        stride_om, stride_on, stride_ok, stride_bn, HAS_BIAS, SPLIT_K,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -217,6 +222,7 @@ def _q4k_gemm_fp8_kernel(
     stride_om,
     stride_on,
     stride_ok,
+    stride_bn,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -276,7 +282,10 @@ def _q4k_gemm_fp8_kernel(
         centre = 8.0 * (d * sc) - dmin * mn  # [GC, BLOCK_N]
         acc = tl.dot(rs, centre, acc, input_precision="tf32")
 
-    _store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, stride_om, stride_on, stride_ok, HAS_BIAS, SPLIT_K)
+    _store_tile(
+        acc, out_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k,
+        stride_om, stride_on, stride_ok, stride_bn, HAS_BIAS, SPLIT_K,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -290,6 +299,7 @@ def _splitk_reduce_kernel(
     stride_pm,
     stride_om,
     stride_on,
+    stride_bn,
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -304,6 +314,6 @@ def _splitk_reduce_kernel(
     for s in tl.static_range(1, SPLIT_K):
         acc += tl.load(ptrs + s * stride_pk, mask=mask, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(bias_ptr + offs_n * stride_bn, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)

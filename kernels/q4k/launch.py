@@ -2,8 +2,8 @@
 
 Arguments arrive validated (see :func:`tritune.kernels.q4k.op.q4k_linear`): ``x`` is ``[M, K]``
 with unit stride along K, the weight tensors are :class:`~tritune.kernels.q4k.weight.Q4KWeight`'s,
-and ``out`` is a contiguous ``[M, N]`` of x's dtype. Launches go through ``wrap_triton`` so the
-registered op stays traceable by ``torch.compile``.
+``out`` is a contiguous ``[M, N]`` of x's dtype and ``bias`` (if any) is ``[N]`` with any stride.
+Launches go through ``wrap_triton`` so the registered op stays traceable by ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ def run_q4k_gemm(
         )
     has_bias = bias is not None
     bias_arg = bias if bias is not None else out
+    # A bias view such as b[::2] is read through its stride.
+    stride_bn = bias.stride(0) if bias is not None else 0
     grid = (triton.cdiv(m, config.BLOCK_M) * triton.cdiv(n, config.BLOCK_N), config.SPLIT_K)
     if config.SPLIT_K > 1:
         target = torch.empty((config.SPLIT_K, m, n), dtype=torch.float32, device=out.device)
@@ -127,6 +129,7 @@ def run_q4k_gemm(
             stride_om,
             stride_on,
             stride_ok,
+            stride_bn,
             **launch,
         )
     else:
@@ -148,6 +151,7 @@ def run_q4k_gemm(
             stride_om,
             stride_on,
             stride_ok,
+            stride_bn,
             # The interpreter (CPU tensors) multiplies bf16 tiles wrongly: give it fp32 operands.
             DOT_IN_FP32=x.device.type == "cpu",
             **launch,
@@ -164,6 +168,7 @@ def run_q4k_gemm(
             target.stride(1),
             out.stride(0),
             out.stride(1),
+            stride_bn,
             HAS_BIAS=has_bias,
             SPLIT_K=config.SPLIT_K,
             BLOCK_M=_REDUCE_BLOCK_M,

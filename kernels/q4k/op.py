@@ -7,6 +7,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from tritune.search_spaces.q4k_fp8_gemm import Q4KConfig
 
+from .._launch import check_device, device_index
 from .._oplib import register_op
 from ..dispatcher import dispatch
 from .launch import KERNELS, run_q4k_gemm
@@ -52,8 +53,7 @@ def _check(x: torch.Tensor, weight: Q4KWeight, bias: torch.Tensor | None, out: t
         raise ValueError(f"x: expected shape [..., K={k}] to match the weight, got {tuple(x.shape)}")
     if x.device != weight.device:
         raise ValueError(f"x: on {x.device}, but weight is on {weight.device}")
-    if x.device.type not in ("cuda", "cpu"):
-        raise ValueError(f"x: expected a CUDA tensor (or a CPU one on the Triton interpreter), got device {x.device}")
+    check_device("x", x, KERNELS[0])
     if bias is not None:
         if not isinstance(bias, torch.Tensor):
             raise TypeError(f"bias: expected a torch.Tensor or None, got {type(bias).__name__}")
@@ -93,7 +93,7 @@ def q4k_linear(
     if out is None:
         out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     facts = SPEC.facts(x2d, weight, bias)
-    values = dispatch(SPEC.name, x.device.type, x.device.index or 0, facts)
+    values = dispatch(SPEC.name, x.device.type, device_index(x.device), facts)
     if torch.compiler.is_compiling() or type(x) is not torch.Tensor or is_in_torch_dispatch_mode():
         # Tracers (dynamo, make_fx, export) and dispatch modes must see the registered op.
         q4k_linear_op(x2d, *weight.tensors(), bias, out.view(-1, n), *values)

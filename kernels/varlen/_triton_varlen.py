@@ -171,7 +171,7 @@ def _zero_uncovered(Out, stride_ot, stride_oh, pid_z, pid_h, num_tokens, q_start
     zeros = tl.zeros([ZERO_TOKENS, D_PAD], dtype=Out.dtype.element_ty)
     ptrs = Out + tok.to(tl.int64)[:, None] * stride_ot + offs_d[None, :]
     for g in range(GROUP):
-        tl.store(ptrs + (pid_h * GROUP + g) * stride_oh, zeros, mask=mask)
+        tl.store(ptrs + (pid_h * GROUP + g).to(tl.int64) * stride_oh, zeros, mask=mask)
 
 
 @triton.jit
@@ -253,7 +253,8 @@ def _varlen_fwd_kernel(
     tok = t0 + offs_m // GROUP
     head = pid_h * GROUP + offs_m % GROUP
     row_ok = (offs_m < TQ * GROUP) & (tok < s_q_len)
-    q_rows = (s_q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
+    # Row offsets in 64 bits: a view of a [Hq, T, D] buffer puts heads T * D elements apart.
+    q_rows = (s_q_start + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
     q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_IN_FP32:
         q = q.to(tl.float32)
@@ -305,7 +306,7 @@ def _varlen_fwd_kernel(
     o = acc / l_safe[:, None]
     tile_ok = row_ok[:, None] & d_ok[None, :]
     if used <= 1:
-        o_rows = (s_q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
+        o_rows = (s_q_start + tok).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
         tl.store(Out + o_rows[:, None] + offs_d[None, :], o.to(Out.dtype.element_ty), mask=tile_ok)
     else:
         ws_row = (ws_slot.to(tl.int64) * num_kv_heads + pid_h) * BLOCK_M + offs_m
@@ -385,5 +386,5 @@ def _varlen_merge_kernel(
         l_run = l_run * alpha + w
         m_run = m_new
     o = acc / tl.where(l_run > 0.0, l_run, 1.0)[:, None]
-    o_rows = (s_q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
+    o_rows = (s_q_start + tok).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
     tl.store(Out + o_rows[:, None] + offs_d[None, :], o.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

@@ -32,21 +32,25 @@ from tritune.search_spaces.varlen_sdpa import (
     split_budget,
 )
 
+from .._launch import (
+    DTYPE_NAMES,
+    LOG2E,
+    MERGE_TILE,
+    check_device,
+    check_tensor,
+    device_index,
+    sm_count,
+    workspace,
+)
 from .._oplib import register_op, wrap_triton
-from ..device import device_info
 from ..dispatcher import dispatch
 from ._triton_varlen import _varlen_fwd_kernel, _varlen_merge_kernel
 
 __all__ = ["DTYPE_NAMES", "DYNAMIC", "VarlenFacts", "check_inputs", "launch", "validate_seq_info", "varlen_attention"]
 
 KERNEL = "varlen_sdpa"
-#: Key names of the dtypes served (the names the other attention families use too).
-DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 #: A length fact that is symbolic under ``torch.compile``: keys bucket it as 0 rather than guard on it.
 DYNAMIC = 0
-_LOG2E = 1.4426950408889634
-#: fp32 values of one merge program's [BLOCK_M, BLOCK_D] tile (64 registers a thread at 4 warps).
-_MERGE_TILE = 8192
 #: Query-row x segment comparisons one zero-fill program makes at once.
 _ZERO_TILE = 4096
 
@@ -70,14 +74,6 @@ class VarlenFacts(NamedTuple):
 
 
 # ---- input checks ----------------------------------------------------------------------------
-
-
-def _check_tensor(name: str, t: object, rank: int) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != rank:
-        raise ValueError(f"{name}: expected {rank} dims, got shape {tuple(t.shape)}")
-    return t
 
 
 def _bucketed(n: Any) -> int:
@@ -104,10 +100,10 @@ def check_inputs(
     out: torch.Tensor | None = None,
 ) -> VarlenFacts:
     """Validate a call (TypeError/ValueError naming the argument) and return its facts."""
-    _check_tensor("q", q, 3)
-    _check_tensor("k_store", k_store, 4)
-    _check_tensor("v_store", v_store, 4)
-    _check_tensor("seq_info", seq_info, 2)
+    check_tensor("q", q, 3)
+    check_tensor("k_store", k_store, 4)
+    check_tensor("v_store", v_store, 4)
+    check_tensor("seq_info", seq_info, 2)
     if q.dtype not in DTYPE_NAMES:
         raise TypeError(f"q: expected dtype torch.bfloat16 or torch.float16, got {q.dtype}")
     for name, t in (("k_store", k_store), ("v_store", v_store)):
@@ -119,6 +115,7 @@ def check_inputs(
     for name, t in (("k_store", k_store), ("v_store", v_store), ("seq_info", seq_info)):
         if t.device != device:
             raise ValueError(f"{name}: expected device {device} (the device of q), got {t.device}")
+    check_device("q", q, _varlen_fwd_kernel)
 
     tokens, q_heads, head_dim = q.shape
     rows, cols, kv_heads, kv_dim = k_store.shape
@@ -147,8 +144,10 @@ def check_inputs(
             raise ValueError(f"window: expected a positive number of positions, got {window}")
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, int | float)):
         raise TypeError(f"softmax_scale: expected a float or None, got {type(softmax_scale).__name__}")
+    if softmax_scale is not None and not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale: expected a finite number, got {softmax_scale}")
     if out is not None:
-        _check_tensor("out", out, 3)
+        check_tensor("out", out, 3)
         if out.dtype != q.dtype:
             raise TypeError(f"out: expected dtype {q.dtype} (the dtype of q), got {out.dtype}")
         if out.device != device:
@@ -170,8 +169,16 @@ def validate_seq_info(seq_info: torch.Tensor, *, T: int, rows: int, cols: int, r
     Checks the dtype and shape, negative entries, query ranges outside ``[0, T)`` or overlapping,
     columns outside ``[0, cols)``, ``q_len > kv_end``, and ``kv_end > rows`` for a flat store (a
     ring holds any length, but one step's new tokens must fit in it: ``q_len <= rows``). Segments
-    with ``q_len == 0`` are unused and only checked for negative entries.
+    with ``q_len == 0`` are unused and only checked for negative entries. ``T``, ``rows`` and
+    ``cols`` must be ints (else a TypeError), with ``T >= 0`` and ``rows, cols >= 1``.
     """
+    for name, value, least in (("T", T, 0), ("rows", rows, 1), ("cols", cols, 1)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+        if value < least:
+            raise ValueError(f"{name}: expected at least {least}, got {value}")
+    if not isinstance(ring, bool):
+        raise TypeError(f"ring: expected a bool, got {type(ring).__name__}")
     if not isinstance(seq_info, torch.Tensor):
         raise ValueError(f"seq_info: expected a torch.Tensor, got {type(seq_info).__name__}")
     if seq_info.dtype != torch.int32:
@@ -255,23 +262,8 @@ def _plan(
         zero_tokens=zero_tokens,
         # Split tiles hold at most twice the budget of partials (see _triton_varlen's schedule).
         ws_slots=2 * budget if split else 0,
-        merge_block_d=min(d_pad, max(16, _MERGE_TILE // block_m)),
+        merge_block_d=min(d_pad, max(16, MERGE_TILE // block_m)),
     )
-
-
-_SM_COUNTS: dict[torch.device, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    count = _SM_COUNTS.get(device)
-    if count is None:
-        count = _SM_COUNTS[device] = device_info(device).sm_count
-    return count
-
-
-def _workspace(numel: int, device: torch.device) -> torch.Tensor:
-    # Never initialised: the merge reads only partials that this launch's split programs wrote.
-    return torch.empty(numel, dtype=torch.float32, device=device)
 
 
 def _launch(
@@ -297,15 +289,15 @@ def _launch(
     segments = _pinned(seq_info.shape[0])
     group = q_heads // kv_heads
     _, BLOCK_N, num_warps, num_stages, MAX_SPLITS, MIN_CHUNK, _ = values
-    plan = _plan(values, _sm_count(q.device), segments, rows, kv_heads, group, head_dim, causal, window)
+    plan = _plan(values, sm_count(q.device), segments, rows, kv_heads, group, head_dim, causal, window)
     work_slots = tokens // plan.tokens_per_tile + segments + (plan.budget if plan.split else 0)
     zero_programs = (tokens + plan.zero_tokens - 1) // plan.zero_tokens
     partials = plan.ws_slots * kv_heads * plan.block_m
-    ws = _workspace(partials * (head_dim + 1) if plan.split else 1, q.device)
+    ws = workspace(partials * (head_dim + 1) if plan.split else 1, q.device)
     sk, sv = k_store.stride()[:3], v_store.stride()[:3]
     # Only the interpreter runs CPU tensors; its bf16 dot is broken, so its MMAs take fp32 operands.
     dot_in_fp32 = q.device.type == "cpu"
-    qk_scale = softmax_scale * _LOG2E
+    qk_scale = softmax_scale * LOG2E
     fwd_kernel[(work_slots + zero_programs, kv_heads)](
         q, k_store, v_store, out, seq_info, ws,
         q.stride(0), q.stride(1), *sk, *sv, out.stride(0), out.stride(1), seq_info.stride(0), seq_info.stride(1),
@@ -446,7 +438,7 @@ def varlen_attention(
     if has_static_value(q.shape[0]) and q.shape[0] == 0:
         return out
     # A plain tuple: dynamo hands a NamedTuple to assume_constant_result functions empty (torch 2.13).
-    values = dispatch(KERNEL, device.type, -1 if device.index is None else device.index, tuple(facts))
+    values = dispatch(KERNEL, device.type, device_index(device), tuple(facts))
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(facts.head_dim)
     _run(q, k_store, v_store, seq_info, out, causal, window or 0, ring, scale, values)
     return out

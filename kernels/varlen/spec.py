@@ -104,11 +104,14 @@ def _visible_keys(q_len: int, kv_end: int, rows: int, causal: bool, window: int 
 
 class VarlenSpec(KernelSpec[VarlenConfig, VarlenKey]):
     name = KERNEL
-    # The space module holds launch geometry rules too: editing it must invalidate stored configs.
+    # The space modules and the shared launch module hold launch geometry rules too: editing them
+    # must invalidate stored configs.
     source_modules = (
         "tritune.kernels.varlen._triton_varlen",
         "tritune.kernels.varlen.op",
         "tritune.search_spaces.varlen_sdpa",
+        "tritune.search_spaces.base",
+        "tritune.kernels._launch",
     )
     key_type = VarlenKey
     space = SPACE
