@@ -56,9 +56,18 @@ def dialect_insert(dialect: str) -> Any:
     return postgresql_insert
 
 
-def _rows_written(result: Result[Any]) -> int:
-    """Rows an INSERT/upsert changed (a DML statement's result is a ``CursorResult``)."""
-    return int(cast("CursorResult[Any]", result).rowcount)
+def _wrote_row(session: Session, statement: Any) -> bool:
+    """Whether one single-row ``INSERT ... ON CONFLICT`` statement inserted or updated its row.
+
+    Where the dialect has ``RETURNING``, the statement returns the row's id and a row back means
+    written: PostgreSQL drivers report no row count for a statement with ``RETURNING`` (which
+    SQLAlchemy adds there for the primary key anyway). Elsewhere (SQLite before 3.35) the row
+    count answers.
+    """
+    if session.get_bind().dialect.insert_returning:
+        return session.execute(statement.returning(statement.table.c.id)).first() is not None
+    result: Result[Any] = session.execute(statement)
+    return int(cast("CursorResult[Any]", result).rowcount) == 1
 
 
 def insert_trial(session: Session, values: dict[str, Any]) -> bool:
@@ -67,7 +76,7 @@ def insert_trial(session: Session, values: dict[str, Any]) -> bool:
     if dialect not in UPSERT_DIALECTS:
         return insert_trial_portable(session, values)
     statement = dialect_insert(dialect)(Trial.__table__).values(**values).on_conflict_do_nothing()
-    return _rows_written(session.execute(statement)) == 1
+    return _wrote_row(session, statement)
 
 
 def offer_winner(session: Session, values: WinnerValues, triton_version: str) -> bool:
@@ -120,7 +129,7 @@ def offer_upsert(session: Session, values: WinnerValues, triton_version: str, di
         set_=replace,
         where=(excluded.time_ms < table.c.time_ms) | table.c.environment_id.in_(_stale_environments(triton_version)),
     )
-    return _rows_written(session.execute(statement)) == 1
+    return _wrote_row(session, statement)
 
 
 def offer_portable(session: Session, values: WinnerValues, triton_version: str) -> bool:

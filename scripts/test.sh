@@ -2,6 +2,8 @@
 # Newcomer command 2 (and CI's): set up with the test extras, lint, then run the CPU test tier
 # (kernels on the Triton interpreter at tiny shapes; GPU-tier tests skip without a GPU).
 # Extra arguments go to pytest, e.g.  bash scripts/test.sh -k prefill
+# The distributed-tuning tests against PostgreSQL need TRITUNE_TEST_POSTGRES_URL and skip without it
+# (.ci/run starts a server on loopback and sets it; with CI=true they fail instead of skipping).
 set -euo pipefail
 . "$(dirname "$0")/_venv.sh"
 if python -c "import torch, sys; sys.exit(torch.cuda.is_available())"; then

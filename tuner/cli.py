@@ -4,6 +4,10 @@
 DB; ``tune list|show|export|import|bench`` inspect and move what was stored. Without a GPU,
 ``--device cpu`` (what ``auto`` picks there) runs the same loop on the Triton interpreter at tiny
 shapes and stores under the pseudo-device ``cpu-interpreter``.
+
+Several workers share Optuna studies (``docs/distributed.md``): ``--device 0,1,2,3`` (or ``all``,
+or ``cpu --workers N``) starts one worker process per entry on one host; ``--worker --storage
+postgresql+psycopg://...`` joins shared studies from any host; ``tune status`` shows them.
 """
 
 from __future__ import annotations
@@ -13,14 +17,19 @@ import logging
 import os
 import sys
 import time
+import zlib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from .studies import StudyStorage, StudySummary
+    from .study import TuneOptions
 
 # Without a terminal (CI logs, pipes) rich would wrap tables at 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -84,10 +93,53 @@ def _keys_for(spec: Any, device_info: Any, given: dict[str, list[int]]) -> list[
     return keys
 
 
+def _parse_devices(device: str, workers: int) -> list[str]:
+    """``--device`` and ``--workers`` as one entry per worker: ``cpu`` or a CUDA index (``auto`` resolved)."""
+    import torch
+
+    wanted = device.strip().lower()
+    if wanted == "all":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise typer.BadParameter("--device all: no CUDA GPU is visible (on the CPU: --device cpu --workers N)")
+        items = [str(index) for index in range(count)]
+    else:
+        items = [part.strip().removeprefix("cuda:") for part in wanted.split(",") if part.strip()]
+    if not items:
+        raise typer.BadParameter(f"--device {device!r}: expected auto, all, cpu, an index such as 0, or a list")
+    if items == ["auto"]:
+        items = ["0" if torch.cuda.is_available() else "cpu"]
+    if "auto" in items:
+        raise typer.BadParameter("--device: auto stands alone; list devices as 0,1,2 or cpu,cpu")
+    if len({item == "cpu" for item in items}) > 1:
+        raise typer.BadParameter(f"--device {device!r}: the interpreter (cpu) and GPUs cannot share one run")
+    gpus = [item for item in items if item != "cpu"]
+    if workers > 1 and gpus:
+        raise typer.BadParameter(
+            "--workers N is for --device cpu: two workers on one GPU disturb each other's timings; "
+            "list GPUs instead (--device 0,1,2,3 or all)"
+        )
+    if len(gpus) != len(set(gpus)):
+        raise typer.BadParameter(f"--device {device!r}: a GPU is listed twice (one worker per GPU)")
+    if len(items) > 1:
+        for item in gpus:
+            if not item.isdigit():
+                raise typer.BadParameter(f"--device {device!r}: {item!r} is not a CUDA index")
+            if int(item) >= (torch.cuda.device_count() if torch.cuda.is_available() else 0):
+                raise typer.BadParameter(f"--device {device!r}: GPU {item} is not visible")
+    return items * workers
+
+
 @app.callback()
 def tune(
     ctx: typer.Context,
-    device: Annotated[str, typer.Option(help="auto, cpu (Triton interpreter), or a CUDA index such as 0")] = "auto",
+    device: Annotated[
+        str,
+        typer.Option(
+            help="auto, cpu (Triton interpreter), a CUDA index such as 0, a list (0,1,2,3 or cpu,cpu) "
+            "or all: one worker process per entry"
+        ),
+    ] = "auto",
     kernel: Annotated[list[str] | None, typer.Option(help="kernel(s) to tune; default: all")] = None,
     head_dim: Annotated[list[int] | None, typer.Option(help="head dims to tune (attention kernels)")] = None,
     lq: Annotated[list[int] | None, typer.Option(help="query lengths to tune (prefill)")] = None,
@@ -108,79 +160,272 @@ def tune(
     trial_timeout: Annotated[
         float, typer.Option(min=1, help="seconds one candidate may take (isolated) before it is killed")
     ] = 120.0,
+    workers: Annotated[int, typer.Option(min=1, help="worker processes per --device entry (interpreter only)")] = 1,
+    storage: Annotated[
+        str | None,
+        typer.Option(
+            help="Optuna storage shared by the workers: an RDB URL (postgresql+psycopg://..., any host joins) "
+            "or a journal file path (one host) [default: in memory for one worker, a temporary journal for several]"
+        ),
+    ] = None,
+    worker: Annotated[
+        bool, typer.Option("--worker", help="join the shared studies in --storage (an RDB URL) as one worker")
+    ] = False,
+    heartbeat_interval: Annotated[
+        int, typer.Option(min=1, help="seconds between a worker's heartbeats (RDB storage)")
+    ] = 10,
+    grace_period: Annotated[
+        int, typer.Option(min=2, help="seconds without a heartbeat after which a worker's trials are retried")
+    ] = 60,
+    max_retry: Annotated[int, typer.Option(min=0, help="times a trial of a dead worker is retried")] = 3,
 ) -> None:
     """Tune kernels at their default keys (or the ones narrowed by the options) into the DB."""
     if ctx.invoked_subcommand is not None:
         return
-    torch_device = _choose_device(device)
-    from tritune.configs_db.store import ConfigStore
-    from tritune.kernels.device import device_info
-    from tritune.kernels.registry import get_spec, kernel_names
+    from tritune.kernels.registry import kernel_names
 
-    from .study import KeyResult, KeyTuner, TuneOptions, TuningError, environment_id
-    from .timing import timer_for
-    from .worker import Worker, worker_device
+    from .studies import StudyStorage
+    from .study import TuneOptions
 
+    devices = _parse_devices(device, workers)
     names = kernel or kernel_names()
     for name in names:
         if name not in kernel_names():
             raise typer.BadParameter(f"--kernel {name!r}: known kernels are {', '.join(kernel_names())}")
-    info = device_info(torch_device)
+    where = None
+    if storage is not None:
+        where = StudyStorage(
+            storage if "://" in storage else str(Path(storage).expanduser().resolve()),
+            heartbeat_interval_s=heartbeat_interval,
+            grace_period_s=grace_period,
+            max_retry=max_retry,
+        )
+        problem = where.problem()
+        if problem is not None:
+            raise typer.BadParameter(f"--storage: {problem}")
+    if worker:
+        if where is None or not where.has_heartbeat:
+            raise typer.BadParameter(
+                "--worker joins shared studies: give --storage an RDB URL (postgresql+psycopg://...); a journal "
+                "file has no heartbeats, so the trials of a dead worker on another host would never be retried"
+            )
+        if len(devices) > 1:
+            raise typer.BadParameter("--worker is one worker: give one --device (or leave --worker out)")
     url = _db_url(db)
-    store = ConfigStore(url)
-    env_id = environment_id(store, info)
+    if where is not None and where.is_rdb and _same_database(where.location, url):
+        raise typer.BadParameter(
+            "--storage and --db name the same database: Optuna's tables (trials, alembic_version) collide with "
+            "the config DB's; use two databases (they may live on one server)"
+        )
+    cpu = devices[0] == "cpu"
     if trials is None:
-        trials = 12 if torch_device.type == "cpu" else 40
+        trials = 12 if cpu else 40
     options = TuneOptions(
         trials=trials, time_budget_s=time_budget, seed=seed, isolate=isolate, trial_timeout_s=trial_timeout
     )
-    timer = timer_for(torch_device)
     given = {"head_dim": head_dim or [], "lq": lq or [], "lkv": lkv or [], "batch": batch or [], "m": m or []}
+    if len(devices) > 1:
+        _tune_fleet(devices, names, given, url, options, where, heartbeat_interval)
+    else:
+        _tune_here(devices[0], names, given, url, options, where)
+
+
+def _same_database(first: str, second: str) -> bool:
+    from sqlalchemy.engine import make_url
+
+    a, b = make_url(first), make_url(second)
+    return (a.get_backend_name(), a.host, a.port, a.database) == (b.get_backend_name(), b.host, b.port, b.database)
+
+
+def _tune_here(
+    device: str,
+    names: list[str],
+    given: dict[str, list[int]],
+    url: str,
+    options: TuneOptions,
+    where: StudyStorage | None,
+) -> None:
+    """One worker in this process: the classic tune (in-memory studies), or one worker of shared studies."""
+    torch_device = _choose_device(device)
+    from tritune.configs_db.store import ConfigStore, display_url
+    from tritune.kernels.device import device_info
+    from tritune.kernels.registry import get_spec
+
+    from .shared import run_worker, worker_name
+    from .study import KeyResult, KeyTuner, TuningError, environment_id
+    from .timing import timer_for
+    from .worker import Worker, worker_device
+
+    info = device_info(torch_device)
+    store = ConfigStore(url)
+    env_id = environment_id(store, info)
+    timer = timer_for(torch_device)
     plan = [(get_spec(n), k) for n in names for k in _keys_for(get_spec(n), info, given)]
-    console.print(f"tuning {len(plan)} key(s) on {info.slug} into {url}")
+    trials = options.trials
+    shared = "" if where is None else f" with the studies in {where.display()}"
+    console.print(f"tuning {len(plan)} key(s) on {info.slug} into {display_url(url)}{shared}")
 
     results: list[KeyResult] = []
     started = time.monotonic()
-    # One worker for the whole run: its start-up (importing torch, CUDA init) is paid once.
-    worker = (
-        Worker(
-            worker_device(torch_device),
-            timer,
-            trial_timeout_s=options.trial_timeout_s,
-            noise=options.noise,
-            compile_workers=options.compile_workers,
-        )
-        if isolate
-        else None
-    )
-    try:
-        with Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
-        ) as progress:
-            for spec, key in plan:
-                task = progress.add_task(f"{spec.name} {_short_key(key)}", total=trials)
-                tuner = KeyTuner(
-                    spec,
-                    key,
-                    info,
-                    torch_device,
-                    store,
-                    env_id,
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+    ) as progress:
+        tasks = {
+            (spec.name, key): progress.add_task(f"{spec.name} {_short_key(key)}", total=trials) for spec, key in plan
+        }
+
+        if where is not None:
+            # A worker of shared studies: Optuna's storage is the sampler state of every worker.
+            report = run_worker(
+                plan,
+                device=info,
+                torch_device=torch_device,
+                store=store,
+                env_id=env_id,
+                timer=timer,
+                options=options,
+                where=where,
+                worker=worker_name(worker_device(torch_device)),
+                start=zlib.crc32(worker_name(device).encode()),
+                on_trial_for=lambda spec, key: lambda *_args, task=tasks[(spec.name, key)]: progress.advance(task),
+                on_done=lambda tuner, visit: progress.update(tasks[(tuner.spec.name, tuner.key)], completed=trials),
+            )
+            results = report.results
+            for error in report.errors:
+                console.print(f"[red]{error}[/red]")
+            if report.by_others:
+                console.print(f"{len(report.by_others)} key(s) were already finalized (tune status shows them)")
+        else:
+            # One worker for the whole run: its start-up (importing torch, CUDA init) is paid once.
+            bench = (
+                Worker(
+                    worker_device(torch_device),
                     timer,
-                    options,
-                    on_trial=lambda *_args, task=task: progress.advance(task),
-                    bench=worker,
+                    trial_timeout_s=options.trial_timeout_s,
+                    noise=options.noise,
+                    compile_workers=options.compile_workers,
                 )
-                try:
-                    results.append(tuner.run())
-                except TuningError as exc:
-                    console.print(f"[red]{exc}[/red]")
-                progress.update(task, completed=trials)
-    finally:
-        if worker is not None:
-            worker.close()
+                if options.isolate
+                else None
+            )
+            try:
+                for spec, key in plan:
+                    task = tasks[(spec.name, key)]
+                    tuner = KeyTuner(
+                        spec,
+                        key,
+                        info,
+                        torch_device,
+                        store,
+                        env_id,
+                        timer,
+                        options,
+                        on_trial=lambda *_args, task=task: progress.advance(task),
+                        bench=bench,
+                    )
+                    try:
+                        results.append(tuner.run())
+                    except TuningError as exc:
+                        console.print(f"[red]{exc}[/red]")
+                    progress.update(task, completed=trials)
+            finally:
+                if bench is not None:
+                    bench.close()
     _print_results(results)
-    console.print(f"done in {time.monotonic() - started:.1f} s; winners stored in {url}")
+    console.print(f"done in {time.monotonic() - started:.1f} s; winners stored in {display_url(url)}")
+
+
+def _tune_fleet(
+    devices: list[str],
+    names: list[str],
+    given: dict[str, list[int]],
+    url: str,
+    options: TuneOptions,
+    where: StudyStorage | None,
+    heartbeat_interval: int,
+) -> None:
+    """One worker process per device entry, on one shared storage; this process coordinates."""
+    import shutil
+    import tempfile
+
+    import torch
+
+    from tritune.configs_db.store import ConfigStore, display_url
+    from tritune.kernels.device import device_info
+    from tritune.kernels.registry import get_spec
+
+    from .candidates import spec_target
+    from .fleet import WorkerJob, run_fleet
+    from .studies import StudyStorage, study_name
+    from .timing import timer_for
+
+    if devices[0] == "cpu":
+        # The interpreter before any kernel module is imported (the plan imports the specs).
+        _choose_device("cpu")
+    # The config DB is created (and upgraded) once, before the workers open it together.
+    ConfigStore(url).close()
+    scratch = None
+    if where is None:
+        scratch = tempfile.mkdtemp(prefix="tritune-studies-")
+        where = StudyStorage(str(Path(scratch) / "studies.log"))
+    specs = [get_spec(n) for n in names]
+    targets = {spec.name: spec_target(spec) for spec in specs}
+    jobs: list[WorkerJob] = []
+    study_names: list[str] = []
+    plans: dict[str, list[tuple[Any, Any]]] = {}
+    for index, entry in enumerate(devices):
+        torch_device = torch.device("cpu") if entry == "cpu" else torch.device("cuda", int(entry))
+        info = device_info(torch_device)
+        if entry not in plans:
+            plans[entry] = [(spec, key) for spec in specs for key in _keys_for(spec, info, given)]
+            study_names.extend(
+                study_name(spec.name, spec.version, info.slug, _triton_version(), key.to_dict())
+                for spec, key in plans[entry]
+            )
+        jobs.append(
+            WorkerJob(
+                label=f"cpu#{index}" if entry == "cpu" else f"cuda:{entry}",
+                index=index,
+                count=len(devices),
+                device="cpu" if entry == "cpu" else f"cuda:{entry}",
+                targets=targets,
+                keys=[(spec.name, key.to_dict()) for spec, key in plans[entry]],
+                db_url=url,
+                where=where,
+                options=options,
+                timer=timer_for(torch_device),
+                poll_s=min(1.0, float(heartbeat_interval)),
+            )
+        )
+    console.print(
+        f"tuning {len(study_names)} key(s) with {len(jobs)} workers ({', '.join(job.label for job in jobs)}) "
+        f"into {display_url(url)}, studies in {where.display()}"
+    )
+    started = time.monotonic()
+    try:
+        exits = run_fleet(jobs, study_names)
+        for ended in exits:
+            if ended.exitcode != 0:
+                console.print(
+                    f"[yellow]worker {ended.job.label} (pid {ended.pid}) exited with code {ended.exitcode}; "
+                    f"{ended.released} of its trial(s) were handed to the other workers[/yellow]"
+                )
+        rows = _status_rows(where, names=set(study_names))
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    _print_status(rows, title="shared studies")
+    unfinished = [row for row in rows if row.finalized is None]
+    console.print(f"done in {time.monotonic() - started:.1f} s; winners stored in {display_url(url)}")
+    if unfinished or len(rows) < len(study_names):
+        console.print(f"[red]{len(study_names) - len(rows) + len(unfinished)} key(s) were not finalized[/red]")
+        raise typer.Exit(1)
+
+
+def _triton_version() -> str:
+    import triton
+
+    return str(triton.__version__)
 
 
 def _short_key(key: Any) -> str:
@@ -243,6 +488,60 @@ def show(
             f"{w.portable_ms:.4g}",
             f"{w.speedup:.3f}x",
             str(w.trials),
+        )
+    console.print(table)
+
+
+@app.command()
+def status(
+    storage: Annotated[str, typer.Option(help="the shared Optuna storage: RDB URL or journal file path")],
+    kernel: Annotated[str | None, typer.Option(help="only this kernel")] = None,
+    gpu: Annotated[str | None, typer.Option(help="only this GPU slug")] = None,
+) -> None:
+    """Shared studies: trials measured, failed, running and waiting, and each key's best so far."""
+    from .studies import StudyStorage
+
+    where = StudyStorage(storage if "://" in storage else str(Path(storage).expanduser().resolve()))
+    problem = where.problem()
+    if problem is not None:
+        raise typer.BadParameter(f"--storage: {problem}")
+    if not where.is_rdb and not Path(where.location).exists():
+        raise typer.BadParameter(f"--storage {storage!r}: no such journal file")
+    rows = _status_rows(where, kernel=kernel, gpu=gpu)
+    if not rows:
+        console.print(f"no tritune studies in {where.display()}")
+        return
+    _print_status(rows, title=f"studies in {where.display()}")
+
+
+def _status_rows(
+    where: StudyStorage, *, names: set[str] | None = None, kernel: str | None = None, gpu: str | None = None
+) -> list[StudySummary]:
+    from .studies import summaries
+
+    return [row for row in summaries(where, gpu=gpu, kernel=kernel) if names is None or row.name in names]
+
+
+def _print_status(rows: list[StudySummary], *, title: str) -> None:
+    table = Table(title=title)
+    counts = ("measured", "failed", "reused", "running", "waiting", "lost", "retried")
+    for column in ("gpu", "kernel", "key", *counts, "best ms", "best config", "finalized"):
+        table.add_column(column)
+    for row in rows:
+        if row.finalized is None:
+            finalized = "-"
+        elif "error" in row.finalized:
+            finalized = f"error: {row.finalized['error']}"
+        else:
+            finalized = "yes"
+        table.add_row(
+            row.gpu,
+            row.kernel,
+            " ".join(f"{k}={v}" for k, v in row.key.items() if k not in ("arch", "sm_count")),
+            *(str(row.counts.get(name, 0)) for name in counts),
+            "-" if row.best_ms is None else f"{row.best_ms:.4g}",
+            " ".join(f"{k}={v}" for k, v in row.best_params.items()),
+            finalized,
         )
     console.print(table)
 

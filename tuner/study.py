@@ -147,6 +147,8 @@ class KeyTuner:
     ``bench`` is where candidates run; without one, the tuner makes its own for this key (a
     worker process when ``options.isolate``, else this process) and closes it afterwards. The
     ``tune`` command passes one worker for the whole run so that its start-up is paid once.
+    Its study lives in memory; :class:`~.shared.SharedKeyTuner` runs the same steps on a study
+    shared by several workers.
     """
 
     def __init__(
@@ -259,39 +261,52 @@ class KeyTuner:
             if owned:
                 bench.close()
 
-    def _run(self, bench: Bench, default: Any) -> KeyResult:
-        spec, opts = self.spec, self.options
-        started = time.monotonic()
-        seed = opts.seed
-        distributions = {
+    def _distributions(self) -> dict[str, optuna.distributions.BaseDistribution]:
+        return {
             name: optuna.distributions.CategoricalDistribution(list(options))
             for name, options in self.space.dimensions.items()
         }
-        feasible = self.space.feasible(self.key, self.limits)
-        exhaustive = len(feasible) <= opts.trials
-        sampler: optuna.samplers.BaseSampler = (
-            optuna.samplers.RandomSampler(seed=seed)
-            if exhaustive
-            else optuna.samplers.TPESampler(multivariate=True, seed=seed, n_startup_trials=min(10, opts.trials // 3))
-        )
-        study = optuna.create_study(direction="minimize", sampler=sampler)
-        rng = random.Random(seed)
 
-        # Resume: whatever an earlier (possibly killed) run measured is known, not re-measured.
-        self._absorb_stored(study, distributions)
+    def _sampler(self, exhaustive: bool, seed: int, *, shared: bool = False) -> optuna.samplers.BaseSampler:
+        """Random over enqueued configs for an exhaustive sweep, else multivariate TPE.
 
-        study.enqueue_trial(self.space.to_dict(default), skip_if_exists=True)
-        for winner in self.store.winners(gpu=self.device.slug, kernel=spec.name):
-            if winner.key == self.key_dict and winner.kernel_version == spec.version:
-                study.enqueue_trial(winner.config, skip_if_exists=True)
+        ``shared``: several workers ask the same study at once, so TPE imagines the running
+        trials' results (``constant_liar``) instead of proposing the same config to each of them.
+        """
         if exhaustive:
-            for config in feasible:
-                study.enqueue_trial(self.space.to_dict(config), skip_if_exists=True)
+            return optuna.samplers.RandomSampler(seed=seed)
+        return optuna.samplers.TPESampler(
+            multivariate=True, seed=seed, n_startup_trials=min(10, self.options.trials // 3), constant_liar=shared
+        )
+
+    def _seeds(self, default: Any, feasible: list[Any], exhaustive: bool, rng: random.Random) -> list[dict[str, Any]]:
+        """Configs enqueued before the sampler proposes any: portable default and stored winner first."""
+        seeds = [self.space.to_dict(default)]
+        for winner in self.store.winners(gpu=self.device.slug, kernel=self.spec.name):
+            if winner.key == self.key_dict and winner.kernel_version == self.spec.version:
+                seeds.append(winner.config)
+        if exhaustive:
+            seeds.extend(self.space.to_dict(config) for config in feasible)
         else:
             # TPE's random start-up draws from the whole product, mostly infeasible for large
             # spaces: start it from a seeded sample of feasible configs instead.
-            for config in rng.sample(feasible, min(len(feasible), max(1, opts.trials // 3))):
-                study.enqueue_trial(self.space.to_dict(config), skip_if_exists=True)
+            sample = rng.sample(feasible, min(len(feasible), max(1, self.options.trials // 3)))
+            seeds.extend(self.space.to_dict(config) for config in sample)
+        return seeds
+
+    def _run(self, bench: Bench, default: Any) -> KeyResult:
+        spec, opts = self.spec, self.options
+        started = time.monotonic()
+        distributions = self._distributions()
+        feasible = self.space.feasible(self.key, self.limits)
+        exhaustive = len(feasible) <= opts.trials
+        study = optuna.create_study(direction="minimize", sampler=self._sampler(exhaustive, opts.seed))
+        rng = random.Random(opts.seed)
+
+        # Resume: whatever an earlier (possibly killed) run measured is known, not re-measured.
+        self._absorb_stored(study, distributions)
+        for values in self._seeds(default, feasible, exhaustive, rng):
+            study.enqueue_trial(values, skip_if_exists=True)
 
         # The budget counts trials measured by earlier runs of the same study too (resume).
         budget = opts.trials
@@ -340,8 +355,13 @@ class KeyTuner:
 
         return self._finish(bench, default)
 
-    def _measure_batch(self, bench: Bench, configs: list[Any]) -> list[TrialOutcome]:
-        """Run one batch on the bench, recording each trial as soon as its outcome is in."""
+    def _measure_batch(
+        self, bench: Bench, configs: list[Any], on_result: Callable[[int, TrialOutcome], None] | None = None
+    ) -> list[TrialOutcome]:
+        """Run one batch on the bench, recording each trial as soon as its outcome is in.
+
+        ``on_result(index, outcome)`` is called right after each trial is recorded.
+        """
         values = [self.space.to_dict(c) for c in configs]
         early: list[TrialOutcome | None] | None = None
         if self.torch_device.type == "cuda" and self.options.compile_workers > 1 and len(configs) > 1:
@@ -351,6 +371,8 @@ class KeyTuner:
             failed_early = early[index] if early is not None else None
             result = failed_early or bench.trial(values[index], compiled=early is not None)
             self._record(config, result["status"], result["ms"], result["error"])
+            if on_result is not None:
+                on_result(index, result)
             results.append(result)
         return results
 

@@ -1,0 +1,347 @@
+"""Several workers on shared studies: the local coordinator, GPU models kept apart, resume, CLI checks.
+
+Process tests run the real ``tune`` command through :func:`drive` (toy kernel registered, the
+deterministic :class:`toy_kernel.CostTimer` as timer, candidates in-process with ``--no-isolate``
+to save interpreter start-ups) and share nothing with the test process but files: the config DB,
+the study storage and a journal of every trial a worker started. The PostgreSQL tests
+(``test_distributed_postgres.py``) drive the same command.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import pytest
+import toy_kernel
+from typer.testing import CliRunner
+
+from tritune.configs_db.store import ConfigStore
+from tritune.kernels import registry
+from tritune.kernels.device import DeviceInfo, interpreter_device
+from tritune.tuner import timing
+from tritune.tuner.cli import app
+from tritune.tuner.shared import run_worker
+from tritune.tuner.studies import StudyStorage, summaries
+from tritune.tuner.study import TuneOptions, environment_id
+
+TESTS = Path(__file__).resolve().parent
+FEASIBLE = sorted(tuple(toy_kernel.SPEC.space.to_dict(c).values()) for c in toy_kernel.SPEC.space.feasible(None, None))
+BEST = {"BLOCK": 128, "BROKEN": False, "num_warps": 2}
+#: Generous bound on one tune of the toy kernel: only reached on failure.
+RUN_LIMIT_S = 300.0
+runner = CliRunner(env={"COLUMNS": "250"})
+
+
+# ---- what runs in the tune processes --------------------------------------------------------------
+
+
+def drive() -> None:
+    """Entry point of the ``tune`` processes (``python -c "import test_distributed as t; t.drive()" ARGS``).
+
+    TOY_HOLD_AFTER: this process's timer hangs after that many measurements (until killed).
+    TOY_VICTIM, TOY_VICTIM_HOLD: in a coordinator run, worker number TOY_VICTIM hangs after
+    TOY_VICTIM_HOLD measurements. TOY_TRIAL_JOURNAL: a file receiving one line per trial any
+    process of the command starts, written before the trial runs.
+    """
+    from tritune.tuner import cli, fleet
+
+    registry._SPECS["toy_scale"] = f"{toy_kernel.__name__}:SPEC"
+    hold = os.environ.get("TOY_HOLD_AFTER")
+    timer = toy_kernel.CostTimer(1.0, int(hold) if hold else None)
+    # The command picks its timer when it runs (and hands it to its workers).
+    timing.timer_for = lambda device: timer
+    fleet.worker_process_main = worker_main
+    _journal_trials("main")
+    sys.argv = ["tune", *sys.argv[1:]]
+    cli.main()
+
+
+def worker_main(job: Any) -> None:
+    """A coordinator's worker process: journaled, and the victim's timer hangs."""
+    from tritune.tuner.fleet import worker_process_main
+
+    if str(job.index) == os.environ.get("TOY_VICTIM"):
+        job = dataclasses.replace(job, timer=toy_kernel.CostTimer(1.0, int(os.environ["TOY_VICTIM_HOLD"])))
+    _journal_trials(str(job.index))
+    worker_process_main(job)
+
+
+def _journal_trials(worker: str) -> None:
+    from tritune.tuner.candidates import LocalBench
+
+    journal = os.environ.get("TOY_TRIAL_JOURNAL")
+    if not journal:
+        return
+    trial, open_key = LocalBench.trial, LocalBench.open
+
+    def opened(self, spec, key, seed, default):
+        self.journal_key = key.to_dict()
+        return open_key(self, spec, key, seed, default)
+
+    def journaled(self, config, compiled):
+        line = {"worker": worker, "pid": os.getpid(), "key": self.journal_key, "config": config}
+        with open(journal, "a") as fh:
+            fh.write(json.dumps(line) + "\n")
+        return trial(self, config, compiled)
+
+    LocalBench.open, LocalBench.trial = opened, journaled
+
+
+# ---- helpers of the process tests (also used by the PostgreSQL tests) ----------------------------------
+
+
+def start(tmp_path: Path, name: str, *args: str, **env: str) -> tuple[subprocess.Popen, Path]:
+    log = tmp_path / f"{name}.log"
+    environment = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        "TRITUNE_DISABLE_BUNDLES": "1",
+        "TRITUNE_LOG_LEVEL": "INFO",
+        **env,
+    }
+    command = [sys.executable, "-c", f"import {__name__} as t; t.drive()", "--kernel", "toy_scale", *args]
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            command, env=environment, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    return process, log
+
+
+def finish(process: subprocess.Popen, log: Path) -> str:
+    try:
+        code = process.wait(RUN_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        pytest.fail(f"tune did not finish in {RUN_LIMIT_S} s:\n{log.read_text()}")
+    output = log.read_text()
+    assert code == 0, output
+    return output
+
+
+def journal_lines(journal: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in journal.read_text().splitlines()] if journal.exists() else []
+
+
+def ident(key: dict[str, Any], config: dict[str, Any]) -> tuple[int, tuple[Any, ...]]:
+    return key["n_bucket"], tuple(config[name] for name in toy_kernel.SPEC.space.dimensions)
+
+
+def wait_until_held(
+    journal: Path, worker: str, measured: Callable[[], set[tuple[int, tuple[Any, ...]]]]
+) -> dict[str, Any]:
+    """The trial ``worker`` hangs in: its last journaled trial, still not stored after a while.
+
+    ``measured()`` returns the (n_bucket, config) pairs stored so far.
+    """
+    deadline = time.monotonic() + RUN_LIMIT_S
+    last, since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        mine = [line for line in journal_lines(journal) if line["worker"] == worker]
+        if mine and mine[-1] != last:
+            last, since = mine[-1], time.monotonic()
+        elif (
+            last is not None and time.monotonic() - since > 1.5 and ident(last["key"], last["config"]) not in measured()
+        ):
+            return last
+        time.sleep(0.2)
+    pytest.fail(f"worker {worker} never hung in a trial")
+
+
+def check_trials_once(rows: list[tuple[dict[str, Any], dict[str, Any], str, float | None]]) -> None:
+    """Every feasible config of both keys stored once, with the status its config calls for."""
+    infeasible = {"BLOCK": 128, "num_warps": 1}
+    assert all(config.items() >= infeasible.items() for _, config, status, _ in rows if status == "pruned")
+    for n_bucket in (64, 256):
+        at_key = [row for row in rows if row[0]["n_bucket"] == n_bucket and row[2] != "pruned"]
+        assert sorted(ident(key, config)[1] for key, config, *_ in at_key) == FEASIBLE
+        for _, config, status, time_ms in at_key:
+            if config["BROKEN"]:
+                assert status == "failed-correctness"
+            else:
+                assert status == "ok" and time_ms == pytest.approx(toy_kernel.toy_cost(toy_kernel.ToyConfig(**config)))
+
+
+def check_measured_once(lines: list[dict[str, Any]], held: dict[str, Any]) -> None:
+    """Each trial started once by the workers, but the held one: once more, by another worker."""
+    started = collections.Counter(ident(line["key"], line["config"]) for line in lines)
+    retried = ident(held["key"], held["config"])
+    assert {pair: count for pair, count in started.items() if count != 1} == {retried: 2}
+    again = [line for line in lines if ident(line["key"], line["config"]) == retried and line != held]
+    assert again and again[0]["pid"] != held["pid"]
+
+
+def _sqlite_rows(db: Path) -> list[tuple[dict[str, Any], dict[str, Any], str, float | None]]:
+    if not db.exists():
+        return []
+    try:
+        with closing(sqlite3.connect(db, timeout=30)) as connection:
+            query = "SELECT key_json, config_json, status, time_ms FROM trials ORDER BY id"
+            return [(json.loads(k), json.loads(c), s, t) for k, c, s, t in connection.execute(query)]
+    except sqlite3.OperationalError:
+        # Its schema is not written yet.
+        return []
+
+
+# ---- the local coordinator ------------------------------------------------------------------------
+
+
+def test_three_local_workers_share_the_studies_and_retry_a_killed_one(tmp_path):
+    db, studies, journal = tmp_path / "tune.sqlite", tmp_path / "studies.log", tmp_path / "trials.jsonl"
+    process, log = start(
+        tmp_path, "fleet",
+        "--device", "cpu", "--workers", "3", "--no-isolate", "--trials", "40",
+        "--db", str(db), "--storage", str(studies),
+        TOY_VICTIM="0", TOY_VICTIM_HOLD="1", TOY_TRIAL_JOURNAL=str(journal),
+    )  # fmt: skip
+    try:
+        held = wait_until_held(journal, "0", lambda: {ident(k, c) for k, c, *_ in _sqlite_rows(db)})
+        os.kill(held["pid"], signal.SIGKILL)
+        output = finish(process, log)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+    assert f"worker cpu#0 (pid {held['pid']}) exited with code -9" in output
+    assert "handed to the other workers" in output
+    check_measured_once(journal_lines(journal), held)
+    check_trials_once(_sqlite_rows(db))
+    winners = ConfigStore(f"sqlite:///{db}").winners()
+    assert sorted(w.key["n_bucket"] for w in winners) == [64, 256]
+    assert all(w.config == BEST and w.gpu == "cpu-interpreter" for w in winners)
+
+    rows = {row.key["n_bucket"]: row for row in summaries(StudyStorage(str(studies)))}
+    held_key = held["key"]["n_bucket"]
+    assert rows[held_key].counts["lost"] >= 1 and rows[held_key].counts["retried"] >= 1
+    assert all(row.finalized is not None and row.finalized["config"] == BEST for row in rows.values())
+    assert all(row.counts["running"] == 0 for row in rows.values())
+    shown = runner.invoke(app, ["status", "--storage", str(studies)])
+    assert shown.exit_code == 0, shown.output
+    assert "n_bucket=64" in shown.output and "n_bucket=256" in shown.output
+
+
+# ---- in-process: GPU models, resume, options ---------------------------------------------------------
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    monkeypatch.setitem(registry._SPECS, "toy_scale", f"{toy_kernel.__name__}:SPEC")
+    monkeypatch.setattr(timing, "timer_for", lambda device: toy_kernel.CostTimer())
+
+
+def _fake_h200() -> DeviceInfo:
+    return DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
+
+
+def test_gpu_models_are_tuned_in_their_own_studies(toy, tmp_path):
+    import torch
+
+    where = StudyStorage(str(tmp_path / "studies.log"))
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    options = TuneOptions(trials=40, final_rounds=1)
+    with ConfigStore(url) as store:
+        # Two GPU models' workers on one storage and one DB (both run here on the interpreter).
+        for device in (interpreter_device(), _fake_h200()):
+            plan = [(toy_kernel.SPEC, key) for key in toy_kernel.SPEC.default_keys(device)]
+            report = run_worker(
+                plan,
+                device=device,
+                torch_device=torch.device("cpu"),
+                store=store,
+                env_id=environment_id(store, device),
+                timer=toy_kernel.CostTimer(),
+                options=options,
+                where=where,
+                worker=f"test:{device.slug}",
+            )
+            assert len(report.results) == 2 and not report.errors
+        winners = store.winners()
+    slugs = ("cpu-interpreter", "nvidia-h200-sm90-132sm")
+    assert sorted((w.gpu, w.key["n_bucket"]) for w in winners) == [(s, n) for s in slugs for n in (64, 256)]
+    assert all(w.key["arch"] == ("sm90" if w.gpu == slugs[1] else "cpu-interpreter") for w in winners)
+    studied = summaries(where)
+    assert sorted((row.gpu, row.key["n_bucket"]) for row in studied) == sorted(
+        (w.gpu, w.key["n_bucket"]) for w in winners
+    )
+    assert all(row.name.split(":")[3] == row.gpu for row in studied)
+    assert [row.gpu for row in summaries(where, gpu=slugs[1])] == [slugs[1], slugs[1]]
+    # Each GPU exports its own bundle.
+    for slug in slugs:
+        bundle = tmp_path / f"{slug}.json"
+        exported = runner.invoke(app, ["export", "--gpu", slug, "--db", url, "--out", str(bundle)])
+        assert exported.exit_code == 0, exported.output
+        document = json.loads(bundle.read_text())
+        assert document["gpu"] == slug and len(document["winners"]) == 2
+
+
+def test_shared_study_resumes_from_the_trials_table_and_finishes_once(toy, tmp_path):
+    db = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    studies = str(tmp_path / "studies.log")
+    common = ["--device", "cpu", "--kernel", "toy_scale", "--trials", "40", "--db", db, "--no-isolate"]
+    alone = runner.invoke(app, common, catch_exceptions=False)
+    assert alone.exit_code == 0, alone.output
+    stored = ConfigStore(db).study_trials(environment_id(ConfigStore(db), interpreter_device()), "toy_scale",
+                                          toy_kernel.SPEC.version)  # fmt: skip
+
+    # A shared study created after the fact starts from everything the trials table holds.
+    shared = runner.invoke(app, [*common, "--storage", studies], catch_exceptions=False)
+    assert shared.exit_code == 0, shared.output
+    rows = summaries(StudyStorage(studies))
+    assert len(rows) == 2
+    for row in rows:
+        assert row.counts["measured"] == 0 and row.counts["failed"] == 0, "a stored trial was measured again"
+        assert row.counts["reused"] >= 11 and row.finalized is not None and row.finalized["config"] == BEST
+    assert len(ConfigStore(db).study_trials(environment_id(ConfigStore(db), interpreter_device()), "toy_scale",
+                                            toy_kernel.SPEC.version)) == len(stored)  # fmt: skip
+
+    # Joining a finalized study again costs nothing.
+    again = runner.invoke(app, [*common, "--storage", studies], catch_exceptions=False)
+    assert again.exit_code == 0, again.output
+    assert "2 key(s) were already finalized" in again.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--device", "cpu,0"], "cannot share one run"),
+        (["--device", "0", "--workers", "2"], "--workers N is for --device cpu"),
+        (["--device", "cpu", "--worker"], "--worker joins shared studies"),
+        (["--device", "cpu", "--worker", "--storage", "studies.log"], "a journal file has no heartbeats"),
+        (["--device", "cpu,cpu", "--worker", "--storage", "sqlite:///s.db"], "--worker is one worker"),
+        (["--device", "cpu", "--storage", "mysql://u@h/optuna"], "PostgreSQL, SQLite or a journal file"),
+        (["--device", "cpu", "--storage", "sqlite:///same.db", "--db", "sqlite:///same.db"], "same database"),
+        (["--device", "cpu", "--storage", "s.log", "--heartbeat-interval", "5", "--grace-period", "5"],
+         "grace period must be longer"),
+    ],
+    ids=["mixed-devices", "workers-on-gpu", "worker-without-storage", "worker-on-journal", "worker-two-devices",
+         "mysql", "storage-is-db", "grace-too-short"],
+)  # fmt: skip
+def test_options_that_do_not_fit_together(toy, tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["--kernel", "toy_scale", *args])
+    assert result.exit_code == 2, result.output
+    # The message as one line, without the frame rich draws around it.
+    assert message in " ".join(result.output.replace("│", " ").split()), result.output
+
+
+def test_device_all_needs_a_gpu(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("GPUs are visible here")
+    result = runner.invoke(app, ["--device", "all", "--db", str(tmp_path / "x.sqlite")])
+    assert result.exit_code == 2
+    assert "no CUDA GPU is visible" in " ".join(result.output.replace("│", " ").split())

@@ -1,0 +1,169 @@
+"""Several workers on one host: ``tune --device 0,1,2,3`` (or ``--device cpu --workers 3``).
+
+The ``tune`` process becomes a coordinator: it plans the keys of each device, starts one worker
+process per device (``spawn``: a fresh interpreter each), and waits. Each worker runs
+:func:`.shared.run_worker` on the shared storage, from its own place in the plan, so workers
+start on different keys and then help each other with whatever is left. The config DB is one
+for all (SQLite takes several writers; see ``configs_db/storage.py``).
+
+Without ``--storage`` the studies live in a journal file in a temporary directory, removed at the
+end: the trials table is the record, and a later run resumes from it. Journal storages have no
+heartbeat, so the coordinator releases the trials of a worker process that dies (fails them and
+enqueues them again) as soon as it sees the process gone; the surviving workers then retry them.
+On an RDB storage the heartbeat does the same for workers on any host.
+
+A worker process exits by itself when the coordinator dies, like the candidate worker of
+:mod:`.worker`.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from .shared import worker_name
+from .studies import StudyStorage
+from .study import TuneOptions
+from .timing import Timer
+from .worker import STOP_GRACE_S, _exit_with_parent, _interpreter_environment
+
+log = logging.getLogger("tritune.tuner")
+
+
+@dataclass(frozen=True)
+class WorkerJob:
+    """Everything one worker process needs, as plain values (it is pickled into the process)."""
+
+    label: str
+    index: int
+    count: int
+    #: ``cpu`` or ``cuda:N``.
+    device: str
+    #: Kernel name -> registry target ("module:attribute"), so run-time registrations reach the worker.
+    targets: dict[str, str]
+    #: (kernel name, key dict) in plan order.
+    keys: list[tuple[str, dict[str, Any]]]
+    #: Kept out of the repr: the URL may hold a password.
+    db_url: str = field(repr=False)
+    where: StudyStorage
+    options: TuneOptions
+    timer: Timer
+    poll_s: float = 1.0
+
+
+def worker_process_main(job: WorkerJob) -> None:
+    """Entry point of a worker process: tune the job's keys on its device, then exit."""
+    import sys
+
+    import torch
+
+    _exit_with_parent()
+    if job.device == "cpu":
+        # Before any kernel module is imported: Triton decides at decoration time.
+        os.environ["TRITON_INTERPRET"] = "1"
+        from tritune.kernels._interpreter import fix_interpreter_index
+
+        fix_interpreter_index()
+    else:
+        torch.cuda.set_device(torch.device(job.device))
+
+    from rich.console import Console
+    from rich.markup import escape
+
+    from tritune.configs_db.store import ConfigStore
+    from tritune.kernels import settings
+    from tritune.kernels.device import device_info
+
+    from .candidates import resolve_spec
+    from .shared import SharedKeyTuner, Visit, run_worker
+    from .study import environment_id
+
+    logging.basicConfig(level=settings.settings().log_level, format=f"[{job.label}] %(levelname)s %(message)s")
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    specs = {name: resolve_spec(name, target) for name, target in job.targets.items()}
+    plan = [(specs[name], specs[name].key_type.from_dict(key)) for name, key in job.keys]
+    torch_device = torch.device(job.device)
+    info = device_info(torch_device)
+    name = worker_name(job.device)
+
+    tag = escape(f"[{job.label}]")
+
+    def done(tuner: SharedKeyTuner, visit: Visit) -> None:
+        key = " ".join(f"{k}={v}" for k, v in tuner.key_dict.items() if k not in ("arch", "sm_count"))
+        if visit.result is not None:
+            config = " ".join(f"{k}={v}" for k, v in visit.result.config.items())
+            console.print(
+                f"{tag} {tuner.spec.name} {key}: winner {config} ({visit.result.best_ms:.4g} ms, "
+                f"{visit.result.speedup:.3f}x); measured {visit.result.measured} here"
+            )
+        else:
+            console.print(f"{tag} {tuner.spec.name} {key}: finalized by another worker")
+
+    with ConfigStore(job.db_url) as store:
+        env_id = environment_id(store, info)
+        report = run_worker(
+            plan,
+            device=info,
+            torch_device=torch_device,
+            store=store,
+            env_id=env_id,
+            timer=job.timer,
+            options=job.options,
+            where=job.where,
+            worker=name,
+            start=job.index * len(plan) // max(1, job.count),
+            poll_s=job.poll_s,
+            on_done=done,
+        )
+    for error in report.errors:
+        console.print(f"[red]{tag} {escape(error)}[/red]")
+
+
+@dataclass
+class WorkerExit:
+    job: WorkerJob
+    pid: int
+    exitcode: int | None
+    released: int = 0
+
+
+def run_fleet(jobs: Sequence[WorkerJob], study_names: Sequence[str]) -> list[WorkerExit]:
+    """Start a process per job, wait for all, and release the trials of any that died."""
+    context = multiprocessing.get_context("spawn")
+    running: dict[Any, tuple[BaseProcess, WorkerJob]] = {}
+    exits: list[WorkerExit] = []
+    try:
+        for job in jobs:
+            # Looked up at each start, so a test can substitute the entry point.
+            process: BaseProcess = context.Process(
+                target=worker_process_main, args=(job,), name=f"tritune-tuner-{job.label}"
+            )
+            with _interpreter_environment(job.device == "cpu"):
+                process.start()
+            running[process.sentinel] = (process, job)
+        while running:
+            for sentinel in wait(list(running)):
+                gone, job = running.pop(sentinel)
+                gone.join()
+                assert gone.pid is not None
+                ended = WorkerExit(job, gone.pid, gone.exitcode)
+                if gone.exitcode != 0:
+                    # Its trials are retried by the others now, not after a heartbeat's grace period.
+                    try:
+                        ended.released = job.where.release_worker(worker_name(job.device, gone.pid), study_names)
+                    except Exception as exc:
+                        log.warning("could not release the trials of worker %s: %s", job.label, exc)
+                exits.append(ended)
+    finally:
+        for left, _ in running.values():
+            left.join(STOP_GRACE_S)
+            if left.is_alive():
+                left.kill()
+                left.join()
+    return exits

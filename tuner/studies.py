@@ -1,0 +1,364 @@
+"""Optuna storage shared by several tuner workers: opening it, study names, locks, heartbeats, summaries.
+
+Optuna is the distributed engine: workers that share a storage cooperate on one study per
+(kernel, kernel version, GPU model, Triton version, key). The storage is one of
+
+- an RDB URL (``postgresql+psycopg://...``; ``sqlite:///...`` for one process): Optuna's
+  ``RDBStorage`` with heartbeats. A worker records a heartbeat for each trial it holds; any worker
+  fails the trials whose heartbeat went silent for the grace period and enqueues them again
+  (``RetryHeartbeatStaleTrialCallback``), so the trials of a dead worker on any host are retried.
+- a journal file (``JournalStorage``): several workers on one host without a database server.
+  Optuna recommends it over SQLite for concurrent processes, whose write transactions start as
+  reads and fail with "database is locked" when two upgrade at once. It has no heartbeats: the
+  local coordinator (:mod:`.fleet`), which sees its worker processes die, fails and retries their
+  trials instead.
+
+A :class:`StudyStorage` is plain values, sent as is to worker processes. Besides the storage it
+gives a cross-process lock per study (a PostgreSQL advisory lock, or an ``fcntl`` record lock
+beside a SQLite or journal file), which the workers take to seed a study and to choose its winner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import logging
+import threading
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+log = logging.getLogger("tritune.tuner")
+
+#: Prefix of every study name tritune creates (``tune status`` lists only these).
+STUDY_PREFIX = "tritune"
+#: Study user attribute holding what the study tunes (kernel, version, GPU, Triton, key).
+META_ATTR = "tritune"
+#: Study user attribute set once a worker has chosen and offered the key's winner.
+FINALIZED_ATTR = "finalized"
+#: Trial user attributes: the worker that asked the trial, and what became of it.
+WORKER_ATTR = "worker"
+OUTCOME_ATTR = "outcome"
+#: Outcomes of trials that were not measured: answered from a stored trial, or left to an earlier
+#: trial of the same config that another worker holds.
+REUSED = "reused"
+#: System attribute Optuna's retry callback sets on a retried trial: the number of the failed one.
+FAILED_TRIAL_ATTR = "failed_trial"
+DUPLICATE = "duplicate"
+#: Dialects of RDB storages a study lock is implemented for.
+RDB_DIALECTS = ("postgresql", "sqlite")
+
+
+@contextlib.contextmanager
+def _quiet_experimental() -> Iterator[None]:
+    """Heartbeats and trial retries are marked experimental by Optuna; they are what we rely on."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        yield
+
+
+def study_name(kernel: str, kernel_version: str, gpu: str, triton_version: str, key: dict[str, Any]) -> str:
+    """The shared study of one key, readable in ``tune status`` and optuna-dashboard.
+
+    The Triton version is part of the name: it decides the generated code, and the runtime refuses
+    winners measured under another one, so their times must not be pooled.
+    """
+    fields = ",".join(f"{name}={value}" for name, value in key.items())
+    return f"{STUDY_PREFIX}:{kernel}:{kernel_version}:{gpu}:triton-{triton_version}:{fields}"
+
+
+def trial_ident(trial: FrozenTrial) -> tuple[tuple[str, Any], ...] | None:
+    """The config a trial stands for (enqueued ones carry it before their params are set); ``None`` if unknown yet."""
+    params = trial.params or trial.system_attrs.get("fixed_params") or {}
+    return tuple(sorted(params.items())) if params else None
+
+
+def measured_outcome(trial: FrozenTrial) -> bool:
+    """Whether a finished trial holds a real result: measured (or reused) rather than deferred or lost."""
+    outcome = trial.user_attrs.get(OUTCOME_ATTR)
+    if trial.state == TrialState.COMPLETE:
+        return True
+    return trial.state == TrialState.FAIL and isinstance(outcome, str) and outcome.startswith("failed")
+
+
+@dataclass(frozen=True)
+class StudyStorage:
+    """Where shared studies live: an RDB URL or a journal file path, and the retry policy."""
+
+    location: str
+    heartbeat_interval_s: int = 10
+    grace_period_s: int = 60
+    max_retry: int = 3
+
+    def __repr__(self) -> str:
+        # The URL may hold a password: keep it out of logs and tracebacks.
+        return f"StudyStorage({self.display()!r})"
+
+    @property
+    def is_rdb(self) -> bool:
+        return "://" in self.location
+
+    @property
+    def dialect(self) -> str:
+        return self.location.split("://", 1)[0].split("+", 1)[0].lower() if self.is_rdb else "journal"
+
+    @property
+    def has_heartbeat(self) -> bool:
+        return self.is_rdb
+
+    def display(self) -> str:
+        """The location fit for messages (a password is masked)."""
+        if not self.is_rdb:
+            return self.location
+        from sqlalchemy.engine import make_url
+
+        return make_url(self.location).render_as_string(hide_password=True)
+
+    def problem(self) -> str | None:
+        """Why this storage cannot hold shared studies; ``None`` if it can."""
+        if self.is_rdb and self.dialect not in RDB_DIALECTS:
+            return f"{self.display()}: shared studies live in PostgreSQL, SQLite or a journal file, not {self.dialect}"
+        if self.is_rdb and self.dialect == "sqlite" and self._sqlite_path() is None:
+            return f"{self.display()}: an in-memory SQLite storage cannot be shared; give a file"
+        if self.heartbeat_interval_s < 1 or self.grace_period_s <= self.heartbeat_interval_s:
+            return "the grace period must be longer than the heartbeat interval (both whole seconds, >= 1)"
+        return None
+
+    def _sqlite_path(self) -> Path | None:
+        from tritune.configs_db.urls import sqlite_file
+
+        path: Path | None = sqlite_file(self.location)
+        return path
+
+    def open(self) -> optuna.storages.BaseStorage:
+        """This process's storage object (one per process and location)."""
+        return _open_storage(self)
+
+    def retry(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        """Enqueue ``trial`` (failed, never measured) again, up to ``max_retry`` times."""
+        with _quiet_experimental():
+            optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=self.max_retry)(study, trial)
+
+    def fail_stale(self, study: optuna.Study) -> None:
+        """Fail and retry the trials whose worker stopped beating (RDB storages; others have no heartbeat)."""
+        if self.has_heartbeat:
+            with _quiet_experimental():
+                optuna.storages.fail_stale_trials(study)
+
+    def release(self, study: optuna.Study, numbers: Sequence[int]) -> int:
+        """Fail the still-running trials ``numbers`` of ``study`` and enqueue them again; how many were released.
+
+        A trial finished meanwhile (by its worker, or failed by another worker's heartbeat check)
+        is left alone: only the process whose update turns it from RUNNING to FAIL retries it.
+        """
+        storage = self.open()
+        study_id = storage.get_study_id_from_name(study.study_name)
+        released = 0
+        for number in numbers:
+            trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, number)
+            try:
+                if not storage.set_trial_state_values(trial_id, TrialState.FAIL):
+                    continue
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue
+            self.retry(study, storage.get_trial(trial_id))
+            released += 1
+        return released
+
+    def release_worker(self, worker: str, names: Sequence[str]) -> int:
+        """Release every running trial that ``worker`` asked in the studies ``names`` (its process is gone)."""
+        released = 0
+        existing = set(optuna.study.get_all_study_names(self.open()))
+        for name in names:
+            if name not in existing:
+                continue
+            study = self.load(name)
+            mine = [
+                t.number
+                for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                if t.user_attrs.get(WORKER_ATTR) == worker
+            ]
+            released += self.release(study, mine)
+        return released
+
+    def load(self, name: str, sampler: optuna.samplers.BaseSampler | None = None) -> optuna.Study:
+        return optuna.load_study(
+            study_name=name, storage=self.open(), sampler=sampler or optuna.samplers.RandomSampler()
+        )
+
+    @contextlib.contextmanager
+    def lock(self, name: str) -> Iterator[None]:
+        """Hold the cross-process lock of study ``name`` (released too if this process dies)."""
+        key = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big", signed=True)
+        if self.dialect == "postgresql":
+            from sqlalchemy import text
+
+            with _lock_engine(self.location).connect() as connection:
+                connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": key})
+                try:
+                    yield
+                finally:
+                    connection.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": key})
+            return
+        base = self._sqlite_path() if self.is_rdb else Path(self.location)
+        assert base is not None
+        path = base.with_name(base.name + ".tritune-lock")
+        with path.open("a+b") as handle:
+            # One byte per study: studies lock independently of each other.
+            offset = key % (1 << 31)
+            fcntl.lockf(handle, fcntl.LOCK_EX, 1, offset)
+            try:
+                yield
+            finally:
+                fcntl.lockf(handle, fcntl.LOCK_UN, 1, offset)
+
+
+@functools.cache
+def _open_storage(where: StudyStorage) -> optuna.storages.BaseStorage:
+    if not where.is_rdb:
+        from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+        Path(where.location).parent.mkdir(parents=True, exist_ok=True)
+        return JournalStorage(JournalFileBackend(where.location))
+    engine_kwargs: dict[str, Any] = {"pool_pre_ping": True}
+    if where.dialect == "sqlite":
+        # Wait for another process's write lock instead of failing at once.
+        engine_kwargs = {"connect_args": {"timeout": 60}}
+    with _quiet_experimental():
+        return optuna.storages.RDBStorage(
+            where.location,
+            engine_kwargs=engine_kwargs,
+            heartbeat_interval=where.heartbeat_interval_s,
+            grace_period=where.grace_period_s,
+            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=where.max_retry),
+        )
+
+
+@functools.cache
+def _lock_engine(url: str) -> Any:
+    from sqlalchemy import create_engine
+    from sqlalchemy.pool import NullPool
+
+    return create_engine(url, poolclass=NullPool, isolation_level="AUTOCOMMIT")
+
+
+class Heartbeat:
+    """Records a heartbeat for every trial this worker holds, at the storage's interval, in a thread.
+
+    Optuna beats only inside ``study.optimize``; the tuner asks and tells, so it beats itself. A
+    trial is beaten as soon as it is asked: Optuna never fails a running trial that has no
+    heartbeat at all, so a worker killed before its first beat would block the study for good.
+    """
+
+    def __init__(self, storage: optuna.storages.BaseStorage, where: StudyStorage) -> None:
+        self._storage = storage if where.has_heartbeat else None
+        self._interval = where.heartbeat_interval_s
+        self._held: set[int] = set()
+        self._guard = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if self._storage is not None:
+            self._thread = threading.Thread(target=self._beat, name="tritune-heartbeat", daemon=True)
+            self._thread.start()
+
+    def _record(self, trial_id: int) -> None:
+        record = getattr(self._storage, "record_heartbeat", None)
+        if record is not None:
+            record(trial_id)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self._interval):
+            with self._guard:
+                held = sorted(self._held)
+            for trial_id in held:
+                try:
+                    self._record(trial_id)
+                except Exception as exc:
+                    # A passing database hiccup must not end the beat; a long one makes the trial stale.
+                    log.warning("heartbeat of trial %d not recorded: %s", trial_id, exc)
+
+    def hold(self, trial_id: int) -> None:
+        if self._storage is None:
+            return
+        self._record(trial_id)
+        with self._guard:
+            self._held.add(trial_id)
+
+    def drop(self, trial_id: int) -> None:
+        with self._guard:
+            self._held.discard(trial_id)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+@dataclass
+class StudySummary:
+    """One tritune study as ``tune status`` shows it."""
+
+    name: str
+    gpu: str
+    kernel: str
+    kernel_version: str
+    key: dict[str, Any]
+    counts: dict[str, int] = field(default_factory=dict)
+    best_ms: float | None = None
+    best_params: dict[str, Any] = field(default_factory=dict)
+    finalized: dict[str, Any] | None = None
+
+
+def summaries(where: StudyStorage, gpu: str | None = None, kernel: str | None = None) -> list[StudySummary]:
+    """The tritune studies in the storage, with trial counts by state and the best result so far."""
+    names = sorted(n for n in optuna.study.get_all_study_names(where.open()) if n.startswith(STUDY_PREFIX + ":"))
+    found = []
+    for name in names:
+        study = where.load(name)
+        attrs = study.user_attrs
+        meta = attrs.get(META_ATTR)
+        if not isinstance(meta, dict):
+            continue
+        if (gpu is not None and meta.get("gpu") != gpu) or (kernel is not None and meta.get("kernel") != kernel):
+            continue
+        summary = StudySummary(
+            name=name,
+            gpu=str(meta.get("gpu")),
+            kernel=str(meta.get("kernel")),
+            kernel_version=str(meta.get("kernel_version")),
+            key=dict(meta.get("key") or {}),
+            finalized=attrs.get(FINALIZED_ATTR),
+        )
+        counts = dict.fromkeys(("measured", "reused", "failed", "running", "waiting", "lost", "retried"), 0)
+        measured: set[Any] = set()
+        for trial in study.get_trials(deepcopy=False):
+            outcome = trial.user_attrs.get(OUTCOME_ATTR)
+            if FAILED_TRIAL_ATTR in trial.system_attrs and trial.state.is_finished():
+                counts["retried"] += 1
+            if trial.state == TrialState.RUNNING:
+                counts["running"] += 1
+            elif trial.state == TrialState.WAITING:
+                counts["waiting"] += 1
+            elif trial.state == TrialState.FAIL and not measured_outcome(trial):
+                # Failed by a heartbeat check or a coordinator: the worker died holding it.
+                counts["lost"] += 1
+            elif outcome == REUSED:
+                counts["reused"] += 1
+            elif trial.state == TrialState.COMPLETE or measured_outcome(trial):
+                ident = trial_ident(trial)
+                if ident not in measured:
+                    measured.add(ident)
+                    counts["failed" if trial.state == TrialState.FAIL else "measured"] += 1
+            better = trial.value is not None and (summary.best_ms is None or trial.value < summary.best_ms)
+            if trial.state == TrialState.COMPLETE and better:
+                summary.best_ms, summary.best_params = trial.value, dict(trial.params)
+        summary.counts = counts
+        found.append(summary)
+    return found
