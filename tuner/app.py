@@ -54,7 +54,8 @@ def choose_device(device: str) -> Any:
 def db_url(db: str | None) -> str:
     from tritune.kernels import settings
 
-    return settings.db_url_from(db) if db else settings.settings().db_url
+    url: str = settings.db_url_from(db) if db else settings.settings().db_url
+    return url
 
 
 def short_key(key: Any) -> str:

@@ -123,7 +123,7 @@ def tritune_version() -> str:
 
 
 def environment_id(store: ConfigStore, device: DeviceInfo) -> int:
-    return store.environment(
+    env_id: int = store.environment(
         gpu=device.slug,
         gpu_name=device.name,
         capability=f"{device.capability[0]}.{device.capability[1]}",
@@ -134,6 +134,7 @@ def environment_id(store: ConfigStore, device: DeviceInfo) -> int:
         triton_version=triton.__version__,
         tritune_version=tritune_version(),
     )
+    return env_id
 
 
 def pick_winner(times: dict[Ident, float], default: Ident) -> Ident:
