@@ -13,5 +13,5 @@ fi
 pip install -q -e ".[dev]"
 ruff check .
 # Strict typing where the style asks for it (settings in pyproject.toml).
-mypy tuner configs_db search_spaces
+mypy --strict tuner configs_db search_spaces
 exec python -m pytest "$@"
