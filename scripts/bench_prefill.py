@@ -2,27 +2,33 @@
 
 Run on a GPU after tuning into a DB:
 
-    python scripts/bench_prefill.py --db /tmp/tune.sqlite --out docs/perf/prefill-h200.md
+    python scripts/bench_prefill.py --db /tmp/tune.sqlite --out docs/perf/DATE-tma_prefill-GPU.md
 
-Every implementation is checked against an fp32 reference on a sample of query rows (first and last
-64 rows of every head) before it is timed; one that fails is reported as FAILED, never as a speedup.
-Times are medians of ``triton.testing.do_bench`` (warm-up, L2 flushed between repetitions). TFLOP/s
-count only unmasked query-key pairs (4 * D flops each).
+Every implementation is checked against an fp32 reference on a sample of query rows (the first and
+last 64 rows of every head) before it is timed; one that fails is reported as FAILED, never as a
+speedup; a peer that cannot run is reported as unavailable. Times are medians of
+``triton.testing.do_bench`` (warm-up, L2 flushed between repetitions). TFLOP/s count only unmasked
+query-key pairs (4 * D flops each). The report is rewritten after every shape, so a run cut short
+keeps what it measured. ``--smoke`` runs the same code on the CPU under ``TRITON_INTERPRET=1`` at
+tiny shapes: a dry run of the script, with meaningless times.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
+import os
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from typing import Any
 
+if "--smoke" in sys.argv:
+    # Must precede any triton import: kernels are defined as interpreter kernels at import.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import _benchlib as bl
 import torch
 import torch.nn.functional as F
-import triton
-import triton.testing
 
 # B=1, Hq=16, Hkv=2, bf16; (D, Lq, Lkv)
 SHAPES = [
@@ -34,152 +40,149 @@ SHAPES = [
     (64, 16384, 16384),
     (128, 16384, 16384),
 ]
+SMOKE_SHAPES = [(64, 16, 64), (64, 32, 96)]
 HQ, HKV, B = 16, 2, 1
-
-
-@dataclass
-class Row:
-    shape: str
-    impl: str
-    ms: float | None
-    tflops: float | None
-    max_err: float | None
-    note: str = ""
+SMOKE_HQ = 4
+PEERS = ("SDPA flash", "SDPA cuDNN", "FlexAttention")
+#: Max |error| on the sampled rows against the fp32 reference for bf16 outputs.
+TOLERANCE = 3e-2
 
 
 def causal_pairs(lq: int, lkv: int) -> int:
-    """Unmasked (query, key) pairs of bottom-right causal attention."""
+    """Unmasked (query, key) pairs of bottom-right causal attention with Lq <= Lkv."""
     return lq * (lkv - lq) + lq * (lq + 1) // 2
 
 
-def reference_rows(q, k, v, rows: torch.Tensor, scale: float) -> torch.Tensor:
+def reference_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
     """fp32 bottom-right causal attention for the selected query rows only."""
     group = q.shape[1] // k.shape[1]
     lq, lkv = q.shape[2], k.shape[2]
     kf = k.float().repeat_interleave(group, dim=1)
     vf = v.float().repeat_interleave(group, dim=1)
-    qs = q[:, :, rows].float()
-    scores = torch.einsum("bhqd,bhkd->bhqk", qs, kf) * scale
-    pos = (lkv - lq + rows)[:, None]
-    mask = torch.arange(lkv, device=q.device)[None, :] <= pos
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = torch.einsum("bhqd,bhkd->bhqk", q[:, :, rows].float(), kf) * scale
+    position = (lkv - lq + rows)[:, None]
+    scores = scores.masked_fill(torch.arange(lkv, device=q.device)[None, :] > position, float("-inf"))
     return torch.einsum("bhqk,bhkd->bhqd", torch.softmax(scores, dim=-1), vf)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--db", default=None, help="config DB holding the tuned winners and trials")
-    parser.add_argument("--out", default=None, help="markdown file to write the table to")
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--shapes", default=None, help="subset, e.g. 128x4096x131072,64x512x16384")
-    parser.add_argument("--skip-flex", action="store_true")
+    parser.add_argument("--out", default=None, help="markdown report to write")
+    parser.add_argument("--json", default=None, help="JSON rows to write")
+    parser.add_argument("--shapes", default=None, help="subset, e.g. 128x4096x131072,64x512x16384 (D x Lq x Lkv)")
+    parser.add_argument("--skip-flex", action="store_true", help="leave FlexAttention out (its compile is slow)")
+    parser.add_argument("--smoke", action="store_true", help="CPU dry run on the Triton interpreter at tiny shapes")
     args = parser.parse_args()
+    bl.setup_logging()
+    if args.smoke:
+        bl.prepare_interpreter()
+    device = bl.bench_device(args.smoke)
+    db = bl.checked_db(args.db)
 
     from tritune.kernels import settings
 
-    if args.db:
-        settings.override(db_url=args.db).__enter__()
-
-    shapes = SHAPES
+    if db:
+        settings.override(db_url=db).__enter__()
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
     if args.shapes:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    best_by_path = _best_trials_by_path(args.db) if args.db else {}
 
+    from tritune.kernels.device import device_info
+    from tritune.kernels.prefill.spec import SPEC
+
+    best_by_path = bl.best_trials_by_path(db, SPEC.name, SPEC.version, device_info(device).slug) if db else {}
     flex = None
-    if not args.skip_flex:
+    if not args.skip_flex and not args.smoke:
         from torch.nn.attention.flex_attention import flex_attention
 
         flex = torch.compile(flex_attention, dynamic=False)
 
-    rows: list[Row] = []
+    env = bl.environment(device, args.smoke)
+    rows: list[dict[str, Any]] = []
     for d, lq, lkv in shapes:
-        rows.extend(bench_shape(d, lq, lkv, best_by_path, flex))
-        torch.cuda.empty_cache()
-
-    table = _table(rows)
-    header = (
-        f"GPU: {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
-        f"CUDA {torch.version.cuda} | Python {platform.python_version()}\n\n"
-        f"Command: `python {' '.join(sys.argv)}`\n\nB={B}, Hq={HQ}, Hkv={HKV}, bf16, bottom-right causal, "
-        "kv_len as a device tensor. Median of triton.testing.do_bench (L2 flushed). TFLOP/s count unmasked "
-        "pairs only. Ratio = fastest peer time / this time (>1 is faster than every PyTorch peer).\n\n"
-    )
-    print(header + table)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(header + table)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump([asdict(r) for r in rows], fh, indent=1)
+        rows.extend(bench_shape(device, d, lq, lkv, best_by_path, flex, smoke=args.smoke))
+        markdown = report(env, rows)
+        bl.write_report(markdown, env, rows, args.out, args.json)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    bl.print_report(report(env, rows))
     return 0
 
 
-
-def bench_shape(d: int, lq: int, lkv: int, best_by_path: dict, flex) -> list[Row]:
+def bench_shape(
+    device: torch.device, d: int, lq: int, lkv: int, best_by_path: dict, flex: Any, *, smoke: bool
+) -> list[dict[str, Any]]:
     """Check, then time, every implementation at one shape."""
     from torch.nn.attention import SDPBackend
     from torch.nn.attention.bias import causal_lower_right
 
-    from tritune.kernels import prefill_attention, use_config
+    from tritune.kernels import prefill_attention
     from tritune.kernels.device import device_info
     from tritune.kernels.prefill.spec import SPEC
 
-    rows: list[Row] = []
+    q_heads = SMOKE_HQ if smoke else HQ
     torch.manual_seed(0)
-    q = torch.randn(B, HQ, lq, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(B, HKV, lkv, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(B, HKV, lkv, d, device="cuda", dtype=torch.bfloat16)
-    kv_len = torch.tensor(lkv, device="cuda", dtype=torch.int32)
-    scale = d**-0.5
-    sample = torch.cat([torch.arange(0, 64), torch.arange(lq - 64, lq)]).to("cuda")
-    expected = reference_rows(q, k, v, sample, scale)
-    flops = 4.0 * d * causal_pairs(lq, lkv) * B * HQ
+    q = torch.randn(B, q_heads, lq, d, device=device, dtype=torch.bfloat16)
+    k = torch.randn(B, HKV, lkv, d, device=device, dtype=torch.bfloat16)
+    v = torch.randn(B, HKV, lkv, d, device=device, dtype=torch.bfloat16)
+    kv_len = torch.tensor(lkv, device=device, dtype=torch.int32)
+    sample = torch.unique(torch.cat([torch.arange(0, min(64, lq)), torch.arange(max(0, lq - 64), lq)])).to(device)
+    expected = reference_rows(q, k, v, sample, d**-0.5)
+    flops = 4.0 * d * causal_pairs(lq, lkv) * B * q_heads
     shape = f"D={d} Lq={lq} Lkv={lkv}"
-    k_rep = k.repeat_interleave(HQ // HKV, dim=1)
-    v_rep = v.repeat_interleave(HQ // HKV, dim=1)
+    # Peers get the K/V heads repeated outside the timed region where a backend lacks GQA.
+    k_rep = k.repeat_interleave(q_heads // HKV, dim=1)
+    v_rep = v.repeat_interleave(q_heads // HKV, dim=1)
     mask = causal_lower_right(lq, lkv)
 
-    impls: list[tuple[str, Callable[[], torch.Tensor]]] = []
-
     facts = SPEC.facts(q, k, v, causal=True, kv_len=kv_len, softmax_scale=None, out=None)
-    key = SPEC.key_for(device_info(q.device), facts)
-    portable = SPEC.space.to_dict(SPEC.default_config(key))
-    impls.append(("tritune portable (untuned)", _pinned(use_config, portable, q, k, v, kv_len)))
-    impls.append(("tritune tuned (dispatcher)", lambda: prefill_attention(q, k, v, kv_len=kv_len)))
+    key = SPEC.key_for(device_info(device), tuple(facts))
+    impls: list[tuple[str, Callable[[], torch.Tensor]]] = [
+        ("tritune portable (untuned)", pinned(SPEC.space.to_dict(SPEC.default_config(key)), q, k, v, kv_len)),
+        ("tritune tuned (dispatcher)", lambda: prefill_attention(q, k, v, kv_len=kv_len)),
+    ]
     for path in ("portable", "tma"):
         best = best_by_path.get((json.dumps(key.to_dict(), sort_keys=True), path))
         if best is not None:
-            impls.append((f"tritune best {path} (tuned)", _pinned(use_config, best, q, k, v, kv_len)))
-    impls.append(("SDPA flash", lambda: _sdpa(SDPBackend.FLASH_ATTENTION, q, k_rep, v_rep, mask)))
-    impls.append(("SDPA cuDNN", lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, q, k_rep, v_rep, mask)))
+            impls.append((f"tritune best {path} (tuned)", pinned(best, q, k, v, kv_len)))
+    impls.append(("SDPA flash", lambda: sdpa(SDPBackend.FLASH_ATTENTION, q, k_rep, v_rep, mask)))
+    impls.append(("SDPA cuDNN", lambda: sdpa(SDPBackend.CUDNN_ATTENTION, q, k_rep, v_rep, mask)))
+    if smoke:
+        impls.append(("SDPA math (smoke stand-in)", lambda: sdpa(SDPBackend.MATH, q, k_rep, v_rep, mask)))
     if flex is not None:
         from torch.nn.attention.flex_attention import create_block_mask
 
         offset = lkv - lq
 
-        def causal_mod(b, h, q_idx, kv_idx):
+        def causal_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
             return q_idx + offset >= kv_idx
 
-        block_mask = create_block_mask(causal_mod, B=None, H=None, Q_LEN=lq, KV_LEN=lkv, device="cuda")
+        block_mask = create_block_mask(causal_mod, B=None, H=None, Q_LEN=lq, KV_LEN=lkv, device=device)
         impls.append(("FlexAttention", lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=True)))
 
+    rows = []
     for name, fn in impls:
+        row: dict[str, Any] = {"shape": shape, "impl": name, "ms": None, "tflops": None, "max_err": None, "note": ""}
         try:
             out = fn()
-            torch.cuda.synchronize()
+            bl.synchronize(device)
             err = float((out[:, :, sample].float() - expected).abs().max())
-            if not (err <= 3e-2):
-                rows.append(Row(shape, name, None, None, err, "FAILED correctness check"))
-                continue
-            ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-            rows.append(Row(shape, name, ms, flops / ms / 1e9, err))
-        except Exception as exc:  # report the peer as unavailable, keep benchmarking
-            rows.append(Row(shape, name, None, None, None, f"unavailable: {type(exc).__name__}: {exc}"[:160]))
-        print(_fmt(rows[-1]), flush=True)
+            row["max_err"] = err
+            if not err <= TOLERANCE:
+                row["note"] = "FAILED correctness check"
+            else:
+                row["ms"] = bl.time_ms(fn, device)
+                row["tflops"] = flops / row["ms"] / 1e9
+        except Exception as exc:  # a peer that cannot run is reported, and the run goes on
+            row["note"] = "unavailable: " + bl.error_text(exc)
+        rows.append(row)
+        bl.log.info("%s %-30s %s ms %s", shape, name, bl.fmt(row["ms"], 3), row["note"])
     return rows
 
-def _pinned(use_config, config: dict, q, k, v, kv_len) -> Callable[[], torch.Tensor]:
-    from tritune.kernels import prefill_attention
+
+def pinned(config: dict[str, Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: torch.Tensor):
+    from tritune.kernels import prefill_attention, use_config
 
     def run() -> torch.Tensor:
         with use_config("tma_prefill", config):
@@ -188,55 +191,35 @@ def _pinned(use_config, config: dict, q, k, v, kv_len) -> Callable[[], torch.Ten
     return run
 
 
-def _sdpa(backend, q, k, v, mask) -> torch.Tensor:
+def sdpa(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
     from torch.nn.attention import sdpa_kernel
 
     with sdpa_kernel(backend):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def _best_trials_by_path(db: str) -> dict[tuple[str, str], dict]:
-    """Best ok trial per (key, path) from the DB, for 'tuned TMA vs tuned portable'."""
-    from sqlalchemy import create_engine, text
-
-    from tritune.kernels import settings
-
-    engine = create_engine(settings.db_url_from(db))
-    best: dict[tuple[str, str], tuple[float, dict]] = {}
-    with engine.connect() as conn:
-        for key_json, config_json, time_ms in conn.execute(
-            text("SELECT key_json, config_json, time_ms FROM trials WHERE kernel='tma_prefill' AND status='ok'")
-        ):
-            config = json.loads(config_json)
-            key = json.dumps(json.loads(key_json), sort_keys=True)
-            slot = (key, config.get("path", "portable"))
-            if slot not in best or time_ms < best[slot][0]:
-                best[slot] = (time_ms, config)
-    return {slot: cfg for slot, (_, cfg) in best.items()}
-
-
-def _fmt(r: Row) -> str:
-    t = f"{r.ms:.3f} ms" if r.ms is not None else "-"
-    f = f"{r.tflops:.0f} TFLOP/s" if r.tflops is not None else ""
-    return f"{r.shape:28s} {r.impl:30s} {t:>12s} {f:>14s} err={r.max_err} {r.note}"
-
-
-def _table(rows: list[Row]) -> str:
-    lines = ["| shape | implementation | time (ms) | TFLOP/s | vs fastest peer | max err (sampled rows) | note |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    peers = ("SDPA flash", "SDPA cuDNN", "FlexAttention")
-    for shape in dict.fromkeys(r.shape for r in rows):
-        group = [r for r in rows if r.shape == shape]
-        peer_times = [r.ms for r in group if r.impl in peers and r.ms is not None]
+def report(env: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    notes = [
+        f"B={B}, Hq={HQ}, Hkv={HKV}, bf16, bottom-right causal, kv_len as a device tensor.",
+        "Median of triton.testing.do_bench (L2 flushed). TFLOP/s count unmasked pairs only.",
+        "'vs fastest peer' = fastest PyTorch peer's time / this time (>1: faster than every peer).",
+        "Peers get K/V heads repeated to Hq outside the timed region.",
+    ]
+    lines = [
+        "| shape | implementation | time (ms) | TFLOP/s | vs fastest peer | max err (sampled rows) | note |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        group = [r for r in rows if r["shape"] == shape]
+        peer_times = [r["ms"] for r in group if r["impl"] in PEERS and r["ms"] is not None]
         fastest = min(peer_times) if peer_times else None
         for r in group:
-            ratio = f"{fastest / r.ms:.2f}x" if (fastest and r.ms) else "-"
+            err = "-" if r["max_err"] is None else f"{r['max_err']:.2e}"
             lines.append(
-                f"| {shape} | {r.impl} | {r.ms:.3f} | {r.tflops:.0f} | {ratio} | {r.max_err:.2e} | {r.note} |"
-                if r.ms is not None
-                else f"| {shape} | {r.impl} | - | - | - | {r.max_err if r.max_err is not None else '-'} | {r.note} |"
+                f"| {shape} | {r['impl']} | {bl.fmt(r['ms'], 3)} | {bl.fmt(r['tflops'], 0)} | "
+                f"{bl.ratio(fastest, r['ms'])} | {err} | {r['note']} |"
             )
-    return "\n".join(lines) + "\n"
+    return bl.header_markdown(env, "tma_prefill vs PyTorch peers", notes) + "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
