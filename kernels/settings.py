@@ -135,7 +135,11 @@ def reload() -> Settings:
 
 @contextlib.contextmanager
 def override(**changes: Any) -> Iterator[Settings]:
-    """Temporarily replace some settings (for tests and benchmarks)."""
+    """Temporarily replace some settings (for tests and benchmarks).
+
+    Settings are process-wide: an override is seen by every thread until the block ends (unlike
+    ``use_config``, which is context-local).
+    """
     global _current
     previous = settings()
     if "db_url" in changes and changes["db_url"] is not None:
@@ -143,6 +147,7 @@ def override(**changes: Any) -> Iterator[Settings]:
     updated = dataclasses.replace(previous, **changes)
     with _lock:
         _current = updated
+    logging.getLogger("tritune").setLevel(updated.log_level)
     for callback in _listeners:
         callback()
     try:
@@ -150,5 +155,6 @@ def override(**changes: Any) -> Iterator[Settings]:
     finally:
         with _lock:
             _current = previous
+        logging.getLogger("tritune").setLevel(previous.log_level)
         for callback in _listeners:
             callback()
