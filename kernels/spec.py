@@ -139,10 +139,6 @@ class KernelSpec(ABC, Generic[C, K]):
         """Turn a ``use_config`` dict into a config (fields left out take the defaults)."""
         return self.space.parse(values)
 
-    def is_portable(self, config: C) -> bool:
-        """Whether a config runs on the portable path (kernels with several paths override)."""
-        return True
-
     def serveable(self, config: C, device: DeviceInfo, facts: tuple[Any, ...]) -> C:
         """Last word before launch: replace a config that cannot serve this call (a hook).
 

@@ -189,9 +189,6 @@ class PrefillSpec(KernelSpec[PrefillConfig, PrefillKey]):
             return self.space.parse(values, base=_TMA_DEFAULT)
         return self.space.parse(values)
 
-    def is_portable(self, config: PrefillConfig) -> bool:
-        return config.path == "portable"
-
     def serveable(self, config: PrefillConfig, device: DeviceInfo, facts: tuple[Any, ...]) -> PrefillConfig:
         """Serve ``config`` if its path may run this call, else its portable stand-in.
 

@@ -112,9 +112,6 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
             base = dataclasses.replace(base, path="fp8", BLOCK_K=128)
         return self.space.parse(values, base=base)
 
-    def is_portable(self, config: Q4KConfig) -> bool:
-        return config.path == "portable"
-
     def serveable(self, config: Q4KConfig, device: DeviceInfo, facts: tuple[Any, ...]) -> Q4KConfig:
         """The fp8 path needs e4m3 tensor cores (SM89+, every built arch) or the interpreter.
 

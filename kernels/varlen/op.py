@@ -82,7 +82,7 @@ def _bucketed(n: Any) -> int:
     return int(n) if has_static_value(n) else DYNAMIC
 
 
-def _pinned(n: Any) -> int:
+def _static_int(n: Any) -> int:
     # Head counts and the head dim fix the kernel: under dynamo, operator.index specialises on them.
     return operator.index(n)
 
@@ -158,7 +158,7 @@ def check_inputs(
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name}: the head dim must be contiguous (stride 1), got strides {tuple(t.stride())}")
     return VarlenFacts(
-        DTYPE_NAMES[q.dtype], _pinned(head_dim), _pinned(q_heads), _pinned(kv_heads), _bucketed(tokens),
+        DTYPE_NAMES[q.dtype], _static_int(head_dim), _static_int(q_heads), _static_int(kv_heads), _bucketed(tokens),
         _bucketed(seq_info.shape[0]), _bucketed(rows), causal, window is not None, ring,
     )  # fmt: skip
 
@@ -284,9 +284,9 @@ def _launch(
     # T may stay symbolic under tracing: the grid is plain arithmetic on it. The other sizes fix
     # the kernel's constants (and change only when a store grows).
     tokens = q.shape[0]
-    q_heads, head_dim = _pinned(q.shape[1]), _pinned(q.shape[2])
-    rows, cols, kv_heads = (_pinned(n) for n in k_store.shape[:3])
-    segments = _pinned(seq_info.shape[0])
+    q_heads, head_dim = _static_int(q.shape[1]), _static_int(q.shape[2])
+    rows, cols, kv_heads = (_static_int(n) for n in k_store.shape[:3])
+    segments = _static_int(seq_info.shape[0])
     group = q_heads // kv_heads
     _, BLOCK_N, num_warps, num_stages, MAX_SPLITS, MIN_CHUNK, _ = values
     plan = _plan(values, sm_count(q.device), segments, rows, kv_heads, group, head_dim, causal, window)
