@@ -56,7 +56,7 @@ def smem_bytes(config: Q4KConfig) -> int:
     return max(config.num_stages - 1, 1) * per_stage + staged
 
 
-def infeasible_reason(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> str | None:
+def feasibility(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> str | None:
     """Why ``config`` cannot (or should not) run for ``key``; ``None`` if it may."""
     small = key.m_bucket <= SMALL_M
     if config.SPLIT_K > 1 and not small:
@@ -82,5 +82,4 @@ def infeasible_reason(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) ->
     return None
 
 
-def space() -> SearchSpace[Q4KConfig, Q4KShape]:
-    return SearchSpace("q4k_fp8_gemm", Q4KConfig, infeasible_reason)
+SPACE: SearchSpace[Q4KConfig, Q4KShape] = SearchSpace("q4k_fp8_gemm", Q4KConfig, feasibility=feasibility)

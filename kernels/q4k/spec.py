@@ -60,7 +60,7 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
     key_type = Q4KKey
 
     def __init__(self) -> None:
-        self.space = q4k_space.space()
+        self.space = q4k_space.SPACE
 
     # ---- the runtime half --------------------------------------------------------------
 
