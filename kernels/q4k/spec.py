@@ -58,9 +58,7 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
         "tritune.search_spaces.q4k_fp8_gemm",
     )
     key_type = Q4KKey
-
-    def __init__(self) -> None:
-        self.space = q4k_space.SPACE
+    space = q4k_space.SPACE
 
     # ---- the runtime half --------------------------------------------------------------
 
