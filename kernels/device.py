@@ -130,6 +130,21 @@ def _from_nvml(cuda_index: int) -> DeviceInfo | None:
             log.debug("NVML shutdown failed", exc_info=True)
 
 
+def _nvml_driver_version() -> str:
+    """The driver version through NVML (a system query: no device numbering involved)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return ""
+    return version.decode() if isinstance(version, bytes) else str(version)
+
+
 def _from_torch(cuda_index: int) -> DeviceInfo:
     props = torch.cuda.get_device_properties(cuda_index)
     if torch.version.hip:
@@ -148,6 +163,7 @@ def _from_torch(cuda_index: int) -> DeviceInfo:
         capability=(props.major, props.minor),
         sm_count=props.multi_processor_count,
         arch=f"sm{props.major}{props.minor}",
+        driver=_nvml_driver_version(),
         cuda=str(torch.version.cuda or ""),
     )
 

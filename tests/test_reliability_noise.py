@@ -94,7 +94,8 @@ def test_without_percentiles_or_nvml_nothing_is_repeated():
 def test_only_power_and_thermal_reasons_count_as_throttling():
     # GPU idle (0x1), application clocks (0x2), sync boost (0x10), display clock (0x100): not noise.
     assert throttle_names(0x1 | 0x2 | 0x10 | 0x100) == ()
-    assert throttle_names(0x4 | 0x40) == ("sw_power_cap", "hw_thermal_slowdown")
+    # The software power cap (0x4) is where heavy kernels normally run on an H200: not noise either.
+    assert throttle_names(0x4 | 0x40) == ("hw_thermal_slowdown",)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU driver")

@@ -88,3 +88,16 @@ def test_failing_portable_default_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setattr(SPEC, "default_config", lambda key: toy_kernel.ToyConfig(BROKEN=True))
     with pytest.raises(TuningError, match="portable default failed"):
         _tuner(store, trials=3).run()
+
+
+def test_stored_pruned_trials_do_not_spend_the_budget(tmp_path):
+    """A resumed study gets its whole budget of measurements, however many pruned rows it finds."""
+    store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    key = SPEC.default_keys(CPU, n=[256])[0]
+    env = environment_id(store, CPU)
+    for broken in (False, True):
+        infeasible = {"BLOCK": 128, "BROKEN": broken, "num_warps": 1}
+        store.record_trial(env, SPEC.name, SPEC.version, key.to_dict(), infeasible, "pruned", None, "too big")
+    result = _tuner(store, trials=6).run()
+    assert result.reused == 0
+    assert result.measured + result.failed == 6

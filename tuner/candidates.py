@@ -113,7 +113,10 @@ def _nan_like(t: torch.Tensor) -> torch.Tensor:
 
 
 def consistency_problem(out: torch.Tensor, portable: torch.Tensor) -> str | None:
-    """A loose size-dependent sanity check against the portable output at the timed size."""
+    """A loose size-dependent sanity check against the portable output at the timed size.
+
+    The portable output is finite (checked when the bench is built), so the scale is a number.
+    """
     if not bool(torch.isfinite(out).all()) and bool(torch.isfinite(portable).all()):
         return "non-finite values where the portable path has none"
     scale = float(portable.float().abs().max()) or 1.0
@@ -174,6 +177,9 @@ class CandidateBench:
         self.portable_out = spec.launch(default, *self.problem.args, **self.problem.kwargs)
         self.check_out_template = spec.launch(default, *self.check_problem.args, **self.check_problem.kwargs)
         self._sync()
+        if not bool(torch.isfinite(self.portable_out).all()):
+            # Every candidate is cross-checked against this output: it must be a number.
+            raise BenchError(f"{spec.name}: the portable default's output at the timed size is not finite")
 
     @classmethod
     def from_plain(
@@ -241,8 +247,11 @@ class CandidateBench:
         if self.device.type != "cuda" or self.compile_workers <= 1:
             # The interpreter patches triton.language globally while it runs: one at a time.
             return [self._first_launch(c) for c in parsed]
-        # Triton's compiler and ptxas release the GIL for most of their work.
-        with ThreadPoolExecutor(max_workers=self.compile_workers) as pool:
+        # Triton's compiler and ptxas release the GIL for most of their work. The current CUDA device
+        # is per thread and new threads start on device 0: each one is pointed at ours first.
+        with ThreadPoolExecutor(
+            max_workers=self.compile_workers, initializer=torch.cuda.set_device, initargs=(self.device,)
+        ) as pool:
             results = list(pool.map(self._first_launch, parsed))
         if not self.context_alive():
             raise ContextLost("the CUDA context was lost while compiling a batch")

@@ -28,9 +28,10 @@ from .timing import Measurement
 log = logging.getLogger("tritune.tuner")
 
 #: NVML clock-event reasons that slow the GPU below what the config deserves (nvml.h bit values).
-#: Idle, application-clock and sync-boost reasons are left out: they say nothing about noise.
+#: Idle, application-clock and sync-boost reasons are left out: they say nothing about noise. So
+#: is the software power cap (0x4): heavy kernels on an H100/H200 normally run under it, and
+#: flagging it would repeat nearly every compute-bound measurement.
 THROTTLE_REASONS: dict[int, str] = {
-    0x4: "sw_power_cap",
     0x8: "hw_slowdown",
     0x20: "sw_thermal_slowdown",
     0x40: "hw_thermal_slowdown",

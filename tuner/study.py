@@ -75,13 +75,23 @@ __all__ = [
 Ident = TypeVar("Ident", bound=Hashable)
 
 
+def _usable_cpus() -> int:
+    """CPUs this process may run on (affinity and cgroup-aware where the OS says), at most 16."""
+    try:
+        count = len(os.sched_getaffinity(0))
+    except AttributeError:
+        count = os.cpu_count() or 1
+    return max(1, min(16, count))
+
+
 @dataclass
 class TuneOptions:
     trials: int = 40
     time_budget_s: float | None = None
     seed: int = 0
-    batch: int = 8
-    compile_workers: int = max(1, min(16, os.cpu_count() or 1))
+    #: Candidates compiled together; as many as there are compile threads.
+    batch: int = field(default_factory=lambda: _usable_cpus())
+    compile_workers: int = field(default_factory=lambda: _usable_cpus())
     #: Rounds of the final interleaved re-timing of winner, runner-up and portable default.
     final_rounds: int = 3
     #: Run candidates in a worker process (crash and hang isolation). The ``tune`` command turns
@@ -238,7 +248,9 @@ class KeyTuner:
                         params=self.space.to_dict(config), distributions=distributions, value=row.time_ms
                     )
                 )
-            self.counts["reused"] += 1
+            # Pruned configs cost no measurement, now or then: they do not spend the budget.
+            if row.status != PRUNED:
+                self.counts["reused"] += 1
 
     # ---- the study ------------------------------------------------------------------------
 
@@ -321,6 +333,9 @@ class KeyTuner:
             self._absorb_stored(study, distributions)
             pending: list[tuple[optuna.trial.Trial, Any]] = []
             while len(pending) < min(opts.batch, budget - self._spent()) and asks < max_asks:
+                if exhaustive and not any(self._ident(c) not in self.status for c in feasible):
+                    # Every feasible config is measured, failed or in this batch: the sweep is done.
+                    break
                 trial = study.ask(distributions)
                 asks += 1
                 config = self.space.parse(trial.params)
@@ -331,8 +346,6 @@ class KeyTuner:
                         study.tell(trial, known)
                     else:
                         study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-                    if exhaustive and len(self.status) >= len(feasible):
-                        break
                     continue
                 reason = self.space.infeasible_reason(config, self.key, self.limits)
                 if reason is not None:
