@@ -245,8 +245,13 @@ class Worker:
         self._opened = message
 
     def precompile(self, configs: list[dict[str, Any]]) -> list[TrialOutcome | None] | None:
+        # A batch compiles in rounds of compile_workers threads, each round as long as one trial may be.
+        timeout = None
+        if self.trial_timeout_s is not None:
+            rounds = -(-len(configs) // max(1, self.compile_workers))
+            timeout = self.trial_timeout_s * max(1, rounds)
         try:
-            reply = self._request({"op": "precompile", "configs": configs}, self.trial_timeout_s)
+            reply = self._request({"op": "precompile", "configs": configs}, timeout)
         except WorkerFailure as exc:
             log.warning("compiling a batch of %d in the worker failed (%s); compiling one by one", len(configs), exc)
             return None
