@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -47,9 +46,7 @@ class DecodeKey(TuningKey):
     BUCKETS: ClassVar[tuple[str, ...]] = ("bh_bucket", "lkv_bucket")
 
 
-@functools.lru_cache(maxsize=4096)
 def _key_for(arch: str, sm_count: int, facts: tuple[Any, ...]) -> DecodeKey:
-    # Runs on every decode call through the dispatcher: cached, since a serving loop repeats its shapes.
     f = DecodeFacts(*facts)
     return DecodeKey(
         arch=arch,

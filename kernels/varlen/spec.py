@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -56,9 +55,7 @@ class VarlenKey(TuningKey):
     BUCKETS: ClassVar[tuple[str, ...]] = ("t_bucket", "s_bucket", "rows_bucket")
 
 
-@functools.lru_cache(maxsize=4096)
 def _key_for(arch: str, sm_count: int, facts: tuple[Any, ...]) -> VarlenKey:
-    # Runs on every call through the dispatcher: cached, since a serving loop repeats its shapes.
     f = VarlenFacts(*facts)
     return VarlenKey(
         arch=arch,
