@@ -1,52 +1,59 @@
 #!/usr/bin/env bash
-# GPU evidence in slices that each fit one device call (10-minute limit), run from the repository root:
+# GPU evidence: several stages in one device call (10-minute limit), run from the repository root:
 #
-#   bash .gpu/setup.sh && . .gpu/env.sh && bash scripts/gpu_evidence.sh STAGE
+#   bash .gpu/setup.sh && . .gpu/env.sh && bash scripts/gpu_evidence.sh STAGE[:SECONDS] ...
 #
-# STAGE          runs                                                          leaves under $OUT
-# tests          the kernel test files (the GPU tier included)                 tests.log, tests.xml
-# tune-prefill   tune tma_prefill: D 64/128 x Lq 512/4096 x Lkv 16K/128K,      tune-prefill.log, tune-prefill.sqlite,
-#                then export the winners as a bundle                           <gpu>.json
-# bench-prefill  scripts/bench_prefill.py on tune-prefill's DB (see below)     bench-prefill.log, <date>-tma_prefill-<gpu>.md/.json
-# decode         tune splitk_decode at B 1/64 x Lkv 4K/128K (D 128),           decode.log, decode-tune.sqlite,
-#                then scripts/bench_decode.py on that DB                       <date>-splitk_decode-<gpu>.md/.json
-# q4k            tune q4k_fp8_gemm at M 1/64/4096 (the three shapes),          q4k.log, q4k-tune.sqlite,
-#                then scripts/bench_q4k.py on that DB                          <date>-q4k_fp8_gemm-<gpu>.md/.json
-# overhead       scripts/measure_overhead.py                                   overhead.log, <date>-overhead-<gpu>.md
-# smoke          the decode and q4k steps, export included, on the CPU          smoke.log, smoke-*.md/.json/.sqlite,
-#                (Triton interpreter, tiny shapes): a dry run without a GPU     smoke-bundle.json
+# Each STAGE gets SECONDS (its default below when left out); every step inside runs under `timeout`,
+# capped so that the stage ends within its budget and leaves its partial logs. Stages run in the order
+# given and share one work folder, so `bench-prefill` after `tune-prefill` in the same call reads its DB.
+# Everything a call produces is packed into ONE archive, $OUT/evidence.tgz (a device call brings back at
+# most 8 files), plus $OUT/summary.log.
 #
-# $OUT is emptied before every call, so bench-prefill reads the DB of an earlier tune-prefill call from
-# PREFILL_DB if set, else build/evidence/tune-prefill.sqlite (git-ignored: copy the fetched
-# tune-prefill.sqlite there and carry build/evidence with the call), else the work folder of a machine
-# still warm from that call. Without any, its tuned rows show only what the shipped bundles serve.
+# STAGE          default s  runs                                                          leaves (inside the archive)
+# tests              150    the four kernel test files, concurrently (GPU tier included)  tests/<file>.log, .xml
+# tune-prefill       300    tune tma_prefill at the seven benchmark shapes' keys           tune-prefill.sqlite, <gpu>.json
+# bench-prefill      200    scripts/bench_prefill.py on tune-prefill's DB                  <date>-tma_prefill-<gpu>.md/.json
+# decode             210    tune splitk_decode (D 128, B 1/8/32/64, Lkv 4K/32K/128K),     decode-tune.sqlite, <gpu>.json,
+#                           then scripts/bench_decode.py                                   <date>-splitk_decode-<gpu>.md/.json
+# varlen             130    tune varlen_sdpa (D 128), then scripts/bench_varlen.py         varlen-tune.sqlite, ...
+# q4k                210    tune q4k_fp8_gemm (M 1/16/4096, three shapes), then bench      q4k-tune.sqlite, ...
+# overhead            60    scripts/measure_overhead.py                                    <date>-overhead-<gpu>.md
+# tuner              200    scripts/evidence_tuner.py: injected fault, rank stability,     <date>-tuner-<gpu>.md/.json
+#                           one vs two workers on one shared study
+# smoke             1800    decode + q4k + varlen steps on the CPU (Triton interpreter,   smoke-*
+#                           tiny shapes): a dry run of this script without a GPU
 #
-# Every step runs under `timeout`, capped so that the stage ends within EVIDENCE_BUDGET_S seconds of its
-# start (default 540; 1800 for smoke) and leaves its partial logs; bench reports are rewritten after each
-# shape. The exit status is 1 if any step failed, timed out or was skipped for lack of time.
-# DECODE_BENCH_ARGS / Q4K_BENCH_ARGS add arguments to the benchmarks (e.g. "--batch 64 --lkv 131072").
+# bench-prefill reads the DB from PREFILL_DB if set, else the work folder (a tune-prefill earlier in
+# the same call, or a machine still warm from one), else build/evidence/tune-prefill.sqlite (git-ignored:
+# copy a fetched DB there and carry build/evidence). The exit status is 1 if any step failed, timed out
+# or was skipped for lack of time. DECODE_BENCH_ARGS / Q4K_BENCH_ARGS / VARLEN_BENCH_ARGS add benchmark
+# arguments.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 
-stage=${1:-}
-case "$stage" in
-  tests | tune-prefill | bench-prefill | decode | q4k | overhead | smoke) ;;
-  *)
-    echo "usage: bash scripts/gpu_evidence.sh tests|tune-prefill|bench-prefill|decode|q4k|overhead|smoke" >&2
+declare -A DEFAULT_BUDGET=(
+  [tests]=150 [tune-prefill]=300 [bench-prefill]=200 [decode]=210 [varlen]=130 [q4k]=210 [overhead]=60
+  [tuner]=200 [smoke]=1800
+)
+if (($# == 0)); then
+  echo "usage: bash scripts/gpu_evidence.sh STAGE[:SECONDS] ... (stages: ${!DEFAULT_BUDGET[*]})" >&2
+  exit 2
+fi
+for arg in "$@"; do
+  if [ -z "${DEFAULT_BUDGET[${arg%%:*}]+x}" ]; then
+    echo "unknown stage ${arg%%:*} (stages: ${!DEFAULT_BUDGET[*]})" >&2
     exit 2
-    ;;
-esac
+  fi
+done
 
-out=${OUT:-/tmp/tritune-evidence-out}
+final_out=${OUT:-/tmp/tritune-evidence-out}
 work=${EVIDENCE_WORK:-/tmp/tritune-evidence}
-mkdir -p "$out" "$work"
+out="$work/out"
+mkdir -p "$final_out" "$out"
 export PYTHONUNBUFFERED=1
-started=$(date +%s)
-default_budget=540
-[ "$stage" = smoke ] && default_budget=1800
-deadline=$((started + ${EVIDENCE_BUDGET_S:-$default_budget}))
-log="$out/$stage.log"
+summary="$final_out/summary.log"
 status=0
+today=$(date -u +%F)
 
 # The CLI through python (the `tune` console script may not be on PATH after an editable install).
 TUNE_PY='import sys; from tritune.tuner.cli import main; sys.argv[0] = "tune"; main()'
@@ -60,7 +67,6 @@ dst.close()
 src.close()
 print(f"snapshot of {sys.argv[1]} written to {sys.argv[2]}")
 '
-SLUG_PY='from tritune.kernels.device import device_info; print(device_info(0).slug)'
 ENV_PY='
 import platform, torch, triton
 cuda = torch.cuda.is_available()
@@ -73,23 +79,23 @@ if cuda:
 '
 
 note() {
-  echo "[evidence $(date -u +%H:%M:%S)] $*" | tee -a "$log"
+  echo "[evidence $(date -u +%H:%M:%S)] $*" | tee -a "$log" "$summary"
 }
 
-# step NAME CAP_SECONDS COMMAND...: run COMMAND under timeout (the smaller of CAP and the time left).
+# step NAME CAP_SECONDS COMMAND...: run COMMAND under timeout (the smaller of CAP and the stage's time left).
 step() {
   local name=$1 cap=$2
   shift 2
-  # Keep 15 s for timeout's kill grace and the stage's closing lines.
-  local left=$((deadline - $(date +%s) - 15))
+  # Keep 10 s for timeout's kill grace and the stage's closing lines.
+  local left=$((deadline - $(date +%s) - 10))
   local limit=$((cap < left ? cap : left))
-  if ((limit < 15)); then
+  if ((limit < 10)); then
     note "SKIPPED $name: ${left}s left of the stage budget"
     status=1
     return 1
   fi
   note "$name (limit ${limit}s): $*"
-  timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$log"
+  timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$log"
   local rc=${PIPESTATUS[0]}
   case $rc in
     0) note "$name: ok" ;;
@@ -100,26 +106,19 @@ step() {
   return "$rc"
 }
 
+# The GPU's slug, read once (a python start each time would cost seconds); the interpreter's for smoke.
+SLUG_PY='import torch; from tritune.kernels.device import device_info
+print(device_info(0).slug if torch.cuda.is_available() else "no-gpu")'
+cuda_slug=""
 gpu_slug() {
   if [ "$stage" = smoke ]; then
     echo cpu-interpreter
   else
-    local slug
-    slug=$(timeout 120 python -c "$SLUG_PY" 2>>"$log" | tail -n 1)
-    echo "${slug:-unknown-gpu}"
+    echo "${cuda_slug:-unknown-gpu}"
   fi
 }
 
-describe_machine() {
-  note "stage $stage, budget $((deadline - started)) s, OUT=$out, work folder $work"
-  if command -v nvidia-smi >/dev/null; then
-    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,temperature.gpu,power.draw \
-      --format=csv 2>&1 | tee -a "$log"
-  fi
-  timeout 120 python -c "$ENV_PY" 2>&1 | tee -a "$log"
-}
-
-# The DB a benchmark should read: $1 when it exists (a run that could not tune leaves none).
+# The arguments a benchmark needs to read DB $1, or none (with a warning) when no tune left one.
 db_args() {
   if [ -f "$1" ]; then
     echo "--db $1"
@@ -128,104 +127,159 @@ db_args() {
   fi
 }
 
-describe_machine
-today=$(date -u +%F)
+# tune_and_export DB KERNEL TUNE-ARGS...: tune into DB, then leave a snapshot and the GPU's bundle in $out.
+tune_and_export() {
+  local db=$1 kernel=$2
+  shift 2
+  step "tune $kernel" "$@"
+  if [ -f "$db" ]; then
+    step "snapshot $kernel" 60 python -c "$SNAPSHOT_PY" "$db" "$out/$(basename "$db")"
+    step "export $kernel" 60 python -c "$TUNE_PY" export --gpu "$(gpu_slug)" --db "$db" \
+      --out "$out/$kernel-$(gpu_slug).json"
+  else
+    note "tune $kernel wrote no DB"
+    status=1
+  fi
+}
 
-case "$stage" in
-  tests)
-    files=()
-    for f in tests/test_prefill.py tests/test_decode.py tests/test_q4k.py tests/test_varlen.py; do
-      [ -f "$f" ] && files+=("$f")
-    done
-    step pytest 520 python -m pytest -q -x -p no:cacheprovider --junitxml="$out/tests.xml" "${files[@]}"
-    ;;
+run_stage() {
+  case "$stage" in
+    tests)
+      # The four files at once: the GPU is idle while Triton compiles, and there are cores to spare.
+      mkdir -p "$out/tests"
+      local pids=() f
+      for f in tests/test_prefill.py tests/test_decode.py tests/test_q4k.py tests/test_varlen.py; do
+        local name
+        name=$(basename "$f" .py)
+        step "pytest $name" $((budget - 10)) python -m pytest -q -p no:cacheprovider \
+          --junitxml="$out/tests/$name.xml" "$f" >"$out/tests/$name.log" 2>&1 &
+        pids+=($!)
+      done
+      for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+      tail -n 3 "$out"/tests/*.log | tee -a "$log"
+      ;;
 
-  tune-prefill)
-    # Not deleted first: on a machine still warm from a killed run, the tuner resumes its trials.
-    db="$work/tune-prefill.sqlite"
-    step tune 450 python -c "$TUNE_PY" --device 0 --kernel tma_prefill --head-dim 64 --head-dim 128 \
-      --lq 512 --lq 4096 --lkv 16384 --lkv 131072 --trials 40 --time-budget 30 --db "$db"
-    if [ -f "$db" ]; then
-      step snapshot 60 python -c "$SNAPSHOT_PY" "$db" "$out/tune-prefill.sqlite"
-      step show 60 python -c "$TUNE_PY" show --db "$db"
-      slug=$(gpu_slug)
-      step export 60 python -c "$TUNE_PY" export --gpu "$slug" --db "$db" --out "$out/$slug.json"
-    else
-      note "tune wrote no DB"
-      status=1
-    fi
-    ;;
+    tune-prefill)
+      # The keys of the benchmark's seven shapes (B=1, Hq 16, Hkv 2 is GQA group 8, the default keys').
+      # Not deleted first: on a machine still warm from a killed run, the tuner resumes its trials.
+      local db="$work/tune-prefill.sqlite" common=(--device 0 --kernel tma_prefill --trials 24 --time-budget 25)
+      step "tune prefill 512x16K" 120 python -c "$TUNE_PY" "${common[@]}" --head-dim 64 --head-dim 128 \
+        --lq 512 --lkv 16384 --db "$db"
+      step "tune prefill 4096x128K" 120 python -c "$TUNE_PY" "${common[@]}" --head-dim 128 --head-dim 64 \
+        --lq 4096 --lkv 131072 --db "$db"
+      step "tune prefill 1024x128K" 60 python -c "$TUNE_PY" "${common[@]}" --head-dim 128 \
+        --lq 1024 --lkv 131072 --db "$db"
+      tune_and_export "$db" tma_prefill 120 python -c "$TUNE_PY" "${common[@]}" --head-dim 128 --head-dim 64 \
+        --lq 16384 --lkv 16384 --db "$db"
+      ;;
 
-  bench-prefill)
-    src=""
-    for candidate in "${PREFILL_DB:-}" build/evidence/tune-prefill.sqlite "$work/tune-prefill.sqlite"; do
-      if [ -n "$candidate" ] && [ -f "$candidate" ]; then
-        src=$candidate
-        break
+    bench-prefill)
+      local src="" candidate
+      for candidate in "${PREFILL_DB:-}" "$work/tune-prefill.sqlite" build/evidence/tune-prefill.sqlite; do
+        if [ -n "$candidate" ] && [ -f "$candidate" ]; then
+          src=$candidate
+          break
+        fi
+      done
+      local db="$work/bench-prefill.sqlite"
+      rm -f "$db"
+      if [ -n "$src" ]; then
+        note "tuned configs and trials from $src"
+        step snapshot 60 python -c "$SNAPSHOT_PY" "$src" "$db"
+      else
+        note "WARNING: no tune-prefill DB (PREFILL_DB, $work/tune-prefill.sqlite, build/evidence/tune-prefill.sqlite)"
       fi
-    done
-    db="$work/bench-prefill.sqlite"
-    rm -f "$db"
-    if [ -n "$src" ]; then
-      note "tuned configs and trials from $src"
-      step snapshot 60 python -c "$SNAPSHOT_PY" "$src" "$db"
-    else
-      note "WARNING: no tune-prefill DB (PREFILL_DB, build/evidence/tune-prefill.sqlite, $work/tune-prefill.sqlite)"
-    fi
-    read -r -a dbargs <<<"$(db_args "$db")"
-    name="$today-tma_prefill-$(gpu_slug)"
-    step bench 520 python scripts/bench_prefill.py ${dbargs[@]+"${dbargs[@]}"} --out "$out/$name.md" \
-      --json "$out/$name.json"
-    ;;
+      local dbargs name="$today-tma_prefill-$(gpu_slug)"
+      read -r -a dbargs <<<"$(db_args "$db")"
+      step bench 600 python scripts/bench_prefill.py ${dbargs[@]+"${dbargs[@]}"} --out "$out/$name.md" \
+        --json "$out/$name.json"
+      ;;
 
-  decode)
-    db="$work/decode-tune.sqlite"
-    step tune 160 python -c "$TUNE_PY" --device 0 --kernel splitk_decode --head-dim 128 --batch 1 --batch 64 \
-      --lkv 4096 --lkv 131072 --trials 24 --time-budget 20 --db "$db"
-    [ -f "$db" ] && step snapshot 60 python -c "$SNAPSHOT_PY" "$db" "$out/decode-tune.sqlite"
-    read -r -a dbargs <<<"$(db_args "$db")"
-    read -r -a extra <<<"${DECODE_BENCH_ARGS:-}"
-    name="$today-splitk_decode-$(gpu_slug)"
-    step bench 600 python scripts/bench_decode.py ${dbargs[@]+"${dbargs[@]}"} --out "$out/$name.md" \
-      --json "$out/$name.json" ${extra[@]+"${extra[@]}"}
-    ;;
+    decode)
+      local db="$work/decode-tune.sqlite" dbargs extra name="$today-splitk_decode-$(gpu_slug)"
+      tune_and_export "$db" splitk_decode 100 python -c "$TUNE_PY" --device 0 --kernel splitk_decode \
+        --head-dim 128 --batch 1 --batch 8 --batch 32 --batch 64 --lkv 4096 --lkv 32768 --lkv 131072 \
+        --trials 16 --time-budget 10 --db "$db"
+      read -r -a dbargs <<<"$(db_args "$db")"
+      read -r -a extra <<<"${DECODE_BENCH_ARGS:-}"
+      step bench 600 python scripts/bench_decode.py ${dbargs[@]+"${dbargs[@]}"} --out "$out/$name.md" \
+        --json "$out/$name.json" ${extra[@]+"${extra[@]}"}
+      ;;
 
-  q4k)
-    db="$work/q4k-tune.sqlite"
-    step tune 240 python -c "$TUNE_PY" --device 0 --kernel q4k_fp8_gemm --m 1 --m 64 --m 4096 \
-      --trials 32 --time-budget 15 --db "$db"
-    [ -f "$db" ] && step snapshot 60 python -c "$SNAPSHOT_PY" "$db" "$out/q4k-tune.sqlite"
-    read -r -a dbargs <<<"$(db_args "$db")"
-    read -r -a extra <<<"${Q4K_BENCH_ARGS:-}"
-    name="$today-q4k_fp8_gemm-$(gpu_slug)"
-    step bench 600 python scripts/bench_q4k.py ${dbargs[@]+"${dbargs[@]}"} --out "$out/$name.md" \
-      --json "$out/$name.json" ${extra[@]+"${extra[@]}"}
-    ;;
+    varlen)
+      local db="$work/varlen-tune.sqlite" dbargs extra name="$today-varlen_sdpa-$(gpu_slug)"
+      tune_and_export "$db" varlen_sdpa 60 python -c "$TUNE_PY" --device 0 --kernel varlen_sdpa \
+        --head-dim 128 --trials 16 --time-budget 15 --db "$db"
+      read -r -a dbargs <<<"$(db_args "$db")"
+      read -r -a extra <<<"${VARLEN_BENCH_ARGS:-}"
+      step bench 600 python scripts/bench_varlen.py ${dbargs[@]+"${dbargs[@]}"} --out "$out/$name.md" \
+        --json "$out/$name.json" ${extra[@]+"${extra[@]}"}
+      ;;
 
-  overhead)
-    name="$today-overhead-$(gpu_slug)"
-    step overhead 300 python scripts/measure_overhead.py --out "$out/$name.md"
-    ;;
+    q4k)
+      local db="$work/q4k-tune.sqlite" dbargs extra name="$today-q4k_fp8_gemm-$(gpu_slug)"
+      tune_and_export "$db" q4k_fp8_gemm 110 python -c "$TUNE_PY" --device 0 --kernel q4k_fp8_gemm \
+        --m 1 --m 16 --m 4096 --trials 16 --time-budget 10 --db "$db"
+      read -r -a dbargs <<<"$(db_args "$db")"
+      read -r -a extra <<<"${Q4K_BENCH_ARGS:---m 1 --m 16 --m 64 --m 4096}"
+      step bench 600 python scripts/bench_q4k.py ${dbargs[@]+"${dbargs[@]}"} --out "$out/$name.md" \
+        --json "$out/$name.json" ${extra[@]+"${extra[@]}"}
+      ;;
 
-  smoke)
-    db="$work/smoke.sqlite"
-    rm -f "$db" "$db-wal" "$db-shm"
-    step tune-decode 300 python -c "$TUNE_PY" --device cpu --kernel splitk_decode --head-dim 128 --batch 1 \
-      --lkv 160 --trials 4 --db "$db"
-    step tune-q4k 300 python -c "$TUNE_PY" --device cpu --kernel q4k_fp8_gemm --trials 4 --db "$db"
-    [ -f "$db" ] && step snapshot 60 python -c "$SNAPSHOT_PY" "$db" "$out/smoke-tune.sqlite"
-    step export 60 python -c "$TUNE_PY" export --gpu "$(gpu_slug)" --db "$db" --out "$out/smoke-bundle.json"
-    read -r -a dbargs <<<"$(db_args "$db")"
-    step bench-decode 600 python scripts/bench_decode.py --smoke ${dbargs[@]+"${dbargs[@]}"} \
-      --out "$out/smoke-decode.md" --json "$out/smoke-decode.json"
-    step bench-decode-ragged 300 python scripts/bench_decode.py --smoke --ragged --skip-flex --batch 3 \
-      ${dbargs[@]+"${dbargs[@]}"}
-    step bench-q4k 600 python scripts/bench_q4k.py --smoke ${dbargs[@]+"${dbargs[@]}"} \
-      --out "$out/smoke-q4k.md" --json "$out/smoke-q4k.json"
-    ;;
-esac
+    overhead)
+      step overhead 300 python scripts/measure_overhead.py --out "$out/$today-overhead-$(gpu_slug).md"
+      ;;
 
-count=$(find "$out" -type f | wc -l)
-((count <= 8)) || note "WARNING: $count files under $out; a device call brings back at most 8"
-note "stage $stage finished in $(($(date +%s) - started)) s with status $status"
+    tuner)
+      step tuner 600 python scripts/evidence_tuner.py --device 0 --budget $((budget - 15)) \
+        --out "$out/$today-tuner-$(gpu_slug).md" --json "$out/$today-tuner-$(gpu_slug).json"
+      ;;
+
+    smoke)
+      local db="$work/smoke.sqlite" dbargs
+      rm -f "$db" "$db-wal" "$db-shm"
+      step tune-decode 300 python -c "$TUNE_PY" --device cpu --kernel splitk_decode --head-dim 128 --batch 1 \
+        --lkv 160 --trials 4 --db "$db"
+      step tune-varlen 300 python -c "$TUNE_PY" --device cpu --kernel varlen_sdpa --trials 4 --db "$db"
+      tune_and_export "$db" q4k_fp8_gemm 300 python -c "$TUNE_PY" --device cpu --kernel q4k_fp8_gemm \
+        --trials 4 --db "$db"
+      read -r -a dbargs <<<"$(db_args "$db")"
+      step bench-decode 600 python scripts/bench_decode.py --smoke ${dbargs[@]+"${dbargs[@]}"} \
+        --out "$out/smoke-decode.md" --json "$out/smoke-decode.json"
+      step bench-varlen 600 python scripts/bench_varlen.py --smoke ${dbargs[@]+"${dbargs[@]}"} \
+        --out "$out/smoke-varlen.md" --json "$out/smoke-varlen.json"
+      step bench-q4k 600 python scripts/bench_q4k.py --smoke ${dbargs[@]+"${dbargs[@]}"} \
+        --out "$out/smoke-q4k.md" --json "$out/smoke-q4k.json"
+      ;;
+  esac
+}
+
+# Pack whatever exists, also when a stage failed: the archive is the call's only way back.
+pack() {
+  tar -czf "$final_out/evidence.tgz" -C "$out" . 2>>"$summary"
+  echo "[evidence] packed $(find "$out" -type f | wc -l) file(s) into $final_out/evidence.tgz" | tee -a "$summary"
+}
+trap pack EXIT
+
+log="$out/machine.log"
+note "stages: $*; OUT=$final_out, work folder $work"
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,temperature.gpu,power.draw \
+    --format=csv 2>&1 | tee -a "$log" "$summary"
+fi
+timeout 120 python -c "$ENV_PY" 2>&1 | tee -a "$log" "$summary"
+cuda_slug=$(timeout 120 python -c "$SLUG_PY" 2>>"$summary" | tail -n 1)
+note "GPU slug: ${cuda_slug:-unknown}"
+
+for arg in "$@"; do
+  stage=${arg%%:*}
+  budget=${DEFAULT_BUDGET[$stage]}
+  [[ "$arg" == *:* ]] && budget=${arg#*:}
+  started=$(date +%s)
+  deadline=$((started + budget))
+  log="$out/$stage.log"
+  note "stage $stage: budget ${budget}s"
+  run_stage
+  note "stage $stage finished in $(($(date +%s) - started)) s (status so far $status)"
+done
 exit "$status"
