@@ -162,14 +162,14 @@ run_stage() {
     tune-prefill)
       # The keys of the benchmark's seven shapes (B=1, Hq 16, Hkv 2 is GQA group 8, the default keys').
       # Not deleted first: on a machine still warm from a killed run, the tuner resumes its trials.
-      local db="$work/tune-prefill.sqlite" common=(--device 0 --kernel tma_prefill --trials 24 --time-budget 25)
-      step "tune prefill 512x16K" 120 python -c "$TUNE_PY" "${common[@]}" --head-dim 64 --head-dim 128 \
-        --lq 512 --lkv 16384 --db "$db"
-      step "tune prefill 4096x128K" 120 python -c "$TUNE_PY" "${common[@]}" --head-dim 128 --head-dim 64 \
+      local db="$work/tune-prefill.sqlite" common=(--device 0 --kernel tma_prefill --trials 24 --time-budget 20)
+      step "tune prefill 4096x128K" 80 python -c "$TUNE_PY" "${common[@]}" --head-dim 128 --head-dim 64 \
         --lq 4096 --lkv 131072 --db "$db"
-      step "tune prefill 1024x128K" 60 python -c "$TUNE_PY" "${common[@]}" --head-dim 128 \
+      step "tune prefill 512x16K" 60 python -c "$TUNE_PY" "${common[@]}" --head-dim 128 --head-dim 64 \
+        --lq 512 --lkv 16384 --db "$db"
+      step "tune prefill 1024x128K" 40 python -c "$TUNE_PY" "${common[@]}" --head-dim 128 \
         --lq 1024 --lkv 131072 --db "$db"
-      tune_and_export "$db" tma_prefill 120 python -c "$TUNE_PY" "${common[@]}" --head-dim 128 --head-dim 64 \
+      tune_and_export "$db" tma_prefill 60 python -c "$TUNE_PY" "${common[@]}" --head-dim 128 --head-dim 64 \
         --lq 16384 --lkv 16384 --db "$db"
       ;;
 
