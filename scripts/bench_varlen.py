@@ -1,0 +1,346 @@
+"""Benchmark varlen attention over a column store: tritune varlen vs our own kernels and PyTorch peers.
+
+On the GPU machine, after tuning ``varlen_sdpa`` into a DB:
+
+    python scripts/bench_varlen.py --db /tmp/tune.sqlite --out varlen.md --json varlen.json
+
+Hq=32, Hkv=8, D=128, bf16, causal. K and V live in a ``[rows, cols, Hkv, D]`` column store (one
+column per sequence, as ``BatchedSequenceCache`` keeps them) sized for the mix's longest context;
+the step's queries are packed ``[T, Hq, D]``, decode tokens first, then the prefill chunks. Mixes:
+
+- ``mixed``: 32 sequences with KV lengths drawn from U[1K, 32K]: 28 decode one token, 4 prefill a
+  512-token chunk (store of 32K rows);
+- ``decode``: 64 sequences decoding one token each, KV lengths drawn from U[4K, 16K] (16K rows).
+
+Implementations, each checked against the fp32 varlen reference before it is timed (a mismatch is
+FAILED and never timed): tritune ``varlen_attention`` as the dispatcher serves it (``--db``), its
+portable default and the fastest stored trial at the mix's key; a loop calling ``attention`` per
+sequence on views of the store; "dedicated": one ``decode_attention`` over all decode sequences in a
+padded contiguous batch cache plus one ``prefill_attention`` per chunk over contiguous K/V (the
+issue-5 target is varlen within 1.2x of this); FlexAttention with a document mask over packed KV;
+``torch.nn.attention.varlen.varlen_attn`` timed together with the gather from the store that it
+needs. Each is timed eagerly and as one captured CUDA graph, with ``do_bench`` medians (L2 flushed).
+
+``--smoke`` runs the same code on the CPU under ``TRITON_INTERPRET=1`` at tiny shapes (no CUDA
+graphs; ``varlen_attn`` replaced by an SDPA stand-in over the same gathered KV): a dry run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# The interpreter must be chosen before triton is first imported.
+if "--smoke" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import argparse
+import contextlib
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import _benchlib as bl
+import torch
+from _varlen_workload import (
+    ALTERNATIVES,
+    DEDICATED,
+    DTYPE,
+    MIXES,
+    SERVED,
+    SMOKE_MIXES,
+    Impl,
+    MixSpec,
+    Workload,
+    build_workload,
+    implementations,
+)
+
+log = logging.getLogger("tritune.bench")
+
+
+@dataclass
+class Row:
+    mix: str
+    impl: str
+    kind: str
+    kv_bytes: int
+    status: str = "ok"  # ok | FAILED | unavailable
+    max_err: float | None = None
+    eager_us: float | None = None
+    graph_us: float | None = None
+    graph_status: str = ""
+    note: str = ""
+
+    def tbps(self, us: float | None) -> float | None:
+        return self.kv_bytes / (us * 1e-6) / 1e12 if us else None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--db", default=None, help="config DB holding the tuned winners (settings db_url)")
+    parser.add_argument("--out", default=None, help="markdown file to write the report to")
+    parser.add_argument("--json", default=None, help="JSON file to write the rows to")
+    parser.add_argument("--mix", choices=sorted(MIXES), action="append", help="mixes to run (default: all)")
+    parser.add_argument("--skip-flex", action="store_true", help="leave FlexAttention out (it compiles per mix)")
+    parser.add_argument("--no-graph", action="store_true", help="eager timings only")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true", help="CPU dry run on the Triton interpreter at tiny shapes")
+    args = parser.parse_args()
+    bl.setup_logging()
+    if args.smoke:
+        bl.prepare_interpreter()
+    device = bl.bench_device(args.smoke)
+    db = bl.checked_db(args.db)
+    mixes = SMOKE_MIXES if args.smoke else MIXES
+    names = list(dict.fromkeys(args.mix or ["mixed", "decode"]))
+    graphs = device.type == "cuda" and not args.no_graph
+    env = bl.environment(device, args.smoke)
+    flex = None
+    if not args.skip_flex:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        flex = torch.compile(flex_attention, dynamic=False)
+
+    from tritune.kernels import settings
+    from tritune.kernels.device import device_info
+    from tritune.kernels.varlen.spec import SPEC
+
+    best_trials = bl.best_trials_by_path(db, SPEC.name, SPEC.version, device_info(device).slug) if db else {}
+    rows: list[Row] = []
+    with contextlib.ExitStack() as stack:
+        if db:
+            stack.enter_context(settings.override(db_url=db))
+        for name in names:
+            started = time.perf_counter()
+            workload = build_workload(mixes[name], device, args.seed)
+            log.info("%s: inputs and reference ready in %.1f s", name, time.perf_counter() - started)
+            rows.extend(bench_mix(workload, best_trials, flex, graphs, args.smoke))
+            del workload
+            log.info("%s: done in %.0f s", name, time.perf_counter() - started)
+            bl.write_report(
+                _report(rows, env, db, graphs), env, [_json_row(r, rows) for r in rows], args.out, args.json
+            )
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    bl.print_report(_report(rows, env, db, graphs))
+    return 0
+
+
+# ---- checking and timing -------------------------------------------------------------------------
+
+
+def bench_mix(w: Workload, best_trials: dict, flex: Any, graphs: bool, smoke: bool) -> list[Row]:
+    """Build, check, then time (eager and CUDA graph) every implementation on one mix."""
+    rows = []
+    for impl in implementations(w, best_trials, flex, smoke):
+        row = Row(w.mix.name, impl.name, impl.kind, w.kv_bytes, note=impl.note)
+        rows.append(row)
+        if impl.fn is None:
+            row.status, row.note = "unavailable", impl.error
+            _log_row(row)
+            continue
+        fn = impl.fn
+        try:
+            started = time.perf_counter()
+            out = fn()
+            bl.synchronize(w.q.device)
+            first_s = time.perf_counter() - started
+            if first_s > 5:
+                log.info("  %s: first call (compiles) took %.0f s", impl.name, first_s)
+            problem = _check(impl, out, w, row)
+            if problem is not None:
+                row.status, row.note = "FAILED", f"FAILED correctness check: {problem}"
+                _log_row(row)
+                continue
+            row.eager_us = bl.time_ms(fn, w.q.device) * 1e3
+        except Exception as exc:  # reported, and the others still run
+            # A peer may be missing here; our own kernels raising is a failure.
+            row.status = "unavailable" if impl.kind in ("peer", "standin") else "FAILED"
+            row.note = f"{row.note}; {bl.error_text(exc)}".lstrip("; ")
+            _log_row(row)
+            continue
+        if graphs:
+            row.graph_us, row.graph_status = _graph_time(impl, w)
+        _log_row(row)
+    return rows
+
+
+def _check(impl: Impl, out: torch.Tensor, w: Workload, row: Row | None = None) -> str | None:
+    from tritune.kernels.varlen.reference import compare
+
+    if impl.check is not None:
+        return impl.check(out)
+    packed = impl.to_packed(out)
+    if row is not None and packed.shape == w.expected.shape:
+        row.max_err = float((packed.float() - w.expected).abs().max())
+    return compare(packed, w.expected, DTYPE)
+
+
+def _graph_time(impl: Impl, w: Workload) -> tuple[float | None, str]:
+    """Capture one call, poison its output, replay, check, then time replays: (us, status)."""
+    assert impl.fn is not None
+    try:
+        graph, out = bl.capture_graph(impl.fn)
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            torch.cuda.synchronize()
+        return None, f"cannot capture: {bl.error_text(exc, 160)}"
+    try:
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        problem = _check(impl, out, w)
+        if problem is not None:
+            return None, f"FAILED after replay: {problem}"
+        return bl.graph_replay_ms(graph) * 1e3, "ok"
+    except Exception as exc:
+        return None, f"replay failed: {bl.error_text(exc, 160)}"
+    finally:
+        del graph
+
+
+# ---- the report ----------------------------------------------------------------------------------
+
+
+def _log_row(r: Row) -> None:
+    eager = f"{r.eager_us:9.1f} us {r.tbps(r.eager_us):5.2f} TB/s" if r.eager_us else f"{'-':>21s}"
+    graph = f"{r.graph_us:9.1f} us {r.tbps(r.graph_us):5.2f} TB/s" if r.graph_us else f"{'-':>21s}"
+    log.info(
+        "  %-6s %-48s %-11s eager %s | graph %s %s | err=%s %s",
+        r.mix,
+        r.impl,
+        r.status,
+        eager,
+        graph,
+        r.graph_status,
+        bl.fmt(r.max_err, 4),
+        r.note[:160],
+    )
+
+
+@dataclass
+class MixTimes:
+    """One mix's reference times in one mode (eager or graph)."""
+
+    varlen: float | None
+    dedicated: float | None
+    fastest_alt: float | None
+    fastest_alt_name: str
+
+
+def _mix_times(rows: list[Row], mix: str, mode: str) -> MixTimes:
+    """tritune varlen (served), dedicated and the fastest passing alternative of ``mix`` in ``mode``."""
+    attr = f"{mode}_us"
+    group = [r for r in rows if r.mix == mix]
+    served = next((getattr(r, attr) for r in group if r.impl == SERVED), None)
+    dedicated = next((getattr(r, attr) for r in group if r.impl == DEDICATED), None)
+    alts = sorted((getattr(r, attr), r.impl) for r in group if r.kind in ALTERNATIVES and getattr(r, attr))
+    fastest, name = alts[0] if alts else (None, "")
+    return MixTimes(served, dedicated, fastest, name)
+
+
+def _vs_varlen(r: Row, rows: list[Row], mode: str) -> float | None:
+    """This row's time / tritune varlen's (above 1: tritune varlen is faster); none for the gather row."""
+    us, varlen = getattr(r, f"{mode}_us"), _mix_times(rows, r.mix, mode).varlen
+    return us / varlen if us and varlen and r.kind != "info" else None
+
+
+def _json_row(r: Row, rows: list[Row]) -> dict[str, Any]:
+    return {
+        **dataclasses.asdict(r),
+        "eager_tbps": r.tbps(r.eager_us),
+        "graph_tbps": r.tbps(r.graph_us),
+        "eager_vs_varlen": _vs_varlen(r, rows, "eager"),
+        "graph_vs_varlen": _vs_varlen(r, rows, "graph"),
+    }
+
+
+def _mix_text(mix: MixSpec) -> str:
+    text = f"{mix.decodes} decode tokens"
+    if mix.chunks:
+        text += f" + {mix.chunks} prefill chunks of {mix.chunk}"
+    return (
+        f"{text}, KV lengths U[{mix.kv_min}, {mix.kv_max}] (one at {mix.kv_max}), store [{mix.kv_max}, "
+        f"{mix.sequences + 1}, {mix.kv_heads}, {mix.head_dim}], Hq={mix.q_heads}"
+    )
+
+
+def _summary(rows: list[Row], mix: str) -> list[str]:
+    lines = []
+    for mode in ("eager", "graph"):
+        t = _mix_times(rows, mix, mode)
+        if not t.varlen:
+            lines.append(f"- {mode}: no passing tritune varlen time")
+            continue
+        if t.fastest_alt:
+            lines.append(
+                f"- {mode}: fastest alternative: {t.fastest_alt_name}, {t.fastest_alt:.1f} us; its time / tritune "
+                f"varlen's ({t.varlen:.1f} us) = {t.fastest_alt / t.varlen:.2f}x (above 1: tritune varlen is faster)"
+            )
+        if t.dedicated:
+            share = t.varlen / t.dedicated
+            verdict = "met" if share <= 1.2 else "missed"
+            lines.append(
+                f"- {mode}: tritune varlen time / dedicated time = {share:.2f} (issue 5 target <= 1.20: {verdict})"
+            )
+    return lines
+
+
+def _ratio_cell(r: Row, rows: list[Row], mode: str) -> str:
+    value = _vs_varlen(r, rows, mode)
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _report(rows: list[Row], env: dict, db: str | None, graphs: bool) -> str:
+    peak = bl.HBM_TBPS.get(env["gpu"])
+    mixes = SMOKE_MIXES if env["smoke"] else MIXES
+    notes = [
+        "bf16, causal (each query sees its sequence's keys up to its own position); queries packed [T, Hq, D], "
+        "decode tokens first; K/V in a [rows, cols, Hkv, D] column store (one column per sequence plus scratch).",
+        *(f"Mix {m.name}: {_mix_text(m)}." for m in mixes.values() if any(r.mix == m.name for r in rows)),
+        "Times: median of triton.testing.do_bench (warm-up, L2 flushed before every repetition), in us. "
+        "Graph: one call captured in a CUDA graph, replay() timed the same way (its output NaN-poisoned and "
+        "re-checked after a replay first).",
+        "TB/s: effective K+V bandwidth, 2 x sum(kv_end) x Hkv x D x 2 bytes (the keys the step needs) / time, "
+        "the same bytes for every row" + (f" (HBM peak of this GPU: about {peak} TB/s)." if peak else "."),
+        "x varlen: this row's time / tritune varlen (dispatcher)'s time, eager and graph separately; above "
+        "1.00x tritune varlen is faster.",
+        "Checked against the fp32 varlen reference (tritune.kernels.varlen.reference.compare, bf16 tolerance) "
+        "before timing; FAILED rows are never timed.",
+        "Loop and dedicated rows run whatever the dispatcher serves for decode and prefill. The loop works on "
+        "views of the store; dedicated gets contiguous caches prepared outside the timed region.",
+        "FlexAttention reads packed KV prepared outside the timed region; varlen_attn's time includes the "
+        "gather from the store (the gather row times it alone).",
+        f"Tuned configs: {'DB ' + db if db else 'default settings (user DB and shipped bundles)'}; portable "
+        "default pinned with use_config; the best stored trial (fastest ok trial at the mix's exact key) is "
+        "listed when it differs from both.",
+    ]
+    if not graphs:
+        notes.append("CUDA graphs: not measured (" + ("CPU smoke run" if env["smoke"] else "--no-graph") + ").")
+    text = bl.header_markdown(env, "Varlen attention (varlen_sdpa) side by side", notes)
+    for mix in dict.fromkeys(r.mix for r in rows):
+        lines = [
+            f"## {mix}",
+            "",
+            "| implementation | check | max err | eager us | eager TB/s | eager x varlen | graph us | graph TB/s "
+            "| graph x varlen | note |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in (r for r in rows if r.mix == mix):
+            graph_cell = bl.fmt(r.graph_us, 1) if r.graph_us else (r.graph_status.split(":")[0] or "-")
+            note = r.note if r.graph_status in ("", "ok") else f"{r.note}; graph: {r.graph_status}".lstrip("; ")
+            lines.append(
+                f"| {r.impl} | {r.status} | {bl.fmt(r.max_err, 4)} | {bl.fmt(r.eager_us, 1)} "
+                f"| {bl.fmt(r.tbps(r.eager_us), 2)} | {_ratio_cell(r, rows, 'eager')} | {graph_cell} "
+                f"| {bl.fmt(r.tbps(r.graph_us), 2)} | {_ratio_cell(r, rows, 'graph')} "
+                f"| {note.replace('|', '/')} |"
+            )
+        text += "\n".join([*lines, "", *_summary(rows, mix)]) + "\n\n"
+    return text
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
