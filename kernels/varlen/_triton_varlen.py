@@ -229,7 +229,9 @@ def _varlen_fwd_kernel(
 
     t0 = tile * TQ
     lo, hi, full_lo, full_hi = _tile_keys(s_q_len, s_kv_end, s_ring_lo, window, t0, TQ, CAUSAL, WINDOWED)
+    # Defined on every path: the compiler (unlike the interpreter) needs them where the store below reads them.
     used = 1
+    ws_slot = 0
     if SPLIT:
         used = (tl.maximum(hi - lo, 0) + s_chunk - 1) // s_chunk
         # Split 0 always runs: a tile that sees no key still writes its zeros.
