@@ -158,10 +158,12 @@ class Case:
     block_k: int = 64
     bias: bool = False
     dtype: torch.dtype = torch.bfloat16
+    fold: bool = False
 
     def __str__(self) -> str:
         dt = "bf16" if self.dtype == torch.bfloat16 else "fp16"
-        return f"{self.path}-M{self.m}-K{self.k}-N{self.n}-split{self.split_k}-bk{self.block_k}-{dt}" + (
+        path = "fp8-fold" if self.fold else self.path
+        return f"{path}-M{self.m}-K{self.k}-N{self.n}-split{self.split_k}-bk{self.block_k}-{dt}" + (
             "-bias" if self.bias else ""
         )
 
@@ -179,18 +181,32 @@ CPU_CASES = [
     Case("fp8", 64, 768, 64, block_k=32),
     Case("fp8", 257, 256, 37),
     Case("fp8", 5, 512, 33, dtype=torch.float16, bias=True),
+    Case("fp8", 1, 256, 37, fold=True),
+    Case("fp8", 3, 768, 37, bias=True, fold=True),
+    # Four splits of 192: two of them straddle a super-block boundary.
+    Case("fp8", 16, 768, 37, split_k=4, fold=True),
+    Case("fp8", 64, 768, 64, block_k=128, fold=True),
+    Case("fp8", 257, 256, 37, block_k=32, fold=True),
+    Case("fp8", 5, 512, 33, dtype=torch.float16, bias=True, fold=True),
 ]
 
+# (path, SCALE_FOLD) of each kernel the GEMM can run.
+MODES = [("portable", False), ("fp8", False), ("fp8", True)]
+MODE_IDS = ["portable", "fp8", "fp8-fold"]
+
 GPU_CASES = [
-    Case(path, m, k, n, split_k=split, block_k=bk, bias=bias)
-    for path in ("portable", "fp8")
+    Case(path, m, k, n, split_k=split, block_k=bk, bias=bias, fold=fold)
+    for path, fold in MODES
     for m in (1, 3, 16, 64, 257)
     for (k, n, split, bk, bias) in ((256, 129, 1, 64, False), (768, 1001, 1, 128, True), (4096, 4095, 1, 128, False))
 ] + [
     Case("portable", 1, 4096, 4096, split_k=8, block_k=128),
     Case("fp8", 16, 4096, 4096, split_k=4, block_k=256),
+    Case("fp8", 16, 4096, 4096, split_k=4, block_k=256, fold=True),
+    Case("fp8", 128, 4096, 4096, block_k=256, fold=True),
     Case("portable", 9, 4096, 1000, dtype=torch.float16, bias=True),
     Case("fp8", 9, 4096, 1000, dtype=torch.float16, bias=True),
+    Case("fp8", 9, 4096, 1000, dtype=torch.float16, bias=True, fold=True),
 ]
 
 
@@ -206,6 +222,7 @@ def _config(case: Case, device: str) -> dict[str, object]:
         "num_warps": 4,
         "num_stages": 1 if small else 3,
         "SPLIT_K": case.split_k,
+        "SCALE_FOLD": case.fold,
     }
 
 
@@ -225,6 +242,7 @@ class _KernelSpy:
         names = {
             q4k_launch._quantize_rows_fp8_kernel: "quantize",
             q4k_launch._q4k_gemm_fp8_kernel: "fp8",
+            q4k_launch._q4k_gemm_fp8_fold_kernel: "fp8-fold",
             q4k_launch._q4k_gemm_portable_kernel: "portable",
             q4k_launch._splitk_reduce_kernel: "reduce",
         }
@@ -236,8 +254,9 @@ class _KernelSpy:
         monkeypatch.setattr(q4k_launch, "_direct", direct)
 
     @staticmethod
-    def expected(path: str, split_k: int) -> list[str]:
-        return (["quantize", "fp8"] if path == "fp8" else ["portable"]) + (["reduce"] if split_k > 1 else [])
+    def expected(path: str, split_k: int, fold: bool = False) -> list[str]:
+        gemm = ["quantize", "fp8-fold" if fold else "fp8"] if path == "fp8" else ["portable"]
+        return gemm + (["reduce"] if split_k > 1 else [])
 
 
 @pytest.fixture
@@ -252,7 +271,7 @@ def _run_case(case: Case, device: str, record_property, spy: _KernelSpy) -> None
         result = q4k_linear(x, weight, bias, out=out)
     assert result is out
     # The pinned path and split ran, not a stand-in the dispatcher chose.
-    assert spy.ran == spy.expected(case.path, case.split_k)
+    assert spy.ran == spy.expected(case.path, case.split_k, case.fold)
     expected = q4k_linear_reference(x, weight, bias)
     sqnr = sqnr_db(out.float(), expected)
     record_property("sqnr_db", round(sqnr, 2))
@@ -272,13 +291,13 @@ def test_gemm_matches_reference_gpu(case, record_property, kernel_spy):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["portable", "fp8"])
+@pytest.mark.parametrize(("path", "fold"), MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("m", [1, 16, 256, 4096])
-def test_llama_shapes_gpu(path, m, record_property):
+def test_llama_shapes_gpu(path, fold, m, record_property):
     """The dispatcher's default (portable) and the fp8 path's default on the Llama-3-8B MLP shape."""
-    case = Case(path, m, 4096, 14336)
+    case = Case(path, m, 4096, 14336, fold=fold)
     x, weight, _ = _problem(case, "cuda")
-    config = {"path": path} if path == "fp8" else {}
+    config = {"path": path, "SCALE_FOLD": fold} if path == "fp8" else {}
     if config:
         with use_config("q4k_fp8_gemm", config):
             out = q4k_linear(x, weight)
@@ -293,33 +312,117 @@ def _nan_out(shape: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=x.dtype, device=x.device)
 
 
-@pytest.mark.parametrize("path", ["portable", "fp8"])
-def test_split_k_agrees_with_one_split(path, device, kernel_spy):
+@pytest.mark.parametrize(("path", "fold"), MODES, ids=MODE_IDS)
+def test_split_k_agrees_with_one_split(path, fold, device, kernel_spy):
     x, weight, bias = _problem(Case(path, 2, 1024, 40), device, seed=7)
     expected = q4k_linear_reference(x, weight, bias)
     outs = []
     for split in (1, 4):
-        config = {"path": path, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": split}
+        config = {
+            "path": path, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": split,
+            "SCALE_FOLD": fold,
+        }  # fmt: skip
         kernel_spy.ran.clear()
         with use_config("q4k_fp8_gemm", config):
             out = q4k_linear(x, weight, bias, out=_nan_out((2, 40), x))
-        assert kernel_spy.ran == kernel_spy.expected(path, split)
+        assert kernel_spy.ran == kernel_spy.expected(path, split, fold)
         assert check_path(out.float(), expected, path) is None, f"SPLIT_K={split}"
         outs.append(out.float())
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("path", ["portable", "fp8"])
+@pytest.mark.parametrize(("path", "fold"), MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("split", [1, 2], ids=["one-split", "split2"])
-def test_bias_view_is_read_through_its_stride(path, split, device):
+def test_bias_view_is_read_through_its_stride(path, fold, split, device):
     """``b[::2]``: every kernel that adds the bias must step over the values in between."""
     x, weight, bias = _problem(Case(path, 3, 512, 24, bias=True), device, seed=12)
     interleaved = torch.stack([bias, torch.full_like(bias, 1e3)], dim=1).reshape(-1)[::2]
     assert interleaved.stride(0) == 2 and torch.equal(interleaved, bias)
-    config = {"path": path, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": split}
+    config = {
+        "path": path, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": split,
+        "SCALE_FOLD": fold,
+    }  # fmt: skip
     with use_config("q4k_fp8_gemm", config):
         out = q4k_linear(x, weight, interleaved, out=_nan_out((3, 24), x))
     assert check_path(out.float(), q4k_linear_reference(x, weight, bias), path) is None
+
+
+# ---- the folded fp8 kernel -------------------------------------------------------------------
+
+
+def _fold_emulation(x: torch.Tensor, weight: Q4KWeight) -> torch.Tensor:
+    """What ``SCALE_FOLD`` computes, in PyTorch: e4m3 rows of x against e4m3 ``f * W``, with ``f``
+    the largest power of two per column keeping ``f * (945|d| + 63|dmin|)`` within 448."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True)
+    row_scale = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+    xq = (xf / row_scale).to(torch.float8_e4m3fn).float() * row_scale
+    d, dmin = weight.super_scales.float().unbind(-1)
+    bound = (945 * d.abs() + 63 * dmin.abs()).amax(dim=1, keepdim=True)
+    fold = torch.exp2(torch.floor(torch.log2(448 / bound)))
+    w = (weight.dequantize() * fold).to(torch.float8_e4m3fn).float() / fold
+    return xq @ w.t()
+
+
+@pytest.mark.parametrize("block_k", [64, 128])
+def test_fold_rounds_exactly_the_scaled_weights(block_k, device):
+    """Each weight reaches the tensor cores as ``e4m3(f * (d*sc*q - dmin*m))``, nothing else.
+
+    fp16 output, so the comparison sees errors far below the e4m3 rounding a wrong fold causes.
+    """
+    x, weight, bias = _problem(Case("fp8", 5, 768, 33, dtype=torch.float16, bias=True), device, seed=14)
+    config = {"path": "fp8", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": block_k, "GROUP_M": 1, "SCALE_FOLD": True}
+    with use_config("q4k_fp8_gemm", config):
+        out = q4k_linear(x, weight, bias, out=_nan_out((5, 33), x))
+    expected = _fold_emulation(x.cpu(), weight.to("cpu")) + bias.float().cpu()
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=2e-3, atol=2e-3 * expected.abs().max().item())
+
+
+def test_fold_keeps_every_column_in_e4m3_range(device, record_property):
+    """Columns 2^12 apart in magnitude, super-blocks 2^8 apart within a column: each column's power
+    of two keeps its weights clear of e4m3's subnormals (unscaled, the small ones would flush)."""
+    gen = torch.Generator().manual_seed(15)
+    m, n, k = 64, 32, 768
+    column_exp = (torch.arange(n) % 13 - 6).float()  # 2^-6 .. 2^6
+    block_exp = torch.tensor([-4.0, 0.0, 4.0]).repeat_interleave(256)
+    w = torch.randn(n, k, generator=gen) * 0.05 * torch.exp2(column_exp)[:, None] * torch.exp2(block_exp)[None, :]
+    weight = Q4KWeight.quantize(w).to(device)
+    # Every super-block contributes alike to the output.
+    x = (torch.randn(m, k, generator=gen) * torch.exp2(-block_exp)).to(torch.bfloat16).to(device)
+    config = {"path": "fp8", "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "SCALE_FOLD": True}
+    with use_config("q4k_fp8_gemm", config):
+        out = q4k_linear(x, weight, out=_nan_out((m, n), x))
+    expected = q4k_linear_reference(x, weight)
+    per_column = [sqnr_db(out[:, j].float(), expected[:, j]) for j in range(n)]
+    record_property("min_column_sqnr_db", round(min(per_column), 2))
+    assert min(per_column) >= MIN_SQNR_DB["fp8"], per_column
+
+
+def _activations(kind: str, m: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(m, k, generator=gen)
+    if kind == "outlier-channels":
+        # A few hidden channels about 20x the rest, as in a transformer's residual stream.
+        x[:, torch.randperm(k, generator=gen)[: k // 64]] *= 20.0
+    elif kind == "silu-gated":
+        # The input of an MLP's down projection: silu(gate) * up, heavy-tailed.
+        x = torch.nn.functional.silu(x) * torch.randn(m, k, generator=gen)
+    return x
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "outlier-channels", "silu-gated"])
+@pytest.mark.parametrize("fold", [False, True], ids=["fp8", "fp8-fold"])
+def test_fp8_modes_on_realistic_activations(kind, fold, device, record_property):
+    """Gaussian Q4_K weights against activations shaped like a model's: both fp8 modes hold the floor."""
+    gen = torch.Generator().manual_seed(16)
+    m, n, k = 16, 64, 768
+    weight = Q4KWeight.quantize(torch.randn(n, k, generator=gen) * 0.02).to(device)
+    x = _activations(kind, m, k, gen).to(torch.bfloat16).to(device)
+    config = {"path": "fp8", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "SCALE_FOLD": fold}
+    with use_config("q4k_fp8_gemm", config):
+        out = q4k_linear(x, weight, out=_nan_out((m, n), x))
+    expected = q4k_linear_reference(x, weight)
+    record_property("sqnr_db", round(sqnr_db(out.float(), expected), 2))
+    assert check_path(out.float(), expected, "fp8") is None
 
 
 def test_batched_input_matches_rows(device):
@@ -369,11 +472,11 @@ def test_config_outside_the_space_is_refused():
 # ---- torch.library ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["portable", "fp8"])
-def test_opcheck(path, device):
+@pytest.mark.parametrize(("path", "fold"), MODES, ids=MODE_IDS)
+def test_opcheck(path, fold, device):
     x, weight, bias = _problem(Case(path, 3, 256, 16), device, seed=9)
     out = torch.empty(3, 16, dtype=torch.bfloat16, device=device)
-    config = Q4KConfig(path=path, BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_stages=1, SPLIT_K=2)
+    config = Q4KConfig(path=path, BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_stages=1, SPLIT_K=2, SCALE_FOLD=fold)
     torch.library.opcheck(q4k_linear_op, (x, *weight.tensors(), bias, out, *dataclasses.astuple(config)))
 
 
@@ -428,22 +531,49 @@ def test_spec_gpu_keys_and_feasible_defaults():
 def test_space_rules():
     space = SPEC.space
     assert space.default() == Q4KConfig() and Q4KConfig().path == "portable"
+    assert Q4KConfig().SCALE_FOLD is False
     key = Q4KKey(arch="sm90", sm_count=132, dtype="bfloat16", m_bucket=4096, n=4096, k=4096)
     assert "SPLIT_K" in space.infeasible_reason(Q4KConfig(SPLIT_K=2), key, TargetLimits())
     huge = Q4KConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=256, num_warps=8, num_stages=5)
     assert "shared memory" in space.infeasible_reason(huge, key, TargetLimits())
     small_blocks = space.infeasible_reason(Q4KConfig(BLOCK_N=256), key, TargetLimits(interpreter=True))
     assert small_blocks is not None and "interpreter" in small_blocks
+    # Folding only exists on the fp8 path; the portable launch would be a duplicate.
+    assert "SCALE_FOLD" in space.infeasible_reason(Q4KConfig(SCALE_FOLD=True), key, TargetLimits())
+    folded = Q4KConfig(path="fp8", BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, SCALE_FOLD=True)
+    assert space.infeasible_reason(folded, key, TargetLimits()) is None
+    # 128 accumulator registers plus a 128x256 float32 weight tile over 4 warps.
+    wide = dataclasses.replace(folded, BLOCK_K=256, num_warps=4)
+    assert "weight tile" in space.infeasible_reason(wide, key, TargetLimits())
+    # The rule is the folded kernel's: the unfolded one keeps its feasible configs.
+    assert space.infeasible_reason(dataclasses.replace(wide, SCALE_FOLD=False), key, TargetLimits()) is None
+
+
+def test_tuner_can_choose_the_fold():
+    """SCALE_FOLD is one more dimension: feasible at decode and prefill sizes, never a default."""
+    h200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
+    limits = SPEC.limits(h200)
+    assert SPEC.space.dimensions["SCALE_FOLD"] == (False, True)
+    for m in (1, 16, 4096):
+        key = SPEC.key_for(h200, (m, 14336, 4096, "bfloat16"))
+        assert not SPEC.default_config(key).SCALE_FOLD
+        feasible = SPEC.space.feasible(key, limits)
+        assert any(c.SCALE_FOLD and c.BLOCK_K == 256 for c in feasible), m
+        assert not any(c.SCALE_FOLD and c.path == "portable" for c in feasible)
 
 
 def test_pinned_and_serveable_configs():
     pinned = SPEC.pinned_config({"path": "fp8"})
-    assert pinned.path == "fp8" and pinned.BLOCK_K == 128
+    assert pinned.path == "fp8" and pinned.BLOCK_K == 128 and not pinned.SCALE_FOLD
+    folded = SPEC.pinned_config({"path": "fp8", "SCALE_FOLD": True})
+    assert folded == dataclasses.replace(pinned, SCALE_FOLD=True)
     assert SPEC.pinned_config({}).path == "portable"
     facts = (16, 4096, 4096, "bfloat16")
     a100 = DeviceInfo(name="NVIDIA A100", vendor="nvidia", capability=(8, 0), sm_count=108, arch="sm80")
     h100 = DeviceInfo(name="NVIDIA H100", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
     assert SPEC.serveable(pinned, a100, facts).path == "portable"
+    assert SPEC.serveable(folded, a100, facts) == SPEC.serveable(pinned, a100, facts)
+    assert SPEC.serveable(folded, h100, facts) == folded
     assert SPEC.serveable(pinned, h100, facts) == pinned
     assert SPEC.serveable(pinned, interpreter_device(), facts) == pinned
     # A split that does not divide K's tiles is narrowed rather than refused at launch.

@@ -17,13 +17,20 @@ from tritune.search_spaces.q4k_fp8_gemm import Q4KConfig
 
 from .._oplib import wrap_triton
 from ._triton_q4k import (
+    _q4k_gemm_fp8_fold_kernel,
     _q4k_gemm_fp8_kernel,
     _q4k_gemm_portable_kernel,
     _quantize_rows_fp8_kernel,
     _splitk_reduce_kernel,
 )
 
-KERNELS = (_quantize_rows_fp8_kernel, _q4k_gemm_fp8_kernel, _q4k_gemm_portable_kernel, _splitk_reduce_kernel)
+KERNELS = (
+    _quantize_rows_fp8_kernel,
+    _q4k_gemm_fp8_kernel,
+    _q4k_gemm_fp8_fold_kernel,
+    _q4k_gemm_portable_kernel,
+    _splitk_reduce_kernel,
+)
 
 _REDUCE_BLOCK_M = 16
 _REDUCE_BLOCK_N = 128
@@ -92,10 +99,15 @@ def run_q4k_gemm(
         "num_warps": config.num_warps,
         "num_stages": config.num_stages,
     }
+    # CPU tensors run on the interpreter, whose e4m3 casts and bf16 dots need workarounds.
+    interpreted = x.device.type == "cpu"
     if config.path == "fp8":
         xq = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
         row_scale = torch.empty((m,), dtype=torch.float32, device=x.device)
-        rowsum = torch.empty((m, k // 32), dtype=torch.float32, device=x.device)
+        # Folded weights carry their mins: only the centred kernel needs x's 32-wide row sums
+        # (the folded one passes row_scale in their place, never written).
+        row_sums = not config.SCALE_FOLD
+        rowsum = torch.empty((m, k // 32), dtype=torch.float32, device=x.device) if row_sums else row_scale
         block = _prepass_block(k)
         launcher(_quantize_rows_fp8_kernel)[(m,)](
             x,
@@ -107,13 +119,12 @@ def run_q4k_gemm(
             x.stride(1),
             BLOCK_K=block,
             K_TILES=k // block,
-            ROUND_IN_FP32=x.device.type == "cpu",
+            ROUND_IN_FP32=interpreted,
+            ROW_SUMS=row_sums,
             num_warps=4,
         )
-        launcher(_q4k_gemm_fp8_kernel)[grid](
-            xq,
-            row_scale,
-            rowsum,
+        # Both fp8 kernels read the weight, bias and output alike.
+        rest = (
             qs,
             scales,
             mins,
@@ -130,8 +141,11 @@ def run_q4k_gemm(
             stride_on,
             stride_ok,
             stride_bn,
-            **launch,
         )
+        if config.SCALE_FOLD:
+            launcher(_q4k_gemm_fp8_fold_kernel)[grid](xq, row_scale, *rest, ROUND_IN_FP32=interpreted, **launch)
+        else:
+            launcher(_q4k_gemm_fp8_kernel)[grid](xq, row_scale, rowsum, *rest, **launch)
     else:
         launcher(_q4k_gemm_portable_kernel)[grid](
             x,
@@ -153,7 +167,7 @@ def run_q4k_gemm(
             stride_ok,
             stride_bn,
             # The interpreter (CPU tensors) multiplies bf16 tiles wrongly: give it fp32 operands.
-            DOT_IN_FP32=x.device.type == "cpu",
+            DOT_IN_FP32=interpreted,
             **launch,
         )
     if config.SPLIT_K > 1:
