@@ -5,17 +5,59 @@ On a GPU each op is a ``triton_op`` whose body launches its kernels through ``wr
 the kernels are ``InterpretedFunction`` objects that torch cannot trace, so the same body is
 registered as an opaque ``custom_op`` with a fake implementation instead; every tritune op
 mutates a preallocated ``out`` and returns nothing, so that fake has nothing to compute.
+
+Going through ``torch.library`` costs tens of microseconds of Python per call (argument
+normalisation, the autograd and ADInplaceOrView layers), more than the launch itself, and a decode
+step pays it once per layer. So :class:`TritonOp` calls the body directly when nothing needs the
+op: plain tensors, no autograd, no dispatch or function modes, not inside ``torch.compile``.
+Everything else (``torch.compile``, ``make_fx``, FakeTensor, tensors that require grad,
+``opcheck``) goes through the registered op.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 from torch.library import custom_op, triton_op, wrap_triton
 from triton.runtime.interpreter import InterpretedFunction
 
-__all__ = ["register_op", "wrap_triton"]
+__all__ = ["TritonOp", "register_op", "wrap_triton"]
+
+
+class TritonOp:
+    """A registered op, called directly in plain eager mode (see the module docstring)."""
+
+    def __init__(self, op: Any, body: Callable[..., None], mutates: tuple[str, ...]) -> None:
+        self.op = op
+        self.body = body
+        names = list(inspect.signature(body).parameters)
+        #: Positions of the mutated arguments: their version counters move as the op's would.
+        self.mutated = tuple(names.index(name) for name in mutates)
+
+    def __call__(self, *args: Any) -> None:
+        if _plain_eager(args):
+            self.body(*args)
+            for index in self.mutated:
+                if args[index] is not None:
+                    torch.autograd.graph.increment_version(args[index])
+            return
+        self.op(*args)
+
+
+def _plain_eager(args: tuple[Any, ...]) -> bool:
+    """Whether calling an op's body directly is indistinguishable from calling the op."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    if torch._C._is_torch_function_mode_enabled():
+        return False
+    grad = torch.is_grad_enabled()
+    for arg in args:
+        if isinstance(arg, torch.Tensor) and (type(arg) is not torch.Tensor or (grad and arg.requires_grad)):
+            return False
+    return True
 
 
 def register_op(
@@ -25,7 +67,7 @@ def register_op(
     mutates_args: Iterable[str],
     kernels: Iterable[Any],
     opaque: bool = False,
-) -> Any:
+) -> TritonOp:
     """Register ``body`` as op ``name`` ("tritune::..."), traceable where Triton allows it.
 
     ``opaque=True`` keeps the op a ``custom_op`` on the GPU too: torch cannot yet trace a
@@ -35,5 +77,7 @@ def register_op(
     if opaque or any(isinstance(k, InterpretedFunction) for k in kernels):
         op = custom_op(name, body, mutates_args=mutates)
         op.register_fake(lambda *args, **kwargs: None)
-        return op
-    return triton_op(name, body, mutates_args=mutates)
+    else:
+        op = triton_op(name, body, mutates_args=mutates)
+    namespace, op_name = name.split("::")
+    return TritonOp(getattr(getattr(torch.ops, namespace), op_name).default, body, mutates)

@@ -258,13 +258,12 @@ def _decode_attention(
     )  # fmt: skip
 
 
-register_op(
+_decode_op = register_op(
     "tritune::decode_attention",
     _decode_attention,
     mutates_args={"out"},
     kernels=[_decode_split_kernel, _decode_merge_kernel],
 )
-_decode_op = torch.ops.tritune.decode_attention.default
 
 
 def _run(

@@ -112,14 +112,13 @@ def _prefill_tma_body(
     prefill_tma(q, k, v, kv_len, out, causal=causal, softmax_scale=softmax_scale, config=config)
 
 
-register_op(
+_prefill_tma_op = register_op(
     "tritune::prefill_attention_tma",
     _prefill_tma_body,
     mutates_args={"out"},
     kernels=[_prefill_tma_kernel, _merge_splits_kernel],
     opaque=True,
 )
-_prefill_tma_op = torch.ops.tritune.prefill_attention_tma.default
 
 
 def _prefill_body(
@@ -147,8 +146,9 @@ def _prefill_body(
     prefill_portable(q, k, v, kv_len, out, causal=causal, softmax_scale=softmax_scale, config=config)
 
 
-register_op("tritune::prefill_attention", _prefill_body, mutates_args={"out"}, kernels=[_prefill_fwd_kernel])
-_prefill_op = torch.ops.tritune.prefill_attention.default
+_prefill_op = register_op(
+    "tritune::prefill_attention", _prefill_body, mutates_args={"out"}, kernels=[_prefill_fwd_kernel]
+)
 
 
 def prefill_attention(

@@ -346,13 +346,12 @@ def _varlen_attention(
     )  # fmt: skip
 
 
-register_op(
+_varlen_op = register_op(
     "tritune::varlen_attention",
     _varlen_attention,
     mutates_args={"out"},
     kernels=[_varlen_fwd_kernel, _varlen_merge_kernel],
 )
-_varlen_op = torch.ops.tritune.varlen_attention.default
 
 
 def _run(

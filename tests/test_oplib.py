@@ -1,0 +1,102 @@
+"""``TritonOp``: the body runs directly in plain eager mode, the registered op everywhere else.
+
+Both routes must give the same result; the direct one exists only to skip ``torch.library``'s
+per-call Python cost, so every situation where the op matters (a dispatch mode such as
+FakeTensor or ``make_fx``, tensors that require grad, ``torch.compile``) must still reach the op.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tritune.kernels._oplib import TritonOp, _plain_eager, register_op
+from tritune.kernels.decode import op as decode_op
+
+
+class CountingMode(TorchDispatchMode):
+    """Records the ops that reach the dispatcher."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_every_public_op_is_a_triton_op():
+    from tritune.kernels.prefill import op as prefill_op
+    from tritune.kernels.q4k import op as q4k_op
+    from tritune.kernels.varlen import op as varlen_op
+
+    for op in (prefill_op._prefill_op, prefill_op._prefill_tma_op, decode_op._decode_op, varlen_op._varlen_op,
+               q4k_op.q4k_linear_op):  # fmt: skip
+        assert isinstance(op, TritonOp)
+        assert op.mutated == (list(op.op._schema.arguments).index(next(a for a in op.op._schema.arguments
+                                                                        if a.name == "out")),)  # fmt: skip
+
+
+def test_plain_eager_only_for_plain_tensors_without_modes_or_grad():
+    plain = torch.ones(2)
+    assert _plain_eager((plain, 1, None))
+    assert not _plain_eager((torch.ones(2, requires_grad=True),))
+    with torch.no_grad():
+        assert _plain_eager((torch.ones(2, requires_grad=True),))
+    with CountingMode():
+        assert not _plain_eager((plain,))
+    with torch.device("cpu"):  # a torch function mode
+        assert not _plain_eager((plain,))
+
+
+def _toy_op() -> tuple[TritonOp, list[str]]:
+    calls: list[str] = []
+
+    def _body(x: torch.Tensor, out: torch.Tensor, alpha: float) -> None:
+        calls.append("body")
+        out.copy_(x * alpha)
+
+    return register_op("tritune_test::scaled_copy", _body, mutates_args=("out",), kernels=[]), calls
+
+
+TOY, TOY_CALLS = _toy_op()
+
+
+def test_direct_call_skips_the_dispatcher_and_bumps_the_version():
+    x, out = torch.randn(5), torch.full((5,), float("nan"))
+    version = out._version
+    with CountingMode() as mode:
+        pass
+    TOY(x, out, 3.0)
+    assert torch.equal(out, x * 3.0)
+    assert out._version > version
+    assert mode.seen == []
+
+
+def test_a_dispatch_mode_sees_the_op():
+    x, out = torch.randn(5), torch.full((5,), float("nan"))
+    with CountingMode() as mode:
+        TOY(x, out, 2.0)
+    assert "tritune_test.scaled_copy.default" in mode.seen
+    assert torch.equal(out, x * 2.0)
+
+
+@pytest.mark.parametrize("route", ["direct", "op"])
+def test_decode_results_are_the_same_either_way(route):
+    from test_decode import make_case
+
+    from tritune.kernels import decode_attention
+
+    q, k, v, kv_len = make_case("cuda" if torch.cuda.is_available() else "cpu", batch=2, kv_heads=2, group=2, lq=1,
+                                head_dim=64, lmax=32, lengths=[5, 9])  # fmt: skip
+    expected = decode_attention(q, k, v, kv_len)
+    out = torch.full_like(q, float("nan"))
+    if route == "op":
+        with CountingMode() as mode:
+            decode_attention(q, k, v, kv_len, out=out)
+        assert "tritune.decode_attention.default" in mode.seen
+    else:
+        decode_attention(q, k, v, kv_len, out=out)
+    assert torch.equal(out, expected)
