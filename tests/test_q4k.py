@@ -7,6 +7,11 @@ same checks over larger K and the Llama-3-8B shapes.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -21,7 +26,7 @@ from tritune.kernels.q4k.op import q4k_linear_op
 from tritune.kernels.q4k.reference import q4k_linear_reference, sqnr_db
 from tritune.kernels.q4k.spec import MIN_SQNR_DB, SPEC, Q4KKey, check_path
 from tritune.search_spaces.base import TargetLimits
-from tritune.search_spaces.q4k_fp8_gemm import Q4KConfig
+from tritune.search_spaces.q4k_fp8_gemm import Q4KConfig, smem_bytes
 
 Q4_K = gguf.GGMLQuantizationType.Q4_K
 
@@ -398,6 +403,41 @@ def test_fold_keeps_every_column_in_e4m3_range(device, record_property):
     assert min(per_column) >= MIN_SQNR_DB["fp8"], per_column
 
 
+def test_fold_builds_for_sm90(tmp_path):
+    """Triton's compiler, unlike the interpreter, sees the real kernel: built for sm_90 here (no GPU
+    needed), feasible tiles use e4m3 wgmma from 64 rows, spill nothing and fit the smem estimate."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(90).path
+    except Exception as exc:
+        pytest.skip(f"Triton's CUDA backend cannot build here: {exc}")
+    if not os.access(ptxas, os.X_OK):
+        pytest.skip(f"Triton's ptxas is not executable here: {ptxas}")
+    # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): prefill tiles and a decode tile.
+    configs = [(128, 128, 128, 8, 3), (64, 256, 64, 8, 4), (16, 64, 256, 4, 3)]
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    script = Path(__file__).with_name("sm90_build.py")
+    run = subprocess.run(
+        [sys.executable, str(script), json.dumps(configs)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    built = [json.loads(line) for line in run.stdout.splitlines()]
+    h200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
+    for (bm, bn, bk, warps, stages), result in zip(configs, built, strict=True):
+        key = SPEC.key_for(h200, (4096 if bm >= 64 else 16, 14336, 4096, "bfloat16"))
+        config = Q4KConfig(
+            path="fp8", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8 if bm >= 64 else 1, num_warps=warps,
+            num_stages=stages, SCALE_FOLD=True,
+        )  # fmt: skip
+        assert SPEC.space.infeasible_reason(config, key, SPEC.limits(h200)) is None, config
+        assert result["spill_bytes"] == 0, result
+        assert result["shared"] <= smem_bytes(config), result
+        if bm >= 64:
+            assert [m for m in result["mma"] if m.endswith(".f32.e4m3.e4m3")], result
+
+
 def _activations(kind: str, m: int, k: int, gen: torch.Generator) -> torch.Tensor:
     x = torch.randn(m, k, generator=gen)
     if kind == "outlier-channels":
@@ -477,7 +517,7 @@ def test_opcheck(path, fold, device):
     x, weight, bias = _problem(Case(path, 3, 256, 16), device, seed=9)
     out = torch.empty(3, 16, dtype=torch.bfloat16, device=device)
     config = Q4KConfig(path=path, BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_stages=1, SPLIT_K=2, SCALE_FOLD=fold)
-    torch.library.opcheck(q4k_linear_op, (x, *weight.tensors(), bias, out, *dataclasses.astuple(config)))
+    torch.library.opcheck(q4k_linear_op.op, (x, *weight.tensors(), bias, out, *dataclasses.astuple(config)))
 
 
 def test_torch_compile_fullgraph(device):
