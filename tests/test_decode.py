@@ -259,8 +259,9 @@ def test_direct_launch_and_registered_op_agree(device, many_sms):
 
 
 def _valid_args():
-    """Valid arguments on the device the kernels run on (a CPU tensor is refused first on a GPU machine)."""
-    q, k, v, kv_len = make_case("cuda" if torch.cuda.is_available() else "cpu", batch=2, kv_heads=2, group=2, lq=1, head_dim=64, lmax=32, lengths=[5, 9])
+    """Valid arguments on the kernels' device (a GPU machine refuses CPU tensors first)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v, kv_len = make_case(device, batch=2, kv_heads=2, group=2, lq=1, head_dim=64, lmax=32, lengths=[5, 9])
     return {"q": q, "k_cache": k, "v_cache": v, "kv_len": kv_len}
 
 
