@@ -281,9 +281,9 @@ class SharedKeyTuner(KeyTuner):
                     return measured, "budget"
                 if not any(t.state == TrialState.WAITING for t in trials):
                     # Deferred configs (two workers backed off) come back through the queue.
-                    for config in self.rng.sample(unseen, min(len(unseen), opts.batch)):
+                    for config in self.rng.sample(unseen, min(len(unseen), opts.batch_size)):
                         study.enqueue_trial(self.space.to_dict(config))
-            want = min(opts.batch, budget - len(claimed), max_asks - asks)
+            want = min(opts.batch_size, budget - len(claimed), max_asks - asks)
             asked = [self._ask(study) for _ in range(want)]
             asks += len(asked)
             pending = self._sort_out(study, asked)

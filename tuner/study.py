@@ -89,8 +89,10 @@ class TuneOptions:
     trials: int = 40
     time_budget_s: float | None = None
     seed: int = 0
-    #: Candidates compiled together; as many as there are compile threads.
-    batch: int = field(default_factory=lambda: _usable_cpus())
+    #: Candidates proposed (and compiled) together before any of their results reaches the
+    #: sampler; ``None``: a quarter of the trials (at least 4), at most one per compile thread.
+    #: A batch as large as the budget would make TPE a random search: it learns between batches.
+    batch: int | None = None
     compile_workers: int = field(default_factory=lambda: _usable_cpus())
     #: Rounds of the final interleaved re-timing of winner, runner-up and portable default.
     final_rounds: int = 3
@@ -101,6 +103,12 @@ class TuneOptions:
     #: killed and recorded as failed; ``None`` waits forever.
     trial_timeout_s: float | None = 120.0
     noise: NoisePolicy = field(default_factory=NoisePolicy)
+
+    @property
+    def batch_size(self) -> int:
+        if self.batch is not None:
+            return max(1, self.batch)
+        return max(1, min(self.compile_workers, max(4, -(-self.trials // 4))))
 
 
 @dataclass
@@ -332,7 +340,7 @@ class KeyTuner:
             # Another tuner on the same DB may have measured configs since the last batch.
             self._absorb_stored(study, distributions)
             pending: list[tuple[optuna.trial.Trial, Any]] = []
-            while len(pending) < min(opts.batch, budget - self._spent()) and asks < max_asks:
+            while len(pending) < min(opts.batch_size, budget - self._spent()) and asks < max_asks:
                 if exhaustive and not any(self._ident(c) not in self.status for c in feasible):
                     # Every feasible config is measured, failed or in this batch: the sweep is done.
                     break
