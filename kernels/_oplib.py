@@ -9,7 +9,9 @@ mutates a preallocated ``out`` and returns nothing, so that fake has nothing to 
 Going through ``torch.library`` costs tens of microseconds of Python per call (argument
 normalisation, the autograd and ADInplaceOrView layers), more than the launch itself, and a decode
 step pays it once per layer. So :class:`TritonOp` calls the body directly when nothing needs the
-op: plain tensors, no autograd, no dispatch or function modes, not inside ``torch.compile``.
+op: plain tensors, no autograd, no dispatch or function modes, not inside ``torch.compile``; and,
+as ``triton_op``'s own backend does, with ``wrap_triton`` switched off, so the body's launches
+reach the bare Triton kernels.
 Everything else (``torch.compile``, ``make_fx``, FakeTensor, tensors that require grad,
 ``opcheck``) goes through the registered op.
 """
@@ -21,6 +23,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch._library.triton import set_wrap_triton_enabled
 from torch.library import custom_op, triton_op, wrap_triton
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -39,7 +42,10 @@ class TritonOp:
 
     def __call__(self, *args: Any) -> None:
         if _plain_eager(args):
-            self.body(*args)
+            # As triton_op's own backend does: with plain tensors, wrap_triton hands back the bare
+            # kernels instead of routing each launch through its tracing machinery.
+            with set_wrap_triton_enabled(False):
+                self.body(*args)
             for index in self.mutated:
                 if args[index] is not None:
                     torch.autograd.graph.increment_version(args[index])

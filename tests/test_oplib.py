@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._library.triton import is_wrap_triton_enabled
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tritune.kernels._oplib import TritonOp, _plain_eager, register_op
@@ -51,11 +52,11 @@ def test_plain_eager_only_for_plain_tensors_without_modes_or_grad():
         assert not _plain_eager((plain,))
 
 
-def _toy_op() -> tuple[TritonOp, list[str]]:
-    calls: list[str] = []
+def _toy_op() -> tuple[TritonOp, list[bool]]:
+    calls: list[bool] = []
 
     def _body(x: torch.Tensor, out: torch.Tensor, alpha: float) -> None:
-        calls.append("body")
+        calls.append(is_wrap_triton_enabled())
         out.copy_(x * alpha)
 
     return register_op("tritune_test::scaled_copy", _body, mutates_args=("out",), kernels=[]), calls
@@ -69,10 +70,14 @@ def test_direct_call_skips_the_dispatcher_and_bumps_the_version():
     version = out._version
     with CountingMode() as mode:
         pass
+    TOY_CALLS.clear()
     TOY(x, out, 3.0)
     assert torch.equal(out, x * 3.0)
     assert out._version > version
     assert mode.seen == []
+    # The body launches bare kernels, as triton_op's backend would run it.
+    assert TOY_CALLS == [False]
+    assert is_wrap_triton_enabled()
 
 
 def test_a_dispatch_mode_sees_the_op():

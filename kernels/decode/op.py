@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from tritune.search_spaces.splitk_decode import (
     HEAD_DIMS,
@@ -275,13 +274,8 @@ def _run(
     softmax_scale: float,
     values: tuple[int, ...],
 ) -> None:
-    if torch.compiler.is_compiling() or type(q) is not torch.Tensor or is_in_torch_dispatch_mode():
-        # Tracers (dynamo, make_fx, export) and dispatch modes must see the registered op.
-        _decode_op(q, k_cache, v_cache, kv_len, out, softmax_scale, *values)
-    else:
-        # Eager on plain tensors: the same launch without the op dispatcher or wrap_triton's tracing
-        # machinery, each of which costs more host time than a whole decode kernel.
-        _launch(_decode_split_kernel, _decode_merge_kernel, q, k_cache, v_cache, kv_len, out, softmax_scale, values)
+    # Plain eager calls run the body directly (TritonOp); tracers and dispatch modes see the op.
+    _decode_op(q, k_cache, v_cache, kv_len, out, softmax_scale, *values)
 
 
 def launch(

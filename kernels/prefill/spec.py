@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 import torch
+from torch._library.triton import set_wrap_triton_enabled
 
 from tritune.search_spaces.base import TargetLimits
 from tritune.search_spaces.tma_prefill import (
@@ -259,7 +260,10 @@ class PrefillSpec(KernelSpec[PrefillConfig, PrefillKey]):
         out = torch.empty_like(q) if out is None else out
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         run = prefill_tma if config.path == "tma" else prefill_portable
-        run(q, k, v, kv_len, out, causal=causal, softmax_scale=scale, config=config)
+        # Bare kernels, as the op's body gets them in eager mode: wrap_triton's tracing route
+        # would add its host cost to every launch the tuner times.
+        with set_wrap_triton_enabled(False):
+            run(q, k, v, kv_len, out, causal=causal, softmax_scale=scale, config=config)
         return out
 
     # ---- the tuning half -----------------------------------------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from tritune.search_spaces.q4k_fp8_gemm import Q4KConfig
 
@@ -95,9 +94,6 @@ def q4k_linear(
         out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     facts = SPEC.facts(x2d, weight, bias)
     values = dispatch(SPEC.name, x.device.type, device_index(x.device), facts)
-    if torch.compiler.is_compiling() or type(x) is not torch.Tensor or is_in_torch_dispatch_mode():
-        # Tracers (dynamo, make_fx, export) and dispatch modes must see the registered op.
-        q4k_linear_op(x2d, *weight.tensors(), bias, out.view(-1, n), *values)
-    else:
-        run_q4k_gemm(Q4KConfig(*values), x2d, *weight.tensors(), bias, out.view(-1, n), traceable=False)
+    # Plain eager calls run the body directly (TritonOp); tracers and dispatch modes see the op.
+    q4k_linear_op(x2d, *weight.tensors(), bias, out.view(-1, n), *values)
     return out

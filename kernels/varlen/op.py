@@ -22,7 +22,6 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.fx.experimental.symbolic_shapes import has_static_value
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from tritune.search_spaces.varlen_sdpa import (
     HEAD_DIMS,
@@ -366,15 +365,8 @@ def _run(
     softmax_scale: float,
     values: tuple[int, ...],
 ) -> None:
-    if torch.compiler.is_compiling() or type(q) is not torch.Tensor or is_in_torch_dispatch_mode():
-        # Tracers (dynamo, make_fx, export) and dispatch modes must see the registered op.
-        _varlen_op(q, k_store, v_store, seq_info, out, causal, window, ring, softmax_scale, *values)
-    else:
-        # Eager on plain tensors: the same launch without the op dispatcher's host overhead.
-        _launch(
-            _varlen_fwd_kernel, _varlen_merge_kernel,
-            q, k_store, v_store, seq_info, out, causal, window, ring, softmax_scale, values,
-        )  # fmt: skip
+    # Plain eager calls run the body directly (TritonOp); tracers and dispatch modes see the op.
+    _varlen_op(q, k_store, v_store, seq_info, out, causal, window, ring, softmax_scale, *values)
 
 
 def launch(
