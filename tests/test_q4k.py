@@ -252,11 +252,11 @@ class _KernelSpy:
             q4k_launch._splitk_reduce_kernel: "reduce",
         }
 
-        def direct(kernel):
+        def launcher(kernel):
             self.ran.append(names[kernel])
             return kernel
 
-        monkeypatch.setattr(q4k_launch, "_direct", direct)
+        monkeypatch.setattr(q4k_launch, "wrap_triton", launcher)
 
     @staticmethod
     def expected(path: str, split_k: int, fold: bool = False) -> list[str]:

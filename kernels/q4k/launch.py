@@ -8,8 +8,6 @@ Launches go through ``wrap_triton`` so the registered op stays traceable by ``to
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import triton
 
@@ -36,10 +34,6 @@ _REDUCE_BLOCK_M = 16
 _REDUCE_BLOCK_N = 128
 
 
-def _direct(kernel: Any) -> Any:
-    return kernel
-
-
 def _prepass_block(k: int) -> int:
     # The largest power-of-two chunk (256 .. 2048) that divides K; K is a multiple of 256.
     block = 2048
@@ -57,15 +51,13 @@ def run_q4k_gemm(
     super_scales: torch.Tensor,
     bias: torch.Tensor | None,
     out: torch.Tensor,
-    *,
-    traceable: bool = True,
 ) -> None:
     """``out = x @ dequant(W)^T (+ bias)`` with ``config``; writes every element of ``out``.
 
-    ``traceable=False`` launches the kernels directly: eager calls skip ``wrap_triton``'s
-    per-launch bookkeeping, which costs more than a whole decode-sized GEMM.
+    Launches go through ``wrap_triton``: bare kernels in eager mode (the caller switches it off,
+    as ``TritonOp`` and the spec's launch do), traced ones inside the registered op.
     """
-    launcher = wrap_triton if traceable else _direct
+    launcher = wrap_triton
     m, k = x.shape
     n = qs.shape[0]
     if m == 0:

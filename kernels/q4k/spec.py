@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 
 import torch
 import triton
+from torch._library.triton import set_wrap_triton_enabled
 
 from tritune.search_spaces import q4k_fp8_gemm as q4k_space
 from tritune.search_spaces.q4k_fp8_gemm import Q4KConfig
@@ -137,7 +138,9 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
         n = weight.shape[0]
         if out is None:
             out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-        run_q4k_gemm(config, x2d, *weight.tensors(), bias, out.view(-1, n), traceable=False)
+        # Bare kernels, as the op's body gets them in eager mode (the tuner times this launch).
+        with set_wrap_triton_enabled(False):
+            run_q4k_gemm(config, x2d, *weight.tensors(), bias, out.view(-1, n))
         return out
 
     # ---- the tuning half ---------------------------------------------------------------
