@@ -1,30 +1,179 @@
-"""Compile the folded fp8 Q4_K kernel for sm_90 without a GPU and report what ptxas made of it.
+"""Build tritune's Triton kernels for sm_90 on a machine without a GPU.
 
-Run as a script, in a process without ``TRITON_INTERPRET`` (the interpreter replaces the jit
-kernels): ``python tests/sm90_build.py '[[BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages], ...]'``.
-Prints one JSON line per config: the tensor-core instructions in the PTX, registers, spill bytes
-and shared memory. Arguments are specialized as a launch specializes them (16-byte divisible
-pointers and sizes, unit output stride), which decides whether Triton pipelines the loads.
+The CPU test tier runs the kernels on the Triton interpreter, which executes their Python and so
+never sees what Triton's compiler front end refuses (a name bound only under a ``constexpr``
+branch, a type that does not unify across branches, ...). Triton can still compile for sm_90
+here, all the way to a cubin with its bundled ptxas; this module does that in two halves:
+
+- in the test process (interpreter or not), :func:`record_launches` intercepts kernel launches
+  instead of running them, and :func:`specialize` turns each recorded launch into what
+  ``JITFunction.run`` would compile for an H200: the signature, ``constexpr`` values and
+  divisibility attributes derived from the real arguments by Triton's own binder, and the launch
+  options;
+- in a process without ``TRITON_INTERPRET`` (the kernels must be ``JITFunction`` objects), this
+  file as a script compiles each recorded launch with ``triton.compile`` for
+  ``GPUTarget("cuda", 90, 32)`` and prints one JSON line per launch: the compiler's message if it
+  failed.
+
+Script use: ``python tests/sm90_build.py --records FILE`` (records as :func:`specialize` writes
+them), or ``python tests/sm90_build.py '[[BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages], ...]'``
+for the folded fp8 Q4_K kernel with what ptxas made of it (tensor-core instructions, registers,
+spill bytes, shared memory).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
-from triton.compiler import ASTSource
 
-from tritune.kernels.q4k._triton_q4k import _q4k_gemm_fp8_fold_kernel
+#: What the records are built for: an H200 (compute capability 9.0, 32-thread warps).
+TARGET = GPUTarget("cuda", 90, 32)
 
-SIGNATURE = {
+
+# ---- the test-process half: record launches, specialize them as a launch on the target would ----
+
+
+@dataclass
+class Launch:
+    """One intercepted ``kernel[grid](*args, **kwargs)``."""
+
+    kernel: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+@dataclass
+class Recorder:
+    launches: list[Launch] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def record_launches() -> Iterator[Recorder]:
+    """Record every Triton kernel launch in the block instead of running it.
+
+    Patches ``run`` of both kernel classes (``InterpretedFunction`` under ``TRITON_INTERPRET``,
+    ``JITFunction`` otherwise), which every launch reaches, whether through ``kernel[grid]`` or
+    torch's ``wrap_triton``. Nothing runs, so the arguments may be meta tensors.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    recorder = Recorder()
+
+    def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        recorder.launches.append(Launch(self, args, kwargs))
+
+    saved = {cls: cls.__dict__["run"] for cls in (InterpretedFunction, JITFunction)}
+    try:
+        for cls in saved:
+            cls.run = run
+        yield recorder
+    finally:
+        for cls, original in saved.items():
+            cls.run = original
+
+
+def _json_value(value: Any) -> Any:
+    import triton.language as tl
+
+    if isinstance(value, tl.dtype):
+        return {"dtype": str(value)}
+    if isinstance(value, tl.constexpr):
+        return _json_value(value.value)
+    return value
+
+
+def specialize(launch: Launch) -> dict[str, Any]:
+    """What ``JITFunction.run`` would compile for :data:`TARGET` from this launch, as plain JSON.
+
+    Uses Triton's own binder for the target's backend, so tensors become ``*bf16``/``*fp8e4nv``/...,
+    ints ``i32``/``i64`` (or the constant 1), pointers and ints divisible by 16 carry
+    ``tt.divisibility``, ``None`` is a ``constexpr``, and host ``TensorDescriptor`` objects become
+    ``tensordesc<...>``, exactly as a launch on an H200 specializes the same arguments. Relies on
+    ``JITFunction._pack_args``, Triton 3.6's own step from bound arguments to a compile request.
+    """
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    fn = launch.kernel.fn
+    jit = launch.kernel if isinstance(launch.kernel, JITFunction) else JITFunction(fn)
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(jit.signature, jit.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.kwargs)
+    _, signature, constexprs, attrs = jit._pack_args(backend, launch.kwargs, bound, specialization, options)
+    names = set(jit.arg_names)
+    return {
+        "module": fn.__module__,
+        "kernel": fn.__name__,
+        "signature": signature,
+        "constexprs": [[list(path), _json_value(value)] for path, value in constexprs.items()],
+        "attrs": [[list(path), value] for path, value in attrs.items()],
+        "options": {name: value for name, value in launch.kwargs.items() if name not in names},
+    }
+
+
+# ---- the compile half: run without TRITON_INTERPRET ------------------------------------------
+
+
+def _constexpr_value(value: Any) -> Any:
+    import triton.language as tl
+
+    if isinstance(value, dict) and "dtype" in value:
+        return tl.dtype(value["dtype"])
+    return value
+
+
+def compile_record(record: dict[str, Any]) -> Any:
+    """``triton.compile`` of one record for :data:`TARGET`; raises what the compiler raises."""
+    import importlib
+
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    kernel = getattr(importlib.import_module(record["module"]), record["kernel"])
+    if not isinstance(kernel, JITFunction):
+        raise RuntimeError(f"{record['kernel']} is a {type(kernel).__name__}: compile without TRITON_INTERPRET")
+    source = ASTSource(
+        kernel,
+        record["signature"],
+        constexprs={tuple(path): _constexpr_value(value) for path, value in record["constexprs"]},
+        attrs={tuple(path): value for path, value in record["attrs"]},
+    )
+    return triton.compile(source, target=TARGET, options=record["options"])
+
+
+def _build_one(record: dict[str, Any]) -> dict[str, Any]:
+    try:
+        compiled = compile_record(record)
+    except Exception as exc:
+        return {"id": record.get("id"), "error": f"{type(exc).__name__}: {exc}"}
+    return {"id": record.get("id"), "error": None, "shared": compiled.metadata.shared}
+
+
+def build_records(records: list[dict[str, Any]], workers: int) -> Iterator[dict[str, Any]]:
+    """Compile ``records`` in ``workers`` processes; results in the records' order."""
+    if workers <= 1:
+        yield from map(_build_one, records)
+        return
+    with concurrent.futures.ProcessPoolExecutor(workers) as pool:
+        yield from pool.map(_build_one, records)
+
+
+# ---- the folded fp8 Q4_K kernel with ptxas' report (tests/test_q4k.py) -----------------------
+
+FOLD_SIGNATURE = {
     "xq_ptr": "*fp8e4nv",
     "row_scale_ptr": "*fp32",
     "qs_ptr": "*u8",
@@ -45,7 +194,15 @@ SIGNATURE = {
 }
 
 
-def build(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, k: int = 4096) -> dict[str, Any]:
+def build_fold(
+    block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, k: int = 4096
+) -> dict[str, Any]:
+    """Build the folded fp8 kernel as a launch specializes it (16-byte divisible pointers and
+    sizes, unit output stride) and report the MMA instructions, registers, spills and shared memory."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    from tritune.kernels.q4k._triton_q4k import _q4k_gemm_fp8_fold_kernel
+
     kernel = _q4k_gemm_fp8_fold_kernel
     constants = {
         "stride_on": 1,
@@ -58,17 +215,16 @@ def build(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: 
         "SPLIT_K": 1,
         "K_TILES": k // block_k,
     }
-    signature = {**SIGNATURE, **dict.fromkeys(constants, "constexpr")}
     index = kernel.arg_names.index
-    source = ASTSource(
-        kernel,
-        signature,
-        constexprs={(index(name),): value for name, value in constants.items()},
-        attrs={(index(name),): [["tt.divisibility", 16]] for name in SIGNATURE},
-    )
-    compiled = triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages}
-    )
+    record = {
+        "module": kernel.fn.__module__,
+        "kernel": kernel.fn.__name__,
+        "signature": {**FOLD_SIGNATURE, **dict.fromkeys(constants, "constexpr")},
+        "constexprs": [[[index(name)], value] for name, value in constants.items()],
+        "attrs": [[[index(name)], [["tt.divisibility", 16]]] for name in FOLD_SIGNATURE],
+        "options": {"num_warps": num_warps, "num_stages": num_stages},
+    }
+    compiled = compile_record(record)
     ptx = compiled.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.ptx")
@@ -92,6 +248,17 @@ def build(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: 
     }
 
 
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["--records"]:
+        with open(argv[1]) as f:
+            records = json.load(f)
+        workers = int(argv[2]) if len(argv) > 2 else len(os.sched_getaffinity(0))
+        for result in build_records(records, workers):
+            print(json.dumps(result), flush=True)
+        return
+    for config in json.loads(argv[0]):
+        print(json.dumps(build_fold(*config)), flush=True)
+
+
 if __name__ == "__main__":
-    for config in json.loads(sys.argv[1]):
-        print(json.dumps(build(*config)), flush=True)
+    main(sys.argv[1:])

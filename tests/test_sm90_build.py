@@ -1,0 +1,392 @@
+"""Every Triton kernel of the four families, built for sm_90 by Triton's compiler (no GPU needed).
+
+The interpreter runs a kernel's Python line by line, so a name bound only under a ``constexpr``
+branch and read on another path, or anything else the compiler's front end refuses, passes the
+CPU tier and fails on the GPU (``NameError('ws_slot is not defined')`` in the varlen kernel did).
+Here each case runs its spec's ``launch`` at a GPU key on meta tensors with the launches
+intercepted (:mod:`sm90_build`), specializes each launch as ``JITFunction.run`` would on an H200
+(argument types, ``constexpr`` values, 16-byte divisibility, tensor descriptors), and one
+subprocess without ``TRITON_INTERPRET`` compiles them all to cubins for sm_90. A case fails with
+the compiler's message, or when a kernel needs more shared memory than an H200 block has (the
+launch would fail there with OutOfResources).
+
+Cases: each kernel's portable default at GPU keys (``spec.default_keys`` of an H200, some with a
+served head dim or mode the default keys leave out), and configs drawn with a fixed seed from the
+feasible space under constraints that reach the split and packed variants. A last test checks
+that every launched kernel (a jit function named ``*_kernel`` in a spec's source modules) was built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import logging
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sm90_build
+import torch
+
+from tritune.kernels import _launch, registry
+from tritune.kernels.device import DeviceInfo
+from tritune.kernels.spec import KernelSpec, Problem, smem_limit_bytes
+
+H200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
+SMEM_LIMIT = smem_limit_bytes(H200.capability)
+META = torch.device("meta")
+SCRIPT = Path(__file__).with_name("sm90_build.py")
+log = logging.getLogger("tritune.tests.sm90_build")
+
+Constraint = Any  # a field's value, or a predicate on it
+
+
+def _more_than_one(value: int) -> bool:
+    return value > 1
+
+
+def _at_least_64(value: int) -> bool:
+    return value >= 64
+
+
+@dataclass(frozen=True)
+class Case:
+    kernel: str
+    name: str
+    #: The first of the kernel's default H200 keys with these fields ...
+    key: Mapping[str, Any] = field(default_factory=dict)
+    #: ... with these fields replaced (head dims and modes the default keys leave out).
+    replace: Mapping[str, Any] = field(default_factory=dict)
+    #: None: the portable default at the key. Else a config drawn with a fixed seed from the
+    #: feasible ones whose fields satisfy these constraints; or a function of (spec, key).
+    config: Mapping[str, Constraint] | Callable[[Any, Any], Any] | None = None
+    #: The kernels the case launches, in order, where its variant implies them (None: not checked).
+    launches: tuple[str, ...] | None = None
+
+    @property
+    def id(self) -> str:
+        return f"{self.kernel}/{self.name}"
+
+
+# Kernel names of the launches a case's variant implies (checked where given).
+PREFILL_SPLIT = ("_prefill_tma_kernel", "_merge_splits_kernel")
+DECODE_MERGED = ("_decode_split_kernel", "_decode_merge_kernel")
+VARLEN_SPLIT = ("_varlen_fwd_kernel", "_varlen_merge_kernel")
+Q4K_FP8 = ("_quantize_rows_fp8_kernel", "_q4k_gemm_fp8_kernel")
+Q4K_FOLD = ("_quantize_rows_fp8_kernel", "_q4k_gemm_fp8_fold_kernel")
+
+
+def _tma_default(spec: Any, key: Any) -> Any:
+    """The prefill spec's TMA default (what ``TRITUNE_ENABLE_TMA_CAUSAL_PREFILL=on`` serves)."""
+    return spec.tma_default(key)
+
+
+CASES = [
+    # tma_prefill: the default keys are bf16, causal, GQA 8, head dims 64/128, Lq 512.., Lkv 16K..
+    Case("tma_prefill", "portable-default-d64", key={"head_dim": 64}),
+    Case("tma_prefill", "portable-default-d128", key={"head_dim": 128}),
+    Case("tma_prefill", "portable-default-d80-noncausal", replace={"head_dim": 80, "causal": False}),
+    Case("tma_prefill", "portable-default-d256", replace={"head_dim": 256}),
+    Case("tma_prefill", "portable-sampled-d128", key={"head_dim": 128, "lq_bucket": 4096}, config={"path": "portable"}),
+    Case("tma_prefill", "tma-default-d128", key={"head_dim": 128}, config=_tma_default),
+    Case("tma_prefill", "tma-default-d256", replace={"head_dim": 256}, config=_tma_default),
+    Case(
+        "tma_prefill",
+        "tma-pack-split-d128",
+        key={"head_dim": 128, "lq_bucket": 512, "lkv_bucket": 131072},
+        config={"path": "tma", "PACK_GQA": True, "SPLIT_KV": _more_than_one},
+        launches=PREFILL_SPLIT,
+    ),
+    Case(
+        "tma_prefill",
+        "tma-split-d64",
+        key={"head_dim": 64, "lq_bucket": 512, "lkv_bucket": 65536},
+        config={"path": "tma", "PACK_GQA": False, "SPLIT_KV": _more_than_one},
+        launches=PREFILL_SPLIT,
+    ),
+    Case(
+        "tma_prefill",
+        "tma-pack-d64",
+        key={"head_dim": 64, "lq_bucket": 2048},
+        config={"path": "tma", "PACK_GQA": True, "SPLIT_KV": 1},
+        launches=("_prefill_tma_kernel",),
+    ),
+    # splitk_decode: the default keys are bf16, GQA 4, one new token, B x 8 KV heads, caches 1K..128K.
+    Case(
+        "splitk_decode",
+        "default-d128-merged",
+        key={"head_dim": 128, "bh_bucket": 8, "lkv_bucket": 131072},
+        launches=DECODE_MERGED,
+    ),
+    Case(
+        "splitk_decode",
+        "default-d64-one-split",
+        key={"head_dim": 64, "bh_bucket": 512, "lkv_bucket": 1024},
+        launches=("_decode_split_kernel",),
+    ),
+    Case("splitk_decode", "default-d80-lq4", key={"lkv_bucket": 32768}, replace={"head_dim": 80, "lq": 4}),
+    Case("splitk_decode", "default-d256-fp16", key={"lkv_bucket": 32768}, replace={"head_dim": 256, "dtype": "fp16"}),
+    Case("splitk_decode", "sampled-d128", key={"head_dim": 128, "bh_bucket": 32, "lkv_bucket": 16384}, config={}),
+    Case("splitk_decode", "sampled-d64-lq8", key={"head_dim": 64, "bh_bucket": 8}, replace={"lq": 8}, config={}),
+    # varlen_sdpa: the default keys are bf16, causal, GQA 4, 32K-row stores, decode and prefill mixes.
+    Case("varlen_sdpa", "default-d128-decode-split", key={"head_dim": 128, "t_bucket": 32}, launches=VARLEN_SPLIT),
+    Case("varlen_sdpa", "default-d64-prefill", key={"head_dim": 64, "t_bucket": 2048}),
+    # A store no longer than MIN_CHUNK: no split-K with the default config (where ws_slot was unbound).
+    Case(
+        "varlen_sdpa",
+        "default-d128-short-store",
+        key={"head_dim": 128},
+        replace={"rows_bucket": 512},
+        launches=("_varlen_fwd_kernel",),
+    ),
+    Case(
+        "varlen_sdpa",
+        "default-d80-ring-window",
+        key={"head_dim": 64},
+        replace={"head_dim": 80, "ring": True, "windowed": True},
+    ),
+    Case("varlen_sdpa", "default-d64-noncausal-fp16", key={"head_dim": 64}, replace={"causal": False, "dtype": "fp16"}),
+    Case(
+        "varlen_sdpa",
+        "sampled-no-split",
+        key={"head_dim": 128, "t_bucket": 4096},
+        config={"MAX_SPLITS": 1},
+        launches=("_varlen_fwd_kernel",),
+    ),
+    Case(
+        "varlen_sdpa",
+        "sampled-split",
+        key={"head_dim": 64, "t_bucket": 32},
+        config={"MAX_SPLITS": _more_than_one},
+        launches=VARLEN_SPLIT,
+    ),
+    # q4k_fp8_gemm: the default keys are the Llama-3-8B shapes over M buckets (K=14336, N=4096 here).
+    Case(
+        "q4k_fp8_gemm",
+        "portable-default-m1-splitk",
+        key={"k": 14336, "m_bucket": 1},
+        launches=("_q4k_gemm_portable_kernel", "_splitk_reduce_kernel"),
+    ),
+    Case("q4k_fp8_gemm", "portable-default-m64", key={"k": 14336, "m_bucket": 64}),
+    Case("q4k_fp8_gemm", "portable-default-m4096", key={"k": 14336, "m_bucket": 4096}),
+    Case("q4k_fp8_gemm", "portable-default-m256-fp16", key={"k": 14336, "m_bucket": 256}, replace={"dtype": "float16"}),
+    Case(
+        "q4k_fp8_gemm",
+        "fp8-m4096",
+        key={"k": 14336, "m_bucket": 4096},
+        config={"path": "fp8", "SCALE_FOLD": False, "BLOCK_M": _at_least_64},
+        launches=Q4K_FP8,
+    ),
+    Case(
+        "q4k_fp8_gemm",
+        "fp8-splitk-m16",
+        key={"k": 14336, "m_bucket": 16},
+        config={"path": "fp8", "SCALE_FOLD": False, "SPLIT_K": _more_than_one},
+        launches=(*Q4K_FP8, "_splitk_reduce_kernel"),
+    ),
+    Case(
+        "q4k_fp8_gemm",
+        "fp8-fold-m4096",
+        key={"k": 14336, "m_bucket": 4096},
+        config={"path": "fp8", "SCALE_FOLD": True, "BLOCK_M": _at_least_64},
+        launches=Q4K_FOLD,
+    ),
+    Case(
+        "q4k_fp8_gemm",
+        "fp8-fold-splitk-m1",
+        key={"k": 14336, "m_bucket": 1},
+        config={"path": "fp8", "SCALE_FOLD": True, "SPLIT_K": _more_than_one},
+        launches=(*Q4K_FOLD, "_splitk_reduce_kernel"),
+    ),
+]
+
+
+def _key(spec: KernelSpec[Any, Any], case: Case) -> Any:
+    keys = spec.default_keys(H200)
+    matching = [k for k in keys if all(getattr(k, name) == value for name, value in case.key.items())]
+    if not matching:
+        raise LookupError(f"no default H200 key of {spec.name} has {dict(case.key)}")
+    return dataclasses.replace(matching[0], **case.replace)
+
+
+def _satisfies(config: Any, constraints: Mapping[str, Constraint]) -> bool:
+    for name, want in constraints.items():
+        value = getattr(config, name)
+        if not (want(value) if callable(want) else value == want):
+            return False
+    return True
+
+
+def _config(spec: KernelSpec[Any, Any], case: Case, key: Any) -> Any:
+    if case.config is None:
+        return spec.default_config(key)
+    if callable(case.config):
+        return case.config(spec, key)
+    constraints = case.config
+    feasible = [c for c in spec.space.feasible(key, spec.limits(H200)) if _satisfies(c, constraints)]
+    if not feasible:
+        raise LookupError(f"no feasible {spec.name} config at {key} satisfies {sorted(constraints)}")
+    return random.Random(case.id).choice(feasible)
+
+
+def _meta_problem(spec: KernelSpec[Any, Any], key: Any) -> Problem:
+    """The key's GPU problem on meta tensors: GPU shapes, nothing allocated, nothing computed.
+
+    ``make_problem`` seeds ``torch.Generator(device=...)``, which has no meta form: a CPU generator
+    stands in while it runs (random draws accept one for meta tensors).
+    """
+    generator = torch.Generator
+
+    class MetaGenerator(generator):
+        def __new__(cls, device: Any = "cpu") -> torch.Generator:
+            return generator() if torch.device(device).type == "meta" else generator(device)
+
+    torch.Generator = MetaGenerator
+    try:
+        return spec.make_problem(key, META, 0)
+    finally:
+        torch.Generator = generator
+
+
+@dataclass
+class Built:
+    """One case: its key and config, then per recorded launch its record and build result."""
+
+    key: Any = None
+    config: Any = None
+    error: str | None = None
+    launches: list[tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=list)
+
+
+class Builds(dict[str, Built]):
+    """Case id -> :class:`Built`, with a repr short enough for a failure report."""
+
+    def __repr__(self) -> str:
+        return f"<sm_90 builds of {len(self)} cases>"
+
+
+def _record(case: Case, problems: dict[Any, Problem]) -> tuple[Built, list[dict[str, Any]]]:
+    built = Built()
+    try:
+        spec = registry.get_spec(case.kernel)
+        built.key = _key(spec, case)
+        built.config = _config(spec, case, built.key)
+        if built.key not in problems:
+            problems[built.key] = _meta_problem(spec, built.key)
+        problem = problems[built.key]
+        with sm90_build.record_launches() as recorder:
+            spec.launch(built.config, *problem.args, **problem.kwargs)
+        records = [sm90_build.specialize(launch) for launch in recorder.launches]
+    except Exception as exc:
+        built.error = f"{type(exc).__name__}: {exc}"
+        return built, []
+    return built, records
+
+
+def _cuda_backend_reason() -> str | None:
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(90).path
+    except Exception as exc:
+        return f"Triton's CUDA backend cannot build here: {exc}"
+    if not os.access(ptxas, os.X_OK):
+        return f"Triton's ptxas is not executable here: {ptxas}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory: pytest.TempPathFactory) -> Builds:
+    """Record every case, then compile the distinct launches in one subprocess."""
+    reason = _cuda_backend_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    started = time.perf_counter()
+    results = Builds()
+    distinct: dict[str, dict[str, Any]] = {}
+    owners: list[tuple[str, dict[str, Any], str]] = []
+    problems: dict[Any, Problem] = {}
+    with pytest.MonkeyPatch.context() as patch:
+        # Launch plans read the SM count of the tensors' device: the H200's.
+        patch.setitem(_launch.SM_COUNTS, META, H200.sm_count)
+        for case in CASES:
+            built, records = _record(case, problems)
+            results[case.id] = built
+            for record in records:
+                identity = json.dumps(record, sort_keys=True)
+                distinct.setdefault(identity, {**record, "id": len(distinct)})
+                owners.append((case.id, record, identity))
+    recorded = time.perf_counter() - started
+
+    tmp = tmp_path_factory.mktemp("sm90")
+    records_file = tmp / "records.json"
+    records_file.write_text(json.dumps(list(distinct.values())))
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp / "triton-cache")
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--records", str(records_file)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    outcome = {result["id"]: result for result in map(json.loads, run.stdout.splitlines())}
+    assert len(outcome) == len(distinct), run.stderr[-3000:]
+    for case_id, record, identity in owners:
+        results[case_id].launches.append((record, outcome[distinct[identity]["id"]]))
+    log.info(
+        "sm_90 builds: %d launches in %d cases, %d distinct; recorded in %.1f s, compiled in %.1f s",
+        len(owners),
+        len(CASES),
+        len(distinct),
+        recorded,
+        time.perf_counter() - started - recorded,
+    )
+    return results
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_builds_for_sm90(case: Case, builds: Builds) -> None:
+    built = builds[case.id]
+    assert built.error is None, f"{case.id}: could not record the launch: {built.error}"
+    assert built.launches, f"{case.id}: {built.config} launched no kernel"
+    launched = tuple(record["kernel"] for record, _ in built.launches)
+    if case.launches is not None:
+        assert launched == case.launches, f"{case.id}: {built.config} launched {launched}, not {case.launches}"
+    failures = []
+    for record, result in built.launches:
+        where = f"{record['kernel']} ({built.config}, {record['options']})"
+        if result["error"] is not None:
+            failures.append(f"{where} does not compile for sm_90:\n{result['error']}")
+        elif result["shared"] > SMEM_LIMIT:
+            failures.append(f"{where} needs {result['shared']} bytes of shared memory; an H200 block has {SMEM_LIMIT}")
+    assert not failures, "\n\n".join(failures)
+
+
+def _launched_kernels() -> set[str]:
+    """``module:name`` of each jit function named ``*_kernel`` defined in a spec's source modules."""
+    names = set()
+    for spec in registry.all_specs():
+        for module_name in spec.source_modules:
+            module = importlib.import_module(module_name)
+            for name, value in vars(module).items():
+                fn = getattr(value, "fn", None)
+                if name.endswith("_kernel") and callable(fn) and fn.__module__ == module_name:
+                    names.add(f"{module_name}:{name}")
+    return names
+
+
+def test_every_kernel_is_built(builds: Builds) -> None:
+    built = {f"{record['module']}:{record['kernel']}" for b in builds.values() for record, _ in b.launches}
+    kernels = _launched_kernels()
+    assert len(kernels) >= 12, kernels
+    assert kernels <= built, f"no case builds {sorted(kernels - built)}: add one to CASES"
