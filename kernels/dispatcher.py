@@ -43,6 +43,11 @@ _pinned: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextV
 MEMO_LIMIT = 4096
 
 
+#: How far (sum of log2 distances over a key's bucketed lengths) a winner may be borrowed from:
+#: 2.0 is a factor of 4 in one length, or of 2 in two.
+NEAREST_MAX_LOG2 = 2.0
+
+
 class Dispatcher:
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -137,16 +142,20 @@ class Dispatcher:
                     reason = f"stored winner is only {exact.speedup:.3f}x the portable default"
             else:
                 # A neighbour's winner must also be feasible at this key (e.g. a split-K config
-                # tuned for small M must not be borrowed at M=8192).
+                # tuned for small M must not be borrowed at M=8192), and near it: on the H200 a
+                # varlen config tuned for 32 decode tokens, borrowed for a 4096-token mix, ran
+                # 4.4x slower than the portable default.
                 candidates = [
-                    (k.distance(key), -e.speedup, e)
+                    (distance, -e.speedup, e)
                     for k, e in table.groups.get((spec.name, key.group()), [])
-                    if e.speedup >= threshold and spec.space.infeasible_reason(e.config, key, limits) is None
+                    if (distance := k.distance(key)) <= NEAREST_MAX_LOG2
+                    and e.speedup >= threshold
+                    and spec.space.infeasible_reason(e.config, key, limits) is None
                 ]
                 if candidates:
                     config = min(candidates, key=lambda c: (c[0], c[1]))[2].config
                 else:
-                    reason = "no tuned config for this key or its bucket group"
+                    reason = "no tuned config for this key or a bucket near it"
         if config is None:
             config = spec.default_config(key)
             if (spec.name, key) not in self._logged:

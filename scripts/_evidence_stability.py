@@ -134,7 +134,7 @@ def render(data: dict[str, Any]) -> list[str]:
         f"problem). Requirement: the picks within {data.get('tolerance', 0.02):.0%} of each other.",
         "",
     ]
-    if data.get("batch", 0) >= data.get("trials", 1):
+    if (data.get("batch") or 0) >= (data.get("trials") or 1):
         lines += [
             "With a batch as large as the budget, every trial is asked before any is measured: no proposal sees a "
             "result, so each tune is the portable default plus a seeded random sample of the feasible space.",

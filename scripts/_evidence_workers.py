@@ -228,7 +228,7 @@ def render(data: dict[str, Any]) -> list[str]:
         "`tritune.tuner.fleet.run_fleet` (what `tune --device 0,1` runs) with every worker on the same device.",
         "",
     ]
-    if data.get("batch", 0) >= data.get("trials", 1):
+    if (data.get("batch") or 0) >= (data.get("trials") or 1):
         lines += [
             "With a batch as large as a key's budget, the first worker to ask a key asks its whole budget at once: "
             "two workers split the keys, not the trials of one key.",

@@ -256,10 +256,11 @@ def main() -> int:
             "data": data,
         }
         log.info("== %s: %s, %s in %.0f s", name, status, results[name]["verdict"], results[name]["wall_s"])
-        markdown = report(env, args, results)
-        bl.write_report(markdown, env, [], args.out, None)
+        # The findings first: a report that fails to render must not lose them.
         if args.json:
             Path(args.json).write_text(json.dumps({"environment": env, "parts": results}, indent=1, default=str) + "\n")
+        markdown = report(env, args, results)
+        bl.write_report(markdown, env, [], args.out, None)
     bl.print_report(markdown)
     if any(r["verdict"] == "incomplete" for r in results.values()):
         return 1

@@ -11,7 +11,7 @@ import triton
 
 from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.store import ConfigStore
-from tritune.kernels import registry, settings
+from tritune.kernels import dispatcher, registry, settings
 from tritune.kernels.device import device_info
 from tritune.kernels.dispatcher import DISPATCHER, dispatch, use_config
 from tritune.search_spaces.base import ConfigError
@@ -92,13 +92,23 @@ def test_margin_setting_changes_the_rule():
 
 def test_nearest_bucket_in_the_same_group():
     _store(
-        _winner(64, {"BLOCK": 16, "BROKEN": False, "num_warps": 1}, speedup=1.2),
-        _winner(4096, {"BLOCK": 128, "BROKEN": False, "num_warps": 4}, speedup=1.9),
+        _winner(256, {"BLOCK": 16, "BROKEN": False, "num_warps": 1}, speedup=1.2),
+        _winner(1024, {"BLOCK": 128, "BROKEN": False, "num_warps": 4}, speedup=1.9),
     )
-    # 300 -> bucket 512: log2 distance 3 to 64, 3 to 4096: tie broken by the larger speedup.
+    # 300 -> bucket 512: log2 distance 1 to 256, 1 to 1024: tie broken by the larger speedup.
     assert _served(300)["BLOCK"] == 128
-    # 100 -> bucket 128: nearer to 64.
+    # 200 -> bucket 256: exact.
+    assert _served(200)["BLOCK"] == 16
+    # 100 -> bucket 128: distance 1 to 256, 3 to 1024.
     assert _served(100)["BLOCK"] == 16
+
+
+def test_far_buckets_never_lend():
+    """A winner more than a factor of 4 away is not borrowed: the portable default serves."""
+    _store(_winner(4096, {"BLOCK": 128, "BROKEN": False, "num_warps": 4}, speedup=1.9))
+    assert dispatcher.NEAREST_MAX_LOG2 == 2.0
+    assert _served(1024)["BLOCK"] == 128  # bucket 1024: distance 2
+    assert _served(300)["BLOCK"] == 32  # bucket 512: distance 3
 
 
 def test_other_group_never_borrows():
