@@ -276,3 +276,22 @@ def test_overflowing_number_is_not_finite(tmp_path: Path) -> None:
     records, [rejection] = read_bundle(path)
     assert len(records) == 1
     assert "time_ms is inf, not a finite number" in rejection.reason
+
+
+def test_shipped_h200_bundle_is_well_formed_and_current():
+    """The committed H200 bundle parses entry by entry and, tuned from this source, admits on an H200.
+
+    A kernel edit changes that kernel's version and makes its entries stale: the dispatcher then
+    refuses them with one warning and serves the portable path. This test names which kernels'
+    entries went stale, so the bundle is re-tuned (``scripts/gpu_evidence.sh``) in the same change.
+    """
+    from tritune.configs_db.bundles import shipped_records
+    from tritune.kernels.device import DeviceInfo
+    from tritune.kernels.winners import Rejection, admit
+
+    h200 = DeviceInfo("NVIDIA H200", "nvidia", (9, 0), 132, "sm90")
+    records, rejections = shipped_records(h200.slug)
+    assert rejections == []
+    assert len(records) >= 20
+    refused = [outcome.reason for outcome in (admit(r, h200) for r in records) if isinstance(outcome, Rejection)]
+    assert refused == [], "re-tune these kernels on the H200 and commit the new bundle:\n" + "\n".join(refused)
