@@ -11,6 +11,7 @@ medians of the interpreter: they prove the script runs, nothing more.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -33,6 +34,9 @@ HBM_TBPS = {"NVIDIA H200": 4.8, "NVIDIA H100 80GB HBM3": 3.35}
 
 def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    # Its own level: the library sets the "tritune" logger to settings' log_level on the first dispatch,
+    # which would otherwise silence the per-row progress lines from then on.
+    log.setLevel(logging.INFO)
 
 
 def prepare_interpreter() -> None:
@@ -91,6 +95,34 @@ def graph_replay_ms(graph: torch.cuda.CUDAGraph) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median"))
+
+
+def graph_time(fn: Callable[[], torch.Tensor], check: Callable[[torch.Tensor], str | None]) -> tuple[float | None, str]:
+    """Capture one call of ``fn``, poison its output with NaN, replay, check it, then time replays.
+
+    ``check(out)`` returns None for a right output, else what is wrong with it. Returns (microseconds, status):
+    the time only with status "ok"; otherwise "cannot capture: ...", "FAILED after replay: ..." or
+    "replay failed: ...", whose part before the colon fits a table cell.
+    """
+    try:
+        graph, out = capture_graph(fn)
+    except Exception as exc:
+        # torch.cuda.graph's exit ends a failed capture; make sure nothing is left pending.
+        with contextlib.suppress(Exception):
+            torch.cuda.synchronize()
+        return None, f"cannot capture: {error_text(exc, 160)}"
+    try:
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        problem = check(out)
+        if problem is not None:
+            return None, f"FAILED after replay: {problem}"
+        return graph_replay_ms(graph) * 1e3, "ok"
+    except Exception as exc:
+        return None, f"replay failed: {error_text(exc, 160)}"
+    finally:
+        del graph
 
 
 def error_text(exc: BaseException, limit: int = 240) -> str:

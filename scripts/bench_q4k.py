@@ -20,8 +20,15 @@ floor is reported as FAILED, a peer that cannot run as unavailable with its erro
   without one the default tiles on that path;
 - tritune tuned: whatever the dispatcher serves (``--db`` on top of the shipped bundles).
 
-Times are medians of ``triton.testing.do_bench`` (L2 flushed before every repetition); TFLOP/s count
-2 x M x N x K. ``--smoke`` runs the same code on the CPU under ``TRITON_INTERPRET=1`` at tiny shapes.
+Each implementation is timed eagerly and as one call captured in a CUDA graph whose ``replay()`` is
+timed the same way; before that, the graph's output is poisoned with NaN, replayed and checked again
+against the same floor. Times are medians of ``triton.testing.do_bench`` (L2 flushed before every
+repetition); TFLOP/s count 2 x M x N x K. At small M an eager call costs its host launch work (Python
+dispatch and a few Triton launches for our rows, one C++ launch for cuBLAS), far more than the kernels
+take: the graph columns are the kernel comparison there. ``--no-graph`` leaves them out.
+
+``--smoke`` runs the same code on the CPU under ``TRITON_INTERPRET=1`` at tiny shapes (no CUDA graphs):
+a dry run that proves the script works before GPU time is spent on it.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +65,8 @@ E4M3_MAX = 448.0
 CUBLAS = "bf16 cuBLAS (x @ W.T)"
 SCALED_MM = "FP8 torch._scaled_mm (ceiling)"
 KERNEL = "q4k_fp8_gemm"
+#: The peers every row's ratios divide, in the table's column order.
+PEERS = (CUBLAS, SCALED_MM)
 
 
 @dataclass
@@ -67,12 +77,13 @@ class Row:
     impl: str
     status: str = "ok"  # ok | FAILED | unavailable
     sqnr_db: float | None = None
-    us: float | None = None
+    eager_us: float | None = None
+    graph_us: float | None = None
+    graph_status: str = ""
     note: str = ""
 
-    @property
-    def tflops(self) -> float | None:
-        return 2.0 * self.m * self.n * self.k / (self.us * 1e-6) / 1e12 if self.us else None
+    def tflops(self, us: float | None) -> float | None:
+        return 2.0 * self.m * self.n * self.k / (us * 1e-6) / 1e12 if us else None
 
 
 @dataclass
@@ -92,6 +103,7 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="JSON file to write the rows to")
     parser.add_argument("--shape", action="append", help="KxN, e.g. 4096x14336 (default: the three Llama-3-8B ones)")
     parser.add_argument("--m", type=int, action="append", help="rows of x (default 1 16 64 256 1024 4096 8192)")
+    parser.add_argument("--no-graph", action="store_true", help="eager timings only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="CPU dry run on the Triton interpreter at tiny shapes")
     args = parser.parse_args()
@@ -103,6 +115,7 @@ def main() -> int:
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shape] if args.shape else None
     shapes = shapes or list(SMOKE_SHAPES if args.smoke else SHAPES)
     ms = args.m or list(SMOKE_MS if args.smoke else MS)
+    graphs = device.type == "cuda" and not args.no_graph
     env = bl.environment(device, args.smoke)
     # The reference must be a true fp32 product, not TF32.
     torch.set_float32_matmul_precision("highest")
@@ -118,13 +131,14 @@ def main() -> int:
         if db:
             stack.enter_context(settings.override(db_url=db))
         for k, n in shapes:
-            rows.extend(bench_shape(k, n, ms, args.seed, device, best))
-            report = _report(rows, env, db)
-            bl.write_report(
-                report, env, [{**dataclasses.asdict(r), "tflops": r.tflops} for r in rows], args.out, args.json
-            )
-    bl.print_report(_report(rows, env, db))
+            rows.extend(bench_shape(k, n, ms, args.seed, device, best, graphs))
+            bl.write_report(_report(rows, env, db, graphs), env, [_json_row(r) for r in rows], args.out, args.json)
+    bl.print_report(_report(rows, env, db, graphs))
     return 0
+
+
+def _json_row(r: Row) -> dict[str, Any]:
+    return {**dataclasses.asdict(r), "eager_tflops": r.tflops(r.eager_us), "graph_tflops": r.tflops(r.graph_us)}
 
 
 def fp8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,8 +148,8 @@ def fp8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (t32 / scale).to(torch.float8_e4m3fn), scale
 
 
-def bench_shape(k: int, n: int, ms: list[int], seed: int, device: torch.device, best: dict) -> list[Row]:
-    """Quantize one weight, then check and time every implementation at each M."""
+def bench_shape(k: int, n: int, ms: list[int], seed: int, device: torch.device, best: dict, graphs: bool) -> list[Row]:
+    """Quantize one weight, then check and time (eager and CUDA graph) every implementation at each M."""
     from tritune.kernels import Q4KWeight
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -155,7 +169,7 @@ def bench_shape(k: int, n: int, ms: list[int], seed: int, device: torch.device, 
             *_tritune_impls(x, weight, best),
         ]
         for impl in impls:
-            rows.append(_measure(Row(k, n, m, impl.name, note=impl.note), impl, expected, device))
+            rows.append(_measure(Row(k, n, m, impl.name, note=impl.note), impl, expected, device, graphs))
         del x, expected
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -168,27 +182,42 @@ def _floor(path: str) -> float:
     return MIN_SQNR_DB[path]
 
 
-def _measure(row: Row, impl: Impl, expected: torch.Tensor, device: torch.device) -> Row:
-    from tritune.kernels.q4k.reference import sqnr_db
-
-    if impl.fn is None:
+def _measure(row: Row, impl: Impl, expected: torch.Tensor, device: torch.device, graphs: bool) -> Row:
+    fn = impl.fn
+    if fn is None:
         row.status, row.note = "unavailable", impl.error
         _log_row(row)
         return row
     try:
-        out = impl.fn()
+        out = fn()
         bl.synchronize(device)
-        row.sqnr_db = sqnr_db(out.float(), expected)
-        if not row.sqnr_db >= impl.floor:
+        row.sqnr_db, problem = _check(out, expected, impl.floor)
+        if problem is not None:
             row.status = "FAILED"
-            failed = f"FAILED: SQNR {row.sqnr_db:.1f} dB is below the {impl.floor:.0f} dB floor"
-            row.note = f"{failed}; {row.note}" if row.note else failed
-        else:
-            row.us = bl.time_ms(impl.fn, device) * 1e3
+            row.note = f"FAILED: {problem}; {row.note}" if row.note else f"FAILED: {problem}"
+            _log_row(row)
+            return row
+        row.eager_us = bl.time_ms(fn, device) * 1e3
     except Exception as exc:  # a peer that cannot run here is reported, and the others still run
         row.status, row.note = "unavailable", bl.error_text(exc)
+        _log_row(row)
+        return row
+    if graphs:
+        row.graph_us, row.graph_status = bl.graph_time(fn, lambda out: _check(out, expected, impl.floor)[1])
     _log_row(row)
     return row
+
+
+def _check(out: torch.Tensor, expected: torch.Tensor, floor: float) -> tuple[float, str | None]:
+    """SQNR of ``out`` in dB, and what is wrong when it is below ``floor`` (None when it passes)."""
+    from tritune.kernels.q4k.reference import sqnr_db
+
+    sqnr = sqnr_db(out.float(), expected)
+    if sqnr >= floor:
+        return sqnr, None
+    if math.isnan(sqnr):
+        return sqnr, "output holds NaN or inf"
+    return sqnr, f"SQNR {sqnr:.1f} dB is below the {floor:.0f} dB floor"
 
 
 def _scaled_mm_impl(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_row: torch.Tensor) -> Impl:
@@ -282,27 +311,34 @@ def _config_text(config: dict[str, Any]) -> str:
 
 
 def _log_row(r: Row) -> None:
-    time_text = f"{r.us:10.1f} us {r.tflops:7.1f} TFLOP/s" if r.us else f"{'-':>28s}"
+    eager = f"{r.eager_us:10.1f} us {r.tflops(r.eager_us):7.1f} TFLOP/s" if r.eager_us else f"{'-':>28s}"
+    graph = f"{r.graph_us:10.1f} us {r.tflops(r.graph_us):7.1f} TFLOP/s" if r.graph_us else f"{'-':>28s}"
     log.info(
-        "  K=%-5d N=%-5d M=%-5d %-36s %-11s %s SQNR=%s %s",
+        "  K=%-5d N=%-5d M=%-5d %-36s %-11s eager %s | graph %s %s | SQNR=%s %s",
         r.k,
         r.n,
         r.m,
         r.impl,
         r.status,
-        time_text,
+        eager,
+        graph,
+        r.graph_status,
         bl.fmt(r.sqnr_db, 1),
         r.note[:160],
     )
 
 
-def _report(rows: list[Row], env: dict, db: str | None) -> str:
+def _report(rows: list[Row], env: dict, db: str | None, graphs: bool) -> str:
     notes = [
         f"bf16 x [M, K] (std 1) times a Q4_K weight [N, K] (Gaussian, std {WEIGHT_STD}, quantized with "
         "Q4KWeight.quantize); out [M, N] bf16.",
         "Times: median of triton.testing.do_bench (warm-up, L2 flushed before every repetition), in us. "
-        "TFLOP/s: 2 x M x N x K / time.",
-        "vs cuBLAS / vs _scaled_mm: that peer's time / this time (above 1.00x is faster).",
+        "Graph: one call captured in a CUDA graph, replay() timed the same way (output NaN-poisoned, replayed "
+        "and re-checked against the same SQNR floor first). TFLOP/s: 2 x M x N x K / time.",
+        "Small M (decode, M up to about 64): the eager times are host-bound, the Python dispatch and Triton "
+        "launches of each call (cuBLAS and _scaled_mm launch from C++ and pay far less), not kernel time; "
+        "the graph columns, which replay the launches without the host, are the kernel comparison.",
+        "vs cuBLAS / vs _scaled_mm: that peer's time / this time, eager and graph separately (above 1.00x is faster).",
         "SQNR: dB against the fp32 product with the exactly dequantized weight; checked before timing against "
         "40 dB (portable path, bf16 cuBLAS) or 25 dB (fp8 path, _scaled_mm); FAILED rows are never timed.",
         "The _scaled_mm row times the fp8 GEMM alone (weight and activation quantized outside timing): a ceiling, "
@@ -310,20 +346,30 @@ def _report(rows: list[Row], env: dict, db: str | None) -> str:
         f"Tuned configs and trials: {'DB ' + db if db else 'default settings (user DB and shipped bundles)'}; "
         "untuned = portable default pinned with use_config.",
     ]
+    if not graphs:
+        notes.append("CUDA graphs: not measured (" + ("CPU smoke run" if env["smoke"] else "--no-graph") + ").")
     text = bl.header_markdown(env, "Q4_K linear (q4k_fp8_gemm)", notes)
     lines = [
-        "| K x N | M | implementation | check | SQNR dB | time us | TFLOP/s | vs bf16 cuBLAS | vs _scaled_mm | note |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| K x N | M | implementation | check | SQNR dB | eager us | eager TFLOP/s | eager vs cuBLAS "
+        "| eager vs _scaled_mm | graph us | graph TFLOP/s | graph vs cuBLAS | graph vs _scaled_mm | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for shape in dict.fromkeys((r.k, r.n, r.m) for r in rows):
         group = [r for r in rows if (r.k, r.n, r.m) == shape]
-        cublas = next((r.us for r in group if r.impl == CUBLAS), None)
-        scaled = next((r.us for r in group if r.impl == SCALED_MM), None)
+        peers = {
+            mode: [next((getattr(r, f"{mode}_us") for r in group if r.impl == peer), None) for peer in PEERS]
+            for mode in ("eager", "graph")
+        }
         for r in group:
+            # The cell says what happened; the note says why.
+            graph_cell = bl.fmt(r.graph_us, 1) if r.graph_us else (r.graph_status.split(":")[0] or "-")
+            note = r.note if r.graph_status in ("", "ok") else f"{r.note}; graph: {r.graph_status}".lstrip("; ")
+            eager_vs = " | ".join(bl.ratio(peer, r.eager_us) for peer in peers["eager"])
+            graph_vs = " | ".join(bl.ratio(peer, r.graph_us) for peer in peers["graph"])
             lines.append(
-                f"| {r.k} x {r.n} | {r.m} | {r.impl} | {r.status} | {bl.fmt(r.sqnr_db, 1)} | {bl.fmt(r.us, 1)} "
-                f"| {bl.fmt(r.tflops, 1)} | {bl.ratio(cublas, r.us)} | {bl.ratio(scaled, r.us)} "
-                f"| {r.note.replace('|', '/')} |"
+                f"| {r.k} x {r.n} | {r.m} | {r.impl} | {r.status} | {bl.fmt(r.sqnr_db, 1)} "
+                f"| {bl.fmt(r.eager_us, 1)} | {bl.fmt(r.tflops(r.eager_us), 1)} | {eager_vs} "
+                f"| {graph_cell} | {bl.fmt(r.tflops(r.graph_us), 1)} | {graph_vs} | {note.replace('|', '/')} |"
             )
     return text + "\n".join(lines) + "\n"
 
