@@ -215,38 +215,9 @@ def bench_shape(batch: int, lkv: int, args: argparse.Namespace, device: torch.de
             _log_row(row)
             continue
         if graphs:
-            row.graph_us, row.graph_status = _graph_time(fn, expected)
+            row.graph_us, row.graph_status = bl.graph_time(fn, lambda out: compare(out, expected, DTYPE))
         _log_row(row)
     return rows
-
-
-def _graph_time(fn: Callable[[], torch.Tensor], expected: torch.Tensor) -> tuple[float | None, str]:
-    """Capture one call, poison its output, replay, check, then time replays: (us, status)."""
-    from tritune.kernels.decode.reference import compare
-
-    try:
-        graph, out = bl.capture_graph(fn)
-    except Exception as exc:
-        _recover_after_capture()
-        return None, f"cannot capture: {bl.error_text(exc, 160)}"
-    try:
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        problem = compare(out, expected, DTYPE)
-        if problem is not None:
-            return None, f"FAILED after replay: {problem}"
-        return bl.graph_replay_ms(graph) * 1e3, "ok"
-    except Exception as exc:
-        return None, f"replay failed: {bl.error_text(exc, 160)}"
-    finally:
-        del graph
-
-
-def _recover_after_capture() -> None:
-    # A failed capture is ended by torch.cuda.graph's exit; make sure nothing is left pending.
-    with contextlib.suppress(Exception):
-        torch.cuda.synchronize()
 
 
 def _tritune_impls(q, k, v, kv_len) -> list[Impl]:

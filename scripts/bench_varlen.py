@@ -163,7 +163,8 @@ def bench_mix(w: Workload, best_trials: dict, flex: Any, graphs: bool, smoke: bo
             _log_row(row)
             continue
         if graphs:
-            row.graph_us, row.graph_status = _graph_time(impl, w)
+            assert impl.fn is not None
+            row.graph_us, row.graph_status = bl.graph_time(impl.fn, lambda out, impl=impl: _check(impl, out, w))
         _log_row(row)
     return rows
 
@@ -177,29 +178,6 @@ def _check(impl: Impl, out: torch.Tensor, w: Workload, row: Row | None = None) -
     if row is not None and packed.shape == w.expected.shape:
         row.max_err = float((packed.float() - w.expected).abs().max())
     return compare(packed, w.expected, DTYPE)
-
-
-def _graph_time(impl: Impl, w: Workload) -> tuple[float | None, str]:
-    """Capture one call, poison its output, replay, check, then time replays: (us, status)."""
-    assert impl.fn is not None
-    try:
-        graph, out = bl.capture_graph(impl.fn)
-    except Exception as exc:
-        with contextlib.suppress(Exception):
-            torch.cuda.synchronize()
-        return None, f"cannot capture: {bl.error_text(exc, 160)}"
-    try:
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        problem = _check(impl, out, w)
-        if problem is not None:
-            return None, f"FAILED after replay: {problem}"
-        return bl.graph_replay_ms(graph) * 1e3, "ok"
-    except Exception as exc:
-        return None, f"replay failed: {bl.error_text(exc, 160)}"
-    finally:
-        del graph
 
 
 # ---- the report ----------------------------------------------------------------------------------
