@@ -82,13 +82,20 @@ class PrefillKey(TuningKey):
     BUCKETS: ClassVar[tuple[str, ...]] = ("lq_bucket", "lkv_bucket")
 
 
-def _tma_layout_ok(t: torch.Tensor) -> bool:
-    """Whether a tensor descriptor may cover ``t`` (2-byte elements): what ``TensorDescriptor`` asserts."""
-    strides = t.stride()
-    if strides[-1] != 1 or any(s % 8 for s in strides[:-1]) or any(n == 0 for n in t.shape):
+def _tma_layout_ok(t: torch.Tensor, compiling: bool) -> bool:
+    """Whether a tensor descriptor may cover ``t`` (2-byte elements): what ``TensorDescriptor`` asserts.
+
+    Runs on every call for four tensors, hence the plain arithmetic: unit inner stride, every other
+    stride a multiple of 8 elements (16 bytes; OR-ing them keeps any low bit), no empty dimension.
+    """
+    *outer, inner = t.stride()
+    bits = 0
+    for stride in outer:
+        bits |= stride
+    if inner != 1 or bits % 8 or t.numel() == 0:
         return False
     # torch.compile cannot trace data pointers: the TMA op's body checks the base again at run time.
-    return torch.compiler.is_compiling() or t.data_ptr() % 16 == 0
+    return compiling or t.data_ptr() % 16 == 0
 
 
 def visible_pairs(seqlen_q: int, kv_len: int, causal: bool) -> int:
@@ -143,7 +150,8 @@ class PrefillSpec(KernelSpec[PrefillConfig, PrefillKey]):
         out: torch.Tensor | None = None,
     ) -> PrefillFacts:
         batch, q_heads, seqlen_q, head_dim = q.shape
-        layout_ok = _tma_layout_ok(q) and _tma_layout_ok(k) and _tma_layout_ok(v)
+        compiling = torch.compiler.is_compiling()
+        layout_ok = _tma_layout_ok(q, compiling) and _tma_layout_ok(k, compiling) and _tma_layout_ok(v, compiling)
         return PrefillFacts(
             dtype=DTYPE_NAMES.get(q.dtype, str(q.dtype)),
             batch=batch,
@@ -154,7 +162,7 @@ class PrefillSpec(KernelSpec[PrefillConfig, PrefillKey]):
             head_dim=head_dim,
             causal=bool(causal),
             has_kv_len=kv_len is not None,
-            tma_layout_ok=layout_ok and (out is None or _tma_layout_ok(out)),
+            tma_layout_ok=layout_ok and (out is None or _tma_layout_ok(out, compiling)),
         )
 
     def key_for(self, device: DeviceInfo, facts: tuple[Any, ...]) -> PrefillKey:
