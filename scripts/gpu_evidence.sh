@@ -10,13 +10,13 @@
 # most 8 files), plus $OUT/summary.log.
 #
 # STAGE          default s  runs                                                          leaves (inside the archive)
-# tests              150    the four kernel test files, concurrently (GPU tier included)  tests/<file>.log, .xml
+# tests              300    the four kernel test files, concurrently (GPU tier included; 129 s ran 60%)  tests/<file>.log, .xml
 # tune-prefill       300    tune tma_prefill at the seven benchmark shapes' keys           tune-prefill.sqlite, <gpu>.json
 # bench-prefill      200    scripts/bench_prefill.py on tune-prefill's DB                  <date>-tma_prefill-<gpu>.md/.json
 # decode             210    tune splitk_decode (D 128, B 1/8/32/64, Lkv 4K/32K/128K),     decode-tune.sqlite, <gpu>.json,
 #                           then scripts/bench_decode.py                                   <date>-splitk_decode-<gpu>.md/.json
-# varlen             130    tune varlen_sdpa (D 128), then scripts/bench_varlen.py         varlen-tune.sqlite, ...
-# q4k                210    tune q4k_fp8_gemm (M 1/16/4096, three shapes), then bench      q4k-tune.sqlite, ...
+# varlen             150    tune varlen_sdpa (D 128), then scripts/bench_varlen.py         varlen-tune.sqlite, ...
+# q4k                240    tune q4k_fp8_gemm (M 1/16/4096, three shapes), then bench      q4k-tune.sqlite, ...
 # overhead            60    scripts/measure_overhead.py                                    <date>-overhead-<gpu>.md
 # tuner              200    scripts/evidence_tuner.py: injected fault, rank stability,     <date>-tuner-<gpu>.md/.json
 #                           one vs two workers on one shared study
@@ -32,7 +32,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 
 declare -A DEFAULT_BUDGET=(
-  [tests]=150 [tune-prefill]=300 [bench-prefill]=200 [decode]=210 [varlen]=130 [q4k]=210 [overhead]=60
+  [tests]=300 [tune-prefill]=300 [bench-prefill]=200 [decode]=210 [varlen]=150 [q4k]=240 [overhead]=60
   [tuner]=200 [smoke]=1800
 )
 if (($# == 0)); then
@@ -217,7 +217,7 @@ run_stage() {
 
     varlen)
       local db="$work/varlen-tune.sqlite" dbargs extra name="$today-varlen_sdpa-$(gpu_slug)"
-      tune_and_export "$db" varlen_sdpa 60 python -c "$TUNE_PY" --device 0 --kernel varlen_sdpa \
+      tune_and_export "$db" varlen_sdpa 85 python -c "$TUNE_PY" --device 0 --kernel varlen_sdpa \
         --head-dim 128 --trials 16 --time-budget 14 --db "$db"
       read -r -a dbargs <<<"$(db_args "$db")"
       read -r -a extra <<<"${VARLEN_BENCH_ARGS:-}"
@@ -227,7 +227,7 @@ run_stage() {
 
     q4k)
       local db="$work/q4k-tune.sqlite" dbargs extra name="$today-q4k_fp8_gemm-$(gpu_slug)"
-      tune_and_export "$db" q4k_fp8_gemm 110 python -c "$TUNE_PY" --device 0 --kernel q4k_fp8_gemm \
+      tune_and_export "$db" q4k_fp8_gemm 140 python -c "$TUNE_PY" --device 0 --kernel q4k_fp8_gemm \
         --m 1 --m 16 --m 4096 --trials 16 --time-budget 10 --db "$db"
       read -r -a dbargs <<<"$(db_args "$db")"
       read -r -a extra <<<"${Q4K_BENCH_ARGS:---m 1 --m 16 --m 64 --m 4096}"
