@@ -96,7 +96,9 @@ class GpuTimer:
 
 def _captured(fn: Callable[[], object]) -> torch.cuda.CUDAGraph | None:
     """``fn`` captured in a CUDA graph after two warm-up calls on a side stream; None if it cannot be."""
+    previous = None
     try:
+        previous = torch.cuda.current_stream()
         stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -112,6 +114,11 @@ def _captured(fn: Callable[[], object]) -> torch.cuda.CUDAGraph | None:
         log.warning("CUDA-graph capture for cold-L2 timing failed (%s); timing warm replays instead", exc)
         with contextlib.suppress(Exception):
             torch.cuda.synchronize()
+        if previous is not None:
+            # When capture_end raises (an invalidated capture), torch.cuda.graph's exit skips
+            # restoring the stream: this thread would go on launching on the capture stream.
+            with contextlib.suppress(Exception):
+                torch.cuda.set_stream(previous)
         return None
 
 
