@@ -1,0 +1,66 @@
+"""``scripts/gpu_evidence.sh``'s tests stage, driven by a stand-in ``python`` (nothing real runs).
+
+The stage shards ``tests/test_q4k.py`` by the test ids that collection lists. When collection lists
+none (an import error, hidden by its ``2>/dev/null``), a shard must not become a bare ``pytest``,
+which would run the whole tests folder four times at once on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "gpu_evidence.sh"
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+echo "$*" >>"$FAKE_PYTHON_CALLS"
+if [[ "$*" == *--collect-only* ]]; then
+  printf '%s' "$FAKE_COLLECTED"
+fi
+exit 0
+"""
+
+pytestmark = pytest.mark.skipif(
+    any(shutil.which(tool) is None for tool in ("bash", "timeout", "xargs", "awk", "tar")),
+    reason="needs bash, coreutils timeout, xargs, awk and tar",
+)
+
+
+def _run_tests_stage(tmp_path: Path, collected: str) -> list[str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    calls = tmp_path / "calls.txt"
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "FAKE_PYTHON_CALLS": str(calls),
+        "FAKE_COLLECTED": collected,
+        "EVIDENCE_WORK": str(tmp_path / "work"),
+        "OUT": str(tmp_path / "out"),
+    }
+    subprocess.run(["bash", str(SCRIPT), "tests:60"], env=env, cwd=ROOT, check=True, capture_output=True, timeout=60)
+    return [line for line in calls.read_text().splitlines() if "-m pytest" in line and "--collect-only" not in line]
+
+
+def test_q4k_file_is_sharded_by_the_collected_ids(tmp_path):
+    ids = "".join(f"tests/test_q4k.py::test_{i}[a-b]\n" for i in range(6))
+    runs = _run_tests_stage(tmp_path, ids + "6 tests collected\n")
+    q4k = [r for r in runs if "tests/test_q4k.py" in r]
+    assert len(q4k) == 4
+    assert sorted(r.count("::") for r in q4k) == [1, 1, 2, 2]
+
+
+def test_nothing_collected_runs_the_q4k_file_whole_not_the_whole_folder(tmp_path):
+    runs = _run_tests_stage(tmp_path, "")
+    # Three kernel files and test_q4k.py itself; never a pytest without a file or test id.
+    assert len(runs) == 4
+    assert all(r.split()[-1].startswith("tests/test_") for r in runs), runs
+    assert any(r.split()[-1] == "tests/test_q4k.py" for r in runs)
