@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from torch._library.triton import set_wrap_triton_enabled
-from torch.library import custom_op, triton_op, wrap_triton
+from torch.library import custom_op, infer_schema, triton_op, wrap_triton
 from triton.runtime.interpreter import InterpretedFunction
 
 __all__ = ["TritonOp", "register_op", "wrap_triton"]
@@ -59,6 +59,10 @@ def _plain_eager(args: tuple[Any, ...]) -> bool:
         return False
     if torch._C._is_torch_function_mode_enabled():
         return False
+    # torch.func transforms (vmap, functionalize, grad) wrap plain-typed tensors, and
+    # torch.jit.trace records ops: all of them must see the op, not raw kernel writes.
+    if torch._C._are_functorch_transforms_active() or torch._C._get_tracing_state() is not None:
+        return False
     grad = torch.is_grad_enabled()
     for arg in args:
         if isinstance(arg, torch.Tensor) and (type(arg) is not torch.Tensor or (grad and arg.requires_grad)):
@@ -81,7 +85,13 @@ def register_op(
     """
     mutates = tuple(mutates_args)
     if opaque or any(isinstance(k, InterpretedFunction) for k in kernels):
-        op = custom_op(name, body, mutates_args=mutates)
+
+        def backend(*args: Any, **kwargs: Any) -> None:
+            # What triton_op's backend does: plain tensors reach the bare kernels.
+            with set_wrap_triton_enabled(False):
+                body(*args, **kwargs)
+
+        op = custom_op(name, backend, mutates_args=mutates, schema=infer_schema(body, mutates_args=mutates))
         op.register_fake(lambda *args, **kwargs: None)
     else:
         op = triton_op(name, body, mutates_args=mutates)

@@ -58,7 +58,7 @@ def run(ctx: Context, record: Record) -> None:
         key=key.to_dict(),
         db=str(db_path),
         trial_timeout_s=options.trial_timeout_s,
-        batch=options.batch,
+        batch=options.batch_size,
         feasible=len(feasible),
     )
     record.save()

@@ -67,7 +67,7 @@ def run(ctx: Context, record: Record) -> None:
     kernels = args.kernels or list(KERNELS)
     base = tune_options(ctx, trials=args.trials)
     data = record.data
-    data.update(seeds=seeds, trials=args.trials, batch=base.batch, rounds=args.rounds, tolerance=args.tolerance)
+    data.update(seeds=seeds, trials=args.trials, batch=base.batch_size, rounds=args.rounds, tolerance=args.tolerance)
     data["kernels"] = {}
     data["checks"] = []
     warnings: list[str] = []

@@ -73,7 +73,7 @@ def run(ctx: Context, record: Record) -> None:
         # A safety net, the same for both runs in spirit: what is left, split over the runs and keys to go.
         budget = max(10.0, (ctx.left() - 20.0) / (len(COUNTS) - index) / len(keys))
         options = tune_options(ctx, trials=args.workers_trials, seed=0, time_budget_s=budget)
-        data["batch"] = options.batch
+        data["batch"] = options.batch_size
         # Created (and upgraded) once, before the workers open it together, as `tune` does.
         ConfigStore(url).close()
         jobs = [

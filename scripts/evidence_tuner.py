@@ -88,7 +88,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs=2, default=(1, 2), help="stability: the two seeds")
     p.add_argument("--rounds", type=int, default=None, help="interleaved re-timing rounds (default 5; 1 smoke)")
     p.add_argument("--retime-seed", type=int, default=100, help="seed of the re-timing problems")
-    p.add_argument("--batch", type=int, default=None, help="candidates per batch (default: the tuner's, one per CPU)")
+    p.add_argument(
+        "--batch", type=int, default=None, help="candidates per batch (default: the tuner's, a quarter of the trials)"
+    )
     p.add_argument("--trial-timeout", type=float, default=120.0, help="stability, workers: seconds per trial")
     p.add_argument("--fault-timeout", type=float, default=6.0, help="fault: seconds per trial (ends the spinner)")
     p.add_argument("--workers-lkv", type=int, nargs="+", default=[4096, 32768], help="workers: decode cache lengths")

@@ -50,6 +50,15 @@ def test_plain_eager_only_for_plain_tensors_without_modes_or_grad():
         assert not _plain_eager((plain,))
     with torch.device("cpu"):  # a torch function mode
         assert not _plain_eager((plain,))
+    seen: list[bool] = []
+
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        seen.append(_plain_eager((x,)))
+        return x
+
+    torch.func.vmap(probe)(torch.ones(3, 2))  # a functorch transform: its tensors look plain
+    torch.jit.trace(probe, (plain,), check_trace=False)
+    assert seen == [False, False]
 
 
 def _toy_op() -> tuple[TritonOp, list[bool]]:

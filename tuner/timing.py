@@ -76,18 +76,16 @@ class GpuTimer:
         import triton.testing
 
         quantiles = list(QUANTILES)
-        graph = _captured(fn) if launch_bound and flush_l2 else None
-        if graph is not None:
-            # One replay is one launch: do_bench's L2 flush before it hides the host's cost.
-            p20, p50, p80 = triton.testing.do_bench(
-                graph.replay, warmup=self.warmup_ms, rep=self.rep_ms, quantiles=quantiles
-            )
-        elif launch_bound:
+        if launch_bound and not flush_l2:
             # Replays on do_bench_cudagraph's own side stream, without flushing the L2 between them.
             p20, p50, p80 = triton.testing.do_bench_cudagraph(fn, rep=self.rep_ms, quantiles=quantiles)
         else:
+            graph = _captured(fn) if launch_bound else None
+            # One replay is one launch: do_bench's L2 flush before it hides the host's cost. A
+            # candidate that cannot be captured is timed eagerly (host launch cost included).
             # do_bench zeroes a buffer larger than the L2 before each repetition.
-            p20, p50, p80 = triton.testing.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, quantiles=quantiles)
+            target = graph.replay if graph is not None else fn
+            p20, p50, p80 = triton.testing.do_bench(target, warmup=self.warmup_ms, rep=self.rep_ms, quantiles=quantiles)
         return Measurement(float(p50), float(p20), float(p80))
 
     def __call__(self, fn: Callable[[], object], *, config: object, flush_l2: bool, launch_bound: bool) -> float:
@@ -110,8 +108,8 @@ def _captured(fn: Callable[[], object]) -> torch.cuda.CUDAGraph | None:
             fn()
         torch.cuda.synchronize()
         return graph
-    except Exception as exc:  # a capture the candidate cannot take: time it warm, as before
-        log.warning("CUDA-graph capture for cold-L2 timing failed (%s); timing warm replays instead", exc)
+    except Exception as exc:  # a capture the candidate cannot take: time it eagerly instead
+        log.warning("CUDA-graph capture for cold-L2 timing failed (%s); timing eager launches instead", exc)
         with contextlib.suppress(Exception):
             torch.cuda.synchronize()
         if previous is not None:
