@@ -40,6 +40,7 @@ def test_every_public_op_is_a_triton_op():
                                                                         if a.name == "out")),)  # fmt: skip
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning")
 def test_plain_eager_only_for_plain_tensors_without_modes_or_grad():
     plain = torch.ones(2)
     assert _plain_eager((plain, 1, None))
