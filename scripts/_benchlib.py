@@ -125,6 +125,18 @@ def graph_time(fn: Callable[[], torch.Tensor], check: Callable[[torch.Tensor], s
         del graph
 
 
+def log_row(label: str, r: Any, rate: Callable[[float | None], float | None], unit: str, quality: str) -> None:
+    """One progress line per benchmark row: its label, status, eager and graph times with ``rate``."""
+
+    def cell(us: float | None) -> str:
+        return f"{us:10.1f} us {rate(us):7.2f} {unit}" if us else f"{'-':>{20 + len(unit)}s}"
+
+    log.info(
+        "  %s %-11s eager %s | graph %s %s | %s %s",
+        label, r.status, cell(r.eager_us), cell(r.graph_us), r.graph_status, quality, r.note[:160],
+    )  # fmt: skip
+
+
 def error_text(exc: BaseException, limit: int = 240) -> str:
     """One line naming an exception, short enough for a table cell."""
     text = " ".join(f"{type(exc).__name__}: {exc}".split())

@@ -311,20 +311,7 @@ def _flex_impl(flex, q, k, v, kv_len) -> Impl:
 
 
 def _log_row(r: Row) -> None:
-    eager = f"{r.eager_us:9.1f} us {r.tbps(r.eager_us):5.2f} TB/s" if r.eager_us else f"{'-':>21s}"
-    graph = f"{r.graph_us:9.1f} us {r.tbps(r.graph_us):5.2f} TB/s" if r.graph_us else f"{'-':>21s}"
-    log.info(
-        "  B=%-3d Lkv=%-6d %-36s %-11s eager %s | graph %s %s | err=%s %s",
-        r.batch,
-        r.lkv,
-        r.impl,
-        r.status,
-        eager,
-        graph,
-        r.graph_status,
-        bl.fmt(r.max_err, 4),
-        r.note[:160],
-    )
+    bl.log_row(f"B={r.batch:<3d} Lkv={r.lkv:<6d} {r.impl:<36s}", r, r.tbps, "TB/s", f"err={bl.fmt(r.max_err, 4)}")
 
 
 def _report(rows: list[Row], env: dict, args: argparse.Namespace, db: str | None, graphs: bool) -> str:

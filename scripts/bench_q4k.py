@@ -311,21 +311,8 @@ def _config_text(config: dict[str, Any]) -> str:
 
 
 def _log_row(r: Row) -> None:
-    eager = f"{r.eager_us:10.1f} us {r.tflops(r.eager_us):7.1f} TFLOP/s" if r.eager_us else f"{'-':>28s}"
-    graph = f"{r.graph_us:10.1f} us {r.tflops(r.graph_us):7.1f} TFLOP/s" if r.graph_us else f"{'-':>28s}"
-    log.info(
-        "  K=%-5d N=%-5d M=%-5d %-36s %-11s eager %s | graph %s %s | SQNR=%s %s",
-        r.k,
-        r.n,
-        r.m,
-        r.impl,
-        r.status,
-        eager,
-        graph,
-        r.graph_status,
-        bl.fmt(r.sqnr_db, 1),
-        r.note[:160],
-    )
+    label = f"K={r.k:<5d} N={r.n:<5d} M={r.m:<5d} {r.impl:<36s}"
+    bl.log_row(label, r, r.tflops, "TFLOP/s", f"SQNR={bl.fmt(r.sqnr_db, 1)}")
 
 
 def _report(rows: list[Row], env: dict, db: str | None, graphs: bool) -> str:

@@ -184,19 +184,7 @@ def _check(impl: Impl, out: torch.Tensor, w: Workload, row: Row | None = None) -
 
 
 def _log_row(r: Row) -> None:
-    eager = f"{r.eager_us:9.1f} us {r.tbps(r.eager_us):5.2f} TB/s" if r.eager_us else f"{'-':>21s}"
-    graph = f"{r.graph_us:9.1f} us {r.tbps(r.graph_us):5.2f} TB/s" if r.graph_us else f"{'-':>21s}"
-    log.info(
-        "  %-6s %-48s %-11s eager %s | graph %s %s | err=%s %s",
-        r.mix,
-        r.impl,
-        r.status,
-        eager,
-        graph,
-        r.graph_status,
-        bl.fmt(r.max_err, 4),
-        r.note[:160],
-    )
+    bl.log_row(f"{r.mix:<6s} {r.impl:<48s}", r, r.tbps, "TB/s", f"err={bl.fmt(r.max_err, 4)}")
 
 
 @dataclass
