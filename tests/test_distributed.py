@@ -72,10 +72,33 @@ def worker_main(job: Any) -> None:
     """A coordinator's worker process: journaled, and the victim's timer hangs."""
     from tritune.tuner.fleet import worker_process_main
 
-    if str(job.index) == os.environ.get("TOY_VICTIM"):
+    victim = os.environ.get("TOY_VICTIM")
+    if str(job.index) == victim:
         job = dataclasses.replace(job, timer=toy_kernel.CostTimer(1.0, int(os.environ["TOY_VICTIM_HOLD"])))
+    elif victim is not None and os.environ.get("TOY_TRIAL_JOURNAL"):
+        job = dataclasses.replace(job, timer=AfterVictimTimer(job.timer, os.environ["TOY_TRIAL_JOURNAL"], victim))
     _journal_trials(str(job.index))
     worker_process_main(job)
+
+
+class AfterVictimTimer:
+    """The other workers' timer: it measures nothing before the victim has started a trial.
+
+    Otherwise, on a loaded machine, the other workers could sweep both toy keys before the victim's
+    process is up, and the victim would never get to hang in a trial (CI saw exactly that).
+    """
+
+    def __init__(self, timer: Any, journal: str, victim: str) -> None:
+        self.timer, self.journal, self.victim = timer, Path(journal), victim
+        self.released = False
+
+    def __call__(self, fn: Any, **kwargs: Any) -> float:
+        deadline = time.monotonic() + RUN_LIMIT_S
+        while not self.released and time.monotonic() < deadline:
+            self.released = any(line["worker"] == self.victim for line in journal_lines(self.journal))
+            if not self.released:
+                time.sleep(0.1)
+        return self.timer(fn, **kwargs)
 
 
 def _journal_trials(worker: str) -> None:
