@@ -12,6 +12,8 @@
 # STAGE          default s  runs                                                          leaves (inside the archive)
 # tests              300    the four kernel test files, concurrently (GPU tier included; 129 s ran 60%)  tests/<file>.log, .xml
 # tune-prefill       300    tune tma_prefill at the seven benchmark shapes' keys           tune-prefill.sqlite, <gpu>.json
+# prefill-defaults   330    tune tma_prefill over every default key (D 64/128), resuming   tune-prefill.sqlite, <gpu>.json
+#                           build/evidence/tune-prefill.sqlite (keys done there are kept)
 # bench-prefill      200    scripts/bench_prefill.py on tune-prefill's DB                  <date>-tma_prefill-<gpu>.md/.json
 # decode             210    tune splitk_decode (D 128, B 1/8/32/64, Lkv 4K/32K/128K),     decode-tune.sqlite, <gpu>.json,
 #                           then scripts/bench_decode.py                                   <date>-splitk_decode-<gpu>.md/.json
@@ -20,6 +22,10 @@
 # overhead            60    scripts/measure_overhead.py                                    <date>-overhead-<gpu>.md
 # tuner              200    scripts/evidence_tuner.py: injected fault, rank stability,     <date>-tuner-<gpu>.md/.json
 #                           one vs two workers on one shared study
+# stability          200    evidence_tuner.py stability only, 40 trials (tune's default),  <date>-stability-<gpu>.md/.json
+#                           for $STABILITY_KERNELS (default: tma_prefill varlen_sdpa)
+# probe-decode        60    scripts/probe_decode_latency.py (where a short decode step's   <date>-probe-decode-<gpu>.md
+#                           microseconds go)
 # smoke             1800    decode + q4k + varlen steps on the CPU (Triton interpreter,   smoke-*
 #                           tiny shapes): a dry run of this script without a GPU
 #
@@ -33,7 +39,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 
 declare -A DEFAULT_BUDGET=(
   [tests]=300 [tune-prefill]=300 [bench-prefill]=200 [decode]=210 [varlen]=150 [q4k]=240 [overhead]=60
-  [tuner]=200 [smoke]=1800
+  [tuner]=200 [smoke]=1800 [prefill-defaults]=330 [stability]=200 [probe-decode]=60
 )
 if (($# == 0)); then
   echo "usage: bash scripts/gpu_evidence.sh STAGE[:SECONDS] ... (stages: ${!DEFAULT_BUDGET[*]})" >&2
@@ -191,6 +197,16 @@ run_stage() {
         --lq 16384 --lkv 16384 --db "$db"
       ;;
 
+    prefill-defaults)
+      local db="$work/tune-prefill.sqlite"
+      if [ ! -f "$db" ] && [ -f build/evidence/tune-prefill.sqlite ]; then
+        cp build/evidence/tune-prefill.sqlite "$db"
+        note "resuming build/evidence/tune-prefill.sqlite"
+      fi
+      tune_and_export "$db" tma_prefill $((budget - 40)) python -c "$TUNE_PY" --device 0 --kernel tma_prefill \
+        --head-dim 64 --head-dim 128 --trials 24 --time-budget 12 --db "$db"
+      ;;
+
     bench-prefill)
       local src="" candidate
       for candidate in "${PREFILL_DB:-}" "$work/tune-prefill.sqlite" build/evidence/tune-prefill.sqlite; do
@@ -254,6 +270,18 @@ run_stage() {
       step tuner 600 python scripts/evidence_tuner.py --budget $((budget - 15)) --fault-cap 40 --workers-cap 60 \
         --stability-cap "$stability" --kernels splitk_decode --kernels tma_prefill --kernels q4k_fp8_gemm \
         --out "$out/$today-tuner-$(gpu_slug).md" --json "$out/$today-tuner-$(gpu_slug).json" fault workers stability
+      ;;
+
+    stability)
+      local kernels=() k
+      for k in ${STABILITY_KERNELS:-tma_prefill varlen_sdpa}; do kernels+=(--kernels "$k"); done
+      step stability 600 python scripts/evidence_tuner.py --budget $((budget - 15)) --stability-cap $((budget - 25)) \
+        --trials 40 "${kernels[@]}" --out "$out/$today-stability-$(gpu_slug).md" \
+        --json "$out/$today-stability-$(gpu_slug).json" stability
+      ;;
+
+    probe-decode)
+      step probe 300 python scripts/probe_decode_latency.py --out "$out/$today-probe-decode-$(gpu_slug).md"
       ;;
 
     smoke)
