@@ -2,10 +2,16 @@
 
     python scripts/measure_overhead.py [--out FILE]
 
-At tiny, launch-bound shapes the host time per call is what an eager decode loop pays (a CUDA
-graph replays none of it). For prefill and decode, each variant is called N times back to back
-and timed on the host, the GPU synchronised before and after; the variants take turns in every
-round (interleaved, so clock or cache drift hits all alike) and the median round counts:
+Two tables. The first runs on any machine (on one without a CUDA GPU, on CPU tensors under the
+Triton interpreter, which it switches on itself): for each public entry point, the host work of a
+call up to its kernel launch (input checks, facts, the dispatch lookup, the config's scalars), with
+every registered op's call stubbed out so that nothing launches. That is the public path's cost
+over a direct launch, which issue 2 wants under 5 us. The lookup alone (a memo hit) is shown
+beside it.
+
+With a CUDA GPU, the launch-bound tables follow. At tiny shapes the host time per call is what an
+eager decode loop pays (a CUDA graph replays none of it). For prefill and decode, each variant is
+called N times back to back and timed on the host, the GPU synchronised before and after:
 
 - public: the public function (input checks + facts + dispatch + the op's body, called directly
   in plain eager mode);
@@ -15,15 +21,19 @@ round (interleaved, so clock or cache drift hits all alike) and the median round
   no checks, no dispatch);
 - lookup: facts + dispatch alone (the dict lookup the dispatcher promises).
 
-Each GPU time per call (CUDA events over the same loop) is printed beside it: where it is larger
-than the host time, the loop was GPU-bound and the host number is an upper bound.
-Also verifies that importing tritune.kernels created no CUDA context.
+In every table the variants take turns in every round (interleaved, so clock or cache drift hits
+all alike) and the median round counts. Each GPU time per call (CUDA events over the same loop)
+is printed beside the host time: where it is larger, the loop was GPU-bound and the host number
+is an upper bound. Also verifies that importing tritune.kernels created no CUDA context.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import math
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -48,6 +58,102 @@ def forced_op() -> Iterator[None]:
         yield
     finally:
         _oplib._plain_eager = original
+
+
+@contextlib.contextmanager
+def launches_stubbed() -> Iterator[None]:
+    """Make every registered op's call a no-op: a public call then does its host work and stops there."""
+    from tritune.kernels._oplib import TritonOp
+
+    original = TritonOp.__call__
+    TritonOp.__call__ = lambda self, *args: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        TritonOp.__call__ = original  # type: ignore[method-assign]
+
+
+def host_us(variants: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Median host microseconds per call of each variant (nothing to synchronise: nothing launches)."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for fn in variants.values():
+        for _ in range(200):
+            fn()
+    for _ in range(ROUNDS):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            for _ in range(CALLS):
+                fn()
+            times[name].append((time.perf_counter() - start) / CALLS * 1e6)
+    return {name: statistics.median(samples) for name, samples in times.items()}
+
+
+def host_variants(device: str) -> dict[str, Callable[[], object]]:
+    """Each public entry point at a small serving shape, and the dispatch lookup alone."""
+    from tritune.kernels import Q4KWeight, attention, decode_attention, prefill_attention, q4k_linear, varlen_attention
+    from tritune.kernels._launch import device_index
+    from tritune.kernels.dispatcher import dispatch
+    from tritune.kernels.prefill.spec import SPEC as PREFILL
+
+    bf16 = torch.bfloat16
+    q = torch.randn(1, 16, 16, 64, device=device, dtype=bf16)
+    k = torch.randn(1, 2, 128, 64, device=device, dtype=bf16)
+    v, out = torch.randn_like(k), torch.empty_like(q)
+    kv_len = torch.tensor(128, device=device, dtype=torch.int32)
+
+    dq = torch.randn(1, 32, 1, 128, device=device, dtype=bf16)
+    dk = torch.randn(1, 8, 1024, 128, device=device, dtype=bf16)
+    dv, dout = torch.randn_like(dk), torch.empty_like(dq)
+    lengths = torch.full((1,), 1024, device=device, dtype=torch.int32)
+
+    vq = torch.randn(32, 32, 128, device=device, dtype=bf16)
+    vk = torch.randn(1024, 4, 8, 128, device=device, dtype=bf16)
+    vv, vout = torch.randn_like(vk), torch.empty_like(vq)
+    seq_info = torch.tensor([[0, 1, 0, 900], [1, 1, 1, 300], [2, 30, 2, 30], [32, 0, 3, 0]], device=device)
+    seq_info = seq_info.to(torch.int32)
+
+    n, kdim = 4096, 4096
+    u8 = dict(device=device, dtype=torch.uint8)
+    weight = Q4KWeight(
+        torch.zeros(n, kdim // 2, **u8),
+        torch.zeros(n, kdim // 32, **u8),
+        torch.zeros(n, kdim // 32, **u8),
+        torch.zeros(n, kdim // 256, 2, device=device, dtype=torch.float16),
+    )
+    x, xout = torch.randn(1, kdim, device=device, dtype=bf16), torch.empty(1, n, device=device, dtype=bf16)
+
+    dev = torch.device(device)
+    facts = tuple(PREFILL.facts(q, k, v, causal=True, kv_len=kv_len, softmax_scale=1 / math.sqrt(64), out=out))
+    return {
+        "`prefill_attention` q [1, 16, 16, 64], k/v [1, 2, 128, 64], kv_len []": lambda: prefill_attention(
+            q, k, v, kv_len=kv_len, out=out
+        ),
+        "`attention`, routed to prefill (same call)": lambda: attention(q, k, v, kv_len=kv_len, out=out),
+        "`decode_attention` q [1, 32, 1, 128], cache [1, 8, 1024, 128]": lambda: decode_attention(
+            dq, dk, dv, lengths, out=dout
+        ),
+        "`attention`, routed to decode (same call)": lambda: attention(dq, dk, dv, kv_len=lengths, out=dout),
+        "`varlen_attention` q [32, 32, 128], stores [1024, 4, 8, 128], S=4": lambda: varlen_attention(
+            vq, vk, vv, seq_info, out=vout
+        ),
+        "`q4k_linear` x [1, 4096], W [4096, 4096]": lambda: q4k_linear(x, weight, out=xout),
+        "dispatch lookup alone (prefill facts, memo hit)": lambda: dispatch(
+            PREFILL.name, dev.type, device_index(dev), facts
+        ),
+    }
+
+
+def host_table(device: str) -> list[str]:
+    with launches_stubbed():
+        times = host_us(host_variants(device))
+    return [
+        f"**Host work before the launch ({device} tensors; every op call stubbed out, so nothing launches)**",
+        "",
+        "| entry point | host us per call |",
+        "| --- | --- |",
+        *(f"| {name} | {us:.2f} |" for name, us in times.items()),
+        "",
+    ]
 
 
 def interleaved_us(variants: dict[str, Callable[[], object]]) -> dict[str, tuple[float, float]]:
@@ -129,15 +235,24 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    gpu = torch.cuda.is_available()
+    if not gpu:
+        # Before the kernel modules are imported (the public functions import them on first use).
+        os.environ["TRITON_INTERPRET"] = "1"
+        from tritune.kernels._interpreter import fix_interpreter_index
 
+        fix_interpreter_index()
+
+    where = f"GPU: {torch.cuda.get_device_name()}" if gpu else f"CPU: {platform.processor() or platform.machine()}"
     lines = [
-        f"GPU: {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {__import__('triton').__version__}",
+        f"{where} | torch {torch.__version__} | triton {__import__('triton').__version__}",
         "Command: `python scripts/measure_overhead.py`",
-        f"Host us per call: median of {ROUNDS} interleaved rounds of {CALLS} calls. GPU us: CUDA events over the"
-        " same loop (GPU-bound where it exceeds the host time).",
+        f"Host us per call: median of {ROUNDS} interleaved rounds of {CALLS} calls."
+        + (" GPU us: CUDA events over the same loop (GPU-bound where it exceeds the host time)." if gpu else ""),
         "",
+        *host_table("cuda" if gpu else "cpu"),
     ]
-    for build in (prefill_variants, decode_variants):
+    for build in (prefill_variants, decode_variants) if gpu else ():
         shape, variants = build()
         times = interleaved_us(variants)
         public = next(iter(times.values()))[0]
