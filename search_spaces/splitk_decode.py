@@ -8,7 +8,12 @@ and each program decides on the device, from the runtime ``kv_len``, whether its
 - ``MIN_CHUNK``: the fewest keys a split is given, so short sequences are not shredded into
   splits whose merge costs more than they save;
 - ``BLOCK_N``: keys per tile of the inner loop (the chunk is rounded up to a multiple of it);
-- ``num_warps`` and ``num_stages``: Triton's launch options (software-pipelining depth).
+- ``num_warps`` and ``num_stages``: Triton's launch options (software-pipelining depth);
+- ``FUSED_MERGE``: merge the partials inside the split launch (the last split program of a row
+  block to finish merges them, found through an arrival counter) instead of in a second launch.
+  One launch saves the second kernel's launch gap and its own read of ``kv_len``; the merge then
+  runs in one program per row block rather than one per (row, head-dim block), so which wins
+  depends on the key.
 
 The geometry helpers below are shared with the kernel wrapper so that the feasibility rule and
 the launch agree on the tile shapes.
@@ -55,6 +60,7 @@ class DecodeConfig:
     BLOCK_N: int = choice(64, (16, 32, 64, 128))
     num_warps: int = choice(4, (2, 4, 8))
     num_stages: int = choice(3, (1, 2, 3, 4))
+    FUSED_MERGE: bool = choice(False, (False, True))
 
 
 _OPTIONS = {f.name: f.metadata["choices"] for f in dataclasses.fields(DecodeConfig)}
@@ -110,6 +116,7 @@ def duplicate_reason(config: DecodeConfig, key: _DecodeKeyFields) -> str | None:
     Split policies collapse: wave targets that give the same split count, a ``MIN_CHUNK`` that can
     never matter (one split target) or that always means one split (not below the cache length).
     Of each such set only the default's value, or else the smallest, stays in the space.
+    ``FUSED_MERGE`` is moot where no length up to the cache's can take more than one split.
     """
     rows = key.gqa_group * key.lq
     waves, chunk = config.TARGET_WAVES, config.MIN_CHUNK
@@ -129,6 +136,8 @@ def duplicate_reason(config: DecodeConfig, key: _DecodeKeyFields) -> str | None:
             return f"MIN_CHUNK={chunk} means one split for any cache up to {key.lkv_bucket}, as {kept} does"
     if chunk < config.BLOCK_N:
         return "MIN_CHUNK below BLOCK_N rounds up to BLOCK_N (a duplicate of MIN_CHUNK == BLOCK_N)"
+    if config.FUSED_MERGE and max_splits(config, key.sm_count, key.bh_bucket, rows, key.lkv_bucket) == 1:
+        return "FUSED_MERGE is moot with one split per sequence (there is nothing to merge)"
     return None
 
 

@@ -3,6 +3,10 @@
 CPU tier: the kernels run on the Triton interpreter at tiny shapes. On the interpreter the SM
 count is 1, which would leave every problem with one split; the ``many_sms`` fixture makes the
 launch plan believe in 64 SMs so that the split kernel, the merge and empty splits are exercised.
+Each split-K case runs with the merge launch and with the merge fused into the split launch
+(``FUSED_MERGE``); the interpreter runs programs one after another, so the last program to arrive
+on a row block's counter is always the last split, which makes the fused path deterministic here.
+Every test must leave the arrival counters at zero (``counters_stay_zero``).
 GPU tier (``gpu`` marker): CUDA-graph capture and replay with new lengths, and bigger shapes.
 """
 
@@ -16,6 +20,7 @@ import torch
 
 from tritune.kernels import _launch
 from tritune.kernels import routing as attention_module
+from tritune.kernels._launch import COUNTERS
 from tritune.kernels.decode import op as decode_op
 from tritune.kernels.decode.op import decode_attention
 from tritune.kernels.decode.reference import compare, decode_reference
@@ -25,6 +30,10 @@ from tritune.kernels.routing import attention
 #: Pinned configs: many small splits (with 64 SMs planned on the interpreter), and one split per sequence.
 MANY_SPLITS = {"MIN_CHUNK": 64, "BLOCK_N": 16, "TARGET_WAVES": 4}
 ONE_SPLIT = {"MIN_CHUNK": 2048, "BLOCK_N": 16}
+#: MANY_SPLITS with the merge done by the last split program of each row block (one launch).
+FUSED = {**MANY_SPLITS, "FUSED_MERGE": True}
+#: The split-K configs, each case run with both merges.
+SPLIT_CONFIGS = pytest.mark.parametrize("config", [MANY_SPLITS, FUSED], ids=["merge-launch", "fused-merge"])
 
 
 def make_case(
@@ -69,6 +78,17 @@ def run_and_compare(q, k, v, kv_len, config=None, **kwargs):
     problem = compare(out, expected, q.dtype)
     assert problem is None, problem
     return out, expected
+
+
+@pytest.fixture(autouse=True)
+def counters_stay_zero():
+    """A fused launch resets each counter it used: after any test, every counter buffer is zero again."""
+    yield
+    for slot, buffer in COUNTERS.items():
+        nonzero = int(torch.count_nonzero(buffer))
+        # Zeroed so that one failure does not cascade into later tests.
+        buffer.zero_()
+        assert nonzero == 0, f"{nonzero} arrival counters of {slot} left non-zero"
 
 
 @pytest.fixture
@@ -124,11 +144,11 @@ def test_default_config_matches_reference(device, case):
                      torch.bfloat16, id="bf16-gqa8-lq4-d128"),
     ],
 )  # fmt: skip
-@pytest.mark.parametrize("config", [MANY_SPLITS, ONE_SPLIT], ids=["many-splits", "one-split"])
+@pytest.mark.parametrize("config", [MANY_SPLITS, FUSED, ONE_SPLIT], ids=["many-splits", "fused-merge", "one-split"])
 def test_split_policies_match_reference(device, many_sms, monkeypatch, case, dtype, config):
     q, k, v, kv_len = make_case(device, dtype=dtype, **case)
     used = splits_used(q, k, config, case["lengths"])
-    if config is MANY_SPLITS:
+    if config is not ONE_SPLIT:
         assert max(used) >= 3, used
     else:
         assert max(used) <= 1, used
@@ -139,29 +159,101 @@ def test_split_policies_match_reference(device, many_sms, monkeypatch, case, dty
     run_and_compare(q, k, v, kv_len, config)
 
 
-def test_merge_in_head_dim_blocks(device, many_sms, monkeypatch):
-    """Many splits with a small merge tile: each merge program takes a 16-wide slice of the head dim."""
+@SPLIT_CONFIGS
+def test_merge_in_head_dim_blocks(device, many_sms, monkeypatch, config):
+    """Many splits with a small merge tile: the merge takes the head dim 16 columns at a time."""
     monkeypatch.setattr(decode_op, "MERGE_TILE", 64)
     decode_op._plan.cache_clear()
     q, k, v, kv_len = make_case(device, batch=1, kv_heads=1, group=2, lq=2, head_dim=80, lmax=300, lengths=[300])
-    plan = decode_op._plan((4, 64, 16, 4, 3), decode_op.sm_count(q.device), 1, 1, 4, 300, 80)
+    values = (4, 64, 16, 4, 3, config is FUSED)
+    plan = decode_op._plan(values, decode_op.sm_count(q.device), 1, 1, 4, 300, 80)
     assert plan.num_splits == 5 and plan.merge_block_d == 16
-    run_and_compare(q, k, v, kv_len, MANY_SPLITS)
+    assert plan.counters == (1 if config is FUSED else 0)
+    run_and_compare(q, k, v, kv_len, config)
     decode_op._plan.cache_clear()
 
 
-def test_garbage_tails_are_never_read(device, many_sms):
+# ---- the fused merge --------------------------------------------------------------------------------
+
+FUSED_CASES = [
+    pytest.param(dict(batch=1, kv_heads=2, group=1, lq=1, head_dim=64, lmax=200, lengths=[1]), id="mha-d64-len1"),
+    pytest.param(dict(batch=2, kv_heads=2, group=4, lq=1, head_dim=64, lmax=260, lengths=[137, 257]),
+                 id="gqa4-d64-odd"),
+    pytest.param(dict(batch=3, kv_heads=1, group=8, lq=1, head_dim=128, lmax=200, lengths=[0, 7, 199]),
+                 id="gqa8-d128-zero"),
+    pytest.param(dict(batch=4, kv_heads=1, group=4, lq=1, head_dim=256, lmax=140, lengths=[1, 65, 129, 140]),
+                 id="gqa4-d256-b4"),
+    pytest.param(dict(batch=2, kv_heads=2, group=1, lq=1, head_dim=80, lmax=150, lengths=[149, 3]),
+                 id="mha-d80-padded"),
+    pytest.param(dict(batch=1, kv_heads=1, group=7, lq=2, head_dim=96, lmax=190, lengths=[187]), id="gqa7-d96-lq2"),
+    # 128 rows per KV head: two row blocks, each with its own counter.
+    pytest.param(dict(batch=2, kv_heads=1, group=16, lq=8, head_dim=64, lmax=150, lengths=[150, 77]),
+                 id="gqa16-lq8-row-blocks"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", FUSED_CASES)
+def test_fused_merge_matches_reference(device, many_sms, monkeypatch, case):
+    q, k, v, kv_len = make_case(device, **case)
+    used = splits_used(q, k, FUSED, case["lengths"])
+    assert max(used) >= 2 or case["lengths"] == [1], used
+
+    # One launch: the merge kernel is never used, and the workspace is never initialised.
+    def no_merge(*args, **kwargs):
+        raise AssertionError("the merge kernel was launched")
+
+    monkeypatch.setattr(decode_op._decode_merge_kernel, "run", no_merge)
+    monkeypatch.setattr(
+        decode_op, "workspace", lambda n, dev: torch.full((n,), float("nan"), dtype=torch.float32, device=dev)
+    )
+    run_and_compare(q, k, v, kv_len, FUSED)
+
+
+def test_fused_counters_reset_between_calls(device, many_sms):
+    """Calls in a row with other lengths (so other split counts): each finds its counters at zero."""
+    q, k, v, _ = make_case(device, batch=2, kv_heads=2, group=4, lq=1, head_dim=64, lmax=300, lengths=[300, 300],
+                           tail=None)  # fmt: skip
+    plan_counters = 2 * 2
+    for lengths in ([300, 129], [65, 300], [0, 1], [300, 300], [129, 64]):
+        kv_len = torch.tensor(lengths, dtype=torch.int32, device=device)
+        run_and_compare(q, k, v, kv_len, FUSED)
+        used = [buffer for (dev, _), buffer in COUNTERS.items() if dev.type == q.device.type]
+        assert used and all(b.numel() >= plan_counters for b in used)
+        assert all(int(torch.count_nonzero(b)) == 0 for b in used), lengths
+
+
+def test_arrival_counters_grow_and_keep_old_buffers(monkeypatch):
+    cache: dict = {}
+    retired: list = []
+    monkeypatch.setattr(_launch, "COUNTERS", cache)
+    monkeypatch.setattr(_launch, "_RETIRED_COUNTERS", retired)
+    cpu = torch.device("cpu")
+    first = _launch.arrival_counters(10, cpu)
+    assert first.dtype == torch.int32 and first.numel() >= 10 and int(torch.count_nonzero(first)) == 0
+    assert _launch.arrival_counters(first.numel(), cpu) is first
+    grown = _launch.arrival_counters(first.numel() + 1, cpu)
+    assert grown.numel() > first.numel() and int(torch.count_nonzero(grown)) == 0
+    # The outgrown buffer stays alive: a captured CUDA graph may still hold its address.
+    assert retired == [first] and list(cache.values()) == [grown]
+    # A traced launch gets its own zeros, never the cached buffer.
+    fresh = _launch.arrival_counters(3, cpu, fresh=True)
+    assert fresh.numel() == 3 and fresh is not grown and list(cache.values()) == [grown]
+
+
+@SPLIT_CONFIGS
+def test_garbage_tails_are_never_read(device, many_sms, config):
     """Huge finite garbage past kv_len would dominate any score it reached; NaN would poison it."""
     for tail in (3e4, float("inf"), float("nan")):
         case = make_case(device, batch=2, kv_heads=1, group=4, lq=1, head_dim=64, lmax=160, lengths=[70, 150],
                          tail=tail)  # fmt: skip
-        run_and_compare(*case, MANY_SPLITS)
+        run_and_compare(*case, config)
 
 
+@SPLIT_CONFIGS
 @pytest.mark.parametrize("lq, lengths", [(2, [9, 2]), (5, [3, 40]), (8, [8, 77])], ids=["lq2", "lq5-short", "lq8"])
-def test_new_tokens_are_causal(device, many_sms, lq, lengths):
+def test_new_tokens_are_causal(device, many_sms, lq, lengths, config):
     q, k, v, kv_len = make_case(device, batch=2, kv_heads=2, group=2, lq=lq, head_dim=64, lmax=80, lengths=lengths)
-    out, _ = run_and_compare(q, k, v, kv_len, MANY_SPLITS)
+    out, _ = run_and_compare(q, k, v, kv_len, config)
     for b, n in enumerate(lengths):
         # Token i sits at n - lq + i: those before position 0 see no key and must be zeros.
         blind = max(0, lq - n)
@@ -169,7 +261,7 @@ def test_new_tokens_are_causal(device, many_sms, lq, lengths):
     # Changing a key after token 0's position must not change token 0's output.
     k2 = k.clone()
     k2[:, :, int(lengths[0]) - 1] = 5.0
-    with use_config("splitk_decode", MANY_SPLITS):
+    with use_config("splitk_decode", config):
         out2 = decode_attention(q, k2, v, kv_len)
     first_visible = max(0, lq - lengths[0])
     if first_visible < lq - 1:
@@ -178,30 +270,33 @@ def test_new_tokens_are_causal(device, many_sms, lq, lengths):
 
 def test_zero_lengths_give_zeros(device, many_sms):
     q, k, v, kv_len = make_case(device, batch=3, kv_heads=1, group=4, lq=2, head_dim=64, lmax=64, lengths=[0, 0, 0])
-    for config in (MANY_SPLITS, ONE_SPLIT):
+    for config in (MANY_SPLITS, FUSED, ONE_SPLIT):
         with use_config("splitk_decode", config):
             out = decode_attention(q, k, v, kv_len, out=torch.full_like(q, float("nan")))
         assert torch.equal(out.float().cpu(), torch.zeros(q.shape))
 
 
+@SPLIT_CONFIGS
 @pytest.mark.parametrize("sign", [1.0, -1.0], ids=["scaled-q", "negated-scaled-q"])
-def test_large_logits_stay_exact(device, many_sms, sign):
+def test_large_logits_stay_exact(device, many_sms, sign, config):
     q, k, v, kv_len = make_case(device, batch=2, kv_heads=1, group=4, lq=1, head_dim=64, lmax=200, lengths=[200, 91])
-    out, _ = run_and_compare((q.float() * 1e3 * sign).to(q.dtype), k, v, kv_len, MANY_SPLITS)
+    out, _ = run_and_compare((q.float() * 1e3 * sign).to(q.dtype), k, v, kv_len, config)
     assert torch.isfinite(out.float()).all()
 
 
-def test_all_scores_hugely_negative(device, many_sms):
+@SPLIT_CONFIGS
+def test_all_scores_hugely_negative(device, many_sms, config):
     """Every score near -3e4: a kernel without max subtraction would underflow to 0/0."""
     q, k, v, kv_len = make_case(device, batch=1, kv_heads=1, group=4, lq=1, head_dim=64, lmax=150, lengths=[150])
     k = k.clone()
     k[..., 0] += 200.0
     q = q.clone()
     q[..., 0] = -1200.0
-    run_and_compare(q, k, v, kv_len, MANY_SPLITS)
+    run_and_compare(q, k, v, kv_len, config)
 
 
-def test_strided_layouts(device, many_sms):
+@SPLIT_CONFIGS
+def test_strided_layouts(device, many_sms, config):
     """A cache stored [B, Lmax, Hkv, D] and q stored [B, Lq, Hq, D], seen through permuted views."""
     batch, kv_heads, group, lq, dim, lmax = 2, 2, 2, 2, 64, 96
     q0, k0, v0, kv_len = make_case(device, batch=batch, kv_heads=kv_heads, group=group, lq=lq, head_dim=dim,
@@ -211,7 +306,7 @@ def test_strided_layouts(device, many_sms):
     q = q0.transpose(1, 2).contiguous().transpose(1, 2)
     assert not k.is_contiguous() and not q.is_contiguous()
     out = torch.empty(batch, lq, kv_heads * group, dim, dtype=q.dtype, device=device).transpose(1, 2)
-    with use_config("splitk_decode", MANY_SPLITS):
+    with use_config("splitk_decode", config):
         decode_attention(q, k, v, kv_len, out=out)
     assert compare(out, decode_reference(q0, k0, v0, kv_len), q.dtype) is None
 
@@ -223,7 +318,7 @@ def test_lengths_outside_the_cache_are_clamped(device):
     assert compare(out, expected, q.dtype) is None
 
 
-@pytest.mark.parametrize("config", [MANY_SPLITS, ONE_SPLIT], ids=["many-splits", "one-split"])
+@pytest.mark.parametrize("config", [MANY_SPLITS, FUSED, ONE_SPLIT], ids=["many-splits", "fused-merge", "one-split"])
 def test_kv_len_view_is_read_through_its_stride(device, many_sms, config):
     """``lengths[::2]``: the split and merge kernels must step over the lengths in between."""
     q, k, v, kv_len = make_case(device, batch=3, kv_heads=1, group=2, lq=1, head_dim=64, lmax=200,
@@ -244,9 +339,10 @@ def test_softmax_scale_and_allocated_out(device):
     assert compare(out, decode_reference(q, k, v, kv_len, softmax_scale=0.3), q.dtype) is None
 
 
-def test_direct_launch_and_registered_op_agree(device, many_sms):
+@pytest.mark.parametrize("fused", [False, True], ids=["merge-launch", "fused-merge"])
+def test_direct_launch_and_registered_op_agree(device, many_sms, fused):
     q, k, v, kv_len = make_case(device, batch=2, kv_heads=1, group=4, lq=3, head_dim=64, lmax=130, lengths=[130, 61])
-    values = (4, 64, 16, 4, 2)
+    values = (4, 64, 16, 4, 2, fused)
     direct = torch.full_like(q, float("nan"))
     through_op = torch.full_like(q, float("nan"))
     decode_op._decode_attention(q, k, v, kv_len, direct, 0.125, *values)
@@ -305,26 +401,33 @@ def test_bad_inputs_name_the_argument(mutate, error, message):
 # ---- torch.library integration -------------------------------------------------------------------
 
 
-def test_opcheck(device):
-    q, k, v, kv_len = make_case(device, batch=2, kv_heads=1, group=2, lq=2, head_dim=64, lmax=40, lengths=[40, 3],
+@pytest.mark.parametrize("fused", [False, True], ids=["merge-launch", "fused-merge"])
+def test_opcheck(device, many_sms, fused):
+    q, k, v, kv_len = make_case(device, batch=2, kv_heads=1, group=2, lq=2, head_dim=64, lmax=140, lengths=[140, 3],
                                 tail=None)  # fmt: skip
     out = torch.empty_like(q)
-    torch.library.opcheck(torch.ops.tritune.decode_attention.default, (q, k, v, kv_len, out, 0.125, 2, 64, 16, 4, 2))
+    args = (q, k, v, kv_len, out, 0.125, 4, 64, 16, 4, 2, fused)
+    torch.library.opcheck(torch.ops.tritune.decode_attention.default, args)
 
 
-def test_torch_compile_fullgraph(device):
-    q, k, v, kv_len = make_case(device, batch=2, kv_heads=1, group=4, lq=1, head_dim=64, lmax=48, lengths=[48, 20])
+@pytest.mark.parametrize("config", [{}, FUSED], ids=["default", "fused-merge"])
+def test_torch_compile_fullgraph(device, many_sms, config):
+    q, k, v, kv_len = make_case(device, batch=2, kv_heads=1, group=4, lq=1, head_dim=64, lmax=148, lengths=[148, 20])
 
     def step(q, k, v, kv_len, out):
         return decode_attention(q, k, v, kv_len, out=out) * 2.0
 
     backend = "inductor" if device == "cuda" else "aot_eager"
+    # The config is chosen once, at trace time: no graph of another parametrization may be reused.
+    torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True, backend=backend)
     out, eager_out = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
-    result = compiled(q, k, v, kv_len, out)
+    with use_config("splitk_decode", config):
+        result = compiled(q, k, v, kv_len, out)
+        expected = step(q, k, v, kv_len, eager_out)
     assert compare(out, decode_reference(q, k, v, kv_len), q.dtype) is None
     torch.testing.assert_close(result, out * 2.0, atol=0, rtol=0)
-    torch.testing.assert_close(result, step(q, k, v, kv_len, eager_out), atol=0, rtol=0)
+    torch.testing.assert_close(result, expected, atol=0, rtol=0)
 
 
 # ---- the unified entry ---------------------------------------------------------------------------
@@ -437,15 +540,18 @@ def test_attention_errors_name_its_own_arguments():
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replay_with_new_lengths():
+@pytest.mark.parametrize("config", [{}, {"FUSED_MERGE": True}], ids=["default", "fused-merge"])
+def test_cuda_graph_replay_with_new_lengths(config):
     q, k, v, kv_len = make_case("cuda", batch=4, kv_heads=8, group=4, lq=1, head_dim=128, lmax=16384,
                                 lengths=[16384] * 4, tail=None)  # fmt: skip
     out = torch.empty_like(q)
-    decode_attention(q, k, v, kv_len, out=out)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with use_config("splitk_decode", config):
+        # Compiles, and sizes the counters a capture uses, outside the capture.
         decode_attention(q, k, v, kv_len, out=out)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            decode_attention(q, k, v, kv_len, out=out)
     for lengths in ([16384, 1, 0, 777], [5, 9000, 16383, 64], [0, 0, 0, 0], [129, 4096, 12000, 16384]):
         kv_len.copy_(torch.tensor(lengths, dtype=torch.int32))
         out.fill_(float("nan"))
@@ -453,6 +559,28 @@ def test_cuda_graph_replay_with_new_lengths():
         torch.cuda.synchronize()
         problem = compare(out, decode_reference(q, k, v, kv_len), q.dtype)
         assert problem is None, f"{lengths}: {problem}"
+
+
+@pytest.mark.gpu
+def test_gpu_fused_merge_on_two_streams():
+    """Fused launches on two streams at once: each stream has its own counters."""
+    cases = [
+        make_case("cuda", batch=1, kv_heads=8, group=4, lq=1, head_dim=128, lmax=32768, lengths=[32000], seed=s)
+        for s in (1, 2)
+    ]
+    outs = [torch.full_like(case[0], float("nan")) for case in cases]
+    streams = [torch.cuda.Stream() for _ in cases]
+    torch.cuda.synchronize()
+    with use_config("splitk_decode", {"FUSED_MERGE": True}):
+        for _ in range(20):
+            for stream, (q, k, v, kv_len), out in zip(streams, cases, outs, strict=True):
+                with torch.cuda.stream(stream):
+                    decode_attention(q, k, v, kv_len, out=out)
+    torch.cuda.synchronize()
+    for (q, k, v, kv_len), out in zip(cases, outs, strict=True):
+        assert compare(out, decode_reference(q, k, v, kv_len), q.dtype) is None
+    slots = {slot for slot in COUNTERS if slot[1] in {s.cuda_stream for s in streams}}
+    assert len(slots) == 2
 
 
 @pytest.mark.gpu

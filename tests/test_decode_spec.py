@@ -154,6 +154,21 @@ def test_infeasible_reasons():
     assert "MIN_CHUNK" in SPACE.infeasible_reason(DecodeConfig(MIN_CHUNK=64, BLOCK_N=128), _key(), limits)
 
 
+def test_fused_merge_is_moot_with_one_split():
+    fused = DecodeConfig(FUSED_MERGE=True)
+    # B=1 x 8 KV heads at 4K: up to 32 splits, so both merges stay in the space.
+    assert SPACE.infeasible_reason(fused, _key(), H200_LIMITS) is None
+    assert {c.FUSED_MERGE for c in SPACE.feasible(_key(), H200_LIMITS)} == {False, True}
+    # B=64 fills the GPU without splitting.
+    b64 = _key(bh_bucket=512)
+    assert "FUSED_MERGE is moot" in SPACE.infeasible_reason(fused, b64, H200_LIMITS)
+    assert not any(c.FUSED_MERGE for c in SPACE.feasible(b64, H200_LIMITS))
+    # A 128-key cache splits only with chunks below 128 keys.
+    short = _key(lkv_bucket=128)
+    assert "FUSED_MERGE is moot" in SPACE.infeasible_reason(fused, short, H200_LIMITS)
+    assert SPACE.infeasible_reason(dataclasses.replace(fused, MIN_CHUNK=64), short, H200_LIMITS) is None
+
+
 def test_interpreter_keeps_few_configs():
     key = SPEC.default_keys(CPU)[0]
     feasible = SPACE.feasible(key, SPEC.limits(CPU))

@@ -31,7 +31,13 @@ def cost(config) -> float:
 def _tuner(store: ConfigStore, trials: int, timer: FakeTimer | None = None, n: int = 256) -> KeyTuner:
     key = SPEC.default_keys(CPU, n=[n])[0]
     return KeyTuner(
-        SPEC, key, CPU, torch.device("cpu"), store, environment_id(store, CPU), timer or FakeTimer(cost),
+        SPEC,
+        key,
+        CPU,
+        torch.device("cpu"),
+        store,
+        environment_id(store, CPU),
+        timer or FakeTimer(cost),
         TuneOptions(trials=trials, seed=1, batch=4, final_rounds=1),
     )
 
@@ -101,3 +107,28 @@ def test_stored_pruned_trials_do_not_spend_the_budget(tmp_path):
     result = _tuner(store, trials=6).run()
     assert result.reused == 0
     assert result.measured + result.failed == 6
+
+
+def test_polish_measures_the_unseen_neighbours_of_the_best_config(tmp_path):
+    """One field moved to the next choice, infeasible and already-seen configs left out."""
+    store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    tuner = _tuner(store, trials=4)
+    best = (64, False, 1)
+    tuner.times = {best: 1.0, (32, False, 4): 2.0}
+    tuner.status = {best: "ok", (32, False, 4): "ok", (32, False, 1): "failed-runtime"}
+    neighbours = {(c.BLOCK, c.BROKEN, c.num_warps) for c in tuner._neighbours_of_best()}
+    # BLOCK 32 was seen; BLOCK 128 with one warp is infeasible; num_warps has one neighbour of 1.
+    assert neighbours == {(64, True, 1), (64, False, 2)}
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_polish_makes_seeds_agree_on_the_best_config(tmp_path, seed):
+    """12 of 23 feasible configs: TPE alone ends away from the optimum for some of these seeds
+    (3 of the 12 with Optuna 4-5); climbing from the incumbent for the last half reaches it."""
+    store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    key = SPEC.default_keys(CPU, n=[256])[0]
+    options = TuneOptions(trials=12, seed=seed, batch=2, final_rounds=1, polish=0.5)
+    result = KeyTuner(
+        SPEC, key, CPU, torch.device("cpu"), store, environment_id(store, CPU), FakeTimer(cost), options
+    ).run()
+    assert result.config == {"BLOCK": 128, "BROKEN": False, "num_warps": 2}

@@ -8,7 +8,9 @@ environment). A worker visits the keys of its plan in turn; one visit of a key:
    as finished trials, and enqueue the seeds it lacks (portable default, stored winner, the whole
    feasible space when that fits the budget), each exactly once however many workers join.
 2. Ask batches while the study has budget left. The budget counts distinct configs measured or
-   held (running) by any worker, so workers together measure ``--trials`` configs per key.
+   held (running) by any worker, so workers together measure ``--trials`` configs per key. In
+   the last ``polish`` share of it, a worker that finds the queue empty enqueues the neighbours of
+   the best config so far that nobody runs (the hill climb of :class:`~.study.KeyTuner`).
 3. Before measuring, look again: a config already in the trials table, or finished in the study
    by another worker, is answered without measuring; a config that another worker's trial holds
    is left to it (told pruned, ``outcome=duplicate``). The study is read before the trials table,
@@ -283,6 +285,13 @@ class SharedKeyTuner(KeyTuner):
                     # Deferred configs (two workers backed off) come back through the queue.
                     for config in self.rng.sample(unseen, min(len(unseen), opts.batch_size)):
                         study.enqueue_trial(self.space.to_dict(config))
+            elif len(claimed) >= budget - int(opts.polish * budget) and not any(
+                t.state == TrialState.WAITING for t in trials
+            ):
+                # The polish phase (see KeyTuner): the incumbent's neighbours, none another worker runs.
+                neighbours = [c for c in self._neighbours_of_best() if self._ident(c) not in claimed]
+                for config in neighbours[: min(opts.batch_size, budget - len(claimed))]:
+                    study.enqueue_trial(self.space.to_dict(config))
             want = min(opts.batch_size, budget - len(claimed), max_asks - asks)
             asked = [self._ask(study) for _ in range(want)]
             asks += len(asked)

@@ -14,7 +14,11 @@ The loop, per batch of proposals:
    cross-checked against the portable output at the timed size, and timed (a noisy measurement
    is repeated once, see :mod:`.noise`). A candidate that kills or hangs the worker is a failed
    trial with the reason. Each trial is committed as soon as it is measured.
-4. The best config, the runner-up and the portable default are re-timed in interleaved rounds,
+4. The last ``polish`` share of the trial budget goes to configs one step from the best so far
+   (one field moved to a neighbouring choice): a hill climb from the incumbent. TPE's proposals
+   depend on its seed; two tunes of one key that end near the same optimum should pick it, not
+   two of its neighbours (rank stability, issue 7).
+5. The best config, the runner-up and the portable default are re-timed in interleaved rounds,
    and the fastest is offered to the DB as the key's winner (the DB keeps the faster of
    concurrent offers).
 
@@ -96,6 +100,8 @@ class TuneOptions:
     compile_workers: int = field(default_factory=lambda: _usable_cpus())
     #: Rounds of the final interleaved re-timing of winner, runner-up and portable default.
     final_rounds: int = 3
+    #: Share of the trial budget spent last on the best config's neighbours (0 turns it off).
+    polish: float = 0.3
     #: Run candidates in a worker process (crash and hang isolation). The ``tune`` command turns
     #: it on; in-process is the default here for tests of the loop with a fake timer.
     isolate: bool = False
@@ -300,6 +306,29 @@ class KeyTuner:
             multivariate=True, seed=seed, n_startup_trials=min(10, self.options.trials // 3), constant_liar=shared
         )
 
+    def _neighbours_of_best(self) -> list[Any]:
+        """Feasible configs not yet seen, one field away from the fastest measured config.
+
+        A field moves to the choice next to its current one (the choices are ordered), so a
+        climb from the incumbent tries the nearest tiles, warp counts and stage depths first.
+        """
+        if not self.times:
+            return []
+        best = min(self.times, key=lambda ident: self.times[ident])
+        found = []
+        for index, options in enumerate(self.space.dimensions.values()):
+            position = options.index(best[index])
+            for step in (-1, 1):
+                if not 0 <= position + step < len(options):
+                    continue
+                ident = (*best[:index], options[position + step], *best[index + 1 :])
+                if ident in self.status:
+                    continue
+                config = self.space.config_type(*ident)
+                if self.space.infeasible_reason(config, self.key, self.limits) is None:
+                    found.append(config)
+        return found
+
     def _seeds(self, default: Any, feasible: list[Any], exhaustive: bool, rng: random.Random) -> list[dict[str, Any]]:
         """Configs enqueued before the sampler proposes any: portable default and stored winner first."""
         seeds = [self.space.to_dict(default)]
@@ -331,6 +360,7 @@ class KeyTuner:
 
         # The budget counts trials measured by earlier runs of the same study too (resume).
         budget = opts.trials
+        polish_from = budget if exhaustive else budget - int(opts.polish * budget)
         max_asks = 20 * budget + len(feasible)
         asks = 0
         while self._spent() < budget and asks < max_asks:
@@ -339,6 +369,11 @@ class KeyTuner:
                 break
             # Another tuner on the same DB may have measured configs since the last batch.
             self._absorb_stored(study, distributions)
+            if self._spent() >= polish_from:
+                # Asked before the sampler's own proposals; a batch the neighbours do not fill is TPE's.
+                slots = min(opts.batch_size, budget - self._spent())
+                for config in self._neighbours_of_best()[:slots]:
+                    study.enqueue_trial(self.space.to_dict(config), skip_if_exists=True)
             pending: list[tuple[optuna.trial.Trial, Any]] = []
             while len(pending) < min(opts.batch_size, budget - self._spent()) and asks < max_asks:
                 if exhaustive and not any(self._ident(c) not in self.status for c in feasible):

@@ -10,6 +10,11 @@ captured CUDA graph) serves any lengths: split programs past ``num_splits`` retu
 merge reads only the ``num_splits`` partials that were written. A sequence that needs one split
 (or none: ``kv_len == 0``) is finished by split program 0 directly into the output, and the
 merge skips it. Scores are kept in the log2 domain (``qk_scale`` folds in log2(e)).
+
+With ``FUSED_MERGE`` there is no merge launch: each split program, once its partial is written,
+counts itself on its row block's arrival counter, and the program that arrives last merges the
+row block's partials (through the same :func:`_merge_row` as the merge kernel) and puts the
+counter back to 0, so that the next launch or graph replay starts from zero.
 """
 
 from __future__ import annotations
@@ -28,10 +33,49 @@ def _split_plan(KV_LEN, stride_kvl, pid_b, lmax, splits_target, min_chunk, BLOCK
     return kv_len, chunk, tl.cdiv(kv_len, chunk)
 
 
+@triton.jit
+def _merge_row(
+    WS, O_ROW, ws_row0, d0, num_splits, lse_offset,
+    ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Merge the ``num_splits`` partials of one query row, columns ``d0 + [0, BLOCK_D)``, into ``O_ROW``.
+
+    ``ws_row0``: the workspace row of split 0; split ``s`` of the same query row is ``s * ROWS`` rows on.
+    """
+    offs_s = tl.arange(0, SPLIT_BLOCK)
+    offs_d = d0 + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    # Online log-sum-exp over the partials, SPLIT_BLOCK at a time: each partial is already
+    # normalised, weighted by 2^(lse - running max), so nothing overflows whatever the scores.
+    m_run = float("-inf")
+    l_run = 0.0
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_splits, SPLIT_BLOCK):
+        split = s0 + offs_s
+        split_ok = split < num_splits
+        ws_row = ws_row0 + split * ROWS
+        # Through L2 (.cg), never L1: in a fused launch other programs wrote these during this launch.
+        lse = tl.load(WS + lse_offset + ws_row, mask=split_ok, other=float("-inf"), cache_modifier=".cg")
+        part_ptrs = WS + ws_row[:, None] * HEAD_DIM + offs_d[None, :]
+        part = tl.load(part_ptrs, mask=split_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_run, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.math.exp2(lse - m_safe)
+        alpha = tl.math.exp2(m_run - m_safe)
+        acc = acc * alpha + tl.sum(w[:, None] * part, 0)  # [BLOCK_D]
+        l_run = l_run * alpha + tl.sum(w, 0)
+        m_run = m_new
+    o = acc / tl.where(l_run > 0.0, l_run, 1.0)
+    tl.store(O_ROW + offs_d, o.to(O_ROW.dtype.element_ty), mask=d_ok)
+
+
 # fmt: off
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, KV_LEN, O, WS,
+    Q, K, V, KV_LEN, O, WS, COUNTERS,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -45,6 +89,9 @@ def _decode_split_kernel(
     D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr,
+    MERGE_BLOCK_D: tl.constexpr,
 ):
     # fmt: on
     ROWS: tl.constexpr = GROUP * LQ
@@ -133,6 +180,30 @@ def _decode_split_kernel(
         tl.store(WS + ws_row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=tile_ok)
         lse = tl.where(has_keys, m_i + tl.math.log2(l_safe), float("-inf"))
         tl.store(WS + lse_offset + ws_row, lse, mask=row_ok)
+        if FUSED_MERGE:
+            # Publish, then count. bar.sync orders every thread's stores above before the atomic,
+            # which one thread runs (Triton's scalar atomic), and its release at gpu scope makes them
+            # all visible GPU-wide before the count moves: the shape of CUDA's own grid sync.
+            tl.debug_barrier()
+            counter = COUNTERS + (b64 * num_kv_heads + pid_h) * ROW_BLOCKS + pid_m
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            # Every arrival is acq_rel, so they form a chain: the program that reads num_splits - 1
+            # has acquired the release of each earlier one. Triton hands the atomic's result to all
+            # threads through shared memory behind a bar.sync, so every thread's reads of the
+            # partials come after that acquire; they go to L2 (.cg), where the stores went, never
+            # to a stale L1 line.
+            if arrived == num_splits - 1:
+                row0 = ((b64 * num_kv_heads + pid_h) * num_splits_max) * ROWS
+                o_b = O + b64 * stride_ob
+                for i in range(0, tl.minimum(BLOCK_M, ROWS - pid_m * BLOCK_M)):
+                    r = pid_m * BLOCK_M + i
+                    o_row = o_b + (pid_h * GROUP + r // LQ).to(tl.int64) * stride_oh + (r % LQ).to(tl.int64) * stride_om
+                    for d0 in range(0, HEAD_DIM, MERGE_BLOCK_D):
+                        _merge_row(WS, o_row, row0 + r, d0, num_splits, lse_offset, ROWS=ROWS, HEAD_DIM=HEAD_DIM,
+                                   SPLIT_BLOCK=SPLIT_BLOCK, BLOCK_D=MERGE_BLOCK_D)  # fmt: skip
+                # All num_splits programs have counted, so nothing else touches the counter in this
+                # launch; the next launch (or graph replay) on the stream finds it zero.
+                tl.store(counter, 0)
 
 
 # fmt: off
@@ -160,33 +231,8 @@ def _decode_merge_kernel(
     _kv_len, _chunk, num_splits = _split_plan(KV_LEN, stride_kvl, pid_b, lmax, splits_target, min_chunk, BLOCK_N)
     if num_splits <= 1:
         return
-
-    offs_s = tl.arange(0, SPLIT_BLOCK)
-    offs_d = (pid_rd % D_BLOCKS) * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
     row0 = ((pid_b.to(tl.int64) * num_kv_heads + pid_h) * num_splits_max) * ROWS + pid_r
-
-    # Online log-sum-exp over the partials, SPLIT_BLOCK at a time: each partial is already
-    # normalised, weighted by 2^(lse - running max), so nothing overflows whatever the scores.
-    m_run = float("-inf")
-    l_run = 0.0
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for s0 in range(0, num_splits, SPLIT_BLOCK):
-        split = s0 + offs_s
-        split_ok = split < num_splits
-        ws_row = row0 + split * ROWS
-        lse = tl.load(WS + lse_offset + ws_row, mask=split_ok, other=float("-inf"))
-        part_ptrs = WS + ws_row[:, None] * HEAD_DIM + offs_d[None, :]
-        part = tl.load(part_ptrs, mask=split_ok[:, None] & d_ok[None, :], other=0.0)  # [SPLIT_BLOCK, BLOCK_D]
-        m_new = tl.maximum(m_run, tl.max(lse, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w = tl.math.exp2(lse - m_safe)
-        alpha = tl.math.exp2(m_run - m_safe)
-        acc = acc * alpha + tl.sum(w[:, None] * part, 0)
-        l_run = l_run * alpha + tl.sum(w, 0)
-        m_run = m_new
-
-    o = acc / tl.where(l_run > 0.0, l_run, 1.0)
-    o_ptrs = O + pid_b.to(tl.int64) * stride_ob + (pid_h * GROUP + pid_r // LQ).to(tl.int64) * stride_oh
-    o_ptrs = o_ptrs + (pid_r % LQ).to(tl.int64) * stride_om + offs_d
-    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=d_ok)
+    o_row = O + pid_b.to(tl.int64) * stride_ob + (pid_h * GROUP + pid_r // LQ).to(tl.int64) * stride_oh
+    o_row = o_row + (pid_r % LQ).to(tl.int64) * stride_om
+    _merge_row(WS, o_row, row0, (pid_rd % D_BLOCKS) * BLOCK_D, num_splits, lse_offset, ROWS=ROWS, HEAD_DIM=HEAD_DIM,
+               SPLIT_BLOCK=SPLIT_BLOCK, BLOCK_D=BLOCK_D)  # fmt: skip

@@ -40,10 +40,12 @@ from .._launch import (
     DTYPE_NAMES,
     LOG2E,
     MERGE_TILE,
+    arrival_counters,
     check_device,
     check_tensor,
     device_index,
     sm_count,
+    traced,
     workspace,
 )
 from .._oplib import register_op, wrap_triton
@@ -171,11 +173,13 @@ class _Plan(NamedTuple):
     lse_offset: int
     split_block: int
     merge_block_d: int
+    #: Arrival counters of a fused merge (one per sequence, KV head and row block); 0: no fused merge.
+    counters: int
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan(
-    values: tuple[int, ...], sm_count: int, batch: int, kv_heads: int, rows: int, lmax: int, head_dim: int
+    values: tuple[Any, ...], sm_count: int, batch: int, kv_heads: int, rows: int, lmax: int, head_dim: int
 ) -> _Plan:
     config = DecodeConfig(*values)
     target = splits_target(config, sm_count, batch * kv_heads, rows)
@@ -184,13 +188,17 @@ def _plan(
     partials = batch * kv_heads * num_splits * rows
     workspace = partials * (head_dim + 1) if num_splits > 1 else 1
     d_pad = padded_head_dim(head_dim)
-    # The merge holds a [split_block, merge_block_d] fp32 tile: at most 8K values, split across head-dim
-    # blocks when there are many splits, so that one pass covers up to 512 of them.
+    fused = config.FUSED_MERGE and num_splits > 1
+    # The merge holds a [split_block, merge_block_d] fp32 tile: at most MERGE_TILE values (64 a thread at 4
+    # warps), split across head-dim blocks when there are many splits, so that one pass covers up to 512 of
+    # them. A fused merge runs in the split program with its num_warps: the same values per thread.
+    tile = MERGE_TILE * config.num_warps // 4 if fused else MERGE_TILE
     split_block = max(2, min(1 << (num_splits - 1).bit_length(), 512))
-    merge_block_d = min(d_pad, max(16, MERGE_TILE // split_block))
+    merge_block_d = min(d_pad, max(16, tile // split_block))
+    counters = batch * kv_heads * row_blocks(rows) if fused else 0
     return _Plan(
         block_m_for(rows), d_pad, row_blocks(rows), target, num_splits, workspace, partials * head_dim, split_block,
-        merge_block_d,
+        merge_block_d, counters,
     )  # fmt: skip
 
 
@@ -203,29 +211,40 @@ def _launch(
     kv_len: torch.Tensor,
     out: torch.Tensor,
     softmax_scale: float,
-    values: tuple[int, ...],
+    values: tuple[Any, ...],
 ) -> None:
-    """Launch the split kernel, and the merge where some sequence may need more than one split."""
+    """Launch the split kernel, then the merge where some sequence may need more than one split
+    (unless the split kernel merges itself: ``FUSED_MERGE``)."""
     # Plain ints: under dynamic-shape tracing sizes arrive as SymInts, and the grid, the workspace and
     # the kernels' stride specialisation are all fixed per shape anyway.
     batch, q_heads, lq, head_dim = (int(n) for n in q.shape)
     kv_heads, lmax = int(k_cache.shape[1]), int(k_cache.shape[2])
     group = q_heads // kv_heads
-    _, MIN_CHUNK, BLOCK_N, num_warps, num_stages = values
+    _, MIN_CHUNK, BLOCK_N, num_warps, num_stages, _ = values
     plan = _plan(values, sm_count(q.device), batch, kv_heads, group * lq, lmax, head_dim)
     ws = workspace(plan.workspace, q.device)
+    fused = plan.counters > 0
+    counters = arrival_counters(plan.counters, q.device, fresh=traced(q)) if fused else None
     sq, sk, sv, so = (tuple(int(x) for x in t.stride()[:3]) for t in (q, k_cache, v_cache, out))
     # A view such as lengths[::2] is read through its stride.
     stride_kvl = int(kv_len.stride(0))
     # Only the interpreter runs CPU tensors; its bf16 dot is broken, so its MMAs take fp32 operands.
     dot_in_fp32 = q.device.type == "cpu"
-    split_kernel[(plan.num_splits, plan.row_blocks * kv_heads, batch)](
-        q, k_cache, v_cache, kv_len, out, ws, *sq, *sk, *sv, *so, stride_kvl,
-        kv_heads, lmax, softmax_scale * LOG2E, plan.splits_target, MIN_CHUNK, plan.num_splits, plan.lse_offset,
-        GROUP=group, LQ=lq, BLOCK_M=plan.block_m, HEAD_DIM=head_dim, D_PAD=plan.d_pad, BLOCK_N=BLOCK_N,
-        DOT_IN_FP32=dot_in_fp32, num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
-    if plan.num_splits > 1:
+    try:
+        split_kernel[(plan.num_splits, plan.row_blocks * kv_heads, batch)](
+            q, k_cache, v_cache, kv_len, out, ws, counters, *sq, *sk, *sv, *so, stride_kvl,
+            kv_heads, lmax, softmax_scale * LOG2E, plan.splits_target, MIN_CHUNK, plan.num_splits, plan.lse_offset,
+            GROUP=group, LQ=lq, BLOCK_M=plan.block_m, HEAD_DIM=head_dim, D_PAD=plan.d_pad, BLOCK_N=BLOCK_N,
+            DOT_IN_FP32=dot_in_fp32, FUSED_MERGE=fused, SPLIT_BLOCK=plan.split_block,
+            MERGE_BLOCK_D=plan.merge_block_d, num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
+    except BaseException:
+        # The interpreter runs the programs one by one: a launch that raised part-way has left row
+        # blocks counted, which would keep their last split from merging in every later launch.
+        if counters is not None and not counters.is_cuda:
+            counters.zero_()
+        raise
+    if plan.num_splits > 1 and not fused:
         d_blocks = -(-head_dim // plan.merge_block_d)
         merge_kernel[(group * lq * d_blocks, kv_heads, batch)](
             kv_len, out, ws, *so, stride_kvl,
@@ -247,9 +266,10 @@ def _decode_attention(
     BLOCK_N: int,
     num_warps: int,
     num_stages: int,
+    FUSED_MERGE: bool = False,
 ) -> None:
     """The registered op's body: the launch, with its kernels wrapped so that tracers see them."""
-    values = (TARGET_WAVES, MIN_CHUNK, BLOCK_N, num_warps, num_stages)
+    values = (TARGET_WAVES, MIN_CHUNK, BLOCK_N, num_warps, num_stages, FUSED_MERGE)
     _launch(
         wrap_triton(_decode_split_kernel),
         wrap_triton(_decode_merge_kernel),
@@ -272,7 +292,7 @@ def _run(
     kv_len: torch.Tensor,
     out: torch.Tensor,
     softmax_scale: float,
-    values: tuple[int, ...],
+    values: tuple[Any, ...],
 ) -> None:
     # Plain eager calls run the body directly (TritonOp); tracers and dispatch modes see the op.
     _decode_op(q, k_cache, v_cache, kv_len, out, softmax_scale, *values)
@@ -288,7 +308,9 @@ def launch(
     softmax_scale: float,
 ) -> None:
     """Run ``config`` on already-checked arguments into a preallocated ``out``, as a call would."""
-    values = (config.TARGET_WAVES, config.MIN_CHUNK, config.BLOCK_N, config.num_warps, config.num_stages)
+    values = (
+        config.TARGET_WAVES, config.MIN_CHUNK, config.BLOCK_N, config.num_warps, config.num_stages, config.FUSED_MERGE,
+    )  # fmt: skip
     _run(q, k_cache, v_cache, kv_len, out, softmax_scale, values)
 
 
