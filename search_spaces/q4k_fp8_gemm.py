@@ -1,4 +1,12 @@
-"""Search space of ``q4k_fp8_gemm``: the Q4_K weight x activation GEMM, portable and fp8 paths."""
+"""Search space of ``q4k_fp8_gemm``: the Q4_K weight x activation GEMM, portable and fp8 paths.
+
+Four kernels: portable, fp8 against the exact codes, folded fp8 (``SCALE_FOLD``) and folded fp8
+with swapped operands (``SWAP_AB``: the dequantized weight as wgmma's register A operand). A field
+that leaves a path's launch unchanged is pruned as a duplicate (``SCALE_FOLD`` off the fp8 path,
+``SWAP_AB`` without ``SCALE_FOLD``), ``BLOCK_M=256`` exists for the swapped kernel only, and the
+register and shared-memory rules are fitted to what Triton 3.6 and ptxas make of each kernel for
+sm_90.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +23,14 @@ SMALL_M = 64
 #: over 51 tiles: above it, 4-warp tiles with BLOCK_K=256 spill; at or below it, none spills more
 #: than a few bytes.
 FOLD_MAX_REGISTERS = 224
+#: Registers per thread the swapped folded kernel (``SWAP_AB``) may spend on its accumulator plus
+#: three quarters of its float32 weight tile: it keeps more of that tile live, since each e4m3
+#: chunk stays in registers until its wgmma completes. Fitted to ptxas for sm_90 with Triton 3.6
+#: over 258 builds (BLOCK_M 16..256, BLOCK_N 64..256, BLOCK_K 32..256, 4 and 8 warps, 1..5
+#: stages): with 2 or more stages (all the rule admits) no tile at or below it spills.
+SWAP_MAX_REGISTERS = 176
+#: Rows per warpgroup on wgmma's M side: in the swapped kernel that side is BLOCK_N.
+WGMMA_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -24,7 +40,8 @@ class Q4KConfig:
     #: "portable": dequantize to x's dtype and bf16/fp16 ``tl.dot`` (any CUDA GPU);
     #: "fp8": e4m3 activations against exact 4-bit quants, or folded e4m3 weights (SM89+).
     path: str = choice("portable", ("portable", "fp8"))
-    BLOCK_M: int = choice(64, (16, 32, 64, 128))
+    #: 256 only with SWAP_AB, where it is wgmma's widest N (m64n256).
+    BLOCK_M: int = choice(64, (16, 32, 64, 128, 256))
     BLOCK_N: int = choice(64, (32, 64, 128, 256))
     #: K tile; a multiple of the 32-wide sub-block that divides the 256-wide super-block.
     BLOCK_K: int = choice(64, (32, 64, 128, 256))
@@ -39,6 +56,14 @@ class Q4KConfig:
     #: one dot spans the whole K tile and accumulates in place; the rounded weights cost about
     #: 2.5 dB of SQNR (28.5 dB instead of 31 on Gaussian data).
     SCALE_FOLD: bool = choice(False, (False, True))
+    #: Folded fp8 path only. True: each program computes a tile of ``out^T``,
+    #: ``acc_t[BLOCK_N, BLOCK_M] += w[BLOCK_N, BLOCK_K] @ x^T``, so the weight made in registers is
+    #: the MMA's A operand, which Hopper's wgmma reads from registers (no staging through shared
+    #: memory, no wait before each MMA: dequantization overlaps the tensor cores), and x^T (K-major,
+    #: as e4m3 wgmma needs its B operand) comes from shared memory through the pipelined loads.
+    #: BLOCK_N becomes the MMA's M side (64 rows per warpgroup) and BLOCK_M its N side, so small M
+    #: gets wgmma too. The same e4m3 weights and scales as SCALE_FOLD, so the same SQNR.
+    SWAP_AB: bool = choice(False, (False, True))
 
 
 class Q4KShape(Protocol):
@@ -57,6 +82,12 @@ class Q4KShape(Protocol):
 def smem_bytes(config: Q4KConfig) -> int:
     """Shared memory a launch is expected to need: pipelined loads plus the staged dot operand."""
     bm, bn, bk = config.BLOCK_M, config.BLOCK_N, config.BLOCK_K
+    if config.path == "fp8" and config.SCALE_FOLD and config.SWAP_AB:
+        # As Triton 3.6 lays it out for wgmma on sm_90 (never under, at most 6 KiB over on the
+        # admitted tiles compiled): x's e4m3 tile in every stage, the packed quants, codes and
+        # (d, dmin) in all but one. The weight never passes through shared memory.
+        stages = config.num_stages
+        return stages * bm * bk + (stages - 1) * (bn * bk // 2 + 2 * bn * (bk // 32) + 4 * bn)
     if config.path == "fp8" and config.SCALE_FOLD:
         # As Triton 3.6 lays it out for wgmma on sm_90 (exact or 2 KiB over on the tiles compiled;
         # mma.sync tiles below 64 rows need less): x's e4m3 tile in every stage, the packed quants
@@ -78,6 +109,10 @@ def feasibility(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> str |
     small = key.m_bucket <= SMALL_M
     if config.SCALE_FOLD and config.path != "fp8":
         return "SCALE_FOLD only changes the fp8 path (the same launch as SCALE_FOLD=False)"
+    if config.SWAP_AB and not config.SCALE_FOLD:
+        return "SWAP_AB only changes the folded fp8 path (the same launch as SWAP_AB=False)"
+    if config.BLOCK_M == 256 and not config.SWAP_AB:
+        return "BLOCK_M=256 only for the swapped kernel (SWAP_AB), where it is wgmma's N side"
     if config.SPLIT_K > 1 and not small:
         return f"SPLIT_K={config.SPLIT_K} only for M <= {SMALL_M} (m_bucket={key.m_bucket})"
     if (key.k // config.BLOCK_K) % config.SPLIT_K:
@@ -95,13 +130,31 @@ def feasibility(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> str |
         return None
     if config.num_warps * 32 * 4 > config.BLOCK_M * config.BLOCK_N:
         return f"{config.num_warps} warps for a {config.BLOCK_M}x{config.BLOCK_N} tile leave threads idle"
+    # Each warpgroup (4 warps) of the swapped kernel takes WGMMA_ROWS weight rows as wgmma's M side;
+    # with fewer, Triton falls back to mma.sync (2 warps) or two warpgroups dequantize the same
+    # rows (8 warps, BLOCK_N=64).
+    warpgroups = config.num_warps // 4
+    if config.SWAP_AB and (warpgroups == 0 or WGMMA_ROWS * warpgroups > config.BLOCK_N):
+        return (
+            f"the swapped kernel needs {WGMMA_ROWS} weight rows (BLOCK_N) per warpgroup: "
+            f"BLOCK_N={config.BLOCK_N} with {config.num_warps} warps"
+        )
+    if config.SWAP_AB and config.num_stages == 1:
+        # One buffer for x: each wgmma must finish before the next tile's load overwrites it.
+        return "the swapped kernel overlaps its wgmma with the next tile only with num_stages >= 2"
+    if config.SWAP_AB and config.BLOCK_K < 64:
+        # Triton 3.6 dequantizes a 32-wide tile in a layout of its own, then passes it through
+        # shared memory and waits for each wgmma: what swapping the operands is meant to avoid.
+        return "the swapped kernel keeps its weight tile in registers only with BLOCK_K >= 64"
     if config.path == "fp8" and config.SCALE_FOLD:
         # The float32 weight tile is dequantized next to the accumulator before its e4m3 cast.
-        regs = (config.BLOCK_M + config.BLOCK_K // 2) * config.BLOCK_N // (32 * config.num_warps)
-        if regs > FOLD_MAX_REGISTERS:
+        live_k = 3 * config.BLOCK_K // 4 if config.SWAP_AB else config.BLOCK_K // 2
+        regs = (config.BLOCK_M + live_k) * config.BLOCK_N // (32 * config.num_warps)
+        limit = SWAP_MAX_REGISTERS if config.SWAP_AB else FOLD_MAX_REGISTERS
+        if regs > limit:
             return (
                 f"the {config.BLOCK_M}x{config.BLOCK_N} accumulator and the {config.BLOCK_N}x{config.BLOCK_K} "
-                f"float32 weight tile spill ({regs} registers per thread by the estimate, > {FOLD_MAX_REGISTERS})"
+                f"float32 weight tile spill ({regs} registers per thread by the estimate, > {limit})"
             )
     need = smem_bytes(config)
     if need > limits.smem_bytes:

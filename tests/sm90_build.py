@@ -18,7 +18,8 @@ here, all the way to a cubin with its bundled ptxas; this module does that in tw
 Script use: ``python tests/sm90_build.py --records FILE`` (records as :func:`specialize` writes
 them), or ``python tests/sm90_build.py '[[BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages], ...]'``
 for the folded fp8 Q4_K kernel with what ptxas made of it (tensor-core instructions, registers,
-spill bytes, shared memory).
+spill bytes, shared memory, where wgmma's A operand comes from, asynchronous copies); a sixth
+element ``true`` builds the swapped folded kernel (``SWAP_AB``) instead.
 """
 
 from __future__ import annotations
@@ -194,16 +195,30 @@ FOLD_SIGNATURE = {
 }
 
 
+#: A wgmma's operands after its accumulator registers: ``{...}`` (A in registers) or a ``%rd``
+#: shared-memory descriptor (A in shared memory), then B's descriptor.
+_WGMMA_A = re.compile(r"wgmma\.mma_async[^{]*\{[^}]*\},\s*(\{|%rd)")
+
+
 def build_fold(
-    block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, k: int = 4096
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    num_warps: int,
+    num_stages: int,
+    swap: bool = False,
+    k: int = 4096,
 ) -> dict[str, Any]:
-    """Build the folded fp8 kernel as a launch specializes it (16-byte divisible pointers and
-    sizes, unit output stride) and report the MMA instructions, registers, spills and shared memory."""
+    """Build the folded fp8 kernel (``swap``: the swapped one) as a launch specializes it (16-byte
+    divisible pointers and sizes, unit output stride) and report the MMA instructions, registers,
+    spills, shared memory, where wgmma's A operand comes from and how many wgmma groups stay in
+    flight (``wgmma.wait_group N``: 0 waits for each), and the pipelined loads as ``cp.async``
+    (Ampere-style asynchronous copies) and ``cp.async.bulk`` (TMA) instructions."""
     from triton.backends.nvidia.compiler import get_ptxas
 
-    from tritune.kernels.q4k._triton_q4k import _q4k_gemm_fp8_fold_kernel
+    from tritune.kernels.q4k import _triton_q4k
 
-    kernel = _q4k_gemm_fp8_fold_kernel
+    kernel = _triton_q4k._q4k_gemm_fp8_fold_swap_kernel if swap else _triton_q4k._q4k_gemm_fp8_fold_kernel
     constants = {
         "stride_on": 1,
         "HAS_BIAS": False,
@@ -239,9 +254,15 @@ def build_fold(
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     registers = re.search(r"Used (\d+) registers", log)
     mma = re.findall(r"(wgmma\.mma_async\.sync\.aligned\.\w+\.f32\.\w+\.\w+|mma\.sync\.aligned\.[\w.]+)", ptx)
+    a_sources = {"{": "registers", "%rd": "shared"}
     return {
         "config": [block_m, block_n, block_k, num_warps, num_stages],
+        "swap": swap,
         "mma": sorted(set(mma)),
+        "wgmma_a": sorted({a_sources[a] for a in _WGMMA_A.findall(ptx)}),
+        "wgmma_in_flight": max(map(int, re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)), default=None),
+        "cp_async": len(re.findall(r"cp\.async\.c[ag]\.", ptx)),
+        "tma": len(re.findall(r"cp\.async\.bulk\.", ptx)),
         "registers": int(registers.group(1)) if registers else None,
         "spill_bytes": int(spills.group(1)) + int(spills.group(2)) if spills else None,
         "shared": compiled.metadata.shared,

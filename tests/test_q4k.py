@@ -164,10 +164,11 @@ class Case:
     bias: bool = False
     dtype: torch.dtype = torch.bfloat16
     fold: bool = False
+    swap: bool = False
 
     def __str__(self) -> str:
         dt = "bf16" if self.dtype == torch.bfloat16 else "fp16"
-        path = "fp8-fold" if self.fold else self.path
+        path = ("fp8-fold-swap" if self.swap else "fp8-fold") if self.fold else self.path
         return f"{path}-M{self.m}-K{self.k}-N{self.n}-split{self.split_k}-bk{self.block_k}-{dt}" + (
             "-bias" if self.bias else ""
         )
@@ -193,25 +194,36 @@ CPU_CASES = [
     Case("fp8", 64, 768, 64, block_k=128, fold=True),
     Case("fp8", 257, 256, 37, block_k=32, fold=True),
     Case("fp8", 5, 512, 33, dtype=torch.float16, bias=True, fold=True),
+    # The swapped kernel: the same cases; odd M and N leave part of both tile sides unused.
+    Case("fp8", 1, 256, 37, fold=True, swap=True),
+    Case("fp8", 3, 768, 37, bias=True, fold=True, swap=True),
+    Case("fp8", 16, 768, 37, split_k=4, fold=True, swap=True),
+    Case("fp8", 17, 768, 65, split_k=2, block_k=128, bias=True, fold=True, swap=True),
+    Case("fp8", 64, 768, 64, block_k=128, fold=True, swap=True),
+    Case("fp8", 257, 256, 37, block_k=32, fold=True, swap=True),
+    Case("fp8", 5, 512, 33, dtype=torch.float16, bias=True, fold=True, swap=True),
 ]
 
-# (path, SCALE_FOLD) of each kernel the GEMM can run.
-MODES = [("portable", False), ("fp8", False), ("fp8", True)]
-MODE_IDS = ["portable", "fp8", "fp8-fold"]
+# (path, SCALE_FOLD, SWAP_AB) of each kernel the GEMM can run.
+MODES = [("portable", False, False), ("fp8", False, False), ("fp8", True, False), ("fp8", True, True)]
+MODE_IDS = ["portable", "fp8", "fp8-fold", "fp8-fold-swap"]
 
 GPU_CASES = [
-    Case(path, m, k, n, split_k=split, block_k=bk, bias=bias, fold=fold)
-    for path, fold in MODES
+    Case(path, m, k, n, split_k=split, block_k=bk, bias=bias, fold=fold, swap=swap)
+    for path, fold, swap in MODES
     for m in (1, 3, 16, 64, 257)
     for (k, n, split, bk, bias) in ((256, 129, 1, 64, False), (768, 1001, 1, 128, True), (4096, 4095, 1, 128, False))
 ] + [
     Case("portable", 1, 4096, 4096, split_k=8, block_k=128),
     Case("fp8", 16, 4096, 4096, split_k=4, block_k=256),
     Case("fp8", 16, 4096, 4096, split_k=4, block_k=256, fold=True),
+    Case("fp8", 16, 4096, 4096, split_k=4, block_k=256, fold=True, swap=True),
     Case("fp8", 128, 4096, 4096, block_k=256, fold=True),
+    Case("fp8", 128, 4096, 4096, block_k=256, fold=True, swap=True),
     Case("portable", 9, 4096, 1000, dtype=torch.float16, bias=True),
     Case("fp8", 9, 4096, 1000, dtype=torch.float16, bias=True),
     Case("fp8", 9, 4096, 1000, dtype=torch.float16, bias=True, fold=True),
+    Case("fp8", 9, 4096, 1000, dtype=torch.float16, bias=True, fold=True, swap=True),
 ]
 
 
@@ -228,6 +240,7 @@ def _config(case: Case, device: str) -> dict[str, object]:
         "num_stages": 1 if small else 3,
         "SPLIT_K": case.split_k,
         "SCALE_FOLD": case.fold,
+        "SWAP_AB": case.swap,
     }
 
 
@@ -248,6 +261,7 @@ class _KernelSpy:
             q4k_launch._quantize_rows_fp8_kernel: "quantize",
             q4k_launch._q4k_gemm_fp8_kernel: "fp8",
             q4k_launch._q4k_gemm_fp8_fold_kernel: "fp8-fold",
+            q4k_launch._q4k_gemm_fp8_fold_swap_kernel: "fp8-fold-swap",
             q4k_launch._q4k_gemm_portable_kernel: "portable",
             q4k_launch._splitk_reduce_kernel: "reduce",
         }
@@ -259,8 +273,9 @@ class _KernelSpy:
         monkeypatch.setattr(q4k_launch, "wrap_triton", launcher)
 
     @staticmethod
-    def expected(path: str, split_k: int, fold: bool = False) -> list[str]:
-        gemm = ["quantize", "fp8-fold" if fold else "fp8"] if path == "fp8" else ["portable"]
+    def expected(path: str, split_k: int, fold: bool = False, swap: bool = False) -> list[str]:
+        fp8 = ("fp8-fold-swap" if swap else "fp8-fold") if fold else "fp8"
+        gemm = ["quantize", fp8] if path == "fp8" else ["portable"]
         return gemm + (["reduce"] if split_k > 1 else [])
 
 
@@ -276,7 +291,7 @@ def _run_case(case: Case, device: str, record_property, spy: _KernelSpy) -> None
         result = q4k_linear(x, weight, bias, out=out)
     assert result is out
     # The pinned path and split ran, not a stand-in the dispatcher chose.
-    assert spy.ran == spy.expected(case.path, case.split_k, case.fold)
+    assert spy.ran == spy.expected(case.path, case.split_k, case.fold, case.swap)
     expected = q4k_linear_reference(x, weight, bias)
     sqnr = sqnr_db(out.float(), expected)
     record_property("sqnr_db", round(sqnr, 2))
@@ -296,13 +311,13 @@ def test_gemm_matches_reference_gpu(case, record_property, kernel_spy):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("path", "fold"), MODES, ids=MODE_IDS)
+@pytest.mark.parametrize(("path", "fold", "swap"), MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("m", [1, 16, 256, 4096])
-def test_llama_shapes_gpu(path, fold, m, record_property):
+def test_llama_shapes_gpu(path, fold, swap, m, record_property):
     """The dispatcher's default (portable) and the fp8 path's default on the Llama-3-8B MLP shape."""
-    case = Case(path, m, 4096, 14336, fold=fold)
+    case = Case(path, m, 4096, 14336, fold=fold, swap=swap)
     x, weight, _ = _problem(case, "cuda")
-    config = {"path": path, "SCALE_FOLD": fold} if path == "fp8" else {}
+    config = {"path": path, "SCALE_FOLD": fold, "SWAP_AB": swap} if path == "fp8" else {}
     if config:
         with use_config("q4k_fp8_gemm", config):
             out = q4k_linear(x, weight)
@@ -317,35 +332,35 @@ def _nan_out(shape: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=x.dtype, device=x.device)
 
 
-@pytest.mark.parametrize(("path", "fold"), MODES, ids=MODE_IDS)
-def test_split_k_agrees_with_one_split(path, fold, device, kernel_spy):
+@pytest.mark.parametrize(("path", "fold", "swap"), MODES, ids=MODE_IDS)
+def test_split_k_agrees_with_one_split(path, fold, swap, device, kernel_spy):
     x, weight, bias = _problem(Case(path, 2, 1024, 40), device, seed=7)
     expected = q4k_linear_reference(x, weight, bias)
     outs = []
     for split in (1, 4):
         config = {
             "path": path, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": split,
-            "SCALE_FOLD": fold,
+            "SCALE_FOLD": fold, "SWAP_AB": swap,
         }  # fmt: skip
         kernel_spy.ran.clear()
         with use_config("q4k_fp8_gemm", config):
             out = q4k_linear(x, weight, bias, out=_nan_out((2, 40), x))
-        assert kernel_spy.ran == kernel_spy.expected(path, split, fold)
+        assert kernel_spy.ran == kernel_spy.expected(path, split, fold, swap)
         assert check_path(out.float(), expected, path) is None, f"SPLIT_K={split}"
         outs.append(out.float())
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize(("path", "fold"), MODES, ids=MODE_IDS)
+@pytest.mark.parametrize(("path", "fold", "swap"), MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("split", [1, 2], ids=["one-split", "split2"])
-def test_bias_view_is_read_through_its_stride(path, fold, split, device):
+def test_bias_view_is_read_through_its_stride(path, fold, swap, split, device):
     """``b[::2]``: every kernel that adds the bias must step over the values in between."""
     x, weight, bias = _problem(Case(path, 3, 512, 24, bias=True), device, seed=12)
     interleaved = torch.stack([bias, torch.full_like(bias, 1e3)], dim=1).reshape(-1)[::2]
     assert interleaved.stride(0) == 2 and torch.equal(interleaved, bias)
     config = {
         "path": path, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": split,
-        "SCALE_FOLD": fold,
+        "SCALE_FOLD": fold, "SWAP_AB": swap,
     }  # fmt: skip
     with use_config("q4k_fp8_gemm", config):
         out = q4k_linear(x, weight, interleaved, out=_nan_out((3, 24), x))
@@ -369,21 +384,27 @@ def _fold_emulation(x: torch.Tensor, weight: Q4KWeight) -> torch.Tensor:
     return xq @ w.t()
 
 
+@pytest.mark.parametrize("swap", [False, True], ids=["fold", "fold-swap"])
 @pytest.mark.parametrize("block_k", [64, 128])
-def test_fold_rounds_exactly_the_scaled_weights(block_k, device):
-    """Each weight reaches the tensor cores as ``e4m3(f * (d*sc*q - dmin*m))``, nothing else.
+def test_fold_rounds_exactly_the_scaled_weights(block_k, swap, device):
+    """Each weight reaches the tensor cores as ``e4m3(f * (d*sc*q - dmin*m))``, nothing else, in
+    both folded kernels (the swapped one scales its transposed accumulator: ``f`` along its rows).
 
     fp16 output, so the comparison sees errors far below the e4m3 rounding a wrong fold causes.
     """
     x, weight, bias = _problem(Case("fp8", 5, 768, 33, dtype=torch.float16, bias=True), device, seed=14)
-    config = {"path": "fp8", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": block_k, "GROUP_M": 1, "SCALE_FOLD": True}
+    config = {
+        "path": "fp8", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": block_k, "GROUP_M": 1, "SCALE_FOLD": True,
+        "SWAP_AB": swap,
+    }  # fmt: skip
     with use_config("q4k_fp8_gemm", config):
         out = q4k_linear(x, weight, bias, out=_nan_out((5, 33), x))
     expected = _fold_emulation(x.cpu(), weight.to("cpu")) + bias.float().cpu()
     torch.testing.assert_close(out.float().cpu(), expected, rtol=2e-3, atol=2e-3 * expected.abs().max().item())
 
 
-def test_fold_keeps_every_column_in_e4m3_range(device, record_property):
+@pytest.mark.parametrize("swap", [False, True], ids=["fold", "fold-swap"])
+def test_fold_keeps_every_column_in_e4m3_range(swap, device, record_property):
     """Columns 2^12 apart in magnitude, super-blocks 2^8 apart within a column: each column's power
     of two keeps its weights clear of e4m3's subnormals (unscaled, the small ones would flush)."""
     gen = torch.Generator().manual_seed(15)
@@ -394,7 +415,10 @@ def test_fold_keeps_every_column_in_e4m3_range(device, record_property):
     weight = Q4KWeight.quantize(w).to(device)
     # Every super-block contributes alike to the output.
     x = (torch.randn(m, k, generator=gen) * torch.exp2(-block_exp)).to(torch.bfloat16).to(device)
-    config = {"path": "fp8", "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "SCALE_FOLD": True}
+    config = {
+        "path": "fp8", "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "SCALE_FOLD": True,
+        "SWAP_AB": swap,
+    }  # fmt: skip
     with use_config("q4k_fp8_gemm", config):
         out = q4k_linear(x, weight, out=_nan_out((m, n), x))
     expected = q4k_linear_reference(x, weight)
@@ -405,7 +429,13 @@ def test_fold_keeps_every_column_in_e4m3_range(device, record_property):
 
 def test_fold_builds_for_sm90(tmp_path):
     """Triton's compiler, unlike the interpreter, sees the real kernel: built for sm_90 here (no GPU
-    needed), feasible tiles use e4m3 wgmma from 64 rows, spill nothing and fit the smem estimate."""
+    needed), feasible tiles use e4m3 wgmma from 64 rows, spill nothing and fit the smem estimate.
+
+    The unswapped folded kernel takes its weight tile (wgmma's A) from shared memory and waits for
+    each wgmma; the swapped one (SWAP_AB) takes it from registers and keeps wgmma groups in flight
+    while it dequantizes the next chunk, at every BLOCK_M down to 16, with x's tiles arriving by
+    cp.async.
+    """
     try:
         from triton.backends.nvidia.compiler import get_ptxas
 
@@ -414,8 +444,16 @@ def test_fold_builds_for_sm90(tmp_path):
         pytest.skip(f"Triton's CUDA backend cannot build here: {exc}")
     if not os.access(ptxas, os.X_OK):
         pytest.skip(f"Triton's ptxas is not executable here: {ptxas}")
-    # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): prefill tiles and a decode tile.
-    configs = [(128, 128, 128, 8, 3), (64, 256, 64, 8, 4), (16, 64, 256, 4, 3)]
+    # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP_AB): prefill tiles and decode tiles.
+    configs = [
+        (128, 128, 128, 8, 3, False),
+        (64, 256, 64, 8, 4, False),
+        (16, 64, 256, 4, 3, False),
+        (256, 128, 64, 8, 4, True),
+        (128, 256, 64, 8, 3, True),
+        (16, 128, 256, 8, 3, True),
+        (16, 64, 256, 4, 4, True),
+    ]
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     script = Path(__file__).with_name("sm90_build.py")
@@ -425,17 +463,26 @@ def test_fold_builds_for_sm90(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     built = [json.loads(line) for line in run.stdout.splitlines()]
     h200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
-    for (bm, bn, bk, warps, stages), result in zip(configs, built, strict=True):
+    for (bm, bn, bk, warps, stages, swap), result in zip(configs, built, strict=True):
+        assert result["swap"] is swap, result
         key = SPEC.key_for(h200, (4096 if bm >= 64 else 16, 14336, 4096, "bfloat16"))
         config = Q4KConfig(
             path="fp8", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8 if bm >= 64 else 1, num_warps=warps,
-            num_stages=stages, SCALE_FOLD=True,
+            num_stages=stages, SCALE_FOLD=True, SWAP_AB=swap,
         )  # fmt: skip
         assert SPEC.space.infeasible_reason(config, key, SPEC.limits(h200)) is None, config
         assert result["spill_bytes"] == 0, result
         assert result["shared"] <= smem_bytes(config), result
-        if bm >= 64:
+        if swap:
+            # wgmma's M side is BLOCK_N (64 rows per warpgroup, each warpgroup its own rows), its N
+            # side all of BLOCK_M: wgmma at every tile, 16 rows too.
+            assert result["mma"] == [f"wgmma.mma_async.sync.aligned.m64n{bm}k32.f32.e4m3.e4m3"], result
+            assert result["wgmma_a"] == ["registers"], result
+            assert result["wgmma_in_flight"] == bk // 32 - 1, result
+            assert result["cp_async"] > 0 and result["tma"] == 0, result
+        elif bm >= 64:
             assert [m for m in result["mma"] if m.endswith(".f32.e4m3.e4m3")], result
+            assert result["wgmma_a"] == ["shared"] and result["wgmma_in_flight"] == 0, result
 
 
 def _activations(kind: str, m: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -450,14 +497,17 @@ def _activations(kind: str, m: int, k: int, gen: torch.Generator) -> torch.Tenso
 
 
 @pytest.mark.parametrize("kind", ["gaussian", "outlier-channels", "silu-gated"])
-@pytest.mark.parametrize("fold", [False, True], ids=["fp8", "fp8-fold"])
-def test_fp8_modes_on_realistic_activations(kind, fold, device, record_property):
-    """Gaussian Q4_K weights against activations shaped like a model's: both fp8 modes hold the floor."""
+@pytest.mark.parametrize(("fold", "swap"), [(False, False), (True, False), (True, True)], ids=MODE_IDS[1:])
+def test_fp8_modes_on_realistic_activations(kind, fold, swap, device, record_property):
+    """Gaussian Q4_K weights against activations shaped like a model's: every fp8 mode holds the floor."""
     gen = torch.Generator().manual_seed(16)
     m, n, k = 16, 64, 768
     weight = Q4KWeight.quantize(torch.randn(n, k, generator=gen) * 0.02).to(device)
     x = _activations(kind, m, k, gen).to(torch.bfloat16).to(device)
-    config = {"path": "fp8", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "SCALE_FOLD": fold}
+    config = {
+        "path": "fp8", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "SCALE_FOLD": fold,
+        "SWAP_AB": swap,
+    }  # fmt: skip
     with use_config("q4k_fp8_gemm", config):
         out = q4k_linear(x, weight, out=_nan_out((m, n), x))
     expected = q4k_linear_reference(x, weight)
@@ -512,11 +562,13 @@ def test_config_outside_the_space_is_refused():
 # ---- torch.library ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("path", "fold"), MODES, ids=MODE_IDS)
-def test_opcheck(path, fold, device):
+@pytest.mark.parametrize(("path", "fold", "swap"), MODES, ids=MODE_IDS)
+def test_opcheck(path, fold, swap, device):
     x, weight, bias = _problem(Case(path, 3, 256, 16), device, seed=9)
     out = torch.empty(3, 16, dtype=torch.bfloat16, device=device)
-    config = Q4KConfig(path=path, BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_stages=1, SPLIT_K=2, SCALE_FOLD=fold)
+    config = Q4KConfig(
+        path=path, BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_stages=1, SPLIT_K=2, SCALE_FOLD=fold, SWAP_AB=swap
+    )
     torch.library.opcheck(q4k_linear_op.op, (x, *weight.tensors(), bias, out, *dataclasses.astuple(config)))
 
 
@@ -589,17 +641,63 @@ def test_space_rules():
     assert space.infeasible_reason(dataclasses.replace(wide, SCALE_FOLD=False), key, TargetLimits()) is None
 
 
+def test_swap_rules():
+    """SWAP_AB exists on the folded fp8 path only, BLOCK_M=256 with it only, and its tiles follow
+    what Triton 3.6 and ptxas make of the swapped kernel for sm_90 (tests/test_sm90_build.py)."""
+    space = SPEC.space
+    key = Q4KKey(arch="sm90", sm_count=132, dtype="bfloat16", m_bucket=4096, n=14336, k=4096)
+    limits = TargetLimits()
+    swapped = Q4KConfig(
+        path="fp8", BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, SCALE_FOLD=True, SWAP_AB=True
+    )
+    assert space.infeasible_reason(swapped, key, limits) is None
+    # The same launch as SWAP_AB=False: pruned as duplicates.
+    for path, fold in (("fp8", False), ("portable", False)):
+        duplicate = dataclasses.replace(swapped, path=path, SCALE_FOLD=fold, BLOCK_M=128)
+        assert "SWAP_AB only changes" in space.infeasible_reason(duplicate, key, limits)
+    # BLOCK_M=256 keeps the other kernels' spaces as they were.
+    unswapped = dataclasses.replace(swapped, SWAP_AB=False)
+    assert "BLOCK_M=256" in space.infeasible_reason(unswapped, key, limits)
+    assert space.infeasible_reason(dataclasses.replace(unswapped, BLOCK_M=128), key, limits) is None
+    # 64 weight rows per warpgroup: 8 warps need BLOCK_N=128, 2 warps have no warpgroup.
+    assert "per warpgroup" in space.infeasible_reason(dataclasses.replace(swapped, BLOCK_N=64), key, limits)
+    narrow = dataclasses.replace(swapped, BLOCK_M=128, BLOCK_N=64, num_warps=4)
+    assert space.infeasible_reason(narrow, key, limits) is None
+    assert "per warpgroup" in space.infeasible_reason(dataclasses.replace(narrow, num_warps=2), key, limits)
+    assert "BLOCK_K >= 64" in space.infeasible_reason(dataclasses.replace(swapped, BLOCK_K=32), key, limits)
+    assert "num_stages >= 2" in space.infeasible_reason(dataclasses.replace(swapped, num_stages=1), key, limits)
+    # A tile the unswapped folded kernel holds without spilling, the swapped one does not.
+    wide = Q4KConfig(path="fp8", BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, num_warps=4, SCALE_FOLD=True, SWAP_AB=True)
+    assert "weight tile" in space.infeasible_reason(wide, key, limits)
+    assert space.infeasible_reason(dataclasses.replace(wide, SWAP_AB=False), key, limits) is None
+    # The weight tile never passes through shared memory.
+    same_tile = dataclasses.replace(swapped, BLOCK_M=128)
+    assert smem_bytes(same_tile) < smem_bytes(dataclasses.replace(same_tile, SWAP_AB=False))
+    # The interpreter runs the swapped kernel at its small tiles, whatever wgmma would need.
+    tiny = Q4KConfig(path="fp8", BLOCK_M=16, BLOCK_N=32, num_stages=1, GROUP_M=1, SCALE_FOLD=True, SWAP_AB=True)
+    small_key = dataclasses.replace(key, m_bucket=16)
+    assert space.infeasible_reason(tiny, small_key, TargetLimits(interpreter=True)) is None
+    assert "per warpgroup" in space.infeasible_reason(tiny, small_key, limits)
+
+
 def test_tuner_can_choose_the_fold():
-    """SCALE_FOLD is one more dimension: feasible at decode and prefill sizes, never a default."""
+    """SCALE_FOLD and SWAP_AB are more dimensions: feasible at decode and prefill sizes, never a default."""
     h200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
     limits = SPEC.limits(h200)
     assert SPEC.space.dimensions["SCALE_FOLD"] == (False, True)
+    assert SPEC.space.dimensions["SWAP_AB"] == (False, True)
     for m in (1, 16, 4096):
         key = SPEC.key_for(h200, (m, 14336, 4096, "bfloat16"))
         assert not SPEC.default_config(key).SCALE_FOLD
         feasible = SPEC.space.feasible(key, limits)
         assert any(c.SCALE_FOLD and c.BLOCK_K == 256 for c in feasible), m
         assert not any(c.SCALE_FOLD and c.path == "portable" for c in feasible)
+        assert not SPEC.default_config(key).SWAP_AB
+        swapped = [c for c in feasible if c.SWAP_AB]
+        assert swapped and all(c.SCALE_FOLD and c.path == "fp8" for c in swapped), m
+        assert all(c.SWAP_AB for c in feasible if c.BLOCK_M == 256)
+    # BLOCK_M=256 (wgmma's widest N in the swapped kernel) where M fills it.
+    assert any(c.BLOCK_M == 256 for c in feasible)
 
 
 def test_pinned_and_serveable_configs():

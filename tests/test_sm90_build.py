@@ -57,6 +57,10 @@ def _at_least_64(value: int) -> bool:
     return value >= 64
 
 
+def _is_256(value: int) -> bool:
+    return value == 256
+
+
 @dataclass(frozen=True)
 class Case:
     kernel: str
@@ -82,6 +86,7 @@ DECODE_MERGED = ("_decode_split_kernel", "_decode_merge_kernel")
 VARLEN_SPLIT = ("_varlen_fwd_kernel", "_varlen_merge_kernel")
 Q4K_FP8 = ("_quantize_rows_fp8_kernel", "_q4k_gemm_fp8_kernel")
 Q4K_FOLD = ("_quantize_rows_fp8_kernel", "_q4k_gemm_fp8_fold_kernel")
+Q4K_FOLD_SWAP = ("_quantize_rows_fp8_kernel", "_q4k_gemm_fp8_fold_swap_kernel")
 
 
 def _tma_default(spec: Any, key: Any) -> Any:
@@ -196,15 +201,36 @@ CASES = [
         "q4k_fp8_gemm",
         "fp8-fold-m4096",
         key={"k": 14336, "m_bucket": 4096},
-        config={"path": "fp8", "SCALE_FOLD": True, "BLOCK_M": _at_least_64},
+        config={"path": "fp8", "SCALE_FOLD": True, "SWAP_AB": False, "BLOCK_M": _at_least_64},
         launches=Q4K_FOLD,
     ),
     Case(
         "q4k_fp8_gemm",
         "fp8-fold-splitk-m1",
         key={"k": 14336, "m_bucket": 1},
-        config={"path": "fp8", "SCALE_FOLD": True, "SPLIT_K": _more_than_one},
+        config={"path": "fp8", "SCALE_FOLD": True, "SWAP_AB": False, "SPLIT_K": _more_than_one},
         launches=(*Q4K_FOLD, "_splitk_reduce_kernel"),
+    ),
+    Case(
+        "q4k_fp8_gemm",
+        "fp8-fold-swap-m4096-bm256",
+        key={"k": 14336, "m_bucket": 4096},
+        config={"path": "fp8", "SWAP_AB": True, "BLOCK_M": _is_256},
+        launches=Q4K_FOLD_SWAP,
+    ),
+    Case(
+        "q4k_fp8_gemm",
+        "fp8-fold-swap-m256",
+        key={"k": 14336, "m_bucket": 256},
+        config={"path": "fp8", "SWAP_AB": True, "BLOCK_M": _at_least_64, "BLOCK_N": 256},
+        launches=Q4K_FOLD_SWAP,
+    ),
+    Case(
+        "q4k_fp8_gemm",
+        "fp8-fold-swap-splitk-m16",
+        key={"k": 14336, "m_bucket": 16},
+        config={"path": "fp8", "SWAP_AB": True, "SPLIT_K": _more_than_one},
+        launches=(*Q4K_FOLD_SWAP, "_splitk_reduce_kernel"),
     ),
 ]
 

@@ -20,6 +20,13 @@ The weight arrives in :class:`~tritune.kernels.q4k.weight.Q4KWeight`'s layout: n
   that no weight exceeds e4m3's 448) and rounds it to e4m3. One fp8 ``tl.dot`` then spans the
   whole K tile and accumulates in place; the row scale and the column's power of two are applied
   once after the loop. Both roundings, x's and the weight's, reach the result: about 28.5 dB.
+* The swapped folded kernel (``SWAP_AB``) makes the same e4m3 weights but computes ``out^T``
+  tiles, ``acc_t[BLOCK_N, BLOCK_M] += w @ x^T``. On Hopper the register-made weight is then
+  wgmma's A operand, read straight from registers, while x^T (K-major, as e4m3 wgmma needs its B
+  operand) arrives in shared memory through the pipelined loads: wgmma runs asynchronously while
+  the next chunk is dequantized, where the unswapped kernel stores each weight tile to shared
+  memory and waits for its wgmma. BLOCK_N is wgmma's M side (64 rows per warpgroup), so small M
+  (BLOCK_M=16 as wgmma's N) gets wgmma instead of mma.sync.
 * With ``SPLIT_K > 1`` each program covers a slice of K and writes float32 partials that
   :func:`_splitk_reduce_kernel` sums (deterministic, no atomics); small-M calls use this to
   spread one pass over the weight across the whole GPU.
@@ -319,6 +326,25 @@ def _column_fold(ss_row, k_start, K_RANGE: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _folded_weight_tile(
+    q_ptrs, sc_ptrs, mn_ptrs, d_ptrs, fold, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUND_IN_FP32: tl.constexpr
+):
+    """The ``[BLOCK_N, BLOCK_K]`` e4m3 tile ``e4m3(f * (d*sc*q - dmin*m))`` of one super-block's
+    (``d_ptrs``) K range; both folded kernels share it, so both round every weight alike."""
+    G: tl.constexpr = BLOCK_K // 32
+    # Times a power of two, d*sc, q*d*sc and dmin*m stay exact: w is f * (gguf's weight).
+    d = tl.load(d_ptrs).to(tl.float32) * fold  # [BLOCK_N]
+    dmin = tl.load(d_ptrs + 1).to(tl.float32) * fold
+    scale = d[:, None] * tl.load(sc_ptrs).to(tl.float32)  # [BLOCK_N, G]
+    offset = dmin[:, None] * tl.load(mn_ptrs).to(tl.float32)
+    q = tl.reshape(_unpack_nibbles(tl.load(q_ptrs), BLOCK_N, BLOCK_K), (BLOCK_N, G, 32)).to(tl.float32)
+    w = tl.reshape(q * scale[:, :, None] - offset[:, :, None], (BLOCK_N, BLOCK_K))
+    if ROUND_IN_FP32:
+        w = _e4m3_grid(w)
+    return w.to(tl.float8e4nv)
+
+
+@triton.jit
 def _q4k_gemm_fp8_fold_kernel(
     xq_ptr,
     row_scale_ptr,
@@ -371,17 +397,9 @@ def _q4k_gemm_fp8_fold_kernel(
     for i in range(K_TILES):
         # BLOCK_K divides 256, so the whole tile shares one super-block's (d, dmin).
         d_ptrs = ss_row + (k_start + i * BLOCK_K) // 256 * 2
-        # Times a power of two, d*sc, q*d*sc and dmin*m stay exact: w is f * (gguf's weight).
-        d = tl.load(d_ptrs).to(tl.float32) * fold  # [BLOCK_N]
-        dmin = tl.load(d_ptrs + 1).to(tl.float32) * fold
-        scale = d[:, None] * tl.load(sc_ptrs).to(tl.float32)  # [BLOCK_N, G]
-        offset = dmin[:, None] * tl.load(mn_ptrs).to(tl.float32)
-        q = tl.reshape(_unpack_nibbles(tl.load(q_ptrs), BLOCK_N, BLOCK_K), (BLOCK_N, G, 32)).to(tl.float32)
-        w = tl.reshape(q * scale[:, :, None] - offset[:, :, None], (BLOCK_N, BLOCK_K))
-        if ROUND_IN_FP32:
-            w = _e4m3_grid(w)
+        w = _folded_weight_tile(q_ptrs, sc_ptrs, mn_ptrs, d_ptrs, fold, BLOCK_N, BLOCK_K, ROUND_IN_FP32)
         x = tl.load(x_ptrs)  # [BLOCK_M, BLOCK_K] e4m3
-        acc = tl.dot(x, tl.trans(w.to(tl.float8e4nv)), acc)
+        acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         q_ptrs += BLOCK_K // 2
         sc_ptrs += G
@@ -391,6 +409,80 @@ def _q4k_gemm_fp8_fold_kernel(
     acc = acc * row_scale[:, None] * (1.0 / fold)[None, :]
     _store_tile(
         acc, out_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k,
+        stride_om, stride_on, stride_ok, stride_bn, HAS_BIAS, SPLIT_K,
+    )  # fmt: skip
+
+
+@triton.jit
+def _q4k_gemm_fp8_fold_swap_kernel(
+    xq_ptr,
+    row_scale_ptr,
+    qs_ptr,
+    sc_ptr,
+    mn_ptr,
+    ss_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_qn,
+    stride_sn,
+    stride_ssn,
+    stride_om,
+    stride_on,
+    stride_ok,
+    stride_bn,
+    HAS_BIAS: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    K_TILES: tl.constexpr,
+):
+    """Each program reduces ``K_TILES`` tiles of K (its split) into a tile of ``out^T``: folded e4m3
+    weights (wgmma's A operand, from registers) against e4m3 ``x^T`` (its B operand, from shared
+    memory)."""
+    G: tl.constexpr = BLOCK_K // 32
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
+    k_start = pid_k * (K_TILES * BLOCK_K)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    rows_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_b = tl.arange(0, BLOCK_K // 2)
+    offs_g = tl.arange(0, G)
+    ss_row = ss_ptr + rows_n * stride_ssn
+    fold = _column_fold(ss_row, k_start, K_TILES * BLOCK_K, BLOCK_N)  # [BLOCK_N]
+
+    x_ptrs = xq_ptr + rows_m[:, None] * K + (k_start + offs_k)[None, :]
+    q_ptrs = qs_ptr + rows_n[:, None] * stride_qn + (k_start // 2 + offs_b)[None, :]
+    sc_ptrs = sc_ptr + rows_n[:, None] * stride_sn + (k_start // 32 + offs_g)[None, :]
+    mn_ptrs = mn_ptr + rows_n[:, None] * stride_sn + (k_start // 32 + offs_g)[None, :]
+
+    acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for i in range(K_TILES):
+        d_ptrs = ss_row + (k_start + i * BLOCK_K) // 256 * 2
+        w = _folded_weight_tile(q_ptrs, sc_ptrs, mn_ptrs, d_ptrs, fold, BLOCK_N, BLOCK_K, ROUND_IN_FP32)
+        x = tl.load(x_ptrs)  # [BLOCK_M, BLOCK_K] e4m3
+        # x's rows run along K, so x^T is the K-major B operand e4m3 wgmma requires, with no copy.
+        acc_t = tl.dot(w, tl.trans(x), acc_t)  # [BLOCK_N, BLOCK_M]
+        x_ptrs += BLOCK_K
+        q_ptrs += BLOCK_K // 2
+        sc_ptrs += G
+        mn_ptrs += G
+
+    # The transposed scaling: a column's fold now runs along acc_t's rows, x's row scale along its columns.
+    row_scale = tl.load(row_scale_ptr + rows_m)
+    acc_t = acc_t * (1.0 / fold)[:, None] * row_scale[None, :]
+    # The transposed tile stores as the folded kernel's does: Triton folds the trans into the
+    # epilogue's layout conversion (the same IR as storing acc_t through swapped strides).
+    _store_tile(
+        tl.trans(acc_t), out_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k,
         stride_om, stride_on, stride_ok, stride_bn, HAS_BIAS, SPLIT_K,
     )  # fmt: skip
 

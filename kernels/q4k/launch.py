@@ -16,6 +16,7 @@ from tritune.search_spaces.q4k_fp8_gemm import Q4KConfig
 from .._oplib import wrap_triton
 from ._triton_q4k import (
     _q4k_gemm_fp8_fold_kernel,
+    _q4k_gemm_fp8_fold_swap_kernel,
     _q4k_gemm_fp8_kernel,
     _q4k_gemm_portable_kernel,
     _quantize_rows_fp8_kernel,
@@ -26,6 +27,7 @@ KERNELS = (
     _quantize_rows_fp8_kernel,
     _q4k_gemm_fp8_kernel,
     _q4k_gemm_fp8_fold_kernel,
+    _q4k_gemm_fp8_fold_swap_kernel,
     _q4k_gemm_portable_kernel,
     _splitk_reduce_kernel,
 )
@@ -115,7 +117,7 @@ def run_q4k_gemm(
             ROW_SUMS=row_sums,
             num_warps=4,
         )
-        # Both fp8 kernels read the weight, bias and output alike.
+        # The fp8 kernels read the weight, bias and output alike.
         rest = (
             qs,
             scales,
@@ -135,7 +137,9 @@ def run_q4k_gemm(
             stride_bn,
         )
         if config.SCALE_FOLD:
-            launcher(_q4k_gemm_fp8_fold_kernel)[grid](xq, row_scale, *rest, ROUND_IN_FP32=interpreted, **launch)
+            # The swapped kernel takes the same arguments and writes the same (untransposed) tiles.
+            fold_kernel = _q4k_gemm_fp8_fold_swap_kernel if config.SWAP_AB else _q4k_gemm_fp8_fold_kernel
+            launcher(fold_kernel)[grid](xq, row_scale, *rest, ROUND_IN_FP32=interpreted, **launch)
         else:
             launcher(_q4k_gemm_fp8_kernel)[grid](xq, row_scale, rowsum, *rest, **launch)
     else:

@@ -33,8 +33,9 @@ def _q4k_linear_op(
     num_stages: int,
     SPLIT_K: int,
     SCALE_FOLD: bool,
+    SWAP_AB: bool,
 ) -> None:
-    config = Q4KConfig(path, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT_K, SCALE_FOLD)
+    config = Q4KConfig(path, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT_K, SCALE_FOLD, SWAP_AB)
     run_q4k_gemm(config, x, qs, scales, mins, super_scales, bias, out)
 
 
