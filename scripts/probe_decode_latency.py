@@ -47,6 +47,10 @@ def _read_kernel(K, V, OUT, n_per_program, BLOCK: tl.constexpr):
     tl.store(OUT + pid, tl.sum(acc, 0))
 
 
+#: What a captured step without a tensor result hands ``capture_graph``.
+_NOTHING = torch.empty(0)
+
+
 def warm_l2_us(graph: torch.cuda.CUDAGraph, reps: int = 200) -> float:
     """Mean microseconds per replay of ``reps`` back-to-back replays (no flush: the L2 stays warm)."""
     for _ in range(10):
@@ -62,7 +66,7 @@ def warm_l2_us(graph: torch.cuda.CUDAGraph, reps: int = 200) -> float:
 
 def row(label: str, fn: Callable[[], object]) -> str:
     try:
-        graph, _ = bl.capture_graph(lambda: fn() or torch.empty(0))
+        graph, _ = bl.capture_graph(lambda: (fn(), _NOTHING)[1])
     except Exception as exc:
         return f"| {label} | cannot capture: {bl.error_text(exc, 100)} | - |"
     cold = bl.graph_replay_ms(graph) * 1e3
