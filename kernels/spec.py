@@ -184,6 +184,15 @@ class KernelSpec(ABC, Generic[C, K]):
         """
         return self.make_problem(key, device, seed)
 
+    def starting_configs(self, key: K, device: DeviceInfo) -> list[C]:
+        """Configs the tuner measures first at ``key``, after the portable default (none by default).
+
+        Where the author knows where the good tiles lie (from compiler output, or a paper), the
+        study starts there instead of hoping that a random sample of a large space lands near
+        them; they are measured and gated like any other proposal, and may lose.
+        """
+        return []
+
     @abstractmethod
     def default_keys(self, device: DeviceInfo, **options: Any) -> list[K]:
         """Keys ``tune`` sweeps when the user names none (CLI options narrow them)."""

@@ -132,3 +132,18 @@ def test_polish_makes_seeds_agree_on_the_best_config(tmp_path, seed):
         SPEC, key, CPU, torch.device("cpu"), store, environment_id(store, CPU), FakeTimer(cost), options
     ).run()
     assert result.config == {"BLOCK": 128, "BROKEN": False, "num_warps": 2}
+
+
+def test_spec_starting_configs_are_measured_first(tmp_path, monkeypatch):
+    """A spec's starting configs join the portable default at the front of the study."""
+    start = toy_kernel.ToyConfig(BLOCK=16, BROKEN=False, num_warps=1)
+    monkeypatch.setattr(SPEC, "starting_configs", lambda key, device: [start], raising=False)
+    store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    seen: list[dict] = []
+    key = SPEC.default_keys(CPU, n=[256])[0]
+    options = TuneOptions(trials=3, seed=1, batch=2, final_rounds=1)
+    KeyTuner(
+        SPEC, key, CPU, torch.device("cpu"), store, environment_id(store, CPU), FakeTimer(cost), options,
+        on_trial=lambda kernel, config, status, ms: seen.append(config),
+    ).run()  # fmt: skip
+    assert seen[:2] == [SPEC.space.to_dict(SPEC.space.default()), SPEC.space.to_dict(start)]

@@ -330,11 +330,13 @@ class KeyTuner:
         return found
 
     def _seeds(self, default: Any, feasible: list[Any], exhaustive: bool, rng: random.Random) -> list[dict[str, Any]]:
-        """Configs enqueued before the sampler proposes any: portable default and stored winner first."""
+        """Configs enqueued before the sampler proposes any: portable default, stored winner and the
+        spec's starting configs first."""
         seeds = [self.space.to_dict(default)]
         for winner in self.store.winners(gpu=self.device.slug, kernel=self.spec.name):
             if winner.key == self.key_dict and winner.kernel_version == self.spec.version:
                 seeds.append(winner.config)
+        seeds.extend(self.space.to_dict(config) for config in self.spec.starting_configs(self.key, self.device))
         if exhaustive:
             seeds.extend(self.space.to_dict(config) for config in feasible)
         else:

@@ -105,6 +105,36 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
         group_m = 8 if key.m_bucket > 128 else 1
         return Q4KConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=group_m, num_warps=8, num_stages=3)
 
+    def starting_configs(self, key: Q4KKey, device: DeviceInfo) -> list[Q4KConfig]:
+        """Swapped folded fp8 tiles that compile to register-A wgmma with dequantization overlapping
+        the MMA (sm_90 ptxas builds, ``tests/sm90_build.py``), for the tuner to measure first.
+
+        Large M: 256-column x tiles (wgmma's widest N, each weight dequantized once per 256 rows
+        of x), then 128x256. Small M: 16-row x tiles with deep K tiles, split along K toward
+        about one program per SM. Only on SM90+ (wgmma), and only those the space admits at ``key``.
+        """
+        if device.is_interpreter or not target_supports(device, (9, 0)):
+            return []
+        fold = {"path": "fp8", "SCALE_FOLD": True, "SWAP_AB": True}
+        if key.m_bucket > q4k_space.SMALL_M:
+            group_m = 8 if key.m_bucket > 256 else 1
+            starts = [
+                {**fold, "BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "num_warps": 8, "num_stages": st, "GROUP_M": group_m}
+                for m, n, k, st in ((256, 128, 64, 3), (256, 128, 128, 3), (256, 128, 64, 4), (128, 256, 64, 3))
+            ]
+        else:
+            tiles = triton.cdiv(key.n, 64)
+            starts = []
+            for split in (1, 2, 4, 8):
+                if split == 1 or tiles * split <= 2 * key.sm_count:
+                    starts.append({**fold, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4,
+                                   "num_stages": 4, "GROUP_M": 1, "SPLIT_K": split})  # fmt: skip
+            starts.append({**fold, "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "num_warps": 8, "num_stages": 4,
+                           "GROUP_M": 1})  # fmt: skip
+        limits = self.limits(device)
+        configs = [self.space.parse(values) for values in starts]
+        return [c for c in configs if self.space.infeasible_reason(c, key, limits) is None]
+
     def pinned_config(self, values: Mapping[str, Any]) -> Q4KConfig:
         """A ``use_config`` dict; fields left out take the defaults of the path it names."""
         base = Q4KConfig()
