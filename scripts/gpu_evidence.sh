@@ -24,6 +24,7 @@
 #                           one vs two workers on one shared study
 # stability          200    evidence_tuner.py stability only, 40 trials (tune's default),  <date>-stability-<gpu>.md/.json
 #                           for $STABILITY_KERNELS (default: tma_prefill varlen_sdpa)
+# pytest              90    pytest on $PYTEST_GPU_ARGS (a selection: files, -k ...)        tests/pytest.log, .xml
 # probe-decode        60    scripts/probe_decode_latency.py (where a short decode step's   <date>-probe-decode-<gpu>.md
 #                           microseconds go)
 # smoke             1800    decode + q4k + varlen steps on the CPU (Triton interpreter,   smoke-*
@@ -33,13 +34,14 @@
 # the same call, or a machine still warm from one), else build/evidence/tune-prefill.sqlite (git-ignored:
 # copy a fetched DB there and carry build/evidence). The exit status is 1 if any step failed, timed out
 # or was skipped for lack of time. DECODE_BENCH_ARGS / Q4K_BENCH_ARGS / VARLEN_BENCH_ARGS add benchmark
-# arguments.
+# arguments; DECODE_TUNE_ARGS / Q4K_TUNE_ARGS / VARLEN_TUNE_ARGS replace the tunes' trial and time
+# options, and DECODE_TUNE_CAP / Q4K_TUNE_CAP / VARLEN_TUNE_CAP their caps in seconds.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 
 declare -A DEFAULT_BUDGET=(
   [tests]=300 [tune-prefill]=300 [bench-prefill]=200 [decode]=210 [varlen]=150 [q4k]=240 [overhead]=60
-  [tuner]=200 [smoke]=1800 [prefill-defaults]=330 [stability]=200 [probe-decode]=60
+  [tuner]=200 [smoke]=1800 [prefill-defaults]=330 [stability]=200 [probe-decode]=60 [pytest]=90
 )
 if (($# == 0)); then
   echo "usage: bash scripts/gpu_evidence.sh STAGE[:SECONDS] ... (stages: ${!DEFAULT_BUDGET[*]})" >&2
@@ -231,9 +233,11 @@ run_stage() {
 
     decode)
       local db="$work/decode-tune.sqlite" dbargs extra name="$today-splitk_decode-$(gpu_slug)"
-      tune_and_export "$db" splitk_decode 100 python -c "$TUNE_PY" --device 0 --kernel splitk_decode \
-        --head-dim 128 --batch 1 --batch 8 --batch 32 --batch 64 --lkv 4096 --lkv 32768 --lkv 131072 \
-        --trials 12 --time-budget 7 --db "$db"
+      local tune_extra
+      read -r -a tune_extra <<<"${DECODE_TUNE_ARGS:---trials 12 --time-budget 7}"
+      tune_and_export "$db" splitk_decode "${DECODE_TUNE_CAP:-100}" python -c "$TUNE_PY" --device 0 \
+        --kernel splitk_decode --head-dim 128 --batch 1 --batch 8 --batch 32 --batch 64 --lkv 4096 --lkv 32768 \
+        --lkv 131072 "${tune_extra[@]}" --db "$db"
       read -r -a dbargs <<<"$(db_args "$db")"
       read -r -a extra <<<"${DECODE_BENCH_ARGS:-}"
       step bench 600 python scripts/bench_decode.py ${dbargs[@]+"${dbargs[@]}"} --out "$out/$name.md" \
@@ -242,8 +246,10 @@ run_stage() {
 
     varlen)
       local db="$work/varlen-tune.sqlite" dbargs extra name="$today-varlen_sdpa-$(gpu_slug)"
-      tune_and_export "$db" varlen_sdpa 85 python -c "$TUNE_PY" --device 0 --kernel varlen_sdpa \
-        --head-dim 128 --trials 16 --time-budget 14 --db "$db"
+      local tune_extra
+      read -r -a tune_extra <<<"${VARLEN_TUNE_ARGS:---trials 16 --time-budget 14}"
+      tune_and_export "$db" varlen_sdpa "${VARLEN_TUNE_CAP:-85}" python -c "$TUNE_PY" --device 0 \
+        --kernel varlen_sdpa --head-dim 128 "${tune_extra[@]}" --db "$db"
       read -r -a dbargs <<<"$(db_args "$db")"
       read -r -a extra <<<"${VARLEN_BENCH_ARGS:-}"
       step bench 600 python scripts/bench_varlen.py ${dbargs[@]+"${dbargs[@]}"} --out "$out/$name.md" \
@@ -252,8 +258,10 @@ run_stage() {
 
     q4k)
       local db="$work/q4k-tune.sqlite" dbargs extra name="$today-q4k_fp8_gemm-$(gpu_slug)"
-      tune_and_export "$db" q4k_fp8_gemm 140 python -c "$TUNE_PY" --device 0 --kernel q4k_fp8_gemm \
-        --m 1 --m 16 --m 4096 --trials 16 --time-budget 10 --db "$db"
+      local tune_extra
+      read -r -a tune_extra <<<"${Q4K_TUNE_ARGS:---trials 16 --time-budget 10}"
+      tune_and_export "$db" q4k_fp8_gemm "${Q4K_TUNE_CAP:-140}" python -c "$TUNE_PY" --device 0 \
+        --kernel q4k_fp8_gemm --m 1 --m 16 --m 4096 "${tune_extra[@]}" --db "$db"
       read -r -a dbargs <<<"$(db_args "$db")"
       read -r -a extra <<<"${Q4K_BENCH_ARGS:---m 1 --m 16 --m 64 --m 4096}"
       step bench 600 python scripts/bench_q4k.py ${dbargs[@]+"${dbargs[@]}"} --out "$out/$name.md" \
@@ -278,6 +286,15 @@ run_stage() {
       step stability 600 python scripts/evidence_tuner.py --budget $((budget - 15)) --stability-cap $((budget - 25)) \
         --trials 40 "${kernels[@]}" --out "$out/$today-stability-$(gpu_slug).md" \
         --json "$out/$today-stability-$(gpu_slug).json" stability
+      ;;
+
+    pytest)
+      local selection
+      mkdir -p "$out/tests"
+      read -r -a selection <<<"${PYTEST_GPU_ARGS:?pytest stage: set PYTEST_GPU_ARGS to a selection}"
+      step pytest $((budget - 10)) python -m pytest -q -p no:cacheprovider --junitxml="$out/tests/pytest.xml" \
+        "${selection[@]}" >"$out/tests/pytest.log" 2>&1
+      tail -n 15 "$out/tests/pytest.log" | tee -a "$log"
       ;;
 
     probe-decode)
