@@ -10,11 +10,33 @@ imported on first use, so a decode-only process never loads it.
 
 from __future__ import annotations
 
+import importlib
+import sys
+from collections.abc import Callable
+
 import torch
 
-from .decode.op import MAX_QUERY_TOKENS, decode_attention_named, serves_layout
+from .decode.op import MAX_QUERY_TOKENS, decode_attention_named
 
 __all__ = ["attention"]
+
+_PREFILL_MODULE = "tritune.kernels.prefill.op"
+
+
+def _serves_layout(t: object) -> bool:
+    """Decode's ``serves_layout`` of one argument (a 0-dim tensor's strides are empty)."""
+    if not isinstance(t, torch.Tensor):
+        return True
+    strides = t.stride()
+    return not strides or strides[-1] == 1
+
+
+def _prefill_attention() -> Callable[..., torch.Tensor]:
+    """Prefill, imported on first use; later calls skip the import statement (about a microsecond)."""
+    module = sys.modules.get(_PREFILL_MODULE)
+    if module is None:
+        module = importlib.import_module(_PREFILL_MODULE)
+    return module.prefill_attention  # type: ignore[no-any-return]
 
 
 def attention(
@@ -34,17 +56,19 @@ def attention(
     # Checked here: a decode step is recognised by causal, and decode_attention takes no flag to check.
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    decode_step = (
-        causal
-        and isinstance(q, torch.Tensor)
-        and isinstance(kv_len, torch.Tensor)
-        and q.dim() == 4
-        and 1 <= q.shape[2] <= MAX_QUERY_TOKENS
-        and kv_len.dim() == 1
-        and serves_layout(q, k, v, out)
-    )
+    decode_step = False
+    if causal and isinstance(q, torch.Tensor) and isinstance(kv_len, torch.Tensor):
+        shape = q.shape
+        # serves_layout(q, k, v, out) without its generator, which costs a microsecond per call.
+        decode_step = (
+            len(shape) == 4
+            and 1 <= shape[2] <= MAX_QUERY_TOKENS
+            and kv_len.dim() == 1
+            and q.stride()[3] == 1
+            and _serves_layout(k)
+            and _serves_layout(v)
+            and (out is None or _serves_layout(out))
+        )
     if decode_step:
         return decode_attention_named(q, k, v, kv_len, softmax_scale, out, ("k", "v"))
-    from .prefill.op import prefill_attention
-
-    return prefill_attention(q, k, v, causal=causal, kv_len=kv_len, softmax_scale=softmax_scale, out=out)
+    return _prefill_attention()(q, k, v, causal=causal, kv_len=kv_len, softmax_scale=softmax_scale, out=out)

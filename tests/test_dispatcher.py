@@ -191,3 +191,67 @@ def test_served_config_computes_the_right_thing():
 def test_winner_of_another_gpu_in_the_db_is_not_served():
     _store(_winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5, gpu="nvidia-h200-sm90-132sm"))
     assert _served(100)["BLOCK"] == 32
+
+
+# ---- the memo (the steady-state hit) and dispatch_eager, its eager entry -----------------------
+
+
+def _served_eager(n: int) -> dict:
+    spec = toy_kernel.SPEC
+    values = dispatcher.dispatch_eager("toy_scale", torch.device("cpu"), tuple(spec.facts(torch.randn(n))))
+    return spec.space.to_dict(spec.space.config_type(*values))
+
+
+def test_dispatch_eager_serves_from_the_memo_that_dispatch_fills():
+    _store(_winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5))
+    assert _served_eager(100)["BLOCK"] == 64
+    facts = tuple(toy_kernel.SPEC.facts(torch.randn(100)))
+    assert DISPATCHER._memo[("toy_scale", "cpu", -1, facts)] == (64, False, 2)
+    # A memo entry is what both entries serve: plant one and both return it.
+    DISPATCHER._memo[("toy_scale", "cpu", -1, facts)] = (16, False, 1)
+    assert _served_eager(100)["BLOCK"] == 16
+    assert _served(100)["BLOCK"] == 16
+
+
+def test_pinned_config_overrides_a_memoised_choice():
+    _store(_winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5))
+    assert _served_eager(100)["BLOCK"] == 64
+    with use_config("toy_scale", {"BLOCK": 16}):
+        assert _served_eager(100)["BLOCK"] == 16
+        assert _served(100)["BLOCK"] == 16
+    assert _served_eager(100)["BLOCK"] == 64
+
+
+def test_reload_configs_drops_memoised_choices():
+    assert _served_eager(100)["BLOCK"] == 32
+    _store(_winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5))
+    # The memo (and the loaded table) still serve what was resolved before the winner was stored.
+    assert _served_eager(100)["BLOCK"] == 32
+    dispatcher.reload_configs()
+    assert _served_eager(100)["BLOCK"] == 64
+
+
+@pytest.mark.parametrize("change", [{"margin": 0.6}, {"disable_tuned": True}], ids=["margin", "disable-tuned"])
+def test_settings_changes_drop_memoised_choices(change):
+    _store(_winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5))
+    assert _served_eager(100)["BLOCK"] == 64
+    with settings.override(**change):
+        assert _served_eager(100)["BLOCK"] == 32
+    assert _served_eager(100)["BLOCK"] == 64
+
+
+def test_resolution_started_before_a_clear_is_not_memoised():
+    facts = tuple(toy_kernel.SPEC.facts(torch.randn(100)))
+    generation = DISPATCHER.generation
+    DISPATCHER.clear()
+    DISPATCHER.memo_put(("toy_scale", "cpu", -1, facts), (16, False, 1), generation)
+    assert ("toy_scale", "cpu", -1, facts) not in DISPATCHER._memo
+    assert _served_eager(100)["BLOCK"] == 32
+
+
+def test_memo_is_bounded(monkeypatch):
+    monkeypatch.setattr(dispatcher, "MEMO_LIMIT", 3)
+    for n in (1, 2, 3, 4, 5):
+        _served_eager(n)
+    assert 0 < len(DISPATCHER._memo) <= 3
+    assert _served_eager(5)["BLOCK"] == 32

@@ -49,8 +49,9 @@ from .._launch import (
     workspace,
 )
 from .._oplib import register_op, wrap_triton
-from ..dispatcher import dispatch
+from ..dispatcher import dispatch, dispatch_eager
 from ._triton_decode import _decode_merge_kernel, _decode_split_kernel
+from .eager import eager_facts
 
 __all__ = [
     "DTYPE_NAMES",
@@ -347,14 +348,21 @@ def decode_attention_named(
     kv_names: Sequence[str],
 ) -> torch.Tensor:
     """:func:`decode_attention`, with errors that call the caches ``kv_names`` (for wrappers such as ``attention``)."""
-    facts = check_inputs(q, k_cache, v_cache, kv_len, out, softmax_scale, kv_names=kv_names)
+    # One pass over the tensors in plain eager mode; anything else gets the detailed checks.
+    facts = eager_facts(q, k_cache, v_cache, kv_len, out, softmax_scale, MAX_QUERY_TOKENS)
+    eager = facts is not None
+    if facts is None:
+        # A plain tuple: dynamo hands a NamedTuple to assume_constant_result functions empty (torch 2.13).
+        facts = tuple(check_inputs(q, k_cache, v_cache, kv_len, out, softmax_scale, kv_names=kv_names))
     device = q.device
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=device)
     if q.numel() == 0:
         return out
-    # A plain tuple: dynamo hands a NamedTuple to assume_constant_result functions empty (torch 2.13).
-    values = dispatch(KERNEL, device.type, device_index(device), tuple(facts))
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(facts.head_dim)
+    if eager:
+        values = dispatch_eager(KERNEL, device, facts)
+    else:
+        values = dispatch(KERNEL, device.type, device_index(device), facts)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(facts[1])
     _run(q, k_cache, v_cache, kv_len, out, scale, values)
     return out

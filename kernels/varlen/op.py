@@ -42,8 +42,9 @@ from .._launch import (
     workspace,
 )
 from .._oplib import register_op, wrap_triton
-from ..dispatcher import dispatch
+from ..dispatcher import dispatch, dispatch_eager
 from ._triton_varlen import _varlen_fwd_kernel, _varlen_merge_kernel
+from .eager import eager_facts
 
 __all__ = ["DTYPE_NAMES", "DYNAMIC", "VarlenFacts", "check_inputs", "launch", "validate_seq_info", "varlen_attention"]
 
@@ -420,16 +421,26 @@ def varlen_attention(
     not given), ``[T, Hq, D]`` in q's dtype. Lengths are read on the device only; check a table
     with :func:`validate_seq_info` when debugging (out-of-range entries are clamped, not reported).
     """
-    facts = check_inputs(
-        q, k_store, v_store, seq_info, causal=causal, window=window, ring=ring, softmax_scale=softmax_scale, out=out
-    )
+    # One pass over the tensors in plain eager mode; anything else gets the detailed checks.
+    facts = eager_facts(q, k_store, v_store, seq_info, causal, window, ring, softmax_scale, out)
+    eager = facts is not None
+    if facts is None:
+        # A plain tuple: dynamo hands a NamedTuple to assume_constant_result functions empty (torch 2.13).
+        checked = check_inputs(
+            q, k_store, v_store, seq_info, causal=causal, window=window, ring=ring, softmax_scale=softmax_scale, out=out
+        )
+        facts = tuple(checked)
     device = q.device
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=device)
-    if has_static_value(q.shape[0]) and q.shape[0] == 0:
-        return out
-    # A plain tuple: dynamo hands a NamedTuple to assume_constant_result functions empty (torch 2.13).
-    values = dispatch(KERNEL, device.type, device_index(device), tuple(facts))
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(facts.head_dim)
+    if eager:
+        if facts[4] == 0:
+            return out
+        values = dispatch_eager(KERNEL, device, facts)
+    else:
+        if has_static_value(q.shape[0]) and q.shape[0] == 0:
+            return out
+        values = dispatch(KERNEL, device.type, device_index(device), facts)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(facts[1])
     _run(q, k_store, v_store, seq_info, out, causal, window or 0, ring, scale, values)
     return out

@@ -1,0 +1,305 @@
+"""The one-pass checks of plain eager calls give the detailed checks' facts, and defer everything else.
+
+Every public entry point reduces a plain eager call to its facts in one pass over the tensors'
+attributes (the per-call host cost issue 2 bounds), and hands anything unusual to the detailed
+checks, which explain errors (``test_fuzz_inputs.py`` throws bad arguments at the public functions).
+Here: for valid calls of many layouts, the fast path must be the one taken and its facts must be
+exactly what the detailed path computes, since the facts key the dispatcher's memo; and calls the
+fast path does not take (an int scale, a tensor subclass) must still be served, by the detailed path.
+The launch is stubbed out: only the host work before it is under test.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tritune.kernels import (
+    Q4KWeight,
+    attention,
+    decode_attention,
+    dispatcher,
+    prefill_attention,
+    q4k_linear,
+    varlen_attention,
+)
+from tritune.kernels._oplib import TritonOp
+from tritune.kernels.decode import op as decode_op
+from tritune.kernels.prefill import op as prefill_op
+from tritune.kernels.prefill.spec import SPEC as PREFILL
+from tritune.kernels.q4k import op as q4k_op
+from tritune.kernels.q4k.spec import SPEC as Q4K
+from tritune.kernels.varlen import op as varlen_op
+
+BF, FP = torch.bfloat16, torch.float16
+
+
+class Subclass(torch.Tensor):
+    """A tensor subclass: the fast paths leave it to the detailed checks."""
+
+
+@pytest.fixture
+def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, tuple[Any, ...]]]]:
+    """Records ``(route, facts)`` of each dispatch of the four ops; nothing launches."""
+    seen: list[tuple[str, tuple[Any, ...]]] = []
+
+    def eager(kernel: str, device: torch.device, facts: tuple[Any, ...]) -> tuple[Any, ...]:
+        seen.append(("eager", facts))
+        return dispatcher.dispatch_eager(kernel, device, facts)
+
+    def detailed(kernel: str, device_type: str, device_index: int, facts: tuple[Any, ...]) -> tuple[Any, ...]:
+        seen.append(("detailed", facts))
+        return dispatcher.dispatch(kernel, device_type, device_index, facts)
+
+    for module in (prefill_op, decode_op, varlen_op, q4k_op):
+        monkeypatch.setattr(module, "dispatch_eager", eager)
+        monkeypatch.setattr(module, "dispatch", detailed)
+    monkeypatch.setattr(TritonOp, "__call__", lambda self, *args: None)
+    yield seen
+
+
+def bf(*shape: int, dtype: torch.dtype = BF) -> torch.Tensor:
+    return torch.randn(shape).to(dtype)
+
+
+def strided(shape: tuple[int, ...], pad: int, dtype: torch.dtype = BF) -> torch.Tensor:
+    """A view of ``shape`` whose last dimension is padded by ``pad`` elements in its buffer."""
+    return bf(*shape[:-1], shape[-1] + pad, dtype=dtype)[..., : shape[-1]]
+
+
+def misaligned(shape: tuple[int, ...], dtype: torch.dtype = BF) -> torch.Tensor:
+    """A contiguous view whose base is one element (2 bytes) past a 16-byte boundary."""
+    return bf(math.prod(shape) + 1, dtype=dtype)[1:].view(shape)
+
+
+def only_call(served: list[tuple[str, tuple[Any, ...]]], route: str) -> tuple[Any, ...]:
+    assert [r for r, _ in served] == [route], served
+    return served.pop()[1]
+
+
+# ---- prefill ---------------------------------------------------------------------------------
+
+
+def _prefill_cases() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
+    q, kv = (1, 4, 9, 64), (1, 2, 33, 64)
+    return [
+        ("contiguous", lambda: dict(q=bf(*q), k=bf(*kv), v=bf(*kv))),
+        (
+            "fp16-d80-mha",
+            lambda: dict(q=bf(2, 3, 5, 80, dtype=FP), k=bf(2, 3, 7, 80, dtype=FP), v=bf(2, 3, 7, 80, dtype=FP)),
+        ),
+        ("kv_len-scalar", lambda: dict(q=bf(*q), k=bf(*kv), v=bf(*kv), kv_len=torch.tensor(20, dtype=torch.int32))),
+        ("kv_len-batch", lambda: dict(q=bf(*q), k=bf(*kv), v=bf(*kv), kv_len=torch.tensor([20], dtype=torch.int32))),
+        ("not-causal-scaled", lambda: dict(q=bf(*q), k=bf(*kv), v=bf(*kv), causal=False, softmax_scale=0.3)),
+        ("out-given", lambda: dict(q=bf(*q), k=bf(*kv), v=bf(*kv), out=torch.empty(q, dtype=BF))),
+        ("bshd-transposed", lambda: dict(q=bf(1, 9, 4, 64).transpose(1, 2), k=bf(*kv), v=bf(*kv))),
+        ("inner-stride-2", lambda: dict(q=bf(1, 4, 9, 128)[..., ::2], k=bf(*kv), v=bf(*kv))),
+        ("outer-stride-not-16-bytes", lambda: dict(q=strided(q, 4), k=bf(*kv), v=bf(*kv))),
+        ("k-misaligned", lambda: dict(q=bf(*q), k=misaligned(kv), v=bf(*kv))),
+        ("out-misaligned", lambda: dict(q=bf(*q), k=bf(*kv), v=bf(*kv), out=misaligned(q))),
+        ("out-strided", lambda: dict(q=bf(*q), k=bf(*kv), v=bf(*kv), out=strided(q, 4))),
+        ("empty-kv", lambda: dict(q=bf(*q), k=bf(1, 2, 0, 64), v=bf(1, 2, 0, 64))),
+    ]
+
+
+@pytest.mark.parametrize("make", [m for _, m in _prefill_cases()], ids=[i for i, _ in _prefill_cases()])
+def test_prefill_eager_facts_are_the_detailed_facts(served, make):
+    call = make()
+    q, k, v = call.pop("q"), call.pop("k"), call.pop("v")
+    out = prefill_attention(q, k, v, **call)
+    facts = only_call(served, "eager")
+    call["out"] = out
+    assert facts == tuple(PREFILL.facts(q, k, v, **call))
+    # The same facts from routing, which sends every one of these calls (Lq > 8) to prefill.
+    attention(q, k, v, **call)
+    assert only_call(served, "eager") == facts
+
+
+@pytest.mark.parametrize(
+    "unusual",
+    [{"softmax_scale": 1}, {"q": "subclass"}],
+    ids=["int-scale", "tensor-subclass"],
+)
+def test_prefill_unusual_calls_take_the_detailed_path(served, unusual):
+    q, k, v = bf(1, 4, 9, 64), bf(1, 2, 33, 64), bf(1, 2, 33, 64)
+    scale = unusual.get("softmax_scale")
+    if unusual.get("q") == "subclass":
+        q = q.as_subclass(Subclass)
+    out = prefill_attention(q, k, v, softmax_scale=scale, out=torch.empty(q.shape, dtype=BF))
+    facts = only_call(served, "detailed")
+    assert facts == tuple(PREFILL.facts(q, k, v, softmax_scale=scale, out=out))
+
+
+# ---- decode ----------------------------------------------------------------------------------
+
+
+def _decode_cases() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
+    lengths = torch.tensor([5, 17], dtype=torch.int32)
+    return [
+        ("contiguous", lambda: dict(q=bf(2, 4, 1, 64), k=bf(2, 2, 24, 64), v=bf(2, 2, 24, 64), kv_len=lengths)),
+        (
+            "fp16-d128-lq8",
+            lambda: dict(
+                q=bf(2, 2, 8, 128, dtype=FP), k=bf(2, 1, 9, 128, dtype=FP), v=bf(2, 1, 9, 128, dtype=FP), kv_len=lengths
+            ),
+        ),
+        (
+            "strided-caches",
+            lambda: dict(
+                q=bf(2, 4, 2, 64),
+                k=strided((2, 2, 24, 64), 64),
+                v=strided((2, 2, 24, 64), 8),
+                kv_len=lengths,
+                softmax_scale=0.2,
+            ),
+        ),
+        (
+            "out-given",
+            lambda: dict(
+                q=bf(2, 4, 1, 64),
+                k=bf(2, 2, 24, 64),
+                v=bf(2, 2, 24, 64),
+                kv_len=lengths,
+                out=torch.empty(2, 4, 1, 64, dtype=BF),
+            ),
+        ),
+        (
+            "kv_len-view",
+            lambda: dict(
+                q=bf(2, 4, 1, 64),
+                k=bf(2, 2, 24, 64),
+                v=bf(2, 2, 24, 64),
+                kv_len=torch.tensor([5, 0, 17, 0], dtype=torch.int32)[::2],
+            ),
+        ),
+    ]
+
+
+@pytest.mark.parametrize("make", [m for _, m in _decode_cases()], ids=[i for i, _ in _decode_cases()])
+def test_decode_eager_facts_are_the_detailed_facts(served, make):
+    call = make()
+    q, k, v, kv_len = call.pop("q"), call.pop("k"), call.pop("v"), call.pop("kv_len")
+    out = decode_attention(q, k, v, kv_len, **call)
+    facts = only_call(served, "eager")
+    assert facts == tuple(decode_op.check_inputs(q, k, v, kv_len, out, call.get("softmax_scale")))
+    attention(q, k, v, kv_len=kv_len, **call)
+    assert only_call(served, "eager") == facts
+
+
+def test_decode_unusual_calls_take_the_detailed_path(served):
+    q, k, v = bf(2, 4, 1, 64), bf(2, 2, 24, 64), bf(2, 2, 24, 64)
+    kv_len = torch.tensor([5, 17], dtype=torch.int32)
+    decode_attention(q, k, v, kv_len, softmax_scale=1)
+    assert only_call(served, "detailed") == tuple(decode_op.check_inputs(q, k, v, kv_len))
+    decode_attention(q.as_subclass(Subclass), k, v, kv_len)
+    assert only_call(served, "detailed") == tuple(decode_op.check_inputs(q, k, v, kv_len))
+
+
+# ---- varlen ----------------------------------------------------------------------------------
+
+
+def _varlen_cases() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
+    info = torch.tensor([[0, 3, 0, 10], [3, 1, 1, 7], [4, 0, 2, 0]], dtype=torch.int32)
+    return [
+        ("contiguous", lambda: dict(q=bf(6, 4, 64), k=bf(16, 3, 2, 64), v=bf(16, 3, 2, 64), seq_info=info)),
+        (
+            "fp16-window-ring",
+            lambda: dict(
+                q=bf(6, 2, 128, dtype=FP),
+                k=bf(8, 3, 2, 128, dtype=FP),
+                v=bf(8, 3, 2, 128, dtype=FP),
+                seq_info=info,
+                window=4,
+                ring=True,
+            ),
+        ),
+        (
+            "not-causal-strided",
+            lambda: dict(
+                q=strided((6, 4, 64), 64),
+                k=strided((16, 3, 2, 64), 8),
+                v=bf(16, 3, 2, 64),
+                seq_info=info,
+                causal=False,
+                softmax_scale=0.1,
+            ),
+        ),
+        (
+            "out-given",
+            lambda: dict(
+                q=bf(6, 4, 64),
+                k=bf(16, 3, 2, 64),
+                v=bf(16, 3, 2, 64),
+                seq_info=info,
+                out=torch.empty(6, 4, 64, dtype=BF),
+            ),
+        ),
+    ]
+
+
+@pytest.mark.parametrize("make", [m for _, m in _varlen_cases()], ids=[i for i, _ in _varlen_cases()])
+def test_varlen_eager_facts_are_the_detailed_facts(served, make):
+    call = make()
+    q, k, v, info = call.pop("q"), call.pop("k"), call.pop("v"), call.pop("seq_info")
+    out = varlen_attention(q, k, v, info, **call)
+    facts = only_call(served, "eager")
+    assert facts == tuple(varlen_op.check_inputs(q, k, v, info, **{**call, "out": out}))
+
+
+def test_varlen_unusual_calls_take_the_detailed_path(served):
+    q, k, v = bf(6, 4, 64), bf(16, 3, 2, 64), bf(16, 3, 2, 64)
+    info = torch.tensor([[0, 3, 0, 10]], dtype=torch.int32)
+    varlen_attention(q, k, v, info, softmax_scale=1)
+    assert only_call(served, "detailed") == tuple(varlen_op.check_inputs(q, k, v, info))
+    varlen_attention(q, k, v, info.as_subclass(Subclass))
+    assert only_call(served, "detailed") == tuple(varlen_op.check_inputs(q, k, v, info))
+
+
+def test_varlen_zero_tokens_return_before_dispatch(served):
+    out = varlen_attention(bf(0, 4, 64), bf(16, 3, 2, 64), bf(16, 3, 2, 64), torch.zeros(1, 4, dtype=torch.int32))
+    assert out.shape == (0, 4, 64) and served == []
+
+
+# ---- q4k -------------------------------------------------------------------------------------
+
+
+def _weight(n: int = 32, k: int = 512) -> Q4KWeight:
+    u8 = dict(dtype=torch.uint8)
+    return Q4KWeight(
+        torch.zeros(n, k // 2, **u8),
+        torch.zeros(n, k // 32, **u8),
+        torch.zeros(n, k // 32, **u8),
+        torch.zeros(n, k // 256, 2, dtype=torch.float16),
+    )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda w: dict(x=bf(3, 512)),
+        lambda w: dict(x=bf(2, 3, 512, dtype=FP), bias=torch.zeros(32)),
+        lambda w: dict(x=bf(512)),
+        lambda w: dict(x=bf(5, 512), out=torch.empty(5, 32, dtype=BF)),
+        lambda w: dict(x=strided((5, 512), 8)),
+        lambda w: dict(x=bf(512, 4).t()),
+    ],
+    ids=["2d", "3d-fp16-bias", "1d", "out-given", "row-stride", "inner-stride"],
+)
+def test_q4k_eager_facts_are_the_detailed_facts(served, make):
+    weight = _weight()
+    call = make(weight)
+    x = call.pop("x")
+    out = q4k_linear(x, weight, **call)
+    assert out.shape == (*x.shape[:-1], 32)
+    facts = only_call(served, "eager")
+    assert facts == tuple(Q4K.facts(x.reshape(-1, 512), weight, call.get("bias")))
+
+
+def test_q4k_tensor_subclass_takes_the_detailed_path(served):
+    weight, x = _weight(), bf(3, 512)
+    q4k_linear(x.as_subclass(Subclass), weight)
+    assert only_call(served, "detailed") == tuple(Q4K.facts(x, weight))
