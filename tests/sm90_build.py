@@ -13,7 +13,8 @@ here, all the way to a cubin with its bundled ptxas; this module does that in tw
 - in a process without ``TRITON_INTERPRET`` (the kernels must be ``JITFunction`` objects), this
   file as a script compiles each recorded launch with ``triton.compile`` for
   ``GPUTarget("cuda", 90, 32)`` and prints one JSON line per launch: the compiler's message if it
-  failed.
+  failed, else its shared memory and the PTX's atomics and L2-only (``.cg``) loads, what a kernel
+  whose programs hand data to each other within a launch depends on.
 
 Script use: ``python tests/sm90_build.py --records FILE`` (records as :func:`specialize` writes
 them), or ``python tests/sm90_build.py '[[BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages], ...]'``
@@ -160,7 +161,14 @@ def _build_one(record: dict[str, Any]) -> dict[str, Any]:
         compiled = compile_record(record)
     except Exception as exc:
         return {"id": record.get("id"), "error": f"{type(exc).__name__}: {exc}"}
-    return {"id": record.get("id"), "error": None, "shared": compiled.metadata.shared}
+    ptx = compiled.asm["ptx"]
+    return {
+        "id": record.get("id"),
+        "error": None,
+        "shared": compiled.metadata.shared,
+        "atomics": sorted(set(re.findall(r"\batom(?:\.\w+)+", ptx))),
+        "cg_loads": len(re.findall(r"\bld\.global\.cg\b", ptx)),
+    }
 
 
 def build_records(records: list[dict[str, Any]], workers: int) -> Iterator[dict[str, Any]]:

@@ -94,6 +94,11 @@ def _tma_default(spec: Any, key: Any) -> Any:
     return spec.tma_default(key)
 
 
+def _fused_default(spec: Any, key: Any) -> Any:
+    """The decode spec's portable default with the merge fused into the split launch."""
+    return dataclasses.replace(spec.default_config(key), FUSED_MERGE=True)
+
+
 CASES = [
     # tma_prefill: the default keys are bf16, causal, GQA 8, head dims 64/128, Lq 512.., Lkv 16K..
     Case("tma_prefill", "portable-default-d64", key={"head_dim": 64}),
@@ -141,6 +146,31 @@ CASES = [
     Case("splitk_decode", "default-d256-fp16", key={"lkv_bucket": 32768}, replace={"head_dim": 256, "dtype": "fp16"}),
     Case("splitk_decode", "sampled-d128", key={"head_dim": 128, "bh_bucket": 32, "lkv_bucket": 16384}, config={}),
     Case("splitk_decode", "sampled-d64-lq8", key={"head_dim": 64, "bh_bucket": 8}, replace={"lq": 8}, config={}),
+    # The merge fused into the split launch: B=1 at 4K (the launch-bound key it is for), head dim 256
+    # in fp16, and two row blocks per KV head (GQA 16 x 8 new tokens), so two counters each.
+    Case(
+        "splitk_decode",
+        "fused-default-d128",
+        key={"head_dim": 128, "bh_bucket": 8, "lkv_bucket": 4096},
+        config=_fused_default,
+        launches=("_decode_split_kernel",),
+    ),
+    Case(
+        "splitk_decode",
+        "fused-default-d256-fp16",
+        key={"lkv_bucket": 32768},
+        replace={"head_dim": 256, "dtype": "fp16"},
+        config=_fused_default,
+        launches=("_decode_split_kernel",),
+    ),
+    Case(
+        "splitk_decode",
+        "fused-sampled-d64-row-blocks",
+        key={"head_dim": 64, "bh_bucket": 8, "lkv_bucket": 16384},
+        replace={"gqa_group": 16, "lq": 8},
+        config={"FUSED_MERGE": True},
+        launches=("_decode_split_kernel",),
+    ),
     # varlen_sdpa: the default keys are bf16, causal, GQA 4, 32K-row stores, decode and prefill mixes.
     Case("varlen_sdpa", "default-d128-decode-split", key={"head_dim": 128, "t_bucket": 32}, launches=VARLEN_SPLIT),
     Case("varlen_sdpa", "default-d64-prefill", key={"head_dim": 64, "t_bucket": 2048}),
@@ -416,3 +446,17 @@ def test_every_kernel_is_built(builds: Builds) -> None:
     kernels = _launched_kernels()
     assert len(kernels) >= 12, kernels
     assert kernels <= built, f"no case builds {sorted(kernels - built)}: add one to CASES"
+
+
+def test_fused_decode_merge_synchronises_through_memory(builds: Builds) -> None:
+    """A fused merge's split kernel counts arrivals with one acq_rel atomic at gpu scope (the release
+    of the partials, the acquire of the merging program) and reads the partials through L2 only."""
+    fused = [case.id for case in CASES if case.kernel == "splitk_decode" and case.name.startswith("fused-")]
+    assert len(fused) == 3
+    for case_id in fused:
+        ((_record, result),) = builds[case_id].launches
+        assert result["atomics"] == ["atom.global.gpu.acq_rel.add.u32"], (case_id, result["atomics"])
+        assert result["cg_loads"] > 0, case_id
+    # Without the fused merge the split kernel synchronises with nothing.
+    split, merge = builds["splitk_decode/default-d128-merged"].launches
+    assert split[1]["atomics"] == [] and merge[1]["atomics"] == []
