@@ -125,7 +125,8 @@ def host_variants(device: str) -> dict[str, Callable[[], object]]:
     )
     x, xout = torch.randn(1, kdim, device=device, dtype=bf16), torch.empty(1, n, device=device, dtype=bf16)
 
-    dev = torch.device(device)
+    # An indexed device: the dispatcher keys CUDA devices by ordinal (a bare "cuda" has none).
+    dev = q.device
     facts = tuple(PREFILL.facts(q, k, v, causal=True, kv_len=kv_len, softmax_scale=1 / math.sqrt(64), out=out))
     return {
         "`prefill_attention` q [1, 16, 16, 64], k/v [1, 2, 128, 64], kv_len []": lambda: prefill_attention(
