@@ -7,7 +7,8 @@ do) and as back-to-back replays with a warm L2:
 
 - an empty one-program Triton kernel (the floor of one launch inside a graph);
 - a Triton kernel that only reads K and V (the floor of the bytes);
-- split-K decode as served (split + merge), and its split kernel alone (the merge launch stubbed);
+- split-K decode (split + merge), its split kernel alone (the merge launch stubbed), and the
+  single-launch form (``FUSED_MERGE``: the last split program of a row block merges);
 - SDPA's cuDNN backend.
 
 Run on the GPU machine: ``python scripts/probe_decode_latency.py --out FILE.md``.
@@ -103,6 +104,8 @@ def probe(batch: int, lkv: int) -> list[str]:
         "default": {},
         "bundle B=1 4K winner": {"TARGET_WAVES": 2, "MIN_CHUNK": 64, "BLOCK_N": 16, "num_warps": 2, "num_stages": 3},
         "waves 4, chunk 128, N 64": {"TARGET_WAVES": 4, "MIN_CHUNK": 128, "BLOCK_N": 64},
+        "fused merge (default tiles)": {"FUSED_MERGE": True},
+        "fused, waves 4, chunk 128, N 64": {"TARGET_WAVES": 4, "MIN_CHUNK": 128, "BLOCK_N": 64, "FUSED_MERGE": True},
     }
     for name, config in configs.items():
         with use_config("splitk_decode", config):
