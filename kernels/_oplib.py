@@ -23,11 +23,17 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch._library.triton import set_wrap_triton_enabled
+import torch._library.triton as _torch_triton
+from torch._library.triton import is_wrap_triton_enabled, set_wrap_triton_enabled
 from torch.library import custom_op, infer_schema, triton_op, wrap_triton
 from triton.runtime.interpreter import InterpretedFunction
 
-__all__ = ["TritonOp", "register_op", "wrap_triton"]
+__all__ = ["TritonOp", "in_direct_body", "register_op", "wrap_triton"]
+
+#: torch's thread-local ``wrap_triton`` switch. Flipping it directly costs a third of what the
+#: ``set_wrap_triton_enabled`` context manager does (a generator per call); where a torch release
+#: lacks it, the context manager serves.
+_WRAP_SWITCH = getattr(_torch_triton, "wrap_triton_enabled", None)
 
 
 class TritonOp:
@@ -42,15 +48,37 @@ class TritonOp:
 
     def __call__(self, *args: Any) -> None:
         if _plain_eager(args):
-            # As triton_op's own backend does: with plain tensors, wrap_triton hands back the bare
-            # kernels instead of routing each launch through its tracing machinery.
-            with set_wrap_triton_enabled(False):
-                self.body(*args)
-            for index in self.mutated:
-                if args[index] is not None:
-                    torch.autograd.graph.increment_version(args[index])
+            self.call_body(args)
             return
         self.op(*args)
+
+    def call_body(self, args: tuple[Any, ...]) -> None:
+        """Run the body on plain tensors, as the op would (the caller has checked that they are)."""
+        # As triton_op's own backend does: with plain tensors, wrap_triton hands back the bare
+        # kernels instead of routing each launch through its tracing machinery.
+        if _WRAP_SWITCH is None:
+            with set_wrap_triton_enabled(False):
+                self.body(*args)
+        else:
+            previous = is_wrap_triton_enabled()
+            _WRAP_SWITCH.value = False
+            try:
+                self.body(*args)
+            finally:
+                _WRAP_SWITCH.value = previous
+        for index in self.mutated:
+            if args[index] is not None:
+                torch.autograd.graph.increment_version(args[index])
+
+
+def in_direct_body() -> bool:
+    """Whether an op body runs on plain tensors (called directly, or by triton_op's own backend).
+
+    Both switch ``wrap_triton`` off; a tracer (``torch.compile``, ``make_fx``) runs the body with
+    it on. A body that calls another op may then run that op's body directly as well, instead of
+    paying the op's checks a second time.
+    """
+    return not is_wrap_triton_enabled()
 
 
 def _plain_eager(args: tuple[Any, ...]) -> bool:

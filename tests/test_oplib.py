@@ -12,7 +12,7 @@ import torch
 from torch._library.triton import is_wrap_triton_enabled
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tritune.kernels._oplib import TritonOp, _plain_eager, register_op
+from tritune.kernels._oplib import TritonOp, _plain_eager, in_direct_body, register_op
 from tritune.kernels.decode import op as decode_op
 
 
@@ -67,6 +67,7 @@ def _toy_op() -> tuple[TritonOp, list[bool]]:
 
     def _body(x: torch.Tensor, out: torch.Tensor, alpha: float) -> None:
         calls.append(is_wrap_triton_enabled())
+        assert in_direct_body() is not calls[-1]
         out.copy_(x * alpha)
 
     return register_op("tritune_test::scaled_copy", _body, mutates_args=("out",), kernels=[]), calls
@@ -88,6 +89,7 @@ def test_direct_call_skips_the_dispatcher_and_bumps_the_version():
     # The body launches bare kernels, as triton_op's backend would run it.
     assert TOY_CALLS == [False]
     assert is_wrap_triton_enabled()
+    assert not in_direct_body()
 
 
 def test_a_dispatch_mode_sees_the_op():

@@ -217,6 +217,22 @@ def test_tma_matches_portable_and_reference(case, config, spy):
     assert float((outs["tma"].float() - outs["portable"].float()).abs().max()) <= 2e-2 * scale
 
 
+def test_eager_tma_call_runs_the_tma_body_directly(monkeypatch, spy):
+    """In plain eager mode the prefill op's body calls the TMA op's body directly (its arguments are
+    plain tensors already); a dispatch through torch.library would raise here."""
+
+    def through_the_library(*args):
+        raise AssertionError("the nested TMA op went through torch.library")
+
+    monkeypatch.setattr(prefill_op._prefill_tma_op, "op", through_the_library)
+    case = Case(1, 4, 2, 9, 40, 64)
+    q, k, v, _ = _inputs(case, seed=12)
+    with use_config("tma_prefill", {"path": "tma", "BLOCK_M": 16, "BLOCK_N": 16}):
+        out = prefill_attention(q, k, v, out=_poisoned_out(case, q))
+    assert spy.ran == ["tma"]
+    _expect_close(out, q, k, v, causal=True, kv_len=None)
+
+
 def test_tma_kernel_also_runs_non_causal():
     """The spec routes only causal calls to the TMA path; the kernel itself takes either."""
     case = Case(2, 4, 2, 17, 40, 64, causal=False, kv_len=(40, 7))

@@ -19,7 +19,7 @@ import torch
 from tritune.search_spaces.tma_prefill import HEAD_DIMS
 
 from .._launch import DTYPE_NAMES, check_device, device_index, runs_on_interpreter
-from .._oplib import register_op
+from .._oplib import in_direct_body, register_op
 from ..device import device_info
 from ..dispatcher import dispatch, dispatch_eager
 from ._triton_portable import _prefill_fwd_kernel, prefill_portable
@@ -222,9 +222,13 @@ def _prefill_body(
     split_kv: int,
 ) -> None:
     if path == "tma":
-        _prefill_tma_op(
-            q, k, v, kv_len, out, causal, softmax_scale, block_m, block_n, num_warps, num_stages, pack_gqa, split_kv
-        )
+        tiles = (block_m, block_n, num_warps, num_stages, pack_gqa, split_kv)
+        args = (q, k, v, kv_len, out, causal, softmax_scale, *tiles)
+        if in_direct_body():
+            # Plain tensors already (this body runs directly): the TMA op's own checks would be a second toll.
+            _prefill_tma_op.call_body(args)
+        else:
+            _prefill_tma_op(*args)
         return
     config = PrefillConfig(path, block_m, block_n, num_warps, num_stages, pack_gqa, split_kv)
     prefill_portable(q, k, v, kv_len, out, causal=causal, softmax_scale=softmax_scale, config=config)
