@@ -732,13 +732,13 @@ def test_starting_configs_are_swapped_fold_tiles_the_space_admits():
     """On an H200 every default key starts from feasible SWAP_AB tiles; the interpreter and pre-Hopper GPUs get none."""
     h200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
     limits = SPEC.limits(h200)
-    for key in SPEC.default_keys(h200, m=[1, 16, 4096]):
+    for key in SPEC.default_keys(h200, m=[1, 16, 64, 4096]):
         starts = SPEC.starting_configs(key, h200)
         assert starts, key
         for config in starts:
             assert config.path == "fp8" and config.SCALE_FOLD and config.SWAP_AB
             assert SPEC.space.infeasible_reason(config, key, limits) is None
-        assert max(c.BLOCK_M for c in starts) == (256 if key.m_bucket == 4096 else 16)
+        assert max(c.BLOCK_M for c in starts) == {1: 16, 16: 16, 64: 64, 4096: 256}[key.m_bucket]
     ada = DeviceInfo(name="NVIDIA L40S", vendor="nvidia", capability=(8, 9), sm_count=142, arch="sm89")
     assert SPEC.starting_configs(SPEC.default_keys(ada, m=[4096])[0], ada) == []
     cpu = device_info("cpu")

@@ -111,7 +111,9 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
 
         Large M: 256-column x tiles (wgmma's widest N, each weight dequantized once per 256 rows
         of x), then 128x256. Small M: 16-row x tiles with deep K tiles, split along K toward
-        about one program per SM. Only on SM90+ (wgmma), and only those the space admits at ``key``.
+        about one program per SM; for buckets of 32 and 64 rows also one M tile of the whole
+        bucket with 128 weight rows, split 2-8 ways along K. Only on SM90+ (wgmma), and only those
+        the space admits at ``key``.
         """
         if device.is_interpreter or not target_supports(device, (9, 0)):
             return []
@@ -131,6 +133,11 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
                                    "num_stages": 4, "GROUP_M": 1, "SPLIT_K": split})  # fmt: skip
             starts.append({**fold, "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "num_warps": 8, "num_stages": 4,
                            "GROUP_M": 1})  # fmt: skip
+            if key.m_bucket > 16:
+                # Prefill-sized small M: one M tile of the whole bucket, 128 weight rows, split along K.
+                for split in (2, 4, 8):
+                    starts.append({**fold, "BLOCK_M": key.m_bucket, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4,
+                                   "num_stages": 3, "GROUP_M": 1, "SPLIT_K": split})  # fmt: skip
         limits = self.limits(device)
         configs = [self.space.parse(values) for values in starts]
         return [c for c in configs if self.space.infeasible_reason(c, key, limits) is None]
