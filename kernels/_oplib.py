@@ -28,7 +28,7 @@ from torch._library.triton import is_wrap_triton_enabled, set_wrap_triton_enable
 from torch.library import custom_op, infer_schema, triton_op, wrap_triton
 from triton.runtime.interpreter import InterpretedFunction
 
-__all__ = ["TritonOp", "in_direct_body", "register_op", "wrap_triton"]
+__all__ = ["TritonOp", "in_direct_body", "no_modes", "plain_tensors_call", "register_op", "wrap_triton"]
 
 #: torch's thread-local ``wrap_triton`` switch. Flipping it directly costs a third of what the
 #: ``set_wrap_triton_enabled`` context manager does (a generator per call); where a torch release
@@ -83,18 +83,35 @@ def in_direct_body() -> bool:
 
 def _plain_eager(args: tuple[Any, ...]) -> bool:
     """Whether calling an op's body directly is indistinguishable from calling the op."""
+    if not no_modes():
+        return False
+    grad = torch.is_grad_enabled()
+    for arg in args:
+        if isinstance(arg, torch.Tensor) and (type(arg) is not torch.Tensor or (grad and arg.requires_grad)):
+            return False
+    return True
+
+
+def no_modes() -> bool:
+    """No compiler, tracer, dispatch or function mode and no torch.func transform is active."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return False
     if torch._C._is_torch_function_mode_enabled():
         return False
     # torch.func transforms (vmap, functionalize, grad) wrap plain-typed tensors, and
     # torch.jit.trace records ops: all of them must see the op, not raw kernel writes.
-    if torch._C._are_functorch_transforms_active() or torch._C._get_tracing_state() is not None:
+    return not (torch._C._are_functorch_transforms_active() or torch._C._get_tracing_state() is not None)
+
+
+def plain_tensors_call(*tensors: torch.Tensor | None) -> bool:
+    """:func:`_plain_eager` for a caller that has already seen that ``tensors`` are exactly
+    ``torch.Tensor`` (or None) and that the op's other arguments are not tensors."""
+    if not no_modes():
         return False
-    grad = torch.is_grad_enabled()
-    for arg in args:
-        if isinstance(arg, torch.Tensor) and (type(arg) is not torch.Tensor or (grad and arg.requires_grad)):
-            return False
+    if torch.is_grad_enabled():
+        for t in tensors:
+            if t is not None and t.requires_grad:
+                return False
     return True
 
 

@@ -12,8 +12,11 @@ import torch
 from torch._library.triton import is_wrap_triton_enabled
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tritune.kernels._oplib import TritonOp, _plain_eager, in_direct_body, register_op
+from tritune.kernels._oplib import TritonOp, _plain_eager, in_direct_body, plain_tensors_call, register_op
 from tritune.kernels.decode import op as decode_op
+
+#: Where the kernels run: the GPU when there is one, else CPU tensors on the interpreter.
+_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class CountingMode(TorchDispatchMode):
@@ -117,3 +120,28 @@ def test_decode_results_are_the_same_either_way(route):
     else:
         decode_attention(q, k, v, kv_len, out=out)
     assert torch.equal(out, expected)
+
+
+def test_plain_tensors_call_rules_out_modes_and_autograd_like_plain_eager():
+    plain = torch.ones(2)
+    assert plain_tensors_call(plain, None)
+    assert not plain_tensors_call(plain, torch.ones(2, requires_grad=True))
+    with torch.no_grad():
+        assert plain_tensors_call(torch.ones(2, requires_grad=True))
+    with CountingMode():
+        assert not plain_tensors_call(plain)
+    with torch.device("cpu"):
+        assert not plain_tensors_call(plain)
+
+
+def test_public_prefill_under_a_dispatch_mode_reaches_the_op():
+    """The public wrapper's own shortcut to the op body must not bypass a dispatch mode."""
+    from tritune.kernels import prefill_attention
+
+    q = torch.randn(1, 2, 4, 64, dtype=torch.bfloat16, device=_DEVICE)
+    k = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16, device=_DEVICE)
+    out = torch.full_like(q, float("nan"))
+    with CountingMode() as mode:
+        prefill_attention(q, k, k, out=out)
+    assert "tritune.prefill_attention.default" in mode.seen
+    assert not torch.isnan(out).any()
