@@ -230,6 +230,18 @@ def test_fused_counters_reset_between_calls(device, many_sms):
         assert all(int(torch.count_nonzero(b)) == 0 for b in used), lengths
 
 
+def test_fused_merge_clamps_lengths_and_reads_strided_kv_len(device, many_sms):
+    """Negative lengths (clamped to 0) and lengths past the cache (clamped to it) in one fused launch,
+    read through a strided kv_len view: each row block still merges once and leaves its counter at 0."""
+    q, k, v, _ = make_case(device, batch=3, kv_heads=2, group=4, lq=2, head_dim=64, lmax=300, lengths=[300] * 3,
+                           tail=None)  # fmt: skip
+    for lengths in ([-5, 10_000, 1], [1_000, 0, -1], [300, 2, 299]):
+        padded = [n for length in lengths for n in (length, 7)]
+        kv_len = torch.tensor(padded, dtype=torch.int32, device=device)[::2]
+        run_and_compare(q, k, v, kv_len, FUSED)
+        assert all(int(torch.count_nonzero(b)) == 0 for b in COUNTERS.values()), lengths
+
+
 def test_arrival_counters_grow_and_keep_old_buffers(monkeypatch):
     cache: dict = {}
     retired: list = []
