@@ -20,7 +20,9 @@ Script use: ``python tests/sm90_build.py --records FILE`` (records as :func:`spe
 them), or ``python tests/sm90_build.py '[[BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages], ...]'``
 for the folded fp8 Q4_K kernel with what ptxas made of it (tensor-core instructions, registers,
 spill bytes, shared memory, where wgmma's A operand comes from, asynchronous copies); a sixth
-element ``true`` builds the swapped folded kernel (``SWAP_AB``) instead.
+element ``true`` builds the swapped folded kernel (``SWAP_AB``) instead, ``"portable"`` the
+portable (bf16) kernel. With ``--sass`` first, each line also counts the SASS opcodes of the
+kernel's main loop (:func:`sass_loop_counts`), the measure of the dequantization's cost.
 """
 
 from __future__ import annotations
@@ -202,35 +204,121 @@ FOLD_SIGNATURE = {
     "stride_bn": "i32",
 }
 
+PORTABLE_SIGNATURE = {
+    "x_ptr": "*bf16",
+    "qs_ptr": "*u8",
+    "sc_ptr": "*u8",
+    "mn_ptr": "*u8",
+    "ss_ptr": "*fp16",
+    "bias_ptr": "*bf16",
+    "out_ptr": "*bf16",
+    "M": "i32",
+    "N": "i32",
+    "stride_xm": "i32",
+    "stride_qn": "i32",
+    "stride_sn": "i32",
+    "stride_ssn": "i32",
+    "stride_om": "i32",
+    "stride_ok": "i32",
+    "stride_bn": "i32",
+}
+
+#: Opcodes that issue at a quarter of the ALU rate on Hopper (16 per clock per SM): the
+#: conversions between integers and floats or between float widths (F2FP, the packing one, is not).
+QUARTER_RATE = ("I2F", "I2FP", "F2F", "F2I")
+
+_SASS_LABEL = re.compile(r"^(\.L_x_\d+):")
+_SASS_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+_SASS_BRANCH = re.compile(r"\bBRA\b.*`\((\.L_x_\d+)\)")
+
+
+def sass_loop_counts(sass: str) -> dict[str, int]:
+    """Opcodes (without modifiers) of the longest loop in ``nvdisasm -c`` output: the
+    instructions from a label to the last branch back to it. A Triton K loop is not unrolled, so
+    for a GEMM this is one iteration of its main loop."""
+    labels: dict[str, int] = {}
+    opcodes: list[str] = []
+    best: tuple[int, int] = (0, 0)
+    for line in sass.splitlines():
+        label = _SASS_LABEL.match(line)
+        if label:
+            labels[label.group(1)] = len(opcodes)
+            continue
+        instruction = _SASS_INSTRUCTION.match(line)
+        if not instruction:
+            continue
+        opcodes.append(instruction.group(1))
+        branch = _SASS_BRANCH.search(line)
+        if branch and branch.group(1) in labels:
+            start = labels[branch.group(1)]
+            if len(opcodes) - start > best[1] - best[0]:
+                best = (start, len(opcodes))
+    counts: dict[str, int] = {}
+    for opcode in opcodes[best[0] : best[1]]:
+        counts[opcode] = counts.get(opcode, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+
+def _sass(cubin: bytes) -> str:
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+
+
+def _sass_report(cubin: bytes, weights_per_thread: int) -> dict[str, Any]:
+    """The main loop's opcode counts and its issue slots per weight, counting the quarter-rate
+    conversions four times."""
+    counts = sass_loop_counts(_sass(cubin))
+    slots = sum(counts.values()) + 3 * sum(counts.get(op, 0) for op in QUARTER_RATE)
+    return {
+        "weights_per_thread": weights_per_thread,
+        "loop_instructions": sum(counts.values()),
+        "issue_slots_per_weight": round(slots / weights_per_thread, 3),
+        "loop_opcodes": counts,
+    }
+
 
 #: A wgmma's operands after its accumulator registers: ``{...}`` (A in registers) or a ``%rd``
 #: shared-memory descriptor (A in shared memory), then B's descriptor.
 _WGMMA_A = re.compile(r"wgmma\.mma_async[^{]*\{[^}]*\},\s*(\{|%rd)")
 
 
-def build_fold(
+def build_q4k(
     block_m: int,
     block_n: int,
     block_k: int,
     num_warps: int,
     num_stages: int,
-    swap: bool = False,
+    variant: bool | str = False,
     k: int = 4096,
+    sass: bool = False,
 ) -> dict[str, Any]:
-    """Build the folded fp8 kernel (``swap``: the swapped one) as a launch specializes it (16-byte
-    divisible pointers and sizes, unit output stride) and report the MMA instructions, registers,
-    spills, shared memory, where wgmma's A operand comes from and how many wgmma groups stay in
-    flight (``wgmma.wait_group N``: 0 waits for each), and the pipelined loads as ``cp.async``
-    (Ampere-style asynchronous copies) and ``cp.async.bulk`` (TMA) instructions."""
+    """Build a Q4_K kernel (``variant``: ``False`` the folded fp8 kernel, ``True`` the swapped one,
+    ``"portable"`` the portable one) as a launch specializes it (16-byte divisible pointers and
+    sizes, unit strides along K and N) and report the MMA instructions, registers, spills, shared
+    memory, where wgmma's A operand comes from and how many wgmma groups stay in flight
+    (``wgmma.wait_group N``: 0 waits for each), and the pipelined loads as ``cp.async``
+    (Ampere-style asynchronous copies) and ``cp.async.bulk`` (TMA) instructions; with ``sass``,
+    the main loop's SASS opcodes too (:func:`_sass_report`)."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     from tritune.kernels.q4k import _triton_q4k
 
-    kernel = _triton_q4k._q4k_gemm_fp8_fold_swap_kernel if swap else _triton_q4k._q4k_gemm_fp8_fold_kernel
+    if variant == "portable":
+        kernel = _triton_q4k._q4k_gemm_portable_kernel
+        signature = PORTABLE_SIGNATURE
+        flags = {"stride_xk": 1, "stride_on": 1, "HAS_BIAS": False, "DOT_IN_FP32": False}
+    elif isinstance(variant, bool):
+        kernel = _triton_q4k._q4k_gemm_fp8_fold_swap_kernel if variant else _triton_q4k._q4k_gemm_fp8_fold_kernel
+        signature = FOLD_SIGNATURE
+        flags = {"stride_on": 1, "HAS_BIAS": False, "ROUND_IN_FP32": False}
+    else:
+        raise ValueError(f"variant: expected False, True or 'portable', got {variant!r}")
     constants = {
-        "stride_on": 1,
-        "HAS_BIAS": False,
-        "ROUND_IN_FP32": False,
+        **flags,
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
         "BLOCK_K": block_k,
@@ -242,9 +330,9 @@ def build_fold(
     record = {
         "module": kernel.fn.__module__,
         "kernel": kernel.fn.__name__,
-        "signature": {**FOLD_SIGNATURE, **dict.fromkeys(constants, "constexpr")},
+        "signature": {**signature, **dict.fromkeys(constants, "constexpr")},
         "constexprs": [[[index(name)], value] for name, value in constants.items()],
-        "attrs": [[[index(name)], [["tt.divisibility", 16]]] for name in FOLD_SIGNATURE],
+        "attrs": [[[index(name)], [["tt.divisibility", 16]]] for name in signature],
         "options": {"num_warps": num_warps, "num_stages": num_stages},
     }
     compiled = compile_record(record)
@@ -263,9 +351,10 @@ def build_fold(
     registers = re.search(r"Used (\d+) registers", log)
     mma = re.findall(r"(wgmma\.mma_async\.sync\.aligned\.\w+\.f32\.\w+\.\w+|mma\.sync\.aligned\.[\w.]+)", ptx)
     a_sources = {"{": "registers", "%rd": "shared"}
-    return {
+    result = {
         "config": [block_m, block_n, block_k, num_warps, num_stages],
-        "swap": swap,
+        "kernel": kernel.fn.__name__,
+        "swap": variant is True,
         "mma": sorted(set(mma)),
         "wgmma_a": sorted({a_sources[a] for a in _WGMMA_A.findall(ptx)}),
         "wgmma_in_flight": max(map(int, re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)), default=None),
@@ -275,6 +364,9 @@ def build_fold(
         "spill_bytes": int(spills.group(1)) + int(spills.group(2)) if spills else None,
         "shared": compiled.metadata.shared,
     }
+    if sass:
+        result.update(_sass_report(compiled.asm["cubin"], block_n * block_k // (32 * num_warps)))
+    return result
 
 
 def main(argv: list[str]) -> None:
@@ -285,8 +377,9 @@ def main(argv: list[str]) -> None:
         for result in build_records(records, workers):
             print(json.dumps(result), flush=True)
         return
-    for config in json.loads(argv[0]):
-        print(json.dumps(build_fold(*config)), flush=True)
+    sass = argv[:1] == ["--sass"]
+    for config in json.loads(argv[-1]):
+        print(json.dumps(build_q4k(*config, sass=sass)), flush=True)
 
 
 if __name__ == "__main__":

@@ -743,3 +743,26 @@ def test_starting_configs_are_swapped_fold_tiles_the_space_admits():
     assert SPEC.starting_configs(SPEC.default_keys(ada, m=[4096])[0], ada) == []
     cpu = device_info("cpu")
     assert SPEC.starting_configs(SPEC.default_keys(cpu)[0], cpu) == []
+
+
+def test_weight_views_off_alignment_are_copied_and_still_exact():
+    """The kernels read the packed codes as 16/32-bit words; a weight built from views that start
+    at an odd byte must be copied to aligned storage, not read misaligned."""
+    weight = Q4KWeight.quantize(torch.randn(64, 256) * 0.02)
+    shifted = []
+    for t in weight.tensors():
+        flat = torch.empty(t.numel() * t.element_size() + 1, dtype=torch.uint8)
+        view = flat[1:].view(t.dtype).view(t.shape) if t.element_size() == 1 else None
+        if view is None:
+            shifted.append(t)
+            continue
+        view.copy_(t)
+        assert view.data_ptr() % 2 == 1
+        shifted.append(view)
+    moved = Q4KWeight(*shifted)
+    assert all(t.data_ptr() % 16 == 0 for t in moved.tensors())
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    out = torch.full((3, 64), float("nan"), dtype=torch.bfloat16)
+    q4k_linear(x, moved, out=out)
+    expected = q4k_linear_reference(x, weight)
+    assert check_path(out, expected, "portable") is None

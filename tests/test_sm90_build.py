@@ -460,3 +460,31 @@ def test_fused_decode_merge_synchronises_through_memory(builds: Builds) -> None:
     # Without the fused merge the split kernel synchronises with nothing.
     split, merge = builds["splitk_decode/default-d128-merged"].launches
     assert split[1]["atomics"] == [] and merge[1]["atomics"] == []
+
+
+def test_q4k_dequantization_converts_no_codes(tmp_path: Path) -> None:
+    """The small-M Q4_K tiles (portable, and swapped folded fp8) make their float codes with bit
+    operations: the int-to-float conversions (a quarter of the ALU rate on Hopper) in the main loop
+    stay far below the weights each thread dequantizes per iteration, and nothing spills."""
+    reason = _cuda_backend_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, variant) as sm90_build.py's script takes them.
+    configs = [(16, 64, 256, 4, 3, "portable"), (16, 64, 256, 4, 4, True)]
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--sass", json.dumps(configs)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    for config, line in zip(configs, run.stdout.splitlines(), strict=True):
+        result = json.loads(line)
+        opcodes = result["loop_opcodes"]
+        assert opcodes.get("HMMA", 0) + opcodes.get("QGMMA", 0) > 0, (config, "no MMA in the loop found", opcodes)
+        conversions = sum(opcodes.get(op, 0) for op in ("I2F", "I2FP"))
+        assert conversions <= result["weights_per_thread"] // 8, (config, opcodes)
+        assert result["spill_bytes"] == 0, (config, result)

@@ -112,6 +112,38 @@ def _unpack_nibbles(qb, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
+def _codes_as_float(qw, ROWS: tl.constexpr, COLS: tl.constexpr, CODES: tl.constexpr):
+    """``[ROWS, COLS/CODES]`` words of ``CODES`` (8: int32, 4: uint16) codes -> float32 ``[ROWS, COLS]``
+    codes 0..15 in natural order (code ``j`` of a word in bits ``4j..4j+3``, as ``qs``'s
+    little-endian bytes hold them).
+
+    Full-rate bit operations and additions instead of int-to-float conversions (a quarter of the
+    rate on Hopper): the codes come out as the same exact floats. Eight codes a word unpack in the
+    fewest instructions; four keep each thread's codes in the 4-wide K runs that the fp8 dot operand
+    layout holds, where eight would send them through shared memory.
+    """
+    if CODES == 8:
+        # Codes 4i..4i+3 of a word in bits 0..15 (the masks below drop what the shift extends).
+        qw = tl.join(qw, qw >> 16)
+    # Under exponent bits 158, which hold each exponent below as a subset.
+    t = qw.to(tl.int32) | 0x4F000000
+    # A float32 with exponent 2**(23-p) and q in mantissa bits p..p+3 is exactly 2**(23-p) + q: one
+    # AND keeps one code and that exponent, and the subtraction is exact.
+    c0 = (t & 0x4B00000F).to(tl.float32, bitcast=True) - 8388608.0
+    c1 = (t & 0x490000F0).to(tl.float32, bitcast=True) - 524288.0
+    c2 = (t & 0x47000F00).to(tl.float32, bitcast=True) - 32768.0
+    c3 = (t & 0x4500F000).to(tl.float32, bitcast=True) - 2048.0
+    return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (ROWS, COLS))
+
+
+@triton.jit
+def _small_as_float(x):
+    """Integers ``0 <= x < 2**23`` (uint8 scales and mins here) as float32, without a conversion."""
+    # 2**23 + x is a float32 with exponent 2**23 and x as its mantissa: exact, and so is the subtraction.
+    return (x.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
 def _store_tile(
     acc,
     out_ptr,
@@ -181,11 +213,13 @@ def _q4k_gemm_portable_kernel(
     rows_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
     rows_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_b = tl.arange(0, BLOCK_K // 2)
+    offs_w = tl.arange(0, BLOCK_K // 8)
     offs_g = tl.arange(0, G)
 
     x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk
-    q_ptrs = qs_ptr + rows_n[:, None] * stride_qn + (k_start // 2 + offs_b)[None, :]
+    # The packed codes as 32-bit words (K is a multiple of 256, so rows and tiles are word-aligned).
+    q_row = (qs_ptr + rows_n[:, None] * stride_qn + k_start // 2).to(tl.pointer_type(tl.int32))
+    q_ptrs = q_row + offs_w[None, :]
     sc_ptrs = sc_ptr + rows_n[:, None] * stride_sn + (k_start // 32 + offs_g)[None, :]
     mn_ptrs = mn_ptr + rows_n[:, None] * stride_sn + (k_start // 32 + offs_g)[None, :]
     ss_row = ss_ptr + rows_n[:, None] * stride_ssn
@@ -195,10 +229,10 @@ def _q4k_gemm_portable_kernel(
         # d of each sub-block's super-block, dmin one element on: [BLOCK_N, G] pointers.
         d_ptrs = ss_row + ((k_start // 32 + i * G + offs_g) // 8 * 2)[None, :]
         x = tl.load(x_ptrs)  # [BLOCK_M, BLOCK_K]
-        qb = tl.load(q_ptrs)  # [BLOCK_N, BLOCK_K / 2]
-        scale = tl.load(d_ptrs).to(tl.float32) * tl.load(sc_ptrs).to(tl.float32)  # [BLOCK_N, G]
-        offset = tl.load(d_ptrs + 1).to(tl.float32) * tl.load(mn_ptrs).to(tl.float32)
-        q = tl.reshape(_unpack_nibbles(qb, BLOCK_N, BLOCK_K), (BLOCK_N, G, 32)).to(tl.float32)
+        qw = tl.load(q_ptrs)  # [BLOCK_N, BLOCK_K / 8]
+        scale = tl.load(d_ptrs).to(tl.float32) * _small_as_float(tl.load(sc_ptrs))  # [BLOCK_N, G]
+        offset = tl.load(d_ptrs + 1).to(tl.float32) * _small_as_float(tl.load(mn_ptrs))
+        q = tl.reshape(_codes_as_float(qw, BLOCK_N, BLOCK_K, 8), (BLOCK_N, G, 32))
         w = tl.reshape(q * scale[:, :, None] - offset[:, :, None], (BLOCK_N, BLOCK_K)).to(x.dtype)
         if DOT_IN_FP32:
             # The interpreter multiplies bf16 tiles wrongly; fp32 operands hold the same values.
@@ -206,7 +240,7 @@ def _q4k_gemm_portable_kernel(
             w = w.to(tl.float32)
         acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K * stride_xk
-        q_ptrs += BLOCK_K // 2
+        q_ptrs += BLOCK_K // 8
         sc_ptrs += G
         mn_ptrs += G
 
@@ -330,14 +364,15 @@ def _folded_weight_tile(
     q_ptrs, sc_ptrs, mn_ptrs, d_ptrs, fold, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUND_IN_FP32: tl.constexpr
 ):
     """The ``[BLOCK_N, BLOCK_K]`` e4m3 tile ``e4m3(f * (d*sc*q - dmin*m))`` of one super-block's
-    (``d_ptrs``) K range; both folded kernels share it, so both round every weight alike."""
+    (``d_ptrs``) K range, from ``[BLOCK_N, BLOCK_K/4]`` pointers to its 16-bit code words; both folded
+    kernels share it, so both round every weight alike."""
     G: tl.constexpr = BLOCK_K // 32
     # Times a power of two, d*sc, q*d*sc and dmin*m stay exact: w is f * (gguf's weight).
     d = tl.load(d_ptrs).to(tl.float32) * fold  # [BLOCK_N]
     dmin = tl.load(d_ptrs + 1).to(tl.float32) * fold
-    scale = d[:, None] * tl.load(sc_ptrs).to(tl.float32)  # [BLOCK_N, G]
-    offset = dmin[:, None] * tl.load(mn_ptrs).to(tl.float32)
-    q = tl.reshape(_unpack_nibbles(tl.load(q_ptrs), BLOCK_N, BLOCK_K), (BLOCK_N, G, 32)).to(tl.float32)
+    scale = d[:, None] * _small_as_float(tl.load(sc_ptrs))  # [BLOCK_N, G]
+    offset = dmin[:, None] * _small_as_float(tl.load(mn_ptrs))
+    q = tl.reshape(_codes_as_float(tl.load(q_ptrs), BLOCK_N, BLOCK_K, 4), (BLOCK_N, G, 32))
     w = tl.reshape(q * scale[:, :, None] - offset[:, :, None], (BLOCK_N, BLOCK_K))
     if ROUND_IN_FP32:
         w = _e4m3_grid(w)
@@ -383,13 +418,15 @@ def _q4k_gemm_fp8_fold_kernel(
     rows_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
     rows_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_b = tl.arange(0, BLOCK_K // 2)
+    offs_w = tl.arange(0, BLOCK_K // 4)
     offs_g = tl.arange(0, G)
     ss_row = ss_ptr + rows_n * stride_ssn
     fold = _column_fold(ss_row, k_start, K_TILES * BLOCK_K, BLOCK_N)  # [BLOCK_N]
 
     x_ptrs = xq_ptr + rows_m[:, None] * K + (k_start + offs_k)[None, :]
-    q_ptrs = qs_ptr + rows_n[:, None] * stride_qn + (k_start // 2 + offs_b)[None, :]
+    # The packed codes as 16-bit words of four (K is a multiple of 256: rows and tiles are aligned).
+    q_row = (qs_ptr + rows_n[:, None] * stride_qn + k_start // 2).to(tl.pointer_type(tl.uint16))
+    q_ptrs = q_row + offs_w[None, :]
     sc_ptrs = sc_ptr + rows_n[:, None] * stride_sn + (k_start // 32 + offs_g)[None, :]
     mn_ptrs = mn_ptr + rows_n[:, None] * stride_sn + (k_start // 32 + offs_g)[None, :]
 
@@ -401,7 +438,7 @@ def _q4k_gemm_fp8_fold_kernel(
         x = tl.load(x_ptrs)  # [BLOCK_M, BLOCK_K] e4m3
         acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
-        q_ptrs += BLOCK_K // 2
+        q_ptrs += BLOCK_K // 4
         sc_ptrs += G
         mn_ptrs += G
 
@@ -454,13 +491,15 @@ def _q4k_gemm_fp8_fold_swap_kernel(
     rows_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
     rows_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_b = tl.arange(0, BLOCK_K // 2)
+    offs_w = tl.arange(0, BLOCK_K // 4)
     offs_g = tl.arange(0, G)
     ss_row = ss_ptr + rows_n * stride_ssn
     fold = _column_fold(ss_row, k_start, K_TILES * BLOCK_K, BLOCK_N)  # [BLOCK_N]
 
     x_ptrs = xq_ptr + rows_m[:, None] * K + (k_start + offs_k)[None, :]
-    q_ptrs = qs_ptr + rows_n[:, None] * stride_qn + (k_start // 2 + offs_b)[None, :]
+    # The packed codes as 16-bit words of four (K is a multiple of 256: rows and tiles are aligned).
+    q_row = (qs_ptr + rows_n[:, None] * stride_qn + k_start // 2).to(tl.pointer_type(tl.uint16))
+    q_ptrs = q_row + offs_w[None, :]
     sc_ptrs = sc_ptr + rows_n[:, None] * stride_sn + (k_start // 32 + offs_g)[None, :]
     mn_ptrs = mn_ptr + rows_n[:, None] * stride_sn + (k_start // 32 + offs_g)[None, :]
 
@@ -472,7 +511,7 @@ def _q4k_gemm_fp8_fold_swap_kernel(
         # x's rows run along K, so x^T is the K-major B operand e4m3 wgmma requires, with no copy.
         acc_t = tl.dot(w, tl.trans(x), acc_t)  # [BLOCK_N, BLOCK_M]
         x_ptrs += BLOCK_K
-        q_ptrs += BLOCK_K // 2
+        q_ptrs += BLOCK_K // 4
         sc_ptrs += G
         mn_ptrs += G
 

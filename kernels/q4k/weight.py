@@ -63,7 +63,13 @@ class Q4KWeight:
                 raise ValueError(f"{name}: on {tensor.device}, but qs is on {qs.device}")
         values = {"qs": qs, "scales": scales, "mins": mins, "super_scales": super_scales, "shape": (n, k)}
         for name, value in values.items():
-            object.__setattr__(self, name, value.contiguous() if isinstance(value, torch.Tensor) else value)
+            if isinstance(value, torch.Tensor):
+                value = value.contiguous()
+                # The kernels read the codes as 16- and 32-bit words: a view that starts at an odd
+                # byte of its storage gets a fresh (aligned) copy, once, here.
+                if value.data_ptr() % 16:
+                    value = value.clone()
+            object.__setattr__(self, name, value)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"Q4KWeight is immutable; cannot set {name!r}")
