@@ -1,10 +1,10 @@
-"""Tuner evidence for issues 7 and 8 in one short GPU call: fault isolation, pick stability, two workers on one GPU.
+"""Tuner evidence for issues 7, 8 and 9 in one GPU call: fault isolation, pick stability, workers, several GPUs.
 
 On the GPU machine, from the repository root (after ``bash .gpu/setup.sh && . .gpu/env.sh``):
 
     python scripts/evidence_tuner.py --out "$OUT/tuner-evidence.md" --json "$OUT/tuner-evidence.json"
 
-Parts (all three by default, in this order; name some to run only those):
+Parts (the first three by default, in this order; name some to run only those, ``multigpu`` only when named):
 
 - ``fault``: a tune of a tiny kernel (``scripts/_fault_kernel.py``) in the crash-isolated worker
   process, where one candidate stores to page zero (a real illegal memory access on a GPU: the
@@ -20,6 +20,11 @@ Parts (all three by default, in this order; name some to run only those):
   an Optuna journal file (``tritune.tuner.fleet.run_fleet``; the CLI refuses two workers on one
   GPU). Reports wall times, the trials each worker measured, whether the winners agree (identical,
   or re-timed within 2%), and how much slower configs timed with two workers ran than with one.
+- ``multigpu`` (issue 9; needs a host with two or more GPUs): ``tune --device 0`` against
+  ``tune --device all`` (one worker per GPU, one shared study per key), each the real CLI in a
+  subprocess at the same keys and trials (``--multigpu-*``), with every GPU's NVML utilization
+  sampled meanwhile. Reports wall times and the speed-up (``--min-speedup``, 1.8x), how busy each
+  GPU was, and whether each key's two winners agree (identical, or re-timed within 2%).
 
 Each part runs in a child process under a hard cap (``--fault-cap`` etc., all within ``--budget``,
 by default the caps' sum plus 15 s), writes its findings as it goes, and is rendered into one
@@ -52,6 +57,7 @@ from typing import Any
 
 import _benchlib as bl
 import _evidence_fault
+import _evidence_multigpu
 import _evidence_stability
 import _evidence_workers
 from _evidence_common import Context, Record, render_checks
@@ -59,19 +65,28 @@ from _evidence_common import Context, Record, render_checks
 log = logging.getLogger("tritune.evidence")
 
 #: Part name -> its module (``TITLE``, ``run(ctx, record)``, ``render(data)``), in the order they run.
-PARTS = {"fault": _evidence_fault, "stability": _evidence_stability, "workers": _evidence_workers}
+PARTS = {
+    "fault": _evidence_fault,
+    "stability": _evidence_stability,
+    "workers": _evidence_workers,
+    "multigpu": _evidence_multigpu,
+}
+#: Parts run when none is named: multigpu needs two GPUs and eight minutes, so it runs only when asked for.
+DEFAULT_PARTS = ["fault", "stability", "workers"]
 
 #: Seconds a part's process gets beyond its cap to write its findings before it is killed.
 GRACE_S = 15
 #: A part with less time than this left is skipped rather than started.
 MIN_PART_S = 20
 #: Default caps (seconds) on a GPU and in smoke mode.
-CAPS = {"fault": (45, 300), "stability": (115, 600), "workers": (65, 300)}
+CAPS = {"fault": (45, 300), "stability": (115, 600), "workers": (65, 300), "multigpu": (450, 240)}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("parts", nargs="*", help=f"parts to run, in order: {', '.join(PARTS)} (default: all)")
+    p.add_argument(
+        "parts", nargs="*", help=f"parts to run, in order: {', '.join(PARTS)} (default: {', '.join(DEFAULT_PARTS)})"
+    )
     p.add_argument("--smoke", action="store_true", help="CPU dry run on the Triton interpreter at tiny keys")
     p.add_argument("--out", default=None, help="markdown report to write")
     p.add_argument("--json", default=None, help="JSON findings to write")
@@ -95,6 +110,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fault-timeout", type=float, default=6.0, help="fault: seconds per trial (ends the spinner)")
     p.add_argument("--workers-lkv", type=int, nargs="+", default=[4096, 32768], help="workers: decode cache lengths")
     p.add_argument("--workers-trials", type=int, default=None, help="workers: trials per key (default 12; 3 smoke)")
+    p.add_argument(
+        "--multigpu-kernels",
+        nargs="+",
+        default=["tma_prefill", "splitk_decode"],
+        # Both take --head-dim and --lkv, so one tune command narrows the keys of each.
+        choices=["tma_prefill", "splitk_decode"],
+        help="multigpu: kernels tuned in both runs (default: both)",
+    )
+    p.add_argument("--multigpu-head-dim", type=int, default=None, help="multigpu: head dim (default 128; 64 smoke)")
+    p.add_argument(
+        "--multigpu-lkv", type=int, nargs="+", default=None, help="multigpu: KV lengths (default 16384; 64 smoke)"
+    )
+    p.add_argument("--multigpu-trials", type=int, default=None, help="multigpu: trials per key (default 28; 2 smoke)")
+    p.add_argument("--min-speedup", type=float, default=1.8, help="multigpu: required speed-up of all GPUs over one")
+    p.add_argument("--sample-interval", type=float, default=0.5, help="multigpu: seconds between NVML samples")
     p.add_argument("--tolerance", type=float, default=0.02, help="how far apart two picks may be (default 0.02)")
     # A part's own process (started by this script).
     p.add_argument("--run-part", default=None, help=argparse.SUPPRESS)
@@ -104,10 +134,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = [name for name in args.parts if name not in PARTS]
     if unknown:
         p.error(f"unknown part(s) {unknown}; choose from {list(PARTS)}")
-    args.parts = args.parts or list(PARTS)
+    args.parts = args.parts or list(DEFAULT_PARTS)
     args.trials = args.trials or (3 if args.smoke else 16)
     args.rounds = args.rounds or (1 if args.smoke else 5)
     args.workers_trials = args.workers_trials or (3 if args.smoke else 12)
+    args.multigpu_head_dim = args.multigpu_head_dim or (64 if args.smoke else 128)
+    args.multigpu_lkv = args.multigpu_lkv or ([64] if args.smoke else [16384])
+    args.multigpu_trials = args.multigpu_trials or (2 if args.smoke else 28)
     for name, (gpu, smoke) in CAPS.items():
         attr = f"{name}_cap"
         if getattr(args, attr) is None:
@@ -203,7 +236,7 @@ def report(env: dict[str, Any], args: argparse.Namespace, results: dict[str, dic
         mode = f"Picks and winners must lie within {args.tolerance:.0%} of each other."
     summary = "; ".join(f"{name} {r['verdict']} ({r['status']}, {r['wall_s']:.0f} s)" for name, r in results.items())
     notes = [f"{env['cpus']} usable CPUs; work folder (DBs, journals): `{args.work}`.", mode, f"Summary: {summary}."]
-    text = bl.header_markdown(env, "Tuner evidence: fault isolation, stability, workers (issues 7 and 8)", notes)
+    text = bl.header_markdown(env, f"Tuner evidence: {', '.join(args.parts)}", notes)
     for name, result in results.items():
         data = result["data"]
         lines = [

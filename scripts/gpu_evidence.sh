@@ -22,6 +22,10 @@
 # overhead            60    scripts/measure_overhead.py                                    <date>-overhead-<gpu>.md
 # tuner              200    scripts/evidence_tuner.py: injected fault, rank stability,     <date>-tuner-<gpu>.md/.json
 #                           one vs two workers on one shared study
+# multigpu           480    evidence_tuner.py multigpu (issue 9; a host with 2+ GPUs):     <date>-multigpu-<gpu>.md/.json
+#                           tune --device 0 vs --device all, tma_prefill + splitk_decode
+#                           (D 128, Lkv 16K, 28 trials per key), NVML utilization of every
+#                           GPU, winners re-timed together; MULTIGPU_ARGS adds arguments
 # stability          200    evidence_tuner.py stability only, 40 trials (tune's default),  <date>-stability-<gpu>.md/.json
 #                           for $STABILITY_KERNELS (default: tma_prefill varlen_sdpa)
 # pytest              90    pytest on $PYTEST_GPU_ARGS (a selection: files, -k ...)        tests/pytest.log, .xml
@@ -41,7 +45,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 
 declare -A DEFAULT_BUDGET=(
   [tests]=300 [tune-prefill]=300 [bench-prefill]=200 [decode]=210 [varlen]=150 [q4k]=240 [overhead]=60
-  [tuner]=200 [smoke]=1800 [prefill-defaults]=330 [stability]=200 [probe-decode]=60 [pytest]=90
+  [tuner]=200 [multigpu]=480 [smoke]=1800 [prefill-defaults]=330 [stability]=200 [probe-decode]=60 [pytest]=90
 )
 if (($# == 0)); then
   echo "usage: bash scripts/gpu_evidence.sh STAGE[:SECONDS] ... (stages: ${!DEFAULT_BUDGET[*]})" >&2
@@ -278,6 +282,14 @@ run_stage() {
       step tuner 600 python scripts/evidence_tuner.py --budget $((budget - 15)) --fault-cap 40 --workers-cap 60 \
         --stability-cap "$stability" --kernels splitk_decode --kernels tma_prefill --kernels q4k_fp8_gemm \
         --out "$out/$today-tuner-$(gpu_slug).md" --json "$out/$today-tuner-$(gpu_slug).json" fault workers stability
+      ;;
+
+    multigpu)
+      # Both tunes and the re-timing inside the part's cap; 25 s for the report and this stage's closing lines.
+      local extra name="$today-multigpu-$(gpu_slug)"
+      read -r -a extra <<<"${MULTIGPU_ARGS:-}"
+      step multigpu 600 python scripts/evidence_tuner.py --budget $((budget - 15)) --multigpu-cap $((budget - 25)) \
+        --out "$out/$name.md" --json "$out/$name.json" ${extra[@]+"${extra[@]}"} multigpu
       ;;
 
     stability)
