@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import toy_kernel
+from optuna.trial import TrialState
 from typer.testing import CliRunner
 
 from tritune.configs_db.store import ConfigStore
@@ -32,8 +33,8 @@ from tritune.kernels import registry
 from tritune.kernels.device import DeviceInfo, interpreter_device
 from tritune.tuner import timing
 from tritune.tuner.cli import app
-from tritune.tuner.shared import run_worker
-from tritune.tuner.studies import StudyStorage, summaries
+from tritune.tuner.shared import SharedKeyTuner, run_worker
+from tritune.tuner.studies import Heartbeat, StudyStorage, summaries
 from tritune.tuner.study import TuneOptions, environment_id
 
 TESTS = Path(__file__).resolve().parent
@@ -368,3 +369,38 @@ def test_device_all_needs_a_gpu(tmp_path):
     result = runner.invoke(app, ["--device", "all", "--db", str(tmp_path / "x.sqlite")])
     assert result.exit_code == 2
     assert "no CUDA GPU is visible" in " ".join(result.output.replace("│", " ").split())
+
+
+def test_two_workers_racing_for_the_last_budget_slot_measure_one(toy, tmp_path):
+    """Two workers that read the same spare budget and each ask a trial: the older trial keeps the
+    slot and the newer is told as a duplicate, so the key's budget is never overshot by the race."""
+    import torch
+
+    device = interpreter_device()
+    where = StudyStorage(str(tmp_path / "studies.log"))
+    key = toy_kernel.SPEC.default_keys(device)[0]
+    with ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}") as store:
+        env = environment_id(store, device)
+        # Nothing is measured yet: a budget of one trial is the single slot both workers ask for.
+        tuners = [
+            SharedKeyTuner(
+                toy_kernel.SPEC, key, device, torch.device("cpu"), store, env, toy_kernel.CostTimer(),
+                TuneOptions(trials=1, final_rounds=1), where=where,
+                heartbeat=Heartbeat(where.open(), where), worker=f"test:{name}",
+            )
+            for name in ("a", "b")
+        ]  # fmt: skip
+        default = toy_kernel.SPEC.default_config(key)
+        studies = [tuner._join(default) for tuner in tuners]
+        for tuner, study in zip(tuners, studies, strict=True):
+            tuner.study = study
+        asked = [tuner._ask(study) for tuner, study in zip(tuners, studies, strict=True)]
+        trials = studies[0].get_trials(deepcopy=False)
+        kept = [
+            tuner._within_budget(study, trials, [(item, tuner.space.parse(item[0].params))])
+            for tuner, study, item in zip(tuners, studies, asked, strict=True)
+        ]
+    assert [len(k) for k in kept] == [1, 0], "the older trial keeps the single slot, the newer backs off"
+    states = {t.number: t.state for t in studies[0].get_trials(deepcopy=False)}
+    assert states[asked[1][0].number] == TrialState.PRUNED
+    assert states[asked[0][0].number] == TrialState.RUNNING

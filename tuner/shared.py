@@ -374,7 +374,34 @@ class SharedKeyTuner(KeyTuner):
         except BaseException:
             self._release([item for item in asked if item[0].number not in told])
             raise
-        return pending
+        return self._within_budget(study, trials, pending)
+
+    def _within_budget(
+        self, study: optuna.Study, trials: list[FrozenTrial], pending: list[tuple[Asked, Any]]
+    ) -> list[tuple[Asked, Any]]:
+        """The pending trials that fit the key's budget; the rest are told as duplicates, unmeasured.
+
+        Workers that read the same spare budget at once each ask for it. Of the claims running
+        side by side, the older trial (lower number) keeps its place: a worker counts the other
+        workers' running trials that are older than its own first pending one, so of two racing
+        workers exactly one backs off, and the budget is never overshot by a race.
+        """
+        if not pending:
+            return pending
+        mine = {asked[0].number for asked, _ in pending}
+        first = min(mine)
+        claimed = {ident for ident, status in self.status.items() if status != PRUNED}
+        for trial in trials:
+            if trial.number in mine:
+                continue
+            if measured_outcome(trial) or (trial.state == TrialState.RUNNING and trial.number < first):
+                ident = self._trial_ident(trial)
+                if ident is not None:
+                    claimed.add(ident)
+        room = max(0, self.options.trials - len(claimed))
+        for asked, _ in pending[room:]:
+            self._tell(study, asked, DUPLICATE)
+        return pending[:room]
 
     def _measure(self, study: optuna.Study, bench: KeyBench, default: Any, pending: list[tuple[Asked, Any]]) -> int:
         told: set[int] = set()
