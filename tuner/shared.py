@@ -8,7 +8,8 @@ environment). A worker visits the keys of its plan in turn; one visit of a key:
    as finished trials, and enqueue the seeds it lacks (portable default, stored winner, the whole
    feasible space when that fits the budget), each exactly once however many workers join.
 2. Ask batches while the study has budget left. The budget counts distinct configs measured or
-   held (running) by any worker, so workers together measure ``--trials`` configs per key. In
+   held (running) by any worker, so workers together measure ``--trials`` configs per key (two
+   workers that ask for the same spare slots at once: the older trial keeps its slot). In
    the last ``polish`` share of it, a worker that finds the queue empty enqueues the neighbours of
    the best config so far that nobody runs (the hill climb of :class:`~.study.KeyTuner`).
 3. Before measuring, look again: a config already in the trials table, or finished in the study
