@@ -26,6 +26,9 @@
 #                           tune --device 0 vs --device all, tma_prefill + splitk_decode
 #                           (D 128, Lkv 16K, 28 trials per key), NVML utilization of every
 #                           GPU, winners re-timed together; MULTIGPU_ARGS adds arguments
+# defaults           540    tune each of $DEFAULTS_KERNELS (default: splitk_decode varlen_sdpa       <kernel>-defaults.sqlite,
+#                           q4k_fp8_gemm) over its default keys ($DEFAULTS_TUNE_ARGS, default    <kernel>-<gpu>.json
+#                           --trials 16 --time-budget 8), resuming build/evidence/<kernel>-defaults.sqlite
 # stability          200    evidence_tuner.py stability only, 40 trials (tune's default),  <date>-stability-<gpu>.md/.json
 #                           for $STABILITY_KERNELS (default: tma_prefill varlen_sdpa)
 # pytest              90    pytest on $PYTEST_GPU_ARGS (a selection: files, -k ...)        tests/pytest.log, .xml
@@ -45,7 +48,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 
 declare -A DEFAULT_BUDGET=(
   [tests]=300 [tune-prefill]=300 [bench-prefill]=200 [decode]=210 [varlen]=150 [q4k]=240 [overhead]=60
-  [tuner]=200 [multigpu]=480 [smoke]=1800 [prefill-defaults]=330 [stability]=200 [probe-decode]=60 [pytest]=90
+  [tuner]=200 [multigpu]=480 [smoke]=1800 [prefill-defaults]=330 [stability]=200 [probe-decode]=60 [pytest]=90 [defaults]=540
 )
 if (($# == 0)); then
   echo "usage: bash scripts/gpu_evidence.sh STAGE[:SECONDS] ... (stages: ${!DEFAULT_BUDGET[*]})" >&2
@@ -211,6 +214,23 @@ run_stage() {
       fi
       tune_and_export "$db" tma_prefill $((budget - 40)) python -c "$TUNE_PY" --device 0 --kernel tma_prefill \
         --head-dim 64 --head-dim 128 --trials 24 --time-budget 12 --db "$db"
+      ;;
+
+    defaults)
+      # Every default key of each kernel (the issues' tune grids), one kernel after another; a kernel
+      # cut off by the budget keeps its trials, and the next call resumes them from build/evidence.
+      local kernel db extra
+      read -r -a extra <<<"${DEFAULTS_TUNE_ARGS:---trials 16 --time-budget 8}"
+      for kernel in ${DEFAULTS_KERNELS:-splitk_decode varlen_sdpa q4k_fp8_gemm}; do
+        db="$work/$kernel-defaults.sqlite"
+        if [ ! -f "$db" ] && [ -f "build/evidence/$kernel-defaults.sqlite" ]; then
+          cp "build/evidence/$kernel-defaults.sqlite" "$db"
+          note "resuming build/evidence/$kernel-defaults.sqlite"
+        fi
+        # The tune stops 40 s short of the stage's end, so that its DB is still snapshotted and exported.
+        tune_and_export "$db" "$kernel" $((deadline - $(date +%s) - 40)) python -c "$TUNE_PY" --device 0 \
+          --kernel "$kernel" "${extra[@]}" --db "$db"
+      done
       ;;
 
     bench-prefill)

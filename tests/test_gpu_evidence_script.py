@@ -31,7 +31,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _run_tests_stage(tmp_path: Path, collected: str) -> list[str]:
+def _run_stage(tmp_path: Path, stage: str, collected: str = "", check: bool = False, **env_extra: str) -> list[str]:
+    """Run one stage of the script with the stand-in python; the command lines it was given."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "python"
@@ -45,9 +46,17 @@ def _run_tests_stage(tmp_path: Path, collected: str) -> list[str]:
         "FAKE_COLLECTED": collected,
         "EVIDENCE_WORK": str(tmp_path / "work"),
         "OUT": str(tmp_path / "out"),
+        **env_extra,
     }
-    subprocess.run(["bash", str(SCRIPT), "tests:60"], env=env, cwd=ROOT, check=True, capture_output=True, timeout=60)
-    return [line for line in calls.read_text().splitlines() if "-m pytest" in line and "--collect-only" not in line]
+    # ``check``: the stage must succeed. A tune stage cannot here: the stand-in writes no DB, which the
+    # stage reports as a failure, so for those only the commands it ran are looked at.
+    subprocess.run(["bash", str(SCRIPT), stage], env=env, cwd=ROOT, check=check, capture_output=True, timeout=60)
+    return calls.read_text().splitlines() if calls.exists() else []
+
+
+def _run_tests_stage(tmp_path: Path, collected: str) -> list[str]:
+    runs = _run_stage(tmp_path, "tests:60", collected, check=True)
+    return [line for line in runs if "-m pytest" in line and "--collect-only" not in line]
 
 
 def test_q4k_file_is_sharded_by_the_collected_ids(tmp_path):
@@ -64,3 +73,13 @@ def test_nothing_collected_runs_the_q4k_file_whole_not_the_whole_folder(tmp_path
     assert len(runs) == 4
     assert all(r.split()[-1].startswith("tests/test_") for r in runs), runs
     assert any(r.split()[-1] == "tests/test_q4k.py" for r in runs)
+
+
+def test_defaults_stage_tunes_each_kernel_over_its_default_keys(tmp_path):
+    calls = _run_stage(tmp_path, "defaults:120", DEFAULTS_KERNELS="splitk_decode varlen_sdpa")
+    tunes = [line for line in calls if "--kernel" in line and "export" not in line]
+    assert [t.split("--kernel ")[1].split()[0] for t in tunes] == ["splitk_decode", "varlen_sdpa"]
+    for tune in tunes:
+        # No key options: the kernel's default keys; the default trial and time options.
+        assert "--trials 16 --time-budget 8" in tune and "--head-dim" not in tune and "--batch" not in tune
+        assert tune.split("--db ")[1].endswith("-defaults.sqlite")
