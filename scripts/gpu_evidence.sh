@@ -29,6 +29,9 @@
 # defaults           540    tune each of $DEFAULTS_KERNELS (default: splitk_decode varlen_sdpa       <kernel>-defaults.sqlite,
 #                           q4k_fp8_gemm) over its default keys ($DEFAULTS_TUNE_ARGS, default    <kernel>-<gpu>.json
 #                           --trials 16 --time-budget 8), resuming build/evidence/<kernel>-defaults.sqlite
+# bench-decode       150    scripts/bench_decode.py / bench_varlen.py / bench_q4k.py on the defaults   <date>-<kernel>-<gpu>.md/.json
+# bench-varlen       120    stage's DB ($work/<kernel>-defaults.sqlite from a defaults stage earlier in
+# bench-q4k          150    the call, else build/evidence/<kernel>-defaults.sqlite); *_BENCH_ARGS as below
 # stability          200    evidence_tuner.py stability only, 40 trials (tune's default),  <date>-stability-<gpu>.md/.json
 #                           for $STABILITY_KERNELS (default: tma_prefill varlen_sdpa)
 # pytest              90    pytest on $PYTEST_GPU_ARGS (a selection: files, -k ...)        tests/pytest.log, .xml
@@ -49,6 +52,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 declare -A DEFAULT_BUDGET=(
   [tests]=300 [tune-prefill]=300 [bench-prefill]=200 [decode]=210 [varlen]=150 [q4k]=240 [overhead]=60
   [tuner]=200 [multigpu]=480 [smoke]=1800 [prefill-defaults]=330 [stability]=200 [probe-decode]=60 [pytest]=90 [defaults]=540
+  [bench-decode]=150 [bench-varlen]=120 [bench-q4k]=150
 )
 if (($# == 0)); then
   echo "usage: bash scripts/gpu_evidence.sh STAGE[:SECONDS] ... (stages: ${!DEFAULT_BUDGET[*]})" >&2
@@ -231,6 +235,23 @@ run_stage() {
         tune_and_export "$db" "$kernel" $((deadline - $(date +%s) - 40)) python -c "$TUNE_PY" --device 0 \
           --kernel "$kernel" "${extra[@]}" --db "$db"
       done
+      ;;
+
+    bench-decode | bench-varlen | bench-q4k)
+      local kernel script extra
+      case "$stage" in
+        bench-decode) kernel=splitk_decode script=bench_decode.py; read -r -a extra <<<"${DECODE_BENCH_ARGS:-}" ;;
+        bench-varlen) kernel=varlen_sdpa script=bench_varlen.py; read -r -a extra <<<"${VARLEN_BENCH_ARGS:-}" ;;
+        *) kernel=q4k_fp8_gemm script=bench_q4k.py; read -r -a extra <<<"${Q4K_BENCH_ARGS:---m 1 --m 16 --m 64 --m 4096}" ;;
+      esac
+      local db="$work/$kernel-defaults.sqlite" dbargs name="$today-$kernel-$(gpu_slug)"
+      if [ ! -f "$db" ] && [ -f "build/evidence/$kernel-defaults.sqlite" ]; then
+        cp "build/evidence/$kernel-defaults.sqlite" "$db"
+        note "tuned configs from build/evidence/$kernel-defaults.sqlite"
+      fi
+      read -r -a dbargs <<<"$(db_args "$db")"
+      step bench 600 python "scripts/$script" ${dbargs[@]+"${dbargs[@]}"} --out "$out/$name.md" \
+        --json "$out/$name.json" ${extra[@]+"${extra[@]}"}
       ;;
 
     bench-prefill)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from .base import HEAD_DIMS, SearchSpace, TargetLimits, choice, padded_head_dim, pointer_attention_reason
 
@@ -172,7 +172,8 @@ def feasibility(config: DecodeConfig, key: _DecodeKeyFields, limits: TargetLimit
 #: Shared memory every CUDA GPU the portable default must run on offers a block (Ampere consumer parts: 99 KiB).
 _PORTABLE_LIMITS = TargetLimits(smem_bytes=96 * 1024)
 #: The portable default, then smaller tiles for the keys (head dim 256, packed groups) where it does not fit.
-_PORTABLE_STEPS: tuple[dict[str, int], ...] = (
+#: Any-valued: the overrides go to dataclasses.replace, whose fields mix ints with the bool FUSED_MERGE.
+_PORTABLE_STEPS: tuple[dict[str, Any], ...] = (
     {},
     {"BLOCK_N": 32},
     {"BLOCK_N": 32, "num_warps": 8},

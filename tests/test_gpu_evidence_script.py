@@ -83,3 +83,21 @@ def test_defaults_stage_tunes_each_kernel_over_its_default_keys(tmp_path):
         # No key options: the kernel's default keys; the default trial and time options.
         assert "--trials 16 --time-budget 8" in tune and "--head-dim" not in tune and "--batch" not in tune
         assert tune.split("--db ")[1].endswith("-defaults.sqlite")
+
+
+@pytest.mark.parametrize(
+    ("stage", "script", "kernel"),
+    [
+        ("bench-decode", "bench_decode.py", "splitk_decode"),
+        ("bench-varlen", "bench_varlen.py", "varlen_sdpa"),
+        ("bench-q4k", "bench_q4k.py", "q4k_fp8_gemm"),
+    ],
+)
+def test_bench_stages_read_the_defaults_db(tmp_path, stage, script, kernel):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / f"{kernel}-defaults.sqlite").write_bytes(b"")
+    calls = _run_stage(tmp_path, f"{stage}:60", check=True)
+    benches = [line for line in calls if f"scripts/{script}" in line]
+    assert len(benches) == 1
+    assert f"--db {work}/{kernel}-defaults.sqlite" in benches[0]

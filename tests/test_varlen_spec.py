@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tritune.kernels.device import DeviceInfo, interpreter_device
-from tritune.kernels.dispatcher import DISPATCHER, config_from_values, dispatch
+from tritune.kernels.dispatcher import DISPATCHER, NEAREST_MAX_LOG2, config_from_values, dispatch
 from tritune.kernels.registry import get_spec
 from tritune.kernels.varlen.op import DYNAMIC, VarlenFacts
 from tritune.kernels.varlen.spec import SPEC, VarlenKey, _segment_lengths
@@ -77,12 +77,18 @@ def test_dispatch_values_rebuild_the_config():
 
 def test_default_keys():
     gpu = SPEC.default_keys(H200)
-    assert len(gpu) == 6
+    assert len(gpu) == 8
     assert {k.head_dim for k in gpu} == {128, 64}
-    assert {(k.t_bucket, k.s_bucket) for k in gpu} == {(32, 32), (4096, 32), (2048, 4)}
-    assert {(k.rows_bucket, k.gqa_group, k.dtype, k.causal, k.windowed, k.ring) for k in gpu} == {
-        (32768, 4, "bf16", True, False, False)
+    assert {(k.t_bucket, k.s_bucket, k.rows_bucket) for k in gpu} == {
+        (32, 32, 32768),
+        (64, 64, 16384),
+        (4096, 32, 32768),
+        (2048, 4, 32768),
     }
+    # The two decode mixes are too far apart for either to borrow the other's winner.
+    decode_32, decode_64 = (next(k for k in gpu if k.t_bucket == t and k.head_dim == 128) for t in (32, 64))
+    assert decode_32.distance(decode_64) > NEAREST_MAX_LOG2
+    assert {(k.gqa_group, k.dtype, k.causal, k.windowed, k.ring) for k in gpu} == {(4, "bf16", True, False, False)}
     assert {k.head_dim for k in SPEC.default_keys(H200, head_dims=[256])} == {256}
     with pytest.raises(ValueError, match="head_dims: 48"):
         SPEC.default_keys(H200, head_dims=48)

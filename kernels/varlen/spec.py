@@ -25,9 +25,10 @@ _LAUNCH_BOUND_BYTES = 64 << 20
 _CHECK_ROWS = 2048
 #: Problem sizes on the interpreter.
 _CPU_MAX_ROWS, _CPU_MAX_TOKENS, _CPU_MAX_SEGMENTS = 64, 32, 16
-#: The mixes ``tune`` sweeps on a GPU: (T, S) = pure decode, 28 decode + 4 prefill chunks, 4 prefill chunks.
-_GPU_MIXES = ((32, 32), (4096, 32), (2048, 4))
-_GPU_ROWS = 32768
+#: The mixes ``tune`` sweeps on a GPU, (T, S, store rows): 32 decodes over a 32K store, 64 decodes over a
+#: 16K store (a batch of shorter contexts: three buckets away from the first, too far to borrow from it),
+#: 28 decodes + 4 prefill chunks, 4 prefill chunks.
+_GPU_MIXES = ((32, 32, 32768), (64, 64, 16384), (4096, 32, 32768), (2048, 4, 32768))
 #: Prefill chunk lengths of the problems (tokens a chunked-prefill engine adds per step).
 _GPU_MAX_CHUNK, _CPU_MAX_CHUNK = 512, 16
 
@@ -177,9 +178,7 @@ class VarlenSpec(KernelSpec[VarlenConfig, VarlenKey]):
             q, k_store, v_store, seq_info, causal=causal, window=window, ring=ring, softmax_scale=softmax_scale
         )
 
-    def check(
-        self, out: torch.Tensor, expected: torch.Tensor, problem: Problem, config: Any = None
-    ) -> str | None:
+    def check(self, out: torch.Tensor, expected: torch.Tensor, problem: Problem, config: Any = None) -> str | None:
         """Within the dtype's tolerance of the fp64 reference (see ``reference.compare``); NaN never passes."""
         return compare(out, expected, problem.args[0].dtype)
 
@@ -253,8 +252,9 @@ class VarlenSpec(KernelSpec[VarlenConfig, VarlenKey]):
         )
 
     def default_keys(self, device: DeviceInfo, head_dims: int | Iterable[int] | None = None) -> list[VarlenKey]:
-        """GPU: bf16 causal GQA-4 over 32K-row stores, D 128 and 64, at three mixes: 32 decode tokens,
-        28 decodes + 4 prefill chunks of 512 (width 4096), 4 chunks of 512 (width 2048). Interpreter: D 64, GQA 2, tiny.
+        """GPU: bf16 causal GQA-4, D 128 and 64, at four mixes: 32 decode tokens (32K-row store), 64 decode
+        tokens (16K rows), 28 decodes + 4 prefill chunks of 512 (width 4096, 32K rows), 4 chunks of 512 (width
+        2048, 32K rows). Interpreter: D 64, GQA 2, tiny.
         """
         if head_dims is None:
             dims = [64] if device.is_interpreter else [128, 64]
@@ -264,9 +264,9 @@ class VarlenSpec(KernelSpec[VarlenConfig, VarlenKey]):
             if d not in HEAD_DIMS:
                 raise ValueError(f"head_dims: {d} is not served; expected one of {HEAD_DIMS}")
         if device.is_interpreter:
-            mixes, rows, group = ((4, 4), (32, 16)), 64, 2
+            mixes, group = ((4, 4, 64), (32, 16, 64)), 2
         else:
-            mixes, rows, group = _GPU_MIXES, _GPU_ROWS, 4
+            mixes, group = _GPU_MIXES, 4
         return [
             VarlenKey(
                 arch=device.arch,
@@ -282,7 +282,7 @@ class VarlenSpec(KernelSpec[VarlenConfig, VarlenKey]):
                 rows_bucket=pow2_bucket(rows),
             )
             for d in dims
-            for t, s in mixes
+            for t, s, rows in mixes
         ]
 
 
