@@ -75,8 +75,7 @@ class TuningKey:
     def distance(self, other: TuningKey) -> float:
         """Sum of log2 distances over bucket fields (only meaningful within one group)."""
         return sum(
-            abs(math.log2(max(getattr(self, b), 1)) - math.log2(max(getattr(other, b), 1)))
-            for b in self.BUCKETS
+            abs(math.log2(max(getattr(self, b), 1)) - math.log2(max(getattr(other, b), 1))) for b in self.BUCKETS
         )
 
 
@@ -90,7 +89,8 @@ class Problem:
     bytes_moved: float = 0.0
     #: Whether timing should flush the L2 between repetitions (the real workload exceeds it).
     flush_l2: bool = True
-    #: Whether the kernel is launch-bound at this size (time CUDA-graph replays instead).
+    #: Time CUDA-graph replays instead of eager calls: the kernel is launch-bound at this size, or is
+    #: served from captured graphs (decode and varlen steps), where the host's launch cost is not paid.
     launch_bound: bool = False
 
 
@@ -162,9 +162,7 @@ class KernelSpec(ABC, Generic[C, K]):
         """The pure-PyTorch result of the same call, in fp32 or better."""
 
     @abstractmethod
-    def check(
-        self, out: torch.Tensor, expected: torch.Tensor, problem: Problem, config: Any = None
-    ) -> str | None:
+    def check(self, out: torch.Tensor, expected: torch.Tensor, problem: Problem, config: Any = None) -> str | None:
         """``None`` if ``out`` is close enough to ``expected``, else why not.
 
         ``config`` is the config that produced ``out`` (the tuner passes it), for kernels whose

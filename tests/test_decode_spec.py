@@ -212,3 +212,14 @@ def test_check_refuses_nan_and_wrong_values():
     off[1, 2, 0, 5] += 0.1 * float(expected.abs().max())
     assert "max error" in SPEC.check(off, expected, problem)
     assert "shape" in compare(good[:1], expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_problems_are_timed_as_graph_replays_at_every_size():
+    # B=1 over 32K keys moves 134 MB: not launch-bound on the GPU, but serving replays it from a graph,
+    # and eager timing would count the host's two launches (more than the step takes on an H200).
+    key = DecodeKey(arch="sm90", sm_count=132, dtype="bf16", head_dim=128, gqa_group=4, lq=1, bh_bucket=8,
+                    lkv_bucket=32768)  # fmt: skip
+    problem = SPEC.make_problem(key, torch.device("cuda"), seed=1)
+    assert problem.bytes_moved > 64 << 20
+    assert problem.launch_bound
