@@ -82,9 +82,9 @@ def test_dispatch_values_rebuild_the_config():
 
 def test_default_keys():
     gpu = SPEC.default_keys(H200)
-    assert len(gpu) == 2 * 4 * 5
+    assert len(gpu) == 2 * 6 * 5
     assert {k.head_dim for k in gpu} == {128, 64}
-    assert {k.bh_bucket for k in gpu} == {8, 32, 128, 512}
+    assert {k.bh_bucket for k in gpu} == {8, 32, 64, 128, 256, 512}
     assert {k.lkv_bucket for k in gpu} == {1024, 4096, 16384, 32768, 131072}
     assert {(k.lq, k.gqa_group, k.dtype) for k in gpu} == {(1, 4, "bf16")}
     narrowed = SPEC.default_keys(H200, head_dims=[256], batches=[2], lkv=[3000])
