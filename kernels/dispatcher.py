@@ -143,17 +143,25 @@ class Dispatcher:
                 # tuned for small M must not be borrowed at M=8192), and near it: on the H200 a
                 # varlen config tuned for 32 decode tokens, borrowed for a 4096-token mix, ran
                 # 4.4x slower than the portable default.
-                candidates = [
-                    (distance, -e.speedup, e)
+                neighbours = [
+                    (distance, e)
                     for k, e in table.groups.get((spec.name, key.group()), [])
                     if (distance := k.distance(key)) <= NEAREST_MAX_LOG2
-                    and e.speedup >= threshold
-                    and spec.space.infeasible_reason(e.config, key, limits) is None
                 ]
-                if candidates:
-                    config = min(candidates, key=lambda c: (c[0], c[1]))[2].config
-                else:
+                candidates = [
+                    (distance, -e.speedup, e)
+                    for distance, e in neighbours
+                    if e.speedup >= threshold and spec.space.infeasible_reason(e.config, key, limits) is None
+                ]
+                if not candidates:
                     reason = "no tuned config for this key or a bucket near it"
+                elif any(d <= min(c[0] for c in candidates) and e.speedup < threshold for d, e in neighbours):
+                    # A bucket as near whose tune found no gain says the portable default is near the best
+                    # here: on the H200, decode B=8 borrowed B=16's winner next to B=4's "no gain" and
+                    # replayed 3% slower than the portable default.
+                    reason = "a bucket as near as the nearest tuned winner found no gain over the portable default"
+                else:
+                    config = min(candidates, key=lambda c: (c[0], c[1]))[2].config
         if config is None:
             config = spec.default_config(key)
             if (spec.name, key) not in self._logged:

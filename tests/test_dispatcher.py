@@ -53,8 +53,15 @@ def _store(*records: WinnerRecord) -> None:
     for record in records:
         # Provenance is stamped from the environment row, so each record gets a matching one.
         env = store.environment(
-            gpu=record.gpu, gpu_name=record.gpu, capability="0.0", sm_count=1, driver="", cuda="",
-            torch_version=record.torch_version, triton_version=record.triton_version, tritune_version="test",
+            gpu=record.gpu,
+            gpu_name=record.gpu,
+            capability="0.0",
+            sm_count=1,
+            driver="",
+            cuda="",
+            torch_version=record.torch_version,
+            triton_version=record.triton_version,
+            tritune_version="test",
         )
         assert store.offer_winner(record, env)
 
@@ -101,6 +108,26 @@ def test_nearest_bucket_in_the_same_group():
     assert _served(200)["BLOCK"] == 16
     # 100 -> bucket 128: distance 1 to 256, 3 to 1024.
     assert _served(100)["BLOCK"] == 16
+
+
+def test_a_no_gain_bucket_as_near_as_the_lender_keeps_the_portable_default():
+    _store(
+        _winner(256, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.01),
+        _winner(1024, {"BLOCK": 128, "BROKEN": False, "num_warps": 4}, speedup=1.9),
+    )
+    # 300 -> bucket 512: distance 1 to both; 256's tune found the portable default as good.
+    assert _served(300)["BLOCK"] == 32
+    # 600 -> bucket 1024: exact, served whatever its neighbours say.
+    assert _served(600)["BLOCK"] == 128
+
+
+def test_a_farther_no_gain_bucket_does_not_block_the_nearest_lender():
+    _store(
+        _winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5),
+        _winner(1024, {"BLOCK": 128, "BROKEN": False, "num_warps": 4}, speedup=1.01),
+    )
+    # 200 -> bucket 256: distance 1 to the lender at 128, 2 to the no-gain bucket 1024.
+    assert _served(200)["BLOCK"] == 64
 
 
 def test_far_buckets_never_lend():
@@ -168,8 +195,7 @@ def test_fallback_logged_once_per_key(caplog):
         ({"key": {"arch": "cpu-interpreter", "dtype": "float32", "n_bucket": 128}}, "malformed key"),
         ({"kernel": "gone_kernel"}, "unknown kernel"),
     ],
-    ids=["stale-kernel", "stale-triton", "config-outside-space", "key-other-gpu", "key-missing",
-         "unknown-kernel"],
+    ids=["stale-kernel", "stale-triton", "config-outside-space", "key-other-gpu", "key-missing", "unknown-kernel"],
 )
 def test_refused_records_log_reason_and_portable_serves(caplog, overrides, reason):
     caplog.set_level(logging.WARNING, logger="tritune.dispatch")
