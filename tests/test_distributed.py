@@ -311,6 +311,49 @@ def test_gpu_models_are_tuned_in_their_own_studies(toy, tmp_path):
         assert document["gpu"] == slug and len(document["winners"]) == 2
 
 
+def test_two_gpus_of_one_model_count_each_shared_study_once(toy, tmp_path, monkeypatch, capsys):
+    """``tune --device 0,1`` on two GPUs of one model: both plan the same keys, so both workers join the same
+    studies. The coordinator counted each study once per GPU and reported half of them as not finalized
+    (the first two-H200 run: "10 key(s) were not finalized" with all 10 winners stored)."""
+    import torch
+
+    from tritune.kernels import device as device_module
+    from tritune.tuner import cli, fleet
+
+    h200 = _fake_h200()
+    monkeypatch.setattr(device_module, "device_info", lambda torch_device: h200)
+
+    released_from: list[list[str]] = []
+
+    def run_here(jobs, study_names):
+        """The fleet's workers one after the other in this process, each on the interpreter as an H200."""
+        released_from.append(list(study_names))
+        exits = []
+        for job in jobs:
+            plan = [(toy_kernel.SPEC, toy_kernel.SPEC.key_type.from_dict(key)) for _, key in job.keys]
+            with ConfigStore(job.db_url) as store:
+                run_worker(
+                    plan, device=h200, torch_device=torch.device("cpu"), store=store,
+                    env_id=environment_id(store, h200), timer=job.timer, options=job.options,
+                    where=job.where, worker=f"test:{job.label}",
+                )  # fmt: skip
+            exits.append(fleet.WorkerExit(job, os.getpid(), 0))
+        return exits
+
+    monkeypatch.setattr(fleet, "run_fleet", run_here)
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    where = StudyStorage(str(tmp_path / "studies.log"))
+    given: dict[str, list[int]] = {"head_dim": [], "lq": [], "lkv": [], "batch": [], "m": []}
+    # Without an exception: the command exits 0.
+    cli._tune_fleet(["0", "1"], ["toy_scale"], given, url, TuneOptions(trials=40, final_rounds=1), where, 10)
+
+    output = " ".join(capsys.readouterr().out.split())
+    assert [len(names) for names in released_from] == [2]
+    assert "tuning 2 key(s) with 2 workers (cuda:0, cuda:1)" in output
+    assert "not finalized" not in output
+    assert sorted(w.key["n_bucket"] for w in ConfigStore(url).winners(gpu=h200.slug)) == [64, 256]
+
+
 def test_shared_study_resumes_from_the_trials_table_and_finishes_once(toy, tmp_path):
     db = f"sqlite:///{tmp_path / 'db.sqlite'}"
     studies = str(tmp_path / "studies.log")

@@ -328,17 +328,16 @@ def _tune_fleet(
     specs = [get_spec(n) for n in names]
     targets = {spec.name: spec_target(spec) for spec in specs}
     jobs: list[WorkerJob] = []
-    study_names: list[str] = []
+    # GPUs of one model plan the same keys and so share each study: a name is counted once.
+    study_names: dict[str, None] = {}
     plans: dict[str, list[tuple[Any, Any]]] = {}
     for index, entry in enumerate(devices):
         torch_device = torch.device("cpu") if entry == "cpu" else torch.device("cuda", int(entry))
         info = device_info(torch_device)
         if entry not in plans:
             plans[entry] = [(spec, key) for spec in specs for key in _keys_for(spec, info, given)]
-            study_names.extend(
-                study_name(spec.name, spec.version, info.slug, _triton_version(), key.to_dict())
-                for spec, key in plans[entry]
-            )
+            for spec, key in plans[entry]:
+                study_names[study_name(spec.name, spec.version, info.slug, _triton_version(), key.to_dict())] = None
         jobs.append(
             WorkerJob(
                 label=f"cpu#{index}" if entry == "cpu" else f"cuda:{entry}",
@@ -360,7 +359,7 @@ def _tune_fleet(
     )
     started = time.monotonic()
     try:
-        exits = run_fleet(jobs, study_names)
+        exits = run_fleet(jobs, list(study_names))
         for ended in exits:
             if ended.exitcode != 0:
                 console.print(
@@ -372,10 +371,11 @@ def _tune_fleet(
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
     print_status(rows, title="shared studies")
-    unfinished = [row for row in rows if row.finalized is None]
+    finalized = {row.name for row in rows if row.finalized is not None}
+    unfinished = [name for name in study_names if name not in finalized]
     console.print(f"done in {time.monotonic() - started:.1f} s; winners stored in {display_url(url)}")
-    if unfinished or len(rows) < len(study_names):
-        console.print(f"[red]{len(study_names) - len(rows) + len(unfinished)} key(s) were not finalized[/red]")
+    if unfinished:
+        console.print(f"[red]{len(unfinished)} key(s) were not finalized[/red]")
         raise typer.Exit(1)
 
 
