@@ -193,3 +193,14 @@ def test_problems_pass_the_check_on_the_interpreter(changes):
     out = SPEC.launch(SPEC.default_config(key), *problem.args, **problem.kwargs)
     assert SPEC.check(out, SPEC.reference(*problem.args, **problem.kwargs), problem) is None
     assert SPEC.check(torch.full_like(out, float("nan")), SPEC.reference(*problem.args, **problem.kwargs), problem)
+
+
+def test_starting_configs_seed_small_tiles_for_decode_mixes_only_on_a_gpu():
+    keys = {(k.head_dim, k.t_bucket): k for k in SPEC.default_keys(H200)}
+    limits = SPEC.limits(H200)
+    decode, mixed = SPEC.starting_configs(keys[128, 64], H200), SPEC.starting_configs(keys[128, 4096], H200)
+    assert decode and mixed
+    assert all(SPEC.space.infeasible_reason(c, keys[128, 64], limits) is None for c in decode)
+    assert min(c.BLOCK_M for c in decode) == 16 and min(c.BLOCK_M for c in mixed) > 16
+    assert SPEC.default_config(keys[128, 64]) not in decode
+    assert SPEC.starting_configs(SPEC.default_keys(CPU)[0], CPU) == []

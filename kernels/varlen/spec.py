@@ -251,6 +251,34 @@ class VarlenSpec(KernelSpec[VarlenConfig, VarlenKey]):
             launch_bound=True,
         )
 
+    def starting_configs(self, key: VarlenKey, device: DeviceInfo) -> list[VarlenConfig]:
+        """Configs the tuner measures first on a GPU: the winners of the H200's tunes of 2026-11-29.
+
+        Those tunes stopped at 8-12 trials a key (their per-key time budget: varlen candidates
+        compile slowly), so where a mix was not searched deeply these seed it. Decode-only mixes
+        (at most one new token a segment) won with small M tiles and few splits: 16x16 tiles and
+        4 splits at 32 decodes, D=128 (1.12x the portable default), 64x64 tiles, 4 splits and one
+        wave at 64 decodes, D=64 (1.30x). Mixes with prefill chunks won with 128x128 tiles at
+        D=128 (1.13-1.32x) and the same 64x64 config at D=64 (1.26-1.34x). Measured and gated like
+        any other proposal; only those the space admits at ``key``.
+        """
+        if device.is_interpreter:
+            return []
+        few_splits = {"MAX_SPLITS": 4, "MIN_CHUNK": 512, "num_stages": 4, "num_warps": 4}
+        starts = [
+            {**few_splits, "BLOCK_M": 64, "BLOCK_N": 64, "TARGET_WAVES": 1},
+            {"BLOCK_M": 128, "BLOCK_N": 128, "MAX_SPLITS": 64, "MIN_CHUNK": 2048, "TARGET_WAVES": 4, "num_stages": 3,
+             "num_warps": 8},
+        ]  # fmt: skip
+        if key.t_bucket <= key.s_bucket:
+            starts[:0] = [
+                {**few_splits, "BLOCK_M": 16, "BLOCK_N": 16, "TARGET_WAVES": 4},
+                {**few_splits, "BLOCK_M": 16, "BLOCK_N": 64, "TARGET_WAVES": 2},
+            ]
+        limits = self.limits(device)
+        configs = [self.space.parse(values) for values in starts]
+        return [c for c in configs if self.space.infeasible_reason(c, key, limits) is None]
+
     def default_keys(self, device: DeviceInfo, head_dims: int | Iterable[int] | None = None) -> list[VarlenKey]:
         """GPU: bf16 causal GQA-4, D 128 and 64, at four mixes: 32 decode tokens (32K-row store), 64 decode
         tokens (16K rows), 28 decodes + 4 prefill chunks of 512 (width 4096, 32K rows), 4 chunks of 512 (width
