@@ -82,6 +82,14 @@ def worker_main(job: Any) -> None:
     worker_process_main(job)
 
 
+def lingering_worker(job: Any) -> None:
+    """A coordinator's worker process that leaves a thread behind, as a compile pool may."""
+    from tritune.tuner.fleet import worker_process_main
+
+    toy_kernel.linger()
+    worker_process_main(job)
+
+
 class AfterVictimTimer:
     """The other workers' timer: it measures nothing before the victim has started a trial.
 
@@ -255,6 +263,26 @@ def test_three_local_workers_share_the_studies_and_retry_a_killed_one(tmp_path):
     shown = runner.invoke(app, ["status", "--storage", str(studies)])
     assert shown.exit_code == 0, shown.output
     assert "n_bucket=64" in shown.output and "n_bucket=256" in shown.output
+
+
+def test_a_worker_process_ends_as_soon_as_its_work_is_done(tmp_path, monkeypatch):
+    """The coordinator waits for its workers' processes to end: a worker must not wait for its interpreter's
+    exit, which joins the threads left behind (here one that sleeps for a minute and a half)."""
+    from tritune.tuner import fleet
+
+    monkeypatch.setattr(fleet, "worker_process_main", lingering_worker)
+    job = fleet.WorkerJob(
+        label="cpu#0", index=0, count=1, device="cpu", targets={}, keys=[],
+        db_url=f"sqlite:///{tmp_path / 'db.sqlite'}", where=StudyStorage(str(tmp_path / "studies.log")),
+        options=TuneOptions(), timer=toy_kernel.CostTimer(),
+    )  # fmt: skip
+    started = time.monotonic()
+    exits = fleet.run_fleet([job], [])
+    elapsed = time.monotonic() - started
+    assert [ended.exitcode for ended in exits] == [0]
+    # Start-up (a fresh interpreter importing torch) is most of it.
+    assert elapsed < toy_kernel.LINGER_S / 3, f"the worker process took {elapsed:.1f} s"
+    assert (tmp_path / "db.sqlite").exists(), "the worker did its work"
 
 
 # ---- in-process: GPU models, resume, options ---------------------------------------------------------

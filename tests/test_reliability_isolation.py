@@ -9,6 +9,7 @@ GPU work, and still finish with the right winner.
 from __future__ import annotations
 
 import pickle
+import time
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from tritune.kernels import registry
 from tritune.kernels.device import device_info
 from tritune.tuner.candidates import BenchError
 from tritune.tuner.study import KeyTuner, TuneOptions, environment_id
-from tritune.tuner.worker import EXIT_CONTEXT_LOST, Worker, death_reason
+from tritune.tuner.worker import EXIT_CONTEXT_LOST, STOP_GRACE_S, Worker, death_reason
 
 CPU = device_info("cpu")
 #: A hung candidate is killed after this long. Every other trial of the toy kernel takes about 10 ms
@@ -43,8 +44,11 @@ def test_misbehaving_candidates_are_failed_trials_and_the_study_goes_on(tmp_path
         result = KeyTuner(spec, key, CPU, torch.device("cpu"), store, env, timer, options, bench=worker).run()
         starts = worker.starts
 
-    rows = {row.config["ACTION"]: row for row in store.measured_trials(env, spec.name, spec.version, key.to_dict())
-            if row.config["BLOCK"] == 64}
+    rows = {
+        row.config["ACTION"]: row
+        for row in store.measured_trials(env, spec.name, spec.version, key.to_dict())
+        if row.config["BLOCK"] == 64
+    }
     assert rows["segfault"].status == "failed-runtime"
     assert rows["segfault"].error == "worker died with exit code -11 (SIGSEGV)"
     assert rows["hang"].status == "failed-runtime"
@@ -62,6 +66,22 @@ def test_misbehaving_candidates_are_failed_trials_and_the_study_goes_on(tmp_path
     assert result.failed == 4 and result.measured == 2
     winners = store.winners(gpu=CPU.slug, kernel=spec.name)
     assert [w.config for w in winners] == [{"BLOCK": 64, "ACTION": "none"}]
+
+
+def test_a_stopped_worker_ends_at_once():
+    """``Worker.close`` does not wait for the worker's interpreter to exit: a thread left behind there (as a
+    compile pool's may be) held the close for the whole grace period, then the worker was killed."""
+    spec = toy_kernel.SPEC
+    key = spec.default_keys(CPU, n=[64])[0]
+    worker = Worker("cpu", toy_kernel.LingeringTimer())
+    try:
+        worker.open(spec, key, 0, spec.space.to_dict(spec.default_config(key)))
+        started = time.monotonic()
+        worker.close()
+        closing = time.monotonic() - started
+    finally:
+        worker.close()
+    assert closing < STOP_GRACE_S / 4, f"closing the worker took {closing:.1f} s"
 
 
 def test_misbehaviour_refuses_to_run_in_the_test_process():

@@ -5,7 +5,7 @@ plus one config that is wrong on purpose (``BROKEN=True`` writes ``x * alpha + 1
 tuner's correctness gate has something to refuse.
 
 For the reliability tests, which tune in worker processes, the end of the file adds what must be
-importable there by name: :class:`CostTimer` (a fake timer that pickles) and
+importable there by name: :class:`CostTimer` (a fake timer that pickles), :class:`LingeringTimer` and
 :data:`MISBEHAVING`, a spec of the same kernel whose ``ACTION`` configs crash, hang, run out
 of memory or poison the (simulated) CUDA context on purpose, and only inside a worker process.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing
 import resource
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -81,16 +82,15 @@ class ToySpec(KernelSpec[ToyConfig, ToyKey]):
     def launch(self, config: ToyConfig, x: torch.Tensor, *, alpha: float = 2.0, out: torch.Tensor | None = None):
         out = torch.empty_like(x) if out is None else out
         grid = (triton.cdiv(x.numel(), config.BLOCK),)
-        _scale_kernel[grid](x, out, x.numel(), alpha, BLOCK=config.BLOCK, BROKEN=config.BROKEN,
-                            num_warps=config.num_warps)
+        _scale_kernel[grid](
+            x, out, x.numel(), alpha, BLOCK=config.BLOCK, BROKEN=config.BROKEN, num_warps=config.num_warps
+        )
         return out
 
     def reference(self, x: torch.Tensor, *, alpha: float = 2.0, out: torch.Tensor | None = None) -> torch.Tensor:
         return x.double() * alpha
 
-    def check(
-        self, out: torch.Tensor, expected: torch.Tensor, problem: Problem, config: Any = None
-    ) -> str | None:
+    def check(self, out: torch.Tensor, expected: torch.Tensor, problem: Problem, config: Any = None) -> str | None:
         if not bool(torch.isfinite(out).all()):
             return "non-finite output"
         err = float((out.double() - expected).abs().max())
@@ -136,6 +136,24 @@ class CostTimer:
         fn()
         self.calls += 1
         return toy_cost(config) * self.scale
+
+
+#: Seconds the thread a :class:`LingeringTimer` leaves behind outlives the work (a test's failure, not its run).
+LINGER_S = 90.0
+
+
+def linger() -> None:
+    """Start a thread that outlives this process's work, as a compile pool's threads may: an ordinary
+    interpreter exit waits for it."""
+    threading.Thread(target=time.sleep, args=(LINGER_S,), name="toy-lingering").start()
+
+
+class LingeringTimer(CostTimer):
+    """A :class:`CostTimer` that, once unpickled in a worker process, leaves a thread there (:func:`linger`)."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        linger()
 
 
 ACTIONS = ("none", "segfault", "hang", "oom", "illegal_access")

@@ -13,7 +13,9 @@ enqueues them again) as soon as it sees the process gone; the surviving workers 
 On an RDB storage the heartbeat does the same for workers on any host.
 
 A worker process exits by itself when the coordinator dies, like the candidate worker of
-:mod:`.worker`.
+:mod:`.worker`, and at once when its work is done (its results are in the config DB and the
+study storage by then): the coordinator waits for every process to end, and an ordinary
+interpreter exit (leftover threads, exit handlers, CUDA teardown) may take long.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
@@ -31,7 +34,7 @@ from .shared import worker_name
 from .studies import StudyStorage
 from .study import TuneOptions
 from .timing import Timer
-from .worker import STOP_GRACE_S, _exit_with_parent, _interpreter_environment
+from .worker import STOP_GRACE_S, _exit_with_parent, _interpreter_environment, leave
 
 log = logging.getLogger("tritune.tuner")
 
@@ -125,6 +128,19 @@ def worker_process_main(job: WorkerJob) -> None:
         console.print(f"[red]{tag} {escape(error)}[/red]")
 
 
+def _worker_process(main: Callable[[WorkerJob], None], job: WorkerJob) -> None:
+    """A worker process: ``main(job)``, then out at once (exit status 1 if it raised)."""
+    code = 0
+    try:
+        main(job)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    leave(code)
+
+
 @dataclass
 class WorkerExit:
     job: WorkerJob
@@ -142,7 +158,7 @@ def run_fleet(jobs: Sequence[WorkerJob], study_names: Sequence[str]) -> list[Wor
         for job in jobs:
             # Looked up at each start, so a test can substitute the entry point.
             process: BaseProcess = context.Process(
-                target=worker_process_main, args=(job,), name=f"tritune-tuner-{job.label}"
+                target=_worker_process, args=(worker_process_main, job), name=f"tritune-tuner-{job.label}"
             )
             with _interpreter_environment(job.device == "cpu"):
                 process.start()

@@ -54,6 +54,8 @@ FAILED_TRIAL_ATTR = "failed_trial"
 DUPLICATE = "duplicate"
 #: Dialects of RDB storages a study lock is implemented for.
 RDB_DIALECTS = ("postgresql", "sqlite")
+#: How long closing a :class:`Heartbeat` waits for a beat being recorded.
+HEARTBEAT_CLOSE_S = 5.0
 
 
 @contextlib.contextmanager
@@ -298,7 +300,8 @@ class Heartbeat:
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            # A beat stuck on a locked or distant database does not hold the worker (a daemon thread).
+            self._thread.join(HEARTBEAT_CLOSE_S)
 
 
 @dataclass

@@ -24,11 +24,12 @@ import multiprocessing
 import os
 import pickle
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -303,6 +304,19 @@ class Worker:
 # ---- the worker process -----------------------------------------------------------------------
 
 
+def leave(code: int) -> NoReturn:
+    """End this process now, its output flushed, without the interpreter's exit.
+
+    A worker process's results are with its parent (or in the databases) by then. What an ordinary
+    exit still does (join the threads left over, run Triton's and torch's exit handlers, tear down
+    CUDA) can take seconds to minutes, and the parent waits for the process to end.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 def _exit_with_parent() -> None:
     """Exit as soon as the tuner process is gone, even from the middle of a hung candidate."""
     parent = multiprocessing.parent_process()
@@ -347,10 +361,11 @@ def serve(conn: Connection, device: str) -> None:
         try:
             message = conn.recv()
         except EOFError:
-            return
+            leave(0)
         op = message["op"]
         if op == "stop":
-            return
+            conn.close()
+            leave(0)
         exiting = False
         try:
             if op == "open":
@@ -387,7 +402,7 @@ def serve(conn: Connection, device: str) -> None:
         conn.send(reply)
         if exiting:
             conn.close()
-            os._exit(EXIT_CONTEXT_LOST)
+            leave(EXIT_CONTEXT_LOST)
 
 
-__all__ = ["EXIT_CONTEXT_LOST", "Worker", "WorkerFailure", "death_reason", "serve", "worker_device"]
+__all__ = ["EXIT_CONTEXT_LOST", "Worker", "WorkerFailure", "death_reason", "leave", "serve", "worker_device"]
