@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import toy_kernel
 from optuna.trial import TrialState
 from typer.testing import CliRunner
@@ -32,10 +33,11 @@ from tritune.configs_db.store import ConfigStore
 from tritune.kernels import registry
 from tritune.kernels.device import DeviceInfo, interpreter_device
 from tritune.tuner import timing
+from tritune.tuner.candidates import LocalBench
 from tritune.tuner.cli import app
-from tritune.tuner.shared import SharedKeyTuner, run_worker
+from tritune.tuner.shared import KeyBench, SharedKeyTuner, run_worker
 from tritune.tuner.studies import Heartbeat, StudyStorage, summaries
-from tritune.tuner.study import TuneOptions, environment_id
+from tritune.tuner.study import KeyTuner, TuneOptions, environment_id
 
 TESTS = Path(__file__).resolve().parent
 FEASIBLE = sorted(tuple(toy_kernel.SPEC.space.to_dict(c).values()) for c in toy_kernel.SPEC.space.feasible(None, None))
@@ -468,10 +470,127 @@ def test_two_workers_racing_for_the_last_budget_slot_measure_one(toy, tmp_path):
         asked = [tuner._ask(study) for tuner, study in zip(tuners, studies, strict=True)]
         trials = studies[0].get_trials(deepcopy=False)
         kept = [
-            tuner._within_budget(study, trials, [(item, tuner.space.parse(item[0].params))])
+            tuner._within_budget(study, trials, [(item, tuner.space.parse(item[0].params))], 1)
             for tuner, study, item in zip(tuners, studies, asked, strict=True)
         ]
     assert [len(k) for k in kept] == [1, 0], "the older trial keeps the single slot, the newer backs off"
     states = {t.number: t.state for t in studies[0].get_trials(deepcopy=False)}
     assert states[asked[1][0].number] == TrialState.PRUNED
     assert states[asked[0][0].number] == TrialState.RUNNING
+
+
+# ---- a shared study samples as a lone tuner does --------------------------------------------------
+
+
+class RecordingBench(LocalBench):
+    """The in-process bench, remembering the configs it measured (in order) and calling ``during`` at the first."""
+
+    def __init__(self, during: Callable[[], None] | None = None) -> None:
+        super().__init__(torch.device("cpu"), toy_kernel.CostTimer())
+        self.measured: list[dict[str, Any]] = []
+        self.during = during
+
+    def trial(self, config: dict[str, Any], compiled: bool) -> Any:
+        if self.during is not None:
+            during, self.during = self.during, None
+            during()
+        self.measured.append(config)
+        return super().trial(config, compiled)
+
+
+def _shared_tuners(tmp_path: Path, store: ConfigStore, options: TuneOptions, names: tuple[str, ...]) -> list[Any]:
+    device = interpreter_device()
+    where = StudyStorage(str(tmp_path / "studies.log"))
+    key = toy_kernel.SPEC.default_keys(device)[0]
+    return [
+        SharedKeyTuner(
+            toy_kernel.SPEC, key, device, torch.device("cpu"), store, environment_id(store, device),
+            toy_kernel.CostTimer(), options, where=where, heartbeat=Heartbeat(where.open(), where),
+            worker=f"test:{name}",
+        )
+        for name in names
+    ]  # fmt: skip
+
+
+def test_a_shared_study_starts_from_the_configs_a_lone_tuner_measures_first(toy, tmp_path, monkeypatch):
+    """Portable default, the spec's starting configs and the seeded sample of feasible configs, in order."""
+    start = [toy_kernel.ToyConfig(BLOCK=64, BROKEN=False, num_warps=1), toy_kernel.ToyConfig(16, False, 2)]
+    monkeypatch.setattr(toy_kernel.SPEC, "starting_configs", lambda key, device: start)
+    device = interpreter_device()
+    key = toy_kernel.SPEC.default_keys(device)[0]
+    options = TuneOptions(trials=9, batch=3, final_rounds=1)
+    with ConfigStore(f"sqlite:///{tmp_path / 'alone.sqlite'}") as store:
+        alone = RecordingBench()
+        env = environment_id(store, device)
+        KeyTuner(toy_kernel.SPEC, key, device, torch.device("cpu"), store, env, toy_kernel.CostTimer(), options,
+                 bench=alone).run()  # fmt: skip
+    with ConfigStore(f"sqlite:///{tmp_path / 'shared.sqlite'}") as store:
+        (tuner,) = _shared_tuners(tmp_path, store, options, ("a",))
+        study = tuner._join(toy_kernel.SPEC.default_config(key))
+        waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+    queued = [trial.system_attrs["fixed_params"] for trial in waiting]
+    assert queued[:3] == [toy_kernel.SPEC.space.to_dict(c) for c in (toy_kernel.SPEC.default_config(key), *start)]
+    # Then trials // 3 sampled feasible configs (those not queued already).
+    assert len(queued) > 3 and alone.measured[: len(queued)] == queued
+
+
+def _one_step(config: dict[str, Any], best: dict[str, Any]) -> bool:
+    """Whether ``config`` is ``best`` with one field moved to the next choice."""
+    moved = [name for name in best if config[name] != best[name]]
+    if len(moved) != 1:
+        return False
+    options = list(toy_kernel.SPEC.space.dimensions[moved[0]])
+    return abs(options.index(config[moved[0]]) - options.index(best[moved[0]])) == 1
+
+
+def test_the_climb_keeps_its_share_when_another_worker_joins_mid_batch(toy, tmp_path):
+    """Worker b joins while a's first batch runs. It used to see a's running trials reach the polish share and
+    spend the rest of the budget on TPE's proposals: the climb from the best config never ran. Now the
+    exploration stops at the polish share for all workers together, and the climb starts, as in a lone tuner,
+    once that many results are in, from the best of them."""
+    options = TuneOptions(trials=8, batch=4, polish=0.5, final_rounds=1)
+    with ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}") as store:
+        a, b = _shared_tuners(tmp_path, store, options, ("a", "b"))
+        visits = []
+        bench_b = KeyBench(RecordingBench())
+        bench_a = KeyBench(RecordingBench(during=lambda: visits.append(b.visit(bench_b))))
+        first = a.visit(bench_a)
+        again = b.visit(bench_b)
+        rows = [row for row in store.measured_trials(a.env_id, "toy_scale", toy_kernel.SPEC.version, a.key_dict)
+                if row.status != "pruned"]  # fmt: skip
+    assert first.done and first.result is not None and again.done and again.finalized is not None
+    assert len(rows) == 8, "the budget is spent"
+    explored, climbed = rows[:4], rows[4:]
+    best = min((row for row in explored if row.time_ms is not None), key=lambda row: row.time_ms).config
+    assert all(_one_step(row.config, best) for row in climbed), [row.config for row in climbed]
+
+
+def test_of_two_workers_holding_one_config_exactly_one_measures_it(toy, tmp_path):
+    """Two workers' running trials of one config (a seed, and a proposal of the same config), each worker
+    looking at the study before the other tells its trial: each used to leave the config to the other, so
+    nobody measured it; for the portable default the key failed ("the portable default failed (None)",
+    seen about once in a hundred simulated two-worker tunes of tma_prefill)."""
+    options = TuneOptions(trials=8, batch=4, final_rounds=1)
+    with ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}") as store:
+        a, b = _shared_tuners(tmp_path, store, options, ("a", "b"))
+        default = toy_kernel.SPEC.default_config(a.key)
+        a.study = a._join(default)
+        b.study = b._join(default)
+        seeds = a.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        held = [a._ask(a.study) for _ in seeds]
+        # The default was the first seed; b's trial of it comes from the queue too (as a stand-in would).
+        assert held[0][0].params == toy_kernel.SPEC.space.to_dict(default)
+        b.study.enqueue_trial(toy_kernel.SPEC.space.to_dict(default))
+        copy = b._ask(b.study)
+        measured_b = []
+        refresh = a._refresh_table
+
+        def b_looks_meanwhile() -> None:
+            # Called by a's _sort_out right after it read the study: b reads it before a tells anything.
+            refresh()
+            if not measured_b:
+                measured_b.append(b._sort_out(b.study, [copy], options.trials)[0])
+
+        a._refresh_table = b_looks_meanwhile
+        measured_a, _ = a._sort_out(a.study, held[:1], options.trials)
+    assert [len(measured_a), len(measured_b[0])] == [1, 0], "the trial that started first keeps the config"

@@ -5,18 +5,24 @@ the config DB's trials table stays the record of every measurement (one row per 
 environment). A worker visits the keys of its plan in turn; one visit of a key:
 
 1. Join the key's study (under the study lock): create it if new, add the stored trials it lacks
-   as finished trials, and enqueue the seeds it lacks (portable default, stored winner, the whole
-   feasible space when that fits the budget), each exactly once however many workers join.
-2. Ask batches while the study has budget left. The budget counts distinct configs measured or
-   held (running) by any worker, so workers together measure ``--trials`` configs per key (two
-   workers that ask for the same spare slots at once: the older trial keeps its slot). In
-   the last ``polish`` share of it, a worker that finds the queue empty enqueues the neighbours of
-   the best config so far that nobody runs (the hill climb of :class:`~.study.KeyTuner`).
+   as finished trials, and enqueue the seeds it lacks, each exactly once however many workers
+   join: :class:`~.study.KeyTuner`'s seeds (portable default, stored winner, the spec's starting
+   configs, a seeded sample of feasible configs, or the whole feasible space when that fits the
+   budget).
+2. Ask batches while the study has budget left, in KeyTuner's phases. The budget counts distinct
+   configs measured or held (running) by any worker, so workers together measure ``--trials``
+   configs per key (two workers that ask for the same spare slots at once: the older trial keeps
+   its slot). The exploration (seeds, then TPE; an infeasible proposal's place goes to a random
+   unseen feasible config) stops at the last ``polish`` share of the budget, for all workers
+   together. The climb takes that share once as many results are in (a worker that finds the
+   exploration's last trials still running elsewhere comes back later): a worker that finds the
+   queue empty enqueues the neighbours of the best config so far that nobody runs.
 3. Before measuring, look again: a config already in the trials table, or finished in the study
    by another worker, is answered without measuring; a config that another worker's trial holds
-   is left to it (told pruned, ``outcome=duplicate``). The study is read before the trials table,
-   and a measuring worker stores the trial before telling Optuna, so of two workers asking the
-   same config at once at most one measures it. (Both may back off; the config is asked again.)
+   since earlier is left to it (told pruned, ``outcome=duplicate``). The study is read before the
+   trials table, and a measuring worker stores the trial before telling Optuna, so of two workers
+   asking the same config at once exactly one measures it (both, at worst, on hosts whose clocks
+   disagree).
 4. Every asked trial beats a heartbeat until told (RDB storages). Before each batch the worker
    fails the trials whose heartbeat stopped and Optuna enqueues them again, so another worker
    retries the trial of a worker killed mid-measurement.
@@ -40,6 +46,7 @@ import warnings
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import optuna
@@ -74,6 +81,13 @@ Ident = tuple[Any, ...]
 OnTrial = Callable[[str, dict[str, Any], str, float | None], None]
 #: A trial this worker asked, with its storage id (what heartbeats are recorded against).
 Asked = tuple[optuna.trial.Trial, int]
+Started = tuple[datetime, int]
+
+
+def _started(trial: FrozenTrial) -> Started:
+    """When a trial started, the trial number breaking ties: of two running trials of one config, the
+    first keeps it. (Clocks of two hosts may disagree; then both may measure it, but never neither.)"""
+    return trial.datetime_start or datetime.max, trial.number
 
 
 def worker_name(device: str, pid: int | None = None) -> str:
@@ -169,11 +183,21 @@ class SharedKeyTuner(KeyTuner):
             if row.status == OK and row.time_ms is not None:
                 self.times[ident] = row.time_ms
 
-    def _claimed(self, trials: list[FrozenTrial]) -> set[Ident]:
-        """Configs that count against the budget: stored, finished in the study with a result, or running."""
-        claimed = {ident for ident, status in self.status.items() if status != PRUNED}
+    def _results(self, trials: list[FrozenTrial]) -> set[Ident]:
+        """Configs with a result: stored (measured or failed), or finished in the study with one."""
+        found = {ident for ident, status in self.status.items() if status != PRUNED}
         for trial in trials:
-            if trial.state == TrialState.RUNNING or measured_outcome(trial):
+            if measured_outcome(trial):
+                ident = self._trial_ident(trial)
+                if ident is not None:
+                    found.add(ident)
+        return found
+
+    def _claimed(self, trials: list[FrozenTrial]) -> set[Ident]:
+        """Configs that count against the budget: those with a result, and those running."""
+        claimed = self._results(trials)
+        for trial in trials:
+            if trial.state == TrialState.RUNNING:
                 ident = self._trial_ident(trial)
                 if ident is not None:
                     claimed.add(ident)
@@ -261,10 +285,18 @@ class SharedKeyTuner(KeyTuner):
         return self._finalize(study, bench, default, measured, stop)
 
     def _measure_share(self, study: optuna.Study, bench: KeyBench, default: Any) -> tuple[int, str]:
-        """Ask and measure until the study's budget is spent; how many were measured here, and why it stopped."""
+        """Ask and measure until the study's budget is spent; how many were measured here, and why it stopped.
+
+        The phases are :class:`~.study.KeyTuner`'s, counted over all workers: the exploration (seeds,
+        then TPE, a random unseen feasible config in place of each infeasible proposal) stops at the
+        polish share, however many workers ask at once; the climb starts once that many results are
+        in, from the best of them. A worker that finds the exploration's last trials still running
+        elsewhere stops with ``wait`` (it comes back), as a lone tuner would wait for its batch.
+        """
         opts = self.options
         started = time.monotonic()
         budget = opts.trials
+        polish_from = self._polish_from(self.exhaustive)
         max_asks = 20 * budget + len(self.feasible)
         asks = measured = 0
         while asks < max_asks:
@@ -276,27 +308,46 @@ class SharedKeyTuner(KeyTuner):
             claimed = self._claimed(trials)
             if len(claimed) >= budget:
                 return measured, "budget"
+            waiting = any(t.state == TrialState.WAITING for t in trials)
             if self.exhaustive:
                 unseen = [
                     c for c in self.feasible if self._ident(c) not in claimed and self._ident(c) not in self.status
                 ]
                 if not unseen:
                     return measured, "budget"
-                if not any(t.state == TrialState.WAITING for t in trials):
+                if not waiting:
                     # Deferred configs (two workers backed off) come back through the queue.
                     for config in self.rng.sample(unseen, min(len(unseen), opts.batch_size)):
                         study.enqueue_trial(self.space.to_dict(config))
-            elif len(claimed) >= budget - int(opts.polish * budget) and not any(
-                t.state == TrialState.WAITING for t in trials
-            ):
-                # The polish phase (see KeyTuner): the incumbent's neighbours, none another worker runs.
-                neighbours = [c for c in self._neighbours_of_best() if self._ident(c) not in claimed]
-                for config in neighbours[: min(opts.batch_size, budget - len(claimed))]:
-                    study.enqueue_trial(self.space.to_dict(config))
-            want = min(opts.batch_size, budget - len(claimed), max_asks - asks)
-            asked = [self._ask(study) for _ in range(want)]
-            asks += len(asked)
-            pending = self._sort_out(study, asked)
+            elif len(claimed) >= polish_from:
+                if len(self._results(trials)) < polish_from:
+                    return measured, "wait"
+                if not waiting:
+                    # The incumbent's neighbours that nobody measures or runs.
+                    for config in self._climb(self._room(len(claimed), polish_from), claimed):
+                        study.enqueue_trial(self.space.to_dict(config))
+            limit = polish_from if len(claimed) < polish_from else budget
+            room = self._room(len(claimed), polish_from)
+            queued = {self._trial_ident(t) for t in trials if t.state == TrialState.WAITING}
+            pending: list[tuple[Asked, Any]] = []
+            while len(pending) < room and asks < max_asks:
+                asked = [self._ask(study) for _ in range(min(room - len(pending), max_asks - asks))]
+                asks += len(asked)
+                found, infeasible = self._sort_out(study, asked, limit)
+                pending.extend(found)
+                # As KeyTuner: each infeasible proposal's place goes to an unseen feasible config, asked
+                # next; not one already queued (a seed), which two workers would then ask at once.
+                taken = claimed | queued | {self._ident(config) for _, config in pending}
+                replaced = 0
+                for _ in range(infeasible):
+                    stand_in = self._stand_in(self.feasible, self.rng, taken)
+                    if stand_in is None:
+                        break
+                    study.enqueue_trial(self.space.to_dict(stand_in))
+                    taken.add(self._ident(stand_in))
+                    replaced += 1
+                if not replaced:
+                    break
             if pending:
                 measured += self._measure(study, bench, default, pending)
         return measured, "asks"
@@ -329,15 +380,21 @@ class SharedKeyTuner(KeyTuner):
         else:
             study.tell(trial, state=TrialState.PRUNED, skip_if_finished=True)
 
-    def _sort_out(self, study: optuna.Study, asked: list[Asked]) -> list[tuple[Asked, Any]]:
-        """Answer what is known, leave what others hold, prune the infeasible; the rest is to be measured."""
+    def _sort_out(self, study: optuna.Study, asked: list[Asked], limit: int) -> tuple[list[tuple[Asked, Any]], int]:
+        """Answer what is known, leave what others hold, prune the infeasible; the rest is to be measured.
+
+        Returns the trials to measure (as many as fit under ``limit`` claimed configs) and how many
+        infeasible proposals are to be replaced.
+        """
         mine = {trial.number for trial, _ in asked}
         # The study first, then the trials table: see the module docstring for why this order.
         trials = study.get_trials(deepcopy=False)
         self._refresh_table()
         finished: dict[Ident, float] = {}
         failed: set[Ident] = set()
-        running: set[Ident] = set()
+        # Per config, when the first of the other workers' running trials of it started.
+        running: dict[Ident, Started] = {}
+        started = {trial.number: _started(trial) for trial in trials}
         for trial in trials:
             ident = self._trial_ident(trial)
             if ident is None or trial.number in mine:
@@ -347,10 +404,11 @@ class SharedKeyTuner(KeyTuner):
             elif measured_outcome(trial):
                 failed.add(ident)
             elif trial.state == TrialState.RUNNING:
-                running.add(ident)
+                running[ident] = min(started[trial.number], running.get(ident, started[trial.number]))
         pending = []
         taken: set[Ident] = set()
         told: set[int] = set()
+        infeasible = 0
         try:
             for item in asked:
                 config = self.space.parse(item[0].params)
@@ -359,8 +417,10 @@ class SharedKeyTuner(KeyTuner):
                     self._tell(study, item, DUPLICATE)
                 elif ident in self.status or ident in finished or ident in failed:
                     self._tell(study, item, REUSED, self.times.get(ident, finished.get(ident)))
-                elif ident in running:
-                    # Another worker's trial holds this config: it measures it, or has backed off too.
+                elif ident in running and running[ident] < started.get(item[0].number, (datetime.max, item[0].number)):
+                    # Another worker's trial of this config started first: it measures it. (Of two
+                    # running at once, exactly one backs off, so a config, the portable default
+                    # included, is never left unmeasured by both.)
                     self._tell(study, item, DUPLICATE)
                 else:
                     reason = self.space.infeasible_reason(config, self.key, self.limits)
@@ -370,17 +430,21 @@ class SharedKeyTuner(KeyTuner):
                         continue
                     self._record(config, PRUNED, None, reason)
                     self._tell(study, item, PRUNED)
+                    infeasible += 1
                 taken.add(ident)
                 told.add(item[0].number)
         except BaseException:
             self._release([item for item in asked if item[0].number not in told])
             raise
-        return self._within_budget(study, trials, pending)
+        kept = self._within_budget(study, trials, pending, limit)
+        # Past the limit, nothing takes the place of an infeasible proposal.
+        return kept, infeasible if len(kept) == len(pending) else 0
 
     def _within_budget(
-        self, study: optuna.Study, trials: list[FrozenTrial], pending: list[tuple[Asked, Any]]
+        self, study: optuna.Study, trials: list[FrozenTrial], pending: list[tuple[Asked, Any]], limit: int
     ) -> list[tuple[Asked, Any]]:
-        """The pending trials that fit the key's budget; the rest are told as duplicates, unmeasured.
+        """The pending trials that fit under ``limit`` claimed configs (the key's budget, or the end of
+        its exploration); the rest are told as duplicates, unmeasured.
 
         Workers that read the same spare budget at once each ask for it. Of the claims running
         side by side, the older trial (lower number) keeps its place: a worker counts the other
@@ -399,7 +463,7 @@ class SharedKeyTuner(KeyTuner):
                 ident = self._trial_ident(trial)
                 if ident is not None:
                     claimed.add(ident)
-        room = max(0, self.options.trials - len(claimed))
+        room = max(0, limit - len(claimed))
         for asked, _ in pending[room:]:
             self._tell(study, asked, DUPLICATE)
         return pending[:room]
@@ -435,6 +499,8 @@ class SharedKeyTuner(KeyTuner):
     # ---- the winner -------------------------------------------------------------------------
 
     def _finalize(self, study: optuna.Study, bench: KeyBench, default: Any, measured: int, stop: str) -> Visit:
+        if stop == "wait":
+            return Visit(done=False, measured=measured)
         with self.where.lock(self.name):
             mark = self._finalized(study)
             if mark is not None:

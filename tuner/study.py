@@ -31,7 +31,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, TypeVar
@@ -329,6 +329,29 @@ class KeyTuner:
                     found.append(config)
         return found
 
+    def _polish_from(self, exhaustive: bool) -> int:
+        """Trials measured before the climb from the best config starts (never, in an exhaustive sweep)."""
+        budget = self.options.trials
+        return budget if exhaustive else budget - int(self.options.polish * budget)
+
+    def _room(self, spent: int, polish_from: int) -> int:
+        """Trials the next batch may take: the exploration stops at the polish share, which is the climb's."""
+        limit = polish_from if spent < polish_from else self.options.trials
+        return max(0, min(self.options.batch_size, limit - spent))
+
+    def _climb(self, slots: int, taken: Collection[Hashable] = ()) -> list[Any]:
+        """The next ``slots`` configs of the climb: unseen neighbours of the best config, none in ``taken``."""
+        return [c for c in self._neighbours_of_best() if self._ident(c) not in taken][:slots]
+
+    def _stand_in(self, feasible: list[Any], rng: random.Random, taken: Collection[Hashable] = ()) -> Any | None:
+        """A random unseen feasible config (none in ``taken``), asked in place of an infeasible proposal.
+
+        TPE's proposals in a large space are often infeasible; each one's place goes to a feasible
+        config, so the budget keeps measuring instead of asking the sampler over and over.
+        """
+        unseen = [c for c in feasible if self._ident(c) not in self.status and self._ident(c) not in taken]
+        return rng.choice(unseen) if unseen else None
+
     def _seeds(self, default: Any, feasible: list[Any], exhaustive: bool, rng: random.Random) -> list[dict[str, Any]]:
         """Configs enqueued before the sampler proposes any: portable default, stored winner and the
         spec's starting configs first."""
@@ -362,7 +385,7 @@ class KeyTuner:
 
         # The budget counts trials measured by earlier runs of the same study too (resume).
         budget = opts.trials
-        polish_from = budget if exhaustive else budget - int(opts.polish * budget)
+        polish_from = self._polish_from(exhaustive)
         max_asks = 20 * budget + len(feasible)
         asks = 0
         while self._spent() < budget and asks < max_asks:
@@ -371,13 +394,13 @@ class KeyTuner:
                 break
             # Another tuner on the same DB may have measured configs since the last batch.
             self._absorb_stored(study, distributions)
+            room = self._room(self._spent(), polish_from)
             if self._spent() >= polish_from:
                 # Asked before the sampler's own proposals; a batch the neighbours do not fill is TPE's.
-                slots = min(opts.batch_size, budget - self._spent())
-                for config in self._neighbours_of_best()[:slots]:
+                for config in self._climb(room):
                     study.enqueue_trial(self.space.to_dict(config), skip_if_exists=True)
             pending: list[tuple[optuna.trial.Trial, Any]] = []
-            while len(pending) < min(opts.batch_size, budget - self._spent()) and asks < max_asks:
+            while len(pending) < room and asks < max_asks:
                 if exhaustive and not any(self._ident(c) not in self.status for c in feasible):
                     # Every feasible config is measured, failed or in this batch: the sweep is done.
                     break
@@ -397,9 +420,9 @@ class KeyTuner:
                     self._record(config, PRUNED, None, reason)
                     study.tell(trial, state=optuna.trial.TrialState.PRUNED)
                     # Keep the sweep moving: the next ask measures an unseen feasible config.
-                    unseen = [c for c in feasible if self._ident(c) not in self.status]
-                    if unseen:
-                        study.enqueue_trial(self.space.to_dict(rng.choice(unseen)))
+                    stand_in = self._stand_in(feasible, rng)
+                    if stand_in is not None:
+                        study.enqueue_trial(self.space.to_dict(stand_in))
                     continue
                 self.status[ident] = "pending"
                 pending.append((trial, config))
