@@ -153,15 +153,16 @@ class Dispatcher:
                     for distance, e in neighbours
                     if e.speedup >= threshold and spec.space.infeasible_reason(e.config, key, limits) is None
                 ]
-                if not candidates:
+                nearest = min(candidates, key=lambda c: (c[0], c[1])) if candidates else None
+                if nearest is None:
                     reason = "no tuned config for this key or a bucket near it"
-                elif any(d <= min(c[0] for c in candidates) and e.speedup < threshold for d, e in neighbours):
+                elif any(d <= nearest[0] and e.speedup < threshold for d, e in neighbours):
                     # A bucket as near whose tune found no gain says the portable default is near the best
                     # here: on the H200, decode B=8 borrowed B=16's winner next to B=4's "no gain" and
                     # replayed 3% slower than the portable default.
                     reason = "a bucket as near as the nearest tuned winner found no gain over the portable default"
                 else:
-                    config = min(candidates, key=lambda c: (c[0], c[1]))[2].config
+                    config = nearest[2].config
         if config is None:
             config = spec.default_config(key)
             if (spec.name, key) not in self._logged:
