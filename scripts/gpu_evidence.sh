@@ -12,8 +12,9 @@
 # STAGE          default s  runs                                                          leaves (inside the archive)
 # tests              300    the four kernel test files, concurrently (GPU tier included; 129 s ran 60%)  tests/<file>.log, .xml
 # tune-prefill       300    tune tma_prefill at the seven benchmark shapes' keys           tune-prefill.sqlite, <gpu>.json
-# prefill-defaults   330    tune tma_prefill over every default key (D 64/128), resuming   tune-prefill.sqlite, <gpu>.json
-#                           build/evidence/tune-prefill.sqlite (keys done there are kept)
+# prefill-defaults   330    tune tma_prefill over every default key (D 64/128), then the   tune-prefill.sqlite, <gpu>.json
+#                           square-16K keys, resuming build/evidence/tune-prefill.sqlite (keys
+#                           done there are kept; PREFILL_FRESH=1: from an empty DB)
 # bench-prefill      200    scripts/bench_prefill.py on tune-prefill's DB                  <date>-tma_prefill-<gpu>.md/.json
 # decode             210    tune splitk_decode (D 128, B 1/8/32/64, Lkv 4K/32K/128K),     decode-tune.sqlite, <gpu>.json,
 #                           then scripts/bench_decode.py                                   <date>-splitk_decode-<gpu>.md/.json
@@ -211,13 +212,20 @@ run_stage() {
       ;;
 
     prefill-defaults)
+      # The default keys, then the two square-16K keys of the benchmark (the defaults' neighbours
+      # by then, so their winners seed the squares). PREFILL_FRESH=1 starts from an empty DB.
       local db="$work/tune-prefill.sqlite"
-      if [ ! -f "$db" ] && [ -f build/evidence/tune-prefill.sqlite ]; then
+      if [ "${PREFILL_FRESH:-0}" = 1 ]; then
+        rm -f "$db"
+        note "PREFILL_FRESH=1: every key tuned from an empty DB"
+      elif [ ! -f "$db" ] && [ -f build/evidence/tune-prefill.sqlite ]; then
         cp build/evidence/tune-prefill.sqlite "$db"
         note "resuming build/evidence/tune-prefill.sqlite"
       fi
-      tune_and_export "$db" tma_prefill $((budget - 40)) python -c "$TUNE_PY" --device 0 --kernel tma_prefill \
-        --head-dim 64 --head-dim 128 --trials 24 --time-budget 12 --db "$db"
+      local common=(--device 0 --kernel tma_prefill --head-dim 64 --head-dim 128 --trials 24 --time-budget 12 --db "$db")
+      step "tune prefill defaults" $((deadline - $(date +%s) - 100)) python -c "$TUNE_PY" "${common[@]}"
+      tune_and_export "$db" tma_prefill $((deadline - $(date +%s) - 40)) python -c "$TUNE_PY" "${common[@]}" \
+        --lq 16384 --lkv 16384
       ;;
 
     defaults)

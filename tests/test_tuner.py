@@ -134,6 +134,50 @@ def test_polish_makes_seeds_agree_on_the_best_config(tmp_path, seed):
     assert result.config == {"BLOCK": 128, "BROKEN": False, "num_warps": 2}
 
 
+def _favouring(block: int, warps: int):
+    """A fake cost with its optimum at one (BLOCK, num_warps), away from the portable default."""
+
+    def fake(config) -> float:
+        if config.BROKEN:
+            return 0.01
+        return 1.0 + abs(config.BLOCK - block) / 16 + abs(config.num_warps - warps)
+
+    return fake
+
+
+def test_nearest_buckets_winners_are_measured_first(tmp_path):
+    """After the portable default: the winners of the nearest tuned buckets of the key's group,
+    nearest first; a winner of another group (another dtype) is not one of them."""
+    store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    env = environment_id(store, CPU)
+    options = TuneOptions(trials=40, seed=1, batch=4, final_rounds=1)  # exhaustive: exact winners
+    near, far, other_group = (
+        toy_kernel.ToyKey(CPU.arch, CPU.sm_count, "float32", 128),
+        toy_kernel.ToyKey(CPU.arch, CPU.sm_count, "float32", 8192),
+        toy_kernel.ToyKey(CPU.arch, CPU.sm_count, "float16", 512),
+    )
+    for key, block, warps in ((far, 64, 4), (near, 16, 1), (other_group, 128, 2)):
+        timer = FakeTimer(_favouring(block, warps))
+        KeyTuner(SPEC, key, CPU, torch.device("cpu"), store, env, timer, options).run()
+    winners = {(w.key["n_bucket"], w.key["dtype"]): w.config for w in store.winners(kernel=SPEC.name)}
+    assert winners[(128, "float32")] == {"BLOCK": 16, "BROKEN": False, "num_warps": 1}
+    assert winners[(8192, "float32")] == {"BLOCK": 64, "BROKEN": False, "num_warps": 4}
+
+    seen: list[dict] = []
+    target = toy_kernel.ToyKey(CPU.arch, CPU.sm_count, "float32", 512)
+    quick = TuneOptions(trials=4, seed=1, batch=4, final_rounds=1)
+    KeyTuner(
+        SPEC, target, CPU, torch.device("cpu"), store, env, FakeTimer(cost), quick,
+        on_trial=lambda kernel, config, status, ms: seen.append(config),
+    ).run()  # fmt: skip
+    assert seen[:3] == [
+        SPEC.space.to_dict(SPEC.space.default()),
+        winners[(128, "float32")],
+        winners[(8192, "float32")],
+    ]
+    assert {"BLOCK": 128, "BROKEN": False, "num_warps": 2} not in seen[:3]
+
+
 def test_spec_starting_configs_are_measured_first(tmp_path, monkeypatch):
     """A spec's starting configs join the portable default at the front of the study."""
     start = toy_kernel.ToyConfig(BLOCK=16, BROKEN=False, num_warps=1)
