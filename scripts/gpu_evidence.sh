@@ -13,8 +13,9 @@
 # tests              300    the four kernel test files, concurrently (GPU tier included; 129 s ran 60%)  tests/<file>.log, .xml
 # tune-prefill       300    tune tma_prefill at the seven benchmark shapes' keys           tune-prefill.sqlite, <gpu>.json
 # prefill-defaults   330    tune tma_prefill over every default key (D 64/128), then the   tune-prefill.sqlite, <gpu>.json
-#                           square-16K keys, resuming build/evidence/tune-prefill.sqlite (keys
-#                           done there are kept; PREFILL_FRESH=1: from an empty DB)
+#                           square-16K keys, then the defaults again at 4 trials more (the
+#                           neighbours' winners), resuming build/evidence/tune-prefill.sqlite
+#                           (keys done there are kept; PREFILL_FRESH=1: from an empty DB)
 # bench-prefill      200    scripts/bench_prefill.py on tune-prefill's DB                  <date>-tma_prefill-<gpu>.md/.json
 # decode             210    tune splitk_decode (D 128, B 1/8/32/64, Lkv 4K/32K/128K),     decode-tune.sqlite, <gpu>.json,
 #                           then scripts/bench_decode.py                                   <date>-splitk_decode-<gpu>.md/.json
@@ -222,10 +223,14 @@ run_stage() {
         cp build/evidence/tune-prefill.sqlite "$db"
         note "resuming build/evidence/tune-prefill.sqlite"
       fi
-      local common=(--device 0 --kernel tma_prefill --head-dim 64 --head-dim 128 --trials 24 --time-budget 12 --db "$db")
-      step "tune prefill defaults" $((deadline - $(date +%s) - 100)) python -c "$TUNE_PY" "${common[@]}"
-      tune_and_export "$db" tma_prefill $((deadline - $(date +%s) - 40)) python -c "$TUNE_PY" "${common[@]}" \
+      local common=(--device 0 --kernel tma_prefill --head-dim 64 --head-dim 128 --time-budget 12 --db "$db")
+      step "tune prefill defaults" $((deadline - $(date +%s) - 150)) python -c "$TUNE_PY" "${common[@]}" --trials 24
+      step "tune prefill squares" $((deadline - $(date +%s) - 100)) python -c "$TUNE_PY" "${common[@]}" --trials 24 \
         --lq 16384 --lkv 16384
+      # A second pass, four trials more a key: the first key of each head dim met no neighbour's
+      # winner in the first pass (nothing was tuned before it), the others only earlier keys'.
+      tune_and_export "$db" tma_prefill $((deadline - $(date +%s) - 40)) python -c "$TUNE_PY" "${common[@]}" \
+        --trials 28
       ;;
 
     defaults)
