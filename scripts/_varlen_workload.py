@@ -163,7 +163,7 @@ def implementations(w: Workload, best_trials: dict, flex: Any, smoke: bool) -> l
 
 def _tritune_impls(w: Workload, best_trials: dict) -> list[Impl]:
     """varlen_attention as the dispatcher serves it, its portable default, and the best stored trial."""
-    from tritune.kernels import use_config, varlen_attention
+    from tritune.kernels import varlen_attention
     from tritune.kernels.device import device_info
     from tritune.kernels.varlen.spec import SPEC
 
@@ -175,13 +175,7 @@ def _tritune_impls(w: Workload, best_trials: dict) -> list[Impl]:
     best = best_trials.get((json.dumps(key.to_dict(), sort_keys=True), "portable"))
 
     def pinned(config: dict[str, Any]) -> Callable[[], torch.Tensor]:
-        out = torch.empty_like(q)
-
-        def run() -> torch.Tensor:
-            with use_config(KERNEL, config):
-                return varlen_attention(q, k, v, seq_info, causal=True, out=out)
-
-        return run
+        return bl.pinned_call(KERNEL, config, varlen_attention, q, k, v, seq_info, causal=True, out=torch.empty_like(q))
 
     out = torch.empty_like(q)
 

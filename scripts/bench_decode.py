@@ -221,7 +221,7 @@ def bench_shape(batch: int, lkv: int, args: argparse.Namespace, device: torch.de
 
 
 def _tritune_impls(q, k, v, kv_len) -> list[Impl]:
-    from tritune.kernels import decode_attention, use_config
+    from tritune.kernels import decode_attention
     from tritune.kernels.decode.op import KERNEL
     from tritune.kernels.decode.spec import SPEC
     from tritune.kernels.device import device_info
@@ -233,9 +233,7 @@ def _tritune_impls(q, k, v, kv_len) -> list[Impl]:
     index = -1 if q.device.index is None else q.device.index
     served = SPEC.space.to_dict(config_from_values(SPEC, dispatch(KERNEL, q.device.type, index, tuple(facts))))
 
-    def run_untuned() -> torch.Tensor:
-        with use_config(KERNEL, untuned):
-            return decode_attention(q, k, v, kv_len)
+    run_untuned = bl.pinned_call(KERNEL, untuned, decode_attention, q, k, v, kv_len)
 
     def run_tuned() -> torch.Tensor:
         return decode_attention(q, k, v, kv_len)

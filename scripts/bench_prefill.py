@@ -210,12 +210,9 @@ def served_config_text(name: str, fn: Callable[[], torch.Tensor], q, k, v, kv_le
 
 
 def pinned(config: dict[str, Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: torch.Tensor):
-    from tritune.kernels import prefill_attention, use_config
+    from tritune.kernels import prefill_attention
 
-    def run() -> torch.Tensor:
-        with use_config("tma_prefill", config):
-            return prefill_attention(q, k, v, kv_len=kv_len)
-
+    run = bl.pinned_call("tma_prefill", config, prefill_attention, q, k, v, kv_len=kv_len)
     run.pin = config  # type: ignore[attr-defined]
     return run
 

@@ -255,7 +255,7 @@ def _scaled_mm_impl(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_row: torch.Ten
 
 
 def _tritune_impls(x: torch.Tensor, weight, best: dict) -> list[Impl]:
-    from tritune.kernels import q4k_linear, use_config
+    from tritune.kernels import q4k_linear
     from tritune.kernels.device import device_info
     from tritune.kernels.dispatcher import config_from_values, dispatch
     from tritune.kernels.q4k.spec import SPEC
@@ -268,11 +268,7 @@ def _tritune_impls(x: torch.Tensor, weight, best: dict) -> list[Impl]:
     served = SPEC.space.to_dict(config_from_values(SPEC, dispatch(KERNEL, x.device.type, x.device.index or 0, facts)))
 
     def pinned(config: dict[str, Any]) -> Callable[[], torch.Tensor]:
-        def run() -> torch.Tensor:
-            with use_config(KERNEL, config):
-                return q4k_linear(x, weight)
-
-        return run
+        return bl.pinned_call(KERNEL, config, q4k_linear, x, weight)
 
     impls = [Impl("tritune untuned (portable default)", pinned(untuned), _floor("portable"), _config_text(untuned))]
     for path in ("portable", "fp8"):

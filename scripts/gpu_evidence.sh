@@ -37,6 +37,8 @@
 # stability          200    evidence_tuner.py stability only, 40 trials (tune's default),  <date>-stability-<gpu>.md/.json
 #                           for $STABILITY_KERNELS (default: tma_prefill varlen_sdpa)
 # pytest              90    pytest on $PYTEST_GPU_ARGS (a selection: files, -k ...)        tests/pytest.log, .xml
+# gpu-tests          300    the GPU tier (-m gpu): attention files + 3 Q4_K shards at      tests/gpu-*.log, .xml
+#                           once (265 s ran 91 of about 130 tests on 2026-11-29)
 # probe-decode        60    scripts/probe_decode_latency.py (where a short decode step's   <date>-probe-decode-<gpu>.md
 #                           microseconds go)
 # smoke             1800    decode + q4k + varlen steps on the CPU (Triton interpreter,   smoke-*
@@ -54,7 +56,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 declare -A DEFAULT_BUDGET=(
   [tests]=300 [tune-prefill]=300 [bench-prefill]=200 [decode]=210 [varlen]=150 [q4k]=240 [overhead]=60
   [tuner]=200 [multigpu]=480 [smoke]=1800 [prefill-defaults]=330 [stability]=200 [probe-decode]=60 [pytest]=90 [defaults]=540
-  [bench-decode]=150 [bench-varlen]=120 [bench-q4k]=150
+  [bench-decode]=150 [bench-varlen]=120 [bench-q4k]=150 [gpu-tests]=300
 )
 if (($# == 0)); then
   echo "usage: bash scripts/gpu_evidence.sh STAGE[:SECONDS] ... (stages: ${!DEFAULT_BUDGET[*]})" >&2
@@ -352,6 +354,33 @@ run_stage() {
       step stability 600 python scripts/evidence_tuner.py --budget $((budget - 15)) --stability-cap $((budget - 25)) \
         --trials 40 "${kernels[@]}" --out "$out/$today-stability-$(gpu_slug).md" \
         --json "$out/$today-stability-$(gpu_slug).json" stability
+      ;;
+
+    gpu-tests)
+      # The GPU tier only (-m gpu): the attention files in one process, the Q4_K file's GPU tests in
+      # three shards, all at once (compiling each test's configs is most of the time).
+      mkdir -p "$out/tests"
+      local pids=() shard
+      step "pytest -m gpu attention" $((budget - 10)) python -m pytest -q -p no:cacheprovider -m gpu \
+        --junitxml="$out/tests/gpu-attention.xml" tests/test_prefill.py tests/test_decode.py \
+        tests/test_decode_spec.py tests/test_varlen.py >"$out/tests/gpu-attention.log" 2>&1 &
+      pids+=($!)
+      python -m pytest --collect-only -q -p no:cacheprovider -m gpu tests/test_q4k.py 2>/dev/null | grep '::' \
+        >"$work/q4k-gpu-tests.txt"
+      if [ ! -s "$work/q4k-gpu-tests.txt" ]; then
+        # Collection listed nothing (its errors went to /dev/null): say so rather than pass quietly.
+        note "WARNING: collecting the GPU tests of tests/test_q4k.py listed none; run it alone to see why"
+        status=1
+      fi
+      for shard in 0 1 2; do
+        awk -v s="$shard" 'NR % 3 == s' "$work/q4k-gpu-tests.txt" >"$work/q4k-gpu-shard$shard.txt"
+        step "pytest -m gpu test_q4k shard $shard" $((budget - 10)) xargs -r -a "$work/q4k-gpu-shard$shard.txt" \
+          python -m pytest -q -p no:cacheprovider --junitxml="$out/tests/gpu-q4k-$shard.xml" \
+          >"$out/tests/gpu-q4k-$shard.log" 2>&1 &
+        pids+=($!)
+      done
+      for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+      tail -n 3 "$out"/tests/gpu-*.log | tee -a "$log"
       ;;
 
     pytest)

@@ -38,6 +38,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 
+import _benchlib as bl
 import torch
 
 import tritune.kernels  # noqa: F401  (import first: must not initialise CUDA)
@@ -65,12 +66,15 @@ def launches_stubbed() -> Iterator[None]:
     """Make every registered op's call a no-op: a public call then does its host work and stops there."""
     from tritune.kernels._oplib import TritonOp
 
-    original = TritonOp.__call__
+    # Both doors: the public wrappers call ``call_body`` themselves in plain eager mode.
+    original_call, original_body = TritonOp.__call__, TritonOp.call_body
     TritonOp.__call__ = lambda self, *args: None  # type: ignore[method-assign]
+    TritonOp.call_body = lambda self, args: None  # type: ignore[method-assign]
     try:
         yield
     finally:
-        TritonOp.__call__ = original  # type: ignore[method-assign]
+        TritonOp.__call__ = original_call  # type: ignore[method-assign]
+        TritonOp.call_body = original_body  # type: ignore[method-assign]
 
 
 def host_us(variants: dict[str, Callable[[], object]]) -> dict[str, tuple[float, float]]:
@@ -93,8 +97,17 @@ def host_us(variants: dict[str, Callable[[], object]]) -> dict[str, tuple[float,
 
 def host_variants(device: str) -> dict[str, Callable[[], object]]:
     """Each public entry point at a small serving shape, and the dispatch lookup alone."""
-    from tritune.kernels import Q4KWeight, attention, decode_attention, prefill_attention, q4k_linear, varlen_attention
+    from tritune.kernels import (
+        Q4KWeight,
+        attention,
+        decode_attention,
+        prefill_attention,
+        q4k_linear,
+        use_config,
+        varlen_attention,
+    )
     from tritune.kernels._launch import device_index
+    from tritune.kernels.device import device_info
     from tritune.kernels.dispatcher import dispatch
     from tritune.kernels.prefill.spec import SPEC as PREFILL
 
@@ -128,10 +141,19 @@ def host_variants(device: str) -> dict[str, Callable[[], object]]:
     # An indexed device: the dispatcher keys CUDA devices by ordinal (a bare "cuda" has none).
     dev = q.device
     facts = tuple(PREFILL.facts(q, k, v, causal=True, kv_len=kv_len, softmax_scale=1 / math.sqrt(64), out=out))
+    pin = PREFILL.space.to_dict(PREFILL.default_config(PREFILL.key_for(device_info(dev), facts)))
+
+    def pinned_each_call() -> object:
+        with use_config(PREFILL.name, pin):
+            return prefill_attention(q, k, v, kv_len=kv_len, out=out)
+
+    pinned_inside = bl.pinned_call(PREFILL.name, pin, prefill_attention, q, k, v, kv_len=kv_len, out=out)
     return {
         "`prefill_attention` q [1, 16, 16, 64], k/v [1, 2, 128, 64], kv_len []": lambda: prefill_attention(
             q, k, v, kv_len=kv_len, out=out
         ),
+        "`prefill_attention`, `with use_config(...)` around each call": pinned_each_call,
+        "`prefill_attention` inside a long-lived `use_config`": pinned_inside,
         "`attention`, routed to prefill (same call)": lambda: attention(q, k, v, kv_len=kv_len, out=out),
         "`decode_attention` q [1, 32, 1, 128], cache [1, 8, 1024, 128]": lambda: decode_attention(
             dq, dk, dv, lengths, out=dout

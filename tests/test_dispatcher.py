@@ -248,6 +248,29 @@ def test_pinned_config_overrides_a_memoised_choice():
     assert _served_eager(100)["BLOCK"] == 64
 
 
+def test_pinned_choice_is_memoised_under_its_pin(monkeypatch):
+    """A second pinned call with the same facts is a memo hit (no resolution, the pin parsed once),
+    and the pinned and unpinned choices of the same facts are kept apart."""
+    _store(_winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5))
+    resolved, parsed = [], []
+    select, parse = DISPATCHER.select, toy_kernel.SPEC.pinned_config
+    monkeypatch.setattr(DISPATCHER, "select", lambda *args: resolved.append(args) or select(*args))
+    monkeypatch.setattr(toy_kernel.SPEC, "pinned_config", lambda values: parsed.append(values) or parse(values))
+    monkeypatch.setattr(dispatcher, "_parsed_pins", {})
+    for _ in range(2):  # a pin entered around every call: parsed once, resolved once
+        with use_config("toy_scale", {"BLOCK": 16}):
+            assert _served_eager(100)["BLOCK"] == 16
+    with use_config("toy_scale", {"BLOCK": 16}):
+        assert _served(100)["BLOCK"] == 16
+    assert len(resolved) == 1 and len(parsed) == 1
+    assert _served_eager(100)["BLOCK"] == 64
+    with use_config("toy_scale", {"BLOCK": 128, "num_warps": 2}):
+        assert _served_eager(100)["BLOCK"] == 128
+    assert len(resolved) == 3
+    assert _served_eager(100)["BLOCK"] == 64
+    assert len(resolved) == 3
+
+
 def test_reload_configs_drops_memoised_choices():
     assert _served_eager(100)["BLOCK"] == 32
     _store(_winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5))

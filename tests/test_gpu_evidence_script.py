@@ -1,4 +1,4 @@
-"""``scripts/gpu_evidence.sh``'s tests stage, driven by a stand-in ``python`` (nothing real runs).
+"""``scripts/gpu_evidence.sh``'s test and tune stages, driven by a stand-in ``python`` (nothing real runs).
 
 The stage shards ``tests/test_q4k.py`` by the test ids that collection lists. When collection lists
 none (an import error, hidden by its ``2>/dev/null``), a shard must not become a bare ``pytest``,
@@ -73,6 +73,25 @@ def test_nothing_collected_runs_the_q4k_file_whole_not_the_whole_folder(tmp_path
     assert len(runs) == 4
     assert all(r.split()[-1].startswith("tests/test_") for r in runs), runs
     assert any(r.split()[-1] == "tests/test_q4k.py" for r in runs)
+
+
+def test_gpu_tests_stage_runs_the_gpu_tier_with_q4k_sharded(tmp_path):
+    ids = "".join(f"tests/test_q4k.py::test_gpu_{i}\n" for i in range(5))
+    calls = _run_stage(tmp_path, "gpu-tests:60", ids, check=True)
+    runs = [r for r in calls if "-m pytest" in r and "--collect-only" not in r]
+    attention = [r for r in runs if "tests/test_prefill.py" in r]
+    assert len(attention) == 1 and "-m gpu" in attention[0]
+    q4k = [r for r in runs if "tests/test_q4k.py" in r]
+    assert sorted(r.count("::") for r in q4k) == [1, 2, 2]
+
+
+def test_gpu_tests_stage_fails_when_q4k_collects_nothing(tmp_path):
+    with pytest.raises(subprocess.CalledProcessError):
+        _run_stage(tmp_path, "gpu-tests:60", "", check=True)
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    runs = [r for r in calls if "-m pytest" in r and "--collect-only" not in r]
+    # The attention files still ran; no pytest ran without a file or a test id.
+    assert len(runs) == 1 and runs[0].split()[-1] == "tests/test_varlen.py"
 
 
 def test_defaults_stage_tunes_each_kernel_over_its_default_keys(tmp_path):
