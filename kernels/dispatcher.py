@@ -264,13 +264,14 @@ def config_from_values(spec: KernelSpec[Any, Any], values: tuple[Any, ...]) -> A
 
 #: (kernel, the pin's items) -> the parsed config: entering ``use_config`` around every call of a
 #: loop parsed the same dict each time (about 25 us of the 50 us a pinned prefill call cost).
-_parsed_pins: dict[tuple[str, tuple[tuple[str, Any], ...]], Any] = {}
+_parsed_pins: dict[tuple[str, tuple[tuple[str, type, Any], ...]], Any] = {}
 
 
 def _parsed_pin(kernel: str, config: Mapping[str, Any]) -> Any:
     """``get_spec(kernel).pinned_config(config)``, remembered for configs of hashable values."""
     try:
-        cache_key = (kernel, tuple(sorted(config.items())))
+        # The type is part of the key: 64.0 and True hash like 64 and 1, and the strict parse refuses them.
+        cache_key = (kernel, tuple(sorted((name, type(value), value) for name, value in config.items())))
         parsed = _parsed_pins.get(cache_key)
     except TypeError:  # unhashable or unsortable values (refused by the parse below, or odd but valid)
         return get_spec(kernel).pinned_config(config)

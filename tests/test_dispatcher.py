@@ -271,6 +271,17 @@ def test_pinned_choice_is_memoised_under_its_pin(monkeypatch):
     assert len(resolved) == 3
 
 
+@pytest.mark.parametrize(
+    "odd", [{"BLOCK": 16.0, "BROKEN": False}, {"BLOCK": 16, "BROKEN": 0}], ids=["float", "int-for-bool"]
+)
+def test_a_cached_pin_does_not_let_an_equal_value_of_another_type_through(odd):
+    """16.0 and 0 hash like 16 and False: the parsed-pin cache must not hand them the parse of those."""
+    with use_config("toy_scale", {"BLOCK": 16, "BROKEN": False}):
+        pass
+    with pytest.raises(ConfigError), use_config("toy_scale", odd):
+        pass
+
+
 def test_reload_configs_drops_memoised_choices():
     assert _served_eager(100)["BLOCK"] == 32
     _store(_winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5))

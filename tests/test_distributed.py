@@ -534,6 +534,37 @@ def test_a_shared_study_starts_from_the_configs_a_lone_tuner_measures_first(toy,
     assert len(queued) > 3 and alone.measured[: len(queued)] == queued
 
 
+def test_a_worker_joining_later_adds_no_seeds_of_its_own(toy, tmp_path):
+    """The seeds are fixed by the first worker: a nearest bucket's winner stored after it joined is not
+    enqueued by a worker joining later (its seed would be asked before the climb's configs)."""
+    import triton
+
+    from tritune.configs_db.records import WinnerRecord
+    from tritune.tuner.study import tritune_version
+
+    options = TuneOptions(trials=9, batch=3, final_rounds=1)
+    with ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}") as store:
+        a, b = _shared_tuners(tmp_path, store, options, ("a", "b"))
+        default = toy_kernel.SPEC.default_config(a.key)
+        study = a._join(default)
+        queued = [t.system_attrs["fixed_params"] for t in study.get_trials(states=(TrialState.WAITING,))]
+        neighbour = toy_kernel.ToyKey(a.key.arch, a.key.sm_count, a.key.dtype, a.key.n_bucket * 2)
+        chosen = {"BLOCK": 16, "BROKEN": False, "num_warps": 1}
+        store.offer_winner(
+            WinnerRecord(
+                kernel=toy_kernel.SPEC.name, kernel_version=toy_kernel.SPEC.version, gpu=a.device.slug,
+                key=neighbour.to_dict(), config=chosen, time_ms=1.0, portable_ms=2.0, speedup=2.0, trials=5,
+                triton_version=triton.__version__, torch_version=torch.__version__,
+                tritune_version=tritune_version(),
+            ),
+            a.env_id,
+        )  # fmt: skip
+        assert b._neighbour_winners(store.winners(kernel=toy_kernel.SPEC.name)) == [chosen]
+        joined = b._join(default)
+        after = [t.system_attrs["fixed_params"] for t in joined.get_trials(states=(TrialState.WAITING,))]
+    assert after == queued
+
+
 def _one_step(config: dict[str, Any], best: dict[str, Any]) -> bool:
     """Whether ``config`` is ``best`` with one field moved to the next choice."""
     moved = [name for name in best if config[name] != best[name]]

@@ -178,6 +178,22 @@ def test_nearest_buckets_winners_are_measured_first(tmp_path):
     assert {"BLOCK": 128, "BROKEN": False, "num_warps": 2} not in seen[:3]
 
 
+def test_seeds_leave_the_climb_its_share(tmp_path, monkeypatch):
+    """Queued seeds are asked before the climb's configs: at most the exploration share of the budget,
+    however many starting configs and neighbour winners there are (the portable default first)."""
+    starts = [toy_kernel.ToyConfig(BLOCK=b, BROKEN=False, num_warps=w) for b in (16, 64) for w in (1, 2)]
+    monkeypatch.setattr(SPEC, "starting_configs", lambda key, device: starts, raising=False)
+    store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    import random
+
+    for trials in (4, 10, 16):
+        tuner = _tuner(store, trials)
+        feasible = SPEC.space.feasible(tuner.key, tuner.limits)
+        seeds = tuner._seeds(SPEC.space.default(), feasible, False, random.Random(0))
+        assert 1 <= len(seeds) <= tuner._polish_from(False) < trials
+        assert seeds[0] == SPEC.space.to_dict(SPEC.space.default())
+
+
 def test_spec_starting_configs_are_measured_first(tmp_path, monkeypatch):
     """A spec's starting configs join the portable default at the front of the study."""
     start = toy_kernel.ToyConfig(BLOCK=16, BROKEN=False, num_warps=1)

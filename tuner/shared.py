@@ -65,6 +65,7 @@ from .studies import (
     META_ATTR,
     OUTCOME_ATTR,
     REUSED,
+    SEEDS_ATTR,
     WORKER_ATTR,
     Heartbeat,
     StudyStorage,
@@ -254,8 +255,13 @@ class SharedKeyTuner(KeyTuner):
                 )
             )
             present.add(ident)
-        # The shared start does not depend on the worker: the same seeds as a single-process tune.
-        seeds = self._seeds(default, self.feasible, self.exhaustive, random.Random(self.options.seed))
+        # The shared start does not depend on the worker: the seeds of a single-process tune, fixed
+        # by the first worker to seed the study (they include the nearest buckets' winners, which
+        # a worker joining later could find more of in the DB).
+        seeds = study.user_attrs.get(SEEDS_ATTR)
+        if not isinstance(seeds, list):
+            seeds = self._seeds(default, self.feasible, self.exhaustive, random.Random(self.options.seed))
+            study.set_user_attr(SEEDS_ATTR, seeds)
         for values in seeds:
             try:
                 ident = self._ident(self.space.parse(values))

@@ -41,6 +41,8 @@ log = logging.getLogger("tritune.tuner")
 STUDY_PREFIX = "tritune"
 #: Study user attribute holding what the study tunes (kernel, version, GPU, Triton, key).
 META_ATTR = "tritune"
+#: Study user attribute holding the seeds the first worker enqueued (later workers add no others).
+SEEDS_ATTR = "seeds"
 #: Study user attribute set once a worker has chosen and offered the key's winner.
 FINALIZED_ATTR = "finalized"
 #: Trial user attributes: the worker that asked the trial, and what became of it.

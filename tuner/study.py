@@ -369,12 +369,14 @@ class KeyTuner:
         seeds.extend(self.space.to_dict(config) for config in self.spec.starting_configs(self.key, self.device))
         if exhaustive:
             seeds.extend(self.space.to_dict(config) for config in feasible)
-        else:
-            # TPE's random start-up draws from the whole product, mostly infeasible for large
-            # spaces: start it from a seeded sample of feasible configs instead.
-            sample = rng.sample(feasible, min(len(feasible), max(1, self.options.trials // 3)))
-            seeds.extend(self.space.to_dict(config) for config in sample)
-        return seeds
+            return seeds
+        # TPE's random start-up draws from the whole product, mostly infeasible for large
+        # spaces: start it from a seeded sample of feasible configs instead.
+        sample = rng.sample(feasible, min(len(feasible), max(1, self.options.trials // 3)))
+        seeds.extend(self.space.to_dict(config) for config in sample)
+        # Queued seeds are asked before anything else, the climb's configs included: at most the
+        # exploration share of them (the portable default always), the random sample dropped first.
+        return seeds[: max(1, self._polish_from(exhaustive))]
 
     def _neighbour_winners(self, winners: list[WinnerRecord]) -> list[dict[str, Any]]:
         """Winners of the nearest other buckets of this key's group that are feasible here, nearest first.
