@@ -66,10 +66,11 @@ def pinned_call(kernel: str, config: dict[str, Any], fn: Callable[..., torch.Ten
 
     Entering ``use_config`` parses and checks the config (a pinned prefill call cost 33 us of host
     time on the dev CPU against 5 us for a plain one, before the dispatcher cached parsed pins;
-    ``scripts/measure_overhead.py``). Inside a timed call, that host time shows in an eager GPU time wherever it outlasts the L2
-    flush ahead of the call (on the H200, the pinned D=128 Lq=512 prefill row read 0.260 ms where
-    the dispatcher, serving the same config, read 0.175 ms). The pin lives in a private copy of
-    the context, so it covers exactly these calls (not re-entrant: one call at a time).
+    ``scripts/measure_overhead.py``). Inside a timed call, that host time shows in an eager GPU
+    time wherever it outlasts the L2 flush ahead of the call (on the H200, the pinned D=128 Lq=512
+    prefill row read 0.260 ms where the dispatcher, serving the same config, read 0.175 ms). The
+    pin lives in a private copy of the context, so it covers exactly these calls (not re-entrant:
+    one call at a time).
     """
     from tritune.kernels import use_config
 
