@@ -178,6 +178,19 @@ def test_nearest_buckets_winners_are_measured_first(tmp_path):
     assert {"BLOCK": 128, "BROKEN": False, "num_warps": 2} not in seen[:3]
 
 
+def test_a_neighbour_winner_equal_to_the_keys_own_takes_no_seed_slot(tmp_path):
+    store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    env = environment_id(store, CPU)
+    options = TuneOptions(trials=40, seed=1, batch=4, final_rounds=1)  # exhaustive: exact winners
+    target = toy_kernel.ToyKey(CPU.arch, CPU.sm_count, "float32", 512)
+    for n_bucket, block, warps in ((128, 16, 1), (8192, 64, 4), (512, 16, 1)):
+        key = toy_kernel.ToyKey(CPU.arch, CPU.sm_count, "float32", n_bucket)
+        KeyTuner(SPEC, key, CPU, torch.device("cpu"), store, env, FakeTimer(_favouring(block, warps)), options).run()
+    tuner = KeyTuner(SPEC, target, CPU, torch.device("cpu"), store, env, FakeTimer(cost), options)
+    # The nearest bucket's winner is the key's own (seeded already): the next one comes instead.
+    assert tuner._neighbour_winners(store.winners(kernel=SPEC.name)) == [{"BLOCK": 64, "BROKEN": False, "num_warps": 4}]
+
+
 def test_seeds_leave_the_climb_its_share(tmp_path, monkeypatch):
     """Queued seeds are asked before the climb's configs: at most the exploration share of the budget,
     however many starting configs and neighbour winners there are (the portable default first)."""

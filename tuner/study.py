@@ -400,12 +400,15 @@ class KeyTuner:
             if self.space.infeasible_reason(config, self.key, self.limits) is None:
                 ranked.append((self.key.distance(other), self.space.to_dict(config)))
         ranked.sort(key=lambda item: item[0])
-        # The portable default is seeded anyway; a neighbour whose winner it is adds nothing.
+        # The portable default and the key's own winner are seeded anyway: a neighbour whose winner
+        # is one of them adds nothing.
         seen = [self.space.to_dict(self.spec.default_config(self.key))]
+        seen.extend(w.config for w in winners if w.key == self.key_dict)
+        already = len(seen)
         for _, values in ranked:
             if values not in seen:
                 seen.append(values)
-        return seen[1 : 1 + NEIGHBOUR_SEEDS]
+        return seen[already : already + NEIGHBOUR_SEEDS]
 
     def _run(self, bench: Bench, default: Any) -> KeyResult:
         spec, opts = self.spec, self.options
