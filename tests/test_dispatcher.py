@@ -158,8 +158,10 @@ def test_pinned_config_wins_and_fills_defaults():
         ({"BLOCK": "64"}, "BLOCK='64' is not in the space"),
         ({"BROKEN": 1}, "BROKEN=1 is not in the space"),
         ({"TILE": 16}, "unknown config field"),
+        ([("BLOCK", 16)], "must be a mapping"),
+        ({"BLOCK": [16]}, r"BLOCK=\[16\] is not in the space"),
     ],
-    ids=["value", "type", "int-for-bool", "unknown-field"],
+    ids=["value", "type", "int-for-bool", "unknown-field", "not-a-mapping", "unhashable"],
 )
 def test_pinned_config_outside_space_refused(config, match):
     with pytest.raises(ConfigError, match=match), use_config("toy_scale", config):
