@@ -165,13 +165,27 @@ tune_and_export() {
   fi
 }
 
+# The test ids listed in $1 as $2 pytest shards started in the background, named $3 (logs and
+# junit XML in $out/tests); their pids join the calling stage's pids array. xargs -r: an empty
+# shard runs nothing (a bare pytest would run the whole tests folder).
+start_shards() {
+  local list=$1 count=$2 name=$3 shard
+  for ((shard = 0; shard < count; shard++)); do
+    awk -v s="$shard" -v n="$count" 'NR % n == s' "$list" >"$list.$shard"
+    step "pytest $name shard $shard" $((budget - 10)) xargs -r -a "$list.$shard" \
+      python -m pytest -q -p no:cacheprovider --junitxml="$out/tests/$name-$shard.xml" \
+      >"$out/tests/$name-$shard.log" 2>&1 &
+    pids+=($!)
+  done
+}
+
 run_stage() {
   case "$stage" in
     tests)
       # All at once, the slow Q4_K file in four shards: the GPU idles while Triton compiles, and
       # compiling is what these tests mostly do; 16 cores can take seven processes.
       mkdir -p "$out/tests"
-      local pids=() f shard name
+      local pids=() f name
       for f in tests/test_prefill.py tests/test_decode.py tests/test_varlen.py; do
         name=$(basename "$f" .py)
         step "pytest $name" $((budget - 10)) python -m pytest -q -p no:cacheprovider \
@@ -181,14 +195,7 @@ run_stage() {
       python -m pytest --collect-only -q -p no:cacheprovider tests/test_q4k.py 2>/dev/null | grep '::' \
         >"$work/q4k-tests.txt"
       if [ -s "$work/q4k-tests.txt" ]; then
-        for shard in 0 1 2 3; do
-          awk -v s="$shard" 'NR % 4 == s' "$work/q4k-tests.txt" >"$work/q4k-shard$shard.txt"
-          # -r: an empty shard runs nothing (a bare pytest would run the whole tests folder).
-          step "pytest test_q4k shard $shard" $((budget - 10)) xargs -r -a "$work/q4k-shard$shard.txt" \
-            python -m pytest -q -p no:cacheprovider --junitxml="$out/tests/test_q4k-$shard.xml" \
-            >"$out/tests/test_q4k-$shard.log" 2>&1 &
-          pids+=($!)
-        done
+        start_shards "$work/q4k-tests.txt" 4 test_q4k
       else
         # Collection listed nothing (its errors went to /dev/null): run the file whole, so its log says why.
         note "WARNING: collecting tests/test_q4k.py listed no tests; running it unsharded"
@@ -360,7 +367,7 @@ run_stage() {
       # The GPU tier only (-m gpu): the attention files in one process, the Q4_K file's GPU tests in
       # three shards, all at once (compiling each test's configs is most of the time).
       mkdir -p "$out/tests"
-      local pids=() shard
+      local pids=()
       step "pytest -m gpu attention" $((budget - 10)) python -m pytest -q -p no:cacheprovider -m gpu \
         --junitxml="$out/tests/gpu-attention.xml" tests/test_prefill.py tests/test_decode.py \
         tests/test_decode_spec.py tests/test_varlen.py >"$out/tests/gpu-attention.log" 2>&1 &
@@ -372,13 +379,7 @@ run_stage() {
         note "WARNING: collecting the GPU tests of tests/test_q4k.py listed none; run it alone to see why"
         status=1
       fi
-      for shard in 0 1 2; do
-        awk -v s="$shard" 'NR % 3 == s' "$work/q4k-gpu-tests.txt" >"$work/q4k-gpu-shard$shard.txt"
-        step "pytest -m gpu test_q4k shard $shard" $((budget - 10)) xargs -r -a "$work/q4k-gpu-shard$shard.txt" \
-          python -m pytest -q -p no:cacheprovider --junitxml="$out/tests/gpu-q4k-$shard.xml" \
-          >"$out/tests/gpu-q4k-$shard.log" 2>&1 &
-        pids+=($!)
-      done
+      start_shards "$work/q4k-gpu-tests.txt" 3 gpu-q4k
       for pid in "${pids[@]}"; do wait "$pid" || status=1; done
       tail -n 3 "$out"/tests/gpu-*.log | tee -a "$log"
       ;;
