@@ -271,10 +271,12 @@ def _tritune_impls(x: torch.Tensor, weight, best: dict) -> list[Impl]:
         return bl.pinned_call(KERNEL, config, q4k_linear, x, weight)
 
     impls = [Impl("tritune untuned (portable default)", pinned(untuned), _floor("portable"), _config_text(untuned))]
-    for path in ("portable", "fp8"):
+    for path in ("portable", "fp8", "staged"):
         config, origin = best.get((key_json, path)), "fastest tuned trial"
         if config is None:
             config, origin = _path_default(untuned, path, key, info), "default tiles, no tuned trial"
+            if path == "staged" and SPEC.space.infeasible_reason(SPEC.space.parse(config), key, SPEC.limits(info)):
+                continue  # small M, fp16 or odd N: the staged path is not a candidate there
         if config == untuned:
             continue  # the untuned row already times it
         impls.append(

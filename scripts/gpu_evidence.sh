@@ -41,6 +41,8 @@
 #                           once (265 s ran 91 of about 130 tests on 2026-11-29)
 # probe-decode        60    scripts/probe_decode_latency.py (where a short decode step's   <date>-probe-decode-<gpu>.md
 #                           microseconds go)
+# probe-q4k          300    Q4_K staged-path GPU tests, config sweeps (Q4K_SWEEPS), ncu of     <date>-sweep-q4k-*.md/.json,
+#                           the portable M=16 kernel                                          ncu-q4k-portable-m16.txt
 # smoke             1800    decode + q4k + varlen steps on the CPU (Triton interpreter,   smoke-*
 #                           tiny shapes): a dry run of this script without a GPU
 #
@@ -56,7 +58,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 declare -A DEFAULT_BUDGET=(
   [tests]=300 [tune-prefill]=300 [bench-prefill]=200 [decode]=210 [varlen]=150 [q4k]=240 [overhead]=60
   [tuner]=200 [multigpu]=480 [smoke]=1800 [prefill-defaults]=330 [stability]=200 [probe-decode]=60 [pytest]=90 [defaults]=540
-  [bench-decode]=150 [bench-varlen]=120 [bench-q4k]=150 [gpu-tests]=300
+  [bench-decode]=150 [bench-varlen]=120 [bench-q4k]=150 [gpu-tests]=300 [probe-q4k]=300
 )
 if (($# == 0)); then
   echo "usage: bash scripts/gpu_evidence.sh STAGE[:SECONDS] ... (stages: ${!DEFAULT_BUDGET[*]})" >&2
@@ -99,6 +101,18 @@ print(f"torch {torch.__version__} | triton {triton.__version__} | CUDA {torch.ve
 if cuda:
     p = torch.cuda.get_device_properties(0)
     print(f"GPU 0: {p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.1f} GiB")
+'
+
+# Five portable-default calls of the M=16 decode key (4096 x 14336) for ncu to profile one of.
+NCU_Q4K_PY='
+import torch
+from tritune.kernels import Q4KWeight, q4k_linear, use_config
+w = Q4KWeight.quantize(torch.randn(14336, 4096, device="cuda") * 0.02)
+x = torch.randn(16, 4096, device="cuda").bfloat16()
+with use_config("q4k_fp8_gemm", {"path": "portable", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1}):
+    for _ in range(5):
+        q4k_linear(x, w)
+torch.cuda.synchronize()
 '
 
 note() {
@@ -395,6 +409,29 @@ run_stage() {
 
     probe-decode)
       step probe 300 python scripts/probe_decode_latency.py --out "$out/$today-probe-decode-$(gpu_slug).md"
+      ;;
+
+    probe-q4k)
+      # The staged path's GPU tests, then config sweeps of Q4_K keys the tuner served poorly
+      # (Q4K_SWEEPS: "name|key json|where filters|limit" entries separated by ";"), then Nsight
+      # Compute on the portable decode kernel (ncu may be unavailable: its failure is only noted).
+      step staged-tests 120 python -m pytest -q -p no:cacheprovider -m gpu tests/test_q4k.py -k staged \
+        --junitxml="$out/staged-tests.xml" >"$out/staged-tests.log" 2>&1
+      local sweeps entry name key where limit filters
+      sweeps=${Q4K_SWEEPS:-'staged-m4096|{"dtype":"bfloat16","m_bucket":4096,"n":14336,"k":4096}|path=staged|40;portable-m16|{"dtype":"bfloat16","m_bucket":16,"n":14336,"k":4096}|path=portable|60'}
+      IFS=';' read -r -a entries <<<"$sweeps"
+      for entry in "${entries[@]}"; do
+        IFS='|' read -r name key where limit <<<"$entry"
+        filters=()
+        for f in $where; do filters+=(--where "$f"); done
+        step "sweep-$name" 200 python scripts/sweep_configs.py --kernel q4k_fp8_gemm --key "$key" \
+          "${filters[@]}" --limit "$limit" --out "$out/$today-sweep-q4k-$name-$(gpu_slug).md" \
+          --json "$out/$today-sweep-q4k-$name-$(gpu_slug).json"
+      done
+      step ncu 120 ncu --clock-control none -k regex:q4k_gemm_portable --launch-skip 3 --launch-count 1 \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section MemoryWorkloadAnalysis python -c "$NCU_Q4K_PY" >"$out/ncu-q4k-portable-m16.txt" 2>&1 ||
+        note "ncu failed (see ncu-q4k-portable-m16.txt)"
       ;;
 
     smoke)

@@ -10,8 +10,11 @@ sm_90.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from .base import SearchSpace, TargetLimits, choice
 
@@ -31,6 +34,11 @@ FOLD_MAX_REGISTERS = 224
 SWAP_MAX_REGISTERS = 176
 #: Rows per warpgroup on wgmma's M side: in the swapped kernel that side is BLOCK_N.
 WGMMA_ROWS = 64
+#: Smallest chunk the staged path uses on a GPU: below it each chunk's GEMM is too narrow to fill
+#: the GPU (4096 x 1024 tiles of 128 x 256 are 128 programs for 132 SMs).
+MIN_CHUNK_N = 1024
+#: The staged path's fields other than its dequantization tile: each is pinned at its default there.
+_STAGED_FIXED = ("BLOCK_M", "GROUP_M", "num_stages", "SPLIT_K", "SCALE_FOLD", "SWAP_AB")
 
 
 @dataclass(frozen=True)
@@ -38,8 +46,10 @@ class Q4KConfig:
     """One launch of the Q4_K GEMM. The defaults are the portable path's safe middle."""
 
     #: "portable": dequantize to x's dtype and bf16/fp16 ``tl.dot`` (any CUDA GPU);
-    #: "fp8": e4m3 activations against exact 4-bit quants, or folded e4m3 weights (SM89+).
-    path: str = choice("portable", ("portable", "fp8"))
+    #: "fp8": e4m3 activations against exact 4-bit quants, or folded e4m3 weights (SM89+);
+    #: "staged": the folded e4m3 weights made ``CHUNK_N`` rows at a time into an L2-sized scratch,
+    #: each chunk multiplied by cuBLASLt's fp8 GEMM with row and column scales (SM90+, bf16, large M).
+    path: str = choice("portable", ("portable", "fp8", "staged"))
     #: 256 only with SWAP_AB, where it is wgmma's widest N (m64n256).
     BLOCK_M: int = choice(64, (16, 32, 64, 128, 256))
     BLOCK_N: int = choice(64, (32, 64, 128, 256))
@@ -64,6 +74,11 @@ class Q4KConfig:
     #: BLOCK_N becomes the MMA's M side (64 rows per warpgroup) and BLOCK_M its N side, so small M
     #: gets wgmma too. The same e4m3 weights and scales as SCALE_FOLD, so the same SQNR.
     SWAP_AB: bool = choice(False, (False, True))
+    #: Staged path only: weight rows dequantized per chunk (the scratch holds CHUNK_N x K e4m3
+    #: bytes: 8 MiB at 2048 x 4096). Small chunks (below ``MIN_CHUNK_N``) are for the interpreter.
+    CHUNK_N: int = choice(2048, (32, 1024, 2048, 4096, 8192))
+    #: Staged path only: cuBLASLt's fast fp8 accumulation (``use_fast_accum``), checked by the SQNR gate.
+    FAST_ACCUM: bool = choice(False, (False, True))
 
 
 class Q4KShape(Protocol):
@@ -77,6 +92,9 @@ class Q4KShape(Protocol):
 
     @property
     def k(self) -> int: ...
+
+    @property
+    def dtype(self) -> str: ...
 
 
 def smem_bytes(config: Q4KConfig) -> int:
@@ -107,6 +125,11 @@ def smem_bytes(config: Q4KConfig) -> int:
 def feasibility(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> str | None:
     """Why ``config`` cannot (or should not) run for ``key``; ``None`` if it may."""
     small = key.m_bucket <= SMALL_M
+    if config.path == "staged":
+        return _staged_reason(config, key, limits)
+    default = Q4KConfig()
+    if config.CHUNK_N != default.CHUNK_N or config.FAST_ACCUM != default.FAST_ACCUM:
+        return "CHUNK_N and FAST_ACCUM only change the staged path (the same launch as their defaults)"
     if config.SCALE_FOLD and config.path != "fp8":
         return "SCALE_FOLD only changes the fp8 path (the same launch as SCALE_FOLD=False)"
     if config.SWAP_AB and not config.SCALE_FOLD:
@@ -162,4 +185,79 @@ def feasibility(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> str |
     return None
 
 
-SPACE: SearchSpace[Q4KConfig, Q4KShape] = SearchSpace("q4k_fp8_gemm", Q4KConfig, feasibility=feasibility)
+def _staged_reason(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> str | None:
+    """Feasibility of the staged path: only its dequantization tile, chunk and accumulation vary.
+
+    BLOCK_N x BLOCK_K is one dequantization program's tile and ``num_warps`` its warps; the GEMM is
+    cuBLASLt's. Small M is left to the in-loop kernels: writing and re-reading every weight costs
+    more than dequantizing it once per M tile when there are few M tiles.
+    """
+    default = Q4KConfig()
+    moved = [name for name in _STAGED_FIXED if getattr(config, name) != getattr(default, name)]
+    if moved:
+        return f"the staged path ignores {', '.join(moved)} (the same launch as their defaults)"
+    if key.dtype != "bfloat16":
+        return f"the staged path's GEMM writes bfloat16 only (row-wise scaled fp8), not {key.dtype}"
+    if key.n < 2 * config.CHUNK_N:
+        return f"CHUNK_N={config.CHUNK_N} would stage half or more of the N={key.n} weight rows at once"
+    if key.n % 16 or key.k % 16:
+        return "cuBLASLt's fp8 GEMM needs N and K multiples of 16"
+    if limits.interpreter:
+        # The CPU tune tries the path at its tiny keys, whatever their M.
+        if config.BLOCK_N > 64 or config.BLOCK_K > 128:
+            return "the interpreter only runs small blocks (BLOCK_N <= 64, BLOCK_K <= 128)"
+        return None
+    if key.m_bucket <= SMALL_M:
+        return f"the staged path is for M > {SMALL_M} (m_bucket={key.m_bucket})"
+    if config.CHUNK_N < MIN_CHUNK_N:
+        return f"CHUNK_N={config.CHUNK_N} is below {MIN_CHUNK_N}, too narrow a GEMM for a GPU"
+    if config.BLOCK_K < 64:
+        return "the staged dequantization writes 64 or more bytes of each row per program (BLOCK_K >= 64)"
+    if config.num_warps * 32 * 4 > config.BLOCK_N * config.BLOCK_K:
+        return f"{config.num_warps} warps for a {config.BLOCK_N}x{config.BLOCK_K} tile leave threads idle"
+    return None
+
+
+#: The fields each path's launch reads; the others keep their defaults there.
+_TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT_K")
+PATH_FIELDS: dict[str, tuple[str, ...]] = {
+    "portable": _TILES,
+    "fp8": (*_TILES, "SCALE_FOLD", "SWAP_AB"),
+    "staged": ("BLOCK_N", "BLOCK_K", "num_warps", "CHUNK_N", "FAST_ACCUM"),
+}
+
+
+class PathSpace(SearchSpace[Q4KConfig, Q4KShape]):
+    """The space as one sub-grid per path: a field a path's launch does not read keeps its default.
+
+    The paths read different fields (the staged one five of eleven), so their full cross product
+    would be mostly duplicate launches: 2.6 million configs a key, where the per-path grids hold
+    72 thousand. :meth:`parse` resets the fields the config's path does not read, so a config the
+    tuner's sampler proposes, a pin, or a stored config names one launch one way.
+    """
+
+    def parse(self, values: Mapping[str, Any], base: Q4KConfig | None = None) -> Q4KConfig:
+        config = super().parse(values, base)
+        default = self.default()
+        read = PATH_FIELDS[config.path]
+        unread = {f.name: getattr(default, f.name) for f in dataclasses.fields(config) if f.name not in read}
+        unread.pop("path")
+        return dataclasses.replace(config, **unread)
+
+    def size(self) -> int:
+        total = 0
+        for fields in PATH_FIELDS.values():
+            count = 1
+            for name in fields:
+                count *= len(self.dimensions[name])
+            total += count
+        return total
+
+    def grid(self) -> Iterator[Q4KConfig]:
+        default = self.default()
+        for path, fields in PATH_FIELDS.items():
+            for combo in itertools.product(*(self.dimensions[name] for name in fields)):
+                yield dataclasses.replace(default, path=path, **dict(zip(fields, combo, strict=True)))
+
+
+SPACE = PathSpace("q4k_fp8_gemm", Q4KConfig, feasibility=feasibility)

@@ -165,10 +165,14 @@ class Case:
     dtype: torch.dtype = torch.bfloat16
     fold: bool = False
     swap: bool = False
+    #: Staged path only: weight rows dequantized per chunk.
+    chunk: int = 32
 
     def __str__(self) -> str:
         dt = "bf16" if self.dtype == torch.bfloat16 else "fp16"
         path = ("fp8-fold-swap" if self.swap else "fp8-fold") if self.fold else self.path
+        if self.path == "staged":
+            path = f"staged-chunk{self.chunk}"
         return f"{path}-M{self.m}-K{self.k}-N{self.n}-split{self.split_k}-bk{self.block_k}-{dt}" + (
             "-bias" if self.bias else ""
         )
@@ -198,6 +202,10 @@ CPU_CASES = [
     Case("fp8", 1, 256, 37, fold=True, swap=True),
     Case("fp8", 3, 768, 37, bias=True, fold=True, swap=True),
     Case("fp8", 16, 768, 37, split_k=4, fold=True, swap=True),
+    # The staged path: one chunk, several chunks with a short last one, and a chunk wider than N.
+    Case("staged", 5, 512, 96, bias=True, block_k=128),
+    Case("staged", 33, 768, 48, chunk=32),
+    Case("staged", 1, 256, 64, chunk=1024, block_k=32),
     Case("fp8", 17, 768, 65, split_k=2, block_k=128, bias=True, fold=True, swap=True),
     Case("fp8", 64, 768, 64, block_k=128, fold=True, swap=True),
     Case("fp8", 257, 256, 37, block_k=32, fold=True, swap=True),
@@ -224,11 +232,17 @@ GPU_CASES = [
     Case("fp8", 9, 4096, 1000, dtype=torch.float16, bias=True),
     Case("fp8", 9, 4096, 1000, dtype=torch.float16, bias=True, fold=True),
     Case("fp8", 9, 4096, 1000, dtype=torch.float16, bias=True, fold=True, swap=True),
+    # The staged path: chunks of 1024 with a short last one, and bias.
+    Case("staged", 257, 4096, 4000, block_k=128, chunk=1024, bias=True),
+    Case("staged", 64, 768, 2048, block_k=256, chunk=1024),
+    Case("staged", 3, 14336, 1024, block_k=64, chunk=1024),
 ]
 
 
 def _config(case: Case, device: str) -> dict[str, object]:
     small = device == "cpu"
+    if case.path == "staged":
+        return {"path": "staged", "BLOCK_N": 32, "BLOCK_K": case.block_k, "num_warps": 4, "CHUNK_N": case.chunk}
     block_m = 16 if case.m <= 16 or small else 64
     return {
         "path": case.path,
@@ -264,6 +278,8 @@ class _KernelSpy:
             q4k_launch._q4k_gemm_fp8_fold_swap_kernel: "fp8-fold-swap",
             q4k_launch._q4k_gemm_portable_kernel: "portable",
             q4k_launch._splitk_reduce_kernel: "reduce",
+            q4k_launch._column_folds_kernel: "folds",
+            q4k_launch._q4k_dequant_fp8_kernel: "dequant",
         }
 
         def launcher(kernel):
@@ -273,7 +289,10 @@ class _KernelSpy:
         monkeypatch.setattr(q4k_launch, "wrap_triton", launcher)
 
     @staticmethod
-    def expected(path: str, split_k: int, fold: bool = False, swap: bool = False) -> list[str]:
+    def expected(path: str, split_k: int, fold: bool = False, swap: bool = False, chunks: int = 1) -> list[str]:
+        if path == "staged":
+            # The GEMM of each chunk is cuBLASLt's (torch._scaled_mm), not a Triton launch.
+            return ["quantize", "folds"] + ["dequant"] * chunks
         fp8 = ("fp8-fold-swap" if swap else "fp8-fold") if fold else "fp8"
         gemm = ["quantize", fp8] if path == "fp8" else ["portable"]
         return gemm + (["reduce"] if split_k > 1 else [])
@@ -291,7 +310,8 @@ def _run_case(case: Case, device: str, record_property, spy: _KernelSpy) -> None
         result = q4k_linear(x, weight, bias, out=out)
     assert result is out
     # The pinned path and split ran, not a stand-in the dispatcher chose.
-    assert spy.ran == spy.expected(case.path, case.split_k, case.fold, case.swap)
+    chunks = -(-case.n // case.chunk)
+    assert spy.ran == spy.expected(case.path, case.split_k, case.fold, case.swap, chunks)
     expected = q4k_linear_reference(x, weight, bias)
     sqnr = sqnr_db(out.float(), expected)
     record_property("sqnr_db", round(sqnr, 2))
@@ -365,6 +385,46 @@ def test_bias_view_is_read_through_its_stride(path, fold, swap, split, device):
     with use_config("q4k_fp8_gemm", config):
         out = q4k_linear(x, weight, interleaved, out=_nan_out((3, 24), x))
     assert check_path(out.float(), q4k_linear_reference(x, weight, bias), path) is None
+
+
+def test_staged_bias_view_and_chunks_agree(device, kernel_spy):
+    """The staged path adds a strided bias once, and every chunk size gives the same product."""
+    x, weight, bias = _problem(Case("staged", 3, 512, 96, bias=True), device, seed=12)
+    interleaved = torch.stack([bias, torch.full_like(bias, 1e3)], dim=1).reshape(-1)[::2]
+    expected = q4k_linear_reference(x, weight, bias)
+    outs = []
+    for chunk in (32, 1024):
+        kernel_spy.ran.clear()
+        config = {"path": "staged", "BLOCK_N": 32, "BLOCK_K": 128, "CHUNK_N": chunk}
+        with use_config("q4k_fp8_gemm", config):
+            out = q4k_linear(x, weight, interleaved, out=_nan_out((3, 96), x))
+        assert kernel_spy.ran == kernel_spy.expected("staged", 1, chunks=-(-96 // chunk))
+        assert check_path(out.float(), expected, "staged") is None, f"CHUNK_N={chunk}"
+        outs.append(out)
+    # Chunks only decide which rows share a scratch: the same e4m3 operands, the same sums.
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+def test_staged_uses_the_fold_kernels_weights(device):
+    """The staged path multiplies exactly the folded e4m3 weights the SCALE_FOLD kernels make."""
+    x, weight, _ = _problem(Case("staged", 4, 512, 64), device, seed=21)
+    with use_config("q4k_fp8_gemm", {"path": "staged", "BLOCK_N": 32, "BLOCK_K": 64, "CHUNK_N": 32}):
+        out = q4k_linear(x, weight, out=_nan_out((4, 64), x))
+    expected = _fold_emulation(x.cpu(), weight.to("cpu")).to(out.device)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [256, 4096])
+@pytest.mark.parametrize("fast_accum", [False, True], ids=["accum", "fast-accum"])
+def test_staged_llama_shape_gpu(m, fast_accum, record_property):
+    """The staged path's pinned default on the Llama-3-8B MLP shape: seven 2048-row chunks."""
+    x, weight, _ = _problem(Case("staged", m, 4096, 14336), "cuda")
+    with use_config("q4k_fp8_gemm", {"path": "staged", "FAST_ACCUM": fast_accum}):
+        out = q4k_linear(x, weight, out=_nan_out((m, 14336), x))
+    expected = q4k_linear_reference(x, weight)
+    record_property("sqnr_db", round(sqnr_db(out.float(), expected), 2))
+    assert check_path(out.float(), expected, "staged") is None
 
 
 # ---- the folded fp8 kernel -------------------------------------------------------------------
@@ -562,13 +622,15 @@ def test_config_outside_the_space_is_refused():
 # ---- torch.library ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("path", "fold", "swap"), MODES, ids=MODE_IDS)
+@pytest.mark.parametrize(("path", "fold", "swap"), [*MODES, ("staged", False, False)], ids=[*MODE_IDS, "staged"])
 def test_opcheck(path, fold, swap, device):
     x, weight, bias = _problem(Case(path, 3, 256, 16), device, seed=9)
     out = torch.empty(3, 16, dtype=torch.bfloat16, device=device)
     config = Q4KConfig(
         path=path, BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_stages=1, SPLIT_K=2, SCALE_FOLD=fold, SWAP_AB=swap
     )
+    if path == "staged":
+        config = Q4KConfig(path="staged", BLOCK_N=32, CHUNK_N=32)
     torch.library.opcheck(q4k_linear_op.op, (x, *weight.tensors(), bias, out, *dataclasses.astuple(config)))
 
 
@@ -639,6 +701,37 @@ def test_space_rules():
     assert "weight tile" in space.infeasible_reason(wide, key, TargetLimits())
     # The rule is the folded kernel's: the unfolded one keeps its feasible configs.
     assert space.infeasible_reason(dataclasses.replace(wide, SCALE_FOLD=False), key, TargetLimits()) is None
+
+
+def test_staged_rules():
+    """The staged path varies its dequantization tile, chunk and accumulation only, at large M,
+    bf16 and N, K multiples of 16, with at least two chunks (never the whole weight at once)."""
+    space = SPEC.space
+    key = Q4KKey(arch="sm90", sm_count=132, dtype="bfloat16", m_bucket=4096, n=14336, k=4096)
+    limits = TargetLimits()
+    staged = Q4KConfig(path="staged", BLOCK_N=32, BLOCK_K=256, CHUNK_N=2048)
+    assert space.infeasible_reason(staged, key, limits) is None
+    assert space.infeasible_reason(dataclasses.replace(staged, FAST_ACCUM=True), key, limits) is None
+    assert "ignores SPLIT_K" in space.infeasible_reason(dataclasses.replace(staged, SPLIT_K=2), key, limits)
+    assert "ignores BLOCK_M" in space.infeasible_reason(dataclasses.replace(staged, BLOCK_M=128), key, limits)
+    assert "M > 64" in space.infeasible_reason(staged, dataclasses.replace(key, m_bucket=64), limits)
+    assert "half or more" in space.infeasible_reason(staged, dataclasses.replace(key, n=4096 - 16), limits)
+    assert space.infeasible_reason(staged, dataclasses.replace(key, n=4096), limits) is None
+    assert "bfloat16" in space.infeasible_reason(staged, dataclasses.replace(key, dtype="float16"), limits)
+    assert "multiples of 16" in space.infeasible_reason(staged, dataclasses.replace(key, n=14328), limits)
+    assert "below 1024" in space.infeasible_reason(dataclasses.replace(staged, CHUNK_N=32), key, limits)
+    assert "BLOCK_K >= 64" in space.infeasible_reason(dataclasses.replace(staged, BLOCK_K=32), key, limits)
+    # The interpreter tries it at its tiny keys, with its small chunk.
+    tiny_key = Q4KKey(arch="cpu-interpreter", sm_count=1, dtype="bfloat16", m_bucket=16, n=64, k=256)
+    tiny = dataclasses.replace(staged, BLOCK_K=64, CHUNK_N=32)
+    assert space.infeasible_reason(tiny, tiny_key, TargetLimits(interpreter=True)) is None
+    # CHUNK_N and FAST_ACCUM leave the other paths' launches unchanged: pruned as duplicates.
+    for other in (Q4KConfig(CHUNK_N=1024), Q4KConfig(path="fp8", FAST_ACCUM=True)):
+        assert "only change the staged path" in space.infeasible_reason(other, key, limits)
+    feasible = space.feasible(key, limits)
+    assert any(c.path == "staged" for c in feasible)
+    small = dataclasses.replace(key, m_bucket=16)
+    assert not any(c.path == "staged" for c in space.feasible(small, limits))
 
 
 def test_swap_rules():
@@ -714,6 +807,16 @@ def test_pinned_and_serveable_configs():
     assert SPEC.serveable(folded, h100, facts) == folded
     assert SPEC.serveable(pinned, h100, facts) == pinned
     assert SPEC.serveable(pinned, interpreter_device(), facts) == pinned
+    staged = SPEC.pinned_config({"path": "staged"})
+    assert staged.path == "staged" and SPEC.space.infeasible_reason(
+        staged, SPEC.key_for(h100, (4096, 14336, 4096, "bfloat16")), SPEC.limits(h100)
+    ) is None
+    assert SPEC.serveable(staged, h100, facts) == staged
+    assert SPEC.serveable(staged, interpreter_device(), facts) == staged
+    # Row-wise scaled fp8 GEMMs: SM90+, bf16 out, N and K multiples of 16; else the portable default.
+    ada = DeviceInfo(name="NVIDIA L40S", vendor="nvidia", capability=(8, 9), sm_count=142, arch="sm89")
+    for device, call in ((ada, facts), (h100, (16, 4096, 4096, "float16")), (h100, (16, 4088, 4096, "bfloat16"))):
+        assert SPEC.serveable(staged, device, call).path == "portable", (device.arch, call)
     # A split that does not divide K's tiles is narrowed rather than refused at launch.
     odd = SPEC.serveable(Q4KConfig(BLOCK_K=256, SPLIT_K=8), h100, (1, 4096, 768, "bfloat16"))
     assert odd.SPLIT_K == 1

@@ -27,6 +27,12 @@ The weight arrives in :class:`~tritune.kernels.q4k.weight.Q4KWeight`'s layout: n
   the next chunk is dequantized, where the unswapped kernel stores each weight tile to shared
   memory and waits for its wgmma. BLOCK_N is wgmma's M side (64 rows per warpgroup), so small M
   (BLOCK_M=16 as wgmma's N) gets wgmma instead of mma.sync.
+* The staged path (``path="staged"``) never dequantizes inside a GEMM: :func:`_column_folds_kernel`
+  writes each column's inverse power of two once, :func:`_q4k_dequant_fp8_kernel` turns ``CHUNK_N``
+  weight rows at a time into the folded e4m3 tile ``_folded_weight_tile`` makes (the same weights
+  as ``SCALE_FOLD``) in a scratch buffer sized to stay in L2, and cuBLASLt's fp8 GEMM
+  (``torch._scaled_mm`` with row and column scales) multiplies each chunk. Each weight is
+  dequantized once per call instead of once per M tile: the path for large M.
 * With ``SPLIT_K > 1`` each program covers a slice of K and writes float32 partials that
   :func:`_splitk_reduce_kernel` sums (deterministic, no atomics); small-M calls use this to
   spread one pass over the weight across the whole GPU.
@@ -524,6 +530,61 @@ def _q4k_gemm_fp8_fold_swap_kernel(
         tl.trans(acc_t), out_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k,
         stride_om, stride_on, stride_ok, stride_bn, HAS_BIAS, SPLIT_K,
     )  # fmt: skip
+
+
+@triton.jit
+def _column_folds_kernel(
+    ss_ptr,
+    inv_fold_ptr,
+    N,
+    stride_ssn,
+    K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """``inv_fold[n] = 1 / f`` of each column over the whole of K (``_column_fold``'s power of two)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    fold = _column_fold(ss_ptr + rows_n * stride_ssn, 0, K, BLOCK_N)
+    tl.store(inv_fold_ptr + offs_n, 1.0 / fold, mask=offs_n < N)
+
+
+@triton.jit
+def _q4k_dequant_fp8_kernel(
+    qs_ptr,
+    sc_ptr,
+    mn_ptr,
+    ss_ptr,
+    inv_fold_ptr,
+    w8_ptr,
+    row0,
+    ROWS,
+    K,
+    stride_qn,
+    stride_sn,
+    stride_ssn,
+    ROUND_IN_FP32: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Weight rows ``row0 .. row0 + ROWS - 1``, K tile ``program_id(1)``, as folded e4m3 into
+    ``w8[ROWS, K]`` (row-major: the column-major ``[K, ROWS]`` operand ``_scaled_mm`` wants)."""
+    G: tl.constexpr = BLOCK_K // 32
+    offs_r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    # Rows past the chunk re-read its first row (valid memory); their stores are masked.
+    rows_n = (row0 + tl.where(offs_r < ROWS, offs_r, 0)).to(tl.int64)
+    offs_w = tl.arange(0, BLOCK_K // 4)
+    offs_g = tl.arange(0, G)
+    # Each column's power of two, exact as the inverse of an inverse power of two.
+    fold = 1.0 / tl.load(inv_fold_ptr + rows_n)
+    q_ptrs = (qs_ptr + rows_n[:, None] * stride_qn + k0 // 2).to(tl.pointer_type(tl.uint16)) + offs_w[None, :]
+    sc_ptrs = sc_ptr + rows_n[:, None] * stride_sn + (k0 // 32 + offs_g)[None, :]
+    mn_ptrs = mn_ptr + rows_n[:, None] * stride_sn + (k0 // 32 + offs_g)[None, :]
+    d_ptrs = ss_ptr + rows_n * stride_ssn + k0 // 256 * 2
+    w = _folded_weight_tile(q_ptrs, sc_ptrs, mn_ptrs, d_ptrs, fold, BLOCK_N, BLOCK_K, ROUND_IN_FP32)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    ptrs = w8_ptr + offs_r[:, None].to(tl.int64) * K + offs_k[None, :]
+    tl.store(ptrs, w, mask=(offs_r < ROWS)[:, None])
 
 
 @triton.jit

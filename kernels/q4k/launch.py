@@ -15,6 +15,8 @@ from tritune.search_spaces.q4k_fp8_gemm import Q4KConfig
 
 from .._oplib import wrap_triton
 from ._triton_q4k import (
+    _column_folds_kernel,
+    _q4k_dequant_fp8_kernel,
     _q4k_gemm_fp8_fold_kernel,
     _q4k_gemm_fp8_fold_swap_kernel,
     _q4k_gemm_fp8_kernel,
@@ -30,10 +32,13 @@ KERNELS = (
     _q4k_gemm_fp8_fold_swap_kernel,
     _q4k_gemm_portable_kernel,
     _splitk_reduce_kernel,
+    _column_folds_kernel,
+    _q4k_dequant_fp8_kernel,
 )
 
 _REDUCE_BLOCK_M = 16
 _REDUCE_BLOCK_N = 128
+_FOLD_BLOCK_N = 128
 
 
 def _prepass_block(k: int) -> int:
@@ -42,6 +47,92 @@ def _prepass_block(k: int) -> int:
     while k % block:
         block //= 2
     return block
+
+
+def _quantize_rows(x: torch.Tensor, *, row_sums: bool, interpreted: bool) -> tuple[torch.Tensor, ...]:
+    """The fp8 pre-pass: e4m3 rows of ``x``, their float32 scales, and (if asked) exact 32-wide
+    row sums; without them the third tensor is ``row_scale`` again (the kernel never writes it)."""
+    m, k = x.shape
+    xq = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    row_scale = torch.empty((m,), dtype=torch.float32, device=x.device)
+    rowsum = torch.empty((m, k // 32), dtype=torch.float32, device=x.device) if row_sums else row_scale
+    block = _prepass_block(k)
+    wrap_triton(_quantize_rows_fp8_kernel)[(m,)](
+        x,
+        xq,
+        row_scale,
+        rowsum,
+        k,
+        x.stride(0),
+        x.stride(1),
+        BLOCK_K=block,
+        K_TILES=k // block,
+        ROUND_IN_FP32=interpreted,
+        ROW_SUMS=row_sums,
+        num_warps=4,
+    )
+    return xq, row_scale, rowsum
+
+
+def _run_staged(
+    config: Q4KConfig,
+    x: torch.Tensor,
+    qs: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    super_scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    interpreted: bool,
+) -> None:
+    """The staged path: e4m3 x, each column's fold, then per chunk of ``CHUNK_N`` weight rows a
+    dequantization into one reused scratch and cuBLASLt's fp8 GEMM into that chunk's columns of
+    ``out`` (a strided view: cuBLASLt writes it with ``ldc = N``, no copy).
+
+    The bias is added after the GEMMs, in place (row-wise scaled fp8 GEMMs take no bias on every
+    build); that rounds the product to ``out``'s dtype once before the addition.
+    """
+    m, k = x.shape
+    n = qs.shape[0]
+    xq, row_scale, _ = _quantize_rows(x, row_sums=False, interpreted=interpreted)
+    inv_fold = torch.empty((1, n), dtype=torch.float32, device=x.device)
+    wrap_triton(_column_folds_kernel)[(triton.cdiv(n, _FOLD_BLOCK_N),)](
+        super_scales, inv_fold, n, super_scales.stride(0), K=k, BLOCK_N=_FOLD_BLOCK_N, num_warps=4
+    )
+    chunk = min(config.CHUNK_N, n)
+    scratch = torch.empty((chunk, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale_a = row_scale.view(m, 1)
+    for row0 in range(0, n, chunk):
+        rows = min(chunk, n - row0)
+        wrap_triton(_q4k_dequant_fp8_kernel)[(triton.cdiv(rows, config.BLOCK_N), k // config.BLOCK_K)](
+            qs,
+            scales,
+            mins,
+            super_scales,
+            inv_fold,
+            scratch,
+            row0,
+            rows,
+            k,
+            qs.stride(0),
+            scales.stride(0),
+            super_scales.stride(0),
+            ROUND_IN_FP32=interpreted,
+            BLOCK_N=config.BLOCK_N,
+            BLOCK_K=config.BLOCK_K,
+            num_warps=config.num_warps,
+        )
+        torch._scaled_mm(
+            xq,
+            scratch[:rows].t(),
+            scale_a=scale_a,
+            scale_b=inv_fold[:, row0 : row0 + rows],
+            out_dtype=out.dtype,
+            use_fast_accum=config.FAST_ACCUM,
+            out=out[:, row0 : row0 + rows],
+        )
+    if bias is not None:
+        out.add_(bias)
 
 
 def run_q4k_gemm(
@@ -95,28 +186,12 @@ def run_q4k_gemm(
     }
     # CPU tensors run on the interpreter, whose e4m3 casts and bf16 dots need workarounds.
     interpreted = x.device.type == "cpu"
+    if config.path == "staged":
+        _run_staged(config, x, qs, scales, mins, super_scales, bias, out, interpreted)
+        return
     if config.path == "fp8":
-        xq = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-        row_scale = torch.empty((m,), dtype=torch.float32, device=x.device)
-        # Folded weights carry their mins: only the centred kernel needs x's 32-wide row sums
-        # (the folded one passes row_scale in their place, never written).
-        row_sums = not config.SCALE_FOLD
-        rowsum = torch.empty((m, k // 32), dtype=torch.float32, device=x.device) if row_sums else row_scale
-        block = _prepass_block(k)
-        launcher(_quantize_rows_fp8_kernel)[(m,)](
-            x,
-            xq,
-            row_scale,
-            rowsum,
-            k,
-            x.stride(0),
-            x.stride(1),
-            BLOCK_K=block,
-            K_TILES=k // block,
-            ROUND_IN_FP32=interpreted,
-            ROW_SUMS=row_sums,
-            num_warps=4,
-        )
+        # Folded weights carry their mins: only the centred kernel needs x's 32-wide row sums.
+        xq, row_scale, rowsum = _quantize_rows(x, row_sums=not config.SCALE_FOLD, interpreted=interpreted)
         # The fp8 kernels read the weight, bias and output alike.
         rest = (
             qs,

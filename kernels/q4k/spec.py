@@ -22,8 +22,8 @@ from .weight import Q4KWeight
 
 #: SQNR (dB) each path must reach against the exactly dequantized float32 reference.
 #: fp8: e4m3 activations (about 31 dB on Gaussian data; 28.5 dB with SCALE_FOLD, whose weights are
-#: e4m3 too); portable: bf16/fp16 rounding only.
-MIN_SQNR_DB = {"fp8": 25.0, "portable": 40.0}
+#: e4m3 too); staged: SCALE_FOLD's e4m3 weights and activations; portable: bf16/fp16 rounding only.
+MIN_SQNR_DB = {"fp8": 25.0, "staged": 25.0, "portable": 40.0}
 
 _GPU_SHAPES = ((4096, 14336), (14336, 4096), (4096, 4096))  # (K, N)
 _GPU_M_BUCKETS = (1, 16, 64, 256, 1024, 4096, 8192)
@@ -147,14 +147,26 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
         base = Q4KConfig()
         if values.get("path") == "fp8":
             base = dataclasses.replace(base, path="fp8", BLOCK_K=128)
+        elif values.get("path") == "staged":
+            base = dataclasses.replace(base, path="staged", BLOCK_N=32, BLOCK_K=256)
         return self.space.parse(values, base=base)
 
     def serveable(self, config: Q4KConfig, device: DeviceInfo, facts: tuple[Any, ...]) -> Q4KConfig:
-        """The fp8 path needs e4m3 tensor cores (SM89+, every built arch) or the interpreter.
+        """The fp8 path needs e4m3 tensor cores (SM89+, every built arch) or the interpreter; the
+        staged path needs row-wise scaled fp8 GEMMs (SM90+ or the interpreter's CPU ``_scaled_mm``),
+        a bf16 x and N, K multiples of 16. Otherwise the key's portable default serves.
 
         A pinned SPLIT_K that does not divide K's tiles is halved until it does.
         """
+        _, n, k, dtype = facts
         if config.path == "fp8" and not (device.is_interpreter or target_supports(device, (8, 9))):
+            config = self.default_config(self.key_for(device, facts))
+        if config.path == "staged" and not (
+            (device.is_interpreter or target_supports(device, (9, 0)))
+            and dtype == "bfloat16"
+            and n % 16 == 0
+            and k % 16 == 0
+        ):
             config = self.default_config(self.key_for(device, facts))
         tiles = facts[2] // config.BLOCK_K
         split = config.SPLIT_K
