@@ -1,0 +1,110 @@
+"""Time each step of the Q4_K staged path on its own, to see where a staged call's time goes.
+
+On the GPU machine: ``python scripts/probe_q4k_staged.py --out staged.md``.
+
+Steps, each a median of ``triton.testing.do_bench`` (L2 flushed) at M in ``--m``, K=4096, N=14336:
+the activation pre-pass (e4m3 rows), the column folds, one chunk's dequantization, one chunk's
+``torch._scaled_mm`` written into a column slice of ``out`` and into a contiguous buffer, the
+``_scaled_mm`` of the whole N (the ceiling), and the whole staged call through ``q4k_linear``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import _benchlib as bl
+import torch
+import triton
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--m", type=int, action="append")
+    parser.add_argument("--chunk", type=int, default=4096)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+
+    from tritune.kernels import Q4KWeight, q4k_linear
+    from tritune.kernels.q4k import launch
+    from tritune.kernels.q4k._triton_q4k import _column_folds_kernel, _q4k_dequant_fp8_kernel
+
+    device = torch.device("cuda")
+    k, n, chunk = 4096, 14336, args.chunk
+    weight = Q4KWeight.quantize(torch.randn(n, k, device=device) * 0.02)
+    qs, scales, mins, ss = weight.tensors()
+    inv_fold = torch.empty((1, n), dtype=torch.float32, device=device)
+    scratch = torch.empty((chunk, k), dtype=torch.float8_e4m3fn, device=device)
+
+    def folds() -> None:
+        _column_folds_kernel[(triton.cdiv(n, 128),)](ss, inv_fold, n, ss.stride(0), K=k, BLOCK_N=128, num_warps=4)
+
+    def dequant(block_n: int, block_k: int, warps: int):
+        def run() -> None:
+            _q4k_dequant_fp8_kernel[(triton.cdiv(chunk, block_n), k // block_k)](
+                qs, scales, mins, ss, inv_fold, scratch, 0, chunk, k, qs.stride(0), scales.stride(0), ss.stride(0),
+                ROUND_IN_FP32=False, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+            )  # fmt: skip
+
+        return run
+
+    folds()
+    rows = ["| step | M | us | note |", "| --- | --- | --- | --- |"]
+
+    def add(step: str, m: int | str, fn, note: str = "") -> None:
+        fn()
+        torch.cuda.synchronize()
+        us = bl.time_ms(fn, device) * 1e3
+        rows.append(f"| {step} | {m} | {us:.1f} | {note} |")
+        print(rows[-1], flush=True)
+
+    add("column folds", "-", folds)
+    for bn, bk, w in ((32, 256, 4), (64, 128, 4), (128, 128, 8), (128, 256, 8)):
+        moved = chunk * k * 1.0 + chunk * k / 2
+        add(f"dequant {chunk} rows BLOCK_N={bn} BLOCK_K={bk} warps={w}", "-", dequant(bn, bk, w),
+            f"{moved / 1e6:.1f} MB moved")  # fmt: skip
+    for m in args.m or [256, 4096]:
+        x = torch.randn(m, k, device=device).bfloat16()
+        xq, row_scale, _ = launch._quantize_rows(x, row_sums=False, interpreted=False)
+        add("quantize rows", m, lambda x=x: launch._quantize_rows(x, row_sums=False, interpreted=False))
+        out = torch.empty((m, n), dtype=torch.bfloat16, device=device)
+        tmp = torch.empty((m, chunk), dtype=torch.bfloat16, device=device)
+        sa = row_scale.view(m, 1)
+
+        def mm_slice(sa=sa, xq=xq, out=out) -> None:
+            torch._scaled_mm(xq, scratch.t(), scale_a=sa, scale_b=inv_fold[:, :chunk], out_dtype=torch.bfloat16,
+                             out=out[:, :chunk])  # fmt: skip
+
+        def mm_contig(sa=sa, xq=xq, tmp=tmp) -> None:
+            torch._scaled_mm(xq, scratch.t(), scale_a=sa, scale_b=inv_fold[:, :chunk], out_dtype=torch.bfloat16,
+                             out=tmp)  # fmt: skip
+
+        add(f"_scaled_mm {m}x{chunk}x{k} into a column slice of out", m, mm_slice)
+        add(f"_scaled_mm {m}x{chunk}x{k} into a contiguous buffer", m, mm_contig)
+        full = torch.randn((n, k), device=device).to(torch.float8_e4m3fn)
+        add(f"_scaled_mm {m}x{n}x{k} (whole N, ceiling)", m,
+            lambda sa=sa, xq=xq, full=full: torch._scaled_mm(xq, full.t(), scale_a=sa, scale_b=inv_fold,
+                                                             out_dtype=torch.bfloat16))  # fmt: skip
+        del full
+        for c in (2048, 4096, 8192):
+            config = {"path": "staged", "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "CHUNK_N": c}
+            call = bl.pinned_call("q4k_fp8_gemm", config, q4k_linear, x, weight)
+            add(f"whole staged call CHUNK_N={c}", m, call)
+            graph, _ = bl.capture_graph(call)
+            us = bl.graph_replay_ms(graph) * 1e3
+            rows.append(f"| whole staged call CHUNK_N={c}, graph replay | {m} | {us:.1f} | |")
+            print(rows[-1], flush=True)
+        del x, xq, out, tmp
+        torch.cuda.empty_cache()
+    env = bl.environment(device, smoke=False)
+    text = bl.header_markdown(env, "Q4_K staged path, step by step", [f"K={k}, N={n}, chunk {chunk} rows"])
+    text += "\n".join(rows) + "\n"
+    if args.out:
+        args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
