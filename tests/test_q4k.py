@@ -832,16 +832,21 @@ def test_check_rejects_nan_and_noise():
 
 
 def test_starting_configs_are_swapped_fold_tiles_the_space_admits():
-    """On an H200 every default key starts from feasible SWAP_AB tiles; the interpreter and pre-Hopper GPUs get none."""
+    """On an H200 every default key starts from feasible SWAP_AB tiles, large M from staged chunks
+    too; the interpreter and pre-Hopper GPUs get none."""
     h200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
     limits = SPEC.limits(h200)
     for key in SPEC.default_keys(h200, m=[1, 16, 64, 4096]):
         starts = SPEC.starting_configs(key, h200)
         assert starts, key
         for config in starts:
-            assert config.path == "fp8" and config.SCALE_FOLD and config.SWAP_AB
+            assert (config.path == "fp8" and config.SCALE_FOLD and config.SWAP_AB) or config.path == "staged"
             assert SPEC.space.infeasible_reason(config, key, limits) is None
-        assert max(c.BLOCK_M for c in starts) == {1: 16, 16: 16, 64: 64, 4096: 256}[key.m_bucket]
+        fold = [c for c in starts if c.path == "fp8"]
+        assert max(c.BLOCK_M for c in fold) == {1: 16, 16: 16, 64: 64, 4096: 256}[key.m_bucket]
+        staged = [c for c in starts if c.path == "staged"]
+        # Chunks of at most half the weight rows: N=4096 keeps only the 2048-row one.
+        assert len(staged) == {1: 0, 16: 0, 64: 0, 4096: 3 if key.n == 14336 else 1}[key.m_bucket], key
     ada = DeviceInfo(name="NVIDIA L40S", vendor="nvidia", capability=(8, 9), sm_count=142, arch="sm89")
     assert SPEC.starting_configs(SPEC.default_keys(ada, m=[4096])[0], ada) == []
     cpu = device_info("cpu")

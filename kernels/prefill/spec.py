@@ -127,9 +127,12 @@ def portable_for(config: PrefillConfig, key: PrefillKey, limits: TargetLimits) -
 class PrefillSpec(KernelSpec[PrefillConfig, PrefillKey]):
     name = "tma_prefill"
     # The space modules hold launch geometry rules too: editing them must invalidate stored configs.
+    # This module too: its make_problem decides how trials are timed (graph replays since
+    # session 6), and a stored time means something only next to others timed the same way.
     source_modules = (
         "tritune.kernels.prefill._triton_portable",
         "tritune.kernels.prefill._triton_tma",
+        "tritune.kernels.prefill.spec",
         "tritune.search_spaces.tma_prefill",
         "tritune.search_spaces.base",
     )
@@ -326,6 +329,13 @@ class PrefillSpec(KernelSpec[PrefillConfig, PrefillKey]):
             flops=4.0 * head_dim * pairs,
             bytes_moved=float(element * (2 * q.numel() + k.numel() + v.numel())),
             flush_l2=True,
+            # Timed as CUDA-graph replays (L2 still flushed): what a config changes is GPU time, and
+            # at the short keys (0.1-0.3 ms) an eager TMA launch's host work (four descriptors, and
+            # a second launch for SPLIT_KV) can outlast the flush ahead of it and count. On the H200
+            # one SPLIT_KV config at D=128, Lq=512, Lkv=16K timed 0.1365 ms in one tune and
+            # 0.2242 ms re-timed; session 2's eager measurements at D=64, Lq=512, Lkv=16K put every
+            # TMA config at 0.39-0.87 ms, against 0.115 ms for a fresh tune's winner.
+            launch_bound=True,
         )
 
     def check_problem(self, key: PrefillKey, device: torch.device, seed: int) -> Problem:

@@ -367,18 +367,28 @@ def _column_fold(ss_row, k_start, K_RANGE: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _folded_weight_tile(
-    q_ptrs, sc_ptrs, mn_ptrs, d_ptrs, fold, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUND_IN_FP32: tl.constexpr
+    q_ptrs,
+    sc_ptrs,
+    mn_ptrs,
+    d_ptrs,
+    fold,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,
+    CODES: tl.constexpr = 4,
 ):
     """The ``[BLOCK_N, BLOCK_K]`` e4m3 tile ``e4m3(f * (d*sc*q - dmin*m))`` of one super-block's
-    (``d_ptrs``) K range, from ``[BLOCK_N, BLOCK_K/4]`` pointers to its 16-bit code words; both folded
-    kernels share it, so both round every weight alike."""
+    (``d_ptrs``) K range, from ``[BLOCK_N, BLOCK_K/CODES]`` pointers to its code words (``CODES``
+    4: 16-bit words, the layout the fp8 dot operand holds; 8: 32-bit words, for the staged
+    dequantization, which feeds no dot); every kernel that folds shares it, so all round every
+    weight alike."""
     G: tl.constexpr = BLOCK_K // 32
     # Times a power of two, d*sc, q*d*sc and dmin*m stay exact: w is f * (gguf's weight).
     d = tl.load(d_ptrs).to(tl.float32) * fold  # [BLOCK_N]
     dmin = tl.load(d_ptrs + 1).to(tl.float32) * fold
     scale = d[:, None] * _small_as_float(tl.load(sc_ptrs))  # [BLOCK_N, G]
     offset = dmin[:, None] * _small_as_float(tl.load(mn_ptrs))
-    q = tl.reshape(_codes_as_float(tl.load(q_ptrs), BLOCK_N, BLOCK_K, 4), (BLOCK_N, G, 32))
+    q = tl.reshape(_codes_as_float(tl.load(q_ptrs), BLOCK_N, BLOCK_K, CODES), (BLOCK_N, G, 32))
     w = tl.reshape(q * scale[:, :, None] - offset[:, :, None], (BLOCK_N, BLOCK_K))
     if ROUND_IN_FP32:
         w = _e4m3_grid(w)
@@ -573,15 +583,16 @@ def _q4k_dequant_fp8_kernel(
     k0 = tl.program_id(1) * BLOCK_K
     # Rows past the chunk re-read its first row (valid memory); their stores are masked.
     rows_n = (row0 + tl.where(offs_r < ROWS, offs_r, 0)).to(tl.int64)
-    offs_w = tl.arange(0, BLOCK_K // 4)
+    offs_w = tl.arange(0, BLOCK_K // 8)
     offs_g = tl.arange(0, G)
     # Each column's power of two, exact as the inverse of an inverse power of two.
     fold = 1.0 / tl.load(inv_fold_ptr + rows_n)
-    q_ptrs = (qs_ptr + rows_n[:, None] * stride_qn + k0 // 2).to(tl.pointer_type(tl.uint16)) + offs_w[None, :]
+    # Eight codes a 32-bit word: the fewest instructions a weight, with no dot operand layout to keep.
+    q_ptrs = (qs_ptr + rows_n[:, None] * stride_qn + k0 // 2).to(tl.pointer_type(tl.int32)) + offs_w[None, :]
     sc_ptrs = sc_ptr + rows_n[:, None] * stride_sn + (k0 // 32 + offs_g)[None, :]
     mn_ptrs = mn_ptr + rows_n[:, None] * stride_sn + (k0 // 32 + offs_g)[None, :]
     d_ptrs = ss_ptr + rows_n * stride_ssn + k0 // 256 * 2
-    w = _folded_weight_tile(q_ptrs, sc_ptrs, mn_ptrs, d_ptrs, fold, BLOCK_N, BLOCK_K, ROUND_IN_FP32)
+    w = _folded_weight_tile(q_ptrs, sc_ptrs, mn_ptrs, d_ptrs, fold, BLOCK_N, BLOCK_K, ROUND_IN_FP32, 8)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     ptrs = w8_ptr + offs_r[:, None].to(tl.int64) * K + offs_k[None, :]
     tl.store(ptrs, w, mask=(offs_r < ROWS)[:, None])
