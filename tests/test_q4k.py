@@ -649,6 +649,25 @@ def test_torch_compile_fullgraph(device):
     torch.testing.assert_close(result, layer(x, _nan_out((4, 16), x)), rtol=0, atol=0)
 
 
+def test_torch_compile_fullgraph_staged(device, kernel_spy):
+    """A pinned staged config traced by torch.compile: on a GPU the triton_op body runs on fake
+    tensors, through _scaled_mm's out= overload into a column slice of out."""
+    x, weight, bias = _problem(Case("staged", 4, 256, 64, bias=True), device, seed=11)
+
+    def layer(inp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return q4k_linear(inp, weight, bias, out=out) * 2
+
+    config = {"path": "staged", "BLOCK_N": 32, "BLOCK_K": 64, "CHUNK_N": 32}
+    with use_config("q4k_fp8_gemm", config):
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+        out = _nan_out((4, 64), x)
+        result = compiled(x, out)
+    assert check_path(out.float(), q4k_linear_reference(x, weight, bias), "staged") is None
+    torch.testing.assert_close(result, out * 2, rtol=0, atol=0)
+    # The staged path ran (its two chunks' dequantizations), not a stand-in the dispatcher chose.
+    assert kernel_spy.ran.count("dequant") == 2, kernel_spy.ran
+
+
 # ---- the spec --------------------------------------------------------------------------------
 
 
