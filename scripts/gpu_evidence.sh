@@ -103,18 +103,6 @@ if cuda:
     print(f"GPU 0: {p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.1f} GiB")
 '
 
-# Five portable-default calls of the M=16 decode key (4096 x 14336) for ncu to profile one of.
-NCU_Q4K_PY='
-import torch
-from tritune.kernels import Q4KWeight, q4k_linear, use_config
-w = Q4KWeight.quantize(torch.randn(14336, 4096, device="cuda") * 0.02)
-x = torch.randn(16, 4096, device="cuda").bfloat16()
-with use_config("q4k_fp8_gemm", {"path": "portable", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1}):
-    for _ in range(5):
-        q4k_linear(x, w)
-torch.cuda.synchronize()
-'
-
 note() {
   echo "[evidence $(date -u +%H:%M:%S)] $*" | tee -a "$log" "$summary"
 }
@@ -430,7 +418,7 @@ run_stage() {
       done
       step ncu 120 ncu --clock-control none -k regex:q4k_gemm_portable --launch-skip 3 --launch-count 1 \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-        --section MemoryWorkloadAnalysis python -c "$NCU_Q4K_PY" >"$out/ncu-q4k-portable-m16.txt" 2>&1 ||
+        --section MemoryWorkloadAnalysis python scripts/_ncu_q4k.py >"$out/ncu-q4k-portable-m16.txt" 2>&1 ||
         note "ncu failed (see ncu-q4k-portable-m16.txt)"
       ;;
 
