@@ -298,7 +298,8 @@ def _path_default(untuned: dict[str, Any], path: str, key, info) -> dict[str, An
     """The untuned tiles on ``path`` where they are feasible there, else that path's own defaults."""
     from tritune.kernels.q4k.spec import SPEC
 
-    config = {**untuned, "path": path}
+    # Parsed, so the fields the path does not read show their defaults (what the launch uses).
+    config = SPEC.space.to_dict(SPEC.space.parse({**untuned, "path": path}))
     if SPEC.space.infeasible_reason(SPEC.space.parse(config), key, SPEC.limits(info)) is None:
         return config
     return SPEC.space.to_dict(SPEC.pinned_config({"path": path}))

@@ -403,7 +403,8 @@ run_stage() {
       # The staged path's GPU tests, then config sweeps of Q4_K keys the tuner served poorly
       # (Q4K_SWEEPS: "name|key json|where filters|limit" entries separated by ";"), then Nsight
       # Compute on the portable decode kernel (ncu may be unavailable: its failure is only noted).
-      step staged-tests 120 python -m pytest -q -p no:cacheprovider -m gpu tests/test_q4k.py -k staged \
+      # Every staged test, the GPU-marked ones and those on the device fixture (cuda there).
+      step staged-tests 180 python -m pytest -q -p no:cacheprovider tests/test_q4k.py -k staged \
         --junitxml="$out/staged-tests.xml" >"$out/staged-tests.log" 2>&1
       local sweeps entry name key where limit filters
       sweeps=${Q4K_SWEEPS:-'staged-m4096|{"dtype":"bfloat16","m_bucket":4096,"n":14336,"k":4096}|path=staged|40;portable-m16|{"dtype":"bfloat16","m_bucket":16,"n":14336,"k":4096}|path=portable|60'}

@@ -415,6 +415,26 @@ def test_staged_uses_the_fold_kernels_weights(device):
 
 
 @pytest.mark.gpu
+def test_staged_opcheck_and_compile_gpu():
+    """On a GPU the op is a triton_op whose body torch.compile traces on fake tensors: the staged
+    path's _scaled_mm out= calls must trace (static shapes here; dynamic ones are not covered)."""
+    x, weight, bias = _problem(Case("staged", 64, 512, 2048, bias=True), "cuda", seed=13)
+    config = Q4KConfig(path="staged", BLOCK_N=32, CHUNK_N=1024)
+    out = torch.empty(64, 2048, dtype=torch.bfloat16, device="cuda")
+    torch.library.opcheck(q4k_linear_op.op, (x, *weight.tensors(), bias, out, *dataclasses.astuple(config)))
+
+    def layer(inp: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+        return q4k_linear(inp, weight, bias, out=dest) * 2
+
+    with use_config("q4k_fp8_gemm", dataclasses.asdict(config)):
+        compiled = torch.compile(layer, fullgraph=True)
+        dest = _nan_out((64, 2048), x)
+        result = compiled(x, dest)
+    assert check_path(dest.float(), q4k_linear_reference(x, weight, bias), "staged") is None
+    torch.testing.assert_close(result, dest * 2, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [256, 4096])
 @pytest.mark.parametrize("fast_accum", [False, True], ids=["accum", "fast-accum"])
 def test_staged_llama_shape_gpu(m, fast_accum, record_property):
@@ -751,6 +771,28 @@ def test_staged_rules():
     assert any(c.path == "staged" for c in feasible)
     small = dataclasses.replace(key, m_bucket=16)
     assert not any(c.path == "staged" for c in space.feasible(small, limits))
+
+
+def test_path_space_grids_and_parse():
+    """One sub-grid per path: every config once, each parsing back to itself; parse resets the
+    fields a path does not read, and a pin that sets one is refused rather than rewritten."""
+    from tritune.search_spaces.base import ConfigError
+    from tritune.search_spaces.q4k_fp8_gemm import PATH_FIELDS
+
+    space = SPEC.space
+    grid = list(space.grid())
+    assert len(grid) == space.size() == len(set(grid))
+    assert {c.path for c in grid} == set(PATH_FIELDS)
+    assert all(space.parse(space.to_dict(c)) == c for c in grid[::97])
+    assert space.parse({"path": "staged", "SPLIT_K": 4}) == space.parse({"path": "staged"})
+    assert space.parse({"CHUNK_N": 1024}) == Q4KConfig()
+    with pytest.raises(ConfigError, match="portable path does not read SCALE_FOLD, SWAP_AB"):
+        SPEC.pinned_config({"SCALE_FOLD": True, "SWAP_AB": True, "BLOCK_M": 256})
+    with pytest.raises(ConfigError, match="staged path does not read SPLIT_K"):
+        SPEC.pinned_config({"path": "staged", "SPLIT_K": 2})
+    # Defaults of unread fields are accepted (full dicts from a DB or a benchmark carry them).
+    full = space.to_dict(space.parse({"path": "staged", "CHUNK_N": 1024}))
+    assert SPEC.pinned_config(full).CHUNK_N == 1024
 
 
 def test_swap_rules():

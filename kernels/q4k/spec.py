@@ -12,6 +12,7 @@ import triton
 from torch._library.triton import set_wrap_triton_enabled
 
 from tritune.search_spaces import q4k_fp8_gemm as q4k_space
+from tritune.search_spaces.base import ConfigError
 from tritune.search_spaces.q4k_fp8_gemm import Q4KConfig
 
 from ..device import DeviceInfo, target_supports
@@ -148,13 +149,30 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
         return [c for c in configs if self.space.infeasible_reason(c, key, limits) is None]
 
     def pinned_config(self, values: Mapping[str, Any]) -> Q4KConfig:
-        """A ``use_config`` dict; fields left out take the defaults of the path it names."""
+        """A ``use_config`` dict; fields left out take the defaults of the path it names.
+
+        A field the pinned path does not read, set to anything but its default, is refused: the
+        space's ``parse`` would reset it, and the pin would silently run something else than asked
+        (``{"SCALE_FOLD": True}`` without ``"path": "fp8"`` is the portable kernel).
+        """
         base = Q4KConfig()
         if values.get("path") == "fp8":
             base = dataclasses.replace(base, path="fp8", BLOCK_K=128)
         elif values.get("path") == "staged":
             base = dataclasses.replace(base, path="staged", BLOCK_N=32, BLOCK_K=256)
-        return self.space.parse(values, base=base)
+        config = self.space.parse(values, base=base)
+        read = q4k_space.PATH_FIELDS[config.path]
+        default = Q4KConfig()
+        unread = sorted(
+            name for name, value in values.items()
+            if name != "path" and name not in read and value != getattr(default, name)
+        )  # fmt: skip
+        if unread:
+            raise ConfigError(
+                f"{self.name}: the {config.path} path does not read {', '.join(unread)}; "
+                f"name the path that does (its fields: {', '.join(read)})"
+            )
+        return config
 
     def serveable(self, config: Q4KConfig, device: DeviceInfo, facts: tuple[Any, ...]) -> Q4KConfig:
         """The fp8 path needs e4m3 tensor cores (SM89+, every built arch) or the interpreter; the
