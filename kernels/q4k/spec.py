@@ -170,7 +170,7 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
         if unread:
             raise ConfigError(
                 f"{self.name}: the {config.path} path does not read {', '.join(unread)}; "
-                f"name the path that does (its fields: {', '.join(read)})"
+                f"name the path that does (the {config.path} path reads {', '.join(read)})"
             )
         return config
 
@@ -191,7 +191,7 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
             and k % 16 == 0
         ):
             config = self.default_config(self.key_for(device, facts))
-        tiles = facts[2] // config.BLOCK_K
+        tiles = k // config.BLOCK_K
         split = config.SPLIT_K
         while split > 1 and tiles % split:
             split //= 2
