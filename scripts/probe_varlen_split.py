@@ -16,7 +16,13 @@ import _benchlib as bl
 import torch
 from _varlen_workload import MIXES, build_workload
 
+_MIXED = {"BLOCK_M": 128, "num_warps": 8, "num_stages": 3, "MAX_SPLITS": 64, "MIN_CHUNK": 256, "TARGET_WAVES": 4}
 CONFIGS = (
+    {**_MIXED, "BLOCK_N": 64, "SHORT_M": 16},
+    {**_MIXED, "BLOCK_N": 64, "SHORT_M": 16, "KV_TMA": True},
+    {**_MIXED, "BLOCK_N": 128, "SHORT_M": 16, "KV_TMA": True},
+    {**_MIXED, "BLOCK_N": 128, "SHORT_M": 32, "KV_TMA": True},
+    {**_MIXED, "BLOCK_N": 128, "SHORT_M": 16, "KV_TMA": True, "MIN_CHUNK": 512, "TARGET_WAVES": 2},
     {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "MAX_SPLITS": 64, "MIN_CHUNK": 256,
      "TARGET_WAVES": 4},
     {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "MAX_SPLITS": 64, "MIN_CHUNK": 256,
@@ -25,8 +31,8 @@ CONFIGS = (
      "TARGET_WAVES": 4},
     {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "MAX_SPLITS": 64, "MIN_CHUNK": 256,
      "TARGET_WAVES": 4},
-    {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "MAX_SPLITS": 64, "MIN_CHUNK": 512,
-     "TARGET_WAVES": 2},
+    {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "MAX_SPLITS": 4, "MIN_CHUNK": 128,
+     "TARGET_WAVES": 4, "KV_TMA": True},
 )
 
 

@@ -14,6 +14,19 @@ The split policy (split-K over the keys, merged by log-sum-exp):
 - ``MAX_SPLITS``: the most splits one tile takes (1 switches split-K off);
 - ``MIN_CHUNK``: the fewest keys a split is given.
 
+Two choices shape the tiles themselves:
+
+- ``SHORT_M``: rows of the M tile for a segment whose new tokens all fit in it (a decode token,
+  a short draft block). One launch serves decode tokens and prefill chunks together, and a
+  prefill-sized tile spends its MMAs on empty rows for a decode: on the H200 the 28 decodes of
+  the benchmark's mixed step took 511 us in 128-row tiles and 409 us in 16-row ones, while its
+  4 chunks took 1607 us in 128-row tiles and 5447 us in 16-row ones. Each program picks its tile
+  from its own segment's ``q_len`` on the device. ``SHORT_M >= BLOCK_M`` is one tile for all.
+- ``KV_TMA``: load K/V tiles through host-side tensor descriptors over the stores (SM90+, flat
+  stores; a ring's tiles may wrap past the last row, so ring keys keep pointer loads). Our
+  ``tma_prefill`` kernel reaches 518-552 TFLOP/s at D=128 that way against 414 for the varlen
+  chunks' pointer loads.
+
 The geometry helpers below are shared with the launch so that feasibility and launch agree.
 """
 
@@ -21,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from .base import HEAD_DIMS, SearchSpace, TargetLimits, choice, padded_head_dim, pointer_attention_reason
 
@@ -34,6 +47,7 @@ __all__ = [
     "feasibility",
     "padded_head_dim",
     "portable_config",
+    "short_block_m",
     "split_budget",
     "tokens_per_tile",
 ]
@@ -55,6 +69,8 @@ class VarlenConfig:
     MAX_SPLITS: int = choice(16, (1, 4, 16, 64))
     MIN_CHUNK: int = choice(512, (16, 32, 64, 128, 256, 512, 1024, 2048))
     TARGET_WAVES: int = choice(2, (1, 2, 4))
+    SHORT_M: int = choice(16, (16, 32, 64, 128))
+    KV_TMA: bool = choice(False, (False, True))
 
 
 _DEFAULTS = dataclasses.asdict(VarlenConfig())
@@ -67,6 +83,7 @@ class _VarlenKeyFields(Protocol):
     sm_count: int
     head_dim: int
     gqa_group: int
+    ring: bool
     t_bucket: int
     rows_bucket: int
 
@@ -74,6 +91,11 @@ class _VarlenKeyFields(Protocol):
 def block_m_for(block_m: int, group: int) -> int:
     """Rows of the M tile: ``BLOCK_M``, raised to the power of two that holds one whole GQA group."""
     return max(block_m, 1 << (max(group, 1) - 1).bit_length())
+
+
+def short_block_m(config: VarlenConfig, group: int) -> int:
+    """Rows of the short segments' M tile: ``SHORT_M`` raised to a whole group, at most the main tile's rows."""
+    return min(block_m_for(config.SHORT_M, group), block_m_for(config.BLOCK_M, group))
 
 
 def tokens_per_tile(block_m: int, group: int) -> int:
@@ -86,11 +108,21 @@ def split_budget(config: VarlenConfig, sm_count: int, kv_heads: int) -> int:
     return max(1, sm_count * config.TARGET_WAVES // max(kv_heads, 1))
 
 
+def _hopper_or_newer(arch: str) -> bool:
+    """Whether a key's ``arch`` ("sm90", "sm100", ...; "rocm..." never) has tensor-memory loads."""
+    number = arch.removeprefix("sm")
+    return arch.startswith("sm") and number.isdigit() and int(number) >= 90
+
+
 def duplicate_reason(config: VarlenConfig, key: _VarlenKeyFields) -> str | None:
     """Why ``config`` launches what another config of the space launches at ``key``, if it does."""
     g = 1 << (max(key.gqa_group, 1) - 1).bit_length()
     if min(g, 128) > config.BLOCK_M:
         return f"BLOCK_M={config.BLOCK_M} is raised to the group's {g} rows"
+    if min(g, 128) > config.SHORT_M:
+        return f"SHORT_M={config.SHORT_M} is raised to the group's {g} rows"
+    if config.SHORT_M > config.BLOCK_M:
+        return f"SHORT_M={config.SHORT_M} above BLOCK_M={config.BLOCK_M} is one tile for all, as SHORT_M=BLOCK_M"
     moot = {"MIN_CHUNK": config.MIN_CHUNK, "TARGET_WAVES": config.TARGET_WAVES}
     if config.MAX_SPLITS == 1 and any(_DEFAULTS[name] != value for name, value in moot.items()):
         return "MIN_CHUNK and TARGET_WAVES are moot with MAX_SPLITS=1"
@@ -104,6 +136,13 @@ def feasibility(config: VarlenConfig, key: _VarlenKeyFields, limits: TargetLimit
     duplicate = duplicate_reason(config, key)
     if duplicate is not None:
         return duplicate
+    if config.KV_TMA:
+        if key.ring:
+            return "KV_TMA needs a flat store (a ring's tiles may wrap past its last row)"
+        if padded_head_dim(key.head_dim) != key.head_dim:
+            return f"KV_TMA needs a power-of-two head dim, not {key.head_dim}"
+        if not limits.interpreter and not _hopper_or_newer(key.arch):
+            return f"KV_TMA needs SM90 or newer, not {key.arch}"
     if limits.interpreter:
         if config.BLOCK_M > _INTERPRETER_MAX_BLOCK or config.BLOCK_N > _INTERPRETER_MAX_BLOCK:
             return f"the interpreter keeps tiles of at most {_INTERPRETER_MAX_BLOCK} (quick tuning at tiny shapes)"
@@ -129,7 +168,7 @@ def feasibility(config: VarlenConfig, key: _VarlenKeyFields, limits: TargetLimit
 #: Shared memory every CUDA GPU the portable default must run on offers a block (Ampere consumer parts: 99 KiB).
 _PORTABLE_LIMITS = TargetLimits(smem_bytes=96 * 1024)
 #: The portable default, then smaller tiles for the keys (head dim 256, wide groups) where it does not fit.
-_PORTABLE_STEPS: tuple[dict[str, int], ...] = (
+_PORTABLE_STEPS: tuple[dict[str, Any], ...] = (
     {},
     {"BLOCK_N": 32},
     {"BLOCK_N": 32, "num_warps": 8},
@@ -141,15 +180,18 @@ _INTERPRETER_DEFAULT = VarlenConfig(BLOCK_M=16, BLOCK_N=16, MIN_CHUNK=64)
 
 def portable_config(key: _VarlenKeyFields, *, interpreter: bool) -> VarlenConfig:
     """The default config for ``key``: the dataclass defaults where they fit any CUDA GPU, else smaller tiles."""
+    # The short tile holds at least one whole group (the space's canonical SHORT_M for wide groups).
+    short = min(block_m_for(VarlenConfig().SHORT_M, key.gqa_group), 128)
     if interpreter:
         config = _INTERPRETER_DEFAULT
         group_rows = block_m_for(config.BLOCK_M, key.gqa_group)
         if group_rows > config.BLOCK_M:
             config = dataclasses.replace(config, BLOCK_M=min(group_rows, 128))
-        return config
+        return dataclasses.replace(config, SHORT_M=min(short, config.BLOCK_M))
     config = VarlenConfig()
     for changes in _PORTABLE_STEPS:
         config = dataclasses.replace(VarlenConfig(), **changes)
+        config = dataclasses.replace(config, SHORT_M=min(short, config.BLOCK_M))
         if feasibility(config, key, _PORTABLE_LIMITS) is None:
             break
     return config

@@ -12,6 +12,7 @@ The op's contract (input checks, ``validate_seq_info``, torch.library) is in ``t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 
@@ -311,9 +312,15 @@ def _gpu_mix(seed: int, *, slots: int, tokens: int, rows: int, ring: bool = Fals
     return tuple(segments)
 
 
+#: The mixed-step shape of config on the H200: 128-row tiles, 16-row ones for decode tokens, descriptor loads.
+GPU_TMA = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "MAX_SPLITS": 64, "MIN_CHUNK": 256,
+           "TARGET_WAVES": 4, "SHORT_M": 16, "KV_TMA": True}  # fmt: skip
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, GPU_TMA], ids=["dispatcher", "short-tma"])
 @pytest.mark.parametrize("ring", [False, True], ids=["flat", "ring"])
-def test_cuda_graph_replays_any_mix(ring):
+def test_cuda_graph_replays_any_mix(ring, config):
     rows, slots, tokens = 4096, 16, 256
     window = rows - 63 if ring else None
     base = Mix(_gpu_mix(0, slots=slots, tokens=tokens, rows=rows, ring=ring), tokens=tokens, rows=rows,
@@ -321,18 +328,21 @@ def test_cuda_graph_replays_any_mix(ring):
                slots=slots)  # fmt: skip
     q, k, v, seq_info = make_inputs(base, tail=0.0, device="cuda")
     out = torch.empty_like(q)
-    varlen_attention(q, k, v, seq_info, out=out, **base.kwargs)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        varlen_attention(q, k, v, seq_info, out=out, **base.kwargs)
+    pin = use_config("varlen_sdpa", config) if config else contextlib.nullcontext()
+    with pin:
+        varlen_attention(q, k, v, seq_info, out=out, **base.kwargs)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            varlen_attention(q, k, v, seq_info, out=out, **base.kwargs)
     for seed in range(1, 6):
         mix = dataclasses.replace(base, segments=_gpu_mix(seed, slots=slots, tokens=tokens, rows=rows, ring=ring))
         _, _, _, table = make_inputs(mix, device="cuda")
         seq_info.copy_(table)
         out.fill_(NAN)
         graph.replay()
-        eager = varlen_attention(q, k, v, seq_info, **mix.kwargs)
+        with use_config("varlen_sdpa", config) if config else contextlib.nullcontext():
+            eager = varlen_attention(q, k, v, seq_info, **mix.kwargs)
         torch.cuda.synchronize()
         assert torch.equal(out, eager), f"seed {seed}: replay differs from eager"
         problem = compare(out, varlen_reference(q, k, v, seq_info, **mix.kwargs), q.dtype)
@@ -351,11 +361,14 @@ def test_cuda_graph_replays_any_mix(ring):
     ids=["decode-heavy-long", "window-d64-gqa8", "ring-wrap", "draft-d256"],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gpu_bigger_shapes(segments, rows, group, head_dim, kwargs, dtype):
+@pytest.mark.parametrize("config", [None, GPU_TMA], ids=["dispatcher", "short-tma"])
+def test_gpu_bigger_shapes(segments, rows, group, head_dim, kwargs, dtype, config):
     tokens = max(s + n for s, n, _, _ in segments) + 3
     mix = Mix(segments, tokens=tokens, rows=rows, cols=len(segments) + 1, kv_heads=8, group=group,
               head_dim=head_dim, dtype=dtype, **kwargs)  # fmt: skip
-    out, expected = run_and_compare(mix)
+    if config is not None and head_dim == 256:
+        config = {**config, "BLOCK_M": 64, "num_warps": 4, "num_stages": 2}
+    out, expected = run_and_compare(mix, config)
     # Within about twice the error of PyTorch's own SDPA in the same dtype against fp64, per segment.
     q, k, v, _ = make_inputs(mix, tail=0.0)
     for q_start, q_len, col, kv_end in segments:
@@ -404,3 +417,41 @@ def test_gpu_head_offsets_past_int32(config):
         rows_ = slice(q_start, q_start + q_len)
         expected = sequence_reference(q[rows_], keys, values, q_positions, positions)
         assert compare(out[rows_], expected, q.dtype) is None
+
+
+# ---- the short tile and descriptor loads ------------------------------------------------------------
+
+#: Short segments (new tokens fitting 16 rows) in 16-row tiles, the rest in 32-row ones, with splits.
+SHORT = {**SPLIT, "BLOCK_M": 32, "SHORT_M": 16}
+
+
+@pytest.mark.parametrize("mix", MODE_CASES)
+def test_short_tile_matches_reference(many_sms, monkeypatch, mix):
+    """Every mode has segments on both sides of the short tile's reach (q_len <= 16 // group) or a
+    group too wide for it, so a wrong row, token or workspace mapping in either tile fails here."""
+    monkeypatch.setattr(varlen_op, "workspace", lambda n, dev: torch.full((n,), NAN, device=dev))
+    run_and_compare(mix, SHORT)
+
+
+@pytest.mark.parametrize("mix", MODE_CASES)
+def test_kv_tma_matches_reference(many_sms, monkeypatch, mix):
+    """K/V through tensor descriptors (the interpreter runs them) where the layout allows, pointer
+    loads elsewhere (ring stores, head dims that are not powers of two); NaN past kv_end as always."""
+    built = []
+    real = varlen_op.TensorDescriptor.from_tensor
+    monkeypatch.setattr(
+        varlen_op.TensorDescriptor, "from_tensor", lambda t, box: built.append(box) or real(t, box)
+    )
+    run_and_compare(mix, {**SHORT, "KV_TMA": True})
+    flat_pow2 = not mix.ring and mix.head_dim in (64, 128)
+    assert bool(built) == flat_pow2
+    if built:
+        assert built[0] == [16, 1, 1, mix.head_dim]
+
+
+@pytest.mark.parametrize("tail", [3e4, float("inf"), NAN], ids=["huge", "inf", "nan"])
+def test_kv_tma_garbage_past_kv_end_is_never_read(many_sms, tail):
+    """A descriptor box reads whole rows past kv_end (and zeros past the store): none of it may count."""
+    mix = Mix(((0, 2, 1, 21), (2, 1, 0, 34), (3, 7, 2, 39)), tokens=10, rows=40, cols=3, group=2)
+    run_and_compare(mix, {**SHORT, "KV_TMA": True}, tail=tail)
+    run_and_compare(mix, {**NO_SPLIT, "KV_TMA": True}, tail=tail)

@@ -142,7 +142,10 @@ def test_interpreter_default_and_space():
     limits = SPEC.limits(CPU)
     assert SPACE.infeasible_reason(default, key, limits) is None
     feasible = SPACE.feasible(key, limits)
-    assert default in feasible and 10 <= len(feasible) <= 200
+    # Small enough to tune quickly at tiny shapes, with both tiles and both load kinds in it.
+    assert default in feasible and 10 <= len(feasible) <= 300
+    assert {c.KV_TMA for c in feasible} == {False, True}
+    assert any(c.SHORT_M < c.BLOCK_M for c in feasible)
     assert all(c.BLOCK_M <= 32 and c.BLOCK_N <= 32 and c.num_warps == 4 for c in feasible)
 
 
@@ -156,14 +159,51 @@ def test_interpreter_default_and_space():
         (dict(BLOCK_M=128, BLOCK_N=128, num_warps=4), "fp32 registers per thread"),
         (dict(BLOCK_M=32, num_warps=8), "8 warps need BLOCK_M >= 64"),
         (dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4), "shared memory"),
+        (dict(SHORT_M=16), "SHORT_M=16 is raised to the group's 32 rows"),
+        (dict(SHORT_M=128), "SHORT_M=128 above BLOCK_M=64 is one tile for all"),
     ],
     ids=["block-m-under-group", "split-off-duplicates", "chunk-under-block-n", "short-chunk", "registers", "warps",
-         "smem"],
+         "smem", "short-under-group", "short-above-block-m"],
 )  # fmt: skip
 def test_infeasible_configs(changes, reason):
     key = _key(gqa_group=32) if "group" in reason else _key()
     config = dataclasses.replace(VarlenConfig(), **changes)
     assert reason in (SPACE.infeasible_reason(config, key, SPEC.limits(H200)) or "")
+
+
+def test_kv_tma_rules():
+    """Descriptor loads: flat stores, power-of-two head dims, SM90+ (the interpreter runs them too)."""
+    config = dataclasses.replace(VarlenConfig(), KV_TMA=True)
+    limits = SPEC.limits(H200)
+    assert SPACE.infeasible_reason(config, _key(), limits) is None
+    assert "flat store" in (SPACE.infeasible_reason(config, _key(ring=True), limits) or "")
+    assert "power-of-two head dim" in (SPACE.infeasible_reason(config, _key(head_dim=80), limits) or "")
+    for arch in ("sm80", "sm89", "rocm-gfx942"):
+        assert "SM90 or newer" in (SPACE.infeasible_reason(config, _key(arch=arch), limits) or "")
+    cpu_config = dataclasses.replace(config, BLOCK_M=16, BLOCK_N=16, MIN_CHUNK=64)
+    assert SPACE.infeasible_reason(cpu_config, _key(arch=CPU.arch, head_dim=64, gqa_group=2), SPEC.limits(CPU)) is None
+
+
+def test_serveable_keeps_pointer_loads_before_sm90(monkeypatch):
+    """A pinned KV_TMA config on an older GPU (or a build listing one) serves pointer loads."""
+    config = dataclasses.replace(VarlenConfig(), KV_TMA=True)
+    facts = VarlenFacts("bf16", 128, 32, 8, 32, 32, 30000, True, False, False)
+    a100 = dataclasses.replace(H200, name="NVIDIA A100", capability=(8, 0), arch="sm80")
+    assert SPEC.serveable(config, a100, facts).KV_TMA is False
+    assert SPEC.serveable(config, H200, facts) == config
+    assert SPEC.serveable(config, CPU, facts) == config
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    assert SPEC.serveable(config, H200, facts).KV_TMA is False
+
+
+def test_portable_default_short_tile_holds_a_group():
+    for group in (1, 4, 8, 16, 32):
+        for device in (H200, CPU):
+            key = _key(arch=device.arch, gqa_group=group)
+            default = SPEC.default_config(key)
+            assert min(block_m_for(16, group), default.BLOCK_M) == default.SHORT_M
+            if device is H200:
+                assert SPACE.infeasible_reason(default, key, SPEC.limits(H200)) is None
 
 
 def test_gpu_space_keeps_a_real_choice():
@@ -202,5 +242,9 @@ def test_starting_configs_seed_small_tiles_for_decode_mixes_only_on_a_gpu():
     assert decode and mixed
     assert all(SPEC.space.infeasible_reason(c, keys[128, 64], limits) is None for c in decode)
     assert min(c.BLOCK_M for c in decode) == 16 and min(c.BLOCK_M for c in mixed) > 16
+    assert any(c.KV_TMA and c.SHORT_M < c.BLOCK_M for c in mixed)
+    a100 = dataclasses.replace(H200, name="NVIDIA A100", capability=(8, 0), arch="sm80")
+    a100_key = dataclasses.replace(keys[128, 4096], arch="sm80")
+    assert SPEC.starting_configs(a100_key, a100) and not any(c.KV_TMA for c in SPEC.starting_configs(a100_key, a100))
     assert SPEC.default_config(keys[128, 64]) not in decode
     assert SPEC.starting_configs(SPEC.default_keys(CPU)[0], CPU) == []

@@ -110,9 +110,21 @@ def _tile_keys(q_len, kv_end, ring_lo, window, t0, TQ: tl.constexpr, CAUSAL: tl.
 
 
 @triton.jit
-def _kv_tile(base, n0, offs_n, offs_d, stride_r, kv_rows, key_ok, d_ok, MASKED: tl.constexpr,
-             D_MASK: tl.constexpr, RING: tl.constexpr):  # fmt: skip
-    """Keys at positions [n0, n0 + BLOCK_N) of one store column: [BLOCK_N, D_PAD] (masked ones read 0)."""
+def _kv_tile(base, desc, col, pid_h, n0, offs_n, offs_d, stride_r, kv_rows, key_ok, d_ok, MASKED: tl.constexpr,
+             D_MASK: tl.constexpr, RING: tl.constexpr, KV_TMA: tl.constexpr):  # fmt: skip
+    """Keys at positions [n0, n0 + BLOCK_N) of one store column: [BLOCK_N, D_PAD] (masked ones read 0).
+
+    With ``KV_TMA`` the tile comes through ``desc`` (a ``[BLOCK_N, 1, 1, D]`` box over the flat
+    store): rows past the store arrive as zeros, rows past the sequence as whatever the store holds,
+    so masked tiles zero them here.
+    """
+    if KV_TMA:
+        BLOCK_N: tl.constexpr = offs_n.shape[0]
+        D_PAD: tl.constexpr = offs_d.shape[0]
+        tile = desc.load([n0, col, pid_h, 0]).reshape(BLOCK_N, D_PAD)
+        if MASKED:
+            tile = tl.where(key_ok[:, None], tile, 0.0)
+        return tile
     pos = n0 + offs_n
     row = pos % kv_rows if RING else pos
     ptrs = base + (row.to(tl.int64) * stride_r)[:, None] + offs_d[None, :]
@@ -175,8 +187,105 @@ def _zero_uncovered(Out, stride_ot, stride_oh, pid_z, pid_h, num_tokens, q_start
 
 
 @triton.jit
+def _attend_segment_tile(
+    Q, Out, WS, k_base, v_base, k_desc, v_desc,
+    stride_qt, stride_qh, stride_kr, stride_vr, stride_ot, stride_oh,
+    s_q_start, s_q_len, s_col, s_kv_end, s_ring_lo, pid_h, t0, lo, hi, full_lo, full_hi, span_lo, span_hi,
+    window, kv_rows, num_kv_heads, qk_scale, used, ws_slot, lse_offset,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TQ: tl.constexpr,
+    WS_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    RING: tl.constexpr,
+    KV_TMA: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+):  # fmt: skip
+    """One work item: the ``BLOCK_M``-row tile of tokens [t0, t0 + TQ) of a segment over keys
+    [span_lo, span_hi), written to ``Out`` (one split) or as a partial in workspace slot ``ws_slot``
+    (partials are ``WS_M`` rows apart, the main tile's rows, whichever tile wrote them)."""
+    D_MASK: tl.constexpr = HEAD_DIM != D_PAD
+    # Row r of the M tile is query head (r % GROUP) of the group at token t0 + r // GROUP.
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    tok = t0 + offs_m // GROUP
+    head = pid_h * GROUP + offs_m % GROUP
+    row_ok = (offs_m < TQ * GROUP) & (tok < s_q_len)
+    # Row offsets in 64 bits: a view of a [Hq, T, D] buffer puts heads T * D elements apart.
+    q_rows = (s_q_start + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+    q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
+
+    # Each row's own key range: its causal bound, its window, and what the ring still holds.
+    pos = s_kv_end - s_q_len + tok
+    if CAUSAL:
+        row_hi = tl.minimum(s_kv_end, pos + 1)
+    else:
+        row_hi = tl.zeros_like(pos) + s_kv_end
+    if WINDOWED:
+        row_lo = tl.maximum(s_ring_lo, pos - window + 1)
+    else:
+        row_lo = tl.zeros_like(pos) + s_ring_lo
+
+    # Tiles start at span_lo + k * BLOCK_N; those inside [full_lo, full_hi) need no mask.
+    a = tl.minimum(tl.maximum(full_lo, span_lo), span_hi)
+    a = tl.minimum(span_lo + (a - span_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N, span_hi)
+    b = tl.minimum(tl.maximum(full_hi, a), span_hi)
+    b = a + (b - a) // BLOCK_N * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    for n0 in tl.range(span_lo, a, BLOCK_N):
+        p = n0 + offs_n
+        key_ok = (p >= lo) & (p < hi)
+        k = _kv_tile(k_base, k_desc, s_col, pid_h, n0, offs_n, offs_d, stride_kr, kv_rows, key_ok, d_ok, True,
+                     D_MASK, RING, KV_TMA)
+        v = _kv_tile(v_base, v_desc, s_col, pid_h, n0, offs_n, offs_d, stride_vr, kv_rows, key_ok, d_ok, True,
+                     D_MASK, RING, KV_TMA)
+        visible = (p[None, :] >= row_lo[:, None]) & (p[None, :] < row_hi[:, None])
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, qk_scale, visible, True, DOT_IN_FP32)
+    for n0 in tl.range(a, b, BLOCK_N):
+        k = _kv_tile(k_base, k_desc, s_col, pid_h, n0, offs_n, offs_d, stride_kr, kv_rows, offs_n, d_ok, False,
+                     D_MASK, RING, KV_TMA)
+        v = _kv_tile(v_base, v_desc, s_col, pid_h, n0, offs_n, offs_d, stride_vr, kv_rows, offs_n, d_ok, False,
+                     D_MASK, RING, KV_TMA)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, qk_scale, offs_n, False, DOT_IN_FP32)
+    for n0 in tl.range(b, span_hi, BLOCK_N):
+        p = n0 + offs_n
+        key_ok = (p >= lo) & (p < hi)
+        k = _kv_tile(k_base, k_desc, s_col, pid_h, n0, offs_n, offs_d, stride_kr, kv_rows, key_ok, d_ok, True,
+                     D_MASK, RING, KV_TMA)
+        v = _kv_tile(v_base, v_desc, s_col, pid_h, n0, offs_n, offs_d, stride_vr, kv_rows, key_ok, d_ok, True,
+                     D_MASK, RING, KV_TMA)
+        visible = (p[None, :] >= row_lo[:, None]) & (p[None, :] < row_hi[:, None])
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, qk_scale, visible, True, DOT_IN_FP32)
+
+    # Rows that saw no key have l = 0 and acc = 0: they store zeros.
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    tile_ok = row_ok[:, None] & d_ok[None, :]
+    if used <= 1:
+        o_rows = (s_q_start + tok).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+        tl.store(Out + o_rows[:, None] + offs_d[None, :], o.to(Out.dtype.element_ty), mask=tile_ok)
+    else:
+        ws_row = (ws_slot.to(tl.int64) * num_kv_heads + pid_h) * WS_M + offs_m
+        tl.store(WS + ws_row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=tile_ok)
+        lse = tl.where(has_keys, m_i + tl.math.log2(l_safe), float("-inf"))
+        tl.store(WS + lse_offset + ws_row, lse, mask=row_ok)
+
+
+@triton.jit
 def _varlen_fwd_kernel(
-    Q, K, V, Out, SEQ, WS,
+    Q, K, V, K_DESC, V_DESC, Out, SEQ, WS,
     stride_qt, stride_qh,
     stride_kr, stride_kc, stride_kh,
     stride_vr, stride_vc, stride_vh,
@@ -188,6 +297,7 @@ def _varlen_fwd_kernel(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    SHORT_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     S_PAD: tl.constexpr,
     ZERO_TOKENS: tl.constexpr,
@@ -195,10 +305,10 @@ def _varlen_fwd_kernel(
     WINDOWED: tl.constexpr,
     RING: tl.constexpr,
     SPLIT: tl.constexpr,
+    KV_TMA: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
 ):  # fmt: skip
     TQ: tl.constexpr = BLOCK_M // GROUP
-    D_MASK: tl.constexpr = HEAD_DIM != D_PAD
     pid = tl.program_id(0)
     pid_h = tl.program_id(1)
     offs_s, q_start, q_len, col, kv_end, ring_lo, tiles, chunk, splits = _schedule(
@@ -247,74 +357,30 @@ def _varlen_fwd_kernel(
         span_hi = hi
     span_hi = tl.maximum(span_hi, span_lo)
 
-    # Row r of the M tile is query head (r % GROUP) of the group at token t0 + r // GROUP.
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < HEAD_DIM
-    tok = t0 + offs_m // GROUP
-    head = pid_h * GROUP + offs_m % GROUP
-    row_ok = (offs_m < TQ * GROUP) & (tok < s_q_len)
-    # Row offsets in 64 bits: a view of a [Hq, T, D] buffer puts heads T * D elements apart.
-    q_rows = (s_q_start + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
-    q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if DOT_IN_FP32:
-        q = q.to(tl.float32)
-
-    # Each row's own key range: its causal bound, its window, and what the ring still holds.
-    pos = s_kv_end - s_q_len + tok
-    if CAUSAL:
-        row_hi = tl.minimum(s_kv_end, pos + 1)
-    else:
-        row_hi = tl.zeros_like(pos) + s_kv_end
-    if WINDOWED:
-        row_lo = tl.maximum(s_ring_lo, pos - window + 1)
-    else:
-        row_lo = tl.zeros_like(pos) + s_ring_lo
-
-    # Tiles start at span_lo + k * BLOCK_N; those inside [full_lo, full_hi) need no mask.
-    a = tl.minimum(tl.maximum(full_lo, span_lo), span_hi)
-    a = tl.minimum(span_lo + (a - span_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N, span_hi)
-    b = tl.minimum(tl.maximum(full_hi, a), span_hi)
-    b = a + (b - a) // BLOCK_N * BLOCK_N
-
     k_base = K + s_col.to(tl.int64) * stride_kc + pid_h.to(tl.int64) * stride_kh
     v_base = V + s_col.to(tl.int64) * stride_vc + pid_h.to(tl.int64) * stride_vh
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    for n0 in tl.range(span_lo, a, BLOCK_N):
-        p = n0 + offs_n
-        key_ok = (p >= lo) & (p < hi)
-        k = _kv_tile(k_base, n0, offs_n, offs_d, stride_kr, kv_rows, key_ok, d_ok, True, D_MASK, RING)
-        v = _kv_tile(v_base, n0, offs_n, offs_d, stride_vr, kv_rows, key_ok, d_ok, True, D_MASK, RING)
-        visible = (p[None, :] >= row_lo[:, None]) & (p[None, :] < row_hi[:, None])
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, qk_scale, visible, True, DOT_IN_FP32)
-    for n0 in tl.range(a, b, BLOCK_N):
-        k = _kv_tile(k_base, n0, offs_n, offs_d, stride_kr, kv_rows, offs_n, d_ok, False, D_MASK, RING)
-        v = _kv_tile(v_base, n0, offs_n, offs_d, stride_vr, kv_rows, offs_n, d_ok, False, D_MASK, RING)
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, qk_scale, offs_n, False, DOT_IN_FP32)
-    for n0 in tl.range(b, span_hi, BLOCK_N):
-        p = n0 + offs_n
-        key_ok = (p >= lo) & (p < hi)
-        k = _kv_tile(k_base, n0, offs_n, offs_d, stride_kr, kv_rows, key_ok, d_ok, True, D_MASK, RING)
-        v = _kv_tile(v_base, n0, offs_n, offs_d, stride_vr, kv_rows, key_ok, d_ok, True, D_MASK, RING)
-        visible = (p[None, :] >= row_lo[:, None]) & (p[None, :] < row_hi[:, None])
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, qk_scale, visible, True, DOT_IN_FP32)
-
-    # Rows that saw no key have l = 0 and acc = 0: they store zeros.
-    has_keys = l_i > 0.0
-    l_safe = tl.where(has_keys, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    tile_ok = row_ok[:, None] & d_ok[None, :]
-    if used <= 1:
-        o_rows = (s_q_start + tok).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
-        tl.store(Out + o_rows[:, None] + offs_d[None, :], o.to(Out.dtype.element_ty), mask=tile_ok)
+    # A segment whose new tokens all fit in the short tile (a decode token, a short draft) runs in
+    # it: the main tile would spend its MMAs on empty rows. It has one tile (t0 = 0) either way.
+    short = False
+    if SHORT_M < BLOCK_M:
+        short = s_q_len <= SHORT_M // GROUP
+    if short:
+        _attend_segment_tile(
+            Q, Out, WS, k_base, v_base, K_DESC, V_DESC,
+            stride_qt, stride_qh, stride_kr, stride_vr, stride_ot, stride_oh,
+            s_q_start, s_q_len, s_col, s_kv_end, s_ring_lo, pid_h, t0, lo, hi, full_lo, full_hi, span_lo, span_hi,
+            window, kv_rows, num_kv_heads, qk_scale, used, ws_slot, lse_offset,
+            GROUP, HEAD_DIM, D_PAD, SHORT_M, SHORT_M // GROUP, BLOCK_M, BLOCK_N, CAUSAL, WINDOWED, RING, KV_TMA,
+            DOT_IN_FP32,
+        )
     else:
-        ws_row = (ws_slot.to(tl.int64) * num_kv_heads + pid_h) * BLOCK_M + offs_m
-        tl.store(WS + ws_row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=tile_ok)
-        lse = tl.where(has_keys, m_i + tl.math.log2(l_safe), float("-inf"))
-        tl.store(WS + lse_offset + ws_row, lse, mask=row_ok)
+        _attend_segment_tile(
+            Q, Out, WS, k_base, v_base, K_DESC, V_DESC,
+            stride_qt, stride_qh, stride_kr, stride_vr, stride_ot, stride_oh,
+            s_q_start, s_q_len, s_col, s_kv_end, s_ring_lo, pid_h, t0, lo, hi, full_lo, full_hi, span_lo, span_hi,
+            window, kv_rows, num_kv_heads, qk_scale, used, ws_slot, lse_offset,
+            GROUP, HEAD_DIM, D_PAD, BLOCK_M, TQ, BLOCK_M, BLOCK_N, CAUSAL, WINDOWED, RING, KV_TMA, DOT_IN_FP32,
+        )  # fmt: skip
 
 
 @triton.jit

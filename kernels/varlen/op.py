@@ -22,12 +22,14 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.fx.experimental.symbolic_shapes import has_static_value
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tritune.search_spaces.varlen_sdpa import (
     HEAD_DIMS,
     VarlenConfig,
     block_m_for,
     padded_head_dim,
+    short_block_m,
     split_budget,
 )
 
@@ -41,7 +43,7 @@ from .._launch import (
     sm_count,
     workspace,
 )
-from .._oplib import register_op, wrap_triton
+from .._oplib import in_direct_body, register_op, wrap_triton
 from ..dispatcher import dispatch, dispatch_eager
 from ._triton_varlen import _varlen_fwd_kernel, _varlen_merge_kernel
 from .eager import eager_facts
@@ -219,6 +221,8 @@ class _Plan(NamedTuple):
     """Everything a launch needs that follows from static facts and the config, except T."""
 
     block_m: int
+    #: Rows of the tile for segments whose new tokens fit in it (``block_m``: one tile for all).
+    short_m: int
     tokens_per_tile: int
     d_pad: int
     s_pad: int
@@ -254,6 +258,7 @@ def _plan(
     d_pad = padded_head_dim(head_dim)
     return _Plan(
         block_m=block_m,
+        short_m=short_block_m(config, group),
         tokens_per_tile=tq,
         d_pad=d_pad,
         s_pad=s_pad,
@@ -264,6 +269,23 @@ def _plan(
         ws_slots=2 * budget if split else 0,
         merge_block_d=min(d_pad, max(16, MERGE_TILE // block_m)),
     )
+
+
+def _descriptors_allowed(k_store: torch.Tensor, v_store: torch.Tensor, ring: bool, head_dim: int) -> bool:
+    """Whether ``KV_TMA`` may load these stores through host-side descriptors.
+
+    Not for a ring (a tile may wrap past the last row), nor a head dim that is not a power of two
+    (the box would be padded), nor while a tracer runs the body: torch cannot yet trace a
+    ``triton_op`` whose kernel takes host-side descriptors, so ``torch.compile`` keeps pointer
+    loads. Descriptors also need 16-byte aligned bases and strides (an inner stride of 1 is checked
+    for every call).
+    """
+    if ring or padded_head_dim(head_dim) != head_dim or not in_direct_body():
+        return False
+    for store in (k_store, v_store):
+        if store.data_ptr() % 16 or any(stride * store.element_size() % 16 for stride in store.stride()[:3]):
+            return False
+    return True
 
 
 def _launch(
@@ -288,7 +310,7 @@ def _launch(
     rows, cols, kv_heads = (_static_int(n) for n in k_store.shape[:3])
     segments = _static_int(seq_info.shape[0])
     group = q_heads // kv_heads
-    _, BLOCK_N, num_warps, num_stages, MAX_SPLITS, MIN_CHUNK, _ = values
+    _, BLOCK_N, num_warps, num_stages, MAX_SPLITS, MIN_CHUNK, _, _, KV_TMA = values
     plan = _plan(values, sm_count(q.device), segments, rows, kv_heads, group, head_dim, causal, window)
     work_slots = tokens // plan.tokens_per_tile + segments + (plan.budget if plan.split else 0)
     zero_programs = (tokens + plan.zero_tokens - 1) // plan.zero_tokens
@@ -298,14 +320,22 @@ def _launch(
     # Only the interpreter runs CPU tensors; its bf16 dot is broken, so its MMAs take fp32 operands.
     dot_in_fp32 = q.device.type == "cpu"
     qk_scale = softmax_scale * LOG2E
+    kv_tma = bool(KV_TMA) and _descriptors_allowed(k_store, v_store, ring, head_dim)
+    if kv_tma:
+        box = [BLOCK_N, 1, 1, head_dim]
+        k_desc, v_desc = TensorDescriptor.from_tensor(k_store, box), TensorDescriptor.from_tensor(v_store, box)
+    else:
+        # Unread (the kernel's pointer branch compiles without them): any argument serves.
+        k_desc, v_desc = k_store, v_store
     fwd_kernel[(work_slots + zero_programs, kv_heads)](
-        q, k_store, v_store, out, seq_info, ws,
+        q, k_store, v_store, k_desc, v_desc, out, seq_info, ws,
         q.stride(0), q.stride(1), *sk, *sv, out.stride(0), out.stride(1), seq_info.stride(0), seq_info.stride(1),
         segments, tokens, rows, cols, kv_heads, window, qk_scale,
         plan.budget, MIN_CHUNK, MAX_SPLITS, work_slots, partials * head_dim,
-        GROUP=group, HEAD_DIM=head_dim, D_PAD=plan.d_pad, BLOCK_M=plan.block_m, BLOCK_N=BLOCK_N,
-        S_PAD=plan.s_pad, ZERO_TOKENS=plan.zero_tokens, CAUSAL=causal, WINDOWED=window > 0, RING=ring,
-        SPLIT=plan.split, DOT_IN_FP32=dot_in_fp32, num_warps=num_warps, num_stages=num_stages,
+        GROUP=group, HEAD_DIM=head_dim, D_PAD=plan.d_pad, BLOCK_M=plan.block_m, SHORT_M=plan.short_m,
+        BLOCK_N=BLOCK_N, S_PAD=plan.s_pad, ZERO_TOKENS=plan.zero_tokens, CAUSAL=causal, WINDOWED=window > 0,
+        RING=ring, SPLIT=plan.split, KV_TMA=kv_tma, DOT_IN_FP32=dot_in_fp32, num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
     if plan.split:
         d_blocks = -(-head_dim // plan.merge_block_d)
@@ -336,9 +366,11 @@ def _varlen_attention(
     MAX_SPLITS: int,
     MIN_CHUNK: int,
     TARGET_WAVES: int,
+    SHORT_M: int,
+    KV_TMA: bool,
 ) -> None:
     """The registered op's body: the launch, with its kernels wrapped so that tracers see them."""
-    values = (BLOCK_M, BLOCK_N, num_warps, num_stages, MAX_SPLITS, MIN_CHUNK, TARGET_WAVES)
+    values = (BLOCK_M, BLOCK_N, num_warps, num_stages, MAX_SPLITS, MIN_CHUNK, TARGET_WAVES, SHORT_M, KV_TMA)
     _launch(
         wrap_triton(_varlen_fwd_kernel),
         wrap_triton(_varlen_merge_kernel),
@@ -386,7 +418,7 @@ def launch(
     """Run ``config`` on already-checked arguments into a preallocated ``out``, as a call would."""
     values = (
         config.BLOCK_M, config.BLOCK_N, config.num_warps, config.num_stages,
-        config.MAX_SPLITS, config.MIN_CHUNK, config.TARGET_WAVES,
+        config.MAX_SPLITS, config.MIN_CHUNK, config.TARGET_WAVES, config.SHORT_M, config.KV_TMA,
     )  # fmt: skip
     _run(q, k_store, v_store, seq_info, out, causal, window or 0, ring, softmax_scale, values)
 
