@@ -3,7 +3,7 @@
 On the GPU machine: ``python scripts/probe_q4k_staged.py --out staged.md``.
 
 Steps, each a median of ``triton.testing.do_bench`` (L2 flushed) at M in ``--m``, K=4096, N=14336:
-the activation pre-pass (e4m3 rows), the column folds, one chunk's dequantization, one chunk's
+the pre-pass (e4m3 rows and the column folds, one launch), one chunk's dequantization, one chunk's
 ``torch._scaled_mm`` written into a column slice of ``out`` and into a contiguous buffer, the
 ``_scaled_mm`` of the whole N (the ceiling), and the whole staged call through ``q4k_linear``.
 """
@@ -16,7 +16,6 @@ from pathlib import Path
 
 import _benchlib as bl
 import torch
-import triton
 from torch._library.triton import set_wrap_triton_enabled
 
 
@@ -29,28 +28,28 @@ def main(argv: list[str] | None = None) -> int:
 
     from tritune.kernels import Q4KWeight, q4k_linear
     from tritune.kernels.q4k import launch
-    from tritune.kernels.q4k._triton_q4k import _column_folds_kernel, _q4k_dequant_fp8_kernel
 
     device = torch.device("cuda")
     k, n, chunk = 4096, 14336, args.chunk
     weight = Q4KWeight.quantize(torch.randn(n, k, device=device) * 0.02)
     qs, scales, mins, ss = weight.tensors()
-    inv_fold = torch.empty((1, n), dtype=torch.float32, device=device)
     scratch = torch.empty((chunk, k), dtype=torch.float8_e4m3fn, device=device)
 
-    def folds() -> None:
-        _column_folds_kernel[(triton.cdiv(n, 128),)](ss, inv_fold, n, ss.stride(0), K=k, BLOCK_N=128, num_warps=4)
+    def prepass(x: torch.Tensor):
+        # As inside the op body: wrap_triton off, so the launch reaches the bare kernel.
+        with set_wrap_triton_enabled(False):
+            return launch.staged_prepass(x, ss, interpreted=False)
+
+    inv_fold = prepass(torch.randn(1, k, device=device).bfloat16())[2]
 
     def dequant(block_n: int, block_k: int, warps: int):
         def run() -> None:
-            _q4k_dequant_fp8_kernel[(triton.cdiv(chunk, block_n), k // block_k)](
-                qs, scales, mins, ss, inv_fold, scratch, 0, chunk, k, qs.stride(0), scales.stride(0), ss.stride(0),
-                ROUND_IN_FP32=False, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-            )  # fmt: skip
+            with set_wrap_triton_enabled(False):
+                launch.dequantize_chunk(qs, scales, mins, ss, inv_fold, scratch, 0, chunk, block_n=block_n,
+                                        block_k=block_k, num_warps=warps, interpreted=False)  # fmt: skip
 
         return run
 
-    folds()
     rows = ["| step | M | us | note |", "| --- | --- | --- | --- |"]
 
     def add(step: str, m: int | str, fn, note: str = "") -> None:
@@ -60,22 +59,18 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(f"| {step} | {m} | {us:.1f} | {note} |")
         print(rows[-1], flush=True)
 
-    add("column folds", "-", folds)
     for bn, bk, w in ((32, 256, 4), (64, 128, 4), (128, 128, 8), (128, 256, 8)):
         moved = chunk * k * 1.0 + chunk * k / 2
         add(f"dequant {chunk} rows BLOCK_N={bn} BLOCK_K={bk} warps={w}", "-", dequant(bn, bk, w),
             f"{moved / 1e6:.1f} MB moved")  # fmt: skip
     for m in args.m or [256, 4096]:
         x = torch.randn(m, k, device=device).bfloat16()
-        with set_wrap_triton_enabled(False):
-            xq, row_scale, _ = launch._quantize_rows(x, row_sums=False, interpreted=False)
+        xq, row_scale, _ = prepass(x)
 
         def quantize(x=x) -> None:
-            # As inside the op body: wrap_triton off, so the launch reaches the bare kernel.
-            with set_wrap_triton_enabled(False):
-                launch._quantize_rows(x, row_sums=False, interpreted=False)
+            prepass(x)
 
-        add("quantize rows", m, quantize)
+        add("pre-pass: quantize rows and column folds", m, quantize)
         out = torch.empty((m, n), dtype=torch.bfloat16, device=device)
         tmp = torch.empty((m, chunk), dtype=torch.bfloat16, device=device)
         sa = row_scale.view(m, 1)

@@ -47,7 +47,7 @@ class Q4KConfig:
 
     #: "portable": dequantize to x's dtype and bf16/fp16 ``tl.dot`` (any CUDA GPU);
     #: "fp8": e4m3 activations against exact 4-bit quants, or folded e4m3 weights (SM89+);
-    #: "staged": the folded e4m3 weights made ``CHUNK_N`` rows at a time into an L2-sized scratch,
+    #: "staged": the folded e4m3 weights made ``CHUNK_N`` rows at a time into one reused scratch,
     #: each chunk multiplied by cuBLASLt's fp8 GEMM with row and column scales (SM90+, bf16, large M).
     path: str = choice("portable", ("portable", "fp8", "staged"))
     #: 256 only with SWAP_AB, where it is wgmma's widest N (m64n256).
@@ -257,7 +257,8 @@ class PathSpace(SearchSpace[Q4KConfig, Q4KShape]):
         default = self.default()
         for path, fields in PATH_FIELDS.items():
             for combo in itertools.product(*(self.dimensions[name] for name in fields)):
-                yield dataclasses.replace(default, path=path, **dict(zip(fields, combo, strict=True)))
+                changes: dict[str, Any] = dict(zip(fields, combo, strict=True))
+                yield dataclasses.replace(default, path=path, **changes)
 
 
 SPACE = PathSpace("q4k_fp8_gemm", Q4KConfig, feasibility=feasibility)

@@ -278,7 +278,7 @@ class _KernelSpy:
             q4k_launch._q4k_gemm_fp8_fold_swap_kernel: "fp8-fold-swap",
             q4k_launch._q4k_gemm_portable_kernel: "portable",
             q4k_launch._splitk_reduce_kernel: "reduce",
-            q4k_launch._column_folds_kernel: "folds",
+            q4k_launch._staged_prepass_kernel: "prepass",
             q4k_launch._q4k_dequant_fp8_kernel: "dequant",
         }
 
@@ -292,7 +292,7 @@ class _KernelSpy:
     def expected(path: str, split_k: int, fold: bool = False, swap: bool = False, chunks: int = 1) -> list[str]:
         if path == "staged":
             # The GEMM of each chunk is cuBLASLt's (torch._scaled_mm), not a Triton launch.
-            return ["quantize", "folds"] + ["dequant"] * chunks
+            return ["prepass"] + ["dequant"] * chunks
         fp8 = ("fp8-fold-swap" if swap else "fp8-fold") if fold else "fp8"
         gemm = ["quantize", fp8] if path == "fp8" else ["portable"]
         return gemm + (["reduce"] if split_k > 1 else [])

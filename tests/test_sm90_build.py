@@ -87,7 +87,7 @@ VARLEN_SPLIT = ("_varlen_fwd_kernel", "_varlen_merge_kernel")
 Q4K_FP8 = ("_quantize_rows_fp8_kernel", "_q4k_gemm_fp8_kernel")
 Q4K_FOLD = ("_quantize_rows_fp8_kernel", "_q4k_gemm_fp8_fold_kernel")
 Q4K_FOLD_SWAP = ("_quantize_rows_fp8_kernel", "_q4k_gemm_fp8_fold_swap_kernel")
-Q4K_STAGED = ("_quantize_rows_fp8_kernel", "_column_folds_kernel", "_q4k_dequant_fp8_kernel", "_q4k_dequant_fp8_kernel")
+Q4K_STAGED = ("_staged_prepass_kernel", "_q4k_dequant_fp8_kernel", "_q4k_dequant_fp8_kernel")
 
 
 def _tma_default(spec: Any, key: Any) -> Any:

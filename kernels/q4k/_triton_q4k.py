@@ -27,10 +27,11 @@ The weight arrives in :class:`~tritune.kernels.q4k.weight.Q4KWeight`'s layout: n
   the next chunk is dequantized, where the unswapped kernel stores each weight tile to shared
   memory and waits for its wgmma. BLOCK_N is wgmma's M side (64 rows per warpgroup), so small M
   (BLOCK_M=16 as wgmma's N) gets wgmma instead of mma.sync.
-* The staged path (``path="staged"``) never dequantizes inside a GEMM: :func:`_column_folds_kernel`
-  writes each column's inverse power of two once, :func:`_q4k_dequant_fp8_kernel` turns ``CHUNK_N``
-  weight rows at a time into the folded e4m3 tile ``_folded_weight_tile`` makes (the same weights
-  as ``SCALE_FOLD``) in a scratch buffer sized to stay in L2, and cuBLASLt's fp8 GEMM
+* The staged path (``path="staged"``) never dequantizes inside a GEMM: :func:`_staged_prepass_kernel`
+  quantizes x and writes each column's inverse power of two in one launch,
+  :func:`_q4k_dequant_fp8_kernel` turns ``CHUNK_N`` weight rows at a time into the folded e4m3 tile
+  ``_folded_weight_tile`` makes (the same weights as ``SCALE_FOLD``) in one reused scratch buffer,
+  and cuBLASLt's fp8 GEMM
   (``torch._scaled_mm`` with row and column scales) multiplies each chunk. Each weight is
   dequantized once per call instead of once per M tile: the path for large M.
 * With ``SPLIT_K > 1`` each program covers a slice of K and writes float32 partials that
@@ -57,6 +58,42 @@ def _e4m3_grid(x):
 
 
 @triton.jit
+def _quantize_row(
+    x_row,
+    xq_row,
+    row_scale_ptr,
+    rowsum_row,
+    stride_xk,
+    BLOCK_K: tl.constexpr,
+    K_TILES: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,
+    ROW_SUMS: tl.constexpr,
+):
+    """One row of x: its e4m3 values with scale ``amax / 448`` and, if asked, its exact 32-wide sums."""
+    offs_k = tl.arange(0, BLOCK_K)
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for i in range(K_TILES):
+        x = tl.load(x_row + (i * BLOCK_K + offs_k) * stride_xk).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    row_max = tl.max(amax, axis=0)
+    scale = tl.where(row_max > 0, row_max / 448.0, 1.0)
+    tl.store(row_scale_ptr, scale)
+    offs_g = tl.arange(0, BLOCK_K // 32)
+    for i in range(K_TILES):
+        k0 = i * BLOCK_K
+        x = tl.load(x_row + (k0 + offs_k) * stride_xk).to(tl.float32)
+        xq = tl.clamp(x / scale, -448.0, 448.0)
+        if ROUND_IN_FP32:
+            # The interpreter's e4m3 cast drops the carry when rounding up to a power of two
+            # (31.3 -> 16): round on the e4m3 grid first so that the cast is exact.
+            xq = _e4m3_grid(xq)
+        tl.store(xq_row + k0 + offs_k, xq.to(tl.float8e4nv))
+        if ROW_SUMS:
+            sums = tl.sum(tl.reshape(x, (BLOCK_K // 32, 32)), axis=1)
+            tl.store(rowsum_row + k0 // 32 + offs_g, sums)
+
+
+@triton.jit
 def _quantize_rows_fp8_kernel(
     x_ptr,
     xq_ptr,
@@ -72,28 +109,10 @@ def _quantize_rows_fp8_kernel(
 ):
     """One row per program: e4m3 row with scale ``amax / 448``, and exact 32-wide row sums."""
     pid_m = tl.program_id(0).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    x_row = x_ptr + pid_m * stride_xm
-    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for i in range(K_TILES):
-        x = tl.load(x_row + (i * BLOCK_K + offs_k) * stride_xk).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    row_max = tl.max(amax, axis=0)
-    scale = tl.where(row_max > 0, row_max / 448.0, 1.0)
-    tl.store(row_scale_ptr + pid_m, scale)
-    offs_g = tl.arange(0, BLOCK_K // 32)
-    for i in range(K_TILES):
-        k0 = i * BLOCK_K
-        x = tl.load(x_row + (k0 + offs_k) * stride_xk).to(tl.float32)
-        xq = tl.clamp(x / scale, -448.0, 448.0)
-        if ROUND_IN_FP32:
-            # The interpreter's e4m3 cast drops the carry when rounding up to a power of two
-            # (31.3 -> 16): round on the e4m3 grid first so that the cast is exact.
-            xq = _e4m3_grid(xq)
-        tl.store(xq_ptr + pid_m * K + k0 + offs_k, xq.to(tl.float8e4nv))
-        if ROW_SUMS:
-            sums = tl.sum(tl.reshape(x, (BLOCK_K // 32, 32)), axis=1)
-            tl.store(rowsum_ptr + pid_m * (K // 32) + k0 // 32 + offs_g, sums)
+    _quantize_row(
+        x_ptr + pid_m * stride_xm, xq_ptr + pid_m * K, row_scale_ptr + pid_m, rowsum_ptr + pid_m * (K // 32),
+        stride_xk, BLOCK_K, K_TILES, ROUND_IN_FP32, ROW_SUMS,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -543,19 +562,39 @@ def _q4k_gemm_fp8_fold_swap_kernel(
 
 
 @triton.jit
-def _column_folds_kernel(
+def _staged_prepass_kernel(
+    x_ptr,
+    xq_ptr,
+    row_scale_ptr,
     ss_ptr,
     inv_fold_ptr,
+    M,
     N,
+    stride_xm,
+    stride_xk,
     stride_ssn,
     K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_TILES: tl.constexpr,
+    FOLD_BLOCK_N: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,
 ):
-    """``inv_fold[n] = 1 / f`` of each column over the whole of K (``_column_fold``'s power of two)."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
-    fold = _column_fold(ss_ptr + rows_n * stride_ssn, 0, K, BLOCK_N)
-    tl.store(inv_fold_ptr + offs_n, 1.0 / fold, mask=offs_n < N)
+    """The staged path's two small jobs in one launch (a launch costs tens of microseconds of host
+    time): programs ``0 .. M-1`` quantize one row of x each (as ``_quantize_rows_fp8_kernel``), the
+    rest write ``inv_fold[n] = 1 / f`` for ``FOLD_BLOCK_N`` columns each (``_column_fold``'s power
+    of two over the whole of K)."""
+    pid = tl.program_id(0)
+    if pid < M:
+        row = pid.to(tl.int64)
+        _quantize_row(
+            x_ptr + row * stride_xm, xq_ptr + row * K, row_scale_ptr + row, row_scale_ptr,
+            stride_xk, BLOCK_K, K_TILES, ROUND_IN_FP32, False,
+        )  # fmt: skip
+    else:
+        offs_n = (pid - M) * FOLD_BLOCK_N + tl.arange(0, FOLD_BLOCK_N)
+        rows_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+        fold = _column_fold(ss_ptr + rows_n * stride_ssn, 0, K, FOLD_BLOCK_N)
+        tl.store(inv_fold_ptr + offs_n, 1.0 / fold, mask=offs_n < N)
 
 
 @triton.jit

@@ -15,7 +15,6 @@ from tritune.search_spaces.q4k_fp8_gemm import Q4KConfig
 
 from .._oplib import wrap_triton
 from ._triton_q4k import (
-    _column_folds_kernel,
     _q4k_dequant_fp8_kernel,
     _q4k_gemm_fp8_fold_kernel,
     _q4k_gemm_fp8_fold_swap_kernel,
@@ -23,6 +22,7 @@ from ._triton_q4k import (
     _q4k_gemm_portable_kernel,
     _quantize_rows_fp8_kernel,
     _splitk_reduce_kernel,
+    _staged_prepass_kernel,
 )
 
 KERNELS = (
@@ -32,7 +32,7 @@ KERNELS = (
     _q4k_gemm_fp8_fold_swap_kernel,
     _q4k_gemm_portable_kernel,
     _splitk_reduce_kernel,
-    _column_folds_kernel,
+    _staged_prepass_kernel,
     _q4k_dequant_fp8_kernel,
 )
 
@@ -74,6 +74,48 @@ def _quantize_rows(x: torch.Tensor, *, row_sums: bool, interpreted: bool) -> tup
     return xq, row_scale, rowsum
 
 
+def staged_prepass(
+    x: torch.Tensor, super_scales: torch.Tensor, *, interpreted: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The staged path's first launch: e4m3 rows of ``x``, their float32 scales ``[M]``, and each
+    weight column's inverse power of two ``inv_fold`` ``[1, N]`` (``_scaled_mm``'s ``scale_b``)."""
+    m, k = x.shape
+    n = super_scales.shape[0]
+    xq = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    row_scale = torch.empty((m,), dtype=torch.float32, device=x.device)
+    inv_fold = torch.empty((1, n), dtype=torch.float32, device=x.device)
+    block = _prepass_block(k)
+    wrap_triton(_staged_prepass_kernel)[(m + triton.cdiv(n, _FOLD_BLOCK_N),)](
+        x, xq, row_scale, super_scales, inv_fold, m, n, x.stride(0), x.stride(1), super_scales.stride(0),
+        K=k, BLOCK_K=block, K_TILES=k // block, FOLD_BLOCK_N=_FOLD_BLOCK_N, ROUND_IN_FP32=interpreted, num_warps=4,
+    )  # fmt: skip
+    return xq, row_scale, inv_fold
+
+
+def dequantize_chunk(
+    qs: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    super_scales: torch.Tensor,
+    inv_fold: torch.Tensor,
+    scratch: torch.Tensor,
+    row0: int,
+    rows: int,
+    *,
+    block_n: int,
+    block_k: int,
+    num_warps: int,
+    interpreted: bool,
+) -> None:
+    """Weight rows ``row0 .. row0 + rows - 1`` as folded e4m3 into ``scratch[:rows]`` (``[CHUNK_N, K]``)."""
+    k = scratch.shape[1]
+    wrap_triton(_q4k_dequant_fp8_kernel)[(triton.cdiv(rows, block_n), k // block_k)](
+        qs, scales, mins, super_scales, inv_fold, scratch, row0, rows, k,
+        qs.stride(0), scales.stride(0), super_scales.stride(0),
+        ROUND_IN_FP32=interpreted, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+    )  # fmt: skip
+
+
 def _run_staged(
     config: Q4KConfig,
     x: torch.Tensor,
@@ -85,43 +127,25 @@ def _run_staged(
     out: torch.Tensor,
     interpreted: bool,
 ) -> None:
-    """The staged path: e4m3 x, each column's fold, then per chunk of ``CHUNK_N`` weight rows a
-    dequantization into one reused scratch and cuBLASLt's fp8 GEMM into that chunk's columns of
-    ``out`` (a strided view: cuBLASLt writes it with ``ldc = N``, no copy).
+    """The staged path: e4m3 x and each column's fold (one launch), then per chunk of ``CHUNK_N``
+    weight rows a dequantization into one reused scratch and cuBLASLt's fp8 GEMM into that chunk's
+    columns of ``out`` (a strided view: cuBLASLt writes it with ``ldc = N``, no copy).
 
     The bias is added after the GEMMs, in place (row-wise scaled fp8 GEMMs take no bias on every
     build); that rounds the product to ``out``'s dtype once before the addition.
     """
     m, k = x.shape
     n = qs.shape[0]
-    xq, row_scale, _ = _quantize_rows(x, row_sums=False, interpreted=interpreted)
-    inv_fold = torch.empty((1, n), dtype=torch.float32, device=x.device)
-    wrap_triton(_column_folds_kernel)[(triton.cdiv(n, _FOLD_BLOCK_N),)](
-        super_scales, inv_fold, n, super_scales.stride(0), K=k, BLOCK_N=_FOLD_BLOCK_N, num_warps=4
-    )
+    xq, row_scale, inv_fold = staged_prepass(x, super_scales, interpreted=interpreted)
     chunk = min(config.CHUNK_N, n)
     scratch = torch.empty((chunk, k), dtype=torch.float8_e4m3fn, device=x.device)
     scale_a = row_scale.view(m, 1)
     for row0 in range(0, n, chunk):
         rows = min(chunk, n - row0)
-        wrap_triton(_q4k_dequant_fp8_kernel)[(triton.cdiv(rows, config.BLOCK_N), k // config.BLOCK_K)](
-            qs,
-            scales,
-            mins,
-            super_scales,
-            inv_fold,
-            scratch,
-            row0,
-            rows,
-            k,
-            qs.stride(0),
-            scales.stride(0),
-            super_scales.stride(0),
-            ROUND_IN_FP32=interpreted,
-            BLOCK_N=config.BLOCK_N,
-            BLOCK_K=config.BLOCK_K,
-            num_warps=config.num_warps,
-        )
+        dequantize_chunk(
+            qs, scales, mins, super_scales, inv_fold, scratch, row0, rows,
+            block_n=config.BLOCK_N, block_k=config.BLOCK_K, num_warps=config.num_warps, interpreted=interpreted,
+        )  # fmt: skip
         torch._scaled_mm(
             xq,
             scratch[:rows].t(),

@@ -55,10 +55,14 @@ def check_path(out: torch.Tensor, expected: torch.Tensor, path: str) -> str | No
 class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
     name = "q4k_fp8_gemm"
     # The space module holds launch geometry rules too: editing it must invalidate stored configs.
+    # The spec's own rules (serveable, problems) and the shared space machinery shape what a stored
+    # config means too: editing them must invalidate stored configs.
     source_modules = (
         "tritune.kernels.q4k._triton_q4k",
         "tritune.kernels.q4k.launch",
+        "tritune.kernels.q4k.spec",
         "tritune.search_spaces.q4k_fp8_gemm",
+        "tritune.search_spaces.base",
     )
     key_type = Q4KKey
     space = q4k_space.SPACE
