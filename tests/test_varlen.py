@@ -427,8 +427,9 @@ SHORT = {**SPLIT, "BLOCK_M": 32, "SHORT_M": 16}
 
 @pytest.mark.parametrize("mix", MODE_CASES)
 def test_short_tile_matches_reference(many_sms, monkeypatch, mix):
-    """Every mode has segments on both sides of the short tile's reach (q_len <= 16 // group) or a
-    group too wide for it, so a wrong row, token or workspace mapping in either tile fails here."""
+    """Short segments (q_len <= 16 // group) take the 16-row tile and the rest the 32-row one; seven
+    of the modes mix both in one launch (in the other four every segment fits the short tile), so a
+    wrong row, token or workspace mapping in either tile fails here."""
     monkeypatch.setattr(varlen_op, "workspace", lambda n, dev: torch.full((n,), NAN, device=dev))
     run_and_compare(mix, SHORT)
 
@@ -455,3 +456,41 @@ def test_kv_tma_garbage_past_kv_end_is_never_read(many_sms, tail):
     mix = Mix(((0, 2, 1, 21), (2, 1, 0, 34), (3, 7, 2, 39)), tokens=10, rows=40, cols=3, group=2)
     run_and_compare(mix, {**SHORT, "KV_TMA": True}, tail=tail)
     run_and_compare(mix, {**NO_SPLIT, "KV_TMA": True}, tail=tail)
+
+
+def test_kv_tma_reads_each_kv_heads_column(many_sms, monkeypatch):
+    """Several KV heads with GQA: the descriptor coordinate [pos, col, head, 0] picks the right head."""
+    built = []
+    real = varlen_op.TensorDescriptor.from_tensor
+    monkeypatch.setattr(
+        varlen_op.TensorDescriptor, "from_tensor", lambda t, box: built.append(box) or real(t, box)
+    )
+    mix = Mix(((0, 1, 2, 30), (1, 6, 0, 37), (7, 2, 1, 9)), tokens=10, rows=40, cols=3, kv_heads=4, group=2)
+    run_and_compare(mix, {**SHORT, "KV_TMA": True})
+    assert built, "the flat store should have taken descriptors"
+
+
+def test_kv_tma_misaligned_store_keeps_pointer_loads(many_sms, monkeypatch):
+    """A store whose data starts 8 bytes past a 16-byte boundary cannot be a descriptor's base: the
+    launch keeps pointer loads (no TensorDescriptor assert) and the result is still right."""
+    built = []
+    real = varlen_op.TensorDescriptor.from_tensor
+    monkeypatch.setattr(
+        varlen_op.TensorDescriptor, "from_tensor", lambda t, box: built.append(box) or real(t, box)
+    )
+    mix = Mix(((0, 1, 1, 20), (1, 4, 0, 31)), tokens=5, rows=32, cols=2, group=2)
+    q, k, v, seq_info = make_inputs(mix)
+
+    def shifted(store: torch.Tensor) -> torch.Tensor:
+        flat = torch.empty(store.numel() + 4, dtype=store.dtype, device=store.device)
+        view = flat[4:].view(store.shape)
+        view.copy_(store)
+        return view
+
+    k8, v8 = shifted(k), shifted(v)
+    assert k8.data_ptr() % 16 == 8
+    out = torch.full_like(q, NAN)
+    with use_config("varlen_sdpa", {**SHORT, "KV_TMA": True}):
+        varlen_attention(q, k8, v8, seq_info, out=out)
+    assert not built
+    assert compare(out, varlen_reference(q, k, v, seq_info), q.dtype) is None

@@ -243,6 +243,12 @@ def test_starting_configs_seed_small_tiles_for_decode_mixes_only_on_a_gpu():
     assert all(SPEC.space.infeasible_reason(c, keys[128, 64], limits) is None for c in decode)
     assert min(c.BLOCK_M for c in decode) == 16 and min(c.BLOCK_M for c in mixed) > 16
     assert any(c.KV_TMA and c.SHORT_M < c.BLOCK_M for c in mixed)
+    assert any(c.SHORT_M == c.BLOCK_M for c in mixed), "the one-tile shape is seeded too"
+    # Groups wider than the 16-row short tile get it raised to a whole group, not dropped.
+    for group in (24, 32, 64):
+        wide = dataclasses.replace(keys[128, 4096], gqa_group=group)
+        seeds = SPEC.starting_configs(wide, H200)
+        assert seeds and any(c.KV_TMA and c.SHORT_M < c.BLOCK_M for c in seeds), group
     a100 = dataclasses.replace(H200, name="NVIDIA A100", capability=(8, 0), arch="sm80")
     a100_key = dataclasses.replace(keys[128, 4096], arch="sm80")
     assert SPEC.starting_configs(a100_key, a100) and not any(c.KV_TMA for c in SPEC.starting_configs(a100_key, a100))

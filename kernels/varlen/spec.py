@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from tritune.search_spaces.varlen_sdpa import HEAD_DIMS, SPACE, VarlenConfig, portable_config
+from tritune.search_spaces.varlen_sdpa import HEAD_DIMS, SPACE, VarlenConfig, block_m_for, portable_config
 
 from ..device import DeviceInfo, target_supports
 from ..spec import KernelSpec, Problem, TuningKey, pow2_bucket
@@ -285,8 +285,9 @@ class VarlenSpec(KernelSpec[VarlenConfig, VarlenKey]):
             {**prefill_tiles, "BLOCK_N": 128, "KV_TMA": True},
             {**prefill_tiles, "BLOCK_N": 64, "KV_TMA": True},
             {**few_splits, "BLOCK_M": 64, "BLOCK_N": 64, "TARGET_WAVES": 1},
+            # Session 5's mixed-step winner as it ran then: one tile for every segment.
             {"BLOCK_M": 128, "BLOCK_N": 128, "MAX_SPLITS": 64, "MIN_CHUNK": 2048, "TARGET_WAVES": 4, "num_stages": 3,
-             "num_warps": 8},
+             "num_warps": 8, "SHORT_M": 128},
         ]  # fmt: skip
         if key.t_bucket <= key.s_bucket:
             starts[:0] = [
@@ -296,7 +297,13 @@ class VarlenSpec(KernelSpec[VarlenConfig, VarlenKey]):
                 {**few_splits, "BLOCK_M": 16, "BLOCK_N": 64, "TARGET_WAVES": 2},
             ]  # fmt: skip
         limits = self.limits(device)
-        configs = [self.space.parse(values) for values in starts]
+        configs = []
+        for values in starts:
+            config = self.space.parse(values)
+            # A wide GQA group raises both tiles to whole groups: seed the space's canonical short
+            # tile for it (SHORT_M=16 would be refused as a duplicate at groups above 16).
+            short = min(block_m_for(config.SHORT_M, key.gqa_group), block_m_for(config.BLOCK_M, key.gqa_group), 128)
+            configs.append(dataclasses.replace(config, SHORT_M=short))
         return [c for c in configs if self.space.infeasible_reason(c, key, limits) is None]
 
     def default_keys(self, device: DeviceInfo, head_dims: int | Iterable[int] | None = None) -> list[VarlenKey]:
