@@ -199,3 +199,25 @@ def test_torch_compile_dynamic_width_compiles_once():
         torch.testing.assert_close(compiled(q, k, v, seq_info), step(q, k, v, seq_info), atol=0, rtol=0)
     assert counter.frame_count == 1
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="GPU tier: needs a CUDA GPU (run on the H200)")
+def test_torch_compile_with_kv_tma_pinned_keeps_pointer_loads(monkeypatch):
+    """Inductor traces the op's body with wrap_triton on: a pinned KV_TMA config must build no host
+    descriptor there (torch would bake it into the graph) and still give the right result."""
+    from tritune.kernels.dispatcher import use_config
+
+    built = []
+    real = varlen_op.TensorDescriptor.from_tensor
+    monkeypatch.setattr(varlen_op.TensorDescriptor, "from_tensor", lambda t, box: built.append(box) or real(t, box))
+    mix = Mix(((0, 1, 0, 300), (1, 40, 2, 200), (41, 3, 1, 257)), tokens=48, rows=320, cols=3, kv_heads=2, group=4,
+              head_dim=128, dtype=torch.bfloat16)  # fmt: skip
+    q, k, v, seq_info = make_inputs(mix, tail=0.0)
+    config = {"BLOCK_M": 64, "BLOCK_N": 64, "SHORT_M": 16, "KV_TMA": True}
+    torch._dynamo.reset()
+    with use_config("varlen_sdpa", config):
+        compiled = torch.compile(lambda q, k, v, s: varlen_attention(q, k, v, s) * 1.0, fullgraph=True)
+        out = compiled(q, k, v, seq_info)
+    assert not built
+    assert compare(out, varlen_reference(q, k, v, seq_info), q.dtype) is None
