@@ -231,6 +231,16 @@ def write_report(
         Path(json_path).write_text(json.dumps({"environment": env, "rows": rows}, indent=1) + "\n")
 
 
+def finish_probe(device: torch.device, title: str, notes: Iterable[str], rows: list[str], out: Path | None) -> int:
+    """A probe's report: the environment header, its notes and its table rows, written to ``out``
+    (when given) and printed; the exit status (0)."""
+    text = header_markdown(environment(device, smoke=False), title, notes) + "\n".join(rows) + "\n"
+    if out:
+        out.write_text(text)
+    print(text)
+    return 0
+
+
 def print_report(markdown: str) -> None:
     from rich.console import Console
 

@@ -100,13 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             print(rows[-1], flush=True)
         del x, xq, out, tmp
         torch.cuda.empty_cache()
-    env = bl.environment(device, smoke=False)
-    text = bl.header_markdown(env, "Q4_K staged path, step by step", [f"K={k}, N={n}, chunk {chunk} rows"])
-    text += "\n".join(rows) + "\n"
-    if args.out:
-        args.out.write_text(text)
-    print(text)
-    return 0
+    return bl.finish_probe(device, "Q4_K staged path, step by step", [f"K={k}, N={n}, chunk {chunk} rows"], rows,
+                           args.out)  # fmt: skip
 
 
 if __name__ == "__main__":

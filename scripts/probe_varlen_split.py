@@ -67,12 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         print(rows[-1], flush=True)
     notes = ["Mix: 28 decode tokens + 4 prefill chunks of 512, KV U[1024, 32768], Hq=32, Hkv=8, D=128, bf16",
              "Times: eager do_bench medians in us (L2 flushed)."]  # fmt: skip
-    text = bl.header_markdown(bl.environment(device, smoke=False), "Varlen mixed step, decode vs chunk halves", notes)
-    text += "\n".join(rows) + "\n"
-    if args.out:
-        args.out.write_text(text)
-    print(text)
-    return 0
+    return bl.finish_probe(device, "Varlen mixed step, decode vs chunk halves", notes, rows, args.out)
 
 
 if __name__ == "__main__":
