@@ -216,8 +216,12 @@ def test_torch_compile_with_kv_tma_pinned_keeps_pointer_loads(monkeypatch):
     q, k, v, seq_info = make_inputs(mix, tail=0.0)
     config = {"BLOCK_M": 64, "BLOCK_N": 64, "SHORT_M": 16, "KV_TMA": True}
     torch._dynamo.reset()
+    def step(q, k, v, seq_info, out):
+        return varlen_attention(q, k, v, seq_info, out=out) * 2.0
+
+    out = torch.full_like(q, NAN)
     with use_config("varlen_sdpa", config):
-        compiled = torch.compile(lambda q, k, v, s: varlen_attention(q, k, v, s) * 1.0, fullgraph=True)
-        out = compiled(q, k, v, seq_info)
+        result = torch.compile(step, fullgraph=True)(q, k, v, seq_info, out)
     assert not built
     assert compare(out, varlen_reference(q, k, v, seq_info), q.dtype) is None
+    torch.testing.assert_close(result, out * 2.0, atol=0, rtol=0)

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from tritune.search_spaces.varlen_sdpa import HEAD_DIMS, SPACE, VarlenConfig, block_m_for, portable_config
+from tritune.search_spaces.varlen_sdpa import HEAD_DIMS, SPACE, VarlenConfig, portable_config, short_block_m
 
 from ..device import DeviceInfo, target_supports
 from ..spec import KernelSpec, Problem, TuningKey, pow2_bucket
@@ -302,8 +302,7 @@ class VarlenSpec(KernelSpec[VarlenConfig, VarlenKey]):
             config = self.space.parse(values)
             # A wide GQA group raises both tiles to whole groups: seed the space's canonical short
             # tile for it (SHORT_M=16 would be refused as a duplicate at groups above 16).
-            short = min(block_m_for(config.SHORT_M, key.gqa_group), block_m_for(config.BLOCK_M, key.gqa_group), 128)
-            configs.append(dataclasses.replace(config, SHORT_M=short))
+            configs.append(dataclasses.replace(config, SHORT_M=short_block_m(config, key.gqa_group)))
         return [c for c in configs if self.space.infeasible_reason(c, key, limits) is None]
 
     def default_keys(self, device: DeviceInfo, head_dims: int | Iterable[int] | None = None) -> list[VarlenKey]:
