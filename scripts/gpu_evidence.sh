@@ -10,7 +10,8 @@
 # most 8 files), plus $OUT/summary.log.
 #
 # STAGE          default s  runs                                                          leaves (inside the archive)
-# tests              300    the four kernel test files, concurrently (GPU tier included; 129 s ran 60%)  tests/<file>.log, .xml
+# tests              300    the kernel test files in shards: attention in 10, then Q4_K  tests/test-*.log, .xml
+#                           in 8 (GPU tier included; 64 s and 72 s on the H200, session 8)
 # tune-prefill       300    tune tma_prefill at the seven benchmark shapes' keys           tune-prefill.sqlite, <gpu>.json
 # prefill-defaults   330    tune tma_prefill over every default key (D 64/128), then the   tune-prefill.sqlite, <gpu>.json
 #                           square-16K keys, then the defaults again at 4 trials more (the
@@ -184,29 +185,30 @@ start_shards() {
 run_stage() {
   case "$stage" in
     tests)
-      # All at once, the slow Q4_K file in four shards: the GPU idles while Triton compiles, and
-      # compiling is what these tests mostly do; 16 cores can take seven processes.
+      # Every test of the kernel files (the GPU tier and the device-fixture tests, which run on cuda
+      # here), in shards: first the attention files in 10, then the Q4_K file in 8. Compiling is most
+      # of the time, and 16 cores take that many processes: in session 8, 64 s and 72 s.
       mkdir -p "$out/tests"
-      local pids=() f name
-      for f in tests/test_prefill.py tests/test_decode.py tests/test_varlen.py; do
-        name=$(basename "$f" .py)
-        step "pytest $name" $((budget - 10)) python -m pytest -q -p no:cacheprovider \
-          --junitxml="$out/tests/$name.xml" "$f" >"$out/tests/$name.log" 2>&1 &
-        pids+=($!)
+      local pids=() group files
+      for group in attention q4k; do
+        if [ "$group" = attention ]; then
+          files=(tests/test_prefill.py tests/test_decode.py tests/test_decode_spec.py tests/test_varlen.py)
+        else
+          files=(tests/test_q4k.py)
+        fi
+        python -m pytest --collect-only -q -p no:cacheprovider "${files[@]}" 2>/dev/null | grep '::' \
+          >"$work/$group-tests.txt"
+        if [ ! -s "$work/$group-tests.txt" ]; then
+          # Collection listed nothing (its errors went to /dev/null): say so rather than pass quietly.
+          note "WARNING: collecting ${files[*]} listed no tests; run them alone to see why"
+          status=1
+          continue
+        fi
+        pids=()
+        start_shards "$work/$group-tests.txt" $([ "$group" = attention ] && echo 10 || echo 8) "test-$group"
+        for pid in "${pids[@]}"; do wait "$pid" || status=1; done
       done
-      python -m pytest --collect-only -q -p no:cacheprovider tests/test_q4k.py 2>/dev/null | grep '::' \
-        >"$work/q4k-tests.txt"
-      if [ -s "$work/q4k-tests.txt" ]; then
-        start_shards "$work/q4k-tests.txt" 4 test_q4k
-      else
-        # Collection listed nothing (its errors went to /dev/null): run the file whole, so its log says why.
-        note "WARNING: collecting tests/test_q4k.py listed no tests; running it unsharded"
-        step "pytest test_q4k" $((budget - 10)) python -m pytest -q -p no:cacheprovider \
-          --junitxml="$out/tests/test_q4k.xml" tests/test_q4k.py >"$out/tests/test_q4k.log" 2>&1 &
-        pids+=($!)
-      fi
-      for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-      tail -n 3 "$out"/tests/*.log | tee -a "$log"
+      tail -n 3 "$out"/tests/test-*.log | tee -a "$log"
       ;;
 
     tune-prefill)
