@@ -192,7 +192,8 @@ run_stage() {
       local pids=() group files
       for group in attention q4k; do
         if [ "$group" = attention ]; then
-          files=(tests/test_prefill.py tests/test_decode.py tests/test_decode_spec.py tests/test_varlen.py)
+          files=(tests/test_prefill.py tests/test_decode.py tests/test_decode_spec.py tests/test_varlen.py
+            tests/test_varlen_cache.py tests/test_varlen_contract.py)
         else
           files=(tests/test_q4k.py)
         fi
