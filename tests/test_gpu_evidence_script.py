@@ -1,8 +1,9 @@
 """``scripts/gpu_evidence.sh``'s test and tune stages, driven by a stand-in ``python`` (nothing real runs).
 
-The stage shards ``tests/test_q4k.py`` by the test ids that collection lists. When collection lists
-none (an import error, hidden by its ``2>/dev/null``), a shard must not become a bare ``pytest``,
-which would run the whole tests folder four times at once on the GPU machine.
+The ``tests`` stage shards the attention files and then ``tests/test_q4k.py`` by the test ids that
+collection lists. When collection lists none (an import error, hidden by its ``2>/dev/null``), a
+shard must not become a bare ``pytest``, which would run the whole tests folder many times at once
+on the GPU machine: the files run whole instead.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ SCRIPT = ROOT / "scripts" / "gpu_evidence.sh"
 FAKE_PYTHON = """#!/usr/bin/env bash
 echo "$*" >>"$FAKE_PYTHON_CALLS"
 if [[ "$*" == *--collect-only* ]]; then
-  printf '%s' "$FAKE_COLLECTED"
+  if [[ "$*" == *test_q4k.py* ]]; then printf '%s' "$FAKE_COLLECTED"; else printf '%s' "$FAKE_COLLECTED_OTHER"; fi
 fi
 exit 0
 """
@@ -31,7 +32,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _run_stage(tmp_path: Path, stage: str, collected: str = "", check: bool = False, **env_extra: str) -> list[str]:
+def _run_stage(
+    tmp_path: Path, stage: str, collected: str = "", check: bool = False, other: str = "", **env_extra: str
+) -> list[str]:
     """Run one stage of the script with the stand-in python; the command lines it was given."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -44,6 +47,7 @@ def _run_stage(tmp_path: Path, stage: str, collected: str = "", check: bool = Fa
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
         "FAKE_PYTHON_CALLS": str(calls),
         "FAKE_COLLECTED": collected,
+        "FAKE_COLLECTED_OTHER": other,
         "EVIDENCE_WORK": str(tmp_path / "work"),
         "OUT": str(tmp_path / "out"),
         **env_extra,
@@ -54,25 +58,29 @@ def _run_stage(tmp_path: Path, stage: str, collected: str = "", check: bool = Fa
     return calls.read_text().splitlines() if calls.exists() else []
 
 
-def _run_tests_stage(tmp_path: Path, collected: str) -> list[str]:
-    runs = _run_stage(tmp_path, "tests:60", collected, check=True)
+def _run_tests_stage(tmp_path: Path, collected: str, other: str = "") -> list[str]:
+    runs = _run_stage(tmp_path, "tests:60", collected, check=True, other=other)
     return [line for line in runs if "-m pytest" in line and "--collect-only" not in line]
 
 
-def test_q4k_file_is_sharded_by_the_collected_ids(tmp_path):
-    ids = "".join(f"tests/test_q4k.py::test_{i}[a-b]\n" for i in range(6))
-    runs = _run_tests_stage(tmp_path, ids + "6 tests collected\n")
+def test_kernel_files_are_sharded_by_the_collected_ids(tmp_path):
+    ids = "".join(f"tests/test_q4k.py::test_{i}[a-b]\n" for i in range(10))
+    other = "".join(f"tests/test_prefill.py::test_{i}\n" for i in range(3))
+    runs = _run_tests_stage(tmp_path, ids + "10 tests collected\n", other + "3 tests collected\n")
     q4k = [r for r in runs if "tests/test_q4k.py" in r]
-    assert len(q4k) == 4
-    assert sorted(r.count("::") for r in q4k) == [1, 1, 2, 2]
+    assert sorted(r.count("::") for r in q4k) == [1, 1, 1, 1, 1, 1, 2, 2]
+    # Three attention ids over ten shards: three runs, none of them empty.
+    attention = [r for r in runs if "tests/test_prefill.py" in r]
+    assert len(attention) == 3 and len(runs) == 11
 
 
-def test_nothing_collected_runs_the_q4k_file_whole_not_the_whole_folder(tmp_path):
+def test_nothing_collected_runs_the_files_whole_not_the_whole_folder(tmp_path):
     runs = _run_tests_stage(tmp_path, "")
-    # Three kernel files and test_q4k.py itself; never a pytest without a file or test id.
-    assert len(runs) == 4
+    # The attention files and test_q4k.py, each group once; never a pytest without a file or test id.
+    assert len(runs) == 2
     assert all(r.split()[-1].startswith("tests/test_") for r in runs), runs
-    assert any(r.split()[-1] == "tests/test_q4k.py" for r in runs)
+    assert runs[-1].split()[-1] == "tests/test_q4k.py"
+    assert "tests/test_prefill.py" in runs[0] and "tests/test_varlen_contract.py" in runs[0]
 
 
 def test_gpu_tests_stage_runs_the_gpu_tier_with_q4k_sharded(tmp_path):

@@ -171,6 +171,16 @@ def test_split_k_matches_reference(many_sms, monkeypatch, mix):
     run_and_compare(mix, SPLIT)
 
 
+def test_sixteen_splits_match_reference(many_sms, monkeypatch):
+    """MAX_SPLITS=16, the most the interpreter admits: long decode segments cut into more than four
+    chunks each, merged from a poisoned workspace."""
+    mix = Mix(((0, 1, 0, 300), (1, 2, 1, 230)), tokens=3, rows=320, cols=2, group=4)
+    config = {**SPLIT, "MAX_SPLITS": 16}
+    assert max(tile_splits(mix, config)) > 4
+    monkeypatch.setattr(varlen_op, "workspace", lambda n, dev: torch.full((n,), NAN, device=dev))
+    run_and_compare(mix, config)
+
+
 def test_uncovered_rows_and_unused_slots_are_zero(many_sms):
     """Rows between, before and after the segments are zero; q_len = 0 slots change nothing."""
     mix = Mix(((2, 3, 0, 20), (0, 0, 1, 9), (7, 1, 1, 9), (0, 0, 0, 0)), tokens=11, rows=24, cols=2, slots=6)
@@ -207,7 +217,7 @@ def test_large_logits_stay_exact(many_sms):
     q, k, v, seq_info = make_inputs(mix)
     q = (q.float() * 300.0).to(q.dtype)
     with use_config("varlen_sdpa", SPLIT):
-        out = varlen_attention(q, k, v, seq_info)
+        out = varlen_attention(q, k, v, seq_info, out=torch.full_like(q, float("nan")))
     assert compare(out, varlen_reference(q, k, v, seq_info), q.dtype) is None
 
 
