@@ -241,6 +241,19 @@ def finish_probe(device: torch.device, title: str, notes: Iterable[str], rows: l
     return 0
 
 
+def host_and_wall_us(call: Callable[[], object], calls: int = 20) -> tuple[float, float]:
+    """Microseconds per call: host time to issue ``calls`` back-to-back calls, and wall time until
+    they finish. Where the first is the larger, the call is host-bound when run eagerly."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    issued = time.perf_counter()
+    torch.cuda.synchronize()
+    done = time.perf_counter()
+    return (issued - start) / calls * 1e6, (done - start) / calls * 1e6
+
+
 def print_report(markdown: str) -> None:
     from rich.console import Console
 

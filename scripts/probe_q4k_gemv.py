@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tritune.kernels.q4k._triton_q4k import _codes_as_float
+
 
 @triton.jit
 def _half(pair, SHIFT: tl.constexpr):
@@ -43,19 +45,26 @@ def _half(pair, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _codes_bf16(qw, ROWS: tl.constexpr, WORDS: tl.constexpr):
-    """int32 ``[ROWS, WORDS]`` code words -> bf16 ``[ROWS, WORDS*8]`` values ``128 + q``.
-
-    Position ``8w + r`` holds nibble ``bitrev3(r)`` of word ``w``: the order the joins below make
-    (x is loaded in the same order, so the dot is unchanged).
-    """
+def _bf16_code_pairs(qw):
+    """int32 code words -> ``[..., 2, 2, 2]`` bf16 ``128 + q``: nibble ``j`` of a word sits at index
+    ``(j % 2, (j // 2) % 2, j // 4)`` of its last three dims (one AND/OR makes two codes)."""
     p0 = (qw & 0x000F000F) | 0x43004300
     p1 = ((qw >> 4) & 0x000F000F) | 0x43004300
     p2 = ((qw >> 8) & 0x000F000F) | 0x43004300
     p3 = ((qw >> 12) & 0x000F000F) | 0x43004300
     low = tl.join(tl.join(_half(p0, 0), _half(p1, 0)), tl.join(_half(p2, 0), _half(p3, 0)))
     high = tl.join(tl.join(_half(p0, 16), _half(p1, 16)), tl.join(_half(p2, 16), _half(p3, 16)))
-    return tl.reshape(tl.join(low, high), (ROWS, WORDS * 8))
+    return tl.join(low, high)
+
+
+@triton.jit
+def _codes_bf16(qw, ROWS: tl.constexpr, WORDS: tl.constexpr):
+    """int32 ``[ROWS, WORDS]`` code words -> bf16 ``[ROWS, WORDS*8]`` values ``128 + q``.
+
+    Position ``8w + r`` holds nibble ``bitrev3(r)`` of word ``w``: the order the joins make (x is
+    loaded in the same order, so the dot is unchanged).
+    """
+    return tl.reshape(_bf16_code_pairs(qw), (ROWS, WORDS * 8))
 
 
 @triton.jit
@@ -66,13 +75,7 @@ def _codes_pairs(qw, ROWS: tl.constexpr):
     Each 32-bit ``pair`` holds two bf16 codes side by side (``a``), and thread-held word ``w`` lands
     on positions ``2w, 2w + 1 (+8, +16, +24)``: the k pairs an mma operand register holds.
     """
-    p0 = (qw & 0x000F000F) | 0x43004300
-    p1 = ((qw >> 4) & 0x000F000F) | 0x43004300
-    p2 = ((qw >> 8) & 0x000F000F) | 0x43004300
-    p3 = ((qw >> 12) & 0x000F000F) | 0x43004300
-    low = tl.join(tl.join(_half(p0, 0), _half(p1, 0)), tl.join(_half(p2, 0), _half(p3, 0)))
-    high = tl.join(tl.join(_half(p0, 16), _half(p1, 16)), tl.join(_half(p2, 16), _half(p3, 16)))
-    codes = tl.join(low, high)  # [ROWS, w, b, c, a]
+    codes = _bf16_code_pairs(qw)  # [ROWS, w, b, c, a]
     return tl.reshape(tl.permute(codes, (0, 3, 2, 1, 4)), (ROWS, 32))
 
 
@@ -133,17 +136,6 @@ def _dequant_asm(qw, s, o, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def _codes_f32(qw, ROWS: tl.constexpr, COLS: tl.constexpr):
-    qw = tl.join(qw, qw >> 16)
-    t = qw.to(tl.int32) | 0x4F000000
-    c0 = (t & 0x4B00000F).to(tl.float32, bitcast=True) - 8388608.0
-    c1 = (t & 0x490000F0).to(tl.float32, bitcast=True) - 524288.0
-    c2 = (t & 0x47000F00).to(tl.float32, bitcast=True) - 32768.0
-    c3 = (t & 0x4500F000).to(tl.float32, bitcast=True) - 2048.0
-    return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (ROWS, COLS))
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr, qs_ptr, sc_ptr, mn_ptr, ss_ptr, out_ptr,
     M, N, stride_xm, stride_qn, stride_sn, stride_ssn, stride_ok, stride_om,
@@ -180,7 +172,7 @@ def _gemv_kernel(
                 x = tl.load(x_ptr + rows_m[:, None] * stride_xm + (k0 + g * 32 + perm)[None, :])
                 qw = tl.load(q_row + (i * BLOCK_K // 8 + g * 4 + offs_w)[None, :])
                 if CODES == "f32codes":
-                    w = _codes_f32(qw, BLOCK_N, 32).to(tl.bfloat16)
+                    w = _codes_as_float(qw, BLOCK_N, 32, 8).to(tl.bfloat16)
                 elif CODES == "nat16":
                     w = _codes_nat16(qw, BLOCK_N, 32)
                 elif CODES == "pairs":
@@ -244,7 +236,7 @@ def _gemv_kernel(
                 o_w = tl.reshape(tl.broadcast_to(offset[:, :, None], (BLOCK_N, G, 4)), (BLOCK_N, BLOCK_K // 8))
                 w = _dequant_asm(qw, s_w, -o_w, BLOCK_N, BLOCK_K)
             else:
-                q = tl.reshape(_codes_f32(qw, BLOCK_N, BLOCK_K), (BLOCK_N, G, 32))
+                q = tl.reshape(_codes_as_float(qw, BLOCK_N, BLOCK_K, 8), (BLOCK_N, G, 32))
                 w = tl.reshape(q * scale[:, :, None] - offset[:, :, None], (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
             if F32DOT:
                 w = w.to(tl.float32)
@@ -351,9 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     timer = GpuTimer()
     variants = args.codes or ["asm", "float"]
     grid = [(c, *cfg) for c in variants for cfg in _GRIDS.get(c, _SUB_BLOCK_GRID)]
-    lines = [bl.header_markdown(bl.environment(device, smoke=False), "Q4_K small-M kernel probe", [])]
-    lines += [
-        "",
+    lines = [
         "| K x N | M | kernel | config | us | vs shipped portable | vs cuBLAS | rel err |",
         "| --- " * 8 + "|",
     ]
@@ -390,11 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                     ratios = f"{shipped / us:.2f}x | {cublas / us:.2f}x"
                     lines.append(f"| {k} x {n} | {m} | {c} | {desc} | {us:.1f} | {ratios} | {err:.1e} |")
             print("\n".join(lines[-(2 + _CARRIED * len(variants)) :]), flush=True)
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        args.out.write_text(text)
-    print(text)
-    return 0
+    return bl.finish_probe(device, "Q4_K small-M kernel probe", [], lines, args.out)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import _benchlib as bl
@@ -28,18 +27,6 @@ CASES = (
     ("portable", 16, 4096, 14336, {"path": "portable", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4,
                                    "num_stages": 3}),
 )
-
-
-def _host_and_wall(call, calls: int = 20) -> tuple[float, float]:
-    """Microseconds per call: host time to issue ``calls`` calls, and wall time until they finish."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    issued = time.perf_counter()
-    torch.cuda.synchronize()
-    done = time.perf_counter()
-    return (issued - start) / calls * 1e6, (done - start) / calls * 1e6
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         call = bl.pinned_call("q4k_fp8_gemm", config, q4k_linear, x, weight, out=out)
         for _ in range(3):
             call()
-        host, wall = _host_and_wall(call)
+        host, wall = bl.host_and_wall_us(call)
         bench = bl.time_ms(call, device) * 1e3
         graph, _ = bl.capture_graph(call)
         replay = bl.graph_replay_ms(graph) * 1e3

@@ -82,9 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device("cuda")
     timer = GpuTimer()
-    lines = [bl.header_markdown(bl.environment(device, smoke=False), "Q4_K staged path: side-stream overlap probe", [])]
-    lines += [
-        "",
+    lines = [
         "| K x N | M | variant | CHUNK_N | graph us | eager us | vs _scaled_mm (graph) | max abs diff vs shipped |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -127,11 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(lines[-5:]), flush=True)
         del weight, x, out, ref, w8, x8
         torch.cuda.empty_cache()
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        args.out.write_text(text)
-    print(text)
-    return 0
+    return bl.finish_probe(device, "Q4_K staged path: side-stream overlap probe", [], lines, args.out)
 
 
 if __name__ == "__main__":

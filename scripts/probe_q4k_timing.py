@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import _benchlib as bl
@@ -28,16 +27,6 @@ CONFIG = {"path": "staged", "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROU
           "num_stages": 3, "CHUNK_N": 2048, "FAST_ACCUM": False}  # fmt: skip
 #: (M, K, N): the keys of session 7's gap, and the one where tuner and benchmark agreed.
 SHAPES = ((1024, 14336, 4096), (1024, 4096, 14336), (1024, 4096, 4096))
-
-
-def _host_us(call, calls: int = 20) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    issued = time.perf_counter()
-    torch.cuda.synchronize()
-    return (issued - start) / calls * 1e6
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,8 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     info = device_info(device)
     spec = registry.get_spec("q4k_fp8_gemm")
     timer = GpuTimer()
-    lines = [bl.header_markdown(bl.environment(device, smoke=False), "Q4_K tuner-vs-benchmark timing probe", [])]
-    lines += ["", f"Config: `{CONFIG}`", "", "| M x K x N | way | us | host us/call |", "| --- | --- | --- | --- |"]
+    lines = [f"Config: `{CONFIG}`", "", "| M x K x N | way | us | host us/call |", "| --- | --- | --- | --- |"]
     config = spec.space.parse(CONFIG)
 
     def eager(fn) -> float:
@@ -81,26 +69,22 @@ def main(argv: list[str] | None = None) -> int:
         for fn in (pinned, bench_tensors, tuner_tensors):
             fn()
         rows = [
-            ("1 q4k_linear pinned", eager(pinned), _host_us(pinned)),
+            ("1 q4k_linear pinned", eager(pinned), bl.host_and_wall_us(pinned)[0]),
             ("2 SPEC.launch, benchmark tensors", eager(bench_tensors), None),
-            ("3 SPEC.launch, make_problem tensors", eager(tuner_tensors), _host_us(tuner_tensors)),
+            ("3 SPEC.launch, make_problem tensors", eager(tuner_tensors), bl.host_and_wall_us(tuner_tensors)[0]),
         ]
         bench = CandidateBench(spec, key, device, 0, spec.default_config(key), timer)
         result = bench.trial(CONFIG)
         rows.append(("4 CandidateBench.trial", (result["ms"] or float("nan")) * 1e3, None))
         graph = timer.measure(tuner_tensors, config=None, flush_l2=True, launch_bound=True).ms * 1e3
         rows.append(("5 graph replay", graph, None))
-        rows.append(("1 again (order effects)", eager(pinned), _host_us(pinned)))
+        rows.append(("1 again (order effects)", eager(pinned), bl.host_and_wall_us(pinned)[0]))
         for way, us, host in rows:
             lines.append(f"| {shape} | {way} | {us:.1f} | {'' if host is None else f'{host:.1f}'} |")
         print("\n".join(lines[-len(rows) :]), flush=True)
         del bench, problem
         torch.cuda.empty_cache()
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        args.out.write_text(text)
-    print(text)
-    return 0
+    return bl.finish_probe(device, "Q4_K tuner-vs-benchmark timing probe", [], lines, args.out)
 
 
 if __name__ == "__main__":
