@@ -566,6 +566,18 @@ def test_centred_fp8_kernel_matches_its_emulation(block_k, split, device):
     torch.testing.assert_close(out.float().cpu(), expected, rtol=2e-3, atol=2e-3 * expected.abs().max().item())
 
 
+def test_column_folds_are_the_largest_safe_powers_of_two(device):
+    """Each column's fold is exactly the largest power of two ``f`` with ``f * bound <= 448``: one
+    2-4x too small still passes every SQNR floor (e4m3 is relative), so it is checked directly."""
+    x, weight, _ = _problem(Case("staged", 3, 768, 40), device, seed=17)
+    _, _, inv_fold = q4k_launch.staged_prepass(x, weight.super_scales, interpreted=device == "cpu")
+    d, dmin = weight.super_scales.float().unbind(-1)
+    bound = (945.0 * d.abs() + 63.0 * dmin.abs()).amax(dim=1)
+    _, exponent = torch.frexp(448.0 / bound)  # 448 / bound = m * 2**exponent, 0.5 <= m < 1
+    expected = torch.exp2(1.0 - exponent.float())  # 1 / 2**(exponent - 1)
+    torch.testing.assert_close(inv_fold.view(-1).cpu(), expected.cpu(), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("swap", [False, True], ids=["fold", "fold-swap"])
 def test_fold_keeps_every_column_in_e4m3_range(swap, device, record_property):
     """Columns 2^12 apart in magnitude, super-blocks 2^8 apart within a column: each column's power
