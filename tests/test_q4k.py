@@ -563,7 +563,9 @@ def test_centred_fp8_kernel_matches_its_emulation(block_k, split, device):
     with use_config("q4k_fp8_gemm", config):
         out = q4k_linear(x, weight, bias, out=_nan_out((5, 33), x))
     expected = _centred_emulation(x.cpu(), weight.to("cpu")) + bias.float().cpu()
-    torch.testing.assert_close(out.float().cpu(), expected, rtol=2e-3, atol=2e-3 * expected.abs().max().item())
+    # The GPU adds the centre term through tf32 operands (about 55 dB on that term): the absolute
+    # slack covers it, and a 1% error at the largest outputs still exceeds it.
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=2e-3, atol=4e-3 * expected.abs().max().item())
 
 
 def test_column_folds_are_the_largest_safe_powers_of_two(device):
