@@ -73,9 +73,9 @@ def test_validate_seq_info_accepts_valid_tables():
 # ---- input checks --------------------------------------------------------------------------------
 
 
-def _valid_args():
+def _valid_args(device: str):
     q, k, v, seq_info = make_inputs(Mix(((0, 2, 0, 5),), tokens=2, rows=8, cols=2, kv_heads=2, group=2),
-                                    device="cpu", tail=0.0)  # fmt: skip
+                                    device=device, tail=0.0)  # fmt: skip
     return {"q": q, "k_store": k, "v_store": v, "seq_info": seq_info}
 
 
@@ -127,14 +127,14 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize("mutate, error, message", BAD_INPUTS)
-def test_bad_inputs_name_the_argument(mutate, error, message):
-    args = mutate(_valid_args())
+def test_bad_inputs_name_the_argument(mutate, error, message, device):
+    args = mutate(_valid_args(device))
     with pytest.raises(error, match=message):
         varlen_attention(args.pop("q"), args.pop("k_store"), args.pop("v_store"), args.pop("seq_info"), **args)
 
 
-def test_empty_step_returns_out():
-    args = _valid_args()
+def test_empty_step_returns_out(device):
+    args = _valid_args(device)
     q = args["q"][:0]
     assert varlen_attention(q, args["k_store"], args["v_store"], args["seq_info"]).shape == q.shape
 

@@ -101,7 +101,8 @@ class BatchedSequenceCache:
         self.capacity = capacity
         self.max_step = max_step
         self.dtype = dtype
-        self.device = torch.device(device)
+        # An allocation resolves a bare "cuda" to the current device's index, as tensors report it.
+        self.device = torch.empty(0, device=device).device
         self.grow_chunk = grow_chunk
         self._windows: list[int | None] = layer_windows
         #: Rows each layer kind ends at: capacity when flat, the ring size when windowed.
