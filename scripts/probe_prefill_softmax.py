@@ -127,6 +127,7 @@ def _prefill_tma_variant(
     q_desc, k_desc, v_desc, o_desc, KV_LEN, stride_kvl, seqlen_q, seqlen_k, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PACK_GQA: tl.constexpr, FUSE_SCALE: tl.constexpr, POLY: tl.constexpr, PIPE: tl.constexpr = False,
+    FLIP_Q: tl.constexpr = True,
 ):  # fmt: skip
     """The shipped ``_prefill_tma_kernel`` without a KV split, with the probe's softmax variants."""
     HEADS: tl.constexpr = GROUP if PACK_GQA else 1
@@ -145,8 +146,10 @@ def _prefill_tma_variant(
     offs_n = tl.arange(0, BLOCK_N)
     q_pos = q_shift + start_m + rows % ROWS
     q = q_desc.load([pid_b, head0, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
-    if FUSE_SCALE:
+    if FLIP_Q:
         # The max is taken on raw scores: a negative scale flips it, so flip q (exact) and the scale.
+        # (Without FLIP_Q the probe's positive scale needs nothing; q then stays a wgmma operand in
+        # shared memory, where the select makes Triton hold it in registers.)
         q = tl.where(qk_scale < 0, -q, q)
         qk_scale = tl.abs(qk_scale)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -182,7 +185,9 @@ def _prefill_tma_variant(
     o_desc.store([pid_b, head0, start_m, 0], acc.to(q.dtype).reshape(1, HEADS, ROWS, HEAD_DIM))
 
 
-def launch_variant(q, k, v, kv_len, out, scale: float, config: dict, fuse: bool, poly: int, pipe: bool = False) -> None:
+def launch_variant(
+    q, k, v, kv_len, out, scale: float, config: dict, fuse: bool, poly: int, pipe: bool = False, flip: bool = True
+) -> None:
     batch, q_heads, seqlen_q, head_dim = q.shape
     group = q_heads // k.shape[1]
     heads = group if config["PACK_GQA"] else 1
@@ -196,7 +201,7 @@ def launch_variant(q, k, v, kv_len, out, scale: float, config: dict, fuse: bool,
         q_desc, k_desc, v_desc, o_desc, kv_len, 0, seqlen_q, k.shape[2], scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
         PACK_GQA=config["PACK_GQA"], FUSE_SCALE=fuse or pipe, POLY=poly, PIPE=pipe,
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
+        FLIP_Q=(fuse or pipe) and flip, num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
 
 
@@ -222,7 +227,15 @@ VARIANTS = [
 ]
 
 
-def probe_shape(d: int, lq: int, lkv: int, config: dict, device: torch.device, rows: list[str]) -> None:
+def probe_shape(
+    d: int,
+    lq: int,
+    lkv: int,
+    config: dict,
+    variants: list[tuple[bool, int, bool, bool]],
+    device: torch.device,
+    rows: list[str],
+) -> None:
     """Time the shipped kernel and every variant at one shape and config, appending table rows."""
     from tritune.kernels import prefill_attention
 
@@ -246,13 +259,13 @@ def probe_shape(d: int, lq: int, lkv: int, config: dict, device: torch.device, r
         print(rows[-1], flush=True)
 
     add("shipped kernel (dispatcher, pinned)", base_ms, "0")
-    for fuse, poly, pipe in VARIANTS:
+    for fuse, poly, pipe, flip in variants:
         out = torch.full_like(q, float("nan"))
 
-        def call(out=out, fuse=fuse, poly=poly, pipe=pipe) -> None:
-            launch_variant(q, k, v, kv_len, out, scale, config, fuse, poly, pipe)
+        def call(out=out, fuse=fuse, poly=poly, pipe=pipe, flip=flip) -> None:
+            launch_variant(q, k, v, kv_len, out, scale, config, fuse, poly, pipe, flip)
 
-        name = f"FUSE_SCALE={fuse} POLY={poly} PIPE={pipe}"
+        name = f"FUSE_SCALE={fuse} POLY={poly} PIPE={pipe}" + ("" if flip else " FLIP_Q=False")
         try:
             call()
             torch.cuda.synchronize()
@@ -265,17 +278,28 @@ def probe_shape(d: int, lq: int, lkv: int, config: dict, device: torch.device, r
         add(name, ms, f"{diff:.2e}")
 
 
+def _variant(text: str) -> tuple[bool, int, bool, bool]:
+    fuse, poly, pipe, flip = (int(part) for part in text.split(","))
+    return bool(fuse), poly, bool(pipe), bool(flip)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--variant",
+        action="append",
+        help="FUSE_SCALE,POLY,PIPE,FLIP_Q as 0/1 flags and an int, e.g. 1,0,0,0 (default: session 9 call 2's set)",
+    )
     args = parser.parse_args(argv)
+    variants = [_variant(text) for text in args.variant] if args.variant else [(*v, True) for v in VARIANTS]
     device = torch.device("cuda")
     rows = [
         "| D | Lq | Lkv | config | variant | ms | TFLOP/s | vs shipped | max abs diff vs shipped |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for d, lq, lkv, config in SHAPES:
-        probe_shape(d, lq, lkv, config, device, rows)
+        probe_shape(d, lq, lkv, config, variants, device, rows)
         torch.cuda.empty_cache()
     notes = ["B=1, Hq=16, Hkv=2, bf16, bottom-right causal, kv_len on the device; SPLIT_KV=1 configs.",
              "ms: do_bench median, L2 flushed. TFLOP/s counts unmasked pairs. vs shipped: shipped ms / variant ms.",

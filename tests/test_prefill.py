@@ -167,6 +167,24 @@ def test_softmax_scale_and_default_out():
     _expect_close(out, q, k, v, causal=False, kv_len=None, softmax_scale=0.3)
 
 
+@pytest.mark.parametrize("scale", [0.3, -0.3, 0.0], ids=["positive", "negative", "zero"])
+@pytest.mark.parametrize(
+    "pinned",
+    [{"BLOCK_M": 16, "BLOCK_N": 16}, {"path": "tma", "BLOCK_M": 16, "BLOCK_N": 16, "SPLIT_KV": 2}],
+    ids=["portable", "tma-split2"],
+)
+def test_any_softmax_scale_sign(scale, pinned, spy):
+    """The kernels take the row max on raw scores and scale it once: a negative scale (q is flipped
+    instead) and a zero one (every visible key weighs the same, masked keys and rows with no key
+    still nothing, never NaN) must match the reference like a positive one."""
+    case = Case(2, 4, 2, 17, 40, 64, kv_len=(40, 9))
+    q, k, v, kv_len = _inputs(case, seed=14)
+    with use_config("tma_prefill", pinned):
+        out = prefill_attention(q, k, v, kv_len=kv_len, softmax_scale=scale, out=_poisoned_out(case, q))
+    assert spy.ran == [pinned.get("path", "portable")]
+    _expect_close(out, q, k, v, causal=True, kv_len=kv_len, softmax_scale=scale)
+
+
 def test_fully_masked_rows_are_zero():
     case = Case(2, 2, 1, 9, 16, 64, kv_len=(4, 0))
     q, k, v, kv_len = _inputs(case, seed=2)

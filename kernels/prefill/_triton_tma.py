@@ -29,7 +29,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._oplib import wrap_triton
-from ._triton_portable import LOG2E, _attend_tile, _kv_tile_range, _valid_kv_len
+from ._triton_portable import _attend_tile, _kv_tile_range, _valid_kv_len, kernel_scale
 
 #: Query rows one program of the merge kernel combines.
 _MERGE_BLOCK_M = 16
@@ -60,6 +60,7 @@ def _prefill_tma_kernel(
     CAUSAL: tl.constexpr,
     HAS_KV_LEN: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    NEG_SCALE: tl.constexpr,
 ):
     HEADS: tl.constexpr = GROUP if PACK_GQA else 1
     ROWS: tl.constexpr = BLOCK_M // HEADS
@@ -98,7 +99,7 @@ def _prefill_tma_kernel(
         k = k_desc.load([pid_b, pid_kvh, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         v = v_desc.load([pid_b, pid_kvh, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, tl.trans(k), v, qk_scale, offs_n, q_pos, kv, False, CAUSAL, DOT_IN_FP32
+            acc, m_i, l_i, q, tl.trans(k), v, qk_scale, offs_n, q_pos, kv, False, CAUSAL, DOT_IN_FP32, NEG_SCALE
         )
     for t in tl.range(t_mid, t_hi):
         start_n = t * BLOCK_N
@@ -107,7 +108,20 @@ def _prefill_tma_kernel(
         # Keys past kv_len may hold anything (a KV cache's unused tail): P is 0 there, V must be too.
         v = tl.where((start_n + offs_n < kv)[:, None], v, 0.0)
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, tl.trans(k), v, qk_scale, start_n + offs_n, q_pos, kv, True, CAUSAL, DOT_IN_FP32
+            acc,
+            m_i,
+            l_i,
+            q,
+            tl.trans(k),
+            v,
+            qk_scale,
+            start_n + offs_n,
+            q_pos,
+            kv,
+            True,
+            CAUSAL,
+            DOT_IN_FP32,
+            NEG_SCALE,
         )
 
     if SPLIT_KV == 1:
@@ -183,6 +197,7 @@ def prefill_tma(
 ) -> None:
     """Launch the TMA kernel (and the merge, with a KV split) on validated, TMA-eligible inputs."""
     batch, q_heads, seqlen_q, head_dim = q.shape
+    qk_scale, neg_scale = kernel_scale(softmax_scale)
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
     heads = group if config.PACK_GQA else 1
@@ -213,7 +228,7 @@ def prefill_tma(
         q_heads,
         seqlen_q,
         seqlen_k,
-        softmax_scale * LOG2E,
+        qk_scale,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_M=config.BLOCK_M,
@@ -223,6 +238,7 @@ def prefill_tma(
         CAUSAL=causal,
         HAS_KV_LEN=kv_len is not None,
         DOT_IN_FP32=q.device.type == "cpu",
+        NEG_SCALE=neg_scale,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
