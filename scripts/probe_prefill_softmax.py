@@ -3,7 +3,7 @@
 On the GPU machine, from the repository root: ``python scripts/probe_prefill_softmax.py --out softmax.md``.
 
 Why: Nsight Compute put the shipped kernel at D=64, Lq=4096, Lkv=128K at 50% tensor-pipe use with
-2 warps per scheduler, and its SASS (``build``-free: compiled for sm_90 on the CPU) shows each
+2 warps per scheduler, and its SASS (compiled for sm_90 on the CPU machine) shows each
 warpgroup waiting for its QK^T wgmma, then running 66 ``MUFU.EX2`` a tile, then issuing P@V: the
 tensor cores and the exp unit take turns. A 64 x 128 tile costs the SM about as many cycles in
 ``MUFU.EX2`` (8192 exps at 16 a clock) as in the two MMAs at D=64, so the softmax's length is
@@ -16,7 +16,13 @@ what to cut. The variants, each a constexpr of the probe's copy of the kernel:
 - ``POLY``: ``1/POLY`` of each tile's exps (its last columns) computed on the FMA pipe with a
   cubic (Cody-Waite split, relative error 2.2e-4, below bf16's rounding of P) instead of ``MUFU``.
 
+- ``FLIP_Q`` (on unless a ``--variant`` turns it off): the negation of q for a negative scale
+  done as a select in the kernel, which makes Triton hold q in registers for the wgmma.
+
 Each variant's output is compared with the shipped kernel's (same config) before it is timed.
+Session 9 found FUSE_SCALE 3-6% faster and POLY and PIPE slower
+(``docs/perf/2026-11-29-h200-evidence-session9.md``); the shipped kernels took FUSE_SCALE with the
+sign as a constexpr.
 """
 
 from __future__ import annotations
