@@ -8,9 +8,12 @@ Every implementation is checked against an fp32 reference on a sample of query r
 last 64 rows of every head) before it is timed; one that fails is reported as FAILED, never as a
 speedup; a peer that cannot run is reported as unavailable. Times are medians of
 ``triton.testing.do_bench`` (warm-up, L2 flushed between repetitions). TFLOP/s count only unmasked
-query-key pairs (4 * D flops each). The report is rewritten after every shape, so a run cut short
-keeps what it measured. ``--smoke`` runs the same code on the CPU under ``TRITON_INTERPRET=1`` at
-tiny shapes: a dry run of the script, with meaningless times.
+query-key pairs (4 * D flops each). On a GPU every row is also timed as a CUDA-graph replay (its
+output poisoned with NaN, replayed and checked first): where an eager call's host path outlasts
+the kernel and the L2 flush, the eager time measures the host, the graph time the kernel. The
+report is rewritten after every shape, so a run cut short keeps what it measured. ``--smoke``
+runs the same code on the CPU under ``TRITON_INTERPRET=1`` at tiny shapes: a dry run of the
+script, with meaningless times (and no graph column).
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ def main() -> int:
     parser.add_argument("--shapes", default=None, help="subset, e.g. 128x4096x131072,64x512x16384 (D x Lq x Lkv)")
     parser.add_argument("--skip-flex", action="store_true", help="leave FlexAttention out (its compile is slow)")
     parser.add_argument("--smoke", action="store_true", help="CPU dry run on the Triton interpreter at tiny shapes")
+    parser.add_argument("--no-graph", action="store_true", help="eager times only (no CUDA-graph replay column)")
     args = parser.parse_args()
     bl.setup_logging()
     if args.smoke:
@@ -106,7 +110,8 @@ def main() -> int:
     env = bl.environment(device, args.smoke)
     rows: list[dict[str, Any]] = []
     for d, lq, lkv in shapes:
-        rows.extend(bench_shape(device, d, lq, lkv, best_by_path, flex, smoke=args.smoke))
+        graphs = device.type == "cuda" and not args.no_graph
+        rows.extend(bench_shape(device, d, lq, lkv, best_by_path, flex, smoke=args.smoke, graphs=graphs))
         markdown = report(env, rows)
         bl.write_report(markdown, env, rows, args.out, args.json)
         if device.type == "cuda":
@@ -117,9 +122,9 @@ def main() -> int:
 
 
 def bench_shape(
-    device: torch.device, d: int, lq: int, lkv: int, best_by_path: dict, flex: Any, *, smoke: bool
+    device: torch.device, d: int, lq: int, lkv: int, best_by_path: dict, flex: Any, *, smoke: bool, graphs: bool
 ) -> list[dict[str, Any]]:
-    """Check, then time, every implementation at one shape."""
+    """Check, then time, every implementation at one shape (eagerly, and as a graph replay if ``graphs``)."""
     from torch.nn.attention import SDPBackend
     from torch.nn.attention.bias import causal_lower_right
 
@@ -167,10 +172,16 @@ def bench_shape(
         block_mask = create_block_mask(causal_mod, B=None, H=None, Q_LEN=lq, KV_LEN=lkv, device=device)
         impls.append(("FlexAttention", lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=True)))
 
+    def check(out: torch.Tensor) -> str | None:
+        err = float((out[:, :, sample].float() - expected).abs().max())
+        return None if err <= TOLERANCE else f"max err {err:.2e}"
+
     rows = []
     for name, fn in impls:
         note = served_config_text(name, fn, q, k, v, kv_len) if name.startswith("tritune") else ""
-        row: dict[str, Any] = {"shape": shape, "impl": name, "ms": None, "tflops": None, "max_err": None, "note": note}
+        row: dict[str, Any] = {
+            "shape": shape, "impl": name, "ms": None, "tflops": None, "graph_ms": None, "max_err": None, "note": note
+        }  # fmt: skip
         try:
             out = fn()
             bl.synchronize(device)
@@ -181,10 +192,16 @@ def bench_shape(
             else:
                 row["ms"] = bl.time_ms(fn, device)
                 row["tflops"] = flops / row["ms"] / 1e9
+                if graphs:
+                    us, status = bl.graph_time(fn, check)
+                    row["graph_ms"] = None if us is None else us / 1e3
+                    if status != "ok":
+                        row["note"] = f"graph {status}; {row['note']}"
         except Exception as exc:  # a peer that cannot run is reported, and the run goes on
             row["note"] = "unavailable: " + bl.error_text(exc)
         rows.append(row)
-        bl.log.info("%s %-30s %s ms %s", shape, name, bl.fmt(row["ms"], 3), row["note"])
+        bl.log.info("%s %-30s %s ms (graph %s) %s", shape, name, bl.fmt(row["ms"], 3), bl.fmt(row["graph_ms"], 3),
+                    row["note"])  # fmt: skip
     return rows
 
 
@@ -228,22 +245,29 @@ def report(env: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     notes = [
         f"B={B}, Hq={HQ}, Hkv={HKV}, bf16, bottom-right causal, kv_len as a device tensor.",
         "Median of triton.testing.do_bench (L2 flushed). TFLOP/s count unmasked pairs only.",
-        "'vs fastest peer' = fastest PyTorch peer's time / this time (>1: faster than every peer).",
+        "'vs fastest peer' = fastest PyTorch peer's time / this time (>1: faster than every peer), eager and graph"
+        " separately.",
+        "graph: one call captured in a CUDA graph, its replay timed the same way (no host time; '-' where not run).",
         "Peers get K/V heads repeated to Hq outside the timed region.",
     ]
     lines = [
-        "| shape | implementation | time (ms) | TFLOP/s | vs fastest peer | max err (sampled rows) | note |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| shape | implementation | time (ms) | TFLOP/s | vs fastest peer | graph (ms) | graph vs fastest peer "
+        "| max err (sampled rows) | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for shape in dict.fromkeys(r["shape"] for r in rows):
         group = [r for r in rows if r["shape"] == shape]
         peer_times = [r["ms"] for r in group if r["impl"] in PEERS and r["ms"] is not None]
         fastest = min(peer_times) if peer_times else None
+        peer_graphs = [r["graph_ms"] for r in group if r["impl"] in PEERS and r.get("graph_ms") is not None]
+        fastest_graph = min(peer_graphs) if peer_graphs else None
         for r in group:
             err = "-" if r["max_err"] is None else f"{r['max_err']:.2e}"
+            graph_ms = r.get("graph_ms")
             lines.append(
                 f"| {shape} | {r['impl']} | {bl.fmt(r['ms'], 3)} | {bl.fmt(r['tflops'], 0)} | "
-                f"{bl.ratio(fastest, r['ms'])} | {err} | {r['note']} |"
+                f"{bl.ratio(fastest, r['ms'])} | {bl.fmt(graph_ms, 3)} | {bl.ratio(fastest_graph, graph_ms)} | "
+                f"{err} | {r['note']} |"
             )
     return bl.header_markdown(env, "tma_prefill vs PyTorch peers", notes) + "\n".join(lines) + "\n"
 
