@@ -275,6 +275,184 @@ def _q4k_gemm_portable_kernel(
     )  # fmt: skip
 
 
+def _codes_asm(exponent: int) -> str:
+    """PTX for :func:`_scaled_codes`: a code word (in ``$4`` and ``$5``, the same word twice) and its
+    row's sub-block scale (both 16-bit lanes of ``$6``) in; four registers out, register ``k``
+    holding ``sc * q`` for codes ``2k`` and ``2k + 1`` of the word as two 16-bit floats (bf16 or
+    fp16: ``exponent`` is the bit pattern of the offset 128 or 1024, below).
+
+    ``prmt`` takes byte ``k`` of the word into byte 0 and byte ``k`` of the word shifted by 4 into
+    byte 2, so their low nibbles are codes ``2k`` and ``2k + 1``; ``lop3`` (0xEA: ``(a & b) | c``)
+    keeps those nibbles under the exponent bits, which makes the float ``offset + q`` exactly;
+    one fused multiply-add, ``(offset + q) * sc - offset * sc``, rounds ``sc * q`` once (exact in
+    fp16, where ``sc * q <= 945 < 2**11``). Thirteen instructions per eight weights.
+    """
+    kind = "f16x2" if exponent == 0x6400 else "bf16x2"
+    # -offset as a 16-bit float: -1024 (fp16) or -128 (bf16).
+    neg = 0xE400 if exponent == 0x6400 else 0xC300
+    lines = [
+        f"mov.b32 n, 0x{neg:04X}{neg:04X}; mov.b32 z, 0x80008000; fma.rn.{kind} n, $6, n, z;",
+        f"mov.b32 e, 0x{exponent:04X}{exponent:04X}; mov.b32 m, 0x000F000F; shr.b32 h, $5, 4;",
+    ]
+    for k in range(4):
+        lines.append(f"prmt.b32 t, $4, h, 0x0{4 + k}0{k}; lop3.b32 t, t, m, e, 0xEA; fma.rn.{kind} ${k}, t, $6, n;")
+    return "{ .reg .b32 t, h, n, z, e, m;\n" + "\n".join(lines) + " }"
+
+
+_CODES_ASM_BF16: tl.constexpr = tl.constexpr(_codes_asm(0x4300))
+_CODES_ASM_FP16: tl.constexpr = tl.constexpr(_codes_asm(0x6400))
+_CODES_CONSTRAINTS: tl.constexpr = tl.constexpr("=r,=r,=r,=r,r,r,r")
+_BF16_X4: tl.constexpr = tl.constexpr((tl.bfloat16,) * 4)
+_FP16_X4: tl.constexpr = tl.constexpr((tl.float16,) * 4)
+
+
+@triton.jit
+def _scaled_codes(words, scale, ROWS: tl.constexpr, COLS: tl.constexpr, dtype: tl.constexpr, ASM: tl.constexpr):
+    """``[ROWS, COLS/8]`` int32 words of eight codes and the ``[ROWS, COLS/8]`` sub-block scales
+    ``sc`` (0..63, in ``dtype``) of each word -> ``[ROWS, COLS]`` of ``sc * q`` in ``dtype`` (bf16 or
+    fp16), natural order.
+
+    Why: a code placed in the low mantissa bits under an exponent *is* a float, so with ``ASM``
+    (:func:`_codes_asm`) a weight costs under two instructions, where converting codes to float
+    and scaling them costs several. Each asm instance sees one word twice (the last axis of
+    ``pair``) so that its outputs pair codes adjacent along K, the packing the dot operand wants.
+    The interpreter, which runs no PTX, computes the same once-rounded products in float32.
+    """
+    pair = tl.join(words, words)  # [ROWS, COLS/8, 2]
+    scale2 = tl.join(scale, scale)
+    if ASM:
+        if dtype == tl.float16:
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                _CODES_ASM_FP16, _CODES_CONSTRAINTS, [pair, scale2], dtype=_FP16_X4, is_pure=True, pack=2
+            )
+        else:
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                _CODES_ASM_BF16, _CODES_CONSTRAINTS, [pair, scale2], dtype=_BF16_X4, is_pure=True, pack=2
+            )
+    else:
+        # Element p of the pair is code 2k + p: bits 8k + 4p.
+        shift = 4 * tl.arange(0, 2)[None, None, :]
+        sc = scale2.to(tl.float32)
+        c0 = (((pair >> shift) & 0xF).to(tl.float32) * sc).to(dtype)
+        c1 = (((pair >> (shift + 8)) & 0xF).to(tl.float32) * sc).to(dtype)
+        c2 = (((pair >> (shift + 16)) & 0xF).to(tl.float32) * sc).to(dtype)
+        c3 = (((pair >> (shift + 24)) & 0xF).to(tl.float32) * sc).to(dtype)
+    # [ROWS, COLS/8, p, a, b] with code 2k + p, k = 2a + b (join appends its axis last); then p last.
+    codes = tl.permute(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (0, 1, 3, 4, 2))
+    return tl.reshape(codes, (ROWS, COLS))
+
+
+@triton.jit
+def _q4k_gemm_codes_kernel(
+    x_ptr,
+    qs_ptr,
+    sc_ptr,
+    mn_ptr,
+    ss_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_xm,
+    stride_xk,
+    stride_qn,
+    stride_sn,
+    stride_ssn,
+    stride_om,
+    stride_on,
+    stride_ok,
+    stride_bn,
+    HAS_BIAS: tl.constexpr,
+    ASM: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+    SWAP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    K_TILES: tl.constexpr,
+):
+    """The portable path's code-dot kernel (``CODE_DOT``): each program reduces ``K_TILES`` tiles of
+    K (its split), each one dot of x against ``sc * q`` (:func:`_scaled_codes`).
+
+    A weight is ``d*sc*q - dmin*m``. The dot takes ``sc * q`` (exact in fp16, one bf16 rounding)
+    and its result is scaled by the super-block's ``d`` in float32; the mins enter as
+    ``sum_g rowsum(x)[m, g] * (dmin*m)[g, n]``, a 16-deep dot over the tile's sub-blocks (3xtf32,
+    float32-accurate). Unlike the dequantizing kernel, no float weight is ever built: a weight
+    costs a byte permute, a logic op and half a fused multiply-add on packed pairs.
+    """
+    G: tl.constexpr = BLOCK_K // 32
+    # tl.dot needs 16 deep: the row sums and mins of fewer sub-blocks are padded with zeros.
+    GP: tl.constexpr = 16 if G < 16 else G
+    PAD: tl.constexpr = GP // G
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
+    k_start = pid_k * (K_TILES * BLOCK_K)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    rows_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    offs_g = tl.arange(0, GP)
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
+
+    x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk
+    # The packed codes as 32-bit words (K is a multiple of 256, so rows and tiles are word-aligned).
+    q_ptrs = (qs_ptr + rows_n[:, None] * stride_qn + k_start // 2).to(tl.pointer_type(tl.int32)) + offs_w[None, :]
+    sc_ptrs = sc_ptr + rows_n[:, None] * stride_sn + (k_start // 32 + tl.arange(0, G))[None, :]
+    # Mins as [GP, BLOCK_N]: sub-block g in row g * PAD, the PAD - 1 rows after it zero.
+    mn_ptrs = mn_ptr + rows_n[None, :] * stride_sn + (k_start // 32 + offs_g // PAD)[:, None]
+    mn_mask = (offs_g % PAD == 0)[:, None]
+    ss_row = ss_ptr + rows_n * stride_ssn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for i in range(K_TILES):
+        # BLOCK_K divides 256, so the whole tile shares one super-block's (d, dmin).
+        d_ptrs = ss_row + (k_start + i * BLOCK_K) // 256 * 2
+        d = tl.load(d_ptrs).to(tl.float32)  # [BLOCK_N]
+        dmin = tl.load(d_ptrs + 1).to(tl.float32)
+        x = tl.load(x_ptrs)  # [BLOCK_M, BLOCK_K]
+        words = tl.load(q_ptrs)  # [BLOCK_N, BLOCK_K / 8]
+        # Each sub-block's scale for its four words: [BLOCK_N, G] -> [BLOCK_N, BLOCK_K / 8].
+        sc = _small_as_float(tl.load(sc_ptrs)).to(dtype)
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, G, 4)), (BLOCK_N, BLOCK_K // 8))
+        codes = _scaled_codes(words, sc, BLOCK_N, BLOCK_K, dtype, ASM)  # [BLOCK_N, BLOCK_K]
+        rowsum = tl.sum(tl.reshape(x.to(tl.float32), (BLOCK_M, G, 32)), axis=2)
+        if PAD > 1:
+            rowsum = tl.reshape(tl.broadcast_to(rowsum[:, :, None], (BLOCK_M, G, PAD)), (BLOCK_M, GP))
+        neg_min = -dmin[None, :] * _small_as_float(tl.load(mn_ptrs, mask=mn_mask, other=0))
+        if SWAP:
+            if DOT_IN_FP32:
+                part_t = tl.dot(codes.to(tl.float32), tl.trans(x.to(tl.float32)))
+            else:
+                part_t = tl.dot(codes, tl.trans(x))
+            acc_t += part_t * d[:, None]
+            acc_t = tl.dot(tl.trans(neg_min), tl.trans(rowsum), acc_t, input_precision="tf32x3")
+        else:
+            if DOT_IN_FP32:
+                # The interpreter multiplies bf16 tiles wrongly; fp32 operands hold the same values.
+                part = tl.dot(x.to(tl.float32), tl.trans(codes.to(tl.float32)))
+            else:
+                part = tl.dot(x, tl.trans(codes))
+            acc += part * d[None, :]
+            # The mins: rowsum(x) [BLOCK_M, GP] against dmin*m [GP, BLOCK_N], subtracted.
+            acc = tl.dot(rowsum, neg_min, acc, input_precision="tf32x3")
+        x_ptrs += BLOCK_K * stride_xk
+        q_ptrs += BLOCK_K // 8
+        sc_ptrs += BLOCK_K // 32
+        mn_ptrs += BLOCK_K // 32
+
+    if SWAP:
+        acc = tl.trans(acc_t)
+    _store_tile(
+        acc, out_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k,
+        stride_om, stride_on, stride_ok, stride_bn, HAS_BIAS, SPLIT_K,
+    )  # fmt: skip
+
+
 @triton.jit
 def _q4k_gemm_fp8_kernel(
     xq_ptr,
