@@ -1,11 +1,9 @@
 """Search space of ``q4k_fp8_gemm``: the Q4_K weight x activation GEMM, portable and fp8 paths.
 
-Kernels: portable (dequantizing, or ``CODE_DOT``: scaled codes straight into the dot, plain or
-with swapped operands), fp8 against the exact codes, folded fp8 (``SCALE_FOLD``) and folded fp8
-with swapped operands (``SWAP_AB``: the dequantized weight as wgmma's register A operand), and the
-staged path. A field that leaves a path's launch unchanged is pruned as a duplicate (``SCALE_FOLD``
-off the fp8 path, ``SWAP_AB`` without ``SCALE_FOLD`` or ``CODE_DOT``), ``BLOCK_M=256`` exists for
-the swapped kernels only, and the
+Four kernels: portable, fp8 against the exact codes, folded fp8 (``SCALE_FOLD``) and folded fp8
+with swapped operands (``SWAP_AB``: the dequantized weight as wgmma's register A operand). A field
+that leaves a path's launch unchanged is pruned as a duplicate (``SCALE_FOLD`` off the fp8 path,
+``SWAP_AB`` without ``SCALE_FOLD``), ``BLOCK_M=256`` exists for the swapped kernel only, and the
 register and shared-memory rules are fitted to what Triton 3.6 and ptxas make of each kernel for
 sm_90.
 """
@@ -34,10 +32,6 @@ FOLD_MAX_REGISTERS = 224
 #: over 258 builds (BLOCK_M 16..256, BLOCK_N 64..256, BLOCK_K 32..256, 4 and 8 warps, 1..5
 #: stages): with 2 or more stages (all the rule admits) no tile at or below it spills.
 SWAP_MAX_REGISTERS = 176
-#: Codes (weights) per thread the code-dot kernel may hold per K tile: its bf16 ``sc * q`` tile
-#: lives in registers as the MMA operand. On sm_90 builds (Triton 3.6), 128 compile to 168-198
-#: registers without spills; 256 reach 224-255 and begin to spill.
-CODE_MAX_WEIGHTS = 128
 #: Rows per warpgroup on wgmma's M side: in the swapped kernel that side is BLOCK_N.
 WGMMA_ROWS = 64
 #: Smallest chunk the staged path uses on a GPU: below it each chunk's GEMM is too narrow to fill
@@ -72,7 +66,7 @@ class Q4KConfig:
     #: one dot spans the whole K tile and accumulates in place; the rounded weights cost about
     #: 2.5 dB of SQNR (28.5 dB instead of 31 on Gaussian data).
     SCALE_FOLD: bool = choice(False, (False, True))
-    #: Folded fp8 path and the code-dot kernel only. True: each program computes a tile of ``out^T``,
+    #: Folded fp8 path only. True: each program computes a tile of ``out^T``,
     #: ``acc_t[BLOCK_N, BLOCK_M] += w[BLOCK_N, BLOCK_K] @ x^T``, so the weight made in registers is
     #: the MMA's A operand, which Hopper's wgmma reads from registers (no staging through shared
     #: memory, no wait before each MMA: dequantization overlaps the tensor cores), and x^T (K-major,
@@ -80,14 +74,6 @@ class Q4KConfig:
     #: BLOCK_N becomes the MMA's M side (64 rows per warpgroup) and BLOCK_M its N side, so small M
     #: gets wgmma too. The same e4m3 weights and scales as SCALE_FOLD, so the same SQNR.
     SWAP_AB: bool = choice(False, (False, True))
-    #: Portable path only. True: no float weight is built. Each K tile is one dot of x against the
-    #: codes scaled by their sub-block's 6-bit scale, ``sc * q`` (exact in fp16, one bf16 rounding),
-    #: made in registers by a byte permute, a logic op and a packed FMA a pair (PTX); the dot's
-    #: result is scaled by ``d`` in float32 and the mins enter through x's 32-wide row sums (a
-    #: 3xtf32 dot). About two instructions a weight against the dequantizing kernel's seven: for
-    #: small M, where the kernel streams the weight. With SWAP_AB the codes are the MMA's A
-    #: operand (``out^T`` tiles; wgmma from registers with 64 weight rows per warpgroup).
-    CODE_DOT: bool = choice(False, (False, True))
     #: Staged path only: weight rows dequantized per chunk (the scratch holds CHUNK_N x K e4m3
     #: bytes: 8 MiB at 2048 x 4096). Small chunks (below ``MIN_CHUNK_N``) are for the interpreter.
     CHUNK_N: int = choice(2048, (32, 1024, 2048, 4096, 8192))
@@ -146,8 +132,8 @@ def feasibility(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> str |
         return "CHUNK_N and FAST_ACCUM only change the staged path (the same launch as their defaults)"
     if config.SCALE_FOLD and config.path != "fp8":
         return "SCALE_FOLD only changes the fp8 path (the same launch as SCALE_FOLD=False)"
-    if config.SWAP_AB and not (config.SCALE_FOLD or config.CODE_DOT):
-        return "SWAP_AB only changes the folded fp8 path and the code-dot kernel (the same launch as SWAP_AB=False)"
+    if config.SWAP_AB and not config.SCALE_FOLD:
+        return "SWAP_AB only changes the folded fp8 path (the same launch as SWAP_AB=False)"
     if config.BLOCK_M == 256 and not config.SWAP_AB:
         return "BLOCK_M=256 only for the swapped kernel (SWAP_AB), where it is wgmma's N side"
     if config.SPLIT_K > 1 and not small:
@@ -171,21 +157,15 @@ def feasibility(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> str |
     # with fewer, Triton falls back to mma.sync (2 warps) or two warpgroups dequantize the same
     # rows (8 warps, BLOCK_N=64).
     warpgroups = config.num_warps // 4
-    codes_per_thread = config.BLOCK_N * config.BLOCK_K // (32 * config.num_warps)
-    if config.CODE_DOT and codes_per_thread > CODE_MAX_WEIGHTS:
-        return (
-            f"the code-dot kernel holds its {config.BLOCK_N}x{config.BLOCK_K} codes in registers: more than "
-            f"{CODE_MAX_WEIGHTS} a thread with {config.num_warps} warps"
-        )
-    if config.SWAP_AB and config.SCALE_FOLD and (warpgroups == 0 or WGMMA_ROWS * warpgroups > config.BLOCK_N):
+    if config.SWAP_AB and (warpgroups == 0 or WGMMA_ROWS * warpgroups > config.BLOCK_N):
         return (
             f"the swapped kernel needs {WGMMA_ROWS} weight rows (BLOCK_N) per warpgroup: "
             f"BLOCK_N={config.BLOCK_N} with {config.num_warps} warps"
         )
-    if config.SWAP_AB and config.SCALE_FOLD and config.num_stages == 1:
+    if config.SWAP_AB and config.num_stages == 1:
         # One buffer for x: each wgmma must finish before the next tile's load overwrites it.
         return "the swapped kernel overlaps its wgmma with the next tile only with num_stages >= 2"
-    if config.SWAP_AB and config.SCALE_FOLD and config.BLOCK_K < 64:
+    if config.SWAP_AB and config.BLOCK_K < 64:
         # Triton 3.6 dequantizes a 32-wide tile in a layout of its own, then passes it through
         # shared memory and waits for each wgmma: what swapping the operands is meant to avoid.
         return "the swapped kernel keeps its weight tile in registers only with BLOCK_K >= 64"
@@ -241,7 +221,7 @@ def _staged_reason(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> st
 #: The fields each path's launch reads; the others keep their defaults there.
 _TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT_K")
 PATH_FIELDS: dict[str, tuple[str, ...]] = {
-    "portable": (*_TILES, "CODE_DOT", "SWAP_AB"),
+    "portable": _TILES,
     "fp8": (*_TILES, "SCALE_FOLD", "SWAP_AB"),
     "staged": ("BLOCK_N", "BLOCK_K", "num_warps", "CHUNK_N", "FAST_ACCUM"),
 }

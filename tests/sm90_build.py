@@ -21,8 +21,7 @@ them), or ``python tests/sm90_build.py '[[BLOCK_M, BLOCK_N, BLOCK_K, num_warps, 
 for the folded fp8 Q4_K kernel with what ptxas made of it (tensor-core instructions, registers,
 spill bytes, shared memory, where wgmma's A operand comes from, asynchronous copies); a sixth
 element ``true`` builds the swapped folded kernel (``SWAP_AB``) instead, ``"portable"`` the
-portable (bf16) kernel, ``"codes"`` / ``"codes-swap"`` the portable path's code-dot kernel
-(``CODE_DOT``, without or with ``SWAP_AB``). With ``--sass`` first, each line also counts the SASS opcodes of the
+portable (bf16) kernel. With ``--sass`` first, each line also counts the SASS opcodes of the
 kernel's main loop (:func:`sass_loop_counts`), the measure of the dequantization's cost.
 """
 
@@ -298,12 +297,12 @@ def build_q4k(
     sass: bool = False,
 ) -> dict[str, Any]:
     """Build a Q4_K kernel (``variant``: ``False`` the folded fp8 kernel, ``True`` the swapped one,
-    ``"portable"`` the portable one, ``"codes"``/``"codes-swap"`` its code-dot one) as a launch
-    specializes it (16-byte divisible pointers and sizes, unit strides along K and N) and report
-    the MMA instructions, registers, spills, shared memory, where wgmma's A operand comes from and
-    how many wgmma groups stay in flight (``wgmma.wait_group N``: 0 waits for each), and the
-    pipelined loads as ``cp.async`` (Ampere-style asynchronous copies) and ``cp.async.bulk`` (TMA)
-    instructions; with ``sass``, the main loop's SASS opcodes too (:func:`_sass_report`)."""
+    ``"portable"`` the portable one) as a launch specializes it (16-byte divisible pointers and
+    sizes, unit strides along K and N) and report the MMA instructions, registers, spills, shared
+    memory, where wgmma's A operand comes from and how many wgmma groups stay in flight
+    (``wgmma.wait_group N``: 0 waits for each), and the pipelined loads as ``cp.async``
+    (Ampere-style asynchronous copies) and ``cp.async.bulk`` (TMA) instructions; with ``sass``,
+    the main loop's SASS opcodes too (:func:`_sass_report`)."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     from tritune.kernels.q4k import _triton_q4k
@@ -312,17 +311,12 @@ def build_q4k(
         kernel = _triton_q4k._q4k_gemm_portable_kernel
         signature = PORTABLE_SIGNATURE
         flags = {"stride_xk": 1, "stride_on": 1, "HAS_BIAS": False, "DOT_IN_FP32": False}
-    elif variant in ("codes", "codes-swap"):
-        swap = variant == "codes-swap"
-        kernel = _triton_q4k._q4k_gemm_codes_kernel
-        signature = PORTABLE_SIGNATURE
-        flags = {"stride_xk": 1, "stride_on": 1, "HAS_BIAS": False, "ASM": True, "DOT_IN_FP32": False, "SWAP": swap}
     elif isinstance(variant, bool):
         kernel = _triton_q4k._q4k_gemm_fp8_fold_swap_kernel if variant else _triton_q4k._q4k_gemm_fp8_fold_kernel
         signature = FOLD_SIGNATURE
         flags = {"stride_on": 1, "HAS_BIAS": False, "ROUND_IN_FP32": False}
     else:
-        raise ValueError(f"variant: expected False, True, 'portable', 'codes' or 'codes-swap', got {variant!r}")
+        raise ValueError(f"variant: expected False, True or 'portable', got {variant!r}")
     constants = {
         **flags,
         "BLOCK_M": block_m,

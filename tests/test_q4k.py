@@ -165,8 +165,6 @@ class Case:
     dtype: torch.dtype = torch.bfloat16
     fold: bool = False
     swap: bool = False
-    #: Portable path only: the code-dot kernel (CODE_DOT), plain or swapped (swap).
-    codes: bool = False
     #: Staged path only: weight rows dequantized per chunk.
     chunk: int = 32
     #: Row tiles per group of the swizzled tile order (1: plain row-major order).
@@ -175,8 +173,6 @@ class Case:
     def __str__(self) -> str:
         dt = "bf16" if self.dtype == torch.bfloat16 else "fp16"
         path = ("fp8-fold-swap" if self.swap else "fp8-fold") if self.fold else self.path
-        if self.codes:
-            path = "codes-swap" if self.swap else "codes"
         if self.path == "staged":
             path = f"staged-chunk{self.chunk}"
         return (
@@ -223,42 +219,19 @@ CPU_CASES = [
     Case("fp8", 257, 256, 70, group_m=4),
     Case("fp8", 257, 256, 70, group_m=4, fold=True),
     Case("fp8", 257, 256, 70, group_m=4, fold=True, swap=True),
-    # The code-dot kernel, plain and swapped: K tiles of one to eight sub-blocks (the mins' dot
-    # padded to 16 deep), splits, fp16, bias, odd M and N, grouped tiles.
-    Case("portable", 1, 256, 37, codes=True),
-    Case("portable", 3, 768, 37, bias=True, block_k=256, codes=True),
-    Case("portable", 16, 768, 37, split_k=4, block_k=32, codes=True),
-    Case("portable", 64, 256, 64, block_k=128, codes=True),
-    Case("portable", 5, 512, 33, dtype=torch.float16, bias=True, codes=True),
-    Case("portable", 257, 256, 70, group_m=4, codes=True),
-    Case("portable", 1, 256, 37, codes=True, swap=True),
-    Case("portable", 3, 768, 37, bias=True, block_k=256, codes=True, swap=True),
-    Case("portable", 17, 768, 65, split_k=2, block_k=128, codes=True, swap=True),
-    Case("portable", 5, 512, 33, dtype=torch.float16, bias=True, block_k=32, codes=True, swap=True),
 ]
 
-# (path, SCALE_FOLD, SWAP_AB, CODE_DOT) of each kernel the GEMM can run.
-MODES = [
-    ("portable", False, False, False),
-    ("fp8", False, False, False),
-    ("fp8", True, False, False),
-    ("fp8", True, True, False),
-    ("portable", False, False, True),
-    ("portable", False, True, True),
-]
-MODE_IDS = ["portable", "fp8", "fp8-fold", "fp8-fold-swap", "codes", "codes-swap"]
+# (path, SCALE_FOLD, SWAP_AB) of each kernel the GEMM can run.
+MODES = [("portable", False, False), ("fp8", False, False), ("fp8", True, False), ("fp8", True, True)]
+MODE_IDS = ["portable", "fp8", "fp8-fold", "fp8-fold-swap"]
 
 GPU_CASES = [
-    Case(path, m, k, n, split_k=split, block_k=bk, bias=bias, fold=fold, swap=swap, codes=codes)
-    for path, fold, swap, codes in MODES
+    Case(path, m, k, n, split_k=split, block_k=bk, bias=bias, fold=fold, swap=swap)
+    for path, fold, swap in MODES
     for m in (1, 3, 16, 64, 257)
     for (k, n, split, bk, bias) in ((256, 129, 1, 64, False), (768, 1001, 1, 128, True), (4096, 4095, 1, 128, False))
 ] + [
     Case("portable", 1, 4096, 4096, split_k=8, block_k=128),
-    Case("portable", 16, 4096, 4096, split_k=4, block_k=256, codes=True),
-    Case("portable", 16, 4096, 4096, split_k=4, block_k=256, codes=True, swap=True),
-    Case("portable", 9, 4096, 1000, dtype=torch.float16, bias=True, codes=True),
-    Case("portable", 9, 4096, 1000, dtype=torch.float16, bias=True, codes=True, swap=True),
     Case("fp8", 16, 4096, 4096, split_k=4, block_k=256),
     Case("fp8", 16, 4096, 4096, split_k=4, block_k=256, fold=True),
     Case("fp8", 16, 4096, 4096, split_k=4, block_k=256, fold=True, swap=True),
@@ -291,7 +264,6 @@ def _config(case: Case, device: str) -> dict[str, object]:
         "SPLIT_K": case.split_k,
         "SCALE_FOLD": case.fold,
         "SWAP_AB": case.swap,
-        "CODE_DOT": case.codes,
     }
 
 
@@ -325,7 +297,6 @@ class _KernelSpy:
             q4k_launch._q4k_gemm_fp8_fold_kernel: "fp8-fold",
             q4k_launch._q4k_gemm_fp8_fold_swap_kernel: "fp8-fold-swap",
             q4k_launch._q4k_gemm_portable_kernel: "portable",
-            q4k_launch._q4k_gemm_codes_kernel: "codes",
             q4k_launch._splitk_reduce_kernel: "reduce",
             q4k_launch._staged_prepass_kernel: "prepass",
             q4k_launch._q4k_dequant_fp8_kernel: "dequant",
@@ -342,14 +313,12 @@ class _KernelSpy:
         monkeypatch.setattr(q4k_launch, "wrap_triton", launcher)
 
     @staticmethod
-    def expected(
-        path: str, split_k: int, fold: bool = False, swap: bool = False, chunks: int = 1, codes: bool = False
-    ) -> list[str]:
+    def expected(path: str, split_k: int, fold: bool = False, swap: bool = False, chunks: int = 1) -> list[str]:
         if path == "staged":
             # The GEMM of each chunk is cuBLASLt's (torch._scaled_mm), not a Triton launch.
             return ["prepass"] + ["dequant"] * chunks
         fp8 = ("fp8-fold-swap" if swap else "fp8-fold") if fold else "fp8"
-        gemm = ["quantize", fp8] if path == "fp8" else ["codes" if codes else "portable"]
+        gemm = ["quantize", fp8] if path == "fp8" else ["portable"]
         return gemm + (["reduce"] if split_k > 1 else [])
 
 
@@ -366,7 +335,7 @@ def _run_case(case: Case, device: str, record_property, spy: _KernelSpy) -> None
     assert result is out
     # The pinned path and split ran, not a stand-in the dispatcher chose.
     chunks = -(-case.n // case.chunk)
-    assert spy.ran == spy.expected(case.path, case.split_k, case.fold, case.swap, chunks, case.codes)
+    assert spy.ran == spy.expected(case.path, case.split_k, case.fold, case.swap, chunks)
     expected = q4k_linear_reference(x, weight, bias)
     sqnr = sqnr_db(out.float(), expected)
     record_property("sqnr_db", round(sqnr, 2))
@@ -409,17 +378,13 @@ def test_gemm_matches_reference_gpu(case, record_property, kernel_spy):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("path", "fold", "swap", "codes"), MODES, ids=MODE_IDS)
+@pytest.mark.parametrize(("path", "fold", "swap"), MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("m", [1, 16, 256, 4096])
-def test_llama_shapes_gpu(path, fold, swap, codes, m, record_property):
-    """The dispatcher's default (portable) and each kernel's defaults on the Llama-3-8B MLP shape."""
-    case = Case(path, m, 4096, 14336, fold=fold, swap=swap, codes=codes)
+def test_llama_shapes_gpu(path, fold, swap, m, record_property):
+    """The dispatcher's default (portable) and the fp8 path's default on the Llama-3-8B MLP shape."""
+    case = Case(path, m, 4096, 14336, fold=fold, swap=swap)
     x, weight, _ = _problem(case, "cuda")
-    config: dict[str, object] = {}
-    if path == "fp8":
-        config = {"path": path, "SCALE_FOLD": fold, "SWAP_AB": swap}
-    elif codes:
-        config = {"path": path, "CODE_DOT": True, "SWAP_AB": swap}
+    config = {"path": path, "SCALE_FOLD": fold, "SWAP_AB": swap} if path == "fp8" else {}
     if config:
         with use_config("q4k_fp8_gemm", config):
             out = q4k_linear(x, weight)
@@ -434,35 +399,35 @@ def _nan_out(shape: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=x.dtype, device=x.device)
 
 
-@pytest.mark.parametrize(("path", "fold", "swap", "codes"), MODES, ids=MODE_IDS)
-def test_split_k_agrees_with_one_split(path, fold, swap, codes, device, kernel_spy):
+@pytest.mark.parametrize(("path", "fold", "swap"), MODES, ids=MODE_IDS)
+def test_split_k_agrees_with_one_split(path, fold, swap, device, kernel_spy):
     x, weight, bias = _problem(Case(path, 2, 1024, 40), device, seed=7)
     expected = q4k_linear_reference(x, weight, bias)
     outs = []
     for split in (1, 4):
         config = {
             "path": path, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": split,
-            "SCALE_FOLD": fold, "SWAP_AB": swap, "CODE_DOT": codes,
+            "SCALE_FOLD": fold, "SWAP_AB": swap,
         }  # fmt: skip
         kernel_spy.ran.clear()
         with use_config("q4k_fp8_gemm", config):
             out = q4k_linear(x, weight, bias, out=_nan_out((2, 40), x))
-        assert kernel_spy.ran == kernel_spy.expected(path, split, fold, swap, codes=codes)
+        assert kernel_spy.ran == kernel_spy.expected(path, split, fold, swap)
         assert check_path(out.float(), expected, path) is None, f"SPLIT_K={split}"
         outs.append(out.float())
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize(("path", "fold", "swap", "codes"), MODES, ids=MODE_IDS)
+@pytest.mark.parametrize(("path", "fold", "swap"), MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("split", [1, 2], ids=["one-split", "split2"])
-def test_bias_view_is_read_through_its_stride(path, fold, swap, codes, split, device):
+def test_bias_view_is_read_through_its_stride(path, fold, swap, split, device):
     """``b[::2]``: every kernel that adds the bias must step over the values in between."""
     x, weight, bias = _problem(Case(path, 3, 512, 24, bias=True), device, seed=12)
     interleaved = torch.stack([bias, torch.full_like(bias, 1e3)], dim=1).reshape(-1)[::2]
     assert interleaved.stride(0) == 2 and torch.equal(interleaved, bias)
     config = {
         "path": path, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": split,
-        "SCALE_FOLD": fold, "SWAP_AB": swap, "CODE_DOT": codes,
+        "SCALE_FOLD": fold, "SWAP_AB": swap,
     }  # fmt: skip
     with use_config("q4k_fp8_gemm", config):
         out = q4k_linear(x, weight, interleaved, out=_nan_out((3, 24), x))
@@ -709,7 +674,7 @@ def _activations(kind: str, m: int, k: int, gen: torch.Generator) -> torch.Tenso
 
 
 @pytest.mark.parametrize("kind", ["gaussian", "outlier-channels", "silu-gated"])
-@pytest.mark.parametrize(("fold", "swap"), [(False, False), (True, False), (True, True)], ids=MODE_IDS[1:4])
+@pytest.mark.parametrize(("fold", "swap"), [(False, False), (True, False), (True, True)], ids=MODE_IDS[1:])
 def test_fp8_modes_on_realistic_activations(kind, fold, swap, device, record_property):
     """Gaussian Q4_K weights against activations shaped like a model's: every fp8 mode holds the floor."""
     gen = torch.Generator().manual_seed(16)
@@ -775,16 +740,13 @@ def test_config_outside_the_space_is_refused():
 # ---- torch.library ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("path", "fold", "swap", "codes"), [*MODES, ("staged", False, False, False)], ids=[*MODE_IDS, "staged"]
-)
-def test_opcheck(path, fold, swap, codes, device):
+@pytest.mark.parametrize(("path", "fold", "swap"), [*MODES, ("staged", False, False)], ids=[*MODE_IDS, "staged"])
+def test_opcheck(path, fold, swap, device):
     x, weight, bias = _problem(Case(path, 3, 256, 16), device, seed=9)
     out = torch.empty(3, 16, dtype=torch.bfloat16, device=device)
     config = Q4KConfig(
-        path=path, BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_stages=1, SPLIT_K=2, SCALE_FOLD=fold, SWAP_AB=swap,
-        CODE_DOT=codes,
-    )  # fmt: skip
+        path=path, BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_stages=1, SPLIT_K=2, SCALE_FOLD=fold, SWAP_AB=swap
+    )
     if path == "staged":
         config = Q4KConfig(path="staged", BLOCK_N=32, CHUNK_N=32)
     torch.library.opcheck(q4k_linear_op.op, (x, *weight.tensors(), bias, out, *dataclasses.astuple(config)))
@@ -927,10 +889,8 @@ def test_path_space_grids_and_parse():
     assert all(space.parse(space.to_dict(c)) == c for c in grid[::97])
     assert space.parse({"path": "staged", "SPLIT_K": 4}) == space.parse({"path": "staged"})
     assert space.parse({"CHUNK_N": 1024}) == Q4KConfig()
-    with pytest.raises(ConfigError, match="portable path does not read SCALE_FOLD;"):
+    with pytest.raises(ConfigError, match="portable path does not read SCALE_FOLD, SWAP_AB"):
         SPEC.pinned_config({"SCALE_FOLD": True, "SWAP_AB": True, "BLOCK_M": 256})
-    with pytest.raises(ConfigError, match="fp8 path does not read CODE_DOT;"):
-        SPEC.pinned_config({"path": "fp8", "CODE_DOT": True})
     with pytest.raises(ConfigError, match="staged path does not read SPLIT_K"):
         SPEC.pinned_config({"path": "staged", "SPLIT_K": 2})
     # Defaults of unread fields are accepted (full dicts from a DB or a benchmark carry them).
@@ -977,27 +937,6 @@ def test_swap_rules():
     assert "per warpgroup" in space.infeasible_reason(tiny, small_key, limits)
 
 
-def test_code_dot_rules():
-    """CODE_DOT is the portable path's, SWAP_AB there needs it, and its register-held codes tile is
-    capped (ptxas for sm_90 spills beyond CODE_MAX_WEIGHTS codes a thread)."""
-    from tritune.search_spaces.q4k_fp8_gemm import CODE_MAX_WEIGHTS
-
-    space = SPEC.space
-    key = Q4KKey(arch="sm90", sm_count=132, dtype="bfloat16", m_bucket=16, n=14336, k=4096)
-    limits = TargetLimits()
-    codes = Q4KConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, CODE_DOT=True)
-    assert CODE_MAX_WEIGHTS == 64 * 256 // 128
-    assert space.infeasible_reason(codes, key, limits) is None
-    assert space.infeasible_reason(dataclasses.replace(codes, SWAP_AB=True), key, limits) is None
-    assert "SWAP_AB only changes" in space.infeasible_reason(
-        dataclasses.replace(codes, CODE_DOT=False, SWAP_AB=True), key, limits
-    )
-    assert "codes in registers" in space.infeasible_reason(dataclasses.replace(codes, num_warps=2), key, limits)
-    assert "codes in registers" in space.infeasible_reason(dataclasses.replace(codes, BLOCK_N=128), key, limits)
-    # parse resets CODE_DOT off the portable path: the fp8 kernels never read it.
-    assert not space.parse({"path": "fp8", "CODE_DOT": True}).CODE_DOT
-
-
 def test_tuner_can_choose_the_fold():
     """SCALE_FOLD and SWAP_AB are more dimensions: feasible at decode and prefill sizes, never a default."""
     h200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
@@ -1012,10 +951,7 @@ def test_tuner_can_choose_the_fold():
         assert not any(c.SCALE_FOLD and c.path == "portable" for c in feasible)
         assert not SPEC.default_config(key).SWAP_AB
         swapped = [c for c in feasible if c.SWAP_AB]
-        assert swapped and all(
-            (c.SCALE_FOLD and c.path == "fp8") or (c.CODE_DOT and c.path == "portable") for c in swapped
-        ), m
-        assert any(c.CODE_DOT and c.SWAP_AB for c in feasible) and any(c.CODE_DOT and not c.SWAP_AB for c in feasible)
+        assert swapped and all(c.SCALE_FOLD and c.path == "fp8" for c in swapped), m
         assert all(c.SWAP_AB for c in feasible if c.BLOCK_M == 256)
     # BLOCK_M=256 (wgmma's widest N in the swapped kernel) where M fills it.
     assert any(c.BLOCK_M == 256 for c in feasible)

@@ -16,7 +16,6 @@ from tritune.search_spaces.q4k_fp8_gemm import Q4KConfig
 from .._oplib import wrap_triton
 from ._triton_q4k import (
     _q4k_dequant_fp8_kernel,
-    _q4k_gemm_codes_kernel,
     _q4k_gemm_fp8_fold_kernel,
     _q4k_gemm_fp8_fold_swap_kernel,
     _q4k_gemm_fp8_kernel,
@@ -32,7 +31,6 @@ KERNELS = (
     _q4k_gemm_fp8_fold_kernel,
     _q4k_gemm_fp8_fold_swap_kernel,
     _q4k_gemm_portable_kernel,
-    _q4k_gemm_codes_kernel,
     _splitk_reduce_kernel,
     _staged_prepass_kernel,
     _q4k_dequant_fp8_kernel,
@@ -243,14 +241,6 @@ def run_q4k_gemm(
             launcher(fold_kernel)[grid](xq, row_scale, *rest, ROUND_IN_FP32=interpreted, **launch)
         else:
             launcher(_q4k_gemm_fp8_kernel)[grid](xq, row_scale, rowsum, *rest, **launch)
-    elif config.CODE_DOT:
-        launcher(_q4k_gemm_codes_kernel)[grid](
-            x, qs, scales, mins, super_scales, bias_arg, target, m, n,
-            x.stride(0), x.stride(1), qs.stride(0), scales.stride(0), super_scales.stride(0),
-            stride_om, stride_on, stride_ok, stride_bn,
-            # The interpreter runs no PTX and multiplies bf16 tiles wrongly.
-            ASM=not interpreted, DOT_IN_FP32=interpreted, SWAP=config.SWAP_AB, **launch,
-        )  # fmt: skip
     else:
         launcher(_q4k_gemm_portable_kernel)[grid](
             x,
