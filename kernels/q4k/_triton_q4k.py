@@ -561,6 +561,181 @@ def _q4k_gemm_fp8_fold_swap_kernel(
     )  # fmt: skip
 
 
+def _half_weights_asm() -> str:
+    """PTX for :func:`_half_weights`: one code word (``$4`` and ``$5``: the same word twice) and its
+    row's fp16 pairs ``(sc, sc)`` (``$6``), ``(d, d)`` (``$7``) and ``(-o, -o)`` (``$8``) in; four
+    registers out, register ``k`` holding the weights of codes ``2k`` and ``2k + 1`` as fp16.
+
+    ``prmt`` takes byte ``k`` of the word and of the word shifted by 4 into the two 16-bit lanes,
+    so their low nibbles are codes ``2k`` and ``2k + 1``; ``lop3`` (0xEA: ``(a & b) | c``) keeps
+    the nibbles under the exponent bits of 1024, which makes the fp16 value ``1024 + q`` exactly;
+    ``(1024 + q) * sc - 1024 * sc`` is ``sc * q`` exactly (a fused multiply-add, and ``sc * q <= 945``
+    fits fp16's 11 bits), and ``d * (sc * q) - o`` rounds the weight once. Seventeen instructions
+    per eight weights.
+    """
+    lines = [
+        "mov.b32 e, 0x64006400; mov.b32 m, 0x000F000F; mov.b32 c, 0xE400E400; mov.b32 z, 0x80008000;",
+        "fma.rn.f16x2 n, $6, c, z; shr.b32 h, $5, 4;",
+    ]
+    for k in range(4):
+        lines.append(
+            f"prmt.b32 t, $4, h, 0x0{4 + k}0{k}; lop3.b32 t, t, m, e, 0xEA; "
+            f"fma.rn.f16x2 t, t, $6, n; fma.rn.f16x2 ${k}, t, $7, $8;"
+        )
+    return "{ .reg .b32 t, h, n, c, z, e, m;\n" + "\n".join(lines) + " }"
+
+
+_HALF_WEIGHTS_ASM: tl.constexpr = tl.constexpr(_half_weights_asm())
+_HALF_WEIGHTS_CONSTRAINTS: tl.constexpr = tl.constexpr("=r,=r,=r,=r,r,r,r,r,r")
+_FP16_X4: tl.constexpr = tl.constexpr((tl.float16,) * 4)
+
+
+@triton.jit
+def _half_weights(words, sc, d, neg_o, ROWS: tl.constexpr, COLS: tl.constexpr, ASM: tl.constexpr):
+    """``[ROWS, COLS/8]`` int32 words of eight codes and each word's fp16 ``sc``, ``d`` and ``-o``
+    (``[ROWS, COLS/8]``) -> the fp16 weights ``d * (sc * q) - o`` ``[ROWS, COLS]``, natural order,
+    rounded once.
+
+    Why: a code placed in the low mantissa bits under an exponent *is* a float, so with ``ASM``
+    (:func:`_half_weights_asm`) a weight costs about two instructions where converting codes to
+    float32, scaling them and rounding to 16 bits costs several. Each asm instance sees one word
+    twice (the last axis of ``pair``) so that its outputs pair weights adjacent along K, the
+    packing the dot operand wants. The interpreter, which runs no PTX, computes the same values in
+    float32 (``sc * q`` is exact there too) and rounds them once.
+    """
+    pair = tl.join(words, words)  # [ROWS, COLS/8, 2]
+    sc2 = tl.join(sc, sc)
+    d2 = tl.join(d, d)
+    neg_o2 = tl.join(neg_o, neg_o)
+    if ASM:
+        c0, c1, c2, c3 = tl.inline_asm_elementwise(
+            _HALF_WEIGHTS_ASM, _HALF_WEIGHTS_CONSTRAINTS, [pair, sc2, d2, neg_o2], dtype=_FP16_X4, is_pure=True,
+            pack=2,
+        )  # fmt: skip
+    else:
+        # Element p of the pair is code 2k + p: bits 8k + 4p.
+        shift = 4 * tl.arange(0, 2)[None, None, :]
+        scale = sc2.to(tl.float32)
+        dd = d2.to(tl.float32)
+        oo = neg_o2.to(tl.float32)
+        c0 = (((pair >> shift) & 0xF).to(tl.float32) * scale * dd + oo).to(tl.float16)
+        c1 = (((pair >> (shift + 8)) & 0xF).to(tl.float32) * scale * dd + oo).to(tl.float16)
+        c2 = (((pair >> (shift + 16)) & 0xF).to(tl.float32) * scale * dd + oo).to(tl.float16)
+        c3 = (((pair >> (shift + 24)) & 0xF).to(tl.float32) * scale * dd + oo).to(tl.float16)
+    # [ROWS, COLS/8, p, a, b] with code 2k + p, k = 2a + b (join appends its axis last); then p last.
+    weights = tl.permute(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (0, 1, 3, 4, 2))
+    return tl.reshape(weights, (ROWS, COLS))
+
+
+@triton.jit
+def _q4k_gemm_half_kernel(
+    x_ptr,
+    qs_ptr,
+    sc_ptr,
+    mn_ptr,
+    ss_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_xm,
+    stride_xk,
+    stride_qn,
+    stride_sn,
+    stride_ssn,
+    stride_om,
+    stride_on,
+    stride_ok,
+    stride_bn,
+    HAS_BIAS: tl.constexpr,
+    ASM: tl.constexpr,
+    SWAP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    K_TILES: tl.constexpr,
+):
+    """The portable path's fp16-weight kernel (``HALF_WEIGHTS``): each program reduces ``K_TILES``
+    tiles of K (its split) with fp16 dots of x against weights made in registers by
+    :func:`_half_weights`.
+
+    Both operands are scaled by powers of two, exactly, so that fp16 holds them: each weight
+    column by ``f`` (``_column_fold``'s bound, times 64: ``|f * w| <= 28672``), each row of x by
+    ``p`` (``|p * x| <= 2**14`` over the program's K range); the accumulator is divided by both at
+    the end. The weight is rounded once, to fp16 (11 bits, finer than bf16's 8); x is exact in
+    fp16 after its scaling unless a row spans more than 2**24 in magnitude, whose smallest values
+    then lose bits below the row's largest times 2**-24.
+    """
+    G: tl.constexpr = BLOCK_K // 32
+    W: tl.constexpr = BLOCK_K // 8
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
+    k_start = pid_k * (K_TILES * BLOCK_K)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    rows_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_w = tl.arange(0, W)
+    offs_g = tl.arange(0, G)
+    ss_row = ss_ptr + rows_n * stride_ssn
+    fold = _column_fold(ss_row, k_start, K_TILES * BLOCK_K, BLOCK_N) * 64.0  # [BLOCK_N]
+
+    x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk
+    # Each row's power of two: the largest with |p * x| <= 2**14 (an all-zero row gets 2**108).
+    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for i in range(K_TILES):
+        amax = tl.maximum(amax, tl.max(tl.abs(tl.load(x_ptrs + i * BLOCK_K * stride_xk).to(tl.float32)), axis=1))
+    ratio = 16384.0 / tl.maximum(amax, 1e-30)
+    row_pow = (ratio.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)  # [BLOCK_M]
+
+    # The packed codes as 32-bit words (K is a multiple of 256, so rows and tiles are word-aligned).
+    q_ptrs = (qs_ptr + rows_n[:, None] * stride_qn + k_start // 2).to(tl.pointer_type(tl.int32)) + offs_w[None, :]
+    sc_ptrs = sc_ptr + rows_n[:, None] * stride_sn + (k_start // 32 + offs_g)[None, :]
+    mn_ptrs = mn_ptr + rows_n[:, None] * stride_sn + (k_start // 32 + offs_g)[None, :]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for i in range(K_TILES):
+        # BLOCK_K divides 256, so the whole tile shares one super-block's (d, dmin).
+        d_ptrs = ss_row + (k_start + i * BLOCK_K) // 256 * 2
+        d = tl.load(d_ptrs).to(tl.float32) * fold  # [BLOCK_N], exact
+        dmin = tl.load(d_ptrs + 1).to(tl.float32) * fold
+        sc = _small_as_float(tl.load(sc_ptrs))  # [BLOCK_N, G]
+        neg_o = -dmin[:, None] * _small_as_float(tl.load(mn_ptrs))  # [BLOCK_N, G]
+        # Per word: its sub-block's scale and min, its row's d ([BLOCK_N, G] -> [BLOCK_N, W]).
+        sc_w = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, G, 4)), (BLOCK_N, W)).to(tl.float16)
+        neg_o_w = tl.reshape(tl.broadcast_to(neg_o[:, :, None], (BLOCK_N, G, 4)), (BLOCK_N, W)).to(tl.float16)
+        d_g = tl.broadcast_to(d[:, None], (BLOCK_N, G))
+        d_w = tl.reshape(tl.broadcast_to(d_g[:, :, None], (BLOCK_N, G, 4)), (BLOCK_N, W)).to(tl.float16)
+        w = _half_weights(tl.load(q_ptrs), sc_w, d_w, neg_o_w, BLOCK_N, BLOCK_K, ASM)  # [BLOCK_N, BLOCK_K]
+        x = (tl.load(x_ptrs).to(tl.float32) * row_pow[:, None]).to(tl.float16)
+        if not ASM:
+            # The interpreter: the same fp16 values, multiplied in float32.
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        if SWAP:
+            # out^T tiles: the register-made weights are the MMA's A operand (wgmma reads it from
+            # registers), x^T its B operand.
+            acc_t = tl.dot(w, tl.trans(x), acc_t)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K * stride_xk
+        q_ptrs += W
+        sc_ptrs += G
+        mn_ptrs += G
+
+    if SWAP:
+        acc = tl.trans(acc_t)
+    acc = acc * (1.0 / row_pow)[:, None] * (1.0 / fold)[None, :]
+    _store_tile(
+        acc, out_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k,
+        stride_om, stride_on, stride_ok, stride_bn, HAS_BIAS, SPLIT_K,
+    )  # fmt: skip
+
+
 @triton.jit
 def _staged_prepass_kernel(
     x_ptr,
