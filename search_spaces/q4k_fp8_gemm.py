@@ -74,12 +74,6 @@ class Q4KConfig:
     #: BLOCK_N becomes the MMA's M side (64 rows per warpgroup) and BLOCK_M its N side, so small M
     #: gets wgmma too. The same e4m3 weights and scales as SCALE_FOLD, so the same SQNR.
     SWAP_AB: bool = choice(False, (False, True))
-    #: Portable path only. True: the weight tile is made as fp16 in registers by PTX (a byte
-    #: permute, a logic op and two packed FMAs a pair: ``d * (sc * q) - o``, rounded once) and
-    #: multiplied against x in fp16, both scaled by exact powers of two (per column and per row)
-    #: so that fp16 holds them. About half the dequantizing kernel's instructions a weight: for
-    #: small M, where that kernel is bound by instruction issue.
-    HALF_WEIGHTS: bool = choice(False, (False, True))
     #: Staged path only: weight rows dequantized per chunk (the scratch holds CHUNK_N x K e4m3
     #: bytes: 8 MiB at 2048 x 4096). Small chunks (below ``MIN_CHUNK_N``) are for the interpreter.
     CHUNK_N: int = choice(2048, (32, 1024, 2048, 4096, 8192))
@@ -138,8 +132,8 @@ def feasibility(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> str |
         return "CHUNK_N and FAST_ACCUM only change the staged path (the same launch as their defaults)"
     if config.SCALE_FOLD and config.path != "fp8":
         return "SCALE_FOLD only changes the fp8 path (the same launch as SCALE_FOLD=False)"
-    if config.SWAP_AB and not (config.SCALE_FOLD or config.HALF_WEIGHTS):
-        return "SWAP_AB only changes the folded fp8 and fp16-weight kernels (the same launch as SWAP_AB=False)"
+    if config.SWAP_AB and not config.SCALE_FOLD:
+        return "SWAP_AB only changes the folded fp8 path (the same launch as SWAP_AB=False)"
     if config.BLOCK_M == 256 and not config.SWAP_AB:
         return "BLOCK_M=256 only for the swapped kernel (SWAP_AB), where it is wgmma's N side"
     if config.SPLIT_K > 1 and not small:
@@ -168,10 +162,10 @@ def feasibility(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> str |
             f"the swapped kernel needs {WGMMA_ROWS} weight rows (BLOCK_N) per warpgroup: "
             f"BLOCK_N={config.BLOCK_N} with {config.num_warps} warps"
         )
-    if config.SWAP_AB and config.SCALE_FOLD and config.num_stages == 1:
+    if config.SWAP_AB and config.num_stages == 1:
         # One buffer for x: each wgmma must finish before the next tile's load overwrites it.
         return "the swapped kernel overlaps its wgmma with the next tile only with num_stages >= 2"
-    if config.SWAP_AB and config.SCALE_FOLD and config.BLOCK_K < 64:
+    if config.SWAP_AB and config.BLOCK_K < 64:
         # Triton 3.6 dequantizes a 32-wide tile in a layout of its own, then passes it through
         # shared memory and waits for each wgmma: what swapping the operands is meant to avoid.
         return "the swapped kernel keeps its weight tile in registers only with BLOCK_K >= 64"
@@ -227,7 +221,7 @@ def _staged_reason(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> st
 #: The fields each path's launch reads; the others keep their defaults there.
 _TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT_K")
 PATH_FIELDS: dict[str, tuple[str, ...]] = {
-    "portable": (*_TILES, "HALF_WEIGHTS", "SWAP_AB"),
+    "portable": _TILES,
     "fp8": (*_TILES, "SCALE_FOLD", "SWAP_AB"),
     "staged": ("BLOCK_N", "BLOCK_K", "num_warps", "CHUNK_N", "FAST_ACCUM"),
 }

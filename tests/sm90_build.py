@@ -311,10 +311,6 @@ def build_q4k(
         kernel = _triton_q4k._q4k_gemm_portable_kernel
         signature = PORTABLE_SIGNATURE
         flags = {"stride_xk": 1, "stride_on": 1, "HAS_BIAS": False, "DOT_IN_FP32": False}
-    elif variant in ("half", "half-swap"):
-        kernel = _triton_q4k._q4k_gemm_half_kernel
-        signature = PORTABLE_SIGNATURE
-        flags = {"stride_xk": 1, "stride_on": 1, "HAS_BIAS": False, "ASM": True, "SWAP": variant == "half-swap"}
     elif isinstance(variant, bool):
         kernel = _triton_q4k._q4k_gemm_fp8_fold_swap_kernel if variant else _triton_q4k._q4k_gemm_fp8_fold_kernel
         signature = FOLD_SIGNATURE

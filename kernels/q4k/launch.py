@@ -19,7 +19,6 @@ from ._triton_q4k import (
     _q4k_gemm_fp8_fold_kernel,
     _q4k_gemm_fp8_fold_swap_kernel,
     _q4k_gemm_fp8_kernel,
-    _q4k_gemm_half_kernel,
     _q4k_gemm_portable_kernel,
     _quantize_rows_fp8_kernel,
     _splitk_reduce_kernel,
@@ -32,7 +31,6 @@ KERNELS = (
     _q4k_gemm_fp8_fold_kernel,
     _q4k_gemm_fp8_fold_swap_kernel,
     _q4k_gemm_portable_kernel,
-    _q4k_gemm_half_kernel,
     _splitk_reduce_kernel,
     _staged_prepass_kernel,
     _q4k_dequant_fp8_kernel,
@@ -243,14 +241,6 @@ def run_q4k_gemm(
             launcher(fold_kernel)[grid](xq, row_scale, *rest, ROUND_IN_FP32=interpreted, **launch)
         else:
             launcher(_q4k_gemm_fp8_kernel)[grid](xq, row_scale, rowsum, *rest, **launch)
-    elif config.HALF_WEIGHTS:
-        launcher(_q4k_gemm_half_kernel)[grid](
-            x, qs, scales, mins, super_scales, bias_arg, target, m, n,
-            x.stride(0), x.stride(1), qs.stride(0), scales.stride(0), super_scales.stride(0),
-            stride_om, stride_on, stride_ok, stride_bn,
-            # The interpreter runs no PTX.
-            ASM=not interpreted, SWAP=config.SWAP_AB, **launch,
-        )  # fmt: skip
     else:
         launcher(_q4k_gemm_portable_kernel)[grid](
             x,

@@ -43,13 +43,12 @@ def _q4k_linear_op(
     SPLIT_K: int,
     SCALE_FOLD: bool,
     SWAP_AB: bool,
-    HALF_WEIGHTS: bool,
     CHUNK_N: int,
     FAST_ACCUM: bool,
 ) -> None:
     config = Q4KConfig(
         path, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT_K, SCALE_FOLD, SWAP_AB,
-        HALF_WEIGHTS, CHUNK_N, FAST_ACCUM,
+        CHUNK_N, FAST_ACCUM,
     )  # fmt: skip
     run_q4k_gemm(config, x, qs, scales, mins, super_scales, bias, out)
 
