@@ -220,3 +220,32 @@ def test_spec_starting_configs_are_measured_first(tmp_path, monkeypatch):
         on_trial=lambda kernel, config, status, ms: seen.append(config),
     ).run()  # fmt: skip
     assert seen[:2] == [SPEC.space.to_dict(SPEC.space.default()), SPEC.space.to_dict(start)]
+
+
+def test_a_winner_of_an_earlier_kernel_version_is_seeded_and_measured_again(tmp_path, monkeypatch):
+    """After a kernel edit the key's old winner is tried second (after the portable default) and
+    re-measured; until then it never serves, and it never enters as a neighbour of another key."""
+    store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    env = environment_id(store, CPU)
+    key = SPEC.default_keys(CPU, n=[256])[0]
+    exhaustive = TuneOptions(trials=40, seed=1, batch=4, final_rounds=1)
+    KeyTuner(SPEC, key, CPU, torch.device("cpu"), store, env, FakeTimer(_favouring(16, 1)), exhaustive).run()
+    old = {"BLOCK": 16, "BROKEN": False, "num_warps": 1}
+    assert [w.config for w in store.winners(kernel=SPEC.name)] == [old]
+
+    monkeypatch.setattr(SPEC, "version", "edited0000000000")
+    seen: list[dict] = []
+    quick = TuneOptions(trials=4, seed=1, batch=4, final_rounds=1)
+    KeyTuner(
+        SPEC, key, CPU, torch.device("cpu"), store, env, FakeTimer(cost), quick,
+        on_trial=lambda kernel, config, status, ms: seen.append(config),
+    ).run()  # fmt: skip
+    assert seen[:2] == [SPEC.space.to_dict(SPEC.space.default()), old]
+    # Re-measured under the new version, the old winner lost to what this timer favours.
+    (winner,) = [w for w in store.winners(kernel=SPEC.name) if w.kernel_version == "edited0000000000"]
+    assert winner.config != old
+
+    # Another key never takes a stale winner as its neighbour's.
+    other = toy_kernel.ToyKey(CPU.arch, CPU.sm_count, "float32", 512)
+    tuner = KeyTuner(SPEC, other, CPU, torch.device("cpu"), store, env, FakeTimer(cost), quick)
+    assert tuner._earlier_winners(store.winners(kernel=SPEC.name)) == []

@@ -357,14 +357,13 @@ class KeyTuner:
 
     def _seeds(self, default: Any, feasible: list[Any], exhaustive: bool, rng: random.Random) -> list[dict[str, Any]]:
         """Configs enqueued before the sampler proposes any: portable default, stored winner, the
-        winners of the nearest tuned buckets and the spec's starting configs first."""
+        key's winner under an earlier kernel version, the winners of the nearest tuned buckets and
+        the spec's starting configs first."""
         seeds = [self.space.to_dict(default)]
-        winners = [
-            w
-            for w in self.store.winners(gpu=self.device.slug, kernel=self.spec.name)
-            if w.kernel_version == self.spec.version
-        ]
+        stored = self.store.winners(gpu=self.device.slug, kernel=self.spec.name)
+        winners = [w for w in stored if w.kernel_version == self.spec.version]
         seeds.extend(w.config for w in winners if w.key == self.key_dict)
+        seeds.extend(self._earlier_winners(stored))
         seeds.extend(self._neighbour_winners(winners))
         seeds.extend(self.space.to_dict(config) for config in self.spec.starting_configs(self.key, self.device))
         if exhaustive:
@@ -377,6 +376,25 @@ class KeyTuner:
         # Queued seeds are asked before anything else, the climb's configs included: at most the
         # exploration share of them (the portable default always), the random sample dropped first.
         return seeds[: max(1, self._polish_from(exhaustive))]
+
+    def _earlier_winners(self, stored: list[WinnerRecord]) -> list[dict[str, Any]]:
+        """This key's winners stored under another kernel version that still parse and are feasible.
+
+        An edited kernel never serves them (their times were measured on other code), but after
+        an edit that left most launches alone they are the likeliest winners again: seeded, they
+        are re-measured and checked like any trial, so a re-tune recovers them in a few trials.
+        """
+        found = []
+        for winner in stored:
+            if winner.key != self.key_dict or winner.kernel_version == self.spec.version:
+                continue
+            try:
+                config = self.space.parse(winner.config)
+            except (TypeError, ValueError):
+                continue
+            if self.space.infeasible_reason(config, self.key, self.limits) is None:
+                found.append(self.space.to_dict(config))
+        return found
 
     def _neighbour_winners(self, winners: list[WinnerRecord]) -> list[dict[str, Any]]:
         """Winners of the nearest other buckets of this key's group that are feasible here, nearest first.
