@@ -411,42 +411,50 @@ def _quantize_rows_int8_kernel(
     stride_xm,
     stride_xk,
     SUPER_BLOCKS: tl.constexpr,
+    TILE: tl.constexpr,
 ):
-    """One row of x per program: int8 values with one scale ``amax / 127`` per 256-wide super-block,
-    laid out for the int8 kernel's masked dots, the exact 32-wide sums of the row and what each
-    of those sums lost to the rounding (``sum(x) - scale * sum(xi)``).
+    """``TILE`` super-blocks of one row of x per program: int8 values with one scale ``amax / 127``
+    per 256-wide super-block, laid out for the int8 kernel's masked dots, the exact 32-wide sums
+    of x and what each of those sums lost to the rounding (``sum(x) - scale * sum(xi)``).
 
     Row ``m`` of ``xi`` holds ``2K`` bytes: for each 64-wide group ``g`` (32 bytes of packed codes,
     weight ``64g + 2j`` in byte ``j``'s low nibble, ``64g + 2j + 1`` in its high one), four 32-byte
     vectors: x at the even and at the odd positions of the group's first sub-block (entries
     ``j >= 16`` zero), then the same for its second sub-block (entries ``j < 16`` zero). A dot of
     one of them with the group's low or high nibbles sums exactly one sub-block's products.
+
+    The grid spans rows and super-blocks: at decode sizes (16 rows) a program per row alone would
+    walk K serially and cost more than the GEMM. Divisions are IEEE (``div_rn``), so the rounding
+    is the same on the GPU as on the interpreter and in a PyTorch emulation.
     """
     pid_m = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + pid_m * stride_xm
-    xi_row = xi_ptr + pid_m * (2 * K)
+    sb = tl.program_id(1) * TILE + tl.arange(0, TILE)  # [TILE] super-blocks
+    ok = sb < SUPER_BLOCKS
     offs = tl.arange(0, 256)
-    offs_g = tl.arange(0, 4)
+    x = tl.load(
+        x_ptr + pid_m * stride_xm + (sb[:, None] * 256 + offs[None, :]) * stride_xk, mask=ok[:, None], other=0.0
+    ).to(tl.float32)  # [TILE, 256]
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full([TILE], 127.0, tl.float32)), 1.0)
+    tl.store(xs_ptr + pid_m * SUPER_BLOCKS + sb, scale, mask=ok)
+    # Adding 1.5 * 2**23 leaves no fraction bits: float32 addition rounds to an integer, ties to even.
+    quotient = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], (TILE, 256)))
+    xr = tl.clamp((quotient + 12582912.0) - 12582912.0, -127.0, 127.0)
+    even, odd = tl.split(tl.reshape(xr, (TILE, 4, 32, 2)))  # [TILE, 4 groups, 32 bytes]
     offs_j = tl.arange(0, 32)
-    first_half = (offs_j < 16)[None, :]
-    dest = (offs_g * 128)[:, None] + offs_j[None, :]  # [4, 32]: vector 0 of each group
-    for sb in range(SUPER_BLOCKS):
-        x = tl.load(x_row + (sb * 256 + offs) * stride_xk).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=0)
-        scale = tl.where(amax > 0, amax / 127.0, 1.0)
-        tl.store(xs_ptr + pid_m * SUPER_BLOCKS + sb, scale)
-        # Adding 1.5 * 2**23 leaves no fraction bits: float32 addition rounds to an integer, ties to even.
-        xr = tl.clamp((x / scale + 12582912.0) - 12582912.0, -127.0, 127.0)
-        even, odd = tl.split(tl.reshape(xr, (4, 32, 2)))  # [4 groups, 32 bytes]
-        base = xi_row + sb * 512 + dest
-        tl.store(base, tl.where(first_half, even, 0.0).to(tl.int8))
-        tl.store(base + 32, tl.where(first_half, odd, 0.0).to(tl.int8))
-        tl.store(base + 64, tl.where(first_half, 0.0, even).to(tl.int8))
-        tl.store(base + 96, tl.where(first_half, 0.0, odd).to(tl.int8))
-        sums = tl.sum(tl.reshape(x, (8, 32)), axis=1)
-        lost = tl.sum(tl.reshape(x - scale * xr, (8, 32)), axis=1)
-        tl.store(rowsum_ptr + pid_m * (K // 32) + sb * 8 + tl.arange(0, 8), sums)
-        tl.store(error_ptr + pid_m * (K // 32) + sb * 8 + tl.arange(0, 8), lost)
+    first_half = (offs_j < 16)[None, None, :]
+    dest = (sb * 512)[:, None, None] + (tl.arange(0, 4) * 128)[None, :, None] + offs_j[None, None, :]
+    base = xi_ptr + pid_m * (2 * K) + dest
+    keep = ok[:, None, None]
+    tl.store(base, tl.where(first_half, even, 0.0).to(tl.int8), mask=keep)
+    tl.store(base + 32, tl.where(first_half, odd, 0.0).to(tl.int8), mask=keep)
+    tl.store(base + 64, tl.where(first_half, 0.0, even).to(tl.int8), mask=keep)
+    tl.store(base + 96, tl.where(first_half, 0.0, odd).to(tl.int8), mask=keep)
+    sums = tl.sum(tl.reshape(x, (TILE, 8, 32)), axis=2)
+    lost = tl.sum(tl.reshape(x - scale[:, None] * xr, (TILE, 8, 32)), axis=2)
+    sub = pid_m * (K // 32) + (sb * 8)[:, None] + tl.arange(0, 8)[None, :]
+    tl.store(rowsum_ptr + sub, sums, mask=ok[:, None])
+    tl.store(error_ptr + sub, lost, mask=ok[:, None])
 
 
 @triton.jit
@@ -529,14 +537,25 @@ def _q4k_gemm_int8_kernel(
 
     x_ptrs = xi_ptr + rows_m[:, None] * (2 * K) + (2 * k_start + offs_b)[None, :]
     q_ptrs = qs_ptr + rows_n[:, None] * stride_qn + (k_start // 2 + offs_b)[None, :]
-    sc_ptrs = sc_ptr + rows_n * stride_sn + k_start // 32
+    # A super-block's eight 6-bit scales as two 32-bit words per weight row (rows are 8-byte aligned).
+    sc_words = (sc_ptr + rows_n * stride_sn + k_start // 32).to(tl.pointer_type(tl.int32))
     xs_ptrs = xs_ptr + rows_m * (K // 256) + k_start // 256
-    ss_ptrs = ss_ptr + rows_n * stride_ssn + k_start // 256 * 2
+    d_ptrs = ss_ptr + rows_n * stride_ssn + k_start // 256 * 2
 
+    # The per-super-block values are loaded one iteration ahead: Triton's pipeliner leaves these
+    # small loads (no dot reads them) synchronous, and each would stall the loop on a memory
+    # round trip.
+    sc_lo = tl.load(sc_words)  # [BLOCK_N]: scales of sub-blocks 0..3, a byte each
+    sc_hi = tl.load(sc_words + 1)  # 4..7
+    d = tl.load(d_ptrs).to(tl.float32)  # [BLOCK_N]
+    xs = tl.load(xs_ptrs)  # [BLOCK_M]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(K_TILES):
-        d = tl.load(ss_ptrs).to(tl.float32)  # [BLOCK_N]
-        xs = tl.load(xs_ptrs)  # [BLOCK_M]
+    for i in range(K_TILES):
+        ahead = tl.minimum(i + 1, K_TILES - 1)
+        next_sc_lo = tl.load(sc_words + 2 * ahead)
+        next_sc_hi = tl.load(sc_words + 2 * ahead + 1)
+        next_d = tl.load(d_ptrs + 2 * ahead).to(tl.float32)
+        next_xs = tl.load(xs_ptrs + ahead)
         acc_i = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
         for j in tl.static_range(4):
             lo, hi = _nibbles_as_int8(tl.load(q_ptrs + j * 32), WORDWISE)  # [BLOCK_N, 32] each
@@ -548,16 +567,15 @@ def _q4k_gemm_int8_kernel(
             hi_t = tl.trans(hi)
             sum0 = tl.dot(x_odd0, hi_t, tl.dot(x_even0, lo_t, out_dtype=tl.int32), out_dtype=tl.int32)
             sum1 = tl.dot(x_odd1, hi_t, tl.dot(x_even1, lo_t, out_dtype=tl.int32), out_dtype=tl.int32)
-            sc0 = tl.load(sc_ptrs + 2 * j).to(tl.int32)
-            sc1 = tl.load(sc_ptrs + 2 * j + 1).to(tl.int32)
+            word = sc_lo if j < 2 else sc_hi
+            sc0 = (word >> (16 * (j % 2))) & 0xFF
+            sc1 = (word >> (16 * (j % 2) + 8)) & 0xFF
             # |sum| <= 32 * 127 * 15 and sc <= 63: eight sub-blocks stay far inside int32.
             acc_i += sum0 * sc0[None, :] + sum1 * sc1[None, :]
         acc += acc_i.to(tl.float32) * (xs[:, None] * d[None, :])
         x_ptrs += 512
         q_ptrs += 128
-        sc_ptrs += 8
-        xs_ptrs += 1
-        ss_ptrs += 2
+        sc_lo, sc_hi, d, xs = next_sc_lo, next_sc_hi, next_d, next_xs
 
     acc = _add_subblock_terms(
         acc, rowsum_ptr, error_ptr, sc_ptr, mn_ptr, ss_ptr, rows_m, rows_n, k_start, K, stride_sn, stride_ssn,

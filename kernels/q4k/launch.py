@@ -43,6 +43,8 @@ KERNELS = (
 _REDUCE_BLOCK_M = 16
 _REDUCE_BLOCK_N = 128
 _FOLD_BLOCK_N = 128
+#: Super-blocks per program of the int8 pre-pass: 16 rows of K=4096 make 64 programs.
+_INT8_PREPASS_TILE = 4
 
 
 def _prepass_block(k: int) -> int:
@@ -87,9 +89,11 @@ def _quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     scales = torch.empty((m, k // 256), dtype=torch.float32, device=x.device)
     rowsum = torch.empty((m, k // 32), dtype=torch.float32, device=x.device)
     error = torch.empty((m, k // 32), dtype=torch.float32, device=x.device)
-    wrap_triton(_quantize_rows_int8_kernel)[(m,)](
-        x, xi, scales, rowsum, error, k, x.stride(0), x.stride(1), SUPER_BLOCKS=k // 256, num_warps=4
-    )
+    super_blocks = k // 256
+    wrap_triton(_quantize_rows_int8_kernel)[(m, triton.cdiv(super_blocks, _INT8_PREPASS_TILE))](
+        x, xi, scales, rowsum, error, k, x.stride(0), x.stride(1),
+        SUPER_BLOCKS=super_blocks, TILE=_INT8_PREPASS_TILE, num_warps=4,
+    )  # fmt: skip
     return xi, scales, rowsum, error
 
 
