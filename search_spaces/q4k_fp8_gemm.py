@@ -1,8 +1,7 @@
 """Search space of ``q4k_fp8_gemm``: the Q4_K weight x activation GEMM, portable and fp8 paths.
 
-Five kernels: portable, fp8 against the exact codes, folded fp8 (``SCALE_FOLD``), folded fp8
-with swapped operands (``SWAP_AB``: the dequantized weight as wgmma's register A operand) and int8
-against the exact codes (small M); the staged path adds cuBLASLt's fp8 GEMM. A field
+Four kernels: portable, fp8 against the exact codes, folded fp8 (``SCALE_FOLD``) and folded fp8
+with swapped operands (``SWAP_AB``: the dequantized weight as wgmma's register A operand). A field
 that leaves a path's launch unchanged is pruned as a duplicate (``SCALE_FOLD`` off the fp8 path,
 ``SWAP_AB`` without ``SCALE_FOLD``), ``BLOCK_M=256`` exists for the swapped kernel only, and the
 register and shared-memory rules are fitted to what Triton 3.6 and ptxas make of each kernel for
@@ -35,10 +34,6 @@ FOLD_MAX_REGISTERS = 224
 SWAP_MAX_REGISTERS = 176
 #: Rows per warpgroup on wgmma's M side: in the swapped kernel that side is BLOCK_N.
 WGMMA_ROWS = 64
-#: The int8 path's K step (:func:`k_step`): one super-block.
-INT8_BLOCK_K = 256
-#: Rows of the int8 MMA (mma.sync m16n8k32): the int8 path's smallest M tile.
-INT8_MIN_BLOCK_M = 16
 #: Smallest chunk the staged path uses on a GPU: below it each chunk's GEMM is too narrow to fill
 #: the GPU (4096 x 1024 tiles of 128 x 256 are 128 programs for 132 SMs).
 MIN_CHUNK_N = 1024
@@ -54,14 +49,11 @@ class Q4KConfig:
     #: "fp8": e4m3 activations against exact 4-bit quants, or folded e4m3 weights (SM89+);
     #: "staged": the folded e4m3 weights made ``CHUNK_N`` rows at a time into one reused scratch,
     #: each chunk multiplied by cuBLASLt's fp8 GEMM with row and column scales (SM90+, bf16, large M).
-    #: "int8": int8 activations (one scale per 256-wide super-block) against the exact 4-bit codes
-    #: on int8 tensor cores, for small M (SM80+);
-    path: str = choice("portable", ("portable", "fp8", "staged", "int8"))
+    path: str = choice("portable", ("portable", "fp8", "staged"))
     #: 256 only with SWAP_AB, where it is wgmma's widest N (m64n256).
     BLOCK_M: int = choice(64, (16, 32, 64, 128, 256))
     BLOCK_N: int = choice(64, (32, 64, 128, 256))
-    #: K tile; a multiple of the 32-wide sub-block that divides the 256-wide super-block (the int8
-    #: path does not read it: it steps whole super-blocks, see :func:`k_step`).
+    #: K tile; a multiple of the 32-wide sub-block that divides the 256-wide super-block.
     BLOCK_K: int = choice(64, (32, 64, 128, 256))
     GROUP_M: int = choice(8, (1, 4, 8))
     num_warps: int = choice(4, (2, 4, 8))
@@ -105,20 +97,9 @@ class Q4KShape(Protocol):
     def dtype(self) -> str: ...
 
 
-def k_step(config: Q4KConfig) -> int:
-    """How much of K one iteration of the config's kernel covers: ``BLOCK_K``, or a whole
-    super-block on the int8 path (whose int32 sums are scaled once per super-block)."""
-    return INT8_BLOCK_K if config.path == "int8" else config.BLOCK_K
-
-
 def smem_bytes(config: Q4KConfig) -> int:
     """Shared memory a launch is expected to need: pipelined loads plus the staged dot operand."""
     bm, bn, bk = config.BLOCK_M, config.BLOCK_N, config.BLOCK_K
-    if config.path == "int8":
-        # Per stage in flight, as Triton 3.6 lays it out for sm_90 (exact at 16x32..16x128 tiles):
-        # a super-block's packed codes (128 bytes a weight row) and x's four masked int8 vectors
-        # per 64-wide group (512 bytes a row), plus a little scratch.
-        return max(config.num_stages - 1, 1) * (bn * 128 + bm * 512) + 1024
     if config.path == "fp8" and config.SCALE_FOLD and config.SWAP_AB:
         # As Triton 3.6 lays it out for wgmma on sm_90 (never under, at most 6 KiB over on the
         # admitted tiles compiled): x's e4m3 tile in every stage, the packed quants, codes and
@@ -149,12 +130,6 @@ def feasibility(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> str |
     default = Q4KConfig()
     if config.CHUNK_N != default.CHUNK_N or config.FAST_ACCUM != default.FAST_ACCUM:
         return "CHUNK_N and FAST_ACCUM only change the staged path (the same launch as their defaults)"
-    if config.path == "int8" and config.BLOCK_M < INT8_MIN_BLOCK_M:
-        return f"the int8 MMA (m16n8k32) needs BLOCK_M >= {INT8_MIN_BLOCK_M}"
-    if config.path == "int8" and not limits.interpreter and key.m_bucket > SMALL_M:
-        # Each sub-block's integer sums enter the accumulator one by one: per weight that costs
-        # about BLOCK_M/32 instructions, which the other paths beat well before large M.
-        return f"the int8 path is for M <= {SMALL_M} (m_bucket={key.m_bucket})"
     if config.SCALE_FOLD and config.path != "fp8":
         return "SCALE_FOLD only changes the fp8 path (the same launch as SCALE_FOLD=False)"
     if config.SWAP_AB and not config.SCALE_FOLD:
@@ -163,9 +138,8 @@ def feasibility(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> str |
         return "BLOCK_M=256 only for the swapped kernel (SWAP_AB), where it is wgmma's N side"
     if config.SPLIT_K > 1 and not small:
         return f"SPLIT_K={config.SPLIT_K} only for M <= {SMALL_M} (m_bucket={key.m_bucket})"
-    step = k_step(config)
-    if (key.k // step) % config.SPLIT_K:
-        return f"SPLIT_K={config.SPLIT_K} does not divide the {key.k // step} K tiles of {step}"
+    if (key.k // config.BLOCK_K) % config.SPLIT_K:
+        return f"SPLIT_K={config.SPLIT_K} does not divide the {key.k // config.BLOCK_K} BLOCK_K={config.BLOCK_K} tiles"
     if max(key.m_bucket, 16) < config.BLOCK_M:
         return f"BLOCK_M={config.BLOCK_M} exceeds m_bucket={key.m_bucket}"
     if config.GROUP_M > 1 and key.m_bucket <= config.BLOCK_M:
@@ -249,7 +223,6 @@ _TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages",
 PATH_FIELDS: dict[str, tuple[str, ...]] = {
     "portable": _TILES,
     "fp8": (*_TILES, "SCALE_FOLD", "SWAP_AB"),
-    "int8": ("BLOCK_M", "BLOCK_N", "GROUP_M", "num_warps", "num_stages", "SPLIT_K"),
     "staged": ("BLOCK_N", "BLOCK_K", "num_warps", "CHUNK_N", "FAST_ACCUM"),
 }
 

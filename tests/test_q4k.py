@@ -26,7 +26,7 @@ from tritune.kernels.q4k.op import q4k_linear_op
 from tritune.kernels.q4k.reference import q4k_linear_reference, sqnr_db
 from tritune.kernels.q4k.spec import MIN_SQNR_DB, SPEC, Q4KKey, check_path
 from tritune.search_spaces.base import TargetLimits
-from tritune.search_spaces.q4k_fp8_gemm import PATH_FIELDS, Q4KConfig, smem_bytes
+from tritune.search_spaces.q4k_fp8_gemm import Q4KConfig, smem_bytes
 
 Q4_K = gguf.GGMLQuantizationType.Q4_K
 
@@ -219,25 +219,11 @@ CPU_CASES = [
     Case("fp8", 257, 256, 70, group_m=4),
     Case("fp8", 257, 256, 70, group_m=4, fold=True),
     Case("fp8", 257, 256, 70, group_m=4, fold=True, swap=True),
-    # The int8 path: one super-block, three with bias, splits of two super-blocks, two M tiles
-    # (the second one row deep) and fp16; the interpreter runs its byte-wise nibble unpacking.
-    Case("int8", 1, 256, 37),
-    Case("int8", 3, 768, 37, bias=True),
-    Case("int8", 16, 1024, 37, split_k=2),
-    Case("int8", 17, 1024, 65, split_k=4, bias=True),
-    Case("int8", 5, 512, 33, dtype=torch.float16, bias=True),
-    Case("int8", 257, 256, 70, group_m=4),
 ]
 
 # (path, SCALE_FOLD, SWAP_AB) of each kernel the GEMM can run.
-MODES = [
-    ("portable", False, False),
-    ("fp8", False, False),
-    ("fp8", True, False),
-    ("fp8", True, True),
-    ("int8", False, False),
-]
-MODE_IDS = ["portable", "fp8", "fp8-fold", "fp8-fold-swap", "int8"]
+MODES = [("portable", False, False), ("fp8", False, False), ("fp8", True, False), ("fp8", True, True)]
+MODE_IDS = ["portable", "fp8", "fp8-fold", "fp8-fold-swap"]
 
 GPU_CASES = [
     Case(path, m, k, n, split_k=split, block_k=bk, bias=bias, fold=fold, swap=swap)
@@ -259,9 +245,6 @@ GPU_CASES = [
     Case("staged", 257, 4096, 4000, block_k=128, chunk=1024, bias=True),
     Case("staged", 64, 768, 2048, block_k=256, chunk=1024),
     Case("staged", 3, 14336, 1024, block_k=64, chunk=1024),
-    Case("int8", 16, 4096, 4096, split_k=4),
-    Case("int8", 9, 4096, 1000, dtype=torch.float16, bias=True),
-    Case("int8", 64, 4096, 14336, split_k=2),
 ]
 
 
@@ -270,24 +253,18 @@ def _config(case: Case, device: str) -> dict[str, object]:
     if case.path == "staged":
         return {"path": "staged", "BLOCK_N": 32, "BLOCK_K": case.block_k, "num_warps": 4, "CHUNK_N": case.chunk}
     block_m = 16 if case.m <= 16 or small else 64
-    return _pin(
-        case.path,
-        BLOCK_M=block_m if not small or case.m <= 16 else 32,
-        BLOCK_N=32 if small else 64,
-        BLOCK_K=case.block_k,
-        GROUP_M=case.group_m if small else 4,
-        num_warps=4,
-        num_stages=1 if small else 3,
-        SPLIT_K=case.split_k,
-        SCALE_FOLD=case.fold,
-        SWAP_AB=case.swap,
-    )
-
-
-def _pin(path: str, **fields: object) -> dict[str, object]:
-    """A ``use_config`` pin of ``path`` with those of ``fields`` its launch reads (the int8 path
-    reads no BLOCK_K: pinning one is refused)."""
-    return {"path": path, **{name: value for name, value in fields.items() if name in PATH_FIELDS[path]}}
+    return {
+        "path": case.path,
+        "BLOCK_M": block_m if not small or case.m <= 16 else 32,
+        "BLOCK_N": 32 if small else 64,
+        "BLOCK_K": case.block_k,
+        "GROUP_M": case.group_m if small else 4,
+        "num_warps": 4,
+        "num_stages": 1 if small else 3,
+        "SPLIT_K": case.split_k,
+        "SCALE_FOLD": case.fold,
+        "SWAP_AB": case.swap,
+    }
 
 
 #: Quantized test weights by (N, K, seed, device): quantizing on the CPU costs seconds at the Llama
@@ -316,8 +293,6 @@ class _KernelSpy:
         self.ran: list[str] = []
         names = {
             q4k_launch._quantize_rows_fp8_kernel: "quantize",
-            q4k_launch._quantize_rows_int8_kernel: "quantize-int8",
-            q4k_launch._q4k_gemm_int8_kernel: "int8",
             q4k_launch._q4k_gemm_fp8_kernel: "fp8",
             q4k_launch._q4k_gemm_fp8_fold_kernel: "fp8-fold",
             q4k_launch._q4k_gemm_fp8_fold_swap_kernel: "fp8-fold-swap",
@@ -343,7 +318,7 @@ class _KernelSpy:
             # The GEMM of each chunk is cuBLASLt's (torch._scaled_mm), not a Triton launch.
             return ["prepass"] + ["dequant"] * chunks
         fp8 = ("fp8-fold-swap" if swap else "fp8-fold") if fold else "fp8"
-        gemm = {"fp8": ["quantize", fp8], "int8": ["quantize-int8", "int8"]}.get(path, ["portable"])
+        gemm = ["quantize", fp8] if path == "fp8" else ["portable"]
         return gemm + (["reduce"] if split_k > 1 else [])
 
 
@@ -410,8 +385,6 @@ def test_llama_shapes_gpu(path, fold, swap, m, record_property):
     case = Case(path, m, 4096, 14336, fold=fold, swap=swap)
     x, weight, _ = _problem(case, "cuda")
     config = {"path": path, "SCALE_FOLD": fold, "SWAP_AB": swap} if path == "fp8" else {}
-    if path == "int8":
-        config = {"path": "int8", "SPLIT_K": 4 if m <= 16 else 1}
     if config:
         with use_config("q4k_fp8_gemm", config):
             out = q4k_linear(x, weight)
@@ -432,9 +405,10 @@ def test_split_k_agrees_with_one_split(path, fold, swap, device, kernel_spy):
     expected = q4k_linear_reference(x, weight, bias)
     outs = []
     for split in (1, 4):
-        config = _pin(
-            path, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, SPLIT_K=split, SCALE_FOLD=fold, SWAP_AB=swap
-        )
+        config = {
+            "path": path, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": split,
+            "SCALE_FOLD": fold, "SWAP_AB": swap,
+        }  # fmt: skip
         kernel_spy.ran.clear()
         with use_config("q4k_fp8_gemm", config):
             out = q4k_linear(x, weight, bias, out=_nan_out((2, 40), x))
@@ -451,7 +425,10 @@ def test_bias_view_is_read_through_its_stride(path, fold, swap, split, device):
     x, weight, bias = _problem(Case(path, 3, 512, 24, bias=True), device, seed=12)
     interleaved = torch.stack([bias, torch.full_like(bias, 1e3)], dim=1).reshape(-1)[::2]
     assert interleaved.stride(0) == 2 and torch.equal(interleaved, bias)
-    config = _pin(path, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, SPLIT_K=split, SCALE_FOLD=fold, SWAP_AB=swap)
+    config = {
+        "path": path, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": split,
+        "SCALE_FOLD": fold, "SWAP_AB": swap,
+    }  # fmt: skip
     with use_config("q4k_fp8_gemm", config):
         out = q4k_linear(x, weight, interleaved, out=_nan_out((3, 24), x))
     assert check_path(out.float(), q4k_linear_reference(x, weight, bias), path) is None
@@ -591,54 +568,6 @@ def test_centred_fp8_kernel_matches_its_emulation(block_k, split, device):
     torch.testing.assert_close(out.float().cpu(), expected, rtol=2e-3, atol=4e-3 * expected.abs().max().item())
 
 
-def _int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x rounded as the int8 pre-pass rounds it: int8 values (ties to even) and their float32
-    scales ``amax / 127``, one per 256-wide super-block of a row."""
-    xf = x.float().reshape(x.shape[0], -1, 256)
-    amax = xf.abs().amax(dim=2, keepdim=True)
-    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    return torch.round(xf / scale).clamp(-127, 127).reshape(x.shape), scale.squeeze(2)
-
-
-def test_int8_prepass_writes_the_masked_layout(device):
-    """Each 64-wide group's four vectors: even and odd positions of its first sub-block (second
-    half zero), then of its second (first half zero); exact sums and what the rounding took."""
-    x, _, _ = _problem(Case("int8", 3, 512, 8), device, seed=18)
-    xi, scales, rowsum, error = (t.cpu() for t in q4k_launch._quantize_rows_int8(x))
-    xr, expected_scales = _int8_rows(x.cpu())
-    torch.testing.assert_close(scales, expected_scales, rtol=0, atol=0)
-    groups = xr.reshape(3, -1, 32, 2)  # [M, K/64, 32 bytes, (even, odd)]
-    first = (torch.arange(32) < 16).float()
-    expected = torch.stack(
-        [groups[..., 0] * first, groups[..., 1] * first, groups[..., 0] * (1 - first), groups[..., 1] * (1 - first)],
-        dim=2,
-    ).reshape(3, -1)
-    assert xi.dtype == torch.int8 and torch.equal(xi.float(), expected)
-    xf = x.cpu().float()
-    torch.testing.assert_close(rowsum, xf.reshape(3, -1, 32).sum(2), rtol=1e-6, atol=1e-5)
-    lost = (xf - xr * expected_scales.repeat_interleave(256, dim=1)).reshape(3, -1, 32).sum(2)
-    torch.testing.assert_close(error, lost, rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("split", [1, 2], ids=["one-split", "split2"])
-def test_int8_kernel_matches_its_emulation(split, device):
-    """The int8 kernel, term by term: the rounded x times the centred weights ``s * (q - 8)``
-    plus the exact x times each sub-block's centre ``8s - o`` (as the fp8 kernel, with int8 x).
-    A 1% error in a scale, a centre or a sum passes the 30 dB floor but not this tolerance."""
-    x, weight, bias = _problem(Case("int8", 5, 1024, 33, dtype=torch.float16, bias=True), device, seed=19)
-    with use_config("q4k_fp8_gemm", {"path": "int8", "BLOCK_N": 32, "GROUP_M": 1, "SPLIT_K": split}):
-        out = q4k_linear(x, weight, bias, out=_nan_out((5, 33), x))
-    xr, scales = _int8_rows(x.cpu())
-    xq = xr * scales.repeat_interleave(256, dim=1)
-    w = weight.to("cpu")
-    d, dmin = w.super_scales.float().unbind(-1)
-    s = d.repeat_interleave(8, dim=1) * w.scales.float()
-    o = dmin.repeat_interleave(8, dim=1) * w.mins.float()
-    centre = (8 * s - o).repeat_interleave(32, dim=1)
-    expected = xq @ (w.dequantize() - centre).t() + x.cpu().float() @ centre.t() + bias.float().cpu()
-    torch.testing.assert_close(out.float().cpu(), expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item())
-
-
 def test_column_folds_are_the_largest_safe_powers_of_two(device):
     """Each column's fold is exactly the largest power of two ``f`` with ``f * bound <= 448``: one
     2-4x too small still passes every SQNR floor (e4m3 is relative), so it is checked directly."""
@@ -745,20 +674,22 @@ def _activations(kind: str, m: int, k: int, gen: torch.Generator) -> torch.Tenso
 
 
 @pytest.mark.parametrize("kind", ["gaussian", "outlier-channels", "silu-gated"])
-@pytest.mark.parametrize(("path", "fold", "swap"), MODES[1:], ids=MODE_IDS[1:])
-def test_quantized_modes_on_realistic_activations(kind, path, fold, swap, device, record_property):
-    """Gaussian Q4_K weights against activations shaped like a model's: every fp8 mode and the
-    int8 path hold their floors."""
+@pytest.mark.parametrize(("fold", "swap"), [(False, False), (True, False), (True, True)], ids=MODE_IDS[1:])
+def test_fp8_modes_on_realistic_activations(kind, fold, swap, device, record_property):
+    """Gaussian Q4_K weights against activations shaped like a model's: every fp8 mode holds the floor."""
     gen = torch.Generator().manual_seed(16)
     m, n, k = 16, 64, 768
     weight = Q4KWeight.quantize(torch.randn(n, k, generator=gen) * 0.02).to(device)
     x = _activations(kind, m, k, gen).to(torch.bfloat16).to(device)
-    config = _pin(path, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, SCALE_FOLD=fold, SWAP_AB=swap)
+    config = {
+        "path": "fp8", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "SCALE_FOLD": fold,
+        "SWAP_AB": swap,
+    }  # fmt: skip
     with use_config("q4k_fp8_gemm", config):
         out = q4k_linear(x, weight, out=_nan_out((m, n), x))
     expected = q4k_linear_reference(x, weight)
     record_property("sqnr_db", round(sqnr_db(out.float(), expected), 2))
-    assert check_path(out.float(), expected, path) is None
+    assert check_path(out.float(), expected, "fp8") is None
 
 
 def test_batched_input_matches_rows(device):
@@ -811,8 +742,7 @@ def test_config_outside_the_space_is_refused():
 
 @pytest.mark.parametrize(("path", "fold", "swap"), [*MODES, ("staged", False, False)], ids=[*MODE_IDS, "staged"])
 def test_opcheck(path, fold, swap, device):
-    # K=512: two K tiles for SPLIT_K=2 on every path (the int8 path steps 256 at a time).
-    x, weight, bias = _problem(Case(path, 3, 512, 16), device, seed=9)
+    x, weight, bias = _problem(Case(path, 3, 256, 16), device, seed=9)
     out = torch.empty(3, 16, dtype=torch.bfloat16, device=device)
     config = Q4KConfig(
         path=path, BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_stages=1, SPLIT_K=2, SCALE_FOLD=fold, SWAP_AB=swap
@@ -1067,28 +997,24 @@ def test_check_rejects_nan_and_noise():
     assert MIN_SQNR_DB["fp8"] < MIN_SQNR_DB["portable"]
 
 
-def test_starting_configs_are_tiles_the_space_admits():
+def test_starting_configs_are_swapped_fold_tiles_the_space_admits():
     """On an H200 every default key starts from feasible SWAP_AB tiles, large M from staged chunks
-    too and small M from int8 tiles; before Hopper only the int8 tiles remain (small M); the
-    interpreter gets none."""
+    too; the interpreter and pre-Hopper GPUs get none."""
     h200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
     limits = SPEC.limits(h200)
     for key in SPEC.default_keys(h200, m=[1, 16, 64, 4096]):
         starts = SPEC.starting_configs(key, h200)
         assert starts, key
         for config in starts:
-            assert (config.path == "fp8" and config.SCALE_FOLD and config.SWAP_AB) or config.path in ("staged", "int8")
+            assert (config.path == "fp8" and config.SCALE_FOLD and config.SWAP_AB) or config.path == "staged"
             assert SPEC.space.infeasible_reason(config, key, limits) is None
         fold = [c for c in starts if c.path == "fp8"]
         assert max(c.BLOCK_M for c in fold) == {1: 16, 16: 16, 64: 64, 4096: 256}[key.m_bucket]
         staged = [c for c in starts if c.path == "staged"]
         # Chunks of at most half the weight rows: N=4096 keeps only the 2048-row one.
         assert len(staged) == {1: 0, 16: 0, 64: 0, 4096: 3 if key.n == 14336 else 1}[key.m_bucket], key
-        assert bool([c for c in starts if c.path == "int8"]) == (key.m_bucket <= 64), key
     ada = DeviceInfo(name="NVIDIA L40S", vendor="nvidia", capability=(8, 9), sm_count=142, arch="sm89")
     assert SPEC.starting_configs(SPEC.default_keys(ada, m=[4096])[0], ada) == []
-    small = SPEC.starting_configs(SPEC.default_keys(ada, m=[16])[0], ada)
-    assert small and {c.path for c in small} == {"int8"}
     cpu = device_info("cpu")
     assert SPEC.starting_configs(SPEC.default_keys(cpu)[0], cpu) == []
 

@@ -276,56 +276,6 @@ def _q4k_gemm_portable_kernel(
 
 
 @triton.jit
-def _add_subblock_terms(
-    acc,
-    rowsum_ptr,
-    error_ptr,
-    sc_ptr,
-    mn_ptr,
-    ss_ptr,
-    rows_m,
-    rows_n,
-    k_start,
-    K,
-    stride_sn,
-    stride_ssn,
-    GROUPS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CENTRE_ON_ERROR: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """``acc`` plus the per-sub-block terms of the ``GROUPS`` sub-blocks from ``k_start``, as small
-    float32 dots over the sub-block index, 16 sub-blocks at a time.
-
-    The dots saw codes ``q - 8``, so every sub-block owes ``(8*d*sc)[g, n]`` times the sum of x
-    over it, and ``-(dmin*m)[g, n]`` times the same sum. Without ``CENTRE_ON_ERROR`` both take
-    x's exact sums ``rowsum``; with it the centre takes ``error``, what x's sums lost to its
-    rounding (the int8 kernel's dots saw ``q`` itself, and ``q - 8`` with the rounded x differs
-    from ``q`` by 8 times the rounded sum).
-    """
-    GC: tl.constexpr = 16
-    offs_gc = tl.arange(0, GC)
-    for c in range((GROUPS + GC - 1) // GC):
-        g_ok = c * GC + offs_gc < GROUPS
-        g = k_start // 32 + c * GC + offs_gc
-        rs_ptrs = rows_m[:, None] * (K // 32) + g[None, :]
-        rs = tl.load(rowsum_ptr + rs_ptrs, mask=g_ok[None, :], other=0.0)
-        sc_mn = rows_n[None, :] * stride_sn + g[:, None]  # [GC, BLOCK_N]
-        sc = tl.load(sc_ptr + sc_mn, mask=g_ok[:, None], other=0).to(tl.float32)
-        mn = tl.load(mn_ptr + sc_mn, mask=g_ok[:, None], other=0).to(tl.float32)
-        d_ptrs = ss_ptr + rows_n[None, :] * stride_ssn + (g // 8 * 2)[:, None]
-        d = tl.load(d_ptrs, mask=g_ok[:, None], other=0.0).to(tl.float32)
-        dmin = tl.load(d_ptrs + 1, mask=g_ok[:, None], other=0.0).to(tl.float32)
-        if CENTRE_ON_ERROR:
-            err = tl.load(error_ptr + rs_ptrs, mask=g_ok[None, :], other=0.0)
-            acc = tl.dot(err, 8.0 * (d * sc), acc, input_precision=PRECISION)
-            acc = tl.dot(rs, -(dmin * mn), acc, input_precision=PRECISION)
-        else:
-            acc = tl.dot(rs, 8.0 * (d * sc) - dmin * mn, acc, input_precision=PRECISION)
-    return acc
-
-
-@triton.jit
 def _q4k_gemm_fp8_kernel(
     xq_ptr,
     row_scale_ptr,
@@ -389,198 +339,22 @@ def _q4k_gemm_fp8_kernel(
 
     # The centre term: sum over sub-blocks g of rowsum(x)[m, g] * (8*d*sc - dmin*m)[g, n]. tf32
     # operands cost ~55 dB on this (already centred, small) term, far below the e4m3 error.
-    acc = _add_subblock_terms(
-        acc, rowsum_ptr, rowsum_ptr, sc_ptr, mn_ptr, ss_ptr, rows_m, rows_n, k_start, K, stride_sn, stride_ssn,
-        K_TILES * BLOCK_K // 32, BLOCK_N, False, "tf32",
-    )  # fmt: skip
+    GC: tl.constexpr = 16
+    GROUPS: tl.constexpr = K_TILES * BLOCK_K // 32
+    offs_gc = tl.arange(0, GC)
+    for c in range((GROUPS + GC - 1) // GC):
+        g_ok = c * GC + offs_gc < GROUPS
+        g = k_start // 32 + c * GC + offs_gc
+        rs = tl.load(rowsum_ptr + rows_m[:, None] * (K // 32) + g[None, :], mask=g_ok[None, :], other=0.0)
+        sc_mn = rows_n[None, :] * stride_sn + g[:, None]  # [GC, BLOCK_N]
+        sc = tl.load(sc_ptr + sc_mn, mask=g_ok[:, None], other=0).to(tl.float32)
+        mn = tl.load(mn_ptr + sc_mn, mask=g_ok[:, None], other=0).to(tl.float32)
+        d_ptrs = ss_ptr + rows_n[None, :] * stride_ssn + (g // 8 * 2)[:, None]
+        d = tl.load(d_ptrs, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        dmin = tl.load(d_ptrs + 1, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        centre = 8.0 * (d * sc) - dmin * mn  # [GC, BLOCK_N]
+        acc = tl.dot(rs, centre, acc, input_precision="tf32")
 
-    _store_tile(
-        acc, out_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k,
-        stride_om, stride_on, stride_ok, stride_bn, HAS_BIAS, SPLIT_K,
-    )  # fmt: skip
-
-
-@triton.jit
-def _quantize_rows_int8_kernel(
-    x_ptr,
-    xi_ptr,
-    xs_ptr,
-    rowsum_ptr,
-    error_ptr,
-    K,
-    stride_xm,
-    stride_xk,
-    SUPER_BLOCKS: tl.constexpr,
-    TILE: tl.constexpr,
-):
-    """``TILE`` super-blocks of one row of x per program: int8 values with one scale ``amax / 127``
-    per 256-wide super-block, laid out for the int8 kernel's masked dots, the exact 32-wide sums
-    of x and what each of those sums lost to the rounding (``sum(x) - scale * sum(xi)``).
-
-    Row ``m`` of ``xi`` holds ``2K`` bytes: for each 64-wide group ``g`` (32 bytes of packed codes,
-    weight ``64g + 2j`` in byte ``j``'s low nibble, ``64g + 2j + 1`` in its high one), four 32-byte
-    vectors: x at the even and at the odd positions of the group's first sub-block (entries
-    ``j >= 16`` zero), then the same for its second sub-block (entries ``j < 16`` zero). A dot of
-    one of them with the group's low or high nibbles sums exactly one sub-block's products.
-
-    The grid spans rows and super-blocks: at decode sizes (16 rows) a program per row alone would
-    walk K serially and cost more than the GEMM. Divisions are IEEE (``div_rn``), so the rounding
-    is the same on the GPU as on the interpreter and in a PyTorch emulation.
-    """
-    pid_m = tl.program_id(0).to(tl.int64)
-    sb = tl.program_id(1) * TILE + tl.arange(0, TILE)  # [TILE] super-blocks
-    ok = sb < SUPER_BLOCKS
-    offs = tl.arange(0, 256)
-    x = tl.load(
-        x_ptr + pid_m * stride_xm + (sb[:, None] * 256 + offs[None, :]) * stride_xk, mask=ok[:, None], other=0.0
-    ).to(tl.float32)  # [TILE, 256]
-    amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full([TILE], 127.0, tl.float32)), 1.0)
-    tl.store(xs_ptr + pid_m * SUPER_BLOCKS + sb, scale, mask=ok)
-    # Adding 1.5 * 2**23 leaves no fraction bits: float32 addition rounds to an integer, ties to even.
-    quotient = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], (TILE, 256)))
-    xr = tl.clamp((quotient + 12582912.0) - 12582912.0, -127.0, 127.0)
-    even, odd = tl.split(tl.reshape(xr, (TILE, 4, 32, 2)))  # [TILE, 4 groups, 32 bytes]
-    offs_j = tl.arange(0, 32)
-    first_half = (offs_j < 16)[None, None, :]
-    dest = (sb * 512)[:, None, None] + (tl.arange(0, 4) * 128)[None, :, None] + offs_j[None, None, :]
-    base = xi_ptr + pid_m * (2 * K) + dest
-    keep = ok[:, None, None]
-    tl.store(base, tl.where(first_half, even, 0.0).to(tl.int8), mask=keep)
-    tl.store(base + 32, tl.where(first_half, odd, 0.0).to(tl.int8), mask=keep)
-    tl.store(base + 64, tl.where(first_half, 0.0, even).to(tl.int8), mask=keep)
-    tl.store(base + 96, tl.where(first_half, 0.0, odd).to(tl.int8), mask=keep)
-    sums = tl.sum(tl.reshape(x, (TILE, 8, 32)), axis=2)
-    lost = tl.sum(tl.reshape(x - scale[:, None] * xr, (TILE, 8, 32)), axis=2)
-    sub = pid_m * (K // 32) + (sb * 8)[:, None] + tl.arange(0, 8)[None, :]
-    tl.store(rowsum_ptr + sub, sums, mask=ok[:, None])
-    tl.store(error_ptr + sub, lost, mask=ok[:, None])
-
-
-@triton.jit
-def _nibbles_as_int8(qb, WORDWISE: tl.constexpr):
-    """uint8 packed codes -> (low nibbles, high nibbles) as int8 0..15, element for element.
-
-    ``WORDWISE`` (a GPU build) works on four bytes per 32-bit register in PTX: one instruction for
-    the low nibbles, two for the high ones, where Triton's byte-wise operations cost about five per
-    four bytes (it repacks each byte for the MMA). The interpreter, which cannot run PTX, takes the
-    byte-wise form: the same values.
-    """
-    if WORDWISE:
-        lo = tl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [qb], dtype=tl.int8, is_pure=True, pack=4)
-        hi = tl.inline_asm_elementwise(
-            "{.reg .b32 t; shr.u32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F;}",
-            "=r,r",
-            [qb],
-            dtype=tl.int8,
-            is_pure=True,
-            pack=4,
-        )
-    else:
-        lo = (qb & 0xF).to(tl.int8)
-        hi = (qb >> 4).to(tl.int8)
-    return lo, hi
-
-
-@triton.jit
-def _q4k_gemm_int8_kernel(
-    xi_ptr,
-    xs_ptr,
-    rowsum_ptr,
-    error_ptr,
-    qs_ptr,
-    sc_ptr,
-    mn_ptr,
-    ss_ptr,
-    bias_ptr,
-    out_ptr,
-    M,
-    N,
-    K,
-    stride_qn,
-    stride_sn,
-    stride_ssn,
-    stride_om,
-    stride_on,
-    stride_ok,
-    stride_bn,
-    HAS_BIAS: tl.constexpr,
-    WORDWISE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    K_TILES: tl.constexpr,
-):
-    """Each program reduces ``K_TILES`` super-blocks (its split): int8 dots of x against the codes.
-
-    Per 64-wide group the packed codes give two int8 operands as they are, the low and the high
-    nibbles (no reordering); four masked x vectors (see :func:`_quantize_rows_int8_kernel`) turn
-    them into each sub-block's exact integer sum ``sum_k xi[m, k] * q[n, k]``. That sum times the
-    6-bit ``sc`` accumulates in int32 across the super-block, which then enters the float32
-    accumulator once, times x's super-block scale and ``d``.
-
-    After the loop come the per-sub-block terms (:func:`_add_subblock_terms`): the mins against
-    x's exact sub-block sums, and a centring that turns the codes into ``q - 8`` as the fp8 kernel
-    has them. Against ``q`` itself, the rounding of x would meet each code's mean of about 7.5 and
-    cost about 8 dB (34 instead of 42 dB on Gaussian data); after centring only ``q - 8`` meets it.
-    """
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    pid_k = tl.program_id(1)
-    k_start = pid_k * (K_TILES * BLOCK_K)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
-    rows_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
-    offs_b = tl.arange(0, 32)
-
-    x_ptrs = xi_ptr + rows_m[:, None] * (2 * K) + (2 * k_start + offs_b)[None, :]
-    q_ptrs = qs_ptr + rows_n[:, None] * stride_qn + (k_start // 2 + offs_b)[None, :]
-    # A super-block's eight 6-bit scales as two 32-bit words per weight row (rows are 8-byte aligned).
-    sc_words = (sc_ptr + rows_n * stride_sn + k_start // 32).to(tl.pointer_type(tl.int32))
-    xs_ptrs = xs_ptr + rows_m * (K // 256) + k_start // 256
-    d_ptrs = ss_ptr + rows_n * stride_ssn + k_start // 256 * 2
-
-    # The per-super-block values are loaded one iteration ahead: Triton's pipeliner leaves these
-    # small loads (no dot reads them) synchronous, and each would stall the loop on a memory
-    # round trip.
-    sc_lo = tl.load(sc_words)  # [BLOCK_N]: scales of sub-blocks 0..3, a byte each
-    sc_hi = tl.load(sc_words + 1)  # 4..7
-    d = tl.load(d_ptrs).to(tl.float32)  # [BLOCK_N]
-    xs = tl.load(xs_ptrs)  # [BLOCK_M]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in range(K_TILES):
-        ahead = tl.minimum(i + 1, K_TILES - 1)
-        next_sc_lo = tl.load(sc_words + 2 * ahead)
-        next_sc_hi = tl.load(sc_words + 2 * ahead + 1)
-        next_d = tl.load(d_ptrs + 2 * ahead).to(tl.float32)
-        next_xs = tl.load(xs_ptrs + ahead)
-        acc_i = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-        for j in tl.static_range(4):
-            lo, hi = _nibbles_as_int8(tl.load(q_ptrs + j * 32), WORDWISE)  # [BLOCK_N, 32] each
-            x_even0 = tl.load(x_ptrs + j * 128)
-            x_odd0 = tl.load(x_ptrs + j * 128 + 32)
-            x_even1 = tl.load(x_ptrs + j * 128 + 64)
-            x_odd1 = tl.load(x_ptrs + j * 128 + 96)
-            lo_t = tl.trans(lo)
-            hi_t = tl.trans(hi)
-            sum0 = tl.dot(x_odd0, hi_t, tl.dot(x_even0, lo_t, out_dtype=tl.int32), out_dtype=tl.int32)
-            sum1 = tl.dot(x_odd1, hi_t, tl.dot(x_even1, lo_t, out_dtype=tl.int32), out_dtype=tl.int32)
-            word = sc_lo if j < 2 else sc_hi
-            sc0 = (word >> (16 * (j % 2))) & 0xFF
-            sc1 = (word >> (16 * (j % 2) + 8)) & 0xFF
-            # |sum| <= 32 * 127 * 15 and sc <= 63: eight sub-blocks stay far inside int32.
-            acc_i += sum0 * sc0[None, :] + sum1 * sc1[None, :]
-        acc += acc_i.to(tl.float32) * (xs[:, None] * d[None, :])
-        x_ptrs += 512
-        q_ptrs += 128
-        sc_lo, sc_hi, d, xs = next_sc_lo, next_sc_hi, next_d, next_xs
-
-    acc = _add_subblock_terms(
-        acc, rowsum_ptr, error_ptr, sc_ptr, mn_ptr, ss_ptr, rows_m, rows_n, k_start, K, stride_sn, stride_ssn,
-        K_TILES * BLOCK_K // 32, BLOCK_N, True, "tf32x3",
-    )  # fmt: skip
     _store_tile(
         acc, out_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k,
         stride_om, stride_on, stride_ok, stride_bn, HAS_BIAS, SPLIT_K,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from tritune.search_spaces.q4k_fp8_gemm import Q4KConfig, k_step
+from tritune.search_spaces.q4k_fp8_gemm import Q4KConfig
 
 from .._oplib import wrap_triton
 from ._triton_q4k import (
@@ -19,19 +19,15 @@ from ._triton_q4k import (
     _q4k_gemm_fp8_fold_kernel,
     _q4k_gemm_fp8_fold_swap_kernel,
     _q4k_gemm_fp8_kernel,
-    _q4k_gemm_int8_kernel,
     _q4k_gemm_portable_kernel,
     _quantize_rows_fp8_kernel,
-    _quantize_rows_int8_kernel,
     _splitk_reduce_kernel,
     _staged_prepass_kernel,
 )
 
 KERNELS = (
     _quantize_rows_fp8_kernel,
-    _quantize_rows_int8_kernel,
     _q4k_gemm_fp8_kernel,
-    _q4k_gemm_int8_kernel,
     _q4k_gemm_fp8_fold_kernel,
     _q4k_gemm_fp8_fold_swap_kernel,
     _q4k_gemm_portable_kernel,
@@ -43,8 +39,6 @@ KERNELS = (
 _REDUCE_BLOCK_M = 16
 _REDUCE_BLOCK_N = 128
 _FOLD_BLOCK_N = 128
-#: Super-blocks per program of the int8 pre-pass: 16 rows of K=4096 make 64 programs.
-_INT8_PREPASS_TILE = 4
 
 
 def _prepass_block(k: int) -> int:
@@ -78,23 +72,6 @@ def _quantize_rows(x: torch.Tensor, *, row_sums: bool, interpreted: bool) -> tup
         num_warps=4,
     )
     return xq, row_scale, rowsum
-
-
-def _quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The int8 pre-pass: x's int8 values in the masked layout the int8 kernel reads (``[M, 2K]``),
-    one float32 scale per row and super-block (``[M, K/256]``), exact 32-wide sums and what the
-    rounding took from each (``[M, K/32]`` both)."""
-    m, k = x.shape
-    xi = torch.empty((m, 2 * k), dtype=torch.int8, device=x.device)
-    scales = torch.empty((m, k // 256), dtype=torch.float32, device=x.device)
-    rowsum = torch.empty((m, k // 32), dtype=torch.float32, device=x.device)
-    error = torch.empty((m, k // 32), dtype=torch.float32, device=x.device)
-    super_blocks = k // 256
-    wrap_triton(_quantize_rows_int8_kernel)[(m, triton.cdiv(super_blocks, _INT8_PREPASS_TILE))](
-        x, xi, scales, rowsum, error, k, x.stride(0), x.stride(1),
-        SUPER_BLOCKS=super_blocks, TILE=_INT8_PREPASS_TILE, num_warps=4,
-    )  # fmt: skip
-    return xi, scales, rowsum, error
 
 
 def staged_prepass(
@@ -203,11 +180,11 @@ def run_q4k_gemm(
     if m == 0:
         return
     # Plain // and % (not divmod): under torch.compile's dynamic shapes k is a SymInt.
-    block_k = k_step(config)
-    k_tiles = k // block_k // config.SPLIT_K
-    if (k // block_k) % config.SPLIT_K or k % block_k:
+    k_tiles = k // config.BLOCK_K // config.SPLIT_K
+    if (k // config.BLOCK_K) % config.SPLIT_K or k % config.BLOCK_K:
         raise ValueError(
-            f"config: SPLIT_K={config.SPLIT_K} must divide the {k // block_k} K tiles ({block_k} wide) of K={k}"
+            f"config: SPLIT_K={config.SPLIT_K} must divide the {k // config.BLOCK_K} BLOCK_K={config.BLOCK_K} "
+            f"tiles of K={k}"
         )
     has_bias = bias is not None
     bias_arg = bias if bias is not None else out
@@ -224,7 +201,7 @@ def run_q4k_gemm(
         "HAS_BIAS": has_bias,
         "BLOCK_M": config.BLOCK_M,
         "BLOCK_N": config.BLOCK_N,
-        "BLOCK_K": block_k,
+        "BLOCK_K": config.BLOCK_K,
         "GROUP_M": config.GROUP_M,
         "SPLIT_K": config.SPLIT_K,
         "K_TILES": k_tiles,
@@ -236,14 +213,7 @@ def run_q4k_gemm(
     if config.path == "staged":
         _run_staged(config, x, qs, scales, mins, super_scales, bias, out, interpreted)
         return
-    if config.path == "int8":
-        xi, x_scales, rowsum, error = _quantize_rows_int8(x)
-        launcher(_q4k_gemm_int8_kernel)[grid](
-            xi, x_scales, rowsum, error, qs, scales, mins, super_scales, bias_arg, target, m, n, k,
-            qs.stride(0), scales.stride(0), super_scales.stride(0), stride_om, stride_on, stride_ok, stride_bn,
-            WORDWISE=not interpreted, **launch,
-        )  # fmt: skip
-    elif config.path == "fp8":
+    if config.path == "fp8":
         # Folded weights carry their mins: only the centred kernel needs x's 32-wide row sums.
         xq, row_scale, rowsum = _quantize_rows(x, row_sums=not config.SCALE_FOLD, interpreted=interpreted)
         # The fp8 kernels read the weight, bias and output alike.

@@ -23,9 +23,8 @@ from .weight import Q4KWeight
 
 #: SQNR (dB) each path must reach against the exactly dequantized float32 reference.
 #: fp8: e4m3 activations (about 31 dB on Gaussian data; 28.5 dB with SCALE_FOLD, whose weights are
-#: e4m3 too); staged: SCALE_FOLD's e4m3 weights and activations; int8: int8 activations with one
-#: scale per 256 values (about 41 dB on Gaussian data, exact weights); portable: bf16/fp16 rounding only.
-MIN_SQNR_DB = {"fp8": 25.0, "staged": 25.0, "int8": 30.0, "portable": 40.0}
+#: e4m3 too); staged: SCALE_FOLD's e4m3 weights and activations; portable: bf16/fp16 rounding only.
+MIN_SQNR_DB = {"fp8": 25.0, "staged": 25.0, "portable": 40.0}
 
 _GPU_SHAPES = ((4096, 14336), (14336, 4096), (4096, 4096))  # (K, N)
 _GPU_M_BUCKETS = (1, 16, 64, 256, 1024, 4096, 8192)
@@ -119,18 +118,15 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
         Large M: 256-column x tiles (wgmma's widest N, each weight dequantized once per 256 rows
         of x), then 128x256. Small M: 16-row x tiles with deep K tiles, split along K toward
         about one program per SM; for buckets of 32 and 64 rows also one M tile of the whole
-        bucket with 128 weight rows, split 2-8 ways along K. Only on SM90+ (wgmma). Before them, at
-        small M on SM80+, int8 tiles (:meth:`_int8_starts`). Only those the space admits at ``key``.
+        bucket with 128 weight rows, split 2-8 ways along K. Only on SM90+ (wgmma), and only those
+        the space admits at ``key``.
         """
-        if device.is_interpreter:
+        if device.is_interpreter or not target_supports(device, (9, 0)):
             return []
-        starts = self._int8_starts(key, device) if target_supports(device, (8, 0)) else []
-        if not target_supports(device, (9, 0)):
-            return self._admitted(starts, key, device)
         fold = {"path": "fp8", "SCALE_FOLD": True, "SWAP_AB": True}
         if key.m_bucket > q4k_space.SMALL_M:
             group_m = 8 if key.m_bucket > 256 else 1
-            starts += [
+            starts = [
                 {**fold, "BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "num_warps": 8, "num_stages": st, "GROUP_M": group_m}
                 for m, n, k, st in ((256, 128, 64, 3), (256, 128, 128, 3), (256, 128, 64, 4), (128, 256, 64, 3))
             ]
@@ -140,6 +136,7 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
                 starts.append({"path": "staged", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "CHUNK_N": chunk})
         else:
             tiles = triton.cdiv(key.n, 64)
+            starts = []
             for split in (1, 2, 4, 8):
                 if split == 1 or tiles * split <= 2 * key.sm_count:
                     starts.append({**fold, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4,
@@ -151,25 +148,6 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
                 for split in (2, 4, 8):
                     starts.append({**fold, "BLOCK_M": key.m_bucket, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4,
                                    "num_stages": 3, "GROUP_M": 1, "SPLIT_K": split})  # fmt: skip
-        return self._admitted(starts, key, device)
-
-    @staticmethod
-    def _int8_starts(key: Q4KKey, device: DeviceInfo) -> list[dict[str, Any]]:
-        """Small M: int8 tiles of 16 rows by 64 and 128 weight rows, split along K toward one or two
-        programs per SM."""
-        if key.m_bucket > q4k_space.SMALL_M:
-            return []
-        starts: list[dict[str, Any]] = []
-        for block_n, warps in ((64, 4), (128, 4), (128, 8)):
-            tiles = triton.cdiv(key.n, block_n)
-            for split in (1, 2, 4, 8):
-                if split == 1 or tiles * split <= 2 * device.sm_count:
-                    starts.append({"path": "int8", "BLOCK_M": 16, "BLOCK_N": block_n,
-                                   "num_warps": warps, "num_stages": 3, "GROUP_M": 1, "SPLIT_K": split})  # fmt: skip
-        return starts
-
-    def _admitted(self, starts: list[dict[str, Any]], key: Q4KKey, device: DeviceInfo) -> list[Q4KConfig]:
-        """The starting configs the space admits at ``key`` (invalid ones dropped, not raised)."""
         limits = self.limits(device)
         configs = [self.space.parse(values) for values in starts]
         return [c for c in configs if self.space.infeasible_reason(c, key, limits) is None]
@@ -184,8 +162,6 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
         base = Q4KConfig()
         if values.get("path") == "fp8":
             base = dataclasses.replace(base, path="fp8", BLOCK_K=128)
-        elif values.get("path") == "int8":
-            base = dataclasses.replace(base, path="int8", BLOCK_M=16)
         elif values.get("path") == "staged":
             base = dataclasses.replace(base, path="staged", BLOCK_N=32, BLOCK_K=256)
         config = self.space.parse(values, base=base)
@@ -203,8 +179,7 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
         return config
 
     def serveable(self, config: Q4KConfig, device: DeviceInfo, facts: tuple[Any, ...]) -> Q4KConfig:
-        """The fp8 path needs e4m3 tensor cores (SM89+, every built arch) or the interpreter, the int8
-        path int8 ones (SM80+); the
+        """The fp8 path needs e4m3 tensor cores (SM89+, every built arch) or the interpreter; the
         staged path needs row-wise scaled fp8 GEMMs (SM90+ or the interpreter's CPU ``_scaled_mm``),
         a bf16 x and N, K multiples of 16. Otherwise the key's portable default serves.
 
@@ -213,8 +188,6 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
         _, n, k, dtype = facts
         if config.path == "fp8" and not (device.is_interpreter or target_supports(device, (8, 9))):
             config = self.default_config(self.key_for(device, facts))
-        if config.path == "int8" and not (device.is_interpreter or target_supports(device, (8, 0))):
-            config = self.default_config(self.key_for(device, facts))
         if config.path == "staged" and not (
             (device.is_interpreter or target_supports(device, (9, 0)))
             and dtype == "bfloat16"
@@ -222,7 +195,7 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
             and k % 16 == 0
         ):
             config = self.default_config(self.key_for(device, facts))
-        tiles = k // q4k_space.k_step(config)
+        tiles = k // config.BLOCK_K
         split = config.SPLIT_K
         while split > 1 and tiles % split:
             split //= 2
@@ -251,7 +224,9 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
     def reference(self, x: torch.Tensor, weight: Q4KWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         return q4k_linear_reference(x, weight, bias)
 
-    def check(self, out: torch.Tensor, expected: torch.Tensor, problem: Problem, config: Any = None) -> str | None:
+    def check(
+        self, out: torch.Tensor, expected: torch.Tensor, problem: Problem, config: Any = None
+    ) -> str | None:
         """SQNR against the exact-weight reference at the floor of the config's path.
 
         Without a config the loosest floor (fp8) applies.
