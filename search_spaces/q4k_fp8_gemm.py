@@ -1,7 +1,8 @@
 """Search space of ``q4k_fp8_gemm``: the Q4_K weight x activation GEMM, portable and fp8 paths.
 
-Four kernels: portable, fp8 against the exact codes, folded fp8 (``SCALE_FOLD``) and folded fp8
-with swapped operands (``SWAP_AB``: the dequantized weight as wgmma's register A operand). A field
+Five kernels: portable, fp8 against the exact codes, folded fp8 (``SCALE_FOLD``), folded fp8 with
+swapped operands (``SWAP_AB``: the dequantized weight as wgmma's register A operand), and the GEMV
+for decode-sized M (integer dot products on the CUDA cores); the staged path adds cuBLASLt's. A field
 that leaves a path's launch unchanged is pruned as a duplicate (``SCALE_FOLD`` off the fp8 path,
 ``SWAP_AB`` without ``SCALE_FOLD``), ``BLOCK_M=256`` exists for the swapped kernel only, and the
 register and shared-memory rules are fitted to what Triton 3.6 and ptxas make of each kernel for
@@ -34,6 +35,9 @@ FOLD_MAX_REGISTERS = 224
 SWAP_MAX_REGISTERS = 176
 #: Rows per warpgroup on wgmma's M side: in the swapped kernel that side is BLOCK_N.
 WGMMA_ROWS = 64
+#: Largest M bucket the GEMV path is tried at: its integer dot products grow with every row of x
+#: (a quarter instruction a weight and row), where the MMA paths pay for M in tensor-core time.
+GEMV_MAX_M = 8
 #: Smallest chunk the staged path uses on a GPU: below it each chunk's GEMM is too narrow to fill
 #: the GPU (4096 x 1024 tiles of 128 x 256 are 128 programs for 132 SMs).
 MIN_CHUNK_N = 1024
@@ -49,7 +53,9 @@ class Q4KConfig:
     #: "fp8": e4m3 activations against exact 4-bit quants, or folded e4m3 weights (SM89+);
     #: "staged": the folded e4m3 weights made ``CHUNK_N`` rows at a time into one reused scratch,
     #: each chunk multiplied by cuBLASLt's fp8 GEMM with row and column scales (SM90+, bf16, large M).
-    path: str = choice("portable", ("portable", "fp8", "staged"))
+    #: "gemv": decode-sized M (up to ``GEMV_MAX_M`` rows) on the CUDA cores: int8 x (one scale per
+    #: 32 values) against the exact codes with ``dp4a``, no MMA (any CUDA GPU);
+    path: str = choice("portable", ("portable", "fp8", "staged", "gemv"))
     #: 256 only with SWAP_AB, where it is wgmma's widest N (m64n256).
     BLOCK_M: int = choice(64, (16, 32, 64, 128, 256))
     BLOCK_N: int = choice(64, (32, 64, 128, 256))
@@ -127,6 +133,8 @@ def feasibility(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> str |
     small = key.m_bucket <= SMALL_M
     if config.path == "staged":
         return _staged_reason(config, key, limits)
+    if config.path == "gemv":
+        return _gemv_reason(config, key, limits)
     default = Q4KConfig()
     if config.CHUNK_N != default.CHUNK_N or config.FAST_ACCUM != default.FAST_ACCUM:
         return "CHUNK_N and FAST_ACCUM only change the staged path (the same launch as their defaults)"
@@ -185,6 +193,28 @@ def feasibility(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> str |
     return None
 
 
+def _gemv_reason(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> str | None:
+    """Feasibility of the GEMV path: a ``[BLOCK_N, BLOCK_K]`` weight tile per program, all of x's
+    rows (up to 8) against it; its K tile, warps and split are what vary."""
+    if (key.k // config.BLOCK_K) % config.SPLIT_K:
+        return f"SPLIT_K={config.SPLIT_K} does not divide the {key.k // config.BLOCK_K} BLOCK_K={config.BLOCK_K} tiles"
+    if limits.interpreter:
+        if config.BLOCK_N > 64 or config.BLOCK_K > 128:
+            return "the interpreter only runs small blocks (BLOCK_N <= 64, BLOCK_K <= 128)"
+        return None
+    if key.m_bucket > GEMV_MAX_M:
+        return f"the GEMV path is for M <= {GEMV_MAX_M} (m_bucket={key.m_bucket})"
+    words = config.BLOCK_N * config.BLOCK_K // 8  # 32-bit words of codes per tile
+    if words < 4 * 32 * config.num_warps:
+        return f"{config.num_warps} warps for {words} words of codes leave threads without a sub-block"
+    # Each product word of every row stays live with its code and x words: measured on sm_90 (ptxas,
+    # Triton 3.6), 32 words a thread take about 136-255 registers; more spill.
+    per_thread = min(key.m_bucket, GEMV_MAX_M) * words // (32 * config.num_warps)
+    if per_thread > 32:
+        return f"{per_thread} product words a thread (rows x BLOCK_N x BLOCK_K / 8 / threads) exceed 32"
+    return None
+
+
 def _staged_reason(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> str | None:
     """Feasibility of the staged path: only its dequantization tile, chunk and accumulation vary.
 
@@ -224,6 +254,9 @@ PATH_FIELDS: dict[str, tuple[str, ...]] = {
     "portable": _TILES,
     "fp8": (*_TILES, "SCALE_FOLD", "SWAP_AB"),
     "staged": ("BLOCK_N", "BLOCK_K", "num_warps", "CHUNK_N", "FAST_ACCUM"),
+    # The GEMV's loads are issued one iteration ahead by the kernel itself (no dot: Triton's
+    # pipeliner leaves them alone), so num_stages changes nothing there.
+    "gemv": ("BLOCK_N", "BLOCK_K", "num_warps", "SPLIT_K"),
 }
 
 

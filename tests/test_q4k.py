@@ -26,7 +26,7 @@ from tritune.kernels.q4k.op import q4k_linear_op
 from tritune.kernels.q4k.reference import q4k_linear_reference, sqnr_db
 from tritune.kernels.q4k.spec import MIN_SQNR_DB, SPEC, Q4KKey, check_path
 from tritune.search_spaces.base import TargetLimits
-from tritune.search_spaces.q4k_fp8_gemm import Q4KConfig, smem_bytes
+from tritune.search_spaces.q4k_fp8_gemm import PATH_FIELDS, Q4KConfig, smem_bytes
 
 Q4_K = gguf.GGMLQuantizationType.Q4_K
 
@@ -219,11 +219,24 @@ CPU_CASES = [
     Case("fp8", 257, 256, 70, group_m=4),
     Case("fp8", 257, 256, 70, group_m=4, fold=True),
     Case("fp8", 257, 256, 70, group_m=4, fold=True, swap=True),
+    # The GEMV path: one tile, three with bias, four splits, 17 rows (three row groups of 8, the
+    # last one row deep), fp16 and 32-wide K tiles; the interpreter runs its dp4a as shifts.
+    Case("gemv", 1, 256, 37),
+    Case("gemv", 3, 768, 37, bias=True),
+    Case("gemv", 8, 1024, 37, split_k=4),
+    Case("gemv", 17, 1024, 65, split_k=2, bias=True, block_k=128),
+    Case("gemv", 5, 512, 33, dtype=torch.float16, bias=True, block_k=32),
 ]
 
 # (path, SCALE_FOLD, SWAP_AB) of each kernel the GEMM can run.
-MODES = [("portable", False, False), ("fp8", False, False), ("fp8", True, False), ("fp8", True, True)]
-MODE_IDS = ["portable", "fp8", "fp8-fold", "fp8-fold-swap"]
+MODES = [
+    ("portable", False, False),
+    ("fp8", False, False),
+    ("fp8", True, False),
+    ("fp8", True, True),
+    ("gemv", False, False),
+]
+MODE_IDS = ["portable", "fp8", "fp8-fold", "fp8-fold-swap", "gemv"]
 
 GPU_CASES = [
     Case(path, m, k, n, split_k=split, block_k=bk, bias=bias, fold=fold, swap=swap)
@@ -245,6 +258,9 @@ GPU_CASES = [
     Case("staged", 257, 4096, 4000, block_k=128, chunk=1024, bias=True),
     Case("staged", 64, 768, 2048, block_k=256, chunk=1024),
     Case("staged", 3, 14336, 1024, block_k=64, chunk=1024),
+    Case("gemv", 1, 4096, 14336, block_k=256),
+    Case("gemv", 4, 14336, 4096, split_k=4, block_k=256),
+    Case("gemv", 9, 4096, 1000, dtype=torch.float16, bias=True, block_k=256),
 ]
 
 
@@ -253,18 +269,24 @@ def _config(case: Case, device: str) -> dict[str, object]:
     if case.path == "staged":
         return {"path": "staged", "BLOCK_N": 32, "BLOCK_K": case.block_k, "num_warps": 4, "CHUNK_N": case.chunk}
     block_m = 16 if case.m <= 16 or small else 64
-    return {
-        "path": case.path,
-        "BLOCK_M": block_m if not small or case.m <= 16 else 32,
-        "BLOCK_N": 32 if small else 64,
-        "BLOCK_K": case.block_k,
-        "GROUP_M": case.group_m if small else 4,
-        "num_warps": 4,
-        "num_stages": 1 if small else 3,
-        "SPLIT_K": case.split_k,
-        "SCALE_FOLD": case.fold,
-        "SWAP_AB": case.swap,
-    }
+    return _pin(
+        case.path,
+        BLOCK_M=block_m if not small or case.m <= 16 else 32,
+        BLOCK_N=32 if small else 64,
+        BLOCK_K=case.block_k,
+        GROUP_M=case.group_m if small else 4,
+        num_warps=4,
+        num_stages=1 if small else 3,
+        SPLIT_K=case.split_k,
+        SCALE_FOLD=case.fold,
+        SWAP_AB=case.swap,
+    )
+
+
+def _pin(path: str, **fields: object) -> dict[str, object]:
+    """A ``use_config`` pin of ``path`` with those of ``fields`` its launch reads (a pin that sets a
+    field its path does not read is refused)."""
+    return {"path": path, **{name: value for name, value in fields.items() if name in PATH_FIELDS[path]}}
 
 
 #: Quantized test weights by (N, K, seed, device): quantizing on the CPU costs seconds at the Llama
@@ -293,6 +315,8 @@ class _KernelSpy:
         self.ran: list[str] = []
         names = {
             q4k_launch._quantize_rows_fp8_kernel: "quantize",
+            q4k_launch._quantize_rows_gemv_kernel: "quantize-gemv",
+            q4k_launch._q4k_gemv_kernel: "gemv",
             q4k_launch._q4k_gemm_fp8_kernel: "fp8",
             q4k_launch._q4k_gemm_fp8_fold_kernel: "fp8-fold",
             q4k_launch._q4k_gemm_fp8_fold_swap_kernel: "fp8-fold-swap",
@@ -318,7 +342,7 @@ class _KernelSpy:
             # The GEMM of each chunk is cuBLASLt's (torch._scaled_mm), not a Triton launch.
             return ["prepass"] + ["dequant"] * chunks
         fp8 = ("fp8-fold-swap" if swap else "fp8-fold") if fold else "fp8"
-        gemm = ["quantize", fp8] if path == "fp8" else ["portable"]
+        gemm = {"fp8": ["quantize", fp8], "gemv": ["quantize-gemv", "gemv"]}.get(path, ["portable"])
         return gemm + (["reduce"] if split_k > 1 else [])
 
 
@@ -385,6 +409,8 @@ def test_llama_shapes_gpu(path, fold, swap, m, record_property):
     case = Case(path, m, 4096, 14336, fold=fold, swap=swap)
     x, weight, _ = _problem(case, "cuda")
     config = {"path": path, "SCALE_FOLD": fold, "SWAP_AB": swap} if path == "fp8" else {}
+    if path == "gemv":
+        config = {"path": "gemv", "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 1}
     if config:
         with use_config("q4k_fp8_gemm", config):
             out = q4k_linear(x, weight)
@@ -405,10 +431,9 @@ def test_split_k_agrees_with_one_split(path, fold, swap, device, kernel_spy):
     expected = q4k_linear_reference(x, weight, bias)
     outs = []
     for split in (1, 4):
-        config = {
-            "path": path, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": split,
-            "SCALE_FOLD": fold, "SWAP_AB": swap,
-        }  # fmt: skip
+        config = _pin(
+            path, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, SPLIT_K=split, SCALE_FOLD=fold, SWAP_AB=swap
+        )
         kernel_spy.ran.clear()
         with use_config("q4k_fp8_gemm", config):
             out = q4k_linear(x, weight, bias, out=_nan_out((2, 40), x))
@@ -425,10 +450,7 @@ def test_bias_view_is_read_through_its_stride(path, fold, swap, split, device):
     x, weight, bias = _problem(Case(path, 3, 512, 24, bias=True), device, seed=12)
     interleaved = torch.stack([bias, torch.full_like(bias, 1e3)], dim=1).reshape(-1)[::2]
     assert interleaved.stride(0) == 2 and torch.equal(interleaved, bias)
-    config = {
-        "path": path, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": split,
-        "SCALE_FOLD": fold, "SWAP_AB": swap,
-    }  # fmt: skip
+    config = _pin(path, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, SPLIT_K=split, SCALE_FOLD=fold, SWAP_AB=swap)
     with use_config("q4k_fp8_gemm", config):
         out = q4k_linear(x, weight, interleaved, out=_nan_out((3, 24), x))
     assert check_path(out.float(), q4k_linear_reference(x, weight, bias), path) is None
@@ -568,6 +590,50 @@ def test_centred_fp8_kernel_matches_its_emulation(block_k, split, device):
     torch.testing.assert_close(out.float().cpu(), expected, rtol=2e-3, atol=4e-3 * expected.abs().max().item())
 
 
+def _int8_subblocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x rounded as the GEMV pre-pass rounds it: int8 values (ties to even) and their float32
+    scales ``amax / 127``, one per 32-wide sub-block of a row."""
+    xf = x.float().reshape(x.shape[0], -1, 32)
+    amax = xf.abs().amax(dim=2, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return torch.round(xf / scale).clamp(-127, 127).reshape(x.shape), scale.squeeze(2)
+
+
+def test_gemv_prepass_packs_words_in_nibble_order(device):
+    """Row m's words: first x's positions 8i, 8i+2, 8i+4, 8i+6 as the bytes of word i, then the odd
+    positions; per sub-block the scale, what its sum lost to the rounding and its exact sum."""
+    x, _, _ = _problem(Case("gemv", 3, 512, 8), device, seed=18)
+    words, scales, lost, sums = (t.cpu() for t in q4k_launch.quantize_rows_gemv(x))
+    xr, expected_scales = _int8_subblocks(x.cpu())
+    torch.testing.assert_close(scales, expected_scales, rtol=0, atol=0)
+    as_bytes = words.view(torch.int8).reshape(3, 2, -1, 4).float()  # [M, parity, word, byte] (little-endian)
+    pairs = xr.reshape(3, -1, 4, 2)  # [M, word, byte, parity]
+    assert torch.equal(as_bytes[:, 0], pairs[..., 0]) and torch.equal(as_bytes[:, 1], pairs[..., 1])
+    xf = x.cpu().float()
+    torch.testing.assert_close(sums, xf.reshape(3, -1, 32).sum(2), rtol=1e-6, atol=1e-5)
+    rounded = (xr * expected_scales.repeat_interleave(32, dim=1)).reshape(3, -1, 32)
+    torch.testing.assert_close(lost, (xf.reshape(3, -1, 32) - rounded).sum(2), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("split", [1, 2], ids=["one-split", "split2"])
+def test_gemv_kernel_matches_its_emulation(split, device):
+    """The GEMV, term by term: x rounded per sub-block times the centred weights ``s * (q - 8)``,
+    plus the exact x times each sub-block's centre ``8s - o``. A 1% error in a scale, a centre or a
+    sum passes the 30 dB floor but not this tolerance (fp16 output)."""
+    x, weight, bias = _problem(Case("gemv", 5, 1024, 33, dtype=torch.float16, bias=True), device, seed=19)
+    with use_config("q4k_fp8_gemm", {"path": "gemv", "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": split}):
+        out = q4k_linear(x, weight, bias, out=_nan_out((5, 33), x))
+    xr, scales = _int8_subblocks(x.cpu())
+    xq = xr * scales.repeat_interleave(32, dim=1)
+    w = weight.to("cpu")
+    d, dmin = w.super_scales.float().unbind(-1)
+    s = d.repeat_interleave(8, dim=1) * w.scales.float()
+    o = dmin.repeat_interleave(8, dim=1) * w.mins.float()
+    centre = (8 * s - o).repeat_interleave(32, dim=1)
+    expected = xq @ (w.dequantize() - centre).t() + x.cpu().float() @ centre.t() + bias.float().cpu()
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item())
+
+
 def test_column_folds_are_the_largest_safe_powers_of_two(device):
     """Each column's fold is exactly the largest power of two ``f`` with ``f * bound <= 448``: one
     2-4x too small still passes every SQNR floor (e4m3 is relative), so it is checked directly."""
@@ -674,22 +740,20 @@ def _activations(kind: str, m: int, k: int, gen: torch.Generator) -> torch.Tenso
 
 
 @pytest.mark.parametrize("kind", ["gaussian", "outlier-channels", "silu-gated"])
-@pytest.mark.parametrize(("fold", "swap"), [(False, False), (True, False), (True, True)], ids=MODE_IDS[1:])
-def test_fp8_modes_on_realistic_activations(kind, fold, swap, device, record_property):
-    """Gaussian Q4_K weights against activations shaped like a model's: every fp8 mode holds the floor."""
+@pytest.mark.parametrize(("path", "fold", "swap"), MODES[1:], ids=MODE_IDS[1:])
+def test_quantized_modes_on_realistic_activations(kind, path, fold, swap, device, record_property):
+    """Gaussian Q4_K weights against activations shaped like a model's: every fp8 mode and the
+    GEMV (int8 x) hold their floors."""
     gen = torch.Generator().manual_seed(16)
     m, n, k = 16, 64, 768
     weight = Q4KWeight.quantize(torch.randn(n, k, generator=gen) * 0.02).to(device)
     x = _activations(kind, m, k, gen).to(torch.bfloat16).to(device)
-    config = {
-        "path": "fp8", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "SCALE_FOLD": fold,
-        "SWAP_AB": swap,
-    }  # fmt: skip
+    config = _pin(path, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, SCALE_FOLD=fold, SWAP_AB=swap)
     with use_config("q4k_fp8_gemm", config):
         out = q4k_linear(x, weight, out=_nan_out((m, n), x))
     expected = q4k_linear_reference(x, weight)
     record_property("sqnr_db", round(sqnr_db(out.float(), expected), 2))
-    assert check_path(out.float(), expected, "fp8") is None
+    assert check_path(out.float(), expected, path) is None
 
 
 def test_batched_input_matches_rows(device):
@@ -997,24 +1061,28 @@ def test_check_rejects_nan_and_noise():
     assert MIN_SQNR_DB["fp8"] < MIN_SQNR_DB["portable"]
 
 
-def test_starting_configs_are_swapped_fold_tiles_the_space_admits():
+def test_starting_configs_are_tiles_the_space_admits():
     """On an H200 every default key starts from feasible SWAP_AB tiles, large M from staged chunks
-    too; the interpreter and pre-Hopper GPUs get none."""
+    too and decode-sized M from GEMV tiles; before Hopper only the GEMV tiles remain; the
+    interpreter gets none."""
     h200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
     limits = SPEC.limits(h200)
     for key in SPEC.default_keys(h200, m=[1, 16, 64, 4096]):
         starts = SPEC.starting_configs(key, h200)
         assert starts, key
         for config in starts:
-            assert (config.path == "fp8" and config.SCALE_FOLD and config.SWAP_AB) or config.path == "staged"
+            assert (config.path == "fp8" and config.SCALE_FOLD and config.SWAP_AB) or config.path in ("staged", "gemv")
             assert SPEC.space.infeasible_reason(config, key, limits) is None
         fold = [c for c in starts if c.path == "fp8"]
         assert max(c.BLOCK_M for c in fold) == {1: 16, 16: 16, 64: 64, 4096: 256}[key.m_bucket]
         staged = [c for c in starts if c.path == "staged"]
         # Chunks of at most half the weight rows: N=4096 keeps only the 2048-row one.
         assert len(staged) == {1: 0, 16: 0, 64: 0, 4096: 3 if key.n == 14336 else 1}[key.m_bucket], key
+        assert bool([c for c in starts if c.path == "gemv"]) == (key.m_bucket == 1), key
     ada = DeviceInfo(name="NVIDIA L40S", vendor="nvidia", capability=(8, 9), sm_count=142, arch="sm89")
     assert SPEC.starting_configs(SPEC.default_keys(ada, m=[4096])[0], ada) == []
+    decode = SPEC.starting_configs(SPEC.default_keys(ada, m=[1])[0], ada)
+    assert decode and {c.path for c in decode} == {"gemv"}
     cpu = device_info("cpu")
     assert SPEC.starting_configs(SPEC.default_keys(cpu)[0], cpu) == []
 

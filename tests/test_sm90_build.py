@@ -88,6 +88,7 @@ Q4K_FP8 = ("_quantize_rows_fp8_kernel", "_q4k_gemm_fp8_kernel")
 Q4K_FOLD = ("_quantize_rows_fp8_kernel", "_q4k_gemm_fp8_fold_kernel")
 Q4K_FOLD_SWAP = ("_quantize_rows_fp8_kernel", "_q4k_gemm_fp8_fold_swap_kernel")
 Q4K_STAGED = ("_staged_prepass_kernel", "_q4k_dequant_fp8_kernel", "_q4k_dequant_fp8_kernel")
+Q4K_GEMV = ("_quantize_rows_gemv_kernel", "_q4k_gemv_kernel")
 
 
 def _tma_default(spec: Any, key: Any) -> Any:
@@ -263,6 +264,20 @@ CASES = [
         config={"path": "staged", "CHUNK_N": 2048},
         # N=4096 in two chunks; each chunk's GEMM is cuBLASLt's, not a Triton launch.
         launches=Q4K_STAGED,
+    ),
+    Case(
+        "q4k_fp8_gemm",
+        "gemv-m1",
+        key={"k": 14336, "m_bucket": 1},
+        config={"path": "gemv", "SPLIT_K": 1},
+        launches=Q4K_GEMV,
+    ),
+    Case(
+        "q4k_fp8_gemm",
+        "gemv-splitk-m1",
+        key={"k": 14336, "m_bucket": 1},
+        config={"path": "gemv", "SPLIT_K": _more_than_one},
+        launches=(*Q4K_GEMV, "_splitk_reduce_kernel"),
     ),
     Case(
         "q4k_fp8_gemm",

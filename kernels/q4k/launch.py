@@ -20,13 +20,17 @@ from ._triton_q4k import (
     _q4k_gemm_fp8_fold_swap_kernel,
     _q4k_gemm_fp8_kernel,
     _q4k_gemm_portable_kernel,
+    _q4k_gemv_kernel,
     _quantize_rows_fp8_kernel,
+    _quantize_rows_gemv_kernel,
     _splitk_reduce_kernel,
     _staged_prepass_kernel,
 )
 
 KERNELS = (
     _quantize_rows_fp8_kernel,
+    _quantize_rows_gemv_kernel,
+    _q4k_gemv_kernel,
     _q4k_gemm_fp8_kernel,
     _q4k_gemm_fp8_fold_kernel,
     _q4k_gemm_fp8_fold_swap_kernel,
@@ -39,6 +43,10 @@ KERNELS = (
 _REDUCE_BLOCK_M = 16
 _REDUCE_BLOCK_N = 128
 _FOLD_BLOCK_N = 128
+#: Sub-blocks per program of the GEMV pre-pass: 16 rows of K=4096 make 128 programs.
+_GEMV_PREPASS_TILE = 16
+#: Most rows of x one GEMV program multiplies (more rows take more programs).
+_GEMV_MAX_ROWS = 8
 
 
 def _prepass_block(k: int) -> int:
@@ -72,6 +80,20 @@ def _quantize_rows(x: torch.Tensor, *, row_sums: bool, interpreted: bool) -> tup
         num_warps=4,
     )
     return xq, row_scale, rowsum
+
+
+def quantize_rows_gemv(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The GEMV path's pre-pass: x as int8 with one scale per 32-wide sub-block, packed four to a
+    word in the codes' nibble order (int32 ``[M, K/4]``), and per sub-block its scale, what its
+    sum lost to the rounding and its exact sum (float32 ``[M, K/32]`` each)."""
+    m, k = x.shape
+    words = torch.empty((m, k // 4), dtype=torch.int32, device=x.device)
+    scales, lost, sums = (torch.empty((m, k // 32), dtype=torch.float32, device=x.device) for _ in range(3))
+    subs = k // 32
+    wrap_triton(_quantize_rows_gemv_kernel)[(m, triton.cdiv(subs, _GEMV_PREPASS_TILE))](
+        x, words, scales, lost, sums, k, x.stride(0), x.stride(1), SUBS=subs, TILE=_GEMV_PREPASS_TILE, num_warps=4
+    )
+    return words, scales, lost, sums
 
 
 def staged_prepass(
@@ -213,7 +235,16 @@ def run_q4k_gemm(
     if config.path == "staged":
         _run_staged(config, x, qs, scales, mins, super_scales, bias, out, interpreted)
         return
-    if config.path == "fp8":
+    if config.path == "gemv":
+        rows = min(triton.next_power_of_2(m), _GEMV_MAX_ROWS)
+        words, x_scales, lost, sums = quantize_rows_gemv(x)
+        launcher(_q4k_gemv_kernel)[(triton.cdiv(n, config.BLOCK_N), config.SPLIT_K, triton.cdiv(m, rows))](
+            words, x_scales, lost, sums, qs, scales, mins, super_scales, bias_arg, target, m, n, k,
+            qs.stride(0), scales.stride(0), super_scales.stride(0), stride_om, stride_on, stride_ok, stride_bn,
+            HAS_BIAS=has_bias, ASM=not interpreted, ROWS=rows, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
+            SPLIT_K=config.SPLIT_K, K_TILES=k_tiles, num_warps=config.num_warps,
+        )  # fmt: skip
+    elif config.path == "fp8":
         # Folded weights carry their mins: only the centred kernel needs x's 32-wide row sums.
         xq, row_scale, rowsum = _quantize_rows(x, row_sums=not config.SCALE_FOLD, interpreted=interpreted)
         # The fp8 kernels read the weight, bias and output alike.

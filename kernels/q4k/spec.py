@@ -23,8 +23,10 @@ from .weight import Q4KWeight
 
 #: SQNR (dB) each path must reach against the exactly dequantized float32 reference.
 #: fp8: e4m3 activations (about 31 dB on Gaussian data; 28.5 dB with SCALE_FOLD, whose weights are
-#: e4m3 too); staged: SCALE_FOLD's e4m3 weights and activations; portable: bf16/fp16 rounding only.
-MIN_SQNR_DB = {"fp8": 25.0, "staged": 25.0, "portable": 40.0}
+#: e4m3 too); staged: SCALE_FOLD's e4m3 weights and activations; gemv: int8 activations with one
+#: scale per 32 values against exact weights (about 43 dB on Gaussian data); portable: bf16/fp16
+#: rounding only.
+MIN_SQNR_DB = {"fp8": 25.0, "staged": 25.0, "gemv": 30.0, "portable": 40.0}
 
 _GPU_SHAPES = ((4096, 14336), (14336, 4096), (4096, 4096))  # (K, N)
 _GPU_M_BUCKETS = (1, 16, 64, 256, 1024, 4096, 8192)
@@ -118,15 +120,19 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
         Large M: 256-column x tiles (wgmma's widest N, each weight dequantized once per 256 rows
         of x), then 128x256. Small M: 16-row x tiles with deep K tiles, split along K toward
         about one program per SM; for buckets of 32 and 64 rows also one M tile of the whole
-        bucket with 128 weight rows, split 2-8 ways along K. Only on SM90+ (wgmma), and only those
-        the space admits at ``key``.
+        bucket with 128 weight rows, split 2-8 ways along K. Only on SM90+ (wgmma). Before them, at
+        decode-sized M on any GPU, GEMV tiles (:meth:`_gemv_starts`). Only those the space admits
+        at ``key``.
         """
-        if device.is_interpreter or not target_supports(device, (9, 0)):
+        if device.is_interpreter:
             return []
+        starts = self._gemv_starts(key, device)
+        if not target_supports(device, (9, 0)):
+            return self._admitted(starts, key, device)
         fold = {"path": "fp8", "SCALE_FOLD": True, "SWAP_AB": True}
         if key.m_bucket > q4k_space.SMALL_M:
             group_m = 8 if key.m_bucket > 256 else 1
-            starts = [
+            starts += [
                 {**fold, "BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "num_warps": 8, "num_stages": st, "GROUP_M": group_m}
                 for m, n, k, st in ((256, 128, 64, 3), (256, 128, 128, 3), (256, 128, 64, 4), (128, 256, 64, 3))
             ]
@@ -136,7 +142,6 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
                 starts.append({"path": "staged", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "CHUNK_N": chunk})
         else:
             tiles = triton.cdiv(key.n, 64)
-            starts = []
             for split in (1, 2, 4, 8):
                 if split == 1 or tiles * split <= 2 * key.sm_count:
                     starts.append({**fold, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4,
@@ -148,6 +153,25 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
                 for split in (2, 4, 8):
                     starts.append({**fold, "BLOCK_M": key.m_bucket, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4,
                                    "num_stages": 3, "GROUP_M": 1, "SPLIT_K": split})  # fmt: skip
+        return self._admitted(starts, key, device)
+
+    @staticmethod
+    def _gemv_starts(key: Q4KKey, device: DeviceInfo) -> list[dict[str, Any]]:
+        """Decode-sized M: GEMV tiles of 32-128 weight rows by a super-block, split along K until
+        about two programs per SM."""
+        if key.m_bucket > q4k_space.GEMV_MAX_M:
+            return []
+        starts: list[dict[str, Any]] = []
+        for block_n, warps in ((128, 4), (64, 4), (64, 8), (32, 4)):
+            tiles = triton.cdiv(key.n, block_n)
+            for split in (1, 2, 4, 8):
+                if split == 1 or tiles * split <= 2 * device.sm_count:
+                    starts.append({"path": "gemv", "BLOCK_N": block_n, "BLOCK_K": 256, "num_warps": warps,
+                                   "SPLIT_K": split})  # fmt: skip
+        return starts
+
+    def _admitted(self, starts: list[dict[str, Any]], key: Q4KKey, device: DeviceInfo) -> list[Q4KConfig]:
+        """The starting configs the space admits at ``key`` (the others dropped, not raised)."""
         limits = self.limits(device)
         configs = [self.space.parse(values) for values in starts]
         return [c for c in configs if self.space.infeasible_reason(c, key, limits) is None]
@@ -224,9 +248,7 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
     def reference(self, x: torch.Tensor, weight: Q4KWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         return q4k_linear_reference(x, weight, bias)
 
-    def check(
-        self, out: torch.Tensor, expected: torch.Tensor, problem: Problem, config: Any = None
-    ) -> str | None:
+    def check(self, out: torch.Tensor, expected: torch.Tensor, problem: Problem, config: Any = None) -> str | None:
         """SQNR against the exact-weight reference at the floor of the config's path.
 
         Without a config the loosest floor (fp8) applies.
