@@ -35,9 +35,12 @@ FOLD_MAX_REGISTERS = 224
 SWAP_MAX_REGISTERS = 176
 #: Rows per warpgroup on wgmma's M side: in the swapped kernel that side is BLOCK_N.
 WGMMA_ROWS = 64
-#: Largest M bucket the GEMV path is tried at: its integer dot products grow with every row of x
-#: (a quarter instruction a weight and row), where the MMA paths pay for M in tensor-core time.
-GEMV_MAX_M = 8
+#: Largest M bucket the GEMV path is tried at. Its integer dot products grow with every row of x,
+#: and each row's words are loaded at the products' full shape: on the H200 two or more rows ran
+#: 2-80x slower than the portable kernel (register spills), one row 1.05-1.2x faster.
+GEMV_MAX_M = 1
+#: Deepest K tile of the paths that dequantize a tile against one super-block's scales.
+SUPER_BLOCK = 256
 #: Smallest chunk the staged path uses on a GPU: below it each chunk's GEMM is too narrow to fill
 #: the GPU (4096 x 1024 tiles of 128 x 256 are 128 programs for 132 SMs).
 MIN_CHUNK_N = 1024
@@ -60,7 +63,8 @@ class Q4KConfig:
     BLOCK_M: int = choice(64, (16, 32, 64, 128, 256))
     BLOCK_N: int = choice(64, (32, 64, 128, 256))
     #: K tile; a multiple of the 32-wide sub-block that divides the 256-wide super-block.
-    BLOCK_K: int = choice(64, (32, 64, 128, 256))
+    #: 512 and 1024 only for the GEMV path, where a deeper tile keeps more bytes in flight per SM.
+    BLOCK_K: int = choice(64, (32, 64, 128, 256, 512, 1024))
     GROUP_M: int = choice(8, (1, 4, 8))
     num_warps: int = choice(4, (2, 4, 8))
     num_stages: int = choice(3, (1, 2, 3, 4, 5))
@@ -135,6 +139,8 @@ def feasibility(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> str |
         return _staged_reason(config, key, limits)
     if config.path == "gemv":
         return _gemv_reason(config, key, limits)
+    if config.BLOCK_K > SUPER_BLOCK:
+        return f"BLOCK_K={config.BLOCK_K} only for the GEMV path (the others' K tiles divide a super-block)"
     default = Q4KConfig()
     if config.CHUNK_N != default.CHUNK_N or config.FAST_ACCUM != default.FAST_ACCUM:
         return "CHUNK_N and FAST_ACCUM only change the staged path (the same launch as their defaults)"
@@ -196,8 +202,8 @@ def feasibility(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> str |
 def _gemv_reason(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> str | None:
     """Feasibility of the GEMV path: a ``[BLOCK_N, BLOCK_K]`` weight tile per program, all of x's
     rows (up to 8) against it; its K tile, warps and split are what vary."""
-    if (key.k // config.BLOCK_K) % config.SPLIT_K:
-        return f"SPLIT_K={config.SPLIT_K} does not divide the {key.k // config.BLOCK_K} BLOCK_K={config.BLOCK_K} tiles"
+    if key.k % config.BLOCK_K or (key.k // config.BLOCK_K) % config.SPLIT_K:
+        return f"SPLIT_K={config.SPLIT_K} does not divide K={key.k} into BLOCK_K={config.BLOCK_K} tiles evenly"
     if limits.interpreter:
         if config.BLOCK_N > 64 or config.BLOCK_K > 128:
             return "the interpreter only runs small blocks (BLOCK_N <= 64, BLOCK_K <= 128)"
@@ -226,6 +232,8 @@ def _staged_reason(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> st
     moved = [name for name in _STAGED_FIXED if getattr(config, name) != getattr(default, name)]
     if moved:
         return f"the staged path ignores {', '.join(moved)} (the same launch as their defaults)"
+    if config.BLOCK_K > SUPER_BLOCK:
+        return f"BLOCK_K={config.BLOCK_K} only for the GEMV path (the others' K tiles divide a super-block)"
     if key.dtype != "bfloat16":
         return f"the staged path's GEMM writes bfloat16 only (row-wise scaled fp8), not {key.dtype}"
     if key.n < 2 * config.CHUNK_N:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from tritune.search_spaces import q4k_fp8_gemm as q4k_space
 from tritune.search_spaces.q4k_fp8_gemm import Q4KConfig
 
 from .._oplib import wrap_triton
@@ -201,6 +202,8 @@ def run_q4k_gemm(
     n = qs.shape[0]
     if m == 0:
         return
+    if config.BLOCK_K > q4k_space.SUPER_BLOCK and config.path != "gemv":
+        raise ValueError(f"config: BLOCK_K={config.BLOCK_K} is for the gemv path only, not {config.path!r}")
     # Plain // and % (not divmod): under torch.compile's dynamic shapes k is a SymInt.
     k_tiles = k // config.BLOCK_K // config.SPLIT_K
     if (k // config.BLOCK_K) % config.SPLIT_K or k % config.BLOCK_K:
