@@ -326,7 +326,8 @@ def _report(rows: list[Row], env: dict, db: str | None, graphs: bool) -> str:
         "the graph columns, which replay the launches without the host, are the kernel comparison.",
         "vs cuBLAS / vs _scaled_mm: that peer's time / this time, eager and graph separately (above 1.00x is faster).",
         "SQNR: dB against the fp32 product with the exactly dequantized weight; checked before timing against "
-        "40 dB (portable path, bf16 cuBLAS) or 25 dB (fp8 path, _scaled_mm); FAILED rows are never timed.",
+        "the floor of the path that ran: 40 dB (portable path, bf16 cuBLAS), 30 dB (GEMV path) or 25 dB (fp8 and "
+        "staged paths, _scaled_mm); FAILED rows are never timed.",
         "The _scaled_mm row times the fp8 GEMM alone (weight and activation quantized outside timing): a ceiling, "
         "not a like-for-like peer.",
         f"Tuned configs and trials: {'DB ' + db if db else 'default settings (user DB and shipped bundles)'}; "
