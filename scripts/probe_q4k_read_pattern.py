@@ -9,6 +9,7 @@ bytes in three orders, each with its next tile loaded one iteration ahead:
 
 * ``rows``: a program per ``ROWS`` weight rows, ``BYTES`` of each row per iteration (the kernels'
   order);
+* ``rows, 3 ahead``: the same order with three tiles in flight a program instead of one;
 * ``flat``: a program per contiguous slice of the buffer, ``ROWS * BYTES`` contiguous bytes per
   iteration (what a tile-major repack of the weight would give).
 
@@ -39,6 +40,23 @@ def _read_rows(q_ptr, out_ptr, row_words, ROWS: tl.constexpr, WORDS: tl.constexp
         nxt = tl.load(ptrs + tl.minimum(i + 1, TILES - 1) * WORDS)
         acc ^= cur
         cur = nxt
+    tl.store(out_ptr + tl.program_id(0), tl.reduce_or(acc.reshape(ROWS * WORDS), axis=0))
+
+
+@triton.jit
+def _read_rows_deep(q_ptr, out_ptr, row_words, ROWS: tl.constexpr, WORDS: tl.constexpr, TILES: tl.constexpr):
+    """As ``_read_rows``, with the tiles two and three iterations ahead in flight (three loads
+    outstanding a thread instead of one)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ptrs = q_ptr + rows.to(tl.int64)[:, None] * row_words + tl.arange(0, WORDS)[None, :]
+    acc = tl.zeros((ROWS, WORDS), dtype=tl.int32)
+    cur = tl.load(ptrs)
+    nxt = tl.load(ptrs + tl.minimum(1, TILES - 1) * WORDS)
+    far = tl.load(ptrs + tl.minimum(2, TILES - 1) * WORDS)
+    for i in range(TILES):
+        farther = tl.load(ptrs + tl.minimum(i + 3, TILES - 1) * WORDS)
+        acc ^= cur
+        cur, nxt, far = nxt, far, farther
     tl.store(out_ptr + tl.program_id(0), tl.reduce_or(acc.reshape(ROWS * WORDS), axis=0))
 
 
@@ -79,8 +97,13 @@ def main(argv: list[str] | None = None) -> int:
             words = row_bytes // 4
             tiles = (k // 2) // row_bytes
             out = torch.empty(n // rows, dtype=torch.int32, device=device)
-            for order in ("rows", "flat"):
-                if order == "rows":
+            for order in ("rows", "rows, 3 ahead", "flat"):
+                if order == "rows, 3 ahead":
+
+                    def call(o=out, r=rows, w=words, t=tiles, q=qs, nw=warps):
+                        _read_rows_deep[(q.shape[0] // r,)](q, o, q.shape[1], ROWS=r, WORDS=w, TILES=t, num_warps=nw)
+                        return o
+                elif order == "rows":
 
                     def call(o=out, r=rows, w=words, t=tiles, q=qs, nw=warps):
                         _read_rows[(q.shape[0] // r,)](q, o, q.shape[1], ROWS=r, WORDS=w, TILES=t, num_warps=nw)
