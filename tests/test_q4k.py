@@ -219,7 +219,7 @@ CPU_CASES = [
     Case("fp8", 257, 256, 70, group_m=4),
     Case("fp8", 257, 256, 70, group_m=4, fold=True),
     Case("fp8", 257, 256, 70, group_m=4, fold=True, swap=True),
-    # The GEMV path: one tile, three with bias, four splits, 17 rows (three row groups of 8, the
+    # The GEMV path: one row, three with bias, four splits, 17 rows (three row groups of 8, the
     # last one row deep), fp16 and 32-wide K tiles; the interpreter runs its dp4a as shifts.
     Case("gemv", 1, 256, 37),
     Case("gemv", 3, 768, 37, bias=True),
@@ -405,7 +405,8 @@ def test_gemm_matches_reference_gpu(case, record_property, kernel_spy):
 @pytest.mark.parametrize(("path", "fold", "swap"), MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("m", [1, 16, 256, 4096])
 def test_llama_shapes_gpu(path, fold, swap, m, record_property):
-    """The dispatcher's default (portable) and the fp8 path's default on the Llama-3-8B MLP shape."""
+    """The dispatcher's default (portable), the fp8 path's default and the GEMV (pinned at every M:
+    beyond one row it spills but must stay correct) on the Llama-3-8B MLP shape."""
     case = Case(path, m, 4096, 14336, fold=fold, swap=swap)
     x, weight, _ = _problem(case, "cuda")
     config = {"path": path, "SCALE_FOLD": fold, "SWAP_AB": swap} if path == "fp8" else {}
@@ -602,7 +603,8 @@ def _int8_subblocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def test_gemv_prepass_packs_words_in_nibble_order(device):
     """Row m's words: first x's positions 8i, 8i+2, 8i+4, 8i+6 as the bytes of word i, then the odd
     positions; per sub-block the scale, what its sum lost to the rounding and its exact sum."""
-    x, _, _ = _problem(Case("gemv", 3, 512, 8), device, seed=18)
+    # K=768: 24 sub-blocks, two programs a row (16 and a partial 8).
+    x, _, _ = _problem(Case("gemv", 3, 768, 8), device, seed=18)
     words, scales, lost, sums = (t.cpu() for t in q4k_launch.quantize_rows_gemv(x))
     xr, expected_scales = _int8_subblocks(x.cpu())
     torch.testing.assert_close(scales, expected_scales, rtol=0, atol=0)
@@ -615,14 +617,24 @@ def test_gemv_prepass_packs_words_in_nibble_order(device):
     torch.testing.assert_close(lost, (xf.reshape(3, -1, 32) - rounded).sum(2), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("split", [1, 2], ids=["one-split", "split2"])
-def test_gemv_kernel_matches_its_emulation(split, device):
+@pytest.mark.parametrize(
+    ("block_k", "split"), [(128, 1), (128, 2), (512, 1), (512, 2), (1024, 1)], ids=lambda v: str(v)
+)
+def test_gemv_kernel_matches_its_emulation(block_k, split, device):
     """The GEMV, term by term: x rounded per sub-block times the centred weights ``s * (q - 8)``,
     plus the exact x times each sub-block's centre ``8s - o``. A 1% error in a scale, a centre or a
-    sum passes the 30 dB floor but not this tolerance (fp16 output)."""
-    x, weight, bias = _problem(Case("gemv", 5, 1024, 33, dtype=torch.float16, bias=True), device, seed=19)
-    with use_config("q4k_fp8_gemm", {"path": "gemv", "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": split}):
-        out = q4k_linear(x, weight, bias, out=_nan_out((5, 33), x))
+    sum passes the 30 dB floor but not this tolerance (fp16 output). K tiles of 512 and 1024 span
+    several super-blocks, whose scales here differ by up to 1000x: a tile that read one
+    super-block's ``d`` for all of them would be far off."""
+    gen = torch.Generator().manual_seed(19)
+    n, k = 33, 2048
+    spread = 10.0 ** torch.linspace(-1.5, 1.5, k // 256).repeat_interleave(256)  # per super-block
+    weight = Q4KWeight.quantize((torch.randn(n, k, generator=gen) * 0.05 * spread).to(device))
+    x = (torch.randn(5, k, generator=gen) * 2.0).to(torch.float16).to(device)
+    bias = torch.randn(n, generator=gen).to(device)
+    config = {"path": "gemv", "BLOCK_N": 32, "BLOCK_K": block_k, "SPLIT_K": split}
+    with use_config("q4k_fp8_gemm", config):
+        out = q4k_linear(x, weight, bias, out=_nan_out((5, n), x))
     xr, scales = _int8_subblocks(x.cpu())
     xq = xr * scales.repeat_interleave(32, dim=1)
     w = weight.to("cpu")

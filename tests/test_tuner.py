@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 import toy_kernel
@@ -197,8 +199,6 @@ def test_seeds_leave_the_climb_its_share(tmp_path, monkeypatch):
     starts = [toy_kernel.ToyConfig(BLOCK=b, BROKEN=False, num_warps=w) for b in (16, 64) for w in (1, 2)]
     monkeypatch.setattr(SPEC, "starting_configs", lambda key, device: starts, raising=False)
     store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
-    import random
-
     for trials in (4, 10, 16):
         tuner = _tuner(store, trials)
         feasible = SPEC.space.feasible(tuner.key, tuner.limits)
@@ -245,7 +245,41 @@ def test_a_winner_of_an_earlier_kernel_version_is_seeded_and_measured_again(tmp_
     (winner,) = [w for w in store.winners(kernel=SPEC.name) if w.kernel_version == "edited0000000000"]
     assert winner.config != old
 
-    # Another key never takes a stale winner as its neighbour's.
+    # Another key is seeded neither with the stale winner as its own nor as a neighbour's: only
+    # winners of the running version reach the neighbour ranking.
     other = toy_kernel.ToyKey(CPU.arch, CPU.sm_count, "float32", 512)
     tuner = KeyTuner(SPEC, other, CPU, torch.device("cpu"), store, env, FakeTimer(cost), quick)
     assert tuner._earlier_winners(store.winners(kernel=SPEC.name)) == []
+    ranked: list = []
+    monkeypatch.setattr(tuner, "_neighbour_winners", lambda winners: ranked.extend(winners) or [])
+    tuner._seeds(SPEC.space.default(), SPEC.space.feasible(other, tuner.limits), False, random.Random(0))
+    assert ranked and {w.kernel_version for w in ranked} == {"edited0000000000"}
+
+
+def test_earlier_winners_are_capped_fastest_first_and_deduplicated(tmp_path):
+    """However many edits a key's history holds, its earlier winners take at most EARLIER_SEEDS
+    seed slots: the fastest distinct feasible configs, whatever order the DB lists them in."""
+    from tritune.configs_db.records import WinnerRecord
+    from tritune.tuner.study import EARLIER_SEEDS
+
+    store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    tuner = _tuner(store, trials=4)
+
+    def record(version: str, block: int, warps: int, ms: float) -> WinnerRecord:
+        return WinnerRecord(
+            kernel=SPEC.name, kernel_version=version, gpu=CPU.slug, key=tuner.key_dict,
+            config={"BLOCK": block, "BROKEN": False, "num_warps": warps}, time_ms=ms, portable_ms=1.0,
+            speedup=1.0 / ms, trials=4, triton_version="3.6.0", torch_version="x", tritune_version="x",
+        )  # fmt: skip
+
+    stored = [
+        record("v1", 16, 1, 0.9),
+        record("v2", 64, 2, 0.5),
+        record("v3", 64, 2, 0.4),  # the same config as v2, faster: one slot for both
+        record("v4", 32, 4, 0.7),
+        record("v5", 16, 2, 0.8),
+        record(SPEC.version, 128, 2, 0.1),  # the running version's: not an earlier winner
+    ]
+    seeds = tuner._earlier_winners(stored)
+    assert EARLIER_SEEDS == 2
+    assert seeds == [{"BLOCK": 64, "BROKEN": False, "num_warps": 2}, {"BLOCK": 32, "BROKEN": False, "num_warps": 4}]

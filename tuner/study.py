@@ -78,6 +78,8 @@ __all__ = [
 
 Ident = TypeVar("Ident", bound=Hashable)
 
+#: Winners of this key under earlier kernel versions measured first after an edit (the fastest).
+EARLIER_SEEDS = 2
 #: Winners of the nearest other buckets measured first at a key (see ``KeyTuner._neighbour_winners``).
 NEIGHBOUR_SEEDS = 3
 
@@ -378,23 +380,25 @@ class KeyTuner:
         return seeds[: max(1, self._polish_from(exhaustive))]
 
     def _earlier_winners(self, stored: list[WinnerRecord]) -> list[dict[str, Any]]:
-        """This key's winners stored under another kernel version that still parse and are feasible.
+        """This key's winners stored under other kernel versions that still parse and are feasible,
+        fastest first, at most ``EARLIER_SEEDS`` distinct configs.
 
         An edited kernel never serves them (their times were measured on other code), but after
         an edit that left most launches alone they are the likeliest winners again: seeded, they
         are re-measured and checked like any trial, so a re-tune recovers them in a few trials.
+        The cap keeps a long history of edits from crowding out the other seeds.
         """
-        found = []
-        for winner in stored:
-            if winner.key != self.key_dict or winner.kernel_version == self.spec.version:
-                continue
+        found: list[dict[str, Any]] = []
+        earlier = [w for w in stored if w.key == self.key_dict and w.kernel_version != self.spec.version]
+        for winner in sorted(earlier, key=lambda w: w.time_ms):
             try:
                 config = self.space.parse(winner.config)
             except (TypeError, ValueError):
                 continue
-            if self.space.infeasible_reason(config, self.key, self.limits) is None:
-                found.append(self.space.to_dict(config))
-        return found
+            values = self.space.to_dict(config)
+            if values not in found and self.space.infeasible_reason(config, self.key, self.limits) is None:
+                found.append(values)
+        return found[:EARLIER_SEEDS]
 
     def _neighbour_winners(self, winners: list[WinnerRecord]) -> list[dict[str, Any]]:
         """Winners of the nearest other buckets of this key's group that are feasible here, nearest first.
