@@ -132,6 +132,13 @@ def graph_replay_ms(graph: torch.cuda.CUDAGraph) -> float:
     return float(triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median"))
 
 
+def graph_replay_us(fn: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
+    """Capture one call of ``fn`` and time its replays: median microseconds (L2 flushed before
+    each) and the captured output."""
+    graph, out = capture_graph(fn)
+    return graph_replay_ms(graph) * 1e3, out
+
+
 def graph_time(fn: Callable[[], torch.Tensor], check: Callable[[torch.Tensor], str | None]) -> tuple[float | None, str]:
     """Capture one call of ``fn``, poison its output with NaN, replay, check it, then time replays.
 

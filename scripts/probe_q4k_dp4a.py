@@ -29,27 +29,21 @@ CONFIGS = (
 PEAK_BYTES_PER_S = 4.27e12
 
 
-def _timed(fn) -> tuple[float, torch.Tensor]:
-    """Microseconds of one graph replay of ``fn`` (L2 flushed before each), and its output."""
-    graph, out = bl.capture_graph(fn)
-    return bl.graph_replay_ms(graph) * 1e3, out
-
-
 def _rows_for(k: int, n: int, m: int, weight, dense: torch.Tensor, x: torch.Tensor) -> list[str]:
     from tritune.kernels import q4k_linear, use_config
     from tritune.kernels.q4k import launch
     from tritune.kernels.q4k.reference import q4k_linear_reference, sqnr_db
 
     expected = q4k_linear_reference(x, weight)
-    cublas_us, _ = _timed(lambda: x @ dense.t())
-    portable_us, out = _timed(lambda: q4k_linear(x, weight))
+    cublas_us, _ = bl.graph_replay_us(lambda: x @ dense.t())
+    portable_us, out = bl.graph_replay_us(lambda: q4k_linear(x, weight))
     results = [("bf16 cuBLAS", cublas_us, None), ("portable default", portable_us, sqnr_db(out.float(), expected))]
-    prepass_us, _ = _timed(lambda: launch.quantize_rows_gemv(x)[0])
+    prepass_us, _ = bl.graph_replay_us(lambda: launch.quantize_rows_gemv(x)[0])
     results.append(("GEMV pre-pass alone", prepass_us, None))
     results.append(("weight-read floor", weight.nbytes / PEAK_BYTES_PER_S * 1e6, None))
     for config in CONFIGS:
         with use_config("q4k_fp8_gemm", config):
-            us, out = _timed(lambda: q4k_linear(x, weight))
+            us, out = bl.graph_replay_us(lambda: q4k_linear(x, weight))
         label = " ".join(f"{key}={value}" for key, value in config.items())
         results.append((label, us, sqnr_db(out.float(), expected)))
     rows = []

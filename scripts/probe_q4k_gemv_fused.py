@@ -115,11 +115,6 @@ def _fused_call(x: torch.Tensor, weight, tile: tuple[int, int, int, int]) -> tor
     return out
 
 
-def _timed(fn) -> tuple[float, torch.Tensor]:
-    graph, out = bl.capture_graph(fn)
-    return bl.graph_replay_ms(graph) * 1e3, out
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path)
@@ -144,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("shipped GEMV (pre-pass)", lambda c=config, a=x, w=weight: _pinned(use_config, q4k_linear, c, a, w)),
                 ("fused quantization", lambda t=tile, a=x, w=weight: _fused_call(a, w, t)),
             ):
-                us, out = _timed(call)
+                us, out = bl.graph_replay_us(call)
                 rows.append(f"| {k} x {n} | {label} | {tile} | {us:.1f} | {sqnr_db(out.float(), expected):.1f} |")
                 print(rows[-1], flush=True)
     notes = ["M=1, bf16. CUDA-graph replays, L2 flushed before each (median)."]

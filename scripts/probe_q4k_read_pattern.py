@@ -114,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                         _read_flat[(q.shape[0] // r,)](q, o, ROWS=r, WORDS=w, TILES=t, num_warps=nw)
                         return o
 
-                graph, _ = bl.capture_graph(call)
-                us = bl.graph_replay_ms(graph) * 1e3
+                us, _ = bl.graph_replay_us(call)
                 rows_md.append(
                     f"| {n} x {k} | {order} | {rows} | {row_bytes} | {warps} | {us:.1f} | {nbytes / us / 1e3:.0f} |"
                 )
