@@ -1,7 +1,7 @@
 """The one seam between kernels, the dispatcher and the tuner: the kernel spec.
 
 Each kernel family exposes exactly one :class:`KernelSpec`. It says what the kernel is called,
-which version of its source is running (a hash, so an edited kernel invalidates stored configs),
+which version of its code is running (:mod:`.versioning`: an edited kernel invalidates stored configs),
 how to build a tuning key from call arguments, what the portable default config is, how to launch
 with a given config, what the reference computes, and how to make random problems for the tuner.
 Neither the dispatcher nor the tuner knows anything about a kernel beyond this object.
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import importlib
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -24,6 +22,7 @@ import torch
 from tritune.search_spaces.base import SearchSpace, TargetLimits
 
 from .device import DeviceInfo
+from .versioning import kernel_version
 
 C = TypeVar("C")
 K = TypeVar("K", bound="TuningKey")
@@ -99,22 +98,19 @@ class KernelSpec(ABC, Generic[C, K]):
 
     #: Kernel name used in the DB, bundles, the CLI and ``use_config``.
     name: ClassVar[str]
-    #: Modules whose source text defines the kernel version.
-    source_modules: ClassVar[tuple[str, ...]]
+    #: The Triton kernels the launch may run; with the functions they call, their code is part
+    #: of the version (see :mod:`.versioning`).
+    jit_kernels: ClassVar[tuple[Any, ...]]
+    #: Bumped by hand when host-side launch geometry or the timing method changes: stored times
+    #: and configs of another protocol no longer describe what runs.
+    protocol: ClassVar[int]
     key_type: ClassVar[type[TuningKey]]
     space: SearchSpace[C, K]
 
     @functools.cached_property
     def version(self) -> str:
-        digest = hashlib.sha256()
-        for module_name in self.source_modules:
-            module = importlib.import_module(module_name)
-            path = getattr(module, "__file__", None)
-            if path is None:
-                raise RuntimeError(f"{self.name}: module {module_name} has no source file to hash")
-            with open(path, "rb") as fh:
-                digest.update(fh.read())
-        return digest.hexdigest()[:16]
+        """Fingerprint of the code, the config space, the key type and the protocol number."""
+        return kernel_version(self.jit_kernels, self.space, self.key_type, self.protocol)
 
     # ---- the runtime half --------------------------------------------------------------
 

@@ -87,7 +87,8 @@ def _refuse_outside_worker(action: str) -> None:
 
 class FaultSpec(KernelSpec[FaultConfig, FaultKey]):
     name = "evidence_fault"
-    source_modules = (__name__,)
+    jit_kernels = (_fault_scale_kernel,)
+    protocol = 1
     key_type = FaultKey
     space: SearchSpace[FaultConfig, FaultKey] = SearchSpace("evidence_fault", FaultConfig, feasibility=_feasible)
 

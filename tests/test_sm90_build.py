@@ -19,7 +19,6 @@ that every launched kernel (a jit function named ``*_kernel`` in a spec's source
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import logging
 import os
@@ -460,15 +459,12 @@ def test_builds_for_sm90(case: Case, builds: Builds) -> None:
 
 
 def _launched_kernels() -> set[str]:
-    """``module:name`` of each jit function named ``*_kernel`` defined in a spec's source modules."""
+    """``module:name`` of each Triton kernel a spec declares it may launch (its ``jit_kernels``)."""
     names = set()
     for spec in registry.all_specs():
-        for module_name in spec.source_modules:
-            module = importlib.import_module(module_name)
-            for name, value in vars(module).items():
-                fn = getattr(value, "fn", None)
-                if name.endswith("_kernel") and callable(fn) and fn.__module__ == module_name:
-                    names.add(f"{module_name}:{name}")
+        for kernel in spec.jit_kernels:
+            fn = kernel.fn
+            names.add(f"{fn.__module__}:{fn.__name__}")
     return names
 
 

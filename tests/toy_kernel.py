@@ -68,7 +68,8 @@ class ToyFacts(NamedTuple):
 
 class ToySpec(KernelSpec[ToyConfig, ToyKey]):
     name = "toy_scale"
-    source_modules = (__name__,)
+    jit_kernels = (_scale_kernel,)
+    protocol = 1
     key_type = ToyKey
     space: SearchSpace[ToyConfig, ToyKey] = SearchSpace("toy_scale", ToyConfig, feasibility=_feasible)
 

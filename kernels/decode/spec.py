@@ -12,6 +12,7 @@ from tritune.search_spaces.splitk_decode import SPACE, DecodeConfig, portable_co
 
 from ..device import DeviceInfo
 from ..spec import KernelSpec, Problem, TuningKey, pow2_bucket
+from ._triton_decode import _decode_merge_kernel, _decode_split_kernel
 from .op import DTYPE_NAMES, KERNEL, MAX_QUERY_TOKENS, DecodeFacts, check_inputs, launch
 from .reference import compare, decode_reference
 
@@ -62,15 +63,9 @@ def _key_for(arch: str, sm_count: int, facts: tuple[Any, ...]) -> DecodeKey:
 
 class DecodeSpec(KernelSpec[DecodeConfig, DecodeKey]):
     name = KERNEL
-    # The space modules and the shared launch module hold launch geometry rules too: editing them
-    # must invalidate stored configs.
-    source_modules = (
-        "tritune.kernels.decode._triton_decode",
-        "tritune.kernels.decode.op",
-        "tritune.search_spaces.splitk_decode",
-        "tritune.search_spaces.base",
-        "tritune.kernels._launch",
-    )
+    jit_kernels = (_decode_split_kernel, _decode_merge_kernel)
+    # Split geometry comes from the space's rules and the SM count; trials are graph-timed.
+    protocol = 1
     key_type = DecodeKey
     space = SPACE
 

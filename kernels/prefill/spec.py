@@ -34,8 +34,8 @@ from .. import settings as settings_module
 from .._launch import DTYPE_NAMES
 from ..device import DeviceInfo, target_supports
 from ..spec import KernelSpec, Problem, TuningKey, pow2_bucket
-from ._triton_portable import prefill_portable
-from ._triton_tma import prefill_tma
+from ._triton_portable import _prefill_fwd_kernel, prefill_portable
+from ._triton_tma import _merge_splits_kernel, _prefill_tma_kernel, prefill_tma
 from .reference import prefill_reference
 
 log = logging.getLogger("tritune.prefill")
@@ -126,16 +126,9 @@ def portable_for(config: PrefillConfig, key: PrefillKey, limits: TargetLimits) -
 
 class PrefillSpec(KernelSpec[PrefillConfig, PrefillKey]):
     name = "tma_prefill"
-    # The space modules hold launch geometry rules too: editing them must invalidate stored configs.
-    # This module too: its make_problem decides how trials are timed (graph replays since
-    # session 6), and a stored time means something only next to others timed the same way.
-    source_modules = (
-        "tritune.kernels.prefill._triton_portable",
-        "tritune.kernels.prefill._triton_tma",
-        "tritune.kernels.prefill.spec",
-        "tritune.search_spaces.tma_prefill",
-        "tritune.search_spaces.base",
-    )
+    jit_kernels = (_prefill_fwd_kernel, _prefill_tma_kernel, _merge_splits_kernel)
+    # Trials are timed as CUDA-graph replays with the L2 flushed (make_problem's launch_bound).
+    protocol = 1
     key_type = PrefillKey
     space = SPACE
 

@@ -17,6 +17,18 @@ from tritune.search_spaces.q4k_fp8_gemm import Q4KConfig
 
 from ..device import DeviceInfo, target_supports
 from ..spec import KernelSpec, Problem, TuningKey, pow2_bucket
+from ._triton_q4k import (
+    _q4k_dequant_fp8_kernel,
+    _q4k_gemm_fp8_fold_kernel,
+    _q4k_gemm_fp8_fold_swap_kernel,
+    _q4k_gemm_fp8_kernel,
+    _q4k_gemm_portable_kernel,
+    _q4k_gemv_kernel,
+    _quantize_rows_fp8_kernel,
+    _quantize_rows_gemv_kernel,
+    _splitk_reduce_kernel,
+    _staged_prepass_kernel,
+)
 from .launch import run_q4k_gemm
 from .reference import q4k_linear_reference, sqnr_db
 from .weight import Q4KWeight
@@ -56,16 +68,20 @@ def check_path(out: torch.Tensor, expected: torch.Tensor, path: str) -> str | No
 
 class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
     name = "q4k_fp8_gemm"
-    # The space module holds launch geometry rules too: editing it must invalidate stored configs.
-    # The spec's own rules (serveable, problems) and the shared space machinery shape what a stored
-    # config means too: editing them must invalidate stored configs.
-    source_modules = (
-        "tritune.kernels.q4k._triton_q4k",
-        "tritune.kernels.q4k.launch",
-        "tritune.kernels.q4k.spec",
-        "tritune.search_spaces.q4k_fp8_gemm",
-        "tritune.search_spaces.base",
+    jit_kernels = (
+        _quantize_rows_fp8_kernel,
+        _q4k_gemm_portable_kernel,
+        _q4k_gemm_fp8_kernel,
+        _q4k_gemm_fp8_fold_kernel,
+        _q4k_gemm_fp8_fold_swap_kernel,
+        _staged_prepass_kernel,
+        _q4k_dequant_fp8_kernel,
+        _quantize_rows_gemv_kernel,
+        _q4k_gemv_kernel,
+        _splitk_reduce_kernel,
     )
+    # Small-M trials are graph-timed (make_problem's launch_bound), large-M ones eager.
+    protocol = 1
     key_type = Q4KKey
     space = q4k_space.SPACE
 

@@ -14,6 +14,7 @@ from tritune.search_spaces.varlen_sdpa import HEAD_DIMS, SPACE, VarlenConfig, po
 
 from ..device import DeviceInfo, target_supports
 from ..spec import KernelSpec, Problem, TuningKey, pow2_bucket
+from ._triton_varlen import _varlen_fwd_kernel, _varlen_merge_kernel
 from .op import DTYPE_NAMES, DYNAMIC, KERNEL, VarlenFacts, check_inputs, launch
 from .reference import compare, varlen_reference
 
@@ -101,15 +102,8 @@ def _visible_keys(q_len: int, kv_end: int, rows: int, causal: bool, window: int 
 
 class VarlenSpec(KernelSpec[VarlenConfig, VarlenKey]):
     name = KERNEL
-    # The space modules and the shared launch module hold launch geometry rules too: editing them
-    # must invalidate stored configs.
-    source_modules = (
-        "tritune.kernels.varlen._triton_varlen",
-        "tritune.kernels.varlen.op",
-        "tritune.search_spaces.varlen_sdpa",
-        "tritune.search_spaces.base",
-        "tritune.kernels._launch",
-    )
+    jit_kernels = (_varlen_fwd_kernel, _varlen_merge_kernel)
+    protocol = 1
     key_type = VarlenKey
     space = SPACE
 
