@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from .base import SearchSpace, TargetLimits, choice
 
 #: Largest M bucket for which splitting K may pay: up to here a few M tiles cannot fill the GPU
-#: (on an H200, N=4096 at BLOCK_N=64 is 64 programs for 132 SMs).
+#: (N=4096 at BLOCK_N=64 is 64 programs, fewer than a large GPU's SMs).
 SMALL_M = 64
 #: Registers per thread the folded fp8 kernel may spend on its accumulator plus half its float32
 #: weight tile (ptxas keeps about half of that tile live). Fitted to ptxas for sm_90 with Triton 3.6
@@ -36,8 +36,8 @@ SWAP_MAX_REGISTERS = 176
 #: Rows per warpgroup on wgmma's M side: in the swapped kernel that side is BLOCK_N.
 WGMMA_ROWS = 64
 #: Largest M bucket the GEMV path is tried at. Its integer dot products grow with every row of x,
-#: and each row's words are loaded at the products' full shape: on the H200 two or more rows ran
-#: 2-80x slower than the portable kernel (register spills), one row 1.05-1.2x faster.
+#: and each row's words are loaded at the products' full shape: two or more rows spill registers
+#: and run far slower than the portable kernel.
 GEMV_MAX_M = 1
 #: Deepest K tile of the paths that dequantize a tile against one super-block's scales.
 SUPER_BLOCK = 256
@@ -213,8 +213,8 @@ def _gemv_reason(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> str 
     words = config.BLOCK_N * config.BLOCK_K // 8  # 32-bit words of codes per tile
     if words < 4 * 32 * config.num_warps:
         return f"{config.num_warps} warps for {words} words of codes leave threads without a sub-block"
-    # Each product word of every row stays live with its code and x words: measured on sm_90 (ptxas,
-    # Triton 3.6), 32 words a thread take about 136-255 registers; more spill.
+    # Each product word of every row stays live with its code and x words: past 32 words a thread
+    # ptxas for sm_90 spills.
     per_thread = min(key.m_bucket, GEMV_MAX_M) * words // (32 * config.num_warps)
     if per_thread > 32:
         return f"{per_thread} product words a thread (rows x BLOCK_N x BLOCK_K / 8 / threads) exceed 32"

@@ -18,14 +18,12 @@ Two choices shape the tiles themselves:
 
 - ``SHORT_M``: rows of the M tile for a segment whose new tokens all fit in it (a decode token,
   a short draft block). One launch serves decode tokens and prefill chunks together, and a
-  prefill-sized tile spends its MMAs on empty rows for a decode: on the H200 the 28 decodes of
-  the benchmark's mixed step took 511 us in 128-row tiles and 409 us in 16-row ones, while its
-  4 chunks took 1607 us in 128-row tiles and 5447 us in 16-row ones. Each program picks its tile
-  from its own segment's ``q_len`` on the device. ``SHORT_M >= BLOCK_M`` is one tile for all.
+  prefill-sized tile spends its MMAs on empty rows for a decode, while a decode-sized tile is far
+  slower for a prefill chunk. Each program picks its tile from its own segment's ``q_len`` on the
+  device. ``SHORT_M >= BLOCK_M`` is one tile for all.
 - ``KV_TMA``: load K/V tiles through host-side tensor descriptors over the stores (SM90+, flat
-  stores; a ring's tiles may wrap past the last row, so ring keys keep pointer loads). Our
-  ``tma_prefill`` kernel reaches 518-552 TFLOP/s at D=128 that way against 414 for the varlen
-  chunks' pointer loads.
+  stores; a ring's tiles may wrap past the last row, so ring keys keep pointer loads), as the
+  ``tma_prefill`` kernel does.
 
 The geometry helpers below are shared with the launch so that feasibility and launch agree.
 """

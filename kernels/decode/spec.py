@@ -20,8 +20,7 @@ _DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 #: KV heads of the problems the tuner times on a GPU (``bh_bucket // 8`` sequences).
 TUNED_KV_HEADS = 8
 #: Cache lengths (``lkv_bucket``) and batches ``tune`` sweeps on a GPU when none are named. Every power
-#: of two between: on the H200, B=8 and B=32 steps served by a neighbour's winner replayed 2-3% slower
-#: than the portable default.
+#: of two between batches: a neighbour's borrowed winner can replay slower than the portable default.
 _GPU_LKV = (1024, 4096, 16384, 32768, 131072)
 _GPU_BATCHES = (1, 4, 8, 16, 32, 64)
 
@@ -163,10 +162,8 @@ class DecodeSpec(KernelSpec[DecodeConfig, DecodeKey]):
             bytes_moved=float(bytes_moved),
             flush_l2=True,
             # Always timed as CUDA-graph replays, the way serving loops run decode steps. Eager timing
-            # counts the host's launches wherever they outlast the GPU work: on the H200 host two
-            # launches took about 70 us, more than a B=1, 32K-token step, which biased tunes toward the
-            # single-launch FUSED_MERGE configs (they measured 1.3x faster than the portable default
-            # and replayed 10% slower than it).
+            # counts the host's launches wherever they outlast the GPU work, which biases tunes toward
+            # configs with fewer launches rather than faster kernels.
             launch_bound=True,
         )
 

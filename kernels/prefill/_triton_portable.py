@@ -92,10 +92,9 @@ def _attend_tile(
 
     The row max of the scaled scores is taken on the raw scores (their min when ``NEG_SCALE``:
     :func:`kernel_scale`) and scaled once per row, so each exponent ``s * qk_scale - m`` is one
-    FFMA, not a multiply and a subtract (3-6% faster on the H200's TMA path,
-    ``scripts/probe_prefill_softmax.py``). ``m_i`` stays in scaled units, as the split-KV merge
-    expects. The sign is a constexpr, not a select on q: a computed q made Triton hold the wgmma
-    operand in registers, which cost the portable kernel up to 29% on the H200.
+    FFMA, not a multiply and a subtract. ``m_i`` stays in scaled units, as the split-KV merge
+    expects. The sign is a constexpr, not a select on q: a computed q makes Triton hold the wgmma
+    operand in registers, which is slower.
     """
     # The interpreter multiplies bf16 tiles as raw integer bits; GPUs keep the native MMA.
     s = tl.dot(q.to(tl.float32), kt.to(tl.float32)) if DOT_IN_FP32 else tl.dot(q, kt)

@@ -324,10 +324,8 @@ class PrefillSpec(KernelSpec[PrefillConfig, PrefillKey]):
             flush_l2=True,
             # Timed as CUDA-graph replays (L2 still flushed): what a config changes is GPU time, and
             # at the short keys (0.1-0.3 ms) an eager TMA launch's host work (four descriptors, and
-            # a second launch for SPLIT_KV) can outlast the flush ahead of it and count. On the H200
-            # one SPLIT_KV config at D=128, Lq=512, Lkv=16K timed 0.1365 ms in one tune and
-            # 0.2242 ms re-timed; session 2's eager measurements at D=64, Lq=512, Lkv=16K put every
-            # TMA config at 0.39-0.87 ms, against 0.115 ms for a fresh tune's winner.
+            # a second launch for SPLIT_KV) can outlast the flush ahead of it and count, which makes
+            # eager timings of one config vary by tens of percent between runs.
             launch_bound=True,
         )
 

@@ -99,7 +99,7 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
         )
 
     def default_config(self, key: Q4KKey) -> Q4KConfig:
-        """Portable defaults by M, from H200 measurements (Llama-3-8B shapes, bf16).
+        """Portable defaults by M (chosen on Llama-3-8B shapes, bf16; docs/perf/HISTORY.md).
 
         Up to M=64: 64-wide N tiles, split along K until about 1.5 programs per SM (one pass over
         the weight; 256-deep K tiles for decode). Beyond: 128x128x64 tiles, 8 warps.
@@ -152,8 +152,8 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
                 {**fold, "BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "num_warps": 8, "num_stages": st, "GROUP_M": group_m}
                 for m, n, k, st in ((256, 128, 64, 3), (256, 128, 128, 3), (256, 128, 64, 4), (128, 256, 64, 3))
             ]
-            # The staged path (bf16 keys): 4096-row chunks ran fastest in an H200 sweep at M=4096
-            # (0.66 ms against 0.94 ms for 2048, tuner timing), the dequantization tile mattered little.
+            # The staged path (bf16 keys): large chunks amortise the GEMM's launch; the
+            # dequantization tile matters little.
             for bn, bk, warps, chunk in ((32, 256, 4, 4096), (128, 128, 8, 4096), (64, 128, 4, 2048)):
                 starts.append({"path": "staged", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "CHUNK_N": chunk})
         else:
@@ -178,9 +178,8 @@ class Q4KSpec(KernelSpec[Q4KConfig, Q4KKey]):
         if key.m_bucket > q4k_space.GEMV_MAX_M:
             return []
         starts: list[dict[str, Any]] = []
-        # First the fastest tile of an H200 sweep at one row (32 x 256, 4 warps, 31.4 us at
-        # K=4096, N=14336), then deeper K tiles: a program's loads of one tile are in flight while
-        # it works on the previous one, and at 32 x 256 that is about 14 KB a SM, about 1.2 TB/s.
+        # Narrow, shallow tiles first, then deeper K tiles: a program's loads of one tile are in
+        # flight while it works on the previous one, so deeper tiles keep more bytes in flight.
         for block_n, block_k, warps in ((32, 256, 4), (32, 512, 4), (64, 512, 4), (32, 1024, 4), (64, 1024, 8)):
             tiles = triton.cdiv(key.n, block_n)
             for split in (2, 1, 4):

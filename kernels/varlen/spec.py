@@ -255,18 +255,13 @@ class VarlenSpec(KernelSpec[VarlenConfig, VarlenKey]):
         )
 
     def starting_configs(self, key: VarlenKey, device: DeviceInfo) -> list[VarlenConfig]:
-        """Configs the tuner measures first on a GPU: the winners of the H200's tunes of 2026-11-29.
+        """Configs the tuner measures first on a GPU, where the space is too large to search at random.
 
-        Those tunes stopped at 8-12 trials a key (their per-key time budget: varlen candidates
-        compile slowly), so where a mix was not searched deeply these seed it. Decode-only mixes
-        (at most one new token a segment) won with small M tiles and few splits: 16x16 tiles and
-        4 splits at 32 decodes, D=128 (1.12x the portable default), 64x64 tiles, 4 splits and one
-        wave at 64 decodes, D=64 (1.30x). Mixes with prefill chunks won with 128x128 tiles at
-        D=128 (1.13-1.32x) and the same 64x64 config at D=64 (1.26-1.34x). Measured and gated like
-        any other proposal; only those the space admits at ``key``. Since then the space gained a
-        short tile for decode segments (``SHORT_M``) and descriptor loads (``KV_TMA``): the first
-        seeds combine the mixed-step winner's tiles with both (session 7's probe of the mixed step:
-        decodes 511 us in 128-row tiles against 409 us in 16-row ones).
+        Varlen candidates compile slowly, so a tune sees few trials a key. Decode-only mixes (at most
+        one new token a segment) favour small M tiles and few splits; mixes with prefill chunks favour
+        prefill-sized tiles with a short tile for their decode segments (``SHORT_M``) and descriptor
+        loads (``KV_TMA``). Measured and gated like any other proposal; only those the space admits
+        at ``key``.
         """
         if device.is_interpreter:
             return []
