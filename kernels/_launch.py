@@ -1,7 +1,8 @@
 """Host-side pieces the attention families share: argument checks, device facts and workspaces.
 
 Nothing here runs at import: the SM-count cache fills on a device's first launch, the arrival
-counters on a device's first fused split-K launch.
+counters on a device's first fused split-K launch, and the interpreter's fix on the first launch
+of an interpreted kernel (:func:`prepare_interpreter`).
 """
 
 from __future__ import annotations
@@ -10,20 +11,28 @@ import logging
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from triton.runtime.interpreter import InterpretedFunction
 
+from ._interpreter import fix_interpreter_index
 from .device import device_info
 
 __all__ = [
     "COUNTERS",
     "DTYPE_NAMES",
     "LOG2E",
+    "MAX_SOFTMAX_SCALE",
     "MERGE_TILE",
     "SM_COUNTS",
     "arrival_counters",
     "check_device",
+    "check_out_memory",
+    "check_softmax_scale",
     "check_tensor",
     "device_index",
+    "out_is_separate",
+    "overlaps_itself",
+    "prepare_interpreter",
     "runs_on_interpreter",
     "sm_count",
     "traced",
@@ -36,6 +45,8 @@ log = logging.getLogger("tritune.launch")
 DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 #: log2(e): the kernels keep scores in the log2 domain, with this folded into the softmax scale.
 LOG2E = 1.4426950408889634
+#: Largest ``|softmax_scale|`` served (see :func:`check_softmax_scale`).
+MAX_SOFTMAX_SCALE = 1e4
 #: fp32 values of one merge program's tile of partials (64 registers a thread at 4 warps).
 MERGE_TILE = 8192
 #: Device -> SM count, filled on a device's first launch (the launch path must not query it per call).
@@ -47,6 +58,8 @@ _RETIRED_COUNTERS: list[torch.Tensor] = []
 #: Fewest counters a buffer holds (4 KiB), so that a growing batch rarely reallocates.
 _MIN_COUNTERS = 1024
 _warned_capture_counters: set[torch.device] = set()
+#: Whether :func:`prepare_interpreter` has run in this process.
+_interpreter_prepared = False
 
 
 def check_tensor(name: str, t: object, rank: int) -> torch.Tensor:
@@ -61,6 +74,126 @@ def check_tensor(name: str, t: object, rank: int) -> torch.Tensor:
 def runs_on_interpreter(kernel: Any) -> bool:
     """Whether ``kernel`` was decorated under ``TRITON_INTERPRET=1`` (the test ``register_op`` uses too)."""
     return isinstance(kernel, InterpretedFunction)
+
+
+def prepare_interpreter() -> None:
+    """Make the Triton interpreter able to run tritune's kernels; the op bodies call this before
+    launching interpreted kernels, so that ``TRITON_INTERPRET=1`` works without any setup.
+
+    Runs once per process, at the first interpreted launch: a process that never launches on the
+    interpreter never patches it.
+    """
+    global _interpreter_prepared
+    if not _interpreter_prepared:
+        fix_interpreter_index()
+        _interpreter_prepared = True
+
+
+def check_softmax_scale(softmax_scale: object) -> None:
+    """Refuse a ``softmax_scale`` the kernels cannot apply (TypeError/ValueError naming it).
+
+    Served: None (``1 / sqrt(D)``) or an int or float with ``|softmax_scale| <= MAX_SOFTMAX_SCALE``,
+    zero and negative scales included. The kernels multiply fp32 scores by ``softmax_scale * log2(e)``,
+    so a score stays finite up to ``FLT_MAX / (1e4 * log2(e))``, about 2.4e34: any score of fp16
+    inputs (at most ``256 * 65504**2``, about 1.1e12) and of bf16 inputs with elements up to about
+    9e15. Beyond the bound a product overflows to inf for smaller scores, and the row's softmax
+    turns into NaN or zeros; from about 2.4e38 the scale itself is not an fp32 number. Typical
+    scales are ``1 / sqrt(D)`` (0.0625-0.125), so the bound leaves ample room for temperatures.
+    """
+    if softmax_scale is None:
+        return
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, int | float):
+        raise TypeError(f"softmax_scale: expected a float or None, got {type(softmax_scale).__name__}")
+    # Comparisons, not float(): an int too large for a float is refused, not an OverflowError; NaN fails both.
+    if not -MAX_SOFTMAX_SCALE <= softmax_scale <= MAX_SOFTMAX_SCALE:
+        raise ValueError(
+            f"softmax_scale: expected a finite number with |softmax_scale| <= {MAX_SOFTMAX_SCALE:g} "
+            f"(the kernels scale fp32 scores by it), got {softmax_scale!r}"
+        )
+
+
+def overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory (a zero stride, an expanded or overlapping view).
+
+    Sorted by stride, each dimension of size > 1 must step past everything the smaller ones reach:
+    true of every contiguous, permuted (for instance transposed) or sliced layout. An exotic
+    interleaved layout that does not overlap but fails this is refused too.
+    """
+    if t.is_contiguous():
+        return False
+    shape = t.shape
+    if 0 in shape:
+        return False
+    reach = 1
+    for stride, size in sorted((stride, size) for size, stride in zip(shape, t.stride(), strict=True) if size > 1):
+        if stride < reach:
+            return True
+        reach += (size - 1) * stride
+    return False
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int] | None:
+    """``[first, end)`` addresses of the bytes ``t`` reads or writes, None when it has no element.
+
+    Absolute addresses: views of one storage compare by their offsets in it, and tensors of
+    distinct storages can only meet if their memory is the same (``from_blob``, DLPack aliases).
+    """
+    first = t.data_ptr()
+    extent = 1
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        if not size:
+            return None
+        extent += (size - 1) * stride
+    return first, first + extent * t.element_size()
+
+
+def out_is_separate(out: torch.Tensor, inputs: tuple[torch.Tensor | None, ...]) -> bool:
+    """Whether ``out`` has no self-overlap and no byte in common with ``inputs``: the fast paths' form
+    of :func:`check_out_memory` for plain tensors (False sends the call to the detailed checks)."""
+    if torch._C._are_functorch_transforms_active() or overlaps_itself(out):
+        return False
+    span = _byte_span(out)
+    if span is None:
+        return True
+    first, end = span
+    for t in inputs:
+        if t is not None:
+            other = _byte_span(t)
+            if other is not None and other[0] < end and first < other[1]:
+                return False
+    return True
+
+
+def _memory_known(t: torch.Tensor) -> bool:
+    """Whether ``t``'s addresses are real: not a fake, meta or functorch-wrapped tensor."""
+    return not (isinstance(t, FakeTensor) or t.is_meta or torch._C._functorch.is_functorch_wrapped_tensor(t))
+
+
+def check_out_memory(out: torch.Tensor, inputs: dict[str, torch.Tensor | None]) -> None:
+    """Refuse an ``out`` (ValueError naming it) whose elements share memory, or that shares memory
+    with an input: the kernels write ``out`` tile by tile while other programs still read, so
+    either gives a wrong result. Checked on real tensors only: a traced graph has no addresses.
+    """
+    if torch.compiler.is_compiling() or not _memory_known(out):
+        return
+    if overlaps_itself(out):
+        raise ValueError(
+            f"out: some of its elements share memory (shape {tuple(out.shape)}, strides {tuple(out.stride())}: "
+            "a zero stride or an expanded view); expected a tensor in which each element has its own memory"
+        )
+    span = _byte_span(out)
+    if span is None:
+        return
+    first, end = span
+    for name, t in inputs.items():
+        if t is None or not _memory_known(t):
+            continue
+        other = _byte_span(t)
+        if other is not None and other[0] < end and first < other[1]:
+            raise ValueError(
+                f"out: overlaps {name} in memory; expected a separate tensor (the kernels read {name} while "
+                "writing out)"
+            )
 
 
 def check_device(name: str, t: torch.Tensor, kernel: Any) -> None:

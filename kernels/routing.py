@@ -32,7 +32,7 @@ def _serves_layout(t: object) -> bool:
 
 
 def _prefill_attention() -> Callable[..., torch.Tensor]:
-    """Prefill, imported on first use; later calls skip the import statement (about a microsecond)."""
+    """Prefill, imported on first use; later calls skip the cost of an import statement."""
     module = sys.modules.get(_PREFILL_MODULE)
     if module is None:
         module = importlib.import_module(_PREFILL_MODULE)
@@ -59,7 +59,7 @@ def attention(
     decode_step = False
     if causal and isinstance(q, torch.Tensor) and isinstance(kv_len, torch.Tensor):
         shape = q.shape
-        # serves_layout(q, k, v, out) without its generator, which costs a microsecond per call.
+        # serves_layout(q, k, v, out) without its generator, whose cost would be paid on every call.
         decode_step = (
             len(shape) == 4
             and 1 <= shape[2] <= MAX_QUERY_TOKENS

@@ -2,23 +2,21 @@
 
 A decode step is short on the GPU and an eager loop pays its host time once per layer, so the
 checks before the launch are what the dispatcher's promise (a dict lookup per call) comes down to.
-``check_inputs`` reads some tensor attributes several times and builds tuples for its messages
-(6 us per call on the dev CPU; a tensor attribute costs 50-150 ns). :func:`eager_facts` reads each
-once and accepts only what ``check_inputs`` accepts, returning the same facts as a plain tuple (the
-tests compare the two). ``None`` (bad input, a tensor subclass, ``torch.compile``, an int scale)
-sends the call to ``check_inputs``, which raises the error naming the argument. It lives outside
-``op.py`` because that file's source versions the kernel's stored configs.
+``check_inputs`` reads some tensor attributes several times and builds tuples for its messages,
+and every tensor attribute read costs time. :func:`eager_facts` reads each once and accepts only
+what ``check_inputs`` accepts, returning the same facts as a plain tuple (the tests compare the
+two). ``None`` (bad input, a tensor subclass, ``torch.compile``, an int scale) sends the call to
+``check_inputs``, which raises the error naming the argument. A given ``out`` also pays the memory
+checks (``out_is_separate``), which cost more than the rest; a call without one skips them.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
 from tritune.search_spaces.splitk_decode import HEAD_DIMS
 
-from .._launch import DTYPE_NAMES, runs_on_interpreter
+from .._launch import DTYPE_NAMES, MAX_SOFTMAX_SCALE, out_is_separate, runs_on_interpreter
 from ._triton_decode import _decode_split_kernel
 
 __all__ = ["eager_facts"]
@@ -28,7 +26,7 @@ _CPU_RUNS = runs_on_interpreter(_decode_split_kernel)
 # Module-level names for the per-call checks: each saves an attribute lookup.
 _TENSOR = torch.Tensor
 _INT32 = torch.int32
-_INF = math.inf
+_MAX_SCALE = MAX_SOFTMAX_SCALE
 _DTYPE_NAME = DTYPE_NAMES.get
 _HEAD_DIMS = frozenset(HEAD_DIMS)
 _is_compiling = torch.compiler.is_compiling
@@ -53,7 +51,7 @@ def eager_facts(
         or type(k_cache) is not _TENSOR
         or type(v_cache) is not _TENSOR
         or type(kv_len) is not _TENSOR
-        or not (softmax_scale is None or (type(softmax_scale) is float and -_INF < softmax_scale < _INF))
+        or not (softmax_scale is None or (type(softmax_scale) is float and -_MAX_SCALE <= softmax_scale <= _MAX_SCALE))
     ):
         return None
     dtype = q.dtype
@@ -99,6 +97,7 @@ def eager_facts(
         or out.device != device
         or out.shape != shape
         or out.stride()[3] != 1
+        or not out_is_separate(out, (q, k_cache, v_cache, kv_len))
     ):
         return None
     return (name, head_dim, batch, q_heads, kv_heads, lq, lmax)

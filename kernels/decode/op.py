@@ -12,9 +12,9 @@ clamped on the device.
 
 The launch is registered once as ``tritune::decode_attention`` (a ``triton_op`` on GPUs, so
 ``torch.compile`` sees the kernels); tracers and dispatch modes always go through it. In eager mode
-on plain tensors the wrapper launches the same kernels itself: the op dispatcher adds tens of
-microseconds of host time per call, more than a short decode step takes on the GPU. Serving loops
-should capture decode steps in CUDA graphs anyway, where neither path costs anything per replay.
+on plain tensors the wrapper launches the same kernels itself: the op dispatcher adds more host
+time per call than a short decode step takes on the GPU. Serving loops should capture decode steps
+in CUDA graphs anyway, where neither path costs anything per replay.
 """
 
 from __future__ import annotations
@@ -42,8 +42,12 @@ from .._launch import (
     MERGE_TILE,
     arrival_counters,
     check_device,
+    check_out_memory,
+    check_softmax_scale,
     check_tensor,
     device_index,
+    prepare_interpreter,
+    runs_on_interpreter,
     sm_count,
     traced,
     workspace,
@@ -68,6 +72,8 @@ KERNEL = "splitk_decode"
 MAX_QUERY_TOKENS = 8
 #: What the errors of a direct call name the caches.
 CACHE_NAMES = ("k_cache", "v_cache")
+#: Whether the kernels were decorated for the interpreter, which launches then prepare first.
+_INTERPRETED = runs_on_interpreter(_decode_split_kernel)
 
 
 class DecodeFacts(NamedTuple):
@@ -149,13 +155,12 @@ def check_inputs(
             raise ValueError(f"out: expected device {device} (the device of q), got {out.device}")
         if tuple(out.shape) != tuple(q.shape):
             raise ValueError(f"out: expected the shape of q {tuple(q.shape)}, got {tuple(out.shape)}")
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, int | float)):
-        raise TypeError(f"softmax_scale: expected a float or None, got {type(softmax_scale).__name__}")
-    if softmax_scale is not None and not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale: expected a finite number, got {softmax_scale}")
+    check_softmax_scale(softmax_scale)
     for name, t in (("q", q), (k_name, k_cache), (v_name, v_cache), ("out", out)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name}: the head dim must be contiguous (stride 1), got strides {tuple(t.stride())}")
+    if out is not None:
+        check_out_memory(out, {"q": q, k_name: k_cache, v_name: v_cache, "kv_len": kv_len})
     return DecodeFacts(DTYPE_NAMES[q.dtype], head_dim, batch, q_heads, kv_heads, lq, lmax)
 
 
@@ -216,6 +221,8 @@ def _launch(
 ) -> None:
     """Launch the split kernel, then the merge where some sequence may need more than one split
     (unless the split kernel merges itself: ``FUSED_MERGE``)."""
+    if _INTERPRETED:
+        prepare_interpreter()
     # Plain ints: under dynamic-shape tracing sizes arrive as SymInts, and the grid, the workspace and
     # the kernels' stride specialisation are all fixed per shape anyway.
     batch, q_heads, lq, head_dim = (int(n) for n in q.shape)
@@ -332,8 +339,10 @@ def decode_attention(
     ``k_cache, v_cache``: ``[B, Hkv, Lmax, D]`` with ``Hq % Hkv == 0`` (GQA); ``kv_len``: int32 ``[B]``
     on q's device, read there (no host synchronisation). The new tokens are causal among
     themselves: token ``i`` sits at position ``kv_len - Lq + i`` and sees the keys up to it; a row
-    that sees no key (``kv_len == 0``) is zero. ``softmax_scale`` defaults to ``1 / sqrt(D)``.
-    Returns ``out`` (allocated when not given), ``[B, Hq, Lq, D]`` in q's dtype.
+    that sees no key (``kv_len == 0``) is zero. ``softmax_scale`` defaults to ``1 / sqrt(D)``; any
+    finite scale with ``|softmax_scale| <= 1e4`` is served, zero and negative ones included.
+    Returns ``out`` (allocated when not given), ``[B, Hq, Lq, D]`` in q's dtype; a given ``out``
+    must not share memory with the other arguments, nor two of its elements one address.
     """
     return decode_attention_named(q, k_cache, v_cache, kv_len, softmax_scale, out, CACHE_NAMES)
 

@@ -18,7 +18,17 @@ import torch
 
 from tritune.search_spaces.tma_prefill import HEAD_DIMS
 
-from .._launch import DTYPE_NAMES, check_device, device_index, runs_on_interpreter
+from .._launch import (
+    DTYPE_NAMES,
+    MAX_SOFTMAX_SCALE,
+    check_device,
+    check_out_memory,
+    check_softmax_scale,
+    device_index,
+    out_is_separate,
+    prepare_interpreter,
+    runs_on_interpreter,
+)
 from .._oplib import in_direct_body, plain_tensors_call, register_op
 from ..device import device_info
 from ..dispatcher import dispatch, dispatch_eager
@@ -28,12 +38,13 @@ from .spec import SPEC, PrefillConfig, _tma_layout_ok, portable_for
 
 __all__ = ["prefill_attention"]
 
-#: Whether CPU tensors may run (the kernels were decorated for the interpreter): what ``check_device`` asks.
+#: Whether the kernels were decorated for the interpreter: CPU tensors may run (what ``check_device``
+#: asks), and the bodies prepare the interpreter before their first launch.
 _CPU_RUNS = runs_on_interpreter(_prefill_fwd_kernel)
 # Module-level names for the per-call checks of _eager_facts: each saves an attribute lookup.
 _TENSOR = torch.Tensor
 _INT32 = torch.int32
-_INF = math.inf
+_MAX_SCALE = MAX_SOFTMAX_SCALE
 _DTYPE_NAME = DTYPE_NAMES.get
 _HEAD_DIMS = frozenset(HEAD_DIMS)
 _is_compiling = torch.compiler.is_compiling
@@ -74,10 +85,7 @@ def _check_inputs(
         raise ValueError(f"q, k: q's {q_heads} heads must be a multiple of k's {k.shape[1]} heads (GQA)")
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, int | float)):
-        raise TypeError(f"softmax_scale: expected a float or None, got {type(softmax_scale).__name__}")
-    if softmax_scale is not None and not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale: expected a finite number, got {softmax_scale}")
+    check_softmax_scale(softmax_scale)
     if kv_len is not None:
         if not isinstance(kv_len, torch.Tensor):
             raise TypeError(f"kv_len: expected an int32 tensor or None, got {type(kv_len).__name__}")
@@ -96,6 +104,7 @@ def _check_inputs(
             raise ValueError(f"out: expected q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
         if out.device != q.device:
             raise ValueError(f"out: expected q's device {q.device}, got {out.device}")
+        check_out_memory(out, {"q": q, "k": k, "v": v, "kv_len": kv_len})
 
 
 def _eager_facts(
@@ -109,13 +118,13 @@ def _eager_facts(
 ) -> tuple[Any, ...] | None:
     """The facts of a valid plain eager call, in one pass over the tensors' attributes; else None.
 
-    Each call pays its checks and facts on the host before its launch, and reading a tensor
-    attribute costs 50-150 ns: :func:`_check_inputs` followed by ``SPEC.facts`` read the same ones
-    several times over (9 us per call on the dev CPU). This reads each once and accepts only what
-    both accept, returning ``tuple(SPEC.facts(...))``'s value (the tests compare them). ``None``
-    (bad input, a tensor subclass, ``torch.compile``, an int scale) sends the call down that
-    detailed path, which raises the error naming the argument. With ``out=None`` the facts
-    describe q, k and v only: the caller folds in the layout of the ``out`` it allocates.
+    Each call pays its checks and facts on the host before its launch, and every tensor attribute
+    read costs time: :func:`_check_inputs` followed by ``SPEC.facts`` read the same ones several
+    times over. This reads each once and accepts only what both accept, returning
+    ``tuple(SPEC.facts(...))``'s value (the tests compare them). ``None`` (bad input, a tensor
+    subclass, ``torch.compile``, an int scale) sends the call down that detailed path, which raises
+    the error naming the argument. With ``out=None`` the facts describe q, k and v only: the caller
+    folds in the layout of the ``out`` it allocates; a given ``out`` also pays the memory checks.
     """
     if (
         _is_compiling()
@@ -123,7 +132,7 @@ def _eager_facts(
         or type(k) is not _TENSOR
         or type(v) is not _TENSOR
         or type(causal) is not bool
-        or not (softmax_scale is None or (type(softmax_scale) is float and -_INF < softmax_scale < _INF))
+        or not (softmax_scale is None or (type(softmax_scale) is float and -_MAX_SCALE <= softmax_scale <= _MAX_SCALE))
     ):
         return None
     dtype = q.dtype
@@ -164,6 +173,8 @@ def _eager_facts(
     if out is not None:
         if type(out) is not _TENSOR or out.dtype is not dtype or out.shape != shape or out.device != device:
             return None
+        if not out_is_separate(out, (q, k, v, kv_len)):
+            return None
         so0, so1, so2, so3 = out.stride()
         layout_ok = layout_ok and so3 == 1 and not (so0 | so1 | so2) & 7 and not out.data_ptr() & 15
     return (name, batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal, kv_len is not None, layout_ok)
@@ -173,8 +184,8 @@ _CONFIGS: dict[tuple[Any, ...], PrefillConfig] = {}
 
 
 def _config(*values: Any) -> PrefillConfig:
-    """The config of ``values`` (field order), built once: a frozen dataclass costs a microsecond
-    to construct, a third of the rest of the body's host work."""
+    """The config of ``values`` (field order), built once: constructing a frozen dataclass per call
+    would be a sizeable share of the body's host work."""
     config = _CONFIGS.get(values)
     if config is None:
         config = _CONFIGS[values] = PrefillConfig(*values)
@@ -196,6 +207,8 @@ def _prefill_tma_body(
     pack_gqa: bool,
     split_kv: int,
 ) -> None:
+    if _CPU_RUNS:
+        prepare_interpreter()
     config = _config("tma", block_m, block_n, num_warps, num_stages, pack_gqa, split_kv)
     if (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15:
         # Only a compiled graph gets here with a misaligned base: its facts could not see pointers.
@@ -233,6 +246,8 @@ def _prefill_body(
     pack_gqa: bool,
     split_kv: int,
 ) -> None:
+    if _CPU_RUNS:
+        prepare_interpreter()
     if path == "tma":
         tiles = (block_m, block_n, num_warps, num_stages, pack_gqa, split_kv)
         args = (q, k, v, kv_len, out, causal, softmax_scale, *tiles)
@@ -268,8 +283,10 @@ def prefill_attention(
     the device, so a call can be captured in a CUDA graph and replayed with new lengths; it is
     clamped to ``[0, Lkv]``. With ``causal``, query ``i`` sits at position ``kv_len - Lq + i``
     and sees the keys at positions up to its own (bottom-right alignment). Rows that see no key
-    are zeros. ``softmax_scale`` defaults to ``1 / sqrt(D)``; the result is written to ``out``
-    (default ``torch.empty_like(q)``) through its strides and returned.
+    are zeros. ``softmax_scale`` defaults to ``1 / sqrt(D)``; any finite scale with
+    ``|softmax_scale| <= 1e4`` is served, zero and negative ones included. The result is written to
+    ``out`` (default ``torch.empty_like(q)``) through its strides and returned; ``out`` must not
+    share memory with q, k, v or kv_len, nor two of its elements one address.
     """
     facts = _eager_facts(q, k, v, causal, kv_len, softmax_scale, out)
     facts_eager = facts is not None

@@ -13,7 +13,14 @@ import torch
 
 from tritune.search_spaces.q4k_fp8_gemm import Q4KConfig
 
-from .._launch import check_device, device_index, runs_on_interpreter
+from .._launch import (
+    check_device,
+    check_out_memory,
+    device_index,
+    out_is_separate,
+    prepare_interpreter,
+    runs_on_interpreter,
+)
 from .._oplib import register_op
 from ..dispatcher import dispatch, dispatch_eager
 from .launch import KERNELS, run_q4k_gemm
@@ -46,6 +53,8 @@ def _q4k_linear_op(
     CHUNK_N: int,
     FAST_ACCUM: bool,
 ) -> None:
+    if _CPU_RUNS:
+        prepare_interpreter()
     config = Q4KConfig(
         path, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT_K, SCALE_FOLD, SWAP_AB,
         CHUNK_N, FAST_ACCUM,
@@ -55,7 +64,8 @@ def _q4k_linear_op(
 
 q4k_linear_op = register_op("tritune::q4k_linear", _q4k_linear_op, mutates_args=("out",), kernels=KERNELS)
 
-#: Whether CPU tensors may run (the kernels were decorated for the interpreter): what ``check_device`` asks.
+#: Whether the kernels were decorated for the interpreter: CPU tensors may run (what ``check_device``
+#: asks), and the body prepares the interpreter before its first launch.
 _CPU_RUNS = runs_on_interpreter(KERNELS[0])
 _TENSOR = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
@@ -95,6 +105,12 @@ def _check(x: torch.Tensor, weight: Q4KWeight, bias: torch.Tensor | None, out: t
             raise ValueError(f"out: on {out.device}, but x is on {x.device}")
         if not out.is_contiguous():
             raise ValueError("out: expected a contiguous tensor")
+        qs, scales, mins, super_scales = weight.tensors()
+        check_out_memory(
+            out,
+            {"x": x, "bias": bias, "weight.qs": qs, "weight.scales": scales, "weight.mins": mins,
+             "weight.super_scales": super_scales},
+        )  # fmt: skip
 
 
 def _eager_facts(
@@ -102,11 +118,11 @@ def _eager_facts(
 ) -> tuple[Any, ...] | None:
     """``SPEC.facts`` of a valid plain eager call, read once from the arguments; else None.
 
-    A decode step calls this once per projection, and each tensor attribute read costs 50-150 ns:
-    :func:`_check` then ``SPEC.facts`` took 2.5 us per call on the dev CPU. This accepts only what
-    ``_check`` accepts and returns ``SPEC.facts``'s value for the flattened ``x`` (the tests compare
-    them); ``None`` (bad input, a tensor subclass, ``torch.compile``) sends the call to ``_check``,
-    which raises the error naming the argument.
+    A decode step calls this once per projection, and every tensor attribute read costs time:
+    :func:`_check` then ``SPEC.facts`` read several twice. This accepts only what ``_check``
+    accepts and returns ``SPEC.facts``'s value for the flattened ``x`` (the tests compare them);
+    ``None`` (bad input, a tensor subclass, ``torch.compile``) sends the call to ``_check``, which
+    raises the error naming the argument. A given ``out`` also pays the memory checks.
     """
     if _is_compiling() or type(x) is not _TENSOR or type(weight) is not Q4KWeight:
         return None
@@ -128,6 +144,7 @@ def _eager_facts(
         or out.dtype is not x.dtype
         or out.device != device
         or not out.is_contiguous()
+        or not out_is_separate(out, (x, bias, *weight.tensors()))
     ):
         return None
     return (shape[0] if len(shape) == 2 else math.prod(shape[:-1]), n, k, name)
@@ -138,14 +155,15 @@ def q4k_linear(
 ) -> torch.Tensor:
     """``x @ W^T + bias`` for a Q4_K weight ``W`` ``[N, K]``; ``x`` is ``[..., K]`` bf16 or fp16.
 
-    The result is ``[..., N]`` in x's dtype, written to ``out`` when given. The config (portable
-    or fp8 path, tiles, split-K) comes from the dispatcher for this GPU, M bucket, N and K.
+    The result is ``[..., N]`` in x's dtype, written to ``out`` when given (contiguous, sharing no
+    memory with x, bias or the weight). The config (portable or fp8 path, tiles, split-K) comes
+    from the dispatcher for this GPU, M bucket, N and K.
     """
     facts = _eager_facts(x, weight, bias, out)
     if facts is None:
         _check(x, weight, bias, out)
     n, k = weight.shape
-    # A 2-D x is its own [M, K] view (reshape and view cost a microsecond each on the host).
+    # A 2-D x is its own [M, K] view (reshape and view each cost host time per call).
     x2d = x if facts is not None and x.dim() == 2 else x.reshape(-1, k)
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()

@@ -3,23 +3,21 @@
 A serving step calls varlen attention once per layer, so its host time before the launch is what
 the dispatcher's promise (a dict lookup per call) comes down to. ``check_inputs`` reads some
 tensor attributes several times, builds tuples for its messages and asks ``has_static_value`` of
-every length (8 us per call on the dev CPU; a tensor attribute costs 50-150 ns). :func:`eager_facts`
-reads each attribute once and accepts only what ``check_inputs`` accepts, returning the same facts
-as a plain tuple (the tests compare the two); in eager mode every length is a plain int, so no
-length is symbolic. ``None`` (bad input, a tensor subclass, ``torch.compile``, an int scale) sends
-the call to ``check_inputs``, which raises the error naming the argument. It lives outside
-``op.py`` because that file's source versions the kernel's stored configs.
+every length, and every tensor attribute read costs time. :func:`eager_facts` reads each attribute
+once and accepts only what ``check_inputs`` accepts, returning the same facts as a plain tuple (the
+tests compare the two); in eager mode every length is a plain int, so no length is symbolic.
+``None`` (bad input, a tensor subclass, ``torch.compile``, an int scale) sends the call to
+``check_inputs``, which raises the error naming the argument. A given ``out`` also pays the memory
+checks (``out_is_separate``), which cost more than the rest; a call without one skips them.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
 from tritune.search_spaces.varlen_sdpa import HEAD_DIMS
 
-from .._launch import DTYPE_NAMES, runs_on_interpreter
+from .._launch import DTYPE_NAMES, MAX_SOFTMAX_SCALE, out_is_separate, runs_on_interpreter
 from ._triton_varlen import _varlen_fwd_kernel
 
 __all__ = ["eager_facts"]
@@ -29,7 +27,7 @@ _CPU_RUNS = runs_on_interpreter(_varlen_fwd_kernel)
 # Module-level names for the per-call checks: each saves an attribute lookup.
 _TENSOR = torch.Tensor
 _INT32 = torch.int32
-_INF = math.inf
+_MAX_SCALE = MAX_SOFTMAX_SCALE
 _DTYPE_NAME = DTYPE_NAMES.get
 _HEAD_DIMS = frozenset(HEAD_DIMS)
 _is_compiling = torch.compiler.is_compiling
@@ -56,7 +54,7 @@ def eager_facts(
         or type(causal) is not bool
         or type(ring) is not bool
         or not (window is None or (type(window) is int and window > 0))
-        or not (softmax_scale is None or (type(softmax_scale) is float and -_INF < softmax_scale < _INF))
+        or not (softmax_scale is None or (type(softmax_scale) is float and -_MAX_SCALE <= softmax_scale <= _MAX_SCALE))
     ):
         return None
     dtype = q.dtype
@@ -106,6 +104,7 @@ def eager_facts(
         or out.device != device
         or out.shape != shape
         or out.stride()[2] != 1
+        or not out_is_separate(out, (q, k_store, v_store, seq_info))
     ):
         return None
     return (name, head_dim, q_heads, kv_heads, tokens, segments, rows, causal, window is not None, ring)

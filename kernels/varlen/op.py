@@ -38,8 +38,12 @@ from .._launch import (
     LOG2E,
     MERGE_TILE,
     check_device,
+    check_out_memory,
+    check_softmax_scale,
     check_tensor,
     device_index,
+    prepare_interpreter,
+    runs_on_interpreter,
     sm_count,
     workspace,
 )
@@ -55,6 +59,8 @@ KERNEL = "varlen_sdpa"
 DYNAMIC = 0
 #: Query-row x segment comparisons one zero-fill program makes at once.
 _ZERO_TILE = 4096
+#: Whether the kernels were decorated for the interpreter, which launches then prepare first.
+_INTERPRETED = runs_on_interpreter(_varlen_fwd_kernel)
 
 
 class VarlenFacts(NamedTuple):
@@ -144,10 +150,7 @@ def check_inputs(
             raise TypeError(f"window: expected an int or None, got {type(window).__name__}")
         if window <= 0:
             raise ValueError(f"window: expected a positive number of positions, got {window}")
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, int | float)):
-        raise TypeError(f"softmax_scale: expected a float or None, got {type(softmax_scale).__name__}")
-    if softmax_scale is not None and not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale: expected a finite number, got {softmax_scale}")
+    check_softmax_scale(softmax_scale)
     if out is not None:
         check_tensor("out", out, 3)
         if out.dtype != q.dtype:
@@ -159,6 +162,8 @@ def check_inputs(
     for name, t in (("q", q), ("k_store", k_store), ("v_store", v_store), ("out", out)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name}: the head dim must be contiguous (stride 1), got strides {tuple(t.stride())}")
+    if out is not None:
+        check_out_memory(out, {"q": q, "k_store": k_store, "v_store": v_store, "seq_info": seq_info})
     return VarlenFacts(
         DTYPE_NAMES[q.dtype], _static_int(head_dim), _static_int(q_heads), _static_int(kv_heads), _bucketed(tokens),
         _bucketed(seq_info.shape[0]), _bucketed(rows), causal, window is not None, ring,
@@ -303,6 +308,8 @@ def _launch(
     values: tuple[int, ...],
 ) -> None:
     """Launch the tile kernel, and the merge where some tile may take more than one split."""
+    if _INTERPRETED:
+        prepare_interpreter()
     # T may stay symbolic under tracing: the grid is plain arithmetic on it. The other sizes fix
     # the kernel's constants (and change only when a store grows).
     tokens = q.shape[0]
@@ -449,9 +456,12 @@ def varlen_attention(
     Query ``j`` of a segment sits at position ``kv_end - q_len + j``. With ``causal`` it sees the
     keys at positions up to its own, otherwise every key of its sequence; ``window=W`` also hides
     the keys at or below its position ``- W``. A row that sees no key, and every row no segment
-    covers, is zero. ``softmax_scale`` defaults to ``1 / sqrt(D)``. Returns ``out`` (allocated when
-    not given), ``[T, Hq, D]`` in q's dtype. Lengths are read on the device only; check a table
-    with :func:`validate_seq_info` when debugging (out-of-range entries are clamped, not reported).
+    covers, is zero. ``softmax_scale`` defaults to ``1 / sqrt(D)``; any finite scale with
+    ``|softmax_scale| <= 1e4`` is served, zero and negative ones included. Returns ``out``
+    (allocated when not given), ``[T, Hq, D]`` in q's dtype; a given ``out`` must not share memory
+    with the other arguments, nor two of its elements one address. Lengths are read on the device
+    only; check a table with :func:`validate_seq_info` when debugging (out-of-range entries are
+    clamped, not reported).
     """
     # One pass over the tensors in plain eager mode; anything else gets the detailed checks.
     facts = eager_facts(q, k_store, v_store, seq_info, causal, window, ring, softmax_scale, out)
