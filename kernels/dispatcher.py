@@ -52,8 +52,8 @@ class Dispatcher:
         self._tables: dict[str, WinnerTable] = {}
         self._resolved: dict[tuple[str, str, TuningKey], Any] = {}
         self._logged: set[tuple[str, TuningKey]] = set()
-        #: (kernel, device type, device index, facts) -> config values: the steady-state hit.
-        self._memo: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        #: (kernel, device type, device index, facts[, pin]) -> config: the steady-state hit.
+        self._memo: dict[tuple[Any, ...], Any] = {}
         #: Bumped by :meth:`clear`; a resolution started before a clear is not cached after it.
         self.generation = 0
 
@@ -66,10 +66,10 @@ class Dispatcher:
             self._logged.clear()
             self._memo.clear()
 
-    def memo_get(self, memo: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    def memo_get(self, memo: tuple[Any, ...]) -> Any:
         return self._memo.get(memo)
 
-    def memo_put(self, memo: tuple[Any, ...], values: tuple[Any, ...], generation: int) -> None:
+    def memo_put(self, memo: tuple[Any, ...], values: Any, generation: int) -> None:
         with self._lock:
             if generation != self.generation:
                 return
@@ -188,16 +188,30 @@ def reload_configs() -> None:
     DISPATCHER.clear()
 
 
-@torch.compiler.assume_constant_result
-def dispatch(kernel: str, device_type: str, device_index: int, facts: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The config values serving one call, from plain scalars only.
+def _choose(kernel: str, device_type: str, device_index: int, facts: tuple[Any, ...], memo: tuple[Any, ...]) -> Any:
+    """Resolve the config of one call's facts and memoise it under ``memo``."""
+    generation = DISPATCHER.generation
+    spec = get_spec(kernel)
+    device = device_info(torch.device(device_type, device_index) if device_type != "cpu" else "cpu")
+    key = spec.key_for(device, facts)
+    chosen = DISPATCHER.select(spec, device, key)
+    config = spec.serveable(chosen, device, facts)
+    pin = memo[4] if len(memo) > 4 else None
+    if pin is not None and config != pin:
+        _log_pin_rewrite(kernel, pin, config)
+    DISPATCHER.memo_put(memo, config, generation)
+    return config
 
-    Public wrappers call this with their spec's facts as a plain ``tuple`` (Dynamo hands a
-    NamedTuple to an ``assume_constant_result`` function as an empty tuple). Its arguments and
-    result are plain Python values, so under ``torch.compile`` the choice is made once at trace
-    time and baked in as a constant: a compiled graph keeps the config (pinned or stored) that
-    was in force when it was traced. In eager mode a call whose facts were seen before costs one
-    dict lookup.
+
+@torch.compiler.assume_constant_result
+def dispatch_config(kernel: str, device_type: str, device_index: int, facts: tuple[Any, ...]) -> Any:
+    """The config serving one call, from plain scalars only.
+
+    Callers pass their facts as a plain ``tuple`` (Dynamo hands a NamedTuple to an
+    ``assume_constant_result`` function as an empty tuple). Under ``torch.compile`` the choice is
+    made once at trace time and baked in as a constant: a compiled graph keeps the config (pinned
+    or stored) that was in force when it was traced. In eager mode a call whose facts were seen
+    before costs one dict lookup.
     """
     pinned = _pinned.get()
     pin = pinned.get(kernel) if pinned is not None else None
@@ -206,32 +220,22 @@ def dispatch(kernel: str, device_type: str, device_index: int, facts: tuple[Any,
     memo: tuple[Any, ...] = (kernel, device_type, device_index, facts)
     if pin is not None:
         memo = (*memo, pin)
-    values = DISPATCHER.memo_get(memo)
-    if values is not None:
-        return values
-    generation = DISPATCHER.generation
-    spec = get_spec(kernel)
-    device = device_info(torch.device(device_type, device_index) if device_type != "cpu" else "cpu")
-    key = spec.key_for(device, facts)
-    chosen = DISPATCHER.select(spec, device, key)
-    config = spec.serveable(chosen, device, facts)
-    if pin is not None and config != pin:
-        _log_pin_rewrite(kernel, pin, config)
-    values = tuple(getattr(config, name) for name in spec.space.dimensions)
-    DISPATCHER.memo_put(memo, values, generation)
-    return values
+    config = DISPATCHER.memo_get(memo)
+    if config is None:
+        config = _choose(kernel, device_type, device_index, facts, memo)
+    return config
 
 
-#: Device -> its ``(type, index)`` as :func:`dispatch` takes them (one entry per device a process uses).
+#: Device -> its ``(type, index)`` as :func:`dispatch_config` takes them (one entry per device a process uses).
 _DEVICE_ARGS: dict[torch.device, tuple[str, int]] = {}
 
 
-def dispatch_eager(kernel: str, device: torch.device, facts: tuple[Any, ...]) -> tuple[Any, ...]:
-    """:func:`dispatch` for a plain eager call: the same values, from the tensor's device object.
+def dispatch_config_eager(kernel: str, device: torch.device, facts: tuple[Any, ...]) -> Any:
+    """:func:`dispatch_config` for a plain eager call: the same config, from the tensor's device object.
 
     Reading ``device.type`` costs a quarter of a microsecond (a string built per read), as much
     as the memo hit itself; a dict keyed by the device costs a sixth of that. Only for eager
-    calls: under ``torch.compile`` the wrappers call :func:`dispatch` with plain scalars.
+    calls: under ``torch.compile`` callers use :func:`dispatch_config` with plain scalars.
     """
     where = _DEVICE_ARGS.get(device)
     if where is None:
@@ -241,10 +245,25 @@ def dispatch_eager(kernel: str, device: torch.device, facts: tuple[Any, ...]) ->
     memo: tuple[Any, ...] = (kernel, where[0], where[1], facts)
     if pin is not None:
         memo = (*memo, pin)
-    values = DISPATCHER._memo.get(memo)
-    if values is not None:
-        return values
-    return dispatch(kernel, where[0], where[1], facts)
+    config = DISPATCHER._memo.get(memo)
+    if config is None:
+        config = _choose(kernel, where[0], where[1], facts, memo)
+    return config
+
+
+def _values(kernel: str, config: Any) -> tuple[Any, ...]:
+    return tuple(getattr(config, name) for name in get_spec(kernel).space.dimensions)
+
+
+@torch.compiler.assume_constant_result
+def dispatch(kernel: str, device_type: str, device_index: int, facts: tuple[Any, ...]) -> tuple[Any, ...]:
+    """:func:`dispatch_config`'s config as its field values in field order."""
+    return _values(kernel, dispatch_config(kernel, device_type, device_index, facts))
+
+
+def dispatch_eager(kernel: str, device: torch.device, facts: tuple[Any, ...]) -> tuple[Any, ...]:
+    """:func:`dispatch_config_eager`'s config as its field values in field order."""
+    return _values(kernel, dispatch_config_eager(kernel, device, facts))
 
 
 _rewritten_pins: set[tuple[str, Any, Any]] = set()

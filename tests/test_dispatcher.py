@@ -234,9 +234,9 @@ def test_dispatch_eager_serves_from_the_memo_that_dispatch_fills():
     _store(_winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5))
     assert _served_eager(100)["BLOCK"] == 64
     facts = tuple(toy_kernel.SPEC.facts(torch.randn(100)))
-    assert DISPATCHER._memo[("toy_scale", "cpu", -1, facts)] == (64, False, 2)
+    assert DISPATCHER._memo[("toy_scale", "cpu", -1, facts)] == toy_kernel.ToyConfig(64, False, 2)
     # A memo entry is what both entries serve: plant one and both return it.
-    DISPATCHER._memo[("toy_scale", "cpu", -1, facts)] = (16, False, 1)
+    DISPATCHER._memo[("toy_scale", "cpu", -1, facts)] = toy_kernel.ToyConfig(16, False, 1)
     assert _served_eager(100)["BLOCK"] == 16
     assert _served(100)["BLOCK"] == 16
 
