@@ -1,7 +1,7 @@
 """The one-pass checks of plain eager calls give the detailed checks' facts, and defer everything else.
 
 Every public entry point reduces a plain eager call to its facts in one pass over the tensors'
-attributes (the per-call host cost issue 2 bounds), and hands anything unusual to the detailed
+attributes (the per-call host cost the dispatcher promises to keep small), and hands anything unusual to the detailed
 checks, which explain errors (``test_fuzz_inputs.py`` throws bad arguments at the public functions).
 Here: for valid calls of many layouts, the fast path must be the one taken and its facts must be
 exactly what the detailed path computes, since the facts key the dispatcher's memo; and calls the
@@ -303,3 +303,142 @@ def test_q4k_tensor_subclass_takes_the_detailed_path(served):
     weight, x = _weight(), bf(3, 512)
     q4k_linear(x.as_subclass(Subclass), weight)
     assert only_call(served, "detailed") == tuple(Q4K.facts(x, weight))
+
+
+# ---- out memory and the scale bound: the fast paths defer exactly what the detailed checks refuse ----
+
+SCALES = [None, 0.0, -0.3, 1e4, -1e4, 1e4 * (1 + 1e-9), -3e38, float("nan"), float("inf")]
+
+
+def _outs(shape: tuple[int, ...], inputs: dict[str, torch.Tensor], into: str) -> Callable[[str], torch.Tensor | None]:
+    """``make(case)``: an out of ``shape`` (last dim 64), separate from ``inputs`` or not; the
+    ``*-an-input`` cases first move ``inputs[into]`` into a storage that out then shares."""
+    dtype = inputs["q"].dtype
+
+    def shared(offset: Callable[[int], int]) -> torch.Tensor:
+        t, size = inputs[into], math.prod(shape)
+        storage = torch.randn(2 * (t.numel() + size)).to(dtype)
+        inputs[into] = storage[: t.numel()].view(t.shape)
+        start = offset(t.numel())
+        return storage[start : start + size].view(shape)
+
+    def make(case: str) -> torch.Tensor | None:
+        if case == "none":
+            return None
+        if case == "fresh":
+            return torch.empty(shape, dtype=dtype)
+        if case == "transposed":
+            return torch.empty((*shape[:-3], shape[-2], shape[-3], shape[-1]), dtype=dtype).transpose(-2, -3)
+        if case == "padded":
+            return torch.empty((*shape[:-1], 128), dtype=dtype)[..., :64]
+        if case == "zero-stride":
+            return torch.empty((*shape[:-2], 1, shape[-1]), dtype=dtype).expand(shape)
+        if case == "is-q":
+            return inputs["q"]
+        if case == "inside-an-input":
+            return shared(lambda n: n // 2)
+        assert case == "beside-an-input"
+        return shared(lambda n: n)
+
+    return make
+
+
+OUT_CASES = ["none", "fresh", "transposed", "padded", "zero-stride", "is-q", "inside-an-input", "beside-an-input"]
+
+
+def _in_step(fast: Callable[[], Any], detailed: Callable[[], Any], valid: bool) -> None:
+    """The fast path returns the detailed facts, or None; None whenever the detailed checks refuse."""
+    facts = fast()
+    try:
+        expected = detailed()
+    except (TypeError, ValueError) as exc:
+        assert facts is None, f"the fast path accepted what the detailed checks refuse: {exc}"
+        assert not valid, f"refused: {exc}"
+        return
+    assert valid, "accepted an out sharing memory or a scale past the bound"
+    # Plain valid calls must keep the fast path.
+    assert facts == tuple(expected)
+
+
+def _valid(out_case: str, scale: float | None) -> bool:
+    scale_ok = scale is None or abs(scale) <= 1e4
+    return scale_ok and out_case in ("none", "fresh", "transposed", "padded", "beside-an-input")
+
+
+@pytest.mark.parametrize("scale", SCALES, ids=str)
+@pytest.mark.parametrize("out_case", OUT_CASES)
+def test_prefill_fast_path_defers_what_the_detailed_checks_refuse(out_case, scale):
+    inputs = {"q": bf(1, 4, 9, 64), "k": bf(1, 2, 33, 64), "v": bf(1, 2, 33, 64)}
+    out = _outs((1, 4, 9, 64), inputs, "k")(out_case)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    fast = lambda: prefill_op._eager_facts(q, k, v, True, None, scale, out)  # noqa: E731
+
+    def detailed() -> tuple[Any, ...]:
+        prefill_op._check_inputs(q, k, v, True, None, scale, out)
+        return tuple(PREFILL.facts(q, k, v, causal=True, softmax_scale=scale, out=out))
+
+    if out is None:
+        # Without out the facts leave the layout of the out the caller allocates to the caller.
+        facts = fast()
+        assert (facts is not None) == _valid(out_case, scale)
+        return
+    _in_step(fast, detailed, _valid(out_case, scale))
+
+
+@pytest.mark.parametrize("scale", SCALES, ids=str)
+@pytest.mark.parametrize("out_case", OUT_CASES)
+def test_decode_fast_path_defers_what_the_detailed_checks_refuse(out_case, scale):
+    inputs = {"q": bf(2, 4, 2, 64), "k": bf(2, 2, 24, 64), "v": bf(2, 2, 24, 64)}
+    out = _outs((2, 4, 2, 64), inputs, "k")(out_case)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    kv_len = torch.tensor([5, 17], dtype=torch.int32)
+    _in_step(
+        lambda: decode_op.eager_facts(q, k, v, kv_len, out, scale, decode_op.MAX_QUERY_TOKENS),
+        lambda: decode_op.check_inputs(q, k, v, kv_len, out, scale),
+        _valid(out_case, scale),
+    )
+
+
+@pytest.mark.parametrize("scale", SCALES, ids=str)
+@pytest.mark.parametrize("out_case", OUT_CASES)
+def test_varlen_fast_path_defers_what_the_detailed_checks_refuse(out_case, scale):
+    from tritune.kernels.varlen.eager import eager_facts
+
+    inputs = {"q": bf(6, 4, 64), "k": bf(16, 3, 2, 64), "v": bf(16, 3, 2, 64)}
+    out = _outs((6, 4, 64), inputs, "v")(out_case)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    info = torch.tensor([[0, 3, 0, 10]], dtype=torch.int32)
+    _in_step(
+        lambda: eager_facts(q, k, v, info, True, None, False, scale, out),
+        lambda: varlen_op.check_inputs(q, k, v, info, softmax_scale=scale, out=out),
+        _valid(out_case, scale),
+    )
+
+
+@pytest.mark.parametrize("out_case", ["none", "fresh", "is-x", "inside-x", "beside-x", "inside-bias", "inside-qs"])
+def test_q4k_fast_path_defers_what_the_detailed_checks_refuse(out_case):
+    weight, x, bias = _weight(), bf(4, 512), bf(32)
+    storage = bf(200 + 4 * 512)
+    out: torch.Tensor | None = None
+    if out_case == "fresh":
+        out = torch.empty(4, 32, dtype=BF)
+    elif out_case == "is-x":
+        out = x.view(-1)[:128].view(4, 32)
+    elif out_case == "inside-x":
+        out = x.view(-1)[1000:1128].view(4, 32)
+    elif out_case == "beside-x":
+        x, out = storage[:2048].view(4, 512), storage[2048:2176].view(4, 32)
+    elif out_case == "inside-bias":
+        bias, out = storage[:32], storage[16:144].view(4, 32)
+    elif out_case == "inside-qs":
+        out = weight.qs.view(-1)[:256].view(BF).view(4, 32)
+
+    def detailed() -> tuple[Any, ...]:
+        q4k_op._check(x, weight, bias, out)
+        return tuple(Q4K.facts(x, weight, bias))
+
+    _in_step(
+        lambda: q4k_op._eager_facts(x, weight, bias, out),
+        detailed,
+        out_case in ("none", "fresh", "beside-x"),
+    )
