@@ -1,7 +1,12 @@
-"""What the benchmark scripts share: timing, CUDA-graph capture, tuned-trial lookup and the report files.
+"""The harness every benchmark script shares: options, checking and timing, CUDA-graph capture, tuned-trial
+lookup and the report files.
 
-The scripts choose the Triton interpreter themselves (``--smoke``) before they import triton, so this
-module imports triton only inside its functions: importing it decides nothing.
+A benchmark parses its options (:func:`add_common_arguments`), calls :func:`start` (logging, the
+Triton interpreter for ``--smoke``, the device, a checked ``--db``), builds its rows (a
+:class:`TimedRow` per implementation and shape) and fills each with :func:`measure`, then writes its
+report after every shape (:func:`write_report`). ``--smoke`` must switch the interpreter on before
+any kernel module is imported, so this module imports triton and tritune only inside its
+functions: importing it decides nothing.
 
 Timing on a GPU is ``triton.testing.do_bench`` (median; a warm-up, then the L2 flushed before every
 repetition). A CUDA-graph time is the same ``do_bench`` around ``graph.replay()`` of one captured
@@ -11,18 +16,21 @@ medians of the interpreter: they prove the script runs, nothing more.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import contextvars
 import datetime
 import json
 import logging
+import os
 import platform
 import shlex
 import statistics
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +42,44 @@ log = logging.getLogger("tritune.bench")
 HBM_TBPS = {"NVIDIA H200": 4.8, "NVIDIA H100 80GB HBM3": 3.35}
 
 
+# ---- starting a run -------------------------------------------------------------------------------
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, *, flex: bool = True) -> None:
+    """The options every kernel benchmark takes (``flex``: it also compares FlexAttention)."""
+    parser.add_argument("--db", default=None, help="config DB holding the tuned winners and trials (settings db_url)")
+    parser.add_argument("--out", default=None, help="markdown file to write the report to")
+    parser.add_argument("--json", default=None, help="JSON file to write the rows to")
+    if flex:
+        parser.add_argument("--skip-flex", action="store_true", help="leave FlexAttention out (it compiles per shape)")
+    parser.add_argument("--no-graph", action="store_true", help="eager timings only (no CUDA-graph replay column)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    parser.add_argument("--smoke", action="store_true", help="CPU dry run on the Triton interpreter at tiny shapes")
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """What :func:`start` settles for a benchmark run."""
+
+    device: torch.device
+    #: ``--db``, checked to exist (None: the default settings, user DB and shipped bundles).
+    db: str | None
+    #: Whether CUDA-graph replays are timed too (on a GPU, without ``--no-graph``).
+    graphs: bool
+    #: Device, versions, date and command line, for the report header and the JSON.
+    env: dict[str, Any]
+
+
+def start(args: argparse.Namespace) -> BenchRun:
+    """Logging, the interpreter for ``--smoke``, the device, a checked ``--db`` and the environment."""
+    setup_logging()
+    if args.smoke:
+        use_interpreter()
+    device = bench_device(args.smoke)
+    graphs = device.type == "cuda" and not args.no_graph
+    return BenchRun(device, checked_db(args.db), graphs, environment(device, args.smoke))
+
+
 def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     # Its own level: the library sets the "tritune" logger to settings' log_level on the first dispatch,
@@ -41,11 +87,39 @@ def setup_logging() -> None:
     log.setLevel(logging.INFO)
 
 
-def prepare_interpreter() -> None:
-    """Let the Triton 3.6 interpreter run our kernels (the test tiers and ``tune --device cpu`` do this too)."""
+def use_interpreter() -> None:
+    """Run the kernels on the Triton interpreter (CPU tensors), as the test tiers and ``tune --device cpu`` do.
+
+    Triton reads ``TRITON_INTERPRET`` when a kernel is defined, so this must run before any kernel
+    module of tritune is imported; child processes inherit the variable.
+    """
+    os.environ["TRITON_INTERPRET"] = "1"
     from tritune.kernels._interpreter import fix_interpreter_index
 
     fix_interpreter_index()
+
+
+def tuned_db(db: str | None) -> contextlib.AbstractContextManager[object]:
+    """Serve the tuned configs of ``db`` (on top of the shipped bundles) while it is held; no-op for None."""
+    if db is None:
+        return contextlib.nullcontext()
+    from tritune.kernels import settings
+
+    return settings.override(db_url=db)
+
+
+def compiled_flex() -> Callable[..., torch.Tensor]:
+    """``torch.compile(flex_attention)`` with room for one static compile per benchmarked shape."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # The default recompile limit of 8 would fall back to eager after the eighth shape.
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, limit, max(getattr(config, limit), 64))
+    return torch.compile(flex_attention, dynamic=False)
+
+
+# ---- the device and the configs --------------------------------------------------------------------
 
 
 def bench_device(smoke: bool) -> torch.device:
@@ -94,6 +168,78 @@ def pinned_call(kernel: str, config: dict[str, Any], fn: Callable[..., torch.Ten
     return run
 
 
+def served_config(spec: Any, facts: Iterable[Any], device: torch.device) -> dict[str, Any]:
+    """The config the dispatcher serves a call of ``spec`` with these facts on ``device`` (under any pin in force)."""
+    from tritune.kernels._launch import device_index
+    from tritune.kernels.dispatcher import config_from_values, dispatch
+
+    values = dispatch(spec.name, device.type, device_index(device), tuple(facts))
+    return spec.space.to_dict(config_from_values(spec, values))
+
+
+def config_text(config: Mapping[str, Any]) -> str:
+    """A config as ``NAME=value`` pairs, for a row's note."""
+    return " ".join(f"{name}={value}" for name, value in config.items())
+
+
+# ---- checking and timing -----------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class TimedRow:
+    """One implementation at one shape: what every benchmark row records (each script adds its shape fields)."""
+
+    impl: str
+    status: str = "ok"  # ok | FAILED | unavailable
+    eager_us: float | None = None
+    graph_us: float | None = None
+    #: "ok", or why the graph column is empty ("cannot capture: ...", "FAILED after replay: ...").
+    graph_status: str = ""
+    note: str = ""
+
+
+def measure(
+    row: TimedRow,
+    fn: Callable[[], torch.Tensor] | None,
+    check: Callable[[torch.Tensor], str | None],
+    device: torch.device,
+    graphs: bool,
+    *,
+    error: str = "",
+    raised: str = "unavailable",
+    recheck: Callable[[torch.Tensor], str | None] | None = None,
+) -> TimedRow:
+    """Check one call of ``fn``, then time it eagerly and (with ``graphs``) as a CUDA-graph replay, into ``row``.
+
+    ``check(out)`` returns None for a right output, else what is wrong (it may also record an error
+    metric on the row); ``recheck`` checks the replayed graph's output instead, when given. No
+    ``fn`` means the implementation cannot run here (``error`` says why): unavailable. A failed
+    check is FAILED and never timed. An exception makes the row ``raised``: a peer missing here is
+    unavailable, our own kernel raising is FAILED. The other rows run either way.
+    """
+    if fn is None:
+        row.status, row.note = "unavailable", error
+        return row
+    try:
+        started = time.perf_counter()
+        out = fn()
+        synchronize(device)
+        first_s = time.perf_counter() - started
+        if first_s > 5:
+            log.info("  %s: first call (compiles) took %.0f s", row.impl, first_s)
+        problem = check(out)
+        if problem is not None:
+            row.status, row.note = "FAILED", join_notes(f"FAILED correctness check: {problem}", row.note)
+            return row
+        row.eager_us = time_ms(fn, device) * 1e3
+    except Exception as exc:  # reported in the row, and the other rows still run
+        row.status, row.note = raised, join_notes(row.note, error_text(exc))
+        return row
+    if graphs:
+        row.graph_us, row.graph_status = graph_time(fn, recheck or check)
+    return row
+
+
 def time_ms(fn: Callable[[], object], device: torch.device) -> float:
     """Median milliseconds of one call of ``fn``: ``do_bench`` on a GPU, wall-clock on the interpreter."""
     if device.type == "cuda":
@@ -132,13 +278,6 @@ def graph_replay_ms(graph: torch.cuda.CUDAGraph) -> float:
     return float(triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median"))
 
 
-def graph_replay_us(fn: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
-    """Capture one call of ``fn`` and time its replays: median microseconds (L2 flushed before
-    each) and the captured output."""
-    graph, out = capture_graph(fn)
-    return graph_replay_ms(graph) * 1e3, out
-
-
 def graph_time(fn: Callable[[], torch.Tensor], check: Callable[[torch.Tensor], str | None]) -> tuple[float | None, str]:
     """Capture one call of ``fn``, poison its output with NaN, replay, check it, then time replays.
 
@@ -167,6 +306,9 @@ def graph_time(fn: Callable[[], torch.Tensor], check: Callable[[torch.Tensor], s
         del graph
 
 
+# ---- reports ------------------------------------------------------------------------------------------
+
+
 def log_row(label: str, r: Any, rate: Callable[[float | None], float | None], unit: str, quality: str) -> None:
     """One progress line per benchmark row: its label, status, eager and graph times with ``rate``."""
 
@@ -177,6 +319,32 @@ def log_row(label: str, r: Any, rate: Callable[[float | None], float | None], un
         "  %s %-11s eager %s | graph %s %s | %s %s",
         label, r.status, cell(r.eager_us), cell(r.graph_us), r.graph_status, quality, r.note[:160],
     )  # fmt: skip
+
+
+def join_notes(*parts: str) -> str:
+    """The non-empty parts of a note, joined by "; "."""
+    return "; ".join(part for part in parts if part)
+
+
+def graph_cells(row: TimedRow, *, scale: float = 1.0, digits: int = 1) -> tuple[str, str]:
+    """A report row's graph cell and note: the graph time (us times ``scale``), or what kept it from one.
+
+    The cell says what happened, the note says why; pipes are taken out of the note for the table.
+    """
+    cell = fmt(row.graph_us * scale, digits) if row.graph_us else (row.graph_status.split(":")[0] or "-")
+    note = row.note if row.graph_status in ("", "ok") else join_notes(row.note, f"graph: {row.graph_status}")
+    return cell, note.replace("|", "/")
+
+
+def fastest(rows: Iterable[TimedRow], names: Iterable[str], attr: str) -> float | None:
+    """The smallest ``attr`` time (``eager_us`` or ``graph_us``) among the rows of the implementations ``names``."""
+    wanted = set(names)
+    return min((getattr(r, attr) for r in rows if r.impl in wanted and getattr(r, attr)), default=None)
+
+
+def tera_per_s(amount: float, us: float | None) -> float | None:
+    """``amount`` (bytes or flops) per ``us`` microseconds, in units of 10**12 a second."""
+    return amount / (us * 1e-6) / 1e12 if us else None
 
 
 def error_text(exc: BaseException, limit: int = 240) -> str:
@@ -238,33 +406,13 @@ def write_report(
         Path(json_path).write_text(json.dumps({"environment": env, "rows": rows}, indent=1) + "\n")
 
 
-def finish_probe(device: torch.device, title: str, notes: Iterable[str], rows: list[str], out: Path | None) -> int:
-    """A probe's report: the environment header, its notes and its table rows, written to ``out``
-    (when given) and printed; the exit status (0)."""
-    text = header_markdown(environment(device, smoke=False), title, notes) + "\n".join(rows) + "\n"
-    if out:
-        out.write_text(text)
-    print(text)
-    return 0
-
-
-def host_and_wall_us(call: Callable[[], object], calls: int = 20) -> tuple[float, float]:
-    """Microseconds per call: host time to issue ``calls`` back-to-back calls, and wall time until
-    they finish. Where the first is the larger, the call is host-bound when run eagerly."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    issued = time.perf_counter()
-    torch.cuda.synchronize()
-    done = time.perf_counter()
-    return (issued - start) / calls * 1e6, (done - start) / calls * 1e6
-
-
 def print_report(markdown: str) -> None:
     from rich.console import Console
 
     Console(soft_wrap=True).print(markdown, markup=False, highlight=False, emoji=False)
+
+
+# ---- tuned DBs -----------------------------------------------------------------------------------------
 
 
 def checked_db(db: str | None) -> str | None:

@@ -4,8 +4,8 @@ A mix is one serving step: decode tokens and prefill chunks of sequences whose K
 ``[rows, cols, Hkv, D]`` column store, with queries packed ``[T, Hq, D]``, decode tokens first.
 :func:`build_workload` makes its inputs and the fp32 reference; :func:`implementations` returns
 every way of computing it that the benchmark compares, each as a call to time plus a way to read
-its output back as packed rows. Nothing here imports triton at import time: ``bench_varlen.py``
-chooses the interpreter first.
+its output back as packed rows. Nothing here imports triton or a kernel at import time:
+``bench_varlen.py`` chooses the interpreter first.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def _tritune_impls(w: Workload, best_trials: dict) -> list[Impl]:
     facts = SPEC.facts(q, k, v, seq_info, causal=True)
     key = SPEC.key_for(device_info(q.device), tuple(facts))
     portable = SPEC.space.to_dict(SPEC.default_config(key))
-    served = _served(SPEC, tuple(facts), q.device)
+    served = bl.served_config(SPEC, facts, q.device)
     best = best_trials.get((json.dumps(key.to_dict(), sort_keys=True), "portable"))
 
     def pinned(config: dict[str, Any]) -> Callable[[], torch.Tensor]:
@@ -184,24 +184,12 @@ def _tritune_impls(w: Workload, best_trials: dict) -> list[Impl]:
 
     tag = "same as portable" if served == portable else "tuned"
     impls = [
-        Impl(SERVED, "varlen", run_served, note=f"{tag}: {_config_text(served)}"),
-        Impl(PORTABLE, "varlen", pinned(portable), note=_config_text(portable)),
+        Impl(SERVED, "varlen", run_served, note=f"{tag}: {bl.config_text(served)}"),
+        Impl(PORTABLE, "varlen", pinned(portable), note=bl.config_text(portable)),
     ]
     if best is not None and best not in (served, portable):
-        impls.append(Impl(BEST, "varlen", pinned(best), note=f"pinned: {_config_text(best)}"))
+        impls.append(Impl(BEST, "varlen", pinned(best), note=f"pinned: {bl.config_text(best)}"))
     return impls
-
-
-def _served(spec: Any, facts: tuple[Any, ...], device: torch.device) -> dict[str, Any]:
-    """The config the dispatcher serves a call with these facts, as a dict."""
-    from tritune.kernels.dispatcher import config_from_values, dispatch
-
-    index = -1 if device.index is None else device.index
-    return spec.space.to_dict(config_from_values(spec, dispatch(spec.name, device.type, index, facts)))
-
-
-def _config_text(config: dict) -> str:
-    return " ".join(f"{name}={value}" for name, value in config.items())
 
 
 def _loop_impl(w: Workload) -> Impl:
@@ -269,14 +257,14 @@ def _dedicated_impl(w: Workload) -> Impl:
     device = w.q.device
     notes = []
     if nd:
-        served = _served(DECODE, tuple(DECODE.facts(q_dec, k_cache, v_cache, kv_len, out=out_dec)), device)
-        notes.append(f"decode_attention over [{nd}, Hkv, {k_cache.shape[2]}, D] ({_config_text(served)})")
+        served = bl.served_config(DECODE, tuple(DECODE.facts(q_dec, k_cache, v_cache, kv_len, out=out_dec)), device)
+        notes.append(f"decode_attention over [{nd}, Hkv, {k_cache.shape[2]}, D] ({bl.config_text(served)})")
     if prefills:
         q_pre, k_pre, v_pre, out_pre = prefills[0]
-        served = _served(PREFILL, tuple(PREFILL.facts(q_pre, k_pre, v_pre, causal=True, out=out_pre)), device)
+        served = bl.served_config(PREFILL, tuple(PREFILL.facts(q_pre, k_pre, v_pre, causal=True, out=out_pre)), device)
         notes.append(
             f"{len(prefills)} prefill_attention calls over contiguous [1, Hkv, kv_end, D] "
-            f"(first: {_config_text(served)})"
+            f"(first: {bl.config_text(served)})"
         )
     return Impl(DEDICATED, "ours", run, note=" + ".join(notes) + "; caches built outside the timed region")
 

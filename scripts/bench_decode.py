@@ -19,18 +19,9 @@ no cuDNN): a dry run that proves the script works before GPU time is spent on it
 
 from __future__ import annotations
 
-import os
-import sys
-
-# The interpreter must be chosen before triton is first imported.
-if "--smoke" in sys.argv:
-    os.environ["TRITON_INTERPRET"] = "1"
-
 import argparse
-import contextlib
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,21 +43,15 @@ TUNED = "tritune tuned (dispatcher)"
 
 
 @dataclass
-class Row:
+class Row(bl.TimedRow):
     batch: int
     lkv: int
     ragged: bool
-    impl: str
     kv_bytes: int
-    status: str = "ok"  # ok | FAILED | unavailable
     max_err: float | None = None
-    eager_us: float | None = None
-    graph_us: float | None = None
-    graph_status: str = ""
-    note: str = ""
 
     def tbps(self, us: float | None) -> float | None:
-        return self.kv_bytes / (us * 1e-6) / 1e12 if us else None
+        return bl.tera_per_s(self.kv_bytes, us)
 
 
 @dataclass
@@ -80,35 +65,19 @@ class Impl:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--db", default=None, help="config DB holding the tuned winners (settings db_url)")
-    parser.add_argument("--out", default=None, help="markdown file to write the report to")
-    parser.add_argument("--json", default=None, help="JSON file to write the rows to")
+    bl.add_common_arguments(parser)
     parser.add_argument("--batch", type=int, action="append", help="batch sizes (default 1 8 32 64)")
     parser.add_argument("--lkv", type=int, action="append", help="cache lengths (default 4096 32768 131072)")
     parser.add_argument("--ragged", action="store_true", help="per-sequence kv_len drawn from U[1, Lkv]")
     parser.add_argument("--max-kv-gb", type=float, default=40.0, help="skip combinations whose K+V exceed this")
-    parser.add_argument("--skip-flex", action="store_true", help="leave FlexAttention out (it compiles per shape)")
-    parser.add_argument("--no-graph", action="store_true", help="eager timings only")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--smoke", action="store_true", help="CPU dry run on the Triton interpreter at tiny shapes")
     args = parser.parse_args()
-    bl.setup_logging()
-    if args.smoke:
-        bl.prepare_interpreter()
-    device = bl.bench_device(args.smoke)
-    db = bl.checked_db(args.db)
+    run = bl.start(args)
     batches = args.batch or list(SMOKE_BATCHES if args.smoke else BATCHES)
     lkvs = args.lkv or list(SMOKE_LKVS if args.smoke else LKVS)
-    graphs = device.type == "cuda" and not args.no_graph
-    env = bl.environment(device, args.smoke)
-    flex = None if args.skip_flex else _compiled_flex()
-
-    from tritune.kernels import settings
+    flex = None if args.skip_flex else bl.compiled_flex()
 
     rows: list[Row] = []
-    with contextlib.ExitStack() as stack:
-        if db:
-            stack.enter_context(settings.override(db_url=db))
+    with bl.tuned_db(run.db):
         for batch in batches:
             for lkv in lkvs:
                 kv_gb = 2 * batch * HKV * lkv * HEAD_DIM * DTYPE.itemsize / 1e9
@@ -121,27 +90,16 @@ def main() -> int:
                         args.max_kv_gb,
                     )
                     continue
-                rows.extend(bench_shape(batch, lkv, args, device, flex, graphs))
-                report = _report(rows, env, args, db, graphs)
-                bl.write_report(report, env, [_json_row(r) for r in rows], args.out, args.json)
-                if device.type == "cuda":
+                rows.extend(bench_shape(batch, lkv, args, run, flex))
+                bl.write_report(_report(rows, args, run), run.env, [_json_row(r) for r in rows], args.out, args.json)
+                if run.device.type == "cuda":
                     torch.cuda.empty_cache()
-    bl.print_report(_report(rows, env, args, db, graphs))
+    bl.print_report(_report(rows, args, run))
     return 0
 
 
 def _json_row(r: Row) -> dict:
     return {**dataclasses.asdict(r), "eager_tbps": r.tbps(r.eager_us), "graph_tbps": r.tbps(r.graph_us)}
-
-
-def _compiled_flex() -> Callable[..., torch.Tensor]:
-    from torch.nn.attention.flex_attention import flex_attention
-
-    # Every (B, Lkv) is its own static compile; the default limit of 8 would fall back to eager after 8.
-    config = torch._dynamo.config
-    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, limit, max(getattr(config, limit), 64))
-    return torch.compile(flex_attention, dynamic=False)
 
 
 def draw_lengths(batch: int, lkv: int, ragged: bool, seed: int) -> torch.Tensor:
@@ -153,10 +111,11 @@ def draw_lengths(batch: int, lkv: int, ragged: bool, seed: int) -> torch.Tensor:
     return lengths
 
 
-def bench_shape(batch: int, lkv: int, args: argparse.Namespace, device: torch.device, flex, graphs: bool) -> list[Row]:
+def bench_shape(batch: int, lkv: int, args: argparse.Namespace, run: bl.BenchRun, flex) -> list[Row]:
     """Check, then time (eager and CUDA graph), every implementation at one (B, Lkv)."""
     from tritune.kernels.decode.reference import compare, decode_reference
 
+    device = run.device
     gen = torch.Generator(device=device).manual_seed(args.seed)
     q = torch.randn(batch, HQ, 1, HEAD_DIM, generator=gen, device=device, dtype=DTYPE)
     k = torch.randn(batch, HKV, lkv, HEAD_DIM, generator=gen, device=device, dtype=DTYPE)
@@ -187,35 +146,18 @@ def bench_shape(batch: int, lkv: int, args: argparse.Namespace, device: torch.de
     if flex is not None:
         impls.append(_flex_impl(flex, q, k, v, kv_len))
 
+    def recheck(out: torch.Tensor) -> str | None:
+        return compare(out, expected, DTYPE)
+
     rows = []
     for impl in impls:
-        row = Row(batch, lkv, args.ragged, impl.name, kv_bytes, note=impl.note)
-        rows.append(row)
-        if impl.fn is None:
-            row.status, row.note = "unavailable", impl.error
-            _log_row(row)
-            continue
-        fn = impl.fn
-        try:
-            started = time.perf_counter()
-            out = fn()
-            bl.synchronize(device)
-            first_s = time.perf_counter() - started
-            if first_s > 5:
-                log.info("  %s: first call (compiles) took %.0f s", impl.name, first_s)
+        row = Row(batch=batch, lkv=lkv, ragged=args.ragged, kv_bytes=kv_bytes, impl=impl.name, note=impl.note)
+
+        def check(out: torch.Tensor, row: Row = row) -> str | None:
             row.max_err = float((out.double() - expected).abs().max())
-            problem = compare(out, expected, DTYPE)
-            if problem is not None:
-                row.status, row.note = "FAILED", f"FAILED correctness check: {problem}"
-                _log_row(row)
-                continue
-            row.eager_us = bl.time_ms(fn, device) * 1e3
-        except Exception as exc:  # a peer that cannot run here is reported, and the others still run
-            row.status, row.note = "unavailable", bl.error_text(exc)
-            _log_row(row)
-            continue
-        if graphs:
-            row.graph_us, row.graph_status = bl.graph_time(fn, lambda out: compare(out, expected, DTYPE))
+            return recheck(out)
+
+        rows.append(bl.measure(row, impl.fn, check, device, run.graphs, error=impl.error, recheck=recheck))
         _log_row(row)
     return rows
 
@@ -225,13 +167,11 @@ def _tritune_impls(q, k, v, kv_len) -> list[Impl]:
     from tritune.kernels.decode.op import KERNEL
     from tritune.kernels.decode.spec import SPEC
     from tritune.kernels.device import device_info
-    from tritune.kernels.dispatcher import config_from_values, dispatch
 
     facts = SPEC.facts(q, k, v, kv_len)
     key = SPEC.key_for(device_info(q.device), facts)
     untuned = SPEC.space.to_dict(SPEC.default_config(key))
-    index = -1 if q.device.index is None else q.device.index
-    served = SPEC.space.to_dict(config_from_values(SPEC, dispatch(KERNEL, q.device.type, index, tuple(facts))))
+    served = bl.served_config(SPEC, facts, q.device)
 
     run_untuned = bl.pinned_call(KERNEL, untuned, decode_attention, q, k, v, kv_len)
 
@@ -240,13 +180,9 @@ def _tritune_impls(q, k, v, kv_len) -> list[Impl]:
 
     tag = "same as untuned" if served == untuned else "tuned"
     return [
-        Impl(UNTUNED, run_untuned, note=_config_text(untuned)),
-        Impl(TUNED, run_tuned, note=f"{tag}: {_config_text(served)}"),
+        Impl(UNTUNED, run_untuned, note=bl.config_text(untuned)),
+        Impl(TUNED, run_tuned, note=f"{tag}: {bl.config_text(served)}"),
     ]
-
-
-def _config_text(config: dict) -> str:
-    return " ".join(f"{name}={value}" for name, value in config.items())
 
 
 def _sdpa_impl(name: str, backend, q, k, v, mask) -> Impl:
@@ -312,7 +248,8 @@ def _log_row(r: Row) -> None:
     bl.log_row(f"B={r.batch:<3d} Lkv={r.lkv:<6d} {r.impl:<36s}", r, r.tbps, "TB/s", f"err={bl.fmt(r.max_err, 4)}")
 
 
-def _report(rows: list[Row], env: dict, args: argparse.Namespace, db: str | None, graphs: bool) -> str:
+def _report(rows: list[Row], args: argparse.Namespace, run: bl.BenchRun) -> str:
+    env, db = run.env, run.db
     peak = bl.HBM_TBPS.get(env["gpu"])
     notes = [
         f"Hq={HQ}, Hkv={HKV}, D={HEAD_DIM}, bf16, 1 new token per sequence; cache [B, Hkv, Lkv, D] of exactly Lkv "
@@ -333,7 +270,7 @@ def _report(rows: list[Row], env: dict, args: argparse.Namespace, db: str | None
         f"Tuned configs: {'DB ' + db if db else 'default settings (user DB and shipped bundles)'}; untuned = "
         "portable default pinned with use_config.",
     ]
-    if not graphs:
+    if not run.graphs:
         notes.append("CUDA graphs: not measured (" + ("CPU smoke run" if env["smoke"] else "--no-graph") + ").")
     text = bl.header_markdown(env, "Decode attention (splitk_decode)", notes)
     lines = [
@@ -343,16 +280,13 @@ def _report(rows: list[Row], env: dict, args: argparse.Namespace, db: str | None
     ]
     for shape in dict.fromkeys((r.batch, r.lkv) for r in rows):
         group = [r for r in rows if (r.batch, r.lkv) == shape]
-        eager_peer = min((r.eager_us for r in group if r.impl in PEERS and r.eager_us), default=None)
-        graph_peer = min((r.graph_us for r in group if r.impl in PEERS and r.graph_us), default=None)
+        eager_peer, graph_peer = bl.fastest(group, PEERS, "eager_us"), bl.fastest(group, PEERS, "graph_us")
         for r in group:
-            # The cell says what happened; the note says why.
-            graph_cell = bl.fmt(r.graph_us, 1) if r.graph_us else (r.graph_status.split(":")[0] or "-")
-            note = r.note if r.graph_status in ("", "ok") else f"{r.note}; graph: {r.graph_status}".lstrip("; ")
+            graph_cell, note = bl.graph_cells(r)
             lines.append(
                 f"| {r.batch} | {r.lkv} | {r.impl} | {r.status} | {bl.fmt(r.max_err, 4)} | {bl.fmt(r.eager_us, 1)} "
                 f"| {bl.fmt(r.tbps(r.eager_us), 2)} | {bl.ratio(eager_peer, r.eager_us)} | {graph_cell} "
-                f"| {bl.fmt(r.tbps(r.graph_us), 2)} | {bl.ratio(graph_peer, r.graph_us)} | {note.replace('|', '/')} |"
+                f"| {bl.fmt(r.tbps(r.graph_us), 2)} | {bl.ratio(graph_peer, r.graph_us)} | {note} |"
             )
     return text + "\n".join(lines) + "\n"
 

@@ -20,15 +20,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
-import os
-import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
-
-if "--smoke" in sys.argv:
-    # Must precede any triton import: kernels are defined as interpreter kernels at import.
-    os.environ["TRITON_INTERPRET"] = "1"
 
 import _benchlib as bl
 import torch
@@ -52,6 +48,16 @@ PEERS = ("SDPA flash", "SDPA cuDNN", "FlexAttention")
 TOLERANCE = 3e-2
 
 
+@dataclass
+class Row(bl.TimedRow):
+    shape: str
+    flops: float
+    max_err: float | None = None
+
+    def tflops(self, us: float | None) -> float | None:
+        return bl.tera_per_s(self.flops, us)
+
+
 def causal_pairs(lq: int, lkv: int) -> int:
     """Unmasked (query, key) pairs of bottom-right causal attention with Lq <= Lkv."""
     return lq * (lkv - lq) + lq * (lq + 1) // 2
@@ -71,28 +77,10 @@ def reference_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torc
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--db", default=None, help="config DB holding the tuned winners and trials")
-    parser.add_argument("--out", default=None, help="markdown report to write")
-    parser.add_argument("--json", default=None, help="JSON rows to write")
+    bl.add_common_arguments(parser)
     parser.add_argument("--shapes", default=None, help="subset, e.g. 128x4096x131072,64x512x16384 (D x Lq x Lkv)")
-    parser.add_argument("--skip-flex", action="store_true", help="leave FlexAttention out (its compile is slow)")
-    parser.add_argument("--smoke", action="store_true", help="CPU dry run on the Triton interpreter at tiny shapes")
-    parser.add_argument("--no-graph", action="store_true", help="eager times only (no CUDA-graph replay column)")
     args = parser.parse_args()
-    bl.setup_logging()
-    if args.smoke:
-        bl.prepare_interpreter()
-    device = bl.bench_device(args.smoke)
-    db = bl.checked_db(args.db)
-
-    from tritune.kernels import settings
-
-    # Held for the whole run. (Entering a temporary override and dropping it, as an earlier
-    # version did, let the generator be collected at once: its `finally` restored the default DB,
-    # and the H200 run of 2026-11-29 12:47 timed the portable default as "tuned (dispatcher)".)
-    stack = contextlib.ExitStack()
-    if db:
-        stack.enter_context(settings.override(db_url=db))
+    run = bl.start(args)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     if args.shapes:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
@@ -100,31 +88,27 @@ def main() -> int:
     from tritune.kernels.device import device_info
     from tritune.kernels.prefill.spec import SPEC
 
-    best_by_path = bl.best_trials_by_path(db, SPEC.name, SPEC.version, device_info(device).slug) if db else {}
-    flex = None
-    if not args.skip_flex and not args.smoke:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        flex = torch.compile(flex_attention, dynamic=False)
-
-    env = bl.environment(device, args.smoke)
-    rows: list[dict[str, Any]] = []
-    for d, lq, lkv in shapes:
-        graphs = device.type == "cuda" and not args.no_graph
-        rows.extend(bench_shape(device, d, lq, lkv, best_by_path, flex, smoke=args.smoke, graphs=graphs))
-        markdown = report(env, rows)
-        bl.write_report(markdown, env, rows, args.out, args.json)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    bl.print_report(report(env, rows))
-    stack.close()
+    slug = device_info(run.device).slug
+    best_by_path = bl.best_trials_by_path(run.db, SPEC.name, SPEC.version, slug) if run.db else {}
+    # FlexAttention has no interpreter path: the smoke run leaves it out.
+    flex = None if args.skip_flex or args.smoke else bl.compiled_flex()
+    rows: list[Row] = []
+    # The DB is served for the whole run: every tritune row of every shape reads it.
+    with bl.tuned_db(run.db):
+        for d, lq, lkv in shapes:
+            rows.extend(bench_shape(run, d, lq, lkv, best_by_path, flex, seed=args.seed, smoke=args.smoke))
+            json_rows = [dataclasses.asdict(r) for r in rows]
+            bl.write_report(report(run.env, rows), run.env, json_rows, args.out, args.json)
+            if run.device.type == "cuda":
+                torch.cuda.empty_cache()
+    bl.print_report(report(run.env, rows))
     return 0
 
 
 def bench_shape(
-    device: torch.device, d: int, lq: int, lkv: int, best_by_path: dict, flex: Any, *, smoke: bool, graphs: bool
-) -> list[dict[str, Any]]:
-    """Check, then time, every implementation at one shape (eagerly, and as a graph replay if ``graphs``)."""
+    run: bl.BenchRun, d: int, lq: int, lkv: int, best_by_path: dict, flex: Any, *, seed: int, smoke: bool
+) -> list[Row]:
+    """Check, then time, every implementation at one shape (eagerly, and as a graph replay on a GPU)."""
     from torch.nn.attention import SDPBackend
     from torch.nn.attention.bias import causal_lower_right
 
@@ -132,8 +116,9 @@ def bench_shape(
     from tritune.kernels.device import device_info
     from tritune.kernels.prefill.spec import SPEC
 
+    device = run.device
     q_heads = SMOKE_HQ if smoke else HQ
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     q = torch.randn(B, q_heads, lq, d, device=device, dtype=torch.bfloat16)
     k = torch.randn(B, HKV, lkv, d, device=device, dtype=torch.bfloat16)
     v = torch.randn(B, HKV, lkv, d, device=device, dtype=torch.bfloat16)
@@ -178,52 +163,26 @@ def bench_shape(
 
     rows = []
     for name, fn in impls:
-        note = served_config_text(name, fn, q, k, v, kv_len) if name.startswith("tritune") else ""
-        row: dict[str, Any] = {
-            "shape": shape, "impl": name, "ms": None, "tflops": None, "graph_ms": None, "max_err": None, "note": note
-        }  # fmt: skip
-        try:
-            out = fn()
-            bl.synchronize(device)
-            err = float((out[:, :, sample].float() - expected).abs().max())
-            row["max_err"] = err
-            if not err <= TOLERANCE:
-                row["note"] = f"FAILED correctness check; {note}"
-            else:
-                row["ms"] = bl.time_ms(fn, device)
-                row["tflops"] = flops / row["ms"] / 1e9
-                if graphs:
-                    us, status = bl.graph_time(fn, check)
-                    row["graph_ms"] = None if us is None else us / 1e3
-                    if status != "ok":
-                        row["note"] = f"graph {status}; {row['note']}"
-        except Exception as exc:  # a peer that cannot run is reported, and the run goes on
-            row["note"] = "unavailable: " + bl.error_text(exc)
-        rows.append(row)
-        bl.log.info("%s %-30s %s ms (graph %s) %s", shape, name, bl.fmt(row["ms"], 3), bl.fmt(row["graph_ms"], 3),
-                    row["note"])  # fmt: skip
+        note = served_config_text(fn, facts, device) if name.startswith("tritune") else ""
+        row = Row(shape=shape, flops=flops, impl=name, note=note)
+
+        def record(out: torch.Tensor, row: Row = row) -> str | None:
+            row.max_err = float((out[:, :, sample].float() - expected).abs().max())
+            return check(out)
+
+        rows.append(bl.measure(row, fn, record, device, run.graphs, recheck=check))
+        bl.log_row(f"{shape} {name:<30s}", row, row.tflops, "TFLOP/s", f"err={bl.fmt(row.max_err, 4)}")
     return rows
 
 
-def served_config_text(name: str, fn: Callable[[], torch.Tensor], q, k, v, kv_len) -> str:
+def served_config_text(fn: Callable[[], torch.Tensor], facts: Any, device: torch.device) -> str:
     """The config the dispatcher serves for this row (under the row's pin, if any), as the note says it."""
-    from tritune.kernels import dispatcher
-    from tritune.kernels._launch import device_index
+    from tritune.kernels import use_config
     from tritune.kernels.prefill.spec import SPEC
 
-    def served() -> str:
-        facts = SPEC.facts(q, k, v, causal=True, kv_len=kv_len, softmax_scale=None, out=None)
-        values = dispatcher.dispatch(SPEC.name, q.device.type, device_index(q.device), tuple(facts))
-        config = dispatcher.config_from_values(SPEC, values)
-        return " ".join(f"{field}={getattr(config, field)}" for field in SPEC.space.dimensions)
-
     pin = getattr(fn, "pin", None)
-    if pin is None:
-        return "served: " + served()
-    from tritune.kernels import use_config
-
-    with use_config("tma_prefill", pin):
-        return "served: " + served()
+    with use_config(SPEC.name, pin) if pin is not None else contextlib.nullcontext():
+        return "served: " + bl.config_text(bl.served_config(SPEC, facts, device))
 
 
 def pinned(config: dict[str, Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: torch.Tensor):
@@ -241,7 +200,7 @@ def sdpa(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def report(env: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+def report(env: dict[str, Any], rows: list[Row]) -> str:
     notes = [
         f"B={B}, Hq={HQ}, Hkv={HKV}, bf16, bottom-right causal, kv_len as a device tensor.",
         "Median of triton.testing.do_bench (L2 flushed). TFLOP/s count unmasked pairs only.",
@@ -251,23 +210,21 @@ def report(env: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         "Peers get K/V heads repeated to Hq outside the timed region.",
     ]
     lines = [
-        "| shape | implementation | time (ms) | TFLOP/s | vs fastest peer | graph (ms) | graph vs fastest peer "
+        "| shape | implementation | check | time (ms) | TFLOP/s | vs fastest peer | graph (ms) | graph vs fastest peer "
         "| max err (sampled rows) | note |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for shape in dict.fromkeys(r["shape"] for r in rows):
-        group = [r for r in rows if r["shape"] == shape]
-        peer_times = [r["ms"] for r in group if r["impl"] in PEERS and r["ms"] is not None]
-        fastest = min(peer_times) if peer_times else None
-        peer_graphs = [r["graph_ms"] for r in group if r["impl"] in PEERS and r.get("graph_ms") is not None]
-        fastest_graph = min(peer_graphs) if peer_graphs else None
+    for shape in dict.fromkeys(r.shape for r in rows):
+        group = [r for r in rows if r.shape == shape]
+        eager_peer, graph_peer = bl.fastest(group, PEERS, "eager_us"), bl.fastest(group, PEERS, "graph_us")
         for r in group:
-            err = "-" if r["max_err"] is None else f"{r['max_err']:.2e}"
-            graph_ms = r.get("graph_ms")
+            err = "-" if r.max_err is None else f"{r.max_err:.2e}"
+            eager_ms = None if r.eager_us is None else r.eager_us / 1e3
+            graph_cell, note = bl.graph_cells(r, scale=1e-3, digits=3)
             lines.append(
-                f"| {shape} | {r['impl']} | {bl.fmt(r['ms'], 3)} | {bl.fmt(r['tflops'], 0)} | "
-                f"{bl.ratio(fastest, r['ms'])} | {bl.fmt(graph_ms, 3)} | {bl.ratio(fastest_graph, graph_ms)} | "
-                f"{err} | {r['note']} |"
+                f"| {shape} | {r.impl} | {r.status} | {bl.fmt(eager_ms, 3)} | {bl.fmt(r.tflops(r.eager_us), 0)} | "
+                f"{bl.ratio(eager_peer, r.eager_us)} | {graph_cell} | {bl.ratio(graph_peer, r.graph_us)} | "
+                f"{err} | {note} |"
             )
     return bl.header_markdown(env, "tma_prefill vs PyTorch peers", notes) + "\n".join(lines) + "\n"
 

@@ -33,15 +33,7 @@ a dry run that proves the script works before GPU time is spent on it.
 
 from __future__ import annotations
 
-import os
-import sys
-
-# The interpreter must be chosen before triton is first imported.
-if "--smoke" in sys.argv:
-    os.environ["TRITON_INTERPRET"] = "1"
-
 import argparse
-import contextlib
 import dataclasses
 import json
 import logging
@@ -70,20 +62,14 @@ PEERS = (CUBLAS, SCALED_MM)
 
 
 @dataclass
-class Row:
+class Row(bl.TimedRow):
     k: int
     n: int
     m: int
-    impl: str
-    status: str = "ok"  # ok | FAILED | unavailable
     sqnr_db: float | None = None
-    eager_us: float | None = None
-    graph_us: float | None = None
-    graph_status: str = ""
-    note: str = ""
 
     def tflops(self, us: float | None) -> float | None:
-        return 2.0 * self.m * self.n * self.k / (us * 1e-6) / 1e12 if us else None
+        return bl.tera_per_s(2.0 * self.m * self.n * self.k, us)
 
 
 @dataclass
@@ -98,42 +84,28 @@ class Impl:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--db", default=None, help="config DB holding the tuned winners and trials (settings db_url)")
-    parser.add_argument("--out", default=None, help="markdown file to write the report to")
-    parser.add_argument("--json", default=None, help="JSON file to write the rows to")
+    bl.add_common_arguments(parser, flex=False)
     parser.add_argument("--shape", action="append", help="KxN, e.g. 4096x14336 (default: the three Llama-3-8B ones)")
     parser.add_argument("--m", type=int, action="append", help="rows of x (default 1 16 64 256 1024 4096 8192)")
-    parser.add_argument("--no-graph", action="store_true", help="eager timings only")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--smoke", action="store_true", help="CPU dry run on the Triton interpreter at tiny shapes")
     args = parser.parse_args()
-    bl.setup_logging()
-    if args.smoke:
-        bl.prepare_interpreter()
-    device = bl.bench_device(args.smoke)
-    db = bl.checked_db(args.db)
+    run = bl.start(args)
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shape] if args.shape else None
     shapes = shapes or list(SMOKE_SHAPES if args.smoke else SHAPES)
     ms = args.m or list(SMOKE_MS if args.smoke else MS)
-    graphs = device.type == "cuda" and not args.no_graph
-    env = bl.environment(device, args.smoke)
     # The reference must be a true fp32 product, not TF32.
     torch.set_float32_matmul_precision("highest")
 
-    from tritune.kernels import settings
     from tritune.kernels.device import device_info
     from tritune.kernels.q4k.spec import SPEC
 
-    info = device_info(device)
-    best = bl.best_trials_by_path(db, KERNEL, SPEC.version, info.slug) if db else {}
+    info = device_info(run.device)
+    best = bl.best_trials_by_path(run.db, KERNEL, SPEC.version, info.slug) if run.db else {}
     rows: list[Row] = []
-    with contextlib.ExitStack() as stack:
-        if db:
-            stack.enter_context(settings.override(db_url=db))
+    with bl.tuned_db(run.db):
         for k, n in shapes:
-            rows.extend(bench_shape(k, n, ms, args.seed, device, best, graphs))
-            bl.write_report(_report(rows, env, db, graphs), env, [_json_row(r) for r in rows], args.out, args.json)
-    bl.print_report(_report(rows, env, db, graphs))
+            rows.extend(bench_shape(k, n, ms, args.seed, run, best))
+            bl.write_report(_report(rows, run), run.env, [_json_row(r) for r in rows], args.out, args.json)
+    bl.print_report(_report(rows, run))
     return 0
 
 
@@ -148,10 +120,11 @@ def fp8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (t32 / scale).to(torch.float8_e4m3fn), scale
 
 
-def bench_shape(k: int, n: int, ms: list[int], seed: int, device: torch.device, best: dict, graphs: bool) -> list[Row]:
+def bench_shape(k: int, n: int, ms: list[int], seed: int, run: bl.BenchRun, best: dict) -> list[Row]:
     """Quantize one weight, then check and time (eager and CUDA graph) every implementation at each M."""
     from tritune.kernels import Q4KWeight
 
+    device = run.device
     gen = torch.Generator(device=device).manual_seed(seed)
     weight = Q4KWeight.quantize(torch.randn(n, k, generator=gen, device=device) * WEIGHT_STD)
     w32 = weight.dequantize()  # [N, K] fp32, exactly gguf's values
@@ -168,44 +141,32 @@ def bench_shape(k: int, n: int, ms: list[int], seed: int, device: torch.device, 
             _scaled_mm_impl(x, w_fp8, w_scale_row),
             *_tritune_impls(x, weight, best),
         ]
-        for impl in impls:
-            rows.append(_measure(Row(k, n, m, impl.name, note=impl.note), impl, expected, device, graphs))
+        rows.extend(_measure(Row(k=k, n=n, m=m, impl=impl.name, note=impl.note), impl, expected, run) for impl in impls)
         del x, expected
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
 
 
+def _measure(row: Row, impl: Impl, expected: torch.Tensor, run: bl.BenchRun) -> Row:
+    """Check ``impl`` against its SQNR floor (recording the SQNR), then time it (``bl.measure``)."""
+
+    def check(out: torch.Tensor) -> str | None:
+        row.sqnr_db, problem = _check(out, expected, impl.floor)
+        return problem
+
+    def recheck(out: torch.Tensor) -> str | None:
+        return _check(out, expected, impl.floor)[1]
+
+    bl.measure(row, impl.fn, check, run.device, run.graphs, error=impl.error, recheck=recheck)
+    _log_row(row)
+    return row
+
+
 def _floor(path: str) -> float:
     from tritune.kernels.q4k.spec import MIN_SQNR_DB
 
     return MIN_SQNR_DB[path]
-
-
-def _measure(row: Row, impl: Impl, expected: torch.Tensor, device: torch.device, graphs: bool) -> Row:
-    fn = impl.fn
-    if fn is None:
-        row.status, row.note = "unavailable", impl.error
-        _log_row(row)
-        return row
-    try:
-        out = fn()
-        bl.synchronize(device)
-        row.sqnr_db, problem = _check(out, expected, impl.floor)
-        if problem is not None:
-            row.status = "FAILED"
-            row.note = f"FAILED: {problem}; {row.note}" if row.note else f"FAILED: {problem}"
-            _log_row(row)
-            return row
-        row.eager_us = bl.time_ms(fn, device) * 1e3
-    except Exception as exc:  # a peer that cannot run here is reported, and the others still run
-        row.status, row.note = "unavailable", bl.error_text(exc)
-        _log_row(row)
-        return row
-    if graphs:
-        row.graph_us, row.graph_status = bl.graph_time(fn, lambda out: _check(out, expected, impl.floor)[1])
-    _log_row(row)
-    return row
 
 
 def _check(out: torch.Tensor, expected: torch.Tensor, floor: float) -> tuple[float, str | None]:
@@ -257,7 +218,6 @@ def _scaled_mm_impl(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_row: torch.Ten
 def _tritune_impls(x: torch.Tensor, weight, best: dict) -> list[Impl]:
     from tritune.kernels import q4k_linear
     from tritune.kernels.device import device_info
-    from tritune.kernels.dispatcher import config_from_values, dispatch
     from tritune.kernels.q4k.spec import SPEC
 
     info = device_info(x.device)
@@ -265,12 +225,12 @@ def _tritune_impls(x: torch.Tensor, weight, best: dict) -> list[Impl]:
     key = SPEC.key_for(info, facts)
     key_json = json.dumps(key.to_dict(), sort_keys=True)
     untuned = SPEC.space.to_dict(SPEC.default_config(key))
-    served = SPEC.space.to_dict(config_from_values(SPEC, dispatch(KERNEL, x.device.type, x.device.index or 0, facts)))
+    served = bl.served_config(SPEC, facts, x.device)
 
     def pinned(config: dict[str, Any]) -> Callable[[], torch.Tensor]:
         return bl.pinned_call(KERNEL, config, q4k_linear, x, weight)
 
-    impls = [Impl("tritune untuned (portable default)", pinned(untuned), _floor("portable"), _config_text(untuned))]
+    impls = [Impl("tritune untuned (portable default)", pinned(untuned), _floor("portable"), bl.config_text(untuned))]
     for path in ("portable", "fp8", "staged"):
         config, origin = best.get((key_json, path)), "fastest tuned trial"
         if config is None:
@@ -280,7 +240,7 @@ def _tritune_impls(x: torch.Tensor, weight, best: dict) -> list[Impl]:
         if config == untuned:
             continue  # the untuned row already times it
         impls.append(
-            Impl(f"tritune {path} path (pinned)", pinned(config), _floor(path), f"{origin}: {_config_text(config)}")
+            Impl(f"tritune {path} path (pinned)", pinned(config), _floor(path), f"{origin}: {bl.config_text(config)}")
         )
     tag = "same as untuned" if served == untuned else "tuned"
     impls.append(
@@ -288,7 +248,7 @@ def _tritune_impls(x: torch.Tensor, weight, best: dict) -> list[Impl]:
             "tritune tuned (dispatcher)",
             lambda: q4k_linear(x, weight),
             _floor(served["path"]),
-            f"{tag}: {_config_text(served)}",
+            f"{tag}: {bl.config_text(served)}",
         )
     )
     return impls
@@ -305,16 +265,13 @@ def _path_default(untuned: dict[str, Any], path: str, key, info) -> dict[str, An
     return SPEC.space.to_dict(SPEC.pinned_config({"path": path}))
 
 
-def _config_text(config: dict[str, Any]) -> str:
-    return " ".join(f"{name}={value}" for name, value in config.items())
-
-
 def _log_row(r: Row) -> None:
     label = f"K={r.k:<5d} N={r.n:<5d} M={r.m:<5d} {r.impl:<36s}"
     bl.log_row(label, r, r.tflops, "TFLOP/s", f"SQNR={bl.fmt(r.sqnr_db, 1)}")
 
 
-def _report(rows: list[Row], env: dict, db: str | None, graphs: bool) -> str:
+def _report(rows: list[Row], run: bl.BenchRun) -> str:
+    env, db = run.env, run.db
     notes = [
         f"bf16 x [M, K] (std 1) times a Q4_K weight [N, K] (Gaussian, std {WEIGHT_STD}, quantized with "
         "Q4KWeight.quantize); out [M, N] bf16.",
@@ -333,7 +290,7 @@ def _report(rows: list[Row], env: dict, db: str | None, graphs: bool) -> str:
         f"Tuned configs and trials: {'DB ' + db if db else 'default settings (user DB and shipped bundles)'}; "
         "untuned = portable default pinned with use_config.",
     ]
-    if not graphs:
+    if not run.graphs:
         notes.append("CUDA graphs: not measured (" + ("CPU smoke run" if env["smoke"] else "--no-graph") + ").")
     text = bl.header_markdown(env, "Q4_K linear (q4k_fp8_gemm)", notes)
     lines = [
@@ -348,15 +305,13 @@ def _report(rows: list[Row], env: dict, db: str | None, graphs: bool) -> str:
             for mode in ("eager", "graph")
         }
         for r in group:
-            # The cell says what happened; the note says why.
-            graph_cell = bl.fmt(r.graph_us, 1) if r.graph_us else (r.graph_status.split(":")[0] or "-")
-            note = r.note if r.graph_status in ("", "ok") else f"{r.note}; graph: {r.graph_status}".lstrip("; ")
+            graph_cell, note = bl.graph_cells(r)
             eager_vs = " | ".join(bl.ratio(peer, r.eager_us) for peer in peers["eager"])
             graph_vs = " | ".join(bl.ratio(peer, r.graph_us) for peer in peers["graph"])
             lines.append(
                 f"| {r.k} x {r.n} | {r.m} | {r.impl} | {r.status} | {bl.fmt(r.sqnr_db, 1)} "
                 f"| {bl.fmt(r.eager_us, 1)} | {bl.fmt(r.tflops(r.eager_us), 1)} | {eager_vs} "
-                f"| {graph_cell} | {bl.fmt(r.tflops(r.graph_us), 1)} | {graph_vs} | {note.replace('|', '/')} |"
+                f"| {graph_cell} | {bl.fmt(r.tflops(r.graph_us), 1)} | {graph_vs} | {note} |"
             )
     return text + "\n".join(lines) + "\n"
 

@@ -17,7 +17,7 @@ FAILED and never timed): tritune ``varlen_attention`` as the dispatcher serves i
 portable default and the fastest stored trial at the mix's key; a loop calling ``attention`` per
 sequence on views of the store; "dedicated": one ``decode_attention`` over all decode sequences in a
 padded contiguous batch cache plus one ``prefill_attention`` per chunk over contiguous K/V (the
-issue-5 target is varlen within 1.2x of this); FlexAttention with a document mask over packed KV;
+summary says whether varlen stays within 1.2x of its time); FlexAttention with a document mask over packed KV;
 ``torch.nn.attention.varlen.varlen_attn`` timed together with the gather from the store that it
 needs. Each is timed eagerly and as one captured CUDA graph, with ``do_bench`` medians (L2 flushed).
 
@@ -27,15 +27,7 @@ graphs; ``varlen_attn`` replaced by an SDPA stand-in over the same gathered KV):
 
 from __future__ import annotations
 
-import os
-import sys
-
-# The interpreter must be chosen before triton is first imported.
-if "--smoke" in sys.argv:
-    os.environ["TRITON_INTERPRET"] = "1"
-
 import argparse
-import contextlib
 import dataclasses
 import logging
 import time
@@ -62,109 +54,66 @@ log = logging.getLogger("tritune.bench")
 
 
 @dataclass
-class Row:
+class Row(bl.TimedRow):
     mix: str
-    impl: str
     kind: str
     kv_bytes: int
-    status: str = "ok"  # ok | FAILED | unavailable
     max_err: float | None = None
-    eager_us: float | None = None
-    graph_us: float | None = None
-    graph_status: str = ""
-    note: str = ""
 
     def tbps(self, us: float | None) -> float | None:
-        return self.kv_bytes / (us * 1e-6) / 1e12 if us else None
+        return bl.tera_per_s(self.kv_bytes, us)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--db", default=None, help="config DB holding the tuned winners (settings db_url)")
-    parser.add_argument("--out", default=None, help="markdown file to write the report to")
-    parser.add_argument("--json", default=None, help="JSON file to write the rows to")
+    bl.add_common_arguments(parser)
     parser.add_argument("--mix", choices=sorted(MIXES), action="append", help="mixes to run (default: all)")
-    parser.add_argument("--skip-flex", action="store_true", help="leave FlexAttention out (it compiles per mix)")
-    parser.add_argument("--no-graph", action="store_true", help="eager timings only")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--smoke", action="store_true", help="CPU dry run on the Triton interpreter at tiny shapes")
     args = parser.parse_args()
-    bl.setup_logging()
-    if args.smoke:
-        bl.prepare_interpreter()
-    device = bl.bench_device(args.smoke)
-    db = bl.checked_db(args.db)
+    run = bl.start(args)
     mixes = SMOKE_MIXES if args.smoke else MIXES
     names = list(dict.fromkeys(args.mix or ["mixed", "decode"]))
-    graphs = device.type == "cuda" and not args.no_graph
-    env = bl.environment(device, args.smoke)
-    flex = None
-    if not args.skip_flex:
-        from torch.nn.attention.flex_attention import flex_attention
+    flex = None if args.skip_flex else bl.compiled_flex()
 
-        flex = torch.compile(flex_attention, dynamic=False)
-
-    from tritune.kernels import settings
     from tritune.kernels.device import device_info
     from tritune.kernels.varlen.spec import SPEC
 
-    best_trials = bl.best_trials_by_path(db, SPEC.name, SPEC.version, device_info(device).slug) if db else {}
+    slug = device_info(run.device).slug
+    best_trials = bl.best_trials_by_path(run.db, SPEC.name, SPEC.version, slug) if run.db else {}
     rows: list[Row] = []
-    with contextlib.ExitStack() as stack:
-        if db:
-            stack.enter_context(settings.override(db_url=db))
+    with bl.tuned_db(run.db):
         for name in names:
             started = time.perf_counter()
-            workload = build_workload(mixes[name], device, args.seed)
+            workload = build_workload(mixes[name], run.device, args.seed)
             log.info("%s: inputs and reference ready in %.1f s", name, time.perf_counter() - started)
-            rows.extend(bench_mix(workload, best_trials, flex, graphs, args.smoke))
+            rows.extend(bench_mix(workload, best_trials, flex, run, args.smoke))
             del workload
             log.info("%s: done in %.0f s", name, time.perf_counter() - started)
-            bl.write_report(
-                _report(rows, env, db, graphs), env, [_json_row(r, rows) for r in rows], args.out, args.json
-            )
-            if device.type == "cuda":
+            bl.write_report(_report(rows, run), run.env, [_json_row(r, rows) for r in rows], args.out, args.json)
+            if run.device.type == "cuda":
                 torch.cuda.empty_cache()
-    bl.print_report(_report(rows, env, db, graphs))
+    bl.print_report(_report(rows, run))
     return 0
 
 
 # ---- checking and timing -------------------------------------------------------------------------
 
 
-def bench_mix(w: Workload, best_trials: dict, flex: Any, graphs: bool, smoke: bool) -> list[Row]:
+def bench_mix(w: Workload, best_trials: dict, flex: Any, run: bl.BenchRun, smoke: bool) -> list[Row]:
     """Build, check, then time (eager and CUDA graph) every implementation on one mix."""
     rows = []
     for impl in implementations(w, best_trials, flex, smoke):
-        row = Row(w.mix.name, impl.name, impl.kind, w.kv_bytes, note=impl.note)
+        row = Row(mix=w.mix.name, impl=impl.name, kind=impl.kind, kv_bytes=w.kv_bytes, note=impl.note)
+        # A peer may be missing here; our own kernels raising is a failure.
+        raised = "unavailable" if impl.kind in ("peer", "standin") else "FAILED"
+
+        def check(out: torch.Tensor, impl: Impl = impl, row: Row = row) -> str | None:
+            return _check(impl, out, w, row)
+
+        def recheck(out: torch.Tensor, impl: Impl = impl) -> str | None:
+            return _check(impl, out, w)
+
+        bl.measure(row, impl.fn, check, run.device, run.graphs, error=impl.error, raised=raised, recheck=recheck)
         rows.append(row)
-        if impl.fn is None:
-            row.status, row.note = "unavailable", impl.error
-            _log_row(row)
-            continue
-        fn = impl.fn
-        try:
-            started = time.perf_counter()
-            out = fn()
-            bl.synchronize(w.q.device)
-            first_s = time.perf_counter() - started
-            if first_s > 5:
-                log.info("  %s: first call (compiles) took %.0f s", impl.name, first_s)
-            problem = _check(impl, out, w, row)
-            if problem is not None:
-                row.status, row.note = "FAILED", f"FAILED correctness check: {problem}"
-                _log_row(row)
-                continue
-            row.eager_us = bl.time_ms(fn, w.q.device) * 1e3
-        except Exception as exc:  # reported, and the others still run
-            # A peer may be missing here; our own kernels raising is a failure.
-            row.status = "unavailable" if impl.kind in ("peer", "standin") else "FAILED"
-            row.note = f"{row.note}; {bl.error_text(exc)}".lstrip("; ")
-            _log_row(row)
-            continue
-        if graphs:
-            assert impl.fn is not None
-            row.graph_us, row.graph_status = bl.graph_time(impl.fn, lambda out, impl=impl: _check(impl, out, w))
         _log_row(row)
     return rows
 
@@ -249,9 +198,7 @@ def _summary(rows: list[Row], mix: str) -> list[str]:
         if t.dedicated:
             share = t.varlen / t.dedicated
             verdict = "met" if share <= 1.2 else "missed"
-            lines.append(
-                f"- {mode}: tritune varlen time / dedicated time = {share:.2f} (issue 5 target <= 1.20: {verdict})"
-            )
+            lines.append(f"- {mode}: tritune varlen time / dedicated time = {share:.2f} (<= 1.20: {verdict})")
     return lines
 
 
@@ -260,7 +207,8 @@ def _ratio_cell(r: Row, rows: list[Row], mode: str) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def _report(rows: list[Row], env: dict, db: str | None, graphs: bool) -> str:
+def _report(rows: list[Row], run: bl.BenchRun) -> str:
+    env, db = run.env, run.db
     peak = bl.HBM_TBPS.get(env["gpu"])
     mixes = SMOKE_MIXES if env["smoke"] else MIXES
     notes = [
@@ -284,7 +232,7 @@ def _report(rows: list[Row], env: dict, db: str | None, graphs: bool) -> str:
         "default pinned with use_config; the best stored trial (fastest ok trial at the mix's exact key) is "
         "listed when it differs from both.",
     ]
-    if not graphs:
+    if not run.graphs:
         notes.append("CUDA graphs: not measured (" + ("CPU smoke run" if env["smoke"] else "--no-graph") + ").")
     text = bl.header_markdown(env, "Varlen attention (varlen_sdpa) side by side", notes)
     for mix in dict.fromkeys(r.mix for r in rows):
@@ -296,13 +244,12 @@ def _report(rows: list[Row], env: dict, db: str | None, graphs: bool) -> str:
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in (r for r in rows if r.mix == mix):
-            graph_cell = bl.fmt(r.graph_us, 1) if r.graph_us else (r.graph_status.split(":")[0] or "-")
-            note = r.note if r.graph_status in ("", "ok") else f"{r.note}; graph: {r.graph_status}".lstrip("; ")
+            graph_cell, note = bl.graph_cells(r)
             lines.append(
                 f"| {r.impl} | {r.status} | {bl.fmt(r.max_err, 4)} | {bl.fmt(r.eager_us, 1)} "
                 f"| {bl.fmt(r.tbps(r.eager_us), 2)} | {_ratio_cell(r, rows, 'eager')} | {graph_cell} "
                 f"| {bl.fmt(r.tbps(r.graph_us), 2)} | {_ratio_cell(r, rows, 'graph')} "
-                f"| {note.replace('|', '/')} |"
+                f"| {note} |"
             )
         text += "\n".join([*lines, "", *_summary(rows, mix)]) + "\n\n"
     return text

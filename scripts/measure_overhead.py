@@ -6,7 +6,7 @@ Two tables. The first runs on any machine (on one without a CUDA GPU, on CPU ten
 Triton interpreter, which it switches on itself): for each public entry point, the host work of a
 call up to its kernel launch (input checks, facts, the dispatch lookup, the config's scalars), with
 every registered op's call stubbed out so that nothing launches. That is the public path's cost
-over a direct launch, which issue 2 wants under 5 us. The lookup alone (a memo hit) is shown
+over a direct launch, which the dispatcher is built to keep under 5 us. The lookup alone (a memo hit) is shown
 beside it.
 
 With a CUDA GPU, the launch-bound tables follow. At tiny shapes the host time per call is what an
@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import os
 import platform
 import statistics
 import time
@@ -264,10 +263,7 @@ def main() -> int:
     gpu = torch.cuda.is_available()
     if not gpu:
         # Before the kernel modules are imported (the public functions import them on first use).
-        os.environ["TRITON_INTERPRET"] = "1"
-        from tritune.kernels._interpreter import fix_interpreter_index
-
-        fix_interpreter_index()
+        bl.use_interpreter()
 
     where = f"GPU: {torch.cuda.get_device_name()}" if gpu else f"CPU: {platform.processor() or platform.machine()}"
     lines = [

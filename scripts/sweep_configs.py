@@ -74,9 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = _parse_where(args.where, spec.space)
     default = spec.default_config(key)
     feasible = [
-        c
-        for c in spec.space.feasible(key, limits)
-        if all(getattr(c, name) == value for name, value in wanted.items())
+        c for c in spec.space.feasible(key, limits) if all(getattr(c, name) == value for name, value in wanted.items())
     ]
     sample = feasible if len(feasible) <= args.limit else random.Random(args.seed).sample(feasible, args.limit)
     candidates = [default, *(c for c in sample if c != default)]

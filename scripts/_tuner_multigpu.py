@@ -1,4 +1,4 @@
-"""The ``multigpu`` part of ``scripts/evidence_tuner.py``: one GPU against all of them, one worker per GPU (issue 9).
+"""The ``multigpu`` part of ``scripts/bench_tuner.py``: one GPU against all of them, one worker per GPU.
 
 The same tune twice, each time the real ``tune`` command in a subprocess (what users run, start-up
 included), from an empty config DB and an empty Triton cache: first ``tune --device 0``, then
@@ -7,7 +7,7 @@ an Optuna journal file in the work folder so the trials each worker measured can
 Both runs get the same kernels (``--multigpu-kernels``), keys (``--multigpu-head-dim`` and
 ``--multigpu-lkv``, which both attention kernels accept, so one command tunes them all) and trials
 per key (``--multigpu-trials``). While each runs, a thread of this process samples every visible
-GPU's NVML utilization every ``--sample-interval`` seconds: the evidence that all GPUs worked, not
+GPU's NVML utilization every ``--sample-interval`` seconds: the sign that all GPUs worked, not
 just that the wall time fell. Afterwards each key's two winners are re-timed together on GPU 0
 in interleaved rounds, and must be the same config or lie within ``--tolerance``.
 
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _evidence_common import (
+from _tuner_common import (
     Context,
     Record,
     cell,
@@ -51,9 +51,9 @@ from _evidence_common import (
     short,
     tune_options,
 )
-from _evidence_workers import cold_triton_cache, study_facts
+from _tuner_workers import cold_triton_cache, study_facts
 
-TITLE = "One GPU or all of them, one worker per GPU over shared studies (issue 9)"
+TITLE = "One GPU or all of them, one worker per GPU over shared studies"
 #: The ``tune`` CLI through this interpreter (the console script may not be on PATH after an editable install).
 TUNE_PY = 'import sys; from tritune.tuner.cli import main; sys.argv[0] = "tune"; main()'
 #: Utilization (percent) above which a sample counts as busy in the report.

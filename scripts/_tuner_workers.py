@@ -1,4 +1,4 @@
-"""The ``workers`` part of ``scripts/evidence_tuner.py``: one worker or two on one GPU, sharing the studies.
+"""The ``workers`` part of ``scripts/bench_tuner.py``: one worker or two on one GPU, sharing the studies.
 
 The same tune (``splitk_decode`` at the ``--workers-lkv`` keys, ``--workers-trials`` per key) twice, each time from
 an empty config DB, an empty Optuna journal and an empty Triton cache: once by one worker, once by
@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from _evidence_common import (
+from _tuner_common import (
     Context,
     Record,
     check,
@@ -37,7 +37,7 @@ from _evidence_common import (
     tune_options,
 )
 
-TITLE = "One worker or two on one GPU, sharing the studies (issue 8)"
+TITLE = "One worker or two on one GPU, sharing the studies"
 #: The kernel this part tunes: on a GPU at B 8, D 128 and the ``--workers-lkv`` cache lengths.
 KERNEL = "splitk_decode"
 #: Worker counts of the two runs, in order.

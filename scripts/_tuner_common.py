@@ -1,4 +1,4 @@
-"""What the parts of ``scripts/evidence_tuner.py`` share: their context and record, workers, re-timing, rendering.
+"""What the parts of ``scripts/bench_tuner.py`` share: their context and record, workers, re-timing, rendering.
 
 A part runs in a process of its own (the script's child) and records what it learned in a
 :class:`Record`, which rewrites the part's JSON after every step: a part stopped by its time cap
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-log = logging.getLogger("tritune.evidence")
+log = logging.getLogger("tritune.bench")
 
 
 @dataclass

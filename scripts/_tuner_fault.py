@@ -1,4 +1,4 @@
-"""The ``fault`` part of ``scripts/evidence_tuner.py``: real faults in the crash-isolated worker process.
+"""The ``fault`` part of ``scripts/bench_tuner.py``: real faults in the crash-isolated worker process.
 
 A tune of ``scripts/_fault_kernel.py`` (six feasible configs, so the sweep is exhaustive) with its
 candidates in a worker process, as ``tune`` runs them. One candidate stores to page zero (an
@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 import torch
-from _evidence_common import (
+from _tuner_common import (
     Context,
     Record,
     captured_warnings,
@@ -33,7 +33,7 @@ from _evidence_common import (
     tune_options,
 )
 
-TITLE = "Fault isolation: real faults in the worker process (issue 7)"
+TITLE = "Fault isolation: real faults in the worker process"
 
 
 def run(ctx: Context, record: Record) -> None:

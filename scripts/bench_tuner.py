@@ -1,8 +1,8 @@
-"""Tuner evidence for issues 7, 8 and 9 in one GPU call: fault isolation, pick stability, workers, several GPUs.
+"""Measure the tuner itself on a GPU: fault isolation, pick stability, shared-study workers, several GPUs.
 
-On the GPU machine, from the repository root (after ``bash .gpu/setup.sh && . .gpu/env.sh``):
+From the repository root on a GPU host:
 
-    python scripts/evidence_tuner.py --out "$OUT/tuner-evidence.md" --json "$OUT/tuner-evidence.json"
+    python scripts/bench_tuner.py --out tuner.md --json tuner.json
 
 Parts (the first three by default, in this order; name some to run only those, ``multigpu`` only when named):
 
@@ -14,13 +14,13 @@ Parts (the first three by default, in this order; name some to run only those, `
   ``integrity_check``.
 - ``stability``: one key of each kernel (``--kernels``) tuned twice with different seeds into two
   fresh DBs, then both picks and the portable default re-timed in interleaved rounds in one
-  process. Requirement: the picks within ``--tolerance`` (2%) of each other.
+  process. Check: the picks within ``--tolerance`` (2%) of each other.
 - ``workers``: the same tune of ``splitk_decode`` (the ``--workers-lkv`` keys, a fixed trial count
   per key) run by one worker, then by two worker processes on the same GPU sharing the studies in
   an Optuna journal file (``tritune.tuner.fleet.run_fleet``; the CLI refuses two workers on one
   GPU). Reports wall times, the trials each worker measured, whether the winners agree (identical,
   or re-timed within 2%), and how much slower configs timed with two workers ran than with one.
-- ``multigpu`` (issue 9; needs a host with two or more GPUs): ``tune --device 0`` against
+- ``multigpu`` (needs a host with two or more GPUs): ``tune --device 0`` against
   ``tune --device all`` (one worker per GPU, one shared study per key), each the real CLI in a
   subprocess at the same keys and trials (``--multigpu-*``), with every GPU's NVML utilization
   sampled meanwhile. Reports wall times and the speed-up (``--min-speedup``, 1.8x), how busy each
@@ -32,44 +32,39 @@ markdown report (``--out``) and one JSON file (``--json``), rewritten after ever
 status is 1 when a part crashed, timed out or was skipped, else 2 when a check failed, else 0.
 
 ``--smoke`` runs the same flow on the CPU (Triton interpreter, tiny keys, few trials): it proves the
-script, not the tuner; its times mean nothing and the 2% requirements are not judged.
+script, not the tuner; its times mean nothing and the 2% checks are not judged.
 """
 
 from __future__ import annotations
-
-import os
-import sys
-
-# The interpreter must be chosen before triton is first imported (here and in the parts' processes).
-if "--smoke" in sys.argv:
-    os.environ["TRITON_INTERPRET"] = "1"
 
 import argparse
 import contextlib
 import json
 import logging
+import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import _benchlib as bl
-import _evidence_fault
-import _evidence_multigpu
-import _evidence_stability
-import _evidence_workers
-from _evidence_common import Context, Record, render_checks
+import _tuner_fault
+import _tuner_multigpu
+import _tuner_stability
+import _tuner_workers
+from _tuner_common import Context, Record, render_checks
 
-log = logging.getLogger("tritune.evidence")
+log = logging.getLogger("tritune.bench")
 
 #: Part name -> its module (``TITLE``, ``run(ctx, record)``, ``render(data)``), in the order they run.
 PARTS = {
-    "fault": _evidence_fault,
-    "stability": _evidence_stability,
-    "workers": _evidence_workers,
-    "multigpu": _evidence_multigpu,
+    "fault": _tuner_fault,
+    "stability": _tuner_stability,
+    "workers": _tuner_workers,
+    "multigpu": _tuner_multigpu,
 }
 #: Parts run when none is named: multigpu needs two GPUs and eight minutes, so it runs only when asked for.
 DEFAULT_PARTS = ["fault", "stability", "workers"]
@@ -97,7 +92,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             f"--{name}-cap", type=float, default=None, help=f"seconds for {name} (default {gpu}; {smoke} smoke)"
         )
     p.add_argument(
-        "--kernels", action="append", choices=_evidence_stability.KERNELS, help="stability: kernels (default: all)"
+        "--kernels", action="append", choices=_tuner_stability.KERNELS, help="stability: kernels (default: all)"
     )
     p.add_argument("--trials", type=int, default=None, help="stability: trials per tune (default 16; 3 smoke)")
     p.add_argument("--seeds", type=int, nargs=2, default=(1, 2), help="stability: the two seeds")
@@ -153,8 +148,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def run_part(args: argparse.Namespace) -> int:
     """The child's side: run one part until done or its cap, recording as it goes."""
-    if args.smoke:
-        bl.prepare_interpreter()
     name = args.run_part
     record = Record(Path(args.part_json))
     ctx = Context(smoke=args.smoke, work=Path(args.work), deadline=time.monotonic() + float(args.part_cap), args=args)
@@ -229,14 +222,12 @@ def verdict(status: str, data: dict[str, Any]) -> str:
 
 def report(env: dict[str, Any], args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
     if args.smoke:
-        mode = (
-            "Smoke mode: the Triton interpreter on the CPU, tiny keys; times mean nothing, 2% requirements not judged."
-        )
+        mode = "Smoke mode: the Triton interpreter on the CPU, tiny keys; times mean nothing, 2% checks not judged."
     else:
         mode = f"Picks and winners must lie within {args.tolerance:.0%} of each other."
     summary = "; ".join(f"{name} {r['verdict']} ({r['status']}, {r['wall_s']:.0f} s)" for name, r in results.items())
     notes = [f"{env['cpus']} usable CPUs; work folder (DBs, journals): `{args.work}`.", mode, f"Summary: {summary}."]
-    text = bl.header_markdown(env, f"Tuner evidence: {', '.join(args.parts)}", notes)
+    text = bl.header_markdown(env, f"Tuner checks: {', '.join(args.parts)}", notes)
     for name, result in results.items():
         data = result["data"]
         lines = [
@@ -257,11 +248,14 @@ def report(env: dict[str, Any], args: argparse.Namespace, results: dict[str, dic
 def main() -> int:
     args = parse_args(sys.argv[1:])
     bl.setup_logging()
+    if args.smoke:
+        # Before any kernel module is imported; the parts' processes inherit the switch.
+        bl.use_interpreter()
     # Alembic narrates every schema upgrade at INFO: one per fresh DB here.
     logging.getLogger("alembic").setLevel(logging.WARNING)
     if args.run_part is not None:
         return run_part(args)
-    args.work = args.work or tempfile.mkdtemp(prefix="tritune-evidence-")
+    args.work = args.work or tempfile.mkdtemp(prefix="tritune-tuner-")
     Path(args.work).mkdir(parents=True, exist_ok=True)
     device = bl.bench_device(args.smoke)
     env = bl.environment(device, args.smoke)
@@ -269,7 +263,7 @@ def main() -> int:
     caps = {name: getattr(args, f"{name}_cap") for name in args.parts}
     budget = args.budget if args.budget is not None else sum(caps.values()) + GRACE_S
     deadline = time.monotonic() + budget
-    log.info("tuner evidence: parts %s, budget %.0f s, work folder %s", ", ".join(args.parts), budget, args.work)
+    log.info("tuner checks: parts %s, budget %.0f s, work folder %s", ", ".join(args.parts), budget, args.work)
     results: dict[str, dict[str, Any]] = {}
     for name in args.parts:
         cap = min(caps[name], deadline - time.monotonic() - GRACE_S)

@@ -1,4 +1,4 @@
-"""The ``stability`` part of ``scripts/evidence_tuner.py``: does a tune pick the same speed twice?
+"""The ``stability`` part of ``scripts/bench_tuner.py``: does a tune pick the same speed twice?
 
 One key per kernel, tuned twice with different seeds into two fresh DBs (the seed drives the
 sampler and the random problems), every tune in one worker process as ``tune`` runs them. Then
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from _evidence_common import (
+from _tuner_common import (
     Context,
     Record,
     captured_warnings,
@@ -30,7 +30,7 @@ from _evidence_common import (
     verdict_word,
 )
 
-TITLE = "Stability: two seeds, two DBs, the picks re-timed together (issue 7)"
+TITLE = "Stability: two seeds, two DBs, the picks re-timed together"
 #: The key of each kernel on a GPU, as options of ``KernelSpec.default_keys`` (q4k: N = K = 4096 of
 #: its shapes). Cheapest first: a part stopped by its cap keeps the kernels it finished.
 KEYS: dict[str, dict[str, Any]] = {

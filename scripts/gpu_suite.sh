@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
-# GPU evidence: several stages in one device call (10-minute limit), run from the repository root:
+# Several GPU stages in one run, each under its own time budget, their results packed into one archive.
+# Run from the repository root on a GPU host:
 #
-#   bash .gpu/setup.sh && . .gpu/env.sh && bash scripts/gpu_evidence.sh STAGE[:SECONDS] ...
+#   bash scripts/gpu_suite.sh STAGE[:SECONDS] ...
 #
 # Each STAGE gets SECONDS (its default below when left out); every step inside runs under `timeout`,
 # capped so that the stage ends within its budget and leaves its partial logs. Stages run in the order
-# given and share one work folder, so `bench-prefill` after `tune-prefill` in the same call reads its DB.
-# Everything a call produces is packed into ONE archive, $OUT/evidence.tgz (a device call brings back at
-# most 8 files), plus $OUT/summary.log.
+# given and share one work folder, so `bench-prefill` after `tune-prefill` reads the DB it tuned.
+# Everything a run produces is packed into one archive, $TRITUNE_SUITE_OUT/suite.tgz, with
+# $TRITUNE_SUITE_OUT/summary.log beside it (TRITUNE_SUITE_OUT defaults to build/suite): one file to copy
+# back from a remote GPU host.
 #
 # STAGE          default s  runs                                                          leaves (inside the archive)
 # tests              300    the kernel test files in shards: attention in 10, then Q4_K  tests/test-*.log, .xml
-#                           in 8 (GPU tier included; 64 s and 72 s on the H200, session 8)
+#                           in 8 (GPU tier included; 64 s and 72 s on an H200)
 # tune-prefill       300    tune tma_prefill at the seven benchmark shapes' keys           tune-prefill.sqlite, <gpu>.json
 # prefill-defaults   330    tune tma_prefill over every default key (D 64/128), then the   tune-prefill.sqlite, <gpu>.json
 #                           square-16K keys, then the defaults again at 4 trials more (the
-#                           neighbours' winners), resuming build/evidence/tune-prefill.sqlite
+#                           neighbours' winners), resuming $TRITUNE_SUITE_RESUME/tune-prefill.sqlite
 #                           (keys done there are kept; PREFILL_FRESH=1: from an empty DB)
 # bench-prefill      200    scripts/bench_prefill.py on tune-prefill's DB                  <date>-tma_prefill-<gpu>.md/.json
 # decode             210    tune splitk_decode (D 128, B 1/8/32/64, Lkv 4K/32K/128K),     decode-tune.sqlite, <gpu>.json,
@@ -23,46 +25,48 @@
 # varlen             150    tune varlen_sdpa (D 128), then scripts/bench_varlen.py         varlen-tune.sqlite, ...
 # q4k                240    tune q4k_fp8_gemm (M 1/16/4096, three shapes), then bench      q4k-tune.sqlite, ...
 # overhead            60    scripts/measure_overhead.py                                    <date>-overhead-<gpu>.md
-# tuner              200    scripts/evidence_tuner.py: injected fault, rank stability,     <date>-tuner-<gpu>.md/.json
+# tuner              200    scripts/bench_tuner.py: injected fault, rank stability,        <date>-tuner-<gpu>.md/.json
 #                           one vs two workers on one shared study
-# multigpu           480    evidence_tuner.py multigpu (issue 9; a host with 2+ GPUs):     <date>-multigpu-<gpu>.md/.json
+# multigpu           480    bench_tuner.py multigpu (a host with 2+ GPUs):                 <date>-multigpu-<gpu>.md/.json
 #                           tune --device 0 vs --device all, tma_prefill + splitk_decode
 #                           (D 128, Lkv 16K, 28 trials per key), NVML utilization of every
 #                           GPU, winners re-timed together; MULTIGPU_ARGS adds arguments
 # defaults           540    tune each of $DEFAULTS_KERNELS (default: splitk_decode varlen_sdpa       <kernel>-defaults.sqlite,
 #                           q4k_fp8_gemm) over its default keys ($DEFAULTS_TUNE_ARGS, default    <kernel>-<gpu>.json
-#                           --trials 16 --time-budget 8), resuming build/evidence/<kernel>-defaults.sqlite
+#                           --trials 16 --time-budget 8), resuming $TRITUNE_SUITE_RESUME/<kernel>-defaults.sqlite
 # bench-decode       150    scripts/bench_decode.py / bench_varlen.py / bench_q4k.py on the defaults   <date>-<kernel>-<gpu>.md/.json
 # bench-varlen       120    stage's DB ($work/<kernel>-defaults.sqlite from a defaults stage earlier in
-# bench-q4k          150    the call, else build/evidence/<kernel>-defaults.sqlite); *_BENCH_ARGS as below
-# stability          200    evidence_tuner.py stability only, 40 trials (tune's default),  <date>-stability-<gpu>.md/.json
+# bench-q4k          150    the run, else $TRITUNE_SUITE_RESUME/<kernel>-defaults.sqlite); *_BENCH_ARGS as below
+# stability          200    bench_tuner.py stability only, 40 trials (tune's default),     <date>-stability-<gpu>.md/.json
 #                           for $STABILITY_KERNELS (default: tma_prefill varlen_sdpa)
 # pytest              90    pytest on $PYTEST_GPU_ARGS (a selection: files, -k ...)        tests/pytest.log, .xml
 # gpu-tests          300    the GPU tier (-m gpu): attention files + 3 Q4_K shards at      tests/gpu-*.log, .xml
-#                           once (265 s ran 91 of about 130 tests on 2026-11-29)
-# probe-decode        60    scripts/probe_decode_latency.py (where a short decode step's   <date>-probe-decode-<gpu>.md
-#                           microseconds go)
-# probe-q4k          300    Q4_K staged-path GPU tests, config sweeps (Q4K_SWEEPS), ncu of     <date>-sweep-q4k-*.md/.json,
-#                           the portable M=16 kernel                                          ncu-q4k-portable-m16.txt
+#                           once
+# sweep              300    scripts/sweep_configs.py over the $SWEEPS entries              <date>-sweep-<name>-<gpu>.md/.json
+#                           ("kernel|name|key json|where filters|limit", joined by ";";
+#                           default: two Q4_K keys, staged at M=4096 and portable at M=16)
 # smoke             1800    decode + q4k + varlen steps on the CPU (Triton interpreter,   smoke-*
 #                           tiny shapes): a dry run of this script without a GPU
 #
-# bench-prefill reads the DB from PREFILL_DB if set, else the work folder (a tune-prefill earlier in
-# the same call, or a machine still warm from one), else build/evidence/tune-prefill.sqlite (git-ignored:
-# copy a fetched DB there and carry build/evidence). The exit status is 1 if any step failed, timed out
-# or was skipped for lack of time. DECODE_BENCH_ARGS / Q4K_BENCH_ARGS / VARLEN_BENCH_ARGS add benchmark
-# arguments; DECODE_TUNE_ARGS / Q4K_TUNE_ARGS / VARLEN_TUNE_ARGS replace the tunes' trial and time
-# options, and DECODE_TUNE_CAP / Q4K_TUNE_CAP / VARLEN_TUNE_CAP their caps in seconds.
+# Folders: TRITUNE_SUITE_OUT (default build/suite) receives the archive and the summary;
+# TRITUNE_SUITE_WORK (default /tmp/tritune-suite) is the stages' shared work folder; TRITUNE_SUITE_RESUME
+# (default build/suite-resume, git-ignored) holds DBs from an earlier run for the tune and bench stages to
+# resume (copy a returned <kernel>-defaults.sqlite or tune-prefill.sqlite there). bench-prefill reads the
+# DB from PREFILL_DB if set, else the work folder, else $TRITUNE_SUITE_RESUME/tune-prefill.sqlite.
+# The exit status is 1 if any step failed, timed out or was skipped for lack of time.
+# DECODE_BENCH_ARGS / Q4K_BENCH_ARGS / VARLEN_BENCH_ARGS add benchmark arguments; DECODE_TUNE_ARGS /
+# Q4K_TUNE_ARGS / VARLEN_TUNE_ARGS replace the tunes' trial and time options, and DECODE_TUNE_CAP /
+# Q4K_TUNE_CAP / VARLEN_TUNE_CAP their caps in seconds.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 
 declare -A DEFAULT_BUDGET=(
   [tests]=300 [tune-prefill]=300 [bench-prefill]=200 [decode]=210 [varlen]=150 [q4k]=240 [overhead]=60
-  [tuner]=200 [multigpu]=480 [smoke]=1800 [prefill-defaults]=330 [stability]=200 [probe-decode]=60 [pytest]=90 [defaults]=540
-  [bench-decode]=150 [bench-varlen]=120 [bench-q4k]=150 [gpu-tests]=300 [probe-q4k]=300
+  [tuner]=200 [multigpu]=480 [smoke]=1800 [prefill-defaults]=330 [stability]=200 [pytest]=90 [defaults]=540
+  [bench-decode]=150 [bench-varlen]=120 [bench-q4k]=150 [gpu-tests]=300 [sweep]=300
 )
 if (($# == 0)); then
-  echo "usage: bash scripts/gpu_evidence.sh STAGE[:SECONDS] ... (stages: ${!DEFAULT_BUDGET[*]})" >&2
+  echo "usage: bash scripts/gpu_suite.sh STAGE[:SECONDS] ... (stages: ${!DEFAULT_BUDGET[*]})" >&2
   exit 2
 fi
 for arg in "$@"; do
@@ -72,8 +76,9 @@ for arg in "$@"; do
   fi
 done
 
-final_out=${OUT:-/tmp/tritune-evidence-out}
-work=${EVIDENCE_WORK:-/tmp/tritune-evidence}
+final_out=${TRITUNE_SUITE_OUT:-build/suite}
+work=${TRITUNE_SUITE_WORK:-/tmp/tritune-suite}
+resume=${TRITUNE_SUITE_RESUME:-build/suite-resume}
 out="$work/out"
 mkdir -p "$final_out" "$out"
 export PYTHONUNBUFFERED=1
@@ -83,7 +88,7 @@ today=$(date -u +%F)
 
 # The CLI through python (the `tune` console script may not be on PATH after an editable install).
 TUNE_PY='import sys; from tritune.tuner.cli import main; sys.argv[0] = "tune"; main()'
-# One self-contained SQLite file (the WAL folded in, journal mode DELETE): what goes to $OUT and back.
+# One self-contained SQLite file (the WAL folded in, journal mode DELETE): what goes into the archive.
 SNAPSHOT_PY='
 import sqlite3, sys
 src, dst = sqlite3.connect(sys.argv[1]), sqlite3.connect(sys.argv[2])
@@ -105,7 +110,7 @@ if cuda:
 '
 
 note() {
-  echo "[evidence $(date -u +%H:%M:%S)] $*" | tee -a "$log" "$summary"
+  echo "[suite $(date -u +%H:%M:%S)] $*" | tee -a "$log" "$summary"
 }
 
 # step NAME CAP_SECONDS COMMAND...: run COMMAND under timeout (the smaller of CAP and the stage's time left).
@@ -187,7 +192,7 @@ run_stage() {
     tests)
       # Every test of the kernel files (the GPU tier and the device-fixture tests, which run on cuda
       # here), in shards: first the attention files in 10, then the Q4_K file in 8. Compiling is most
-      # of the time, and 16 cores take that many processes: in session 8, 64 s and 72 s.
+      # of the time, and 16 cores take that many processes: 64 s and 72 s on an H200.
       mkdir -p "$out/tests"
       local pids=() group files
       for group in attention q4k; do
@@ -236,9 +241,9 @@ run_stage() {
       if [ "${PREFILL_FRESH:-0}" = 1 ]; then
         rm -f "$db"
         note "PREFILL_FRESH=1: every key tuned from an empty DB"
-      elif [ ! -f "$db" ] && [ -f build/evidence/tune-prefill.sqlite ]; then
-        cp build/evidence/tune-prefill.sqlite "$db"
-        note "resuming build/evidence/tune-prefill.sqlite"
+      elif [ ! -f "$db" ] && [ -f "$resume/tune-prefill.sqlite" ]; then
+        cp "$resume/tune-prefill.sqlite" "$db"
+        note "resuming $resume/tune-prefill.sqlite"
       fi
       local common=(--device 0 --kernel tma_prefill --head-dim 64 --head-dim 128 --time-budget 12 --db "$db")
       step "tune prefill defaults" $((deadline - $(date +%s) - 150)) python -c "$TUNE_PY" "${common[@]}" --trials 24
@@ -251,15 +256,15 @@ run_stage() {
       ;;
 
     defaults)
-      # Every default key of each kernel (the issues' tune grids), one kernel after another; a kernel
-      # cut off by the budget keeps its trials, and the next call resumes them from build/evidence.
+      # Every default key of each kernel, one kernel after another; a kernel cut off by the budget
+      # keeps its trials, and a later run resumes them from $resume.
       local kernel db extra
       read -r -a extra <<<"${DEFAULTS_TUNE_ARGS:---trials 16 --time-budget 8}"
       for kernel in ${DEFAULTS_KERNELS:-splitk_decode varlen_sdpa q4k_fp8_gemm}; do
         db="$work/$kernel-defaults.sqlite"
-        if [ ! -f "$db" ] && [ -f "build/evidence/$kernel-defaults.sqlite" ]; then
-          cp "build/evidence/$kernel-defaults.sqlite" "$db"
-          note "resuming build/evidence/$kernel-defaults.sqlite"
+        if [ ! -f "$db" ] && [ -f "$resume/$kernel-defaults.sqlite" ]; then
+          cp "$resume/$kernel-defaults.sqlite" "$db"
+          note "resuming $resume/$kernel-defaults.sqlite"
         fi
         # The tune stops 40 s short of the stage's end, so that its DB is still snapshotted and exported.
         tune_and_export "$db" "$kernel" $((deadline - $(date +%s) - 40)) python -c "$TUNE_PY" --device 0 \
@@ -275,9 +280,9 @@ run_stage() {
         *) kernel=q4k_fp8_gemm script=bench_q4k.py; read -r -a extra <<<"${Q4K_BENCH_ARGS:---m 1 --m 16 --m 64 --m 4096}" ;;
       esac
       local db="$work/$kernel-defaults.sqlite" dbargs name="$today-$kernel-$(gpu_slug)"
-      if [ ! -f "$db" ] && [ -f "build/evidence/$kernel-defaults.sqlite" ]; then
-        cp "build/evidence/$kernel-defaults.sqlite" "$db"
-        note "tuned configs from build/evidence/$kernel-defaults.sqlite"
+      if [ ! -f "$db" ] && [ -f "$resume/$kernel-defaults.sqlite" ]; then
+        cp "$resume/$kernel-defaults.sqlite" "$db"
+        note "tuned configs from $resume/$kernel-defaults.sqlite"
       fi
       read -r -a dbargs <<<"$(db_args "$db")"
       step bench 600 python "scripts/$script" ${dbargs[@]+"${dbargs[@]}"} --out "$out/$name.md" \
@@ -286,7 +291,7 @@ run_stage() {
 
     bench-prefill)
       local src="" candidate
-      for candidate in "${PREFILL_DB:-}" "$work/tune-prefill.sqlite" build/evidence/tune-prefill.sqlite; do
+      for candidate in "${PREFILL_DB:-}" "$work/tune-prefill.sqlite" "$resume/tune-prefill.sqlite"; do
         if [ -n "$candidate" ] && [ -f "$candidate" ]; then
           src=$candidate
           break
@@ -298,7 +303,7 @@ run_stage() {
         note "tuned configs and trials from $src"
         step snapshot 60 python -c "$SNAPSHOT_PY" "$src" "$db"
       else
-        note "WARNING: no tune-prefill DB (PREFILL_DB, $work/tune-prefill.sqlite, build/evidence/tune-prefill.sqlite)"
+        note "WARNING: no tune-prefill DB (PREFILL_DB, $work/tune-prefill.sqlite, $resume/tune-prefill.sqlite)"
       fi
       local dbargs name="$today-tma_prefill-$(gpu_slug)"
       read -r -a dbargs <<<"$(db_args "$db")"
@@ -350,7 +355,7 @@ run_stage() {
     tuner)
       # Fault isolation and two workers first (short); rank stability gets what is left.
       local stability=$((budget - 15 - 40 - 60 - 15))
-      step tuner 600 python scripts/evidence_tuner.py --budget $((budget - 15)) --fault-cap 40 --workers-cap 60 \
+      step tuner 600 python scripts/bench_tuner.py --budget $((budget - 15)) --fault-cap 40 --workers-cap 60 \
         --stability-cap "$stability" --kernels splitk_decode --kernels tma_prefill --kernels q4k_fp8_gemm \
         --out "$out/$today-tuner-$(gpu_slug).md" --json "$out/$today-tuner-$(gpu_slug).json" fault workers stability
       ;;
@@ -359,14 +364,14 @@ run_stage() {
       # Both tunes and the re-timing inside the part's cap; 25 s for the report and this stage's closing lines.
       local extra name="$today-multigpu-$(gpu_slug)"
       read -r -a extra <<<"${MULTIGPU_ARGS:-}"
-      step multigpu 600 python scripts/evidence_tuner.py --budget $((budget - 15)) --multigpu-cap $((budget - 25)) \
+      step multigpu 600 python scripts/bench_tuner.py --budget $((budget - 15)) --multigpu-cap $((budget - 25)) \
         --out "$out/$name.md" --json "$out/$name.json" ${extra[@]+"${extra[@]}"} multigpu
       ;;
 
     stability)
       local kernels=() k
       for k in ${STABILITY_KERNELS:-tma_prefill varlen_sdpa}; do kernels+=(--kernels "$k"); done
-      step stability 600 python scripts/evidence_tuner.py --budget $((budget - 15)) --stability-cap $((budget - 25)) \
+      step stability 600 python scripts/bench_tuner.py --budget $((budget - 15)) --stability-cap $((budget - 25)) \
         --trials 40 "${kernels[@]}" --out "$out/$today-stability-$(gpu_slug).md" \
         --json "$out/$today-stability-$(gpu_slug).json" stability
       ;;
@@ -401,32 +406,20 @@ run_stage() {
       tail -n 15 "$out/tests/pytest.log" | tee -a "$log"
       ;;
 
-    probe-decode)
-      step probe 300 python scripts/probe_decode_latency.py --out "$out/$today-probe-decode-$(gpu_slug).md"
-      ;;
-
-    probe-q4k)
-      # The staged path's GPU tests, then config sweeps of Q4_K keys the tuner served poorly
-      # (Q4K_SWEEPS: "name|key json|where filters|limit" entries separated by ";"), then Nsight
-      # Compute on the portable decode kernel (ncu may be unavailable: its failure is only noted).
-      # Every staged test, the GPU-marked ones and those on the device fixture (cuda there).
-      step staged-tests 180 python -m pytest -q -p no:cacheprovider tests/test_q4k.py -k staged \
-        --junitxml="$out/staged-tests.xml" >"$out/staged-tests.log" 2>&1
-      local sweeps entry name key where limit filters
-      sweeps=${Q4K_SWEEPS:-'staged-m4096|{"dtype":"bfloat16","m_bucket":4096,"n":14336,"k":4096}|path=staged|40;portable-m16|{"dtype":"bfloat16","m_bucket":16,"n":14336,"k":4096}|path=portable|60'}
+    sweep)
+      # Many configs of one key each, through the tuner's own bench (sweep_configs.py), to see what the
+      # tuner's sampling missed. SWEEPS: "kernel|name|key json|where filters|limit" entries joined by ";".
+      local sweeps entry kernel name key where limit filters f
+      sweeps=${SWEEPS:-'q4k_fp8_gemm|q4k-staged-m4096|{"dtype":"bfloat16","m_bucket":4096,"n":14336,"k":4096}|path=staged|40;q4k_fp8_gemm|q4k-portable-m16|{"dtype":"bfloat16","m_bucket":16,"n":14336,"k":4096}|path=portable|60'}
       IFS=';' read -r -a entries <<<"$sweeps"
       for entry in "${entries[@]}"; do
-        IFS='|' read -r name key where limit <<<"$entry"
+        IFS='|' read -r kernel name key where limit <<<"$entry"
         filters=()
         for f in $where; do filters+=(--where "$f"); done
-        step "sweep-$name" 200 python scripts/sweep_configs.py --kernel q4k_fp8_gemm --key "$key" \
-          "${filters[@]}" --limit "$limit" --out "$out/$today-sweep-q4k-$name-$(gpu_slug).md" \
-          --json "$out/$today-sweep-q4k-$name-$(gpu_slug).json"
+        step "sweep-$name" 290 python scripts/sweep_configs.py --kernel "$kernel" --key "$key" \
+          ${filters[@]+"${filters[@]}"} --limit "$limit" --out "$out/$today-sweep-$name-$(gpu_slug).md" \
+          --json "$out/$today-sweep-$name-$(gpu_slug).json"
       done
-      step ncu 120 ncu --clock-control none -k regex:q4k_gemm_portable --launch-skip 3 --launch-count 1 \
-        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-        --section MemoryWorkloadAnalysis python scripts/_ncu_q4k.py >"$out/ncu-q4k-portable-m16.txt" 2>&1 ||
-        note "ncu failed (see ncu-q4k-portable-m16.txt)"
       ;;
 
     smoke)
@@ -448,15 +441,15 @@ run_stage() {
   esac
 }
 
-# Pack whatever exists, also when a stage failed: the archive is the call's only way back.
+# Pack whatever exists, also when a stage failed: the archive is the run's one file to take away.
 pack() {
-  tar -czf "$final_out/evidence.tgz" -C "$out" . 2>>"$summary"
-  echo "[evidence] packed $(find "$out" -type f | wc -l) file(s) into $final_out/evidence.tgz" | tee -a "$summary"
+  tar -czf "$final_out/suite.tgz" -C "$out" . 2>>"$summary"
+  echo "[suite] packed $(find "$out" -type f | wc -l) file(s) into $final_out/suite.tgz" | tee -a "$summary"
 }
 trap pack EXIT
 
 log="$out/machine.log"
-note "stages: $*; OUT=$final_out, work folder $work"
+note "stages: $*; output folder $final_out, work folder $work"
 if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,temperature.gpu,power.draw \
     --format=csv 2>&1 | tee -a "$log" "$summary"

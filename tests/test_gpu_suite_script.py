@@ -1,9 +1,9 @@
-"""``scripts/gpu_evidence.sh``'s test and tune stages, driven by a stand-in ``python`` (nothing real runs).
+"""``scripts/gpu_suite.sh``'s stages, driven by a stand-in ``python`` (nothing real runs).
 
 The ``tests`` stage shards the attention files and then ``tests/test_q4k.py`` by the test ids that
 collection lists. When collection lists none (an import error, hidden by its ``2>/dev/null``), a
 shard must not become a bare ``pytest``, which would run the whole tests folder many times at once
-on the GPU machine: the files run whole instead.
+on the GPU host: the files run whole instead.
 """
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "gpu_evidence.sh"
+SCRIPT = ROOT / "scripts" / "gpu_suite.sh"
 
 FAKE_PYTHON = """#!/usr/bin/env bash
 echo "$*" >>"$FAKE_PYTHON_CALLS"
@@ -48,8 +49,9 @@ def _run_stage(
         "FAKE_PYTHON_CALLS": str(calls),
         "FAKE_COLLECTED": collected,
         "FAKE_COLLECTED_OTHER": other,
-        "EVIDENCE_WORK": str(tmp_path / "work"),
-        "OUT": str(tmp_path / "out"),
+        "TRITUNE_SUITE_WORK": str(tmp_path / "work"),
+        "TRITUNE_SUITE_OUT": str(tmp_path / "out"),
+        "TRITUNE_SUITE_RESUME": str(tmp_path / "resume"),
         **env_extra,
     }
     # ``check``: the stage must succeed. A tune stage cannot here: the stand-in writes no DB, which the
@@ -128,3 +130,34 @@ def test_bench_stages_read_the_defaults_db(tmp_path, stage, script, kernel):
     benches = [line for line in calls if f"scripts/{script}" in line]
     assert len(benches) == 1
     assert f"--db {work}/{kernel}-defaults.sqlite" in benches[0]
+
+
+def test_results_are_packed_into_the_output_folder(tmp_path):
+    _run_stage(tmp_path, "pytest:30", check=True, PYTEST_GPU_ARGS="tests/test_prefill.py")
+    out = tmp_path / "out"
+    assert sorted(path.name for path in out.iterdir()) == ["suite.tgz", "summary.log"]
+    with tarfile.open(out / "suite.tgz") as archive:
+        names = archive.getnames()
+    assert "./pytest.log" in names and "./machine.log" in names
+
+
+def test_defaults_stage_resumes_a_db_from_the_resume_folder(tmp_path):
+    resume = tmp_path / "resume"
+    resume.mkdir()
+    (resume / "varlen_sdpa-defaults.sqlite").write_bytes(b"resumed")
+    _run_stage(tmp_path, "defaults:60", DEFAULTS_KERNELS="varlen_sdpa")
+    assert (tmp_path / "work" / "varlen_sdpa-defaults.sqlite").read_bytes() == b"resumed"
+
+
+def test_sweep_stage_runs_one_sweep_per_entry(tmp_path):
+    sweeps = (
+        'q4k_fp8_gemm|q4k-a|{"m_bucket":16}|path=portable BLOCK_K=256|7;'
+        'splitk_decode|decode-b|{"lkv_bucket":4096}||3'
+    )
+    calls = _run_stage(tmp_path, "sweep:60", check=True, SWEEPS=sweeps)
+    runs = [line for line in calls if "scripts/sweep_configs.py" in line]
+    assert len(runs) == 2
+    first, second = runs
+    assert "--kernel q4k_fp8_gemm" in first and "--where path=portable --where BLOCK_K=256" in first
+    assert "--limit 7" in first and "-sweep-q4k-a-" in first
+    assert "--kernel splitk_decode" in second and "--where" not in second and "-sweep-decode-b-" in second

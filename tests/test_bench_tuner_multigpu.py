@@ -1,7 +1,7 @@
-"""The ``multigpu`` part of ``scripts/evidence_tuner.py`` (issue 9) and its ``gpu_evidence.sh`` stage, on the CPU.
+"""The ``multigpu`` part of ``scripts/bench_tuner.py`` and its ``gpu_suite.sh`` stage, on the CPU.
 
 The part is meant for a host with two GPUs, which the CPU tier never has; these tests make sure
-that the one device call it is written for does not fail on the script itself: the smoke run goes
+that a run on such a host does not fail on the script itself: the smoke run goes
 end to end through the real ``tune`` command (``--device cpu`` against ``--device cpu --workers 2``),
 the winners' re-timing runs on a pair of configs that differ, the utilization sampler and its
 verdict are driven by a fake NVML, and the shell stage is checked for the command it runs.
@@ -31,11 +31,11 @@ SCRIPTS = ROOT / "scripts"
 
 @pytest.fixture
 def multigpu(monkeypatch):
-    """The part's module, imported from ``scripts/`` as the evidence script imports it."""
+    """The part's module, imported from ``scripts/`` as ``bench_tuner.py`` imports it."""
     monkeypatch.syspath_prepend(str(SCRIPTS))
-    import _evidence_multigpu
+    import _tuner_multigpu
 
-    return _evidence_multigpu
+    return _tuner_multigpu
 
 
 def _nvml_opens() -> bool:
@@ -53,7 +53,7 @@ def _nvml_opens() -> bool:
 def test_smoke_run_reports_wall_times_utilization_and_winners(tmp_path):
     out, data_path = tmp_path / "report.md", tmp_path / "report.json"
     command = [
-        sys.executable, str(SCRIPTS / "evidence_tuner.py"), "--smoke", "--work", str(tmp_path / "work"),
+        sys.executable, str(SCRIPTS / "bench_tuner.py"), "--smoke", "--work", str(tmp_path / "work"),
         "--out", str(out), "--json", str(data_path), "multigpu",
     ]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
@@ -100,7 +100,7 @@ def test_smoke_run_reports_wall_times_utilization_and_winners(tmp_path):
 
 
 def test_differing_winners_are_retimed_together(multigpu, tmp_path):
-    from _evidence_common import Context
+    from _tuner_common import Context
 
     from tritune.kernels.device import device_info
     from tritune.kernels.registry import get_spec
@@ -214,7 +214,7 @@ exit 0
 @pytest.mark.skipif(
     any(shutil.which(tool) is None for tool in ("bash", "timeout", "tar")), reason="needs bash, timeout and tar"
 )
-def test_gpu_evidence_stage_runs_the_part_within_its_budget(tmp_path):
+def test_gpu_suite_stage_runs_the_part_within_its_budget(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python").write_text(FAKE_PYTHON)
@@ -224,15 +224,15 @@ def test_gpu_evidence_stage_runs_the_part_within_its_budget(tmp_path):
         **os.environ,
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
         "FAKE_PYTHON_CALLS": str(calls),
-        "EVIDENCE_WORK": str(tmp_path / "work"),
-        "OUT": str(tmp_path / "out"),
+        "TRITUNE_SUITE_WORK": str(tmp_path / "work"),
+        "TRITUNE_SUITE_OUT": str(tmp_path / "out"),
         "MULTIGPU_ARGS": "--multigpu-trials 30",
     }
-    script = SCRIPTS / "gpu_evidence.sh"
+    script = SCRIPTS / "gpu_suite.sh"
     subprocess.run(
         ["bash", str(script), "multigpu:300"], env=env, cwd=ROOT, check=True, capture_output=True, timeout=60
     )
-    runs = [line.split() for line in calls.read_text().splitlines() if "evidence_tuner.py" in line]
+    runs = [line.split() for line in calls.read_text().splitlines() if "bench_tuner.py" in line]
     assert len(runs) == 1
     argv = runs[0]
     assert argv[-1] == "multigpu"

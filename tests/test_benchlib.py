@@ -1,0 +1,105 @@
+"""``scripts/_benchlib.py``, the harness of the benchmark scripts: how a row is checked, timed and reported.
+
+A benchmark must never report a time for an implementation whose output failed its check, must
+keep going when a peer cannot run, and must say why a graph column is empty. These run on the CPU
+with plain PyTorch calls standing in for the kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def bl(monkeypatch):
+    """The harness module, imported from ``scripts/`` as the benchmark scripts import it."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import _benchlib
+
+    return _benchlib
+
+
+@pytest.fixture
+def row(bl):
+    @dataclass
+    class Row(bl.TimedRow):
+        shape: str
+        max_err: float | None = None
+
+    return Row(shape="tiny", impl="impl", note="config A")
+
+
+CPU = torch.device("cpu")
+
+
+def test_a_passing_call_is_timed(bl, row):
+    bl.measure(row, lambda: torch.ones(4), lambda out: None, CPU, graphs=False)
+    assert row.status == "ok" and row.eager_us is not None and row.eager_us > 0
+    assert row.graph_us is None and row.graph_status == "" and row.note == "config A"
+
+
+def test_a_failed_check_is_never_timed(bl, row):
+    bl.measure(row, lambda: torch.zeros(4), lambda out: "max err 1.0e+00", CPU, graphs=False)
+    assert row.status == "FAILED" and row.eager_us is None and row.graph_us is None
+    assert row.note == "FAILED correctness check: max err 1.0e+00; config A"
+
+
+def test_a_check_may_record_its_metric(bl, row):
+    def check(out: torch.Tensor) -> str | None:
+        row.max_err = float(out.abs().max())
+        return None
+
+    bl.measure(row, lambda: torch.full((3,), -0.5), check, CPU, graphs=False)
+    assert row.max_err == 0.5 and row.status == "ok"
+
+
+def test_a_missing_implementation_is_unavailable_with_its_reason(bl, row):
+    bl.measure(row, None, lambda out: None, CPU, graphs=False, error="no cuDNN on this machine")
+    assert (row.status, row.note, row.eager_us) == ("unavailable", "no cuDNN on this machine", None)
+
+
+@pytest.mark.parametrize("raised", ["unavailable", "FAILED"])
+def test_an_exception_is_reported_in_the_row(bl, row, raised):
+    def boom() -> torch.Tensor:
+        raise RuntimeError("no kernel image")
+
+    bl.measure(row, boom, lambda out: None, CPU, graphs=False, raised=raised)
+    assert row.status == raised and row.eager_us is None
+    assert row.note == "config A; RuntimeError: no kernel image"
+
+
+def test_graph_cells_say_why_a_graph_time_is_missing(bl, row):
+    row.graph_status = "cannot capture: RuntimeError: a | b"
+    cell, note = bl.graph_cells(row)
+    assert cell == "cannot capture"
+    assert note == "config A; graph: cannot capture: RuntimeError: a / b"
+    row.graph_us, row.graph_status = 1234.5, "ok"
+    assert bl.graph_cells(row, scale=1e-3, digits=3) == ("1.234", "config A")
+
+
+def test_fastest_and_rates(bl, row):
+    rows = [row, bl.TimedRow(impl="peer A", eager_us=30.0), bl.TimedRow(impl="peer B", eager_us=20.0)]
+    row.eager_us = 10.0
+    assert bl.fastest(rows, ["peer A", "peer B"], "eager_us") == 20.0
+    assert bl.fastest(rows, ["peer A", "peer B"], "graph_us") is None
+    assert bl.ratio(20.0, row.eager_us) == "2.00x"
+    assert bl.tera_per_s(4e6, 2.0) == pytest.approx(2.0)
+    assert bl.tera_per_s(4e6, None) is None
+
+
+def test_common_arguments(bl):
+    parser = argparse.ArgumentParser()
+    bl.add_common_arguments(parser, flex=False)
+    args = parser.parse_args(["--db", "x.sqlite", "--smoke", "--no-graph"])
+    assert (args.db, args.smoke, args.no_graph, args.seed) == ("x.sqlite", True, True, 0)
+    assert args.out is None and args.json is None
+    assert not hasattr(args, "skip_flex")
+    with pytest.raises(SystemExit, match=r"--db missing\.sqlite: no such file"):
+        bl.checked_db("missing.sqlite")
