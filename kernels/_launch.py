@@ -169,8 +169,8 @@ def _memory_known(t: torch.Tensor) -> bool:
     return not (isinstance(t, FakeTensor) or t.is_meta or torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 
-def check_out_memory(out: torch.Tensor, inputs: dict[str, torch.Tensor | None]) -> None:
-    """Refuse an ``out`` (ValueError naming it) whose elements share memory, or that shares memory
+def check_out_memory(out: torch.Tensor, inputs: dict[str, torch.Tensor | None], name: str = "out") -> None:
+    """Refuse an ``out`` (ValueError naming it ``name``) whose elements share memory, or that shares memory
     with an input: the kernels write ``out`` tile by tile while other programs still read, so
     either gives a wrong result. Checked on real tensors only: a traced graph has no addresses.
     """
@@ -178,21 +178,21 @@ def check_out_memory(out: torch.Tensor, inputs: dict[str, torch.Tensor | None]) 
         return
     if overlaps_itself(out):
         raise ValueError(
-            f"out: some of its elements share memory (shape {tuple(out.shape)}, strides {tuple(out.stride())}: "
+            f"{name}: some of its elements share memory (shape {tuple(out.shape)}, strides {tuple(out.stride())}: "
             "a zero stride or an expanded view); expected a tensor in which each element has its own memory"
         )
     span = _byte_span(out)
     if span is None:
         return
     first, end = span
-    for name, t in inputs.items():
+    for input_name, t in inputs.items():
         if t is None or not _memory_known(t):
             continue
         other = _byte_span(t)
         if other is not None and other[0] < end and first < other[1]:
             raise ValueError(
-                f"out: overlaps {name} in memory; expected a separate tensor (the kernels read {name} while "
-                "writing out)"
+                f"{name}: overlaps {input_name} in memory; expected a separate tensor (the kernels read "
+                f"{input_name} while writing {name})"
             )
 
 

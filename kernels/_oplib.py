@@ -28,7 +28,16 @@ from torch._library.triton import is_wrap_triton_enabled, set_wrap_triton_enable
 from torch.library import custom_op, infer_schema, triton_op, wrap_triton
 from triton.runtime.interpreter import InterpretedFunction
 
-__all__ = ["TritonOp", "in_direct_body", "no_modes", "plain_tensors_call", "register_op", "wrap_triton"]
+__all__ = [
+    "TritonOp",
+    "in_direct_body",
+    "no_modes",
+    "plain_tensors_call",
+    "register_op",
+    "register_schema_op",
+    "run_unwrapped",
+    "wrap_triton",
+]
 
 #: torch's thread-local ``wrap_triton`` switch. Flipping it directly costs a third of what the
 #: ``set_wrap_triton_enabled`` context manager does (a generator per call); where a torch release
@@ -142,3 +151,54 @@ def register_op(
         op = triton_op(name, body, mutates_args=mutates)
     namespace, op_name = name.split("::")
     return TritonOp(getattr(getattr(torch.ops, namespace), op_name).default, body, mutates)
+
+
+def run_unwrapped(fn: Callable[..., None], args: tuple[Any, ...], mutated: Iterable[torch.Tensor | None]) -> None:
+    """Run an op's launch directly on plain tensors, as the op would, and bump ``mutated``'s versions.
+
+    As ``triton_op``'s own backend does: with ``wrap_triton`` switched off, the launch reaches the
+    bare kernels instead of routing each one through the tracing machinery.
+    """
+    if _WRAP_SWITCH is None:
+        with set_wrap_triton_enabled(False):
+            fn(*args)
+    else:
+        previous = is_wrap_triton_enabled()
+        _WRAP_SWITCH.value = False
+        try:
+            fn(*args)
+        finally:
+            _WRAP_SWITCH.value = previous
+    for t in mutated:
+        if t is not None:
+            torch.autograd.graph.increment_version(t)
+
+
+def register_schema_op(
+    name: str, body: Callable[..., None], schema: str, *, mutated: tuple[int, ...], opaque: bool
+) -> Any:
+    """Register ``body`` as op ``name`` ("namespace::op") with an explicit schema; return the op.
+
+    ``opaque=True`` registers a ``custom_op`` (the interpreter's kernels cannot be traced, and a
+    body that builds host-side tensor descriptors cannot be yet); otherwise a ``triton_op``, whose
+    body torch traces through ``wrap_triton``. ``mutated``: positions of the written tensors.
+    """
+    mutates = tuple(_schema_names(schema)[i] for i in mutated)
+    if opaque:
+
+        def backend(*args: Any, **kwargs: Any) -> None:
+            with set_wrap_triton_enabled(False):
+                body(*args, **kwargs)
+
+        op = custom_op(name, backend, mutates_args=mutates, schema=schema)
+        op.register_fake(lambda *args, **kwargs: None)
+    else:
+        triton_op(name, body, mutates_args=mutates, schema=schema)
+    namespace, op_name = name.split("::")
+    return getattr(getattr(torch.ops, namespace), op_name).default
+
+
+def _schema_names(schema: str) -> list[str]:
+    """Argument names of a schema string, in order (keyword-only ones included)."""
+    inner = schema[schema.index("(") + 1 : schema.rindex(") ->")]
+    return [part.split()[-1].split("=")[0] for part in inner.split(",") if part.strip() and part.strip() != "*"]

@@ -108,6 +108,22 @@ class SearchSpace(Generic[C, K]):
     def to_dict(self, config: C) -> dict[str, Value]:
         return dataclasses.asdict(config)  # type: ignore[call-overload, no-any-return]
 
+    @property
+    def field_types(self) -> dict[str, type]:
+        """Field name -> Python type of every field an op call carries for a config of this space."""
+        return {name: type(options[0]) for name, options in self.dimensions.items()}
+
+    def from_fields(self, fields: Mapping[str, Any]) -> C:
+        """The config an op call's keyword fields describe (every field of :attr:`field_types`)."""
+        return self.parse(fields)
+
+    def field_values(self, config: C) -> dict[str, Value]:
+        """The keyword fields an op call carries for ``config``: :meth:`from_fields` reverses it.
+
+        Plain attribute reads (not ``dataclasses.asdict``), so ``torch.compile`` can trace them.
+        """
+        return {name: getattr(config, name) for name in self.dimensions}
+
     def contains(self, config: C) -> bool:
         try:
             self.parse(self.to_dict(config))

@@ -1,0 +1,426 @@
+"""Declare a kernel once: ``Kernel(...)`` is everything tritune needs to check, serve and tune it.
+
+A declaration names the kernel's arguments (:mod:`.arguments`), its config space, its tuning key,
+its portable default, its launch, its reference and its Triton kernels. From it the framework
+derives, the same way for the built-in kernels and for users' own:
+
+- the input checks: a generated one-pass check for plain eager calls (:mod:`.fastcheck`) and the
+  detailed checks that name the argument, from the same declaration so they cannot disagree;
+- the ``torch.library`` op (``tritune::<name>`` unless named otherwise), whose schema passes the
+  config's fields by name, so ``torch.compile(fullgraph=True)``, CUDA-graph capture and
+  ``opcheck`` work; plain eager calls skip the op's Python layers and launch directly;
+- dispatch: the stored winner for the call's key, else a near bucket's, else the portable default
+  (:mod:`.dispatcher`), and the kernel's version (:mod:`.versioning`);
+- registration with the tuner and the CLI (``tune --kernel <name>`` or ``module:ATTRIBUTE``).
+
+The tuning half (problem generator, accuracy check, default keys, seeds) is a separate object,
+named by ``tuning="module:attribute"`` and imported only by the tuner, so serving never loads it.
+A worked example is ``examples/rmsnorm.py``; docs/ARCHITECTURE.md walks through adding a kernel.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+from . import registry
+from ._oplib import no_modes, register_schema_op, run_unwrapped
+from .arguments import CheckedCall, Derived, Obj, Output, Rule, Scalar, Tensor, dim_names, dtype_name, static_dim
+from .device import DeviceInfo
+from .fastcheck import FastCheck, build_fast_check
+from .spec import KernelSpec, Problem, TuningKey
+
+__all__ = ["Derived", "Kernel", "KernelTuning", "Obj", "Output", "Rule", "Scalar", "Tensor"]
+
+_SCHEMA_TYPES = {bool: "bool", int: "int", float: "float", str: "str"}
+
+
+class KernelTuning:
+    """The tuning half of a kernel: how the tuner makes problems, checks results and picks keys.
+
+    Subclass it next to the declaration (``kernels/<family>/tuning.py`` for the built-ins) and
+    name it in ``Kernel(tuning="module:attribute")``; only the tuner imports it.
+    """
+
+    def make_problem(self, key: Any, device: torch.device, seed: int) -> Problem:
+        """Fresh random inputs representative of ``key`` (tiny shapes on the interpreter)."""
+        raise NotImplementedError
+
+    def check_problem(self, key: Any, device: torch.device, seed: int) -> Problem:
+        """The problem the correctness gate compares with the reference (default: a fresh one)."""
+        return self.make_problem(key, device, seed)
+
+    def check(self, out: torch.Tensor, expected: torch.Tensor, problem: Problem, config: Any = None) -> str | None:
+        """``None`` if ``out`` is close enough to ``expected`` (the reference), else why not."""
+        raise NotImplementedError
+
+    def default_keys(self, device: DeviceInfo) -> list[Any]:
+        """Keys ``tune`` sweeps when the user names none (``--key field=values`` replaces fields)."""
+        raise NotImplementedError
+
+    def starting_configs(self, key: Any, device: DeviceInfo) -> list[Any]:
+        """Rules for configs to measure first at ``key``, after the portable default and stored winners."""
+        return []
+
+    def valid_key(self, key: Any) -> bool:
+        """Whether a key built from ``--key`` overrides is one this kernel can be tuned at."""
+        return True
+
+
+class Kernel(KernelSpec[Any, Any]):
+    """One kernel's declaration (see the module docstring). Calling it runs the kernel.
+
+    ``arguments``: the call's arguments in order (:class:`Tensor`, :class:`Obj`, :class:`Scalar`,
+    :class:`Output`); the first must be a required tensor (its device and dtype lead).
+    ``facts``: the names the tuning key and ``serve`` may read, in order: ``"dtype"`` (the first
+    tensor's), dim names, scalar names, ``"has_<optional arg>"`` and :class:`Derived` names.
+    ``key(device, facts)`` builds the ``key_type`` key. ``launch(config, *arguments)`` runs the
+    kernel on checked arguments (outputs allocated, scalars resolved), launching through
+    ``wrap_triton(kernel)[grid](...)``. ``reference(**inputs)`` computes the same in fp32 or better.
+    ``default(key)``, ``pin(values)`` and ``serve(config, device, facts)`` are optional hooks for
+    a key-dependent portable default, ``use_config`` parsing and last-moment path eligibility.
+    ``dynamic``: dim facts left symbolic under ``torch.compile`` (0 in the facts) instead of
+    specialising the graph on them. ``protocol`` is bumped by hand when launch geometry or the
+    timing method changes (see :mod:`.versioning`).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        arguments: Sequence[Tensor | Obj | Scalar | Output],
+        facts: Sequence[str],
+        space: Any,
+        key_type: type[TuningKey],
+        key: Callable[[DeviceInfo, Any], TuningKey],
+        launch: Callable[..., None],
+        reference: Callable[..., torch.Tensor],
+        jit_kernels: Sequence[Any],
+        protocol: int,
+        rules: Sequence[Rule] = (),
+        derived: Sequence[Derived] = (),
+        dynamic: Sequence[str] = (),
+        default: Callable[[Any], Any] | None = None,
+        pin: Callable[[Mapping[str, Any]], Any] | None = None,
+        serve: Callable[[Any, DeviceInfo, Any], Any] | None = None,
+        tuning: str | KernelTuning | None = None,
+        op_name: str | None = None,
+    ) -> None:
+        self.name = name
+        self.arguments = tuple(arguments)
+        self.rules = tuple(rules)
+        self.derived = tuple(derived)
+        self.fact_names = tuple(facts)
+        self.dynamic = frozenset(dynamic)
+        self.space = space
+        self.key_type = key_type
+        self.jit_kernels = tuple(jit_kernels)
+        self.protocol = protocol
+        self._key = key
+        self._launch = launch
+        self._reference = reference
+        self._default = default
+        self._pin = pin
+        self._serve = serve
+        self._tuning = tuning
+        self.Facts = collections.namedtuple(f"{_camel(name)}Facts", self.fact_names)  # type: ignore[misc]
+        self._by_name = {a.name: a for a in self.arguments}
+        self._outputs = tuple(a for a in self.arguments if isinstance(a, Output))
+        self._output_positions = tuple(i for i, a in enumerate(self.arguments) if isinstance(a, Output))
+        self._validate()
+        #: Whether CPU tensors may run: the kernels were decorated under TRITON_INTERPRET=1.
+        self.cpu_allowed = any(isinstance(k, InterpretedFunction) for k in self.jit_kernels)
+        self._fast: FastCheck | None = None
+        self._signature = inspect.Signature(
+            [
+                inspect.Parameter(a.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=_default_of(a))
+                for a in self.arguments
+            ]
+        )
+        self._config_cache: dict[tuple[Any, ...], Any] = {}
+        self.op = register_schema_op(
+            op_name or f"tritune::{name}",
+            self._op_body,
+            self.schema(),
+            mutated=self._op_output_positions(),
+            opaque=self.cpu_allowed,
+        )
+        registry.register(self)
+
+    # ---- the declaration ---------------------------------------------------------------------
+
+    def _validate(self) -> None:
+        names = [a.name for a in self.arguments]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{self.name}: argument names repeat: {names}")
+        dims = set(dim_names(self.arguments))
+        known = set(names) | dims | {d.name for d in self.derived} | {"dtype"}
+        known |= {f"has_{a.name}" for a in self.arguments if isinstance(a, Tensor) and a.optional}
+        unknown = [f for f in self.fact_names if f not in known]
+        if unknown:
+            raise ValueError(f"{self.name}: facts {unknown} name no argument, dim or derived fact")
+        for rule in self.rules:
+            missing = [p for p in rule.params if p not in known]
+            if missing:
+                raise ValueError(f"{self.name}: rule on {rule.arg} reads unknown names {missing}")
+
+    def schema(self) -> str:
+        """The op schema: inputs, outputs (mutated), scalars, then the config's fields by name."""
+        parts: list[str] = []
+        aliases = iter("abcdefghijklmnopqrstuvwxyz")
+        for a in self.arguments:
+            if isinstance(a, Tensor):
+                parts.append(f"Tensor{'?' if a.optional else ''} {a.name}")
+            elif isinstance(a, Obj):
+                parts += [f"Tensor {a.name}_{part}" for part in a.parts]
+            elif isinstance(a, Output):
+                parts.append(f"Tensor({next(aliases)}!) {a.name}")
+            else:
+                optional = a.optional and a.resolve is None
+                parts.append(f"{_SCHEMA_TYPES[a.type]}{'?' if optional else ''} {a.name}")
+        config = [f"{_SCHEMA_TYPES[kind]} {field}" for field, kind in self.space.field_types.items()]
+        return "(" + ", ".join(parts + (["*", *config] if config else [])) + ") -> ()"
+
+    def _op_output_positions(self) -> tuple[int, ...]:
+        positions, index = [], 0
+        for a in self.arguments:
+            if isinstance(a, Output):
+                positions.append(index)
+            index += len(a.parts) if isinstance(a, Obj) else 1
+        return tuple(positions)
+
+    # ---- the call ----------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the kernel: arguments as declared, positionally or by name."""
+        if kwargs or len(args) != len(self.arguments):
+            args = tuple(self._signature.bind(*args, **kwargs).arguments.values())
+            args = self._with_defaults(args)
+        return self.call(*args)
+
+    def call(self, *args: Any) -> Any:
+        """:meth:`__call__` with every argument given positionally (what the public wrappers use)."""
+        fast = self._fast
+        if fast is None:
+            fast = self._fast = self.fast_check()
+        checked = fast.fn(*args)
+        if checked is not None:
+            facts, device, args = checked
+            if _empty(args, self._output_positions):
+                return self._result(args)
+            from .dispatcher import dispatch_config_eager
+
+            config = dispatch_config_eager(self.name, device, facts)
+            if no_modes() and not _needs_grad(args):
+                if device.type == "cpu":
+                    _prepare_interpreter()
+                run_unwrapped(self._launch, (config, *args), [args[i] for i in self._output_positions])
+            else:
+                self._call_op(config, args)
+            return self._result(args)
+        return self._call_checked(args)
+
+    def _call_checked(self, args: tuple[Any, ...], names: dict[str, str] | None = None) -> Any:
+        """The detailed path: checks that name the argument, then dispatch through the op."""
+        from .dispatcher import dispatch_config
+
+        facts, device, args = self.check_call(args, names)
+        if _empty(args, self._output_positions):
+            return self._result(args)
+        index = -1 if device.index is None else device.index
+        config = dispatch_config(self.name, device.type, index, tuple(facts))
+        if device.type == "cpu":
+            _prepare_interpreter()
+        self._call_op(config, args)
+        return self._result(args)
+
+    def call_named(self, args: tuple[Any, ...], names: dict[str, str]) -> Any:
+        """Run a call whose errors name the arguments as ``names`` maps them (a wrapper's own names)."""
+        fast = self._fast or self.fast_check()
+        checked = fast.fn(*args)
+        if checked is not None:
+            return self.call(*args)
+        return self._call_checked(args, names)
+
+    def check_call(
+        self, args: tuple[Any, ...], names: dict[str, str] | None = None
+    ) -> tuple[Any, torch.device, tuple[Any, ...]]:
+        """Detailed checks (errors name the argument): ``(facts, device, args)`` with outputs allocated."""
+        values = dict(zip((a.name for a in self.arguments), args, strict=True))
+        checked = CheckedCall(self.arguments, self.rules, values, names, self.cpu_allowed)
+        inputs = {a.name: values[a.name] for a in self.arguments if isinstance(a, Tensor)}
+        for a in self._outputs:
+            checked.check_output(a, values[a.name], inputs)
+        assert checked.device is not None
+        for a in self.arguments:
+            if isinstance(a, Scalar):
+                value = values[a.name]
+                if value is None and a.resolve is not None:
+                    value = a.resolve(*(checked.dims[p] for p in inspect.signature(a.resolve).parameters))
+                elif value is not None and a.type is float:
+                    value = float(value)
+                values[a.name] = value
+        for a in self._outputs:
+            if values[a.name] is None:
+                like = values[a.like]
+                if a.keep_layout and a.dims is None:
+                    values[a.name] = torch.empty_like(like)
+                else:
+                    values[a.name] = torch.empty(checked.output_shape(a), dtype=like.dtype, device=checked.device)
+        derived = {d.name: d.compute(*(values[p] for p in d.params)) for d in self.derived}
+        facts = []
+        for fact in self.fact_names:
+            if fact == "dtype":
+                facts.append(dtype_name(values[self.arguments[0].name].dtype))
+            elif fact in derived:
+                facts.append(derived[fact])
+            elif fact in checked.dims:
+                facts.append(static_dim(checked.dims[fact], fact in self.dynamic))
+            elif fact.startswith("has_") and fact[4:] in values:
+                facts.append(values[fact[4:]] is not None)
+            else:
+                facts.append(values[fact])
+        return self.Facts(*facts), checked.device, tuple(values[a.name] for a in self.arguments)
+
+    def fast_check(self) -> FastCheck:
+        """The generated one-pass check (its ``source`` shows the text)."""
+        return build_fast_check(self.arguments, self.rules, self.derived, self.fact_names, self.cpu_allowed)
+
+    def _result(self, args: tuple[Any, ...]) -> Any:
+        outputs = [args[i] for i in self._output_positions]
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _with_defaults(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        bound = self._signature.bind_partial(*args)
+        bound.apply_defaults()
+        return tuple(bound.arguments.values())
+
+    # ---- the op ------------------------------------------------------------------------------
+
+    def _op_args(self, args: tuple[Any, ...]) -> list[Any]:
+        flat: list[Any] = []
+        for a, value in zip(self.arguments, args, strict=True):
+            if isinstance(a, Obj):
+                flat.extend(a.split(value))
+            else:
+                flat.append(value)
+        return flat
+
+    def _call_op(self, config: Any, args: tuple[Any, ...]) -> None:
+        self.op(*self._op_args(args), **self.space.field_values(config))
+
+    def _op_body(self, *flat: Any, **fields: Any) -> None:
+        args: list[Any] = []
+        position = 0
+        for a in self.arguments:
+            if isinstance(a, Obj):
+                args.append(a.join(*flat[position : position + len(a.parts)]))
+                position += len(a.parts)
+            else:
+                args.append(flat[position])
+                position += 1
+        self._launch(self.config_from_fields(fields), *args)
+
+    def config_from_fields(self, fields: Mapping[str, Any]) -> Any:
+        """The config an op call's keyword fields stand for (built once per distinct config)."""
+        cache_key = tuple(fields.items())
+        config = self._config_cache.get(cache_key)
+        if config is None:
+            config = self._config_cache[cache_key] = self.space.from_fields(dict(fields))
+        return config
+
+    # ---- the spec interface the dispatcher and the tuner use ---------------------------------
+
+    def facts(self, *args: Any, **kwargs: Any) -> Any:
+        bound = self._with_defaults(tuple(self._signature.bind(*args, **kwargs).arguments.values()))
+        return self.check_call(bound)[0]
+
+    def key_for(self, device: DeviceInfo, facts: tuple[Any, ...]) -> Any:
+        return self._key(device, self.Facts(*facts))
+
+    def default_config(self, key: Any) -> Any:
+        return self._default(key) if self._default is not None else self.space.default()
+
+    def pinned_config(self, values: Mapping[str, Any]) -> Any:
+        return self._pin(values) if self._pin is not None else self.space.parse(values)
+
+    def serveable(self, config: Any, device: DeviceInfo, facts: tuple[Any, ...]) -> Any:
+        return self._serve(config, device, self.Facts(*facts)) if self._serve is not None else config
+
+    def launch(self, config: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run ``config`` on the call's arguments without dispatch (the tuner's and benchmarks' entry)."""
+        bound = self._with_defaults(tuple(self._signature.bind(*args, **kwargs).arguments.values()))
+        _, device, bound = self.check_call(bound)
+        if device.type == "cpu":
+            _prepare_interpreter()
+        run_unwrapped(self._launch, (config, *bound), [bound[i] for i in self._output_positions])
+        return self._result(bound)
+
+    def reference(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        bound = self._signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        inputs = {n: v for n, v in bound.arguments.items() if not isinstance(self._by_name[n], Output)}
+        return self._reference(**inputs)
+
+    @property
+    def tuning(self) -> KernelTuning:
+        """The tuning half, imported on first use (``tuning="module:attribute"``)."""
+        if isinstance(self._tuning, str):
+            module, _, attribute = self._tuning.partition(":")
+            self._tuning = getattr(importlib.import_module(module), attribute)
+        if self._tuning is None:
+            raise TypeError(f"{self.name}: declared without a tuning half (tuning=...); it cannot be tuned")
+        return self._tuning
+
+    def check(self, out: torch.Tensor, expected: torch.Tensor, problem: Problem, config: Any = None) -> str | None:
+        return self.tuning.check(out, expected, problem, config)
+
+    def make_problem(self, key: Any, device: torch.device, seed: int) -> Problem:
+        return self.tuning.make_problem(key, device, seed)
+
+    def check_problem(self, key: Any, device: torch.device, seed: int) -> Problem:
+        return self.tuning.check_problem(key, device, seed)
+
+    def starting_configs(self, key: Any, device: DeviceInfo) -> list[Any]:
+        return self.tuning.starting_configs(key, device)
+
+    def default_keys(self, device: DeviceInfo, **options: Any) -> list[Any]:
+        return self.tuning.default_keys(device)
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.name!r})"
+
+
+def _camel(name: str) -> str:
+    return "".join(part.capitalize() for part in name.replace("-", "_").split("_"))
+
+
+def _default_of(a: Tensor | Obj | Scalar | Output) -> Any:
+    if isinstance(a, Output) or (isinstance(a, Tensor) and a.optional):
+        return None
+    if isinstance(a, Scalar) and (a.optional or a.default is not None):
+        return a.default
+    return inspect.Parameter.empty
+
+
+def _empty(args: tuple[Any, ...], outputs: tuple[int, ...]) -> bool:
+    """Whether every output has no element (nothing to launch)."""
+    return all(args[i].numel() == 0 for i in outputs)
+
+
+def _needs_grad(args: tuple[Any, ...]) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
+def _prepare_interpreter() -> None:
+    from ._launch import prepare_interpreter
+
+    prepare_interpreter()

@@ -1,0 +1,227 @@
+"""The one-pass check of a plain eager call, generated from a kernel's argument declaration.
+
+Every call pays its checks on the host before the launch, and a decode step makes dozens of
+calls. Reading a tensor attribute costs 50-150 ns, so an interpreter looping over the
+declaration (or the detailed checks of :mod:`.arguments`, which read attributes several times
+and format nothing until they fail) costs several times what the launch does. This module
+writes the straight-line function a careful engineer would write by hand for one declaration,
+reading each attribute once, and compiles it once per kernel.
+
+The generated function accepts a subset of what the detailed checks accept, never more: it
+returns ``None`` for anything it does not recognise (a tensor subclass, an int where a float is
+declared, ``torch.compile``, any error), and the caller then runs the detailed checks, which
+either explain the error or serve the call. The tests hold the two to that contract.
+``source`` of the result shows the generated text.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ._launch import out_is_separate
+from .arguments import Derived, Obj, Output, Rule, Scalar, Tensor, dtype_name
+
+__all__ = ["FastCheck", "build_fast_check"]
+
+
+class FastCheck:
+    """A generated check: ``fn(*args) -> (facts, device, args) | None`` and its ``source``."""
+
+    def __init__(self, fn: Callable[..., Any], source: str) -> None:
+        self.fn = fn
+        self.source = source
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.names: dict[str, Any] = {}
+        self.bound: set[str] = set()
+
+    def emit(self, line: str, depth: int = 1) -> None:
+        self.lines.append("    " * depth + line)
+
+    def constant(self, prefix: str, value: Any) -> str:
+        """A name in the generated function's globals bound to ``value``."""
+        name = f"_{prefix}{len(self.names)}"
+        self.names[name] = value
+        return name
+
+
+def _shape_checks(w: _Writer, expr: str, dims: tuple[str | int, ...], depth: int) -> None:
+    """Bind or compare each dim of ``expr``'s shape; return None on any mismatch."""
+    star = bool(dims) and isinstance(dims[0], str) and dims[0].startswith("*")
+    fixed = dims[1:] if star else dims
+    w.emit(f"_s = {expr}.shape", depth)
+    w.emit(f"if len(_s) {'<' if star else '!='} {len(fixed)}: return None", depth)
+    offset = f"len(_s) - {len(fixed)}" if star else "0"
+    for i, d in enumerate(fixed):
+        index = f"{offset} + {i}" if star else str(i)
+        if isinstance(d, int) or d in w.bound:
+            w.emit(f"if _s[{index}] != {d}: return None", depth)
+        else:
+            w.emit(f"{d} = _s[{index}]", depth)
+            w.bound.add(d)
+    if star:
+        name = dims[0][1:]  # type: ignore[index]
+        lead = f"_lead_{name}"
+        w.emit(f"{lead} = _s[:{offset}]", depth)
+        value = f"({lead}[0] if len({lead}) == 1 else _prod({lead}))"
+        if name in w.bound:
+            w.emit(f"if {value} != {name}: return None", depth)
+        else:
+            w.emit(f"{name} = {value}", depth)
+            w.bound.add(name)
+
+
+def _output_shape(arg: Output, like: Tensor | Obj) -> str:
+    if arg.dims is None:
+        return f"{arg.like}.shape"
+    parts = []
+    for d in arg.dims:
+        if isinstance(d, int):
+            parts.append(str(d))
+        elif d.startswith("*"):
+            parts.append(f"*_lead_{d[1:]}")
+        else:
+            parts.append(d)
+    return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
+
+
+def build_fast_check(
+    arguments: Sequence[Tensor | Obj | Scalar | Output],
+    rules: Sequence[Rule],
+    derived: Sequence[Derived],
+    facts: Sequence[str],
+    cpu_allowed: bool,
+) -> FastCheck:
+    """Generate the one-pass check for a declaration (see the module docstring)."""
+    w = _Writer()
+    by_name = {a.name: a for a in arguments}
+    params = [a.name for a in arguments]
+    inputs = [a for a in arguments if isinstance(a, Tensor | Obj)]
+    first = inputs[0]
+    if not isinstance(first, Tensor) or first.optional:
+        raise TypeError("the first input of a kernel must be a required tensor (its dtype and device lead)")
+    w.names.update(_Tensor=torch.Tensor, _is_compiling=torch.compiler.is_compiling, _prod=math.prod)
+    w.names.update(_empty=torch.empty, _empty_like=torch.empty_like, _separate=out_is_separate)
+    w.lines.append(f"def fast_check({', '.join(params)}):")
+    # Types first: everything below reads attributes that only plain tensors are known to have.
+    required = " or ".join(f"type({a.name}) is not _Tensor" for a in inputs if isinstance(a, Tensor) and not a.optional)
+    w.emit(f"if _is_compiling() or {required}: return None")
+    for a in inputs:
+        if isinstance(a, Obj):
+            w.emit(f"if type({a.name}) is not {w.constant('type', a.type)}: return None")
+    w.emit(f"_dtype = {first.name}.dtype")
+    dtype_names = {d: dtype_name(d) for d in first.dtypes} if first.dtypes else None
+    if dtype_names:
+        w.emit(f"_dtype_name = {w.constant('dtypes', dtype_names)}.get(_dtype)")
+        w.emit("if _dtype_name is None: return None")
+    else:
+        w.emit(f"_dtype_name = {w.constant('dtype_name', dtype_name)}(_dtype)")
+    w.emit(f"_device = {first.name}.device")
+    cuda_or_cpu = f"{first.name}.is_cuda" + (f" or {first.name}.is_cpu" if cpu_allowed else "")
+    w.emit(f"if not ({cuda_or_cpu}): return None")
+    for a in inputs:
+        depth = 1
+        if isinstance(a, Tensor) and a.optional:
+            w.emit(f"if {a.name} is not None:")
+            depth = 2
+            w.emit(f"if type({a.name}) is not _Tensor: return None", depth)
+        if isinstance(a, Tensor):
+            if a is not first:
+                if a.dtype_of is not None:
+                    w.emit(f"if {a.name}.dtype is not {a.dtype_of}.dtype: return None", depth)
+                elif a.dtypes:
+                    w.emit(f"if {a.name}.dtype not in {w.constant('allowed', frozenset(a.dtypes))}: return None", depth)
+                elif a.floating:
+                    w.emit(f"if not {a.name}.is_floating_point(): return None", depth)
+                w.emit(f"if {a.name}.device != _device: return None", depth)
+            if a.shapes:
+                # Alternatives: only those that bind no new dim can be checked in one pass.
+                options = []
+                for dims in a.shapes:
+                    if any(isinstance(d, str) and (d.startswith("*") or d not in w.bound) for d in dims):
+                        raise TypeError(f"{a.name}: alternative shapes may only use dims bound before it")
+                    options.append("(" + "".join(f"{d}, " for d in dims) + ")")
+                w.emit(f"if {a.name}.shape not in ({', '.join(options)}): return None", depth)
+            else:
+                _shape_checks(w, a.name, a.dims, depth)
+            if a.unit_inner_stride:
+                w.emit(f"if {a.name}.dim() and {a.name}.stride(-1) != 1: return None", depth)
+        else:
+            w.emit(f"if {a.name}.device != _device: return None", depth)
+            _shape_checks(w, a.name, a.dims, depth)
+    for a in arguments:
+        if not isinstance(a, Scalar):
+            continue
+        kind = {bool: "bool", int: "int", float: "float"}[a.type]
+        low, high = a.bounds
+        test = f"type({a.name}) is not {kind}"
+        if low is not None:
+            test += f" or not {a.name} >= {low!r}"
+        if high is not None:
+            test += f" or not {a.name} <= {high!r}"
+        if a.optional:
+            w.emit(f"if {a.name} is not None and ({test}): return None")
+        else:
+            w.emit(f"if {test}: return None")
+    for rule in rules:
+        fn = w.constant("rule", rule.check)
+        w.emit(f"if not {fn}({', '.join(rule.params)}): return None")
+    for a in arguments:
+        if isinstance(a, Scalar) and a.resolve is not None:
+            fn = w.constant("resolve", a.resolve)
+            params_of = [p for p in _parameters(a.resolve)]
+            w.emit(f"if {a.name} is None: {a.name} = {fn}({', '.join(params_of)})")
+    tensor_inputs = [a.name for a in inputs if isinstance(a, Tensor)]
+    for a in arguments:
+        if not isinstance(a, Output):
+            continue
+        like = by_name[a.like]
+        assert isinstance(like, Tensor | Obj)
+        shape = _output_shape(a, like)
+        w.emit(f"if {a.name} is None:")
+        if a.keep_layout and a.dims is None:
+            w.emit(f"{a.name} = _empty_like({a.like})", 2)
+        else:
+            w.emit(f"{a.name} = _empty({shape}, dtype={a.like}.dtype, device=_device)", 2)
+        w.emit("else:")
+        w.emit(
+            f"if type({a.name}) is not _Tensor or {a.name}.dtype is not {a.like}.dtype or {a.name}.device != _device"
+            f" or {a.name}.shape != {shape}: return None",
+            2,
+        )
+        if a.contiguous:
+            w.emit(f"if not {a.name}.is_contiguous(): return None", 2)
+        if a.unit_inner_stride:
+            w.emit(f"if {a.name}.dim() and {a.name}.stride(-1) != 1: return None", 2)
+        others = "(" + "".join(f"{n}, " for n in tensor_inputs) + ")"
+        w.emit(f"if not _separate({a.name}, {others}): return None", 2)
+    for d in derived:
+        fn = w.constant("derived", d.compute)
+        w.emit(f"{d.name} = {fn}({', '.join(d.params)})")
+    fact_exprs = []
+    for fact in facts:
+        if fact == "dtype":
+            fact_exprs.append("_dtype_name")
+        elif fact.startswith("has_") and fact[4:] in by_name:
+            fact_exprs.append(f"{fact[4:]} is not None")
+        else:
+            fact_exprs.append(fact)
+    w.emit(f"return ({', '.join(fact_exprs)},), _device, ({', '.join(params)},)")
+    source = "\n".join(w.lines) + "\n"
+    namespace = dict(w.names)
+    code = compile(source, f"<tritune fast check: {', '.join(params)}>", "exec")
+    exec(code, namespace)  # our own generated text, from a declaration in code: nothing read from a file
+    return FastCheck(namespace["fast_check"], source)
+
+
+def _parameters(fn: Callable[..., Any]) -> list[str]:
+    import inspect
+
+    return list(inspect.signature(fn).parameters)
