@@ -50,8 +50,15 @@ class AddKey(TuningKey):
     BUCKETS: ClassVar[tuple[str, ...]] = ("rows_bucket",)
 
 
-def _launch(config: AddConfig, x: torch.Tensor, table: Table, lo: torch.Tensor | None, alpha: float,
-            flag: bool, out: torch.Tensor) -> None:  # fmt: skip
+def _launch(
+    config: AddConfig,
+    x: torch.Tensor,
+    table: Table,
+    lo: torch.Tensor | None,
+    alpha: float,
+    flag: bool,
+    out: torch.Tensor,
+) -> None:
     y = table.values.expand(x.shape).contiguous()
     lengths = torch.full((1,), y.numel(), dtype=torch.int32, device=x.device) if lo is None else lo.reshape(1)
     n = x.numel()
@@ -89,8 +96,14 @@ KERNEL = Kernel(
 def _call(**changes: Any) -> tuple[Any, ...]:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 2, 8, generator=gen)
-    values = {"x": x, "table": Table(torch.randn(2, 8, generator=gen)), "lo": None, "alpha": 0.5, "flag": False,
-              "out": None}  # fmt: skip
+    values = {
+        "x": x,
+        "table": Table(torch.randn(2, 8, generator=gen)),
+        "lo": None,
+        "alpha": 0.5,
+        "flag": False,
+        "out": None,
+    }
     values.update(changes)
     return tuple(values[a.name] for a in KERNEL.arguments)
 
@@ -130,8 +143,24 @@ def test_none_resolves_from_the_dims_and_keywords_bind_by_name():
         ({"out": torch.empty(3, 2, 8, dtype=torch.float16)}, TypeError, r"^out: expected dtype torch.float32"),
         ({"out": torch.empty(1, 2, 8).expand(3, 2, 8)}, ValueError, r"^out: some of its elements share memory"),
     ],
-    ids=["not-tensor", "dtype", "rank", "dim-clash", "obj-type", "alternatives", "optional-dtype", "bounds", "nan",
-         "huge-int", "bool-for-float", "int-for-bool", "rule", "out-shape", "out-dtype", "out-overlap"],  # fmt: skip
+    ids=[
+        "not-tensor",
+        "dtype",
+        "rank",
+        "dim-clash",
+        "obj-type",
+        "alternatives",
+        "optional-dtype",
+        "bounds",
+        "nan",
+        "huge-int",
+        "bool-for-float",
+        "int-for-bool",
+        "rule",
+        "out-shape",
+        "out-dtype",
+        "out-overlap",
+    ],
 )
 def test_errors_name_the_argument(changes: dict[str, Any], error: type[Exception], match: str) -> None:
     args = _call(**changes)
@@ -164,11 +193,21 @@ def test_the_fast_check_never_accepts_what_the_detailed_checks_refuse(shape, tab
     m, h, n = shape
     x = torch.randn(m, h, n).to(dtype)
     table = Table(torch.randn({"same": (h, n), "wide": (h, n + 1), "flat": (n,)}[table_shape]).to(dtype))
-    lo_value = {"none": None, "scalar": torch.tensor(n, dtype=torch.int32), "per-row": torch.ones(h, dtype=torch.int32),
-                "long": torch.ones(h, dtype=torch.int64), "bad": torch.ones(h + 1, dtype=torch.int32)}[lo]  # fmt: skip
-    out_value = {"none": None, "fresh": torch.empty_like(x), "transposed": torch.empty(n, h, m, dtype=dtype).permute(2, 1, 0),
-                 "wrong-shape": torch.empty(m, h, n + 1, dtype=dtype), "expanded": torch.empty(1, h, n, dtype=dtype).expand(m, h, n),
-                 "alias": x}[out]  # fmt: skip
+    lo_value = {
+        "none": None,
+        "scalar": torch.tensor(n, dtype=torch.int32),
+        "per-row": torch.ones(h, dtype=torch.int32),
+        "long": torch.ones(h, dtype=torch.int64),
+        "bad": torch.ones(h + 1, dtype=torch.int32),
+    }[lo]
+    out_value = {
+        "none": None,
+        "fresh": torch.empty_like(x),
+        "transposed": torch.empty(n, h, m, dtype=dtype).permute(2, 1, 0),
+        "wrong-shape": torch.empty(m, h, n + 1, dtype=dtype),
+        "expanded": torch.empty(1, h, n, dtype=dtype).expand(m, h, n),
+        "alias": x,
+    }[out]
     args = (x, table, lo_value, alpha, flag, out_value)
     fast = KERNEL.fast_check().fn(*args)
     try:
