@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Newcomer command 2 (and CI's): set up with the test extras, lint, then run the CPU test tier
+# Set up .venv with the test extras, lint, type-check, then run the CPU test tier (CI runs this too)
 # (kernels on the Triton interpreter at tiny shapes; GPU-tier tests skip without a GPU).
 # Extra arguments go to pytest, e.g.  bash scripts/test.sh -k prefill
 # The distributed-tuning tests against PostgreSQL need TRITUNE_TEST_POSTGRES_URL and skip without it

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Newcomer command 1: set up, then tune the TMA prefill kernel on GPU 0, or on the Triton
+# Set up .venv, then tune the TMA prefill kernel on GPU 0, or on the Triton
 # interpreter at tiny shapes when the machine has no GPU (the command says which).
 # Extra arguments go to `tune`, e.g.  bash scripts/tune.sh --trials 10
 set -euo pipefail
