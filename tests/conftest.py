@@ -6,7 +6,9 @@ test modules import tritune. GPU-tier tests carry the ``gpu`` marker and are ski
 
 from __future__ import annotations
 
+import logging
 import os
+from collections import Counter, defaultdict
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ if not HAS_CUDA:
     from tritune.kernels._interpreter import fix_interpreter_index
 
     os.environ["TRITON_INTERPRET"] = "1"
+    # The public ops prepare the interpreter themselves; tests also launch kernels below them.
     fix_interpreter_index()
 
 # Tests must never read or write the developer's real config DB or shipped bundles implicitly.
@@ -46,3 +49,27 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device() -> str:
     return "cuda" if HAS_CUDA else "cpu"
+
+
+#: Per entry point, the fuzz tests' counts: examples, refusals, matches, mismatches.
+FUZZ_FIGURES = pytest.StashKey[dict[str, Counter[str]]]()
+
+
+@pytest.fixture(scope="session")
+def fuzz_figures(pytestconfig: pytest.Config) -> dict[str, Counter[str]]:
+    """Where the fuzz tests count their examples; the run's summary prints the counts."""
+    return pytestconfig.stash.setdefault(FUZZ_FIGURES, defaultdict(Counter))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    figures = config.stash.get(FUZZ_FIGURES, None)
+    if not figures:
+        return
+    terminalreporter.section("fuzz figures")
+    for entry, counts in sorted(figures.items()):
+        line = (
+            f"{entry}: {counts['examples']} examples, {counts['refusals']} refusals, "
+            f"{counts['matches']} matches, {counts['mismatches']} mismatches"
+        )
+        terminalreporter.write_line(line)
+        logging.getLogger("tritune.tests.fuzz").info(line)

@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -692,3 +693,301 @@ def test_kv_len_out_of_range_is_clamped_not_refused(entry):
     wild = run(torch.tensor([-7, 1_000_000], dtype=torch.int32))
     torch.testing.assert_close(wild, clamped, rtol=0, atol=0)
     assert not math.isnan(float(wild[1].float().abs().max()))
+
+
+# ---- served correctly or refused: out memory, strides and scales -----------------------------------
+#
+# A valid tiny call, then draws of each tensor's layout, of ``out`` (fresh, transposed, padded, or
+# sharing memory with itself or an input) and of the scale (within the bound, zero and negative
+# ones included, or past it). Whatever is drawn, the call must either raise naming one of the
+# arguments that make it wrong, or, where nothing does, return the fp64 reference's result within
+# the dtype's tolerance. Refusing a valid call fails as surely as a wrong result. What makes a call
+# wrong is decided from the tensors themselves (:func:`shares_memory` counts bytes), not from how
+# they were drawn. Each test runs once per fault: none (valid calls of every layout), one kind of
+# wrong argument, or anything at all, so that every kind gets its share of the fixed budget.
+
+#: A fixed budget per entry point and fault: the accepted calls run on the interpreter.
+FUZZ_RUNS = settings(
+    max_examples=10,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=(Phase.explicit, Phase.generate),
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+#: What a drawn call gets wrong: "stride" is a head dim of stride 2 somewhere, which prefill serves.
+FAULTS = ("none", "out", "scale", "stride", "any")
+GOOD_SCALES = (None, 0.0, 1e-30, 0.05, -0.125, 0.5, -2.0, 7, 1e4, -1e4)
+PAST_THE_BOUND = (1e4 * (1 + 1e-6), -1e5, 3e38, -3e38, float("inf"), -float("inf"), float("nan"), 10**400)
+#: Layouts with a head dim of stride 1 ("expanded": a zero stride on the first dim, for inputs only).
+LAYOUTS = ("contiguous", "transposed", "padded", "expanded")
+#: ``out`` cases meant to share memory (with itself or an input).
+SHARING_OUTS = ("zero-stride", "overlapping-rows", "is-q", "inside-k")
+SEPARATE_OUTS = ("none", "fresh", "transposed", "padded", "beside-k")
+
+
+def draw_layouts(draw: Any, names: tuple[str, ...], fault: str) -> dict[str, str]:
+    """A layout for each tensor of ``names`` (and "out"'s, where the stride fault falls on it)."""
+    layouts = {name: draw(st.sampled_from(LAYOUTS[:3] if name == names[0] else LAYOUTS)) for name in names}
+    if fault == "stride":
+        layouts[draw(st.sampled_from([*names, "out"]))] = "head-strided"
+    elif fault == "any":
+        for name in names:
+            if draw(st.booleans()):
+                layouts[name] = "head-strided"
+    return layouts
+
+
+def draw_scale(draw: Any, fault: str) -> Any:
+    choices = {"scale": PAST_THE_BOUND, "any": GOOD_SCALES + PAST_THE_BOUND}.get(fault, GOOD_SCALES)
+    return draw(st.sampled_from(choices))
+
+
+def laid_out(values: torch.Tensor, layout: str) -> torch.Tensor:
+    """``values`` (any rank >= 3) copied into a tensor of ``layout`` with the same shape."""
+    shape = values.shape
+    if layout == "transposed":
+        # The two dims before the last swapped in memory (BSHD storage seen as BHSD).
+        t = torch.empty((*shape[:-3], shape[-2], shape[-3], shape[-1]), dtype=values.dtype).transpose(-2, -3)
+    elif layout == "padded":
+        t = torch.empty((*shape[:-1], shape[-1] + 8), dtype=values.dtype)[..., : shape[-1]]
+    elif layout == "head-strided":
+        t = torch.empty((*shape[:-1], 2 * shape[-1]), dtype=values.dtype)[..., ::2]
+    elif layout == "expanded":
+        return values[:1].expand(shape)
+    else:
+        t = torch.empty(shape, dtype=values.dtype)
+    return t.copy_(values)
+
+
+def draw_out(
+    draw: Any, fault: str, layouts: dict[str, str], q: torch.Tensor, k: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``(out, k)``: an out of q's shape and dtype; ``k`` is moved into out's storage (same values)
+    for the ``*-k`` cases."""
+    choices = {"out": SHARING_OUTS, "any": SEPARATE_OUTS + SHARING_OUTS}.get(fault, SEPARATE_OUTS)
+    case = "head-strided" if layouts.get("out") == "head-strided" else draw(st.sampled_from(choices))
+    shape, dtype = q.shape, q.dtype
+    if case == "none":
+        return None, k
+    if case in ("fresh", "transposed", "padded", "head-strided"):
+        return laid_out(torch.full(shape, float("nan"), dtype=dtype), "contiguous" if case == "fresh" else case), k
+    if case == "zero-stride":
+        return torch.empty((*shape[:-2], 1, shape[-1]), dtype=dtype).expand(shape), k
+    if case == "overlapping-rows":
+        # Each row starts half a row after the previous one.
+        rows, row = math.prod(shape[:-1]), shape[-1]
+        strides = [row // 2]
+        for size in reversed(shape[1:-1]):
+            strides.insert(0, strides[0] * size)
+        return torch.empty(rows * row, dtype=dtype).as_strided(shape, (*strides, 1)), k
+    if case == "is-q":
+        return q, k
+    size = math.prod(shape)
+    storage = torch.empty(k.numel() + size + 64, dtype=dtype)
+    moved = storage[: k.numel()].view(k.shape).copy_(k)
+    start = k.numel() // 2 if case == "inside-k" else k.numel()
+    return storage[start : start + size].view(shape), moved
+
+
+def _element_bytes(t: torch.Tensor) -> list[int]:
+    """Every byte of every element of ``t``, as offsets in its storage (one entry per element byte)."""
+    size = t.element_size()
+    elements = torch.arange(t.untyped_storage().nbytes() // size)
+    offsets = torch.as_strided(elements, t.shape, t.stride(), t.storage_offset()).flatten()
+    return (offsets[:, None] * size + torch.arange(size)).flatten().tolist()
+
+
+def shares_memory(out: torch.Tensor | None, inputs: tuple[torch.Tensor | None, ...]) -> bool:
+    """Whether two elements of ``out`` share a byte, or ``out`` shares one with an input: counted
+    byte by byte (the tensors are tiny), independently of the checks under test."""
+    if out is None:
+        return False
+    mine = _element_bytes(out)
+    if len(set(mine)) < len(mine):
+        return True
+    storage = out.untyped_storage().data_ptr()
+    return any(
+        t is not None and t.untyped_storage().data_ptr() == storage and not set(mine).isdisjoint(_element_bytes(t))
+        for t in inputs
+    )
+
+
+def head_strided(tensors: dict[str, torch.Tensor | None]) -> set[str]:
+    return {name for name, t in tensors.items() if t is not None and t.stride(-1) != 1}
+
+
+def scale_offends(scale: Any) -> set[str]:
+    return set() if scale is None or abs(scale) <= 1e4 else {"softmax_scale"}
+
+
+def record(
+    figures: dict[str, Counter[str]],
+    entry: str,
+    call: Callable[[], Any],
+    offenders: set[str],
+    check: Callable[[Any], str | None],
+) -> None:
+    """Run ``call``: a refusal must name one of ``offenders``, an acceptance needs none and must pass ``check``."""
+    counts = figures[entry]
+    counts["examples"] += 1
+    try:
+        result = call()
+    except (TypeError, ValueError) as exc:
+        counts["refusals"] += 1
+        assert offenders, f"refused a valid call: {type(exc).__name__}({exc!s})"
+        assert labels(str(exc)) & offenders, f"{type(exc).__name__}({exc!s}) does not name any of {sorted(offenders)}"
+        return
+    assert not offenders, f"accepted a call that {sorted(offenders)} make wrong"
+    problem = check(result)
+    if problem is not None:
+        counts["mismatches"] += 1
+        pytest.fail(f"mismatch against the reference: {problem}")
+    counts["matches"] += 1
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("entry", ["prefill", "decode", "attention"])
+@FUZZ_RUNS
+@given(data=st.data())
+def test_attention_calls_are_served_correctly_or_refused(entry, fault, data, fuzz_figures):
+    from tritune.kernels._numerics import compare
+    from tritune.kernels.prefill.reference import prefill_reference
+
+    draw = data.draw
+    batch, kv_heads, group = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    lq = draw(st.integers(1, {"prefill": 4, "decode": 8, "attention": 9}[entry]))
+    lkv = draw(st.integers(lq, 9))
+    dtype = draw(st.sampled_from([BF, FP]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    names = ("q", "k_cache", "v_cache") if entry == "decode" else ("q", "k", "v")
+    layouts = draw_layouts(draw, names, fault)
+    shapes = ((batch, kv_heads * group, lq, 64), (batch, kv_heads, lkv, 64), (batch, kv_heads, lkv, 64))
+    q, k, v = (laid_out(torch.randn(shape, generator=gen).to(dtype), layouts[name])
+               for name, shape in zip(names, shapes, strict=True))  # fmt: skip
+    kv_len = None
+    if entry == "decode" or draw(st.booleans()):
+        kv_len = torch.randint(0, lkv + 1, (batch,), generator=gen, dtype=torch.int32)
+    causal = entry == "decode" or draw(st.booleans())
+    scale = draw_scale(draw, fault)
+    out, k = draw_out(draw, fault, layouts, q, k)
+
+    offenders = scale_offends(scale) | ({"out"} if shares_memory(out, (q, k, v, kv_len)) else set())
+    if entry == "decode":
+        # Decode never copies a cache: a head dim of stride other than 1 is refused, naming the tensor.
+        offenders |= head_strided({"q": q, "k_cache": k, "v_cache": v, "out": out})
+    inputs = [t.clone() for t in (q, k, v)]
+    if entry == "decode":
+        call = lambda: decode_attention(q, k, v, kv_len, softmax_scale=scale, out=out)  # noqa: E731
+    else:
+        run = prefill_attention if entry == "prefill" else attention
+        call = lambda: run(q, k, v, causal=causal, kv_len=kv_len, softmax_scale=scale, out=out)  # noqa: E731
+
+    def check(result: torch.Tensor) -> str | None:
+        if out is not None and result is not out:
+            return "the result is not the out given"
+        expected = prefill_reference(*inputs, causal=causal, kv_len=kv_len, softmax_scale=scale, dtype=torch.float64)
+        return compare(result, expected, dtype)
+
+    record(fuzz_figures, "attention" if entry == "attention" else f"{entry}_attention", call, offenders, check)
+
+
+@varlen
+@pytest.mark.parametrize("fault", FAULTS)
+@FUZZ_RUNS
+@given(data=st.data())
+def test_varlen_calls_are_served_correctly_or_refused(fault, data, fuzz_figures):
+    from tritune.kernels import varlen_attention
+    from tritune.kernels._numerics import compare
+    from tritune.kernels.varlen.reference import varlen_reference
+
+    draw = data.draw
+    kv_heads, group, dtype = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([BF, FP]))
+    rows, segments = draw(st.integers(2, 8)), draw(st.integers(1, 2))
+    cols = segments + draw(st.integers(0, 1))
+    table, tokens = [], 0
+    for s in range(segments):
+        q_len = draw(st.integers(1, min(3, rows)))
+        table.append([tokens, q_len, s, draw(st.integers(q_len, rows))])
+        tokens += q_len
+    info = torch.tensor(table, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    layouts = draw_layouts(draw, ("q", "k_store", "v_store"), fault)
+    q = laid_out(torch.randn(tokens, kv_heads * group, 64, generator=gen).to(dtype), layouts["q"])
+    k, v = (laid_out(torch.randn(rows, cols, kv_heads, 64, generator=gen).to(dtype), layouts[name])
+            for name in ("k_store", "v_store"))  # fmt: skip
+    causal, window = draw(st.booleans()), draw(st.sampled_from([None, 1, 3]))
+    scale = draw_scale(draw, fault)
+    out, k = draw_out(draw, fault, layouts, q, k)
+
+    # The head dim has stride 1 in every tensor varlen reads or writes (a store is never copied).
+    offenders = scale_offends(scale) | head_strided({"q": q, "k_store": k, "v_store": v, "out": out})
+    if shares_memory(out, (q, k, v, info)):
+        offenders.add("out")
+    inputs = [t.clone() for t in (q, k, v)]
+
+    def check(result: torch.Tensor) -> str | None:
+        expected = varlen_reference(*inputs, info, causal=causal, window=window, softmax_scale=scale)
+        return compare(result, expected, dtype)
+
+    call = lambda: varlen_attention(q, k, v, info, causal=causal, window=window, softmax_scale=scale, out=out)  # noqa: E731
+    record(fuzz_figures, "varlen_attention", call, offenders, check)
+
+
+@pytest.mark.parametrize("fault", ["none", "out", "stride", "any"])
+@FUZZ_RUNS
+@given(data=st.data())
+def test_q4k_calls_are_served_correctly_or_refused(weight, fault, data, fuzz_figures):
+    from tritune.kernels.q4k.reference import sqnr_db
+
+    draw = data.draw
+    lead = draw(st.sampled_from([(1,), (3,), (2, 2)]))
+    dtype = draw(st.sampled_from([BF, FP]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    values = torch.randn((*lead, K), generator=gen).to(dtype)
+    # x may take any strides (the op copies one whose K stride is not 1); out must be contiguous.
+    x_layout = draw(st.sampled_from(["contiguous", "padded", "inner-strided"]))
+    if x_layout == "padded":
+        x = torch.empty((*lead, K + 8), dtype=dtype)[..., :K].copy_(values)
+    elif x_layout == "inner-strided":
+        x = torch.empty((*lead, 2 * K), dtype=dtype)[..., ::2].copy_(values)
+    else:
+        x = values
+    bias_dtype = draw(st.sampled_from([None, BF, torch.float32]))
+    bias = None if bias_dtype is None else torch.randn(N, generator=gen).to(bias_dtype)
+    shape, size = (*lead, N), math.prod(lead) * N
+    bad = {"out": ["zero-stride", "inside-x", "inside-bias"], "stride": ["padded"]}.get(fault, [])
+    if fault == "any":
+        bad = ["zero-stride", "inside-x", "inside-bias", "padded", "none", "fresh", "beside-x"]
+    out_case = draw(st.sampled_from(bad or ["none", "fresh", "beside-x"]))
+    out = None
+    if out_case == "fresh":
+        out = torch.full(shape, float("nan"), dtype=dtype)
+    elif out_case == "padded":
+        out = torch.empty((*lead, N + 8), dtype=dtype)[..., :N]
+    elif out_case == "zero-stride":
+        out = torch.empty((*lead[:-1], 1, N), dtype=dtype).expand(shape)
+    elif out_case == "inside-x":
+        storage = torch.empty(values.numel() + size, dtype=dtype)
+        x = storage[: values.numel()].view(values.shape).copy_(values)
+        out = storage[values.numel() // 2 : values.numel() // 2 + size].view(shape)
+    elif out_case == "inside-bias":
+        storage = torch.randn(N + size, generator=gen).to(dtype)
+        bias, out = storage[:N], storage[N // 2 : N // 2 + size].view(shape)
+    elif out_case == "beside-x":
+        storage = torch.empty(values.numel() + size, dtype=dtype)
+        x = storage[: values.numel()].view(values.shape).copy_(values)
+        out = storage[values.numel() :].view(shape)
+    # out must be contiguous (a layout rule, checked before its memory).
+    wrong = out is not None and (not out.is_contiguous() or shares_memory(out, (x, bias, *weight.tensors())))
+    inputs = (x.clone(), None if bias is None else bias.clone())
+
+    def check(result: torch.Tensor) -> str | None:
+        expected = inputs[0].double() @ weight.dequantize().double().t()
+        if inputs[1] is not None:
+            expected += inputs[1].double()
+        sqnr = sqnr_db(result.double(), expected)
+        # 25 dB: the floor of the lowest-precision path (fp8 activations) the dispatcher may pick.
+        return None if sqnr >= 25.0 else f"SQNR {sqnr:.1f} dB against the fp64 reference"
+
+    record(fuzz_figures, "q4k_linear", lambda: q4k_linear(x, weight, bias, out=out), {"out"} if wrong else set(), check)
