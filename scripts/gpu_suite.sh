@@ -79,8 +79,8 @@ done
 final_out=${TRITUNE_SUITE_OUT:-build/suite}
 work=${TRITUNE_SUITE_WORK:-/tmp/tritune-suite}
 resume=${TRITUNE_SUITE_RESUME:-build/suite-resume}
-out="$work/out"
-mkdir -p "$final_out" "$out"
+results="$work/results"
+mkdir -p "$final_out" "$results"
 export PYTHONUNBUFFERED=1
 summary="$final_out/summary.log"
 status=0
@@ -158,15 +158,15 @@ db_args() {
   fi
 }
 
-# tune_and_export DB KERNEL TUNE-ARGS...: tune into DB, then leave a snapshot and the GPU's bundle in $out.
+# tune_and_export DB KERNEL TUNE-ARGS...: tune into DB, then leave a snapshot and the GPU's bundle in $results.
 tune_and_export() {
   local db=$1 kernel=$2
   shift 2
   step "tune $kernel" "$@"
   if [ -f "$db" ]; then
-    step "snapshot $kernel" 60 python -c "$SNAPSHOT_PY" "$db" "$out/$(basename "$db")"
+    step "snapshot $kernel" 60 python -c "$SNAPSHOT_PY" "$db" "$results/$(basename "$db")"
     step "export $kernel" 60 python -c "$TUNE_PY" export --gpu "$(gpu_slug)" --db "$db" \
-      --out "$out/$kernel-$(gpu_slug).json"
+      --out "$results/$kernel-$(gpu_slug).json"
   else
     note "tune $kernel wrote no DB"
     status=1
@@ -174,15 +174,15 @@ tune_and_export() {
 }
 
 # The test ids listed in $1 as $2 pytest shards started in the background, named $3 (logs and
-# junit XML in $out/tests); their pids join the calling stage's pids array. xargs -r: an empty
+# junit XML in $results/tests); their pids join the calling stage's pids array. xargs -r: an empty
 # shard runs nothing (a bare pytest would run the whole tests folder).
 start_shards() {
   local list=$1 count=$2 name=$3 shard
   for ((shard = 0; shard < count; shard++)); do
     awk -v s="$shard" -v n="$count" 'NR % n == s' "$list" >"$list.$shard"
     step "pytest $name shard $shard" $((budget - 10)) xargs -r -a "$list.$shard" \
-      python -m pytest -q -p no:cacheprovider --junitxml="$out/tests/$name-$shard.xml" \
-      >"$out/tests/$name-$shard.log" 2>&1 &
+      python -m pytest -q -p no:cacheprovider --junitxml="$results/tests/$name-$shard.xml" \
+      >"$results/tests/$name-$shard.log" 2>&1 &
     pids+=($!)
   done
 }
@@ -193,7 +193,7 @@ run_stage() {
       # Every test of the kernel files (the GPU tier and the device-fixture tests, which run on cuda
       # here), in shards: first the attention files in 10, then the Q4_K file in 8. Compiling is most
       # of the time, and 16 cores take that many processes: 64 s and 72 s on an H200.
-      mkdir -p "$out/tests"
+      mkdir -p "$results/tests"
       local pids=() group files
       for group in attention q4k; do
         if [ "$group" = attention ]; then
@@ -212,12 +212,12 @@ run_stage() {
           # the log says why (a shard of no ids must never become a bare pytest of the whole folder).
           note "WARNING: collecting ${files[*]} listed no tests; running them unsharded"
           step "pytest $group" $((budget - 10)) python -m pytest -q -p no:cacheprovider \
-            --junitxml="$out/tests/test-$group.xml" "${files[@]}" >"$out/tests/test-$group.log" 2>&1 &
+            --junitxml="$results/tests/test-$group.xml" "${files[@]}" >"$results/tests/test-$group.log" 2>&1 &
           pids+=($!)
         fi
         for pid in "${pids[@]}"; do wait "$pid" || status=1; done
       done
-      tail -n 3 "$out"/tests/test-*.log | tee -a "$log"
+      tail -n 3 "$results"/tests/test-*.log | tee -a "$log"
       ;;
 
     tune-prefill)
@@ -285,8 +285,8 @@ run_stage() {
         note "tuned configs from $resume/$kernel-defaults.sqlite"
       fi
       read -r -a dbargs <<<"$(db_args "$db")"
-      step bench 600 python "scripts/$script" ${dbargs[@]+"${dbargs[@]}"} --out "$out/$name.md" \
-        --json "$out/$name.json" ${extra[@]+"${extra[@]}"}
+      step bench 600 python "scripts/$script" ${dbargs[@]+"${dbargs[@]}"} --out "$results/$name.md" \
+        --json "$results/$name.json" ${extra[@]+"${extra[@]}"}
       ;;
 
     bench-prefill)
@@ -307,8 +307,8 @@ run_stage() {
       fi
       local dbargs name="$today-tma_prefill-$(gpu_slug)"
       read -r -a dbargs <<<"$(db_args "$db")"
-      step bench 600 python scripts/bench_prefill.py ${dbargs[@]+"${dbargs[@]}"} --out "$out/$name.md" \
-        --json "$out/$name.json"
+      step bench 600 python scripts/bench_prefill.py ${dbargs[@]+"${dbargs[@]}"} --out "$results/$name.md" \
+        --json "$results/$name.json"
       ;;
 
     decode)
@@ -320,8 +320,8 @@ run_stage() {
         --lkv 131072 "${tune_extra[@]}" --db "$db"
       read -r -a dbargs <<<"$(db_args "$db")"
       read -r -a extra <<<"${DECODE_BENCH_ARGS:-}"
-      step bench 600 python scripts/bench_decode.py ${dbargs[@]+"${dbargs[@]}"} --out "$out/$name.md" \
-        --json "$out/$name.json" ${extra[@]+"${extra[@]}"}
+      step bench 600 python scripts/bench_decode.py ${dbargs[@]+"${dbargs[@]}"} --out "$results/$name.md" \
+        --json "$results/$name.json" ${extra[@]+"${extra[@]}"}
       ;;
 
     varlen)
@@ -332,8 +332,8 @@ run_stage() {
         --kernel varlen_sdpa --head-dim 128 "${tune_extra[@]}" --db "$db"
       read -r -a dbargs <<<"$(db_args "$db")"
       read -r -a extra <<<"${VARLEN_BENCH_ARGS:-}"
-      step bench 600 python scripts/bench_varlen.py ${dbargs[@]+"${dbargs[@]}"} --out "$out/$name.md" \
-        --json "$out/$name.json" ${extra[@]+"${extra[@]}"}
+      step bench 600 python scripts/bench_varlen.py ${dbargs[@]+"${dbargs[@]}"} --out "$results/$name.md" \
+        --json "$results/$name.json" ${extra[@]+"${extra[@]}"}
       ;;
 
     q4k)
@@ -344,12 +344,12 @@ run_stage() {
         --kernel q4k_fp8_gemm --m 1 --m 16 --m 4096 "${tune_extra[@]}" --db "$db"
       read -r -a dbargs <<<"$(db_args "$db")"
       read -r -a extra <<<"${Q4K_BENCH_ARGS:---m 1 --m 16 --m 64 --m 4096}"
-      step bench 600 python scripts/bench_q4k.py ${dbargs[@]+"${dbargs[@]}"} --out "$out/$name.md" \
-        --json "$out/$name.json" ${extra[@]+"${extra[@]}"}
+      step bench 600 python scripts/bench_q4k.py ${dbargs[@]+"${dbargs[@]}"} --out "$results/$name.md" \
+        --json "$results/$name.json" ${extra[@]+"${extra[@]}"}
       ;;
 
     overhead)
-      step overhead 300 python scripts/measure_overhead.py --out "$out/$today-overhead-$(gpu_slug).md"
+      step overhead 300 python scripts/measure_overhead.py --out "$results/$today-overhead-$(gpu_slug).md"
       ;;
 
     tuner)
@@ -357,7 +357,7 @@ run_stage() {
       local stability=$((budget - 15 - 40 - 60 - 15))
       step tuner 600 python scripts/bench_tuner.py --budget $((budget - 15)) --fault-cap 40 --workers-cap 60 \
         --stability-cap "$stability" --kernels splitk_decode --kernels tma_prefill --kernels q4k_fp8_gemm \
-        --out "$out/$today-tuner-$(gpu_slug).md" --json "$out/$today-tuner-$(gpu_slug).json" fault workers stability
+        --out "$results/$today-tuner-$(gpu_slug).md" --json "$results/$today-tuner-$(gpu_slug).json" fault workers stability
       ;;
 
     multigpu)
@@ -365,25 +365,25 @@ run_stage() {
       local extra name="$today-multigpu-$(gpu_slug)"
       read -r -a extra <<<"${MULTIGPU_ARGS:-}"
       step multigpu 600 python scripts/bench_tuner.py --budget $((budget - 15)) --multigpu-cap $((budget - 25)) \
-        --out "$out/$name.md" --json "$out/$name.json" ${extra[@]+"${extra[@]}"} multigpu
+        --out "$results/$name.md" --json "$results/$name.json" ${extra[@]+"${extra[@]}"} multigpu
       ;;
 
     stability)
       local kernels=() k
       for k in ${STABILITY_KERNELS:-tma_prefill varlen_sdpa}; do kernels+=(--kernels "$k"); done
       step stability 600 python scripts/bench_tuner.py --budget $((budget - 15)) --stability-cap $((budget - 25)) \
-        --trials 40 "${kernels[@]}" --out "$out/$today-stability-$(gpu_slug).md" \
-        --json "$out/$today-stability-$(gpu_slug).json" stability
+        --trials 40 "${kernels[@]}" --out "$results/$today-stability-$(gpu_slug).md" \
+        --json "$results/$today-stability-$(gpu_slug).json" stability
       ;;
 
     gpu-tests)
       # The GPU tier only (-m gpu): the attention files in one process, the Q4_K file's GPU tests in
       # three shards, all at once (compiling each test's configs is most of the time).
-      mkdir -p "$out/tests"
+      mkdir -p "$results/tests"
       local pids=()
       step "pytest -m gpu attention" $((budget - 10)) python -m pytest -q -p no:cacheprovider -m gpu \
-        --junitxml="$out/tests/gpu-attention.xml" tests/test_prefill.py tests/test_decode.py \
-        tests/test_decode_spec.py tests/test_varlen.py >"$out/tests/gpu-attention.log" 2>&1 &
+        --junitxml="$results/tests/gpu-attention.xml" tests/test_prefill.py tests/test_decode.py \
+        tests/test_decode_spec.py tests/test_varlen.py >"$results/tests/gpu-attention.log" 2>&1 &
       pids+=($!)
       python -m pytest --collect-only -q -p no:cacheprovider -m gpu tests/test_q4k.py 2>/dev/null | grep '::' \
         >"$work/q4k-gpu-tests.txt"
@@ -394,16 +394,16 @@ run_stage() {
       fi
       start_shards "$work/q4k-gpu-tests.txt" 3 gpu-q4k
       for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-      tail -n 3 "$out"/tests/gpu-*.log | tee -a "$log"
+      tail -n 3 "$results"/tests/gpu-*.log | tee -a "$log"
       ;;
 
     pytest)
       local selection
-      mkdir -p "$out/tests"
+      mkdir -p "$results/tests"
       read -r -a selection <<<"${PYTEST_GPU_ARGS:?pytest stage: set PYTEST_GPU_ARGS to a selection}"
-      step pytest $((budget - 10)) python -m pytest -q -p no:cacheprovider --junitxml="$out/tests/pytest.xml" \
-        "${selection[@]}" >"$out/tests/pytest.log" 2>&1
-      tail -n 15 "$out/tests/pytest.log" | tee -a "$log"
+      step pytest $((budget - 10)) python -m pytest -q -p no:cacheprovider --junitxml="$results/tests/pytest.xml" \
+        "${selection[@]}" >"$results/tests/pytest.log" 2>&1
+      tail -n 15 "$results/tests/pytest.log" | tee -a "$log"
       ;;
 
     sweep)
@@ -417,8 +417,8 @@ run_stage() {
         filters=()
         for f in $where; do filters+=(--where "$f"); done
         step "sweep-$name" 290 python scripts/sweep_configs.py --kernel "$kernel" --key "$key" \
-          ${filters[@]+"${filters[@]}"} --limit "$limit" --out "$out/$today-sweep-$name-$(gpu_slug).md" \
-          --json "$out/$today-sweep-$name-$(gpu_slug).json"
+          ${filters[@]+"${filters[@]}"} --limit "$limit" --out "$results/$today-sweep-$name-$(gpu_slug).md" \
+          --json "$results/$today-sweep-$name-$(gpu_slug).json"
       done
       ;;
 
@@ -432,23 +432,23 @@ run_stage() {
         --trials 4 --db "$db"
       read -r -a dbargs <<<"$(db_args "$db")"
       step bench-decode 600 python scripts/bench_decode.py --smoke ${dbargs[@]+"${dbargs[@]}"} \
-        --out "$out/smoke-decode.md" --json "$out/smoke-decode.json"
+        --out "$results/smoke-decode.md" --json "$results/smoke-decode.json"
       step bench-varlen 600 python scripts/bench_varlen.py --smoke ${dbargs[@]+"${dbargs[@]}"} \
-        --out "$out/smoke-varlen.md" --json "$out/smoke-varlen.json"
+        --out "$results/smoke-varlen.md" --json "$results/smoke-varlen.json"
       step bench-q4k 600 python scripts/bench_q4k.py --smoke ${dbargs[@]+"${dbargs[@]}"} \
-        --out "$out/smoke-q4k.md" --json "$out/smoke-q4k.json"
+        --out "$results/smoke-q4k.md" --json "$results/smoke-q4k.json"
       ;;
   esac
 }
 
 # Pack whatever exists, also when a stage failed: the archive is the run's one file to take away.
 pack() {
-  tar -czf "$final_out/suite.tgz" -C "$out" . 2>>"$summary"
-  echo "[suite] packed $(find "$out" -type f | wc -l) file(s) into $final_out/suite.tgz" | tee -a "$summary"
+  tar -czf "$final_out/suite.tgz" -C "$results" . 2>>"$summary"
+  echo "[suite] packed $(find "$results" -type f | wc -l) file(s) into $final_out/suite.tgz" | tee -a "$summary"
 }
 trap pack EXIT
 
-log="$out/machine.log"
+log="$results/machine.log"
 note "stages: $*; output folder $final_out, work folder $work"
 if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,temperature.gpu,power.draw \
@@ -464,7 +464,7 @@ for arg in "$@"; do
   [[ "$arg" == *:* ]] && budget=${arg#*:}
   started=$(date +%s)
   deadline=$((started + budget))
-  log="$out/$stage.log"
+  log="$results/$stage.log"
   note "stage $stage: budget ${budget}s"
   run_stage
   note "stage $stage finished in $(($(date +%s) - started)) s (status so far $status)"

@@ -151,8 +151,7 @@ def test_defaults_stage_resumes_a_db_from_the_resume_folder(tmp_path):
 
 def test_sweep_stage_runs_one_sweep_per_entry(tmp_path):
     sweeps = (
-        'q4k_fp8_gemm|q4k-a|{"m_bucket":16}|path=portable BLOCK_K=256|7;'
-        'splitk_decode|decode-b|{"lkv_bucket":4096}||3'
+        'q4k_fp8_gemm|q4k-a|{"m_bucket":16}|path=portable BLOCK_K=256|7;splitk_decode|decode-b|{"lkv_bucket":4096}||3'
     )
     calls = _run_stage(tmp_path, "sweep:60", check=True, SWEEPS=sweeps)
     runs = [line for line in calls if "scripts/sweep_configs.py" in line]
