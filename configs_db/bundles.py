@@ -15,9 +15,12 @@ A bundle lives at ``configs_db/bundles/<gpu-slug>.json`` and looks like::
       ]
     }
 
-Checks here are structural only: a file that is too big, not JSON, not a bundle, of an unknown
-schema version or for another GPU is refused whole, with one reason; a malformed entry is refused
-alone (with its index), and the good entries beside it are kept. Whether a kernel version, key or
+Checks here are structural only: a file that is not a regular file (a FIFO, device, directory or
+dangling link), too big, not JSON, not a bundle, of an unknown schema version or for another GPU is
+refused whole, with one reason; a malformed entry is refused alone (with its index), and the good
+entries beside it are kept. Strings that would reach a log, a terminal or the database must be
+printable: a control character (a forged log line, an ANSI escape) or a lone surrogate refuses
+its entry, and every reason given is itself escaped. Whether a kernel version, key or
 config is still valid is decided by :mod:`tritune.kernels.winners`, which sees every record.
 Files are only ever parsed with ``json.loads``: nothing in a bundle is executed.
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
@@ -34,7 +38,15 @@ from pathlib import Path
 from typing import Any
 
 from .records import Rejection, WinnerRecord
-from .values import canonical_json, check_flat, describe, strict_loads, winner_numbers_problem
+from .values import (
+    canonical_json,
+    check_flat,
+    describe,
+    printable,
+    strict_loads,
+    text_problem,
+    winner_numbers_problem,
+)
 
 BUNDLE_SCHEMA = "tritune-bundle"
 BUNDLE_SCHEMA_VERSION = 1
@@ -65,21 +77,56 @@ def shipped_records(gpu_slug: str) -> tuple[list[WinnerRecord], list[Rejection]]
         path = bundle_path(gpu_slug)
     except ValueError as exc:
         return [], [Rejection(f"bundle:{gpu_slug}", str(exc))]
-    if not path.is_file():
+    # Anything at the path, a dangling link or a FIFO included, is read (and refused with its reason).
+    if not os.path.lexists(path):
         return [], []
     return read_bundle(path, expected_gpu=gpu_slug)
 
 
+def _limit() -> str:
+    return f"the limit of {MAX_BUNDLE_BYTES} bytes for a bundle ({MAX_BUNDLE_BYTES // 2**20} MiB)"
+
+
+#: Names of the file types that are not regular files, for the refusal.
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "a special file")
+
+
 def _read_text(path: Path) -> str:
-    """The file's text, refusing an oversized one before reading it (``ValueError`` says why)."""
-    size = path.stat().st_size
-    if size > MAX_BUNDLE_BYTES:
-        raise ValueError(f"file is {size} bytes, over the limit of {MAX_BUNDLE_BYTES} bytes for a bundle")
-    with path.open("rb") as fh:
-        # Read one byte past the limit: the file may have grown since stat (or not be a regular file).
+    """The file's text, refusing an oversized one before reading it (``ValueError`` says why).
+
+    Only regular files are read: a FIFO would block the reader forever and a device never ends.
+    The file is opened non-blocking and checked again on the open descriptor, so a path swapped
+    for a FIFO after the first check cannot block either.
+    """
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        if path.is_symlink():
+            raise ValueError(f"dangling symbolic link (to {printable(os.readlink(path))})") from None
+        raise
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"is {_kind(info.st_mode)}, not a regular file")
+    if info.st_size > MAX_BUNDLE_BYTES:
+        raise ValueError(f"file is {info.st_size} bytes, over {_limit()}")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as fh:
+        mode = os.fstat(fh.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"is {_kind(mode)}, not a regular file")
+        # Read one byte past the limit: the file may have grown since stat.
         data = fh.read(MAX_BUNDLE_BYTES + 1)
     if len(data) > MAX_BUNDLE_BYTES:
-        raise ValueError(f"file grew over the limit of {MAX_BUNDLE_BYTES} bytes for a bundle while read")
+        raise ValueError(f"file grew over {_limit()} while read")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -108,6 +155,9 @@ def _document_problem(doc: Any, expected_gpu: str | None) -> str | None:
         return f"bundle is for GPU {gpu}, expected {expected_gpu}"
     if not isinstance(doc["gpu_name"], str):
         return f"gpu_name is {describe(doc['gpu_name'])}, expected a string"
+    problem = text_problem(doc["gpu_name"], "gpu_name")
+    if problem is not None:
+        return problem
     created = doc["created"]
     if not isinstance(created, str):
         return f"created is {describe(created)}, expected an ISO 8601 time"
@@ -123,6 +173,9 @@ def _document_problem(doc: Any, expected_gpu: str | None) -> str | None:
     for name in PROVENANCE_FIELDS:
         if not isinstance(provenance[name], str):
             return f"provenance.{name} is {describe(provenance[name])}, expected a string"
+        problem = text_problem(provenance[name], f"provenance.{name}")
+        if problem is not None:
+            return problem
     if not isinstance(doc["winners"], list):
         return f"winners is {describe(doc['winners'])}, expected a list"
     return None
@@ -141,42 +194,64 @@ def _entry_problem(entry: Any) -> str | None:
     for name in ("kernel", "kernel_version"):
         if not isinstance(entry[name], str) or not entry[name]:
             return f"{name} is {describe(entry[name])}, expected a non-empty string"
+        problem = text_problem(entry[name], name)
+        if problem is not None:
+            return problem
     for name in ("key", "config"):
         try:
-            check_flat(entry[name], name)
+            flat = check_flat(entry[name], name)
         except ValueError as exc:
             return str(exc)
+        for field, value in flat.items():
+            problem = text_problem(field, f"a {name} field name") or text_problem(value, f"{name}.{field}")
+            if problem is not None:
+                return problem
     return winner_numbers_problem(entry["time_ms"], entry["portable_ms"], entry["speedup"], entry["trials"])
+
+
+class BundleError(ValueError):
+    """A file refused whole as a bundle; the message starts with the (escaped) path."""
 
 
 def read_bundle(path: Path | str, expected_gpu: str | None = None) -> tuple[list[WinnerRecord], list[Rejection]]:
     """Read a bundle: its well-formed records, and one :class:`Rejection` per refused file or entry."""
-    path = Path(path)
-    source = f"bundle:{path}"
+    try:
+        return load_bundle(path, expected_gpu)
+    except BundleError as exc:
+        return [], [Rejection(f"bundle:{printable(str(path), limit=1000)}", str(exc))]
 
-    def refuse(reason: str) -> tuple[list[WinnerRecord], list[Rejection]]:
-        return [], [Rejection(source, f"{path}: {reason}")]
+
+def load_bundle(path: Path | str, expected_gpu: str | None = None) -> tuple[list[WinnerRecord], list[Rejection]]:
+    """Like :func:`read_bundle`, but a file refused whole raises :class:`BundleError` (``tune import`` tells
+    a file it could not use from one whose every entry it refused)."""
+    path = Path(path)
+    # The path reaches logs and terminals too: escaped once here, for every reason below.
+    shown = printable(str(path), limit=1000)
+    source = f"bundle:{shown}"
+
+    def refuse(reason: str) -> BundleError:
+        return BundleError(f"{shown}: {printable(reason, limit=1000)}")
 
     try:
         text = _read_text(path)
     except OSError as exc:
-        return refuse(f"cannot read ({exc.strerror or exc})")
+        raise refuse(f"cannot read ({exc.strerror or exc})") from None
     except ValueError as exc:
-        return refuse(str(exc))
+        raise refuse(str(exc)) from None
     try:
         doc = strict_loads(text)
     except ValueError as exc:
-        return refuse(f"broken JSON ({exc})")
+        raise refuse(f"broken JSON ({exc})") from None
     problem = _document_problem(doc, expected_gpu)
     if problem is not None:
-        return refuse(problem)
+        raise refuse(problem)
 
     provenance = doc["provenance"]
     records: list[WinnerRecord] = []
     rejections: list[Rejection] = []
     seen: dict[tuple[str, str, str], int] = {}
     for index, entry in enumerate(doc["winners"]):
-        where = f"{path}: winners[{index}]"
+        where = f"{shown}: winners[{index}]"
         problem = _entry_problem(entry)
         if problem is None:
             identity = (entry["kernel"], entry["kernel_version"], canonical_json(entry["key"]))
@@ -185,8 +260,8 @@ def read_bundle(path: Path | str, expected_gpu: str | None = None) -> tuple[list
             seen.setdefault(identity, index)
         if problem is not None:
             kernel = entry.get("kernel") if isinstance(entry, dict) else None
-            label = f" ({kernel})" if isinstance(kernel, str) else ""
-            rejections.append(Rejection(source, f"{where}{label}: {problem}"))
+            label = f" ({printable(kernel)})" if isinstance(kernel, str) else ""
+            rejections.append(Rejection(source, f"{where}{label}: {printable(problem, limit=1000)}"))
             continue
         records.append(
             WinnerRecord(
@@ -303,8 +378,10 @@ __all__ = [
     "BUNDLE_SCHEMA",
     "BUNDLE_SCHEMA_VERSION",
     "MAX_BUNDLE_BYTES",
+    "BundleError",
     "bundle_path",
     "bundle_text",
+    "load_bundle",
     "read_bundle",
     "shipped_bundle_dir",
     "shipped_records",

@@ -5,6 +5,12 @@ them as text (they are part of unique constraints), so they must be written one 
 keys, no spaces, ASCII. Bundles and the database share the same parse and the same number
 checks, so a record refused in one is refused in the other. Nothing here imports SQLAlchemy: the
 runtime's bundle loader uses it too.
+
+Numbers are kept to what a database column holds: an integer outside the signed 64-bit range is
+refused as a key or config value, and a trial count must fit a 32-bit ``INTEGER`` column
+(PostgreSQL's). While parsing, an integer literal outside the 64-bit range is never converted
+(Python refuses to convert one of over 4300 digits, which would fail the whole file instead of
+the one field).
 """
 
 from __future__ import annotations
@@ -18,6 +24,15 @@ Scalar = int | str | bool | float
 
 #: A winner claiming more than this speedup over the portable default is a measurement error.
 MAX_SPEEDUP = 1000.0
+#: The integers a database column holds (SQLite INTEGER, PostgreSQL BIGINT).
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+#: Digits of the widest 64-bit integer; a literal with more is never converted.
+_INT64_DIGITS = len(str(INT64_MAX))
+#: The most trials a winner may claim: what a 32-bit INTEGER column (PostgreSQL's) holds.
+MAX_TRIALS = 2**31 - 1
+#: Text longer than this is cut by :func:`printable` (a message names a value, it does not dump it).
+PRINTABLE_CHARS = 200
 
 
 class NonFinite:
@@ -35,6 +50,35 @@ class NonFinite:
         return self.literal
 
 
+class OutOfRange:
+    """Stands in for an integer literal outside the signed 64-bit range met while parsing.
+
+    Like :class:`NonFinite`, it lets a check name the field instead of failing the document.
+    """
+
+    def __init__(self, literal: str) -> None:
+        self.literal = literal
+
+    def __repr__(self) -> str:
+        digits = len(self.literal.lstrip("-"))
+        return f"an integer of {digits} digits" if digits > _INT64_DIGITS else f"the integer {self.literal}"
+
+
+def _int_text(value: int) -> str:
+    """Name an int in a message without ``str`` of a huge one (over 4300 digits it raises)."""
+    if value.bit_length() <= 64:
+        return str(value)
+    return f"an integer of about {round(value.bit_length() * math.log10(2))} digits"
+
+
+def _parse_int(literal: str) -> int | OutOfRange:
+    """``parse_int`` hook: an ``int`` inside the 64-bit range, else :class:`OutOfRange` (never converted)."""
+    if len(literal.lstrip("-")) > _INT64_DIGITS:
+        return OutOfRange(literal)
+    value = int(literal)
+    return value if INT64_MIN <= value <= INT64_MAX else OutOfRange(literal)
+
+
 def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """``object_pairs_hook``: a reviewed file must not say one thing twice (json keeps the last)."""
     result: dict[str, Any] = {}
@@ -46,13 +90,16 @@ def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def strict_loads(text: str) -> Any:
-    """``json.loads`` with duplicate keys refused and ``NaN``/``Infinity`` mapped to :class:`NonFinite`.
+    """``json.loads`` with duplicate keys refused, ``NaN``/``Infinity`` mapped to :class:`NonFinite`
+    and integers outside the 64-bit range to :class:`OutOfRange`.
 
     Raises ``ValueError`` (``json.JSONDecodeError`` is one) for text that is not JSON, and
     ``RecursionError`` is turned into ``ValueError`` too: deeply nested input is hostile, not a bug.
     """
     try:
-        return json.loads(text, parse_constant=NonFinite, object_pairs_hook=_reject_duplicate_keys)
+        return json.loads(
+            text, parse_constant=NonFinite, parse_int=_parse_int, object_pairs_hook=_reject_duplicate_keys
+        )
     except RecursionError:
         raise ValueError("nested too deeply") from None
 
@@ -61,6 +108,8 @@ def describe(value: object) -> str:
     """Name a JSON value's type the way a reader of the file thinks of it."""
     if isinstance(value, NonFinite):
         return f"{value.literal} (not a finite number)"
+    if isinstance(value, OutOfRange):
+        return f"{value!r} (outside the 64-bit range)"
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -90,6 +139,8 @@ def check_flat(value: object, what: str) -> dict[str, Scalar]:
             raise ValueError(f"{what} has a field name {name!r} that is not a non-empty string")
         if isinstance(item, float) and not math.isfinite(item):
             raise ValueError(f"{what}.{name} is {item!r}, not a finite number")
+        if isinstance(item, int) and not INT64_MIN <= item <= INT64_MAX:
+            raise ValueError(f"{what}.{name} is {_int_text(item)}, outside the 64-bit range")
         if not isinstance(item, int | str | float):
             raise ValueError(f"{what}.{name} is {describe(item)}, expected a number, string or boolean")
         result[name] = item
@@ -113,7 +164,11 @@ def number_problem(value: object, name: str, *, positive: bool = True) -> str | 
     """Why ``value`` is not a usable finite (positive) number, or ``None`` when it is."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return f"{name} is {describe(value)}, expected a number"
-    if not math.isfinite(value):
+    # math.isfinite raises OverflowError for an int too wide for a float: check ints by range.
+    if isinstance(value, int):
+        if not INT64_MIN <= value <= INT64_MAX:
+            return f"{name} is {_int_text(value)}, outside the 64-bit range"
+    elif not math.isfinite(value):
         return f"{name} is {value!r}, not a finite number"
     if positive and value <= 0:
         return f"{name} is {value!r}, expected a positive number"
@@ -142,4 +197,30 @@ def winner_numbers_problem(time_ms: object, portable_ms: object, speedup: object
         return f"trials is {describe(trials)}, expected a whole number"
     if trials < 1:
         return f"trials is {trials}, expected at least 1"
+    if trials > MAX_TRIALS:
+        return f"trials is {_int_text(trials)}, expected at most {MAX_TRIALS}"
     return None
+
+
+def text_problem(value: object, name: str) -> str | None:
+    """Why the string ``value`` may not travel from a file into a log, a terminal or a database.
+
+    Control characters forge log lines and terminal output (newlines, ANSI escapes), and a lone
+    surrogate (``"\\ud800"`` in JSON) cannot be encoded as UTF-8 at all.
+    """
+    if isinstance(value, str) and not value.isprintable():
+        return f"{name} is '{printable(value)}', which holds a control character or a lone surrogate"
+    return None
+
+
+def printable(text: str, limit: int = PRINTABLE_CHARS) -> str:
+    """``text`` fit for one line of a log or terminal: every non-printable character escaped.
+
+    Newlines, ANSI escapes, bidirectional overrides and lone surrogates become ``\\n``,
+    ``\\x1b``, ``\\u202e``, ``\\ud800``; text longer than ``limit`` is cut with a count.
+    """
+    if len(text) > limit:
+        text = f"{text[:limit]}... ({len(text) - limit} more characters)"
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)

@@ -85,6 +85,7 @@ def test_option_that_does_not_apply(toy, tmp_path):
 
 
 def test_export_with_nothing_stored(tmp_path):
+    ConfigStore(f"sqlite:///{tmp_path / 'x.sqlite'}").close()
     result = runner.invoke(app, ["export", "--gpu", "cpu-interpreter", "--db", str(tmp_path / "x.sqlite")])
     assert result.exit_code == 2
     assert "no winners" in result.output
@@ -92,7 +93,7 @@ def test_export_with_nothing_stored(tmp_path):
 
 @pytest.mark.slow
 def test_full_tune_of_prefill_on_the_interpreter(tmp_path):
-    """The newcomer's main job, end to end on the real kernel, into a temporary DB."""
+    """Tuning a real kernel end to end on the interpreter, into a temporary DB."""
     db = f"sqlite:///{tmp_path / 'p.sqlite'}"
     result = _run("--device", "cpu", "--kernel", "tma_prefill", "--trials", "4", "--db", db)
     assert result.exit_code == 0, result.output

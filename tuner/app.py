@@ -2,23 +2,100 @@
 
 ``cli.py`` adds the tuning command itself (the app's callback) and imports ``commands.py``, which
 adds the commands that inspect and move stored results, so importing the CLI registers them all.
+
+Every command runs under one handler (:class:`TuneGroup`): an ordinary failure prints one or two
+lines from :func:`.failures.explain` and exits with status 1; usage errors keep click's status 2.
+``--debug``, accepted anywhere on the line, shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
+from rich.text import Text
+from typer.core import TyperGroup
+
+from tritune.configs_db.values import printable
+
+from .failures import CommandError, explain
 
 # Without a terminal (CI logs, pipes) rich would wrap tables at 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 160)
+#: Errors go to stderr, never wrapped: a message is one line however long.
+error_console = Console(stderr=True, soft_wrap=True)
+#: The flag that shows tracebacks; taken out of the arguments wherever it stands.
+DEBUG_FLAG = "--debug"
+
+
+def plain(value: object) -> str:
+    """``value`` as text safe to embed in a rich markup string: escaped control characters and markup."""
+    return escape(printable(str(value), limit=1000))
+
+
+def _debug_from_settings() -> bool:
+    from tritune.kernels import settings
+
+    try:
+        level: str = settings.settings(strict=True).log_level
+    except ValueError:
+        return False
+    return level == "DEBUG"
+
+
+class TuneGroup(TyperGroup):
+    """The ``tune`` group: every command (and the tuning callback) under one error handler."""
+
+    debug = False
+
+    def main(self, args: Sequence[str] | None = None, *rest: Any, **extra: Any) -> Any:
+        given = list(sys.argv[1:] if args is None else args)
+        # --debug may follow a subcommand (tune show --debug), where click would not know it;
+        # "--" ends the options, so a file named --debug after it stays an argument.
+        end = given.index("--") if "--" in given else len(given)
+        self.debug = DEBUG_FLAG in given[:end]
+        given = [arg for arg in given[:end] if arg != DEBUG_FLAG] + given[end:]
+        return super().main(given, *rest, **extra)
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            _check_settings()
+            return super().invoke(ctx)
+        except (typer.TyperException, typer.Exit, typer.Abort):
+            # Usage errors (status 2), explicit exits and ^C keep click's handling.
+            raise
+        except Exception as exc:
+            if self.debug or _debug_from_settings():
+                raise
+            failure = explain(exc)
+            for number, line in enumerate(failure.lines()):
+                error_console.print(Text(f"error: {line}" if number == 0 else line, style="red" if number == 0 else ""))
+            raise typer.Exit(1) from None
+
+
+def _check_settings() -> None:
+    """Refuse a bad ``TRITUNE_*`` value before any work (the runtime would warn and use the default)."""
+    from tritune.kernels import settings
+
+    problems = settings.validate_environment()
+    if problems:
+        raise CommandError(
+            "; ".join(problems), "tune refuses a bad value where the runtime falls back: fix or unset the variable"
+        )
+
+
 app = typer.Typer(
+    cls=TuneGroup,
     add_completion=False,
     invoke_without_command=True,
     no_args_is_help=False,
+    # A traceback's locals could show a database password.
+    pretty_exceptions_show_locals=False,
     help="Tune tritune's Triton kernels into a persistent config DB, and inspect or ship the results.",
 )
 
@@ -51,11 +128,30 @@ def choose_device(device: str) -> Any:
     return torch.device("cuda", int(index))
 
 
+#: Seconds a command waits for a PostgreSQL server to accept a connection (libpq waits forever).
+CONNECT_TIMEOUT_S = 10
+
+
 def db_url(db: str | None) -> str:
+    """The config DB URL of ``--db`` (a URL or a file path), else of the settings.
+
+    A PostgreSQL URL without ``connect_timeout`` gets :data:`CONNECT_TIMEOUT_S`, so a server that
+    accepts the connection and never answers fails the command instead of hanging it.
+    """
     from tritune.kernels import settings
 
     url: str = settings.db_url_from(db) if db else settings.settings().db_url
-    return url
+    if url.split("://", 1)[0].split("+", 1)[0].lower() not in ("postgresql", "postgres"):
+        return url
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if "connect_timeout" in parsed.query:
+        return url
+    timed: str = parsed.update_query_dict({"connect_timeout": str(CONNECT_TIMEOUT_S)}).render_as_string(
+        hide_password=False
+    )
+    return timed
 
 
 def short_key(key: Any) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import time
 import zlib
 from pathlib import Path
@@ -24,7 +25,7 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .app import app, choose_device, console, db_url, short_key
+from .app import DEBUG_FLAG, app, choose_device, console, db_url, plain, short_key
 from .commands import print_status, status_rows
 
 if TYPE_CHECKING:
@@ -48,6 +49,13 @@ def _keys_for(spec: Any, device_info: Any, given: dict[str, list[int]]) -> list[
         kwargs[name] = values
     keys: list[Any] = spec.default_keys(device_info, **kwargs)
     return keys
+
+
+def _positive_seconds(value: float | None) -> float | None:
+    """Option callback: a finite number of seconds above zero (click's ranges let nan through)."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise typer.BadParameter(f"{value!r}: expected a positive number of seconds")
+    return value
 
 
 def _parse_devices(device: str, workers: int) -> list[str]:
@@ -98,15 +106,17 @@ def tune(
         ),
     ] = "auto",
     kernel: Annotated[list[str] | None, typer.Option(help="kernel(s) to tune; default: all")] = None,
-    head_dim: Annotated[list[int] | None, typer.Option(help="head dims to tune (attention kernels)")] = None,
-    lq: Annotated[list[int] | None, typer.Option(help="query lengths to tune (prefill)")] = None,
-    lkv: Annotated[list[int] | None, typer.Option(help="KV lengths to tune")] = None,
-    batch: Annotated[list[int] | None, typer.Option(help="batch sizes to tune (decode)")] = None,
-    m: Annotated[list[int] | None, typer.Option(help="M (rows) to tune (GEMM)")] = None,
+    head_dim: Annotated[list[int] | None, typer.Option(min=1, help="head dims to tune (attention kernels)")] = None,
+    lq: Annotated[list[int] | None, typer.Option(min=1, help="query lengths to tune (prefill)")] = None,
+    lkv: Annotated[list[int] | None, typer.Option(min=1, help="KV lengths to tune")] = None,
+    batch: Annotated[list[int] | None, typer.Option(min=1, help="batch sizes to tune (decode)")] = None,
+    m: Annotated[list[int] | None, typer.Option(min=1, help="M (rows) to tune (GEMM)")] = None,
     trials: Annotated[int | None, typer.Option(min=1, help="measured trials per key [default: 40; 12 on cpu]")] = None,
-    time_budget: Annotated[float | None, typer.Option(help="seconds per key")] = None,
+    time_budget: Annotated[
+        float | None, typer.Option(callback=_positive_seconds, help="seconds per key (above zero)")
+    ] = None,
     db: Annotated[str | None, typer.Option(help="config DB (SQLAlchemy URL or file path)")] = None,
-    seed: Annotated[int, typer.Option(help="seed of the sampler and the random problems")] = 0,
+    seed: Annotated[int, typer.Option(min=0, max=2**32 - 1, help="seed of the sampler and the random problems")] = 0,
     isolate: Annotated[
         bool,
         typer.Option(
@@ -115,7 +125,10 @@ def tune(
         ),
     ] = True,
     trial_timeout: Annotated[
-        float, typer.Option(min=1, help="seconds one candidate may take (isolated) before it is killed")
+        float,
+        typer.Option(
+            min=1, callback=_positive_seconds, help="seconds one candidate may take (isolated) before it is killed"
+        ),
     ] = 120.0,
     workers: Annotated[int, typer.Option(min=1, help="worker processes per --device entry (interpreter only)")] = 1,
     storage: Annotated[
@@ -135,8 +148,18 @@ def tune(
         int, typer.Option(min=2, help="seconds without a heartbeat after which a worker's trials are retried")
     ] = 60,
     max_retry: Annotated[int, typer.Option(min=0, help="times a trial of a dead worker is retried")] = 3,
+    debug: Annotated[
+        bool,
+        typer.Option(
+            DEBUG_FLAG,
+            help="show the traceback of an error instead of its one-line reason (also TRITUNE_LOG_LEVEL=DEBUG); "
+            "accepted anywhere on the line, after a subcommand too",
+        ),
+    ] = False,
 ) -> None:
     """Tune kernels at their default keys (or the ones narrowed by the options) into the DB."""
+    # --debug is read by the app's error handler before click parses the line (see app.TuneGroup).
+    del debug
     if ctx.invoked_subcommand is not None:
         return
     from tritune.kernels.registry import kernel_names
@@ -220,7 +243,7 @@ def _tune_here(
     plan = [(get_spec(n), k) for n in names for k in _keys_for(get_spec(n), info, given)]
     trials = options.trials
     shared = "" if where is None else f" with the studies in {where.display()}"
-    console.print(f"tuning {len(plan)} key(s) on {info.slug} into {display_url(url)}{shared}")
+    console.print(f"tuning {len(plan)} key(s) on {info.slug} into {plain(display_url(url))}{plain(shared)}")
 
     results: list[KeyResult] = []
     started = time.monotonic()
@@ -249,7 +272,7 @@ def _tune_here(
             )
             results = report.results
             for error in report.errors:
-                console.print(f"[red]{error}[/red]")
+                console.print(f"[red]{plain(error)}[/red]")
             if report.by_others:
                 console.print(f"{len(report.by_others)} key(s) were already finalized (tune status shows them)")
         else:
@@ -283,13 +306,13 @@ def _tune_here(
                     try:
                         results.append(tuner.run())
                     except TuningError as exc:
-                        console.print(f"[red]{exc}[/red]")
+                        console.print(f"[red]{plain(exc)}[/red]")
                     progress.update(task, completed=trials)
             finally:
                 if bench is not None:
                     bench.close()
     _print_results(results)
-    console.print(f"done in {time.monotonic() - started:.1f} s; winners stored in {display_url(url)}")
+    console.print(f"done in {time.monotonic() - started:.1f} s; winners stored in {plain(display_url(url))}")
 
 
 def _tune_fleet(
@@ -302,9 +325,6 @@ def _tune_fleet(
     heartbeat_interval: int,
 ) -> None:
     """One worker process per device entry, on one shared storage; this process coordinates."""
-    import shutil
-    import tempfile
-
     import torch
 
     from tritune.configs_db.store import ConfigStore, display_url
@@ -312,8 +332,8 @@ def _tune_fleet(
     from tritune.kernels.registry import get_spec
 
     from .candidates import spec_target
-    from .fleet import WorkerJob, run_fleet
-    from .studies import StudyStorage, study_name
+    from .fleet import ScratchStudies, WorkerJob, run_fleet
+    from .studies import study_name
     from .timing import timer_for
 
     if devices[0] == "cpu":
@@ -323,8 +343,8 @@ def _tune_fleet(
     ConfigStore(url).close()
     scratch = None
     if where is None:
-        scratch = tempfile.mkdtemp(prefix="tritune-studies-")
-        where = StudyStorage(str(Path(scratch) / "studies.log"))
+        scratch = ScratchStudies()
+        where = scratch.where
     specs = [get_spec(n) for n in names]
     targets = {spec.name: spec_target(spec) for spec in specs}
     jobs: list[WorkerJob] = []
@@ -355,7 +375,7 @@ def _tune_fleet(
         )
     console.print(
         f"tuning {len(study_names)} key(s) with {len(jobs)} workers ({', '.join(job.label for job in jobs)}) "
-        f"into {display_url(url)}, studies in {where.display()}"
+        f"into {plain(display_url(url))}, studies in {plain(where.display())}"
     )
     started = time.monotonic()
     try:
@@ -369,13 +389,17 @@ def _tune_fleet(
         rows = status_rows(where, names=set(study_names))
     finally:
         if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
+            scratch.remove()
     print_status(rows, title="shared studies")
     finalized = {row.name for row in rows if row.finalized is not None}
     unfinished = [name for name in study_names if name not in finalized]
-    console.print(f"done in {time.monotonic() - started:.1f} s; winners stored in {display_url(url)}")
+    console.print(f"done in {time.monotonic() - started:.1f} s; winners stored in {plain(display_url(url))}")
+    died = [ended for ended in exits if ended.exitcode != 0]
     if unfinished:
         console.print(f"[red]{len(unfinished)} key(s) were not finalized[/red]")
+    if died:
+        console.print(f"[red]{len(died)} worker(s) died (their exit codes are above)[/red]")
+    if unfinished or died:
         raise typer.Exit(1)
 
 
@@ -392,8 +416,8 @@ def _print_results(results: list[Any]) -> None:
     for r in results:
         table.add_row(
             r.kernel,
-            short_key(r.key),
-            " ".join(f"{k}={v}" for k, v in r.config.items()),
+            plain(short_key(r.key)),
+            plain(" ".join(f"{k}={v}" for k, v in r.config.items())),
             f"{r.best_ms:.4g}",
             f"{r.portable_ms:.4g}",
             f"{r.speedup:.3f}x",
@@ -405,8 +429,13 @@ def _print_results(results: list[Any]) -> None:
 def main() -> None:
     from tritune.kernels import settings
 
+    try:
+        level = settings.settings(strict=True).log_level
+    except ValueError:
+        # The command names the bad setting itself (app.TuneGroup), with exit status 1.
+        level = "WARNING"
     logging.basicConfig(
-        level=settings.settings().log_level,
+        level=level,
         format="%(message)s",
         handlers=[RichHandler(console=console, show_path=False)],
     )

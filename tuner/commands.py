@@ -4,13 +4,17 @@ import and bench. They register on the app of :mod:`tritune.tuner.app`."""
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
 
-from .app import app, choose_device, console, db_url, short_key
+from tritune.configs_db.values import printable
+
+from .app import app, choose_device, console, db_url, plain, short_key
+from .failures import CommandError
 
 if TYPE_CHECKING:
     from .studies import StudyStorage, StudySummary
@@ -37,25 +41,88 @@ def show(
     db: Annotated[str | None, typer.Option(help="config DB")] = None,
     kernel: Annotated[str | None, typer.Option(help="only this kernel")] = None,
     gpu: Annotated[str | None, typer.Option(help="only this GPU slug")] = None,
+    device: Annotated[
+        str, typer.Option(help="judge what the runtime would serve on this device: auto, cpu or a CUDA index")
+    ] = "auto",
 ) -> None:
-    """The stored winners."""
-    from tritune.configs_db.store import ConfigStore
+    """The stored winners, each marked with whether the runtime would serve it on this machine, or why not.
 
-    table = Table(title="winners")
-    for column in ("gpu", "kernel", "key", "config", "time ms", "portable ms", "speedup", "trials"):
+    Read-only: the DB is opened the way the runtime opens it, so nothing is created, upgraded or
+    written (an older-schema DB is reported, not migrated).
+    """
+    from tritune.configs_db.store import display_url, read_winners
+
+    url = db_url(db)
+    require_database(url)
+    here = runtime_device(device)
+    records = read_winners(url, gpu, kernel=kernel)
+    table = Table(title=f"winners in {plain(display_url(url))}")
+    for column in ("gpu", "kernel", "key", "config", "time ms", "portable ms", "speedup", "trials", "served here"):
         table.add_column(column)
-    for w in ConfigStore(db_url(db)).winners(gpu=gpu, kernel=kernel):
+    notes = []
+    for w in records:
+        verdict = serving_verdict(w, here)
+        key = " ".join(f"{k}={v}" for k, v in w.key.items() if k not in ("arch", "sm_count"))
+        if verdict is not None:
+            notes.append(f"not served on {here.slug}: {w.gpu} {w.kernel} {key}: {verdict}")
         table.add_row(
-            w.gpu,
-            w.kernel,
-            " ".join(f"{k}={v}" for k, v in w.key.items() if k not in ("arch", "sm_count")),
-            " ".join(f"{k}={v}" for k, v in w.config.items()),
+            plain(w.gpu),
+            plain(w.kernel),
+            plain(key),
+            plain(" ".join(f"{k}={v}" for k, v in w.config.items())),
             f"{w.time_ms:.4g}",
             f"{w.portable_ms:.4g}",
             f"{w.speedup:.3f}x",
             str(w.trials),
+            "yes" if verdict is None else "[yellow]no[/yellow]",
         )
     console.print(table)
+    for note in notes:
+        console.print(f"[yellow]{plain(note)}[/yellow]", soft_wrap=True)
+
+
+def require_database(url: str) -> None:
+    """Refuse a SQLite path with no file behind it (a read must not create one)."""
+    from tritune.configs_db.urls import sqlite_file
+
+    path = sqlite_file(url)
+    if path is not None and not os.path.lexists(path):
+        raise CommandError(
+            f"no config DB at {printable(str(path))}",
+            "give the path of an existing DB with --db (or TRITUNE_DB); a tuning run creates one",
+        )
+
+
+def runtime_device(device: str) -> Any:
+    """The :class:`DeviceInfo` the runtime would serve on for ``--device`` (without touching Triton's mode)."""
+    import torch
+
+    from tritune.kernels.device import device_info, interpreter_device
+
+    wanted = device.strip().lower().removeprefix("cuda:")
+    if wanted == "auto":
+        wanted = "0" if torch.cuda.is_available() else "cpu"
+    if wanted == "cpu":
+        return interpreter_device()
+    if not wanted.isdigit():
+        raise typer.BadParameter(f"{device!r}: expected auto, cpu, or a CUDA index such as 0", param_hint="--device")
+    if not torch.cuda.is_available() or int(wanted) >= torch.cuda.device_count():
+        raise typer.BadParameter(f"{device!r}: no such CUDA GPU is visible", param_hint="--device")
+    return device_info(int(wanted))
+
+
+def serving_verdict(record: Any, device: Any) -> str | None:
+    """Why the runtime on ``device`` would not serve ``record``; ``None`` when it would."""
+    from tritune.kernels import settings
+    from tritune.kernels.winners import Rejection, admit
+
+    outcome = admit(record, device)
+    if isinstance(outcome, Rejection):
+        return str(outcome.reason).removeprefix(f"{record.source} {record.kernel}: ")
+    threshold: float = 1.0 + settings.settings().margin
+    if record.speedup < threshold:
+        return f"only {record.speedup:.3f}x the portable default (TRITUNE_MARGIN asks {threshold:.3f}x)"
+    return None
 
 
 @app.command()
@@ -75,9 +142,9 @@ def status(
         raise typer.BadParameter(f"--storage {storage!r}: no such journal file")
     rows = status_rows(where, kernel=kernel, gpu=gpu)
     if not rows:
-        console.print(f"no tritune studies in {where.display()}")
+        console.print(f"no tritune studies in {plain(where.display())}")
         return
-    print_status(rows, title=f"studies in {where.display()}")
+    print_status(rows, title=f"studies in {plain(where.display())}")
 
 
 def status_rows(
@@ -97,16 +164,16 @@ def print_status(rows: list[StudySummary], *, title: str) -> None:
         if row.finalized is None:
             finalized = "-"
         elif "error" in row.finalized:
-            finalized = f"error: {row.finalized['error']}"
+            finalized = f"error: {plain(row.finalized['error'])}"
         else:
             finalized = "yes"
         table.add_row(
-            row.gpu,
-            row.kernel,
-            " ".join(f"{k}={v}" for k, v in row.key.items() if k not in ("arch", "sm_count")),
+            plain(row.gpu),
+            plain(row.kernel),
+            plain(" ".join(f"{k}={v}" for k, v in row.key.items() if k not in ("arch", "sm_count"))),
             *(str(row.counts.get(name, 0)) for name in counts),
             "-" if row.best_ms is None else f"{row.best_ms:.4g}",
-            " ".join(f"{k}={v}" for k, v in row.best_params.items()),
+            plain(" ".join(f"{k}={v}" for k, v in row.best_params.items())),
             finalized,
         )
     console.print(table)
@@ -116,16 +183,26 @@ def print_status(rows: list[StudySummary], *, title: str) -> None:
 def export_bundle(
     gpu: Annotated[str, typer.Option(help="GPU slug, e.g. nvidia-h200-sm90-132sm")],
     db: Annotated[str | None, typer.Option(help="config DB")] = None,
-    out: Annotated[Path | None, typer.Option(help="bundle path (default: the shipped bundles folder)")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="bundle file, or a folder for <gpu>.json [default: ./<gpu>.json]")
+    ] = None,
 ) -> None:
-    """Write the DB's winners for one GPU as a reviewed, diffable JSON bundle."""
-    from tritune.configs_db import bundles
-    from tritune.configs_db.store import ConfigStore
+    """Write the DB's winners for one GPU as a reviewed, diffable JSON bundle (the DB is only read).
 
-    store = ConfigStore(db_url(db))
-    records = store.winners(gpu=gpu)
+    To ship the bundle, copy it into ``configs_db/bundles/`` of a source checkout and commit it.
+    """
+    from tritune.configs_db import bundles
+    from tritune.configs_db.store import read_winners
+
+    try:
+        default = bundles.bundle_path(gpu, Path.cwd())
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--gpu") from None
+    url = db_url(db)
+    require_database(url)
+    records = read_winners(url, gpu)
     if not records:
-        raise typer.BadParameter(f"--gpu {gpu!r}: the DB holds no winners for that GPU")
+        raise typer.BadParameter(f"{gpu!r}: the DB holds no winners for that GPU", param_hint="--gpu")
     # A bundle states one provenance: export the largest group of records sharing one.
     groups: dict[tuple[str, str, str, str, str], list[Any]] = {}
     for record in records:
@@ -140,12 +217,12 @@ def export_bundle(
     stamp, chosen = max(groups.items(), key=lambda item: len(item[1]))
     for other, left in groups.items():
         if other != stamp:
-            console.print(f"[yellow]left out {len(left)} winner(s) tuned under other versions {other}[/yellow]")
-    path = out or bundles.shipped_bundle_dir() / f"{gpu}.json"
+            console.print(f"[yellow]left out {len(left)} winner(s) tuned under other versions {plain(other)}[/yellow]")
+    path = default if out is None else out / default.name if out.is_dir() else out
     provenance = dict(zip(("cuda", "driver", "torch", "triton", "tritune"), stamp, strict=True))
     gpu_name = str(chosen[0].extra.get("gpu_name") or gpu)
     bundles.write_bundle(chosen, path, gpu=gpu, gpu_name=gpu_name, provenance=provenance)
-    console.print(f"wrote {len(chosen)} winner(s) to {path}")
+    console.print(f"wrote {len(chosen)} winner(s) to {plain(path)}")
 
 
 @app.command("import")
@@ -155,25 +232,44 @@ def import_bundle(
 ) -> None:
     """Load a bundle's winners into the DB (entries this tritune could never serve are refused).
 
-    Refused, each with its reason: unknown kernels, kernel versions other than the running
-    source, other Triton versions, and keys or configs outside the kernel's types and space. A
-    bundle of another GPU is loaded (a DB may hold several GPUs; each is only served on its own).
+    Refused, each with its reason: malformed entries, unknown kernels, kernel versions other than
+    the running source, other Triton versions, and keys or configs outside the kernel's types and
+    space. A bundle of another GPU is loaded (a DB may hold several GPUs; each is only served on
+    its own). Every entry is checked before anything is written, and the accepted ones are written
+    in one transaction: an import that fails leaves the DB as it was. Exit status 1 when the file
+    cannot be used or every entry was refused.
     """
     from tritune.configs_db import bundles
     from tritune.configs_db.store import ConfigStore
 
-    records, rejections = bundles.read_bundle(path)
+    try:
+        records, rejections = bundles.load_bundle(path)
+    except bundles.BundleError as exc:
+        raise CommandError(str(exc), "nothing was imported") from None
     accepted = []
+    for rejection in rejections:
+        console.print(f"[yellow]refused {plain(rejection.reason)}[/yellow]", soft_wrap=True)
     for record in records:
         refusal = _import_refusal(record)
         if refusal is not None:
-            console.print(f"[yellow]refused {record.kernel}: {refusal}[/yellow]")
+            at = plain(" ".join(f"{k}={v}" for k, v in record.key.items()))
+            reason = f"{plain(record.kernel)}: {plain(refusal)} (at {at})"
+            console.print(f"[yellow]refused {reason}[/yellow]", soft_wrap=True)
             continue
         accepted.append(record)
-    for rejection in rejections:
-        console.print(f"[yellow]refused: {rejection.reason}[/yellow]")
-    imported, skipped = ConfigStore(db_url(db)).import_records(accepted)
-    console.print(f"imported {imported} winner(s), kept {skipped} existing better one(s)")
+    refused = len(rejections) + len(records) - len(accepted)
+    if not accepted:
+        raise CommandError(
+            f"{printable(str(path))}: every entry was refused ({refused}), nothing was imported"
+            if refused
+            else f"{printable(str(path))}: the bundle holds no winners, nothing was imported"
+        )
+    with ConfigStore(db_url(db)) as store:
+        imported, skipped = store.import_records(accepted)
+    console.print(
+        f"imported {imported} winner(s), kept {skipped} existing better one(s), refused {refused} entr"
+        f"{'y' if refused == 1 else 'ies'}"
+    )
 
 
 def _import_refusal(record: Any) -> str | None:
