@@ -1,4 +1,4 @@
-"""A tiny kernel spec whose candidates fault for real: the ``fault`` part of ``scripts/evidence_tuner.py``.
+"""A tiny kernel spec whose candidates fault for real: the ``fault`` part of ``scripts/bench_tuner.py``.
 
 The kernel is a row-wise scaled copy (``out = x * alpha``) with a small search space. Three configs
 misbehave on purpose, inside the Triton kernel itself rather than in Python around it:
@@ -10,8 +10,8 @@ misbehave on purpose, inside the Triton kernel itself rather than in Python arou
   the interpreter alike, so only the per-trial timeout ends it.
 - ``ACTION="wrong"`` writes ``x * alpha + 1``: the tuner's correctness gate must refuse it.
 
-The faulting ones refuse to launch outside a worker process (where they would take the evidence
-script down). The module is importable by name (``_fault_kernel``) from ``scripts/``, which is on a
+The faulting ones refuse to launch outside a worker process (where they would take
+``bench_tuner.py`` down). The module is importable by name (``_fault_kernel``) from ``scripts/``, which is on a
 spawned worker's ``sys.path`` because it is on the script's; it is kept out of the runtime packages.
 """
 
@@ -86,11 +86,11 @@ def _refuse_outside_worker(action: str) -> None:
 
 
 class FaultSpec(KernelSpec[FaultConfig, FaultKey]):
-    name = "evidence_fault"
+    name = "fault_check"
     jit_kernels = (_fault_scale_kernel,)
     protocol = 1
     key_type = FaultKey
-    space: SearchSpace[FaultConfig, FaultKey] = SearchSpace("evidence_fault", FaultConfig, feasibility=_feasible)
+    space: SearchSpace[FaultConfig, FaultKey] = SearchSpace("fault_check", FaultConfig, feasibility=_feasible)
 
     def facts(self, x: torch.Tensor, *, alpha: float = 2.0, out: torch.Tensor | None = None) -> FaultFacts:
         return FaultFacts(str(x.dtype).removeprefix("torch."), x.numel())
