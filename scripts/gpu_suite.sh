@@ -222,7 +222,7 @@ run_stage() {
 
     tune-prefill)
       # The keys of the benchmark's seven shapes (B=1, Hq 16, Hkv 2 is GQA group 8, the default keys').
-      # Not deleted first: on a machine still warm from a killed run, the tuner resumes its trials.
+      # Not deleted first: when the work folder holds the DB of a killed run, the tuner resumes its trials.
       local db="$work/tune-prefill.sqlite" common=(--device 0 --kernel tma_prefill --trials 24 --time-budget 20)
       step "tune prefill 4096x128K" 80 python -c "$TUNE_PY" "${common[@]}" --head-dim 128 --head-dim 64 \
         --lq 4096 --lkv 131072 --db "$db"
