@@ -9,6 +9,17 @@ instead of one of them failing when it upgrades a read lock. That requires manag
 ourselves (the ``sqlite3`` driver's legacy mode would otherwise emit its own), which also makes
 DDL and savepoints transactional, as the SQLAlchemy SQLite dialect docs describe.
 
+The runtime only ever reads (:func:`make_engine` with ``read_only=True``, see
+:func:`sqlite_read_uri`): it opens files with SQLite's ``mode=ro``, and a WAL file that nobody
+has open with ``immutable=1``, so it creates no file, needs no write access to the file or its
+folder (a container image, a read-only mount), and waits for a lock no longer than it is told.
+
+``-wal`` and ``-shm`` files beside a DB belong to the tuners: a tuner that closes cleanly folds
+the WAL back into the DB and removes both; one that was killed, or ran out of disk while
+folding, leaves them behind. The WAL then holds committed results: the runtime reads through it
+and never removes it, and the next tuner to open and close the DB cleans up. Never delete them
+by hand while the DB is in use.
+
 The schema is versioned with Alembic. :func:`upgrade` runs the migrations in ``migrations/``
 inside one transaction, so concurrent openers do not race to create tables; a database stamped
 with a revision this code does not know (written by a newer tritune) is refused, never touched.
@@ -16,6 +27,7 @@ with a revision this code does not know (written by a newer tritune) is refused,
 
 from __future__ import annotations
 
+import math
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -36,8 +48,13 @@ SCHEMA_HEAD = "0002"
 #: Every revision this code knows, oldest first (a test checks them against ``migrations/``).
 SCHEMA_REVISIONS = ("0001", "0002")
 MIGRATIONS_DIR = Path(__file__).resolve().with_name("migrations")
-#: How long a connection waits for another process's write lock before giving up.
+#: How long a tuner's connection waits for another process's write lock before giving up.
 BUSY_TIMEOUT_MS = 30_000
+#: How long a tuner waits for a database server to accept its connection (the drivers' own
+#: default is minutes, or forever).
+CONNECT_TIMEOUT_S = 30
+#: The two bytes at offset 18 of a SQLite file's header say 2 for a WAL database.
+_WAL_HEADER = b"\x02\x02"
 #: PostgreSQL advisory lock taken while upgrading (an arbitrary constant: "tritune" in base 36).
 SCHEMA_LOCK_KEY = 64790900330
 #: Tables of a tritune DB, used to tell an empty database from somebody else's.
@@ -69,14 +86,14 @@ def _enable_wal(cursor: sqlite3.Cursor) -> None:
         time.sleep(0.01)
 
 
-def _configure_sqlite(engine: Engine, *, wal: bool, read_only: bool) -> None:
+def _configure_sqlite(engine: Engine, *, wal: bool, read_only: bool, busy_timeout_ms: int) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         # Turn off the driver's own BEGIN handling; the "begin" hook below emits ours.
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
         try:
-            cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            cursor.execute(f"PRAGMA busy_timeout = {busy_timeout_ms}")
             cursor.execute("PRAGMA foreign_keys = ON")
             if read_only:
                 cursor.execute("PRAGMA query_only = ON")
@@ -91,38 +108,88 @@ def _configure_sqlite(engine: Engine, *, wal: bool, read_only: bool) -> None:
         connection.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
 
-def make_engine(url: str, *, read_only: bool = False) -> Engine:
+def is_quiet_wal_file(path: Path) -> bool:
+    """Whether ``path`` is a WAL-mode SQLite file that no connection has open right now.
+
+    While any connection has a WAL database open, its ``-wal`` file exists; with none beside it,
+    everything committed is in the file itself.
+    """
+    try:
+        with path.open("rb") as file:
+            header = file.read(20)
+    except OSError:
+        return False
+    return header[18:20] == _WAL_HEADER and not path.with_name(path.name + "-wal").exists()
+
+
+def sqlite_read_uri(path: Path, *, immutable: bool = False) -> str:
+    """The URI the runtime opens the SQLite file ``path`` with: read-only, never created.
+
+    ``mode=ro`` writes nothing, but on a WAL database it creates ``-wal`` and ``-shm`` files
+    when they are missing (and cannot open it at all in a folder it may not write); they then
+    stay, as only a writer removes them. So a WAL file that nobody has open
+    (:func:`is_quiet_wal_file`) is opened ``immutable=1``: no locks, no side files. The reader
+    must check that nothing changed the file meanwhile (a tuner opening it) and read again
+    without ``immutable`` if it did. Every other file (rollback journal, or WAL with a writer or
+    a killed writer's WAL beside it) is opened ``mode=ro`` with locks, reading through the WAL.
+    """
+    return path.resolve().as_uri() + ("?mode=ro&immutable=1" if immutable else "?mode=ro")
+
+
+def _server_connect_args(parsed: Any, timeout_s: float) -> dict[str, Any]:
+    """Driver options bounding how long a connection to a database server may take to open.
+
+    libpq (psycopg, psycopg2) counts whole seconds and treats less than 2 as 2; 0 would mean
+    forever. A timeout given in the URL wins.
+    """
+    if "connect_timeout" in parsed.query or "timeout" in parsed.query:
+        return {}
+    driver = parsed.get_driver_name()
+    if driver in ("psycopg", "psycopg2"):
+        return {"connect_timeout": max(2, math.ceil(timeout_s))}
+    if driver == "pg8000":
+        return {"timeout": timeout_s}
+    return {}
+
+
+def make_engine(
+    url: str, *, read_only: bool = False, timeout_s: float | None = None, immutable: bool = False
+) -> Engine:
     """An engine for ``url`` with the SQLite settings above.
 
     For a SQLite file the parent directory is created, unless ``read_only``: then nothing is
-    ever created and nothing written through SQL. The file is opened with SQLite's ``mode=rw``
-    (no create flag, so a file deleted meanwhile is an error, not a new empty DB) and
-    ``query_only``. Not ``mode=ro``: a read-only connection to a WAL database leaves its
-    ``-wal``/``-shm`` side files behind, a read-write one removes them when it closes last.
-    In-memory SQLite shares one connection (``StaticPool``), otherwise each connection would see
-    its own empty database. Other databases get a plain engine with pre-ping.
+    ever created and nothing written, the file is opened with :func:`sqlite_read_uri`
+    (``immutable`` as the caller decided) and ``query_only``, and each connection is its own
+    (no pool). ``timeout_s`` bounds how long a connection waits for a lock (SQLite) or for a
+    server to accept it (PostgreSQL drivers that take a connect timeout); by default a tuner's
+    patience (:data:`BUSY_TIMEOUT_MS`, :data:`CONNECT_TIMEOUT_S`). In-memory SQLite shares one
+    connection (``StaticPool``), otherwise each connection would see its own empty database.
     """
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
-        return create_engine(url, pool_pre_ping=True)
+        connect_args = _server_connect_args(parsed, CONNECT_TIMEOUT_S if timeout_s is None else timeout_s)
+        if read_only:
+            return create_engine(url, poolclass=NullPool, connect_args=connect_args)
+        return create_engine(url, pool_pre_ping=True, connect_args=connect_args)
+    busy_timeout_ms = BUSY_TIMEOUT_MS if timeout_s is None else max(1, round(timeout_s * 1000))
     path = sqlite_file(url)
     if path is None:
         if parsed.database and parsed.database.startswith("file:"):
             raise StoreError(f"{url}: SQLite URI filenames are not supported; give a plain file path")
         engine = create_engine(url, poolclass=StaticPool, connect_args={"check_same_thread": False})
-        _configure_sqlite(engine, wal=False, read_only=read_only)
+        _configure_sqlite(engine, wal=False, read_only=read_only, busy_timeout_ms=busy_timeout_ms)
         return engine
     if read_only:
-        uri = path.resolve().as_uri() + "?mode=rw"
+        uri = sqlite_read_uri(path, immutable=immutable)
 
         def connect() -> sqlite3.Connection:
-            return sqlite3.connect(uri, uri=True, check_same_thread=False)
+            return sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=busy_timeout_ms / 1000)
 
         engine = create_engine("sqlite://", creator=connect, poolclass=NullPool)
     else:
         path.parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(url)
-    _configure_sqlite(engine, wal=True, read_only=read_only)
+    _configure_sqlite(engine, wal=True, read_only=read_only, busy_timeout_ms=busy_timeout_ms)
     return engine
 
 

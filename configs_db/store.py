@@ -1,9 +1,7 @@
-"""The config DB API used by the dispatcher (:func:`read_winners`) and the tuner (:class:`ConfigStore`).
+"""The tuner's read-write access to a config DB (:class:`ConfigStore`), and the runtime's read.
 
-The runtime half never writes: :func:`read_winners` returns nothing for a database file that
-does not exist (without creating it), opens an existing one without writing to it, and refuses a database it
-cannot trust with :class:`StoreError`. SQLAlchemy is imported only once there is a database to
-read, so a serving process without one never pays for it.
+The runtime half, :func:`read_winners`, lives in :mod:`configs_db.reader` and is re-exported
+here: bounded in time, it never creates, upgrades or writes a file.
 
 The tuner half commits every write on its own (a killed tune loses nothing already measured)
 and is safe with several tuner processes on one database: duplicates are absorbed by unique
@@ -14,16 +12,15 @@ how offers interleave.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable
 from datetime import timezone
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from .errors import StoreError
+from .reader import database_error_types, display_url, read_winners, reason_of, winner_records
 from .records import TRIAL_STATUSES, TrialRow, WinnerRecord
-from .urls import is_sqlite, sqlite_file
-from .values import canonical_json, number_problem, parse_canonical_json, winner_numbers_problem
+from .values import canonical_json, number_problem, parse_canonical_json, printable, winner_numbers_problem
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -31,134 +28,14 @@ if TYPE_CHECKING:
     from sqlalchemy import Engine
     from sqlalchemy.orm import Session
 
-    from .models import Environment, Trial, Winner
+    from .models import Environment, Trial
 
-__all__ = ["ConfigStore", "StoreError", "TrialRow", "read_winners"]
+__all__ = ["ConfigStore", "StoreError", "TrialRow", "display_url", "read_winners"]
 
 log = logging.getLogger("tritune.configs_db")
 
-#: How often :func:`read_winners` tries a database that reports a passing lock conflict.
-READ_ATTEMPTS = 5
 #: Failure messages beyond this are cut: a compiler dump says nothing more after 8 KB.
 MAX_ERROR_CHARS = 8000
-
-
-def display_url(url: str) -> str:
-    """``url`` fit for messages and record sources (a password is masked)."""
-    if is_sqlite(url):
-        return url
-    from sqlalchemy.engine import make_url
-
-    return make_url(url).render_as_string(hide_password=True)
-
-
-def _database_error_types() -> tuple[type[BaseException], ...]:
-    import sqlite3
-
-    from sqlalchemy.exc import SQLAlchemyError
-
-    return (SQLAlchemyError, sqlite3.Error)
-
-
-def _record_from_row(winner: Winner, environment: Environment, source: str) -> WinnerRecord:
-    """A :class:`WinnerRecord` from one winners row; ``ValueError`` if its stored JSON is malformed."""
-    return WinnerRecord(
-        kernel=winner.kernel,
-        kernel_version=winner.kernel_version,
-        gpu=winner.gpu,
-        key=parse_canonical_json(winner.key_json),
-        config=parse_canonical_json(winner.config_json),
-        time_ms=float(winner.time_ms),
-        portable_ms=float(winner.portable_ms),
-        speedup=float(winner.speedup),
-        trials=int(winner.trial_count),
-        triton_version=environment.triton_version,
-        torch_version=environment.torch_version,
-        tritune_version=environment.tritune_version,
-        source=source,
-        extra={
-            "gpu_name": environment.gpu_name,
-            "capability": environment.capability,
-            "sm_count": environment.sm_count,
-            "driver": environment.driver,
-            "cuda": environment.cuda,
-        },
-    )
-
-
-def _records(session: Session, gpu: str | None, kernel: str | None, source: str) -> list[WinnerRecord]:
-    """Winner records from the database; a row with malformed JSON is skipped with one warning."""
-    from sqlalchemy import select
-
-    from .models import Environment, Winner
-
-    query = select(Winner, Environment).join(Environment, Winner.environment_id == Environment.id)
-    if gpu is not None:
-        query = query.where(Winner.gpu == gpu)
-    if kernel is not None:
-        query = query.where(Winner.kernel == kernel)
-    query = query.order_by(Winner.gpu, Winner.kernel, Winner.kernel_version, Winner.key_json)
-    records = []
-    for winner, environment in session.execute(query):
-        try:
-            records.append(_record_from_row(winner, environment, source))
-        except ValueError as exc:
-            log.warning("%s: skipping winners row %d (%s %s): %s", source, winner.id, winner.gpu, winner.kernel, exc)
-    return records
-
-
-def read_winners(url: str, gpu: str) -> list[WinnerRecord]:
-    """The winners stored for ``gpu`` in the database at ``url``, for the dispatcher.
-
-    A SQLite file that does not exist, and a database with no tables at all, hold no winners:
-    ``[]``, and nothing is created. Anything else that cannot be read as a tritune DB at this
-    code's schema (corrupt file, somebody else's database, a newer or older schema revision)
-    raises :class:`StoreError` saying why; the dispatcher then serves without it.
-    """
-    path = sqlite_file(url)
-    if path is not None and not path.exists():
-        return []
-    import sqlite3
-
-    from sqlalchemy.exc import OperationalError
-
-    source = f"db:{display_url(url)}"
-    for attempt in range(1, READ_ATTEMPTS + 1):
-        try:
-            return _read_winners_once(url, gpu, source)
-        except (OperationalError, sqlite3.OperationalError) as exc:
-            # A few SQLite lock conflicts (a tuner switching a new file to WAL, WAL recovery)
-            # are reported at once instead of waiting out the busy timeout; they pass quickly.
-            transient = "locked" in str(exc) or "busy" in str(exc)
-            if not transient or attempt == READ_ATTEMPTS:
-                reason = getattr(exc, "orig", None) or exc
-                raise StoreError(f"cannot read {display_url(url)} as a config DB: {reason}") from exc
-            time.sleep(0.05 * attempt)
-        except _database_error_types() as exc:
-            reason = getattr(exc, "orig", None) or exc
-            raise StoreError(f"cannot read {display_url(url)} as a config DB: {reason}") from exc
-    raise AssertionError("unreachable")
-
-
-def _read_winners_once(url: str, gpu: str, source: str) -> list[WinnerRecord]:
-    from sqlalchemy.orm import Session
-
-    from . import storage
-
-    engine = storage.make_engine(url, read_only=True)
-    try:
-        with Session(engine) as session, session.begin():
-            revision = storage.schema_revision(session.connection())
-            if revision is None:
-                return []
-            if revision != storage.SCHEMA_HEAD:
-                raise StoreError(
-                    f"schema revision {revision} is older than this tritune's {storage.SCHEMA_HEAD}; "
-                    "open it once with the tuner (ConfigStore or storage.upgrade) to upgrade it"
-                )
-            return _records(session, gpu, None, source)
-    finally:
-        engine.dispose()
 
 
 def _trial_row(trial: Trial) -> TrialRow | None:
@@ -166,7 +43,7 @@ def _trial_row(trial: Trial) -> TrialRow | None:
         key = parse_canonical_json(trial.key_json)
         config = parse_canonical_json(trial.config_json)
     except ValueError as exc:
-        log.warning("skipping trials row %d (%s): %s", trial.id, trial.kernel, exc)
+        log.warning("skipping trials row %d (%s): %s", trial.id, printable(trial.kernel), printable(str(exc)))
         return None
     return TrialRow(
         environment_id=trial.environment_id,
@@ -197,10 +74,9 @@ class ConfigStore:
         self._engine: Engine = storage.make_engine(url)
         try:
             storage.upgrade(self._engine)
-        except _database_error_types() as exc:
+        except database_error_types() as exc:
             self._engine.dispose()
-            reason = getattr(exc, "orig", None) or exc
-            raise StoreError(f"cannot open {display_url(url)} as a config DB: {reason}") from exc
+            raise StoreError(f"cannot open {display_url(url)} as a config DB: {reason_of(exc)}") from exc
         except BaseException:
             self._engine.dispose()
             raise
@@ -330,68 +206,83 @@ class ConfigStore:
         block a fresh measurement). One conditional upsert decides, so concurrent offers leave
         exactly one row holding the best time.
         """
+        with self._session() as session:
+            return self._offer(session, record, env_id)
+
+    def _offer(self, session: Session, record: WinnerRecord, env_id: int) -> bool:
+        """:meth:`offer_winner` inside the caller's transaction; ``ValueError`` before anything is written."""
         problem = winner_numbers_problem(record.time_ms, record.portable_ms, record.speedup, record.trials)
         if problem is not None:
             raise ValueError(f"winner for {record.kernel}: {problem}")
         from . import upserts
         from .models import Environment
 
-        with self._session() as session:
-            environment = session.get(Environment, env_id)
-            if environment is None:
-                raise ValueError(f"unknown environment id {env_id}")
-            mismatch = _provenance_mismatch(record, environment)
-            if mismatch:
-                raise ValueError(f"winner for {record.kernel} does not match environment {env_id}: {mismatch}")
-            values = upserts.WinnerValues(
-                gpu=record.gpu,
-                kernel=record.kernel,
-                kernel_version=record.kernel_version,
-                key_json=canonical_json(record.key),
-                config_json=canonical_json(record.config),
-                time_ms=float(record.time_ms),
-                portable_ms=float(record.portable_ms),
-                speedup=float(record.speedup),
-                trial_count=int(record.trials),
-                environment_id=env_id,
-            )
-            return upserts.offer_winner(session, values, environment.triton_version)
+        environment = session.get(Environment, env_id)
+        if environment is None:
+            raise ValueError(f"unknown environment id {env_id}")
+        mismatch = _provenance_mismatch(record, environment)
+        if mismatch:
+            raise ValueError(f"winner for {record.kernel} does not match environment {env_id}: {mismatch}")
+        values = upserts.WinnerValues(
+            gpu=record.gpu,
+            kernel=record.kernel,
+            kernel_version=record.kernel_version,
+            key_json=canonical_json(record.key),
+            config_json=canonical_json(record.config),
+            time_ms=float(record.time_ms),
+            portable_ms=float(record.portable_ms),
+            speedup=float(record.speedup),
+            trial_count=int(record.trials),
+            environment_id=env_id,
+        )
+        return upserts.offer_winner(session, values, environment.triton_version)
 
     def winners(self, gpu: str | None = None, kernel: str | None = None) -> list[WinnerRecord]:
         """Stored winners, optionally of one GPU and/or kernel."""
         with self._session() as session:
-            return _records(session, gpu, kernel, self.source)
+            return winner_records(session, gpu, kernel, self.source)
 
     def import_records(self, records: Iterable[WinnerRecord]) -> tuple[int, int]:
         """Offer each record (e.g. from a bundle) as a winner; ``(imported, skipped)``.
 
         Each record's environment is rebuilt from its provenance (``extra`` supplies the GPU
         name, capability, SM count, driver and CUDA where known). Skipped are records that are
-        not better than what is stored, and records with absurd numbers (logged).
+        not better than what is stored, and records with absurd numbers (logged). All records go
+        in one transaction: an import that fails part-way (a full disk, a lock) writes nothing.
         """
+        from .models import Environment
+
         imported = skipped = 0
-        for record in records:
-            extra = record.extra
-            env_id = self.environment(
-                gpu=record.gpu,
-                torch_version=record.torch_version,
-                triton_version=record.triton_version,
-                tritune_version=record.tritune_version,
-                gpu_name=str(extra.get("gpu_name", "")),
-                capability=str(extra.get("capability", "")),
-                sm_count=int(extra.get("sm_count", 0)),
-                driver=str(extra.get("driver", "")),
-                cuda=str(extra.get("cuda", "")),
-            )
-            try:
-                written = self.offer_winner(record, env_id)
-            except ValueError as exc:
-                log.warning("not importing %s %s: %s", record.source, record.kernel, exc)
-                written = False
-            if written:
-                imported += 1
-            else:
-                skipped += 1
+        with self._session() as session:
+            for record in records:
+                extra = record.extra
+                environment = Environment.get_or_create(
+                    session,
+                    gpu=record.gpu,
+                    torch_version=record.torch_version,
+                    triton_version=record.triton_version,
+                    tritune_version=record.tritune_version,
+                    gpu_name=str(extra.get("gpu_name", "")),
+                    capability=str(extra.get("capability", "")),
+                    sm_count=int(extra.get("sm_count", 0)),
+                    driver=str(extra.get("driver", "")),
+                    cuda=str(extra.get("cuda", "")),
+                )
+                session.flush()
+                try:
+                    written = self._offer(session, record, int(environment.id))
+                except ValueError as exc:
+                    log.warning(
+                        "not importing %s %s: %s",
+                        printable(record.source),
+                        printable(record.kernel),
+                        printable(str(exc)),
+                    )
+                    written = False
+                if written:
+                    imported += 1
+                else:
+                    skipped += 1
         return imported, skipped
 
 

@@ -10,8 +10,10 @@ Lookup order, resolved once per (kernel, key) and then served from a dict:
 4. the portable default, logged once per key.
 
 Stored winners are loaded on the first dispatch for a device (the shipped bundle, then the
-user's DB on top), never at import. Nothing here tunes, synchronises the GPU or writes files, so
-dispatching is safe inside CUDA-graph capture.
+user's DB on top), never at import. Reading the DB takes at most ``TRITUNE_DB_READ_TIMEOUT``
+seconds, under a lock of that device alone: a DB that does not answer costs that device's first
+call the bound and one warning, and the bundle and portable defaults serve. Nothing here tunes,
+synchronises the GPU or writes files, so dispatching is safe inside CUDA-graph capture.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+
+from tritune.configs_db.values import printable
 
 from . import settings as settings_module
 from .device import DeviceInfo, device_info
@@ -48,7 +52,10 @@ NEAREST_MAX_LOG2 = 2.0
 
 class Dispatcher:
     def __init__(self) -> None:
+        #: Guards the dicts below for a moment; never held while anything is read.
         self._lock = threading.Lock()
+        #: Device slug -> the lock held while that device's winners are read (one read per device).
+        self._loading: dict[str, threading.Lock] = {}
         self._tables: dict[str, WinnerTable] = {}
         self._resolved: dict[tuple[str, str, TuningKey], Any] = {}
         self._logged: set[tuple[str, TuningKey]] = set()
@@ -87,13 +94,20 @@ class Dispatcher:
         return config
 
     def table(self, device: DeviceInfo) -> WinnerTable:
+        """The device's winners, read on first use; calls for other devices never wait for the read."""
         table = self._tables.get(device.slug)
-        if table is None:
-            with self._lock:
-                table = self._tables.get(device.slug)
-                if table is None:
-                    table = self._load(device)
-                    self._tables[device.slug] = table
+        if table is not None:
+            return table
+        with self._lock:
+            loading = self._loading.setdefault(device.slug, threading.Lock())
+        with loading:
+            table = self._tables.get(device.slug)
+            if table is None:
+                generation = self.generation
+                table = self._load(device)
+                with self._lock:
+                    if generation == self.generation:
+                        self._tables[device.slug] = table
         return table
 
     def _load(self, device: DeviceInfo) -> WinnerTable:
@@ -106,15 +120,20 @@ class Dispatcher:
             try:
                 records, rejections = bundles.shipped_records(device.slug)
             except Exception as exc:  # a broken install must not take the kernels down
-                log.warning("shipped bundle for %s not used: %s", device.slug, exc)
+                log.warning("shipped bundle for %s not used: %s", device.slug, printable(str(exc), limit=1000))
                 records, rejections = [], []
             for rejection in rejections:
-                log.warning("refused bundle content: %s", rejection.reason)
+                log.warning("refused bundle content: %s", printable(rejection.reason, limit=1000))
             record_sets.append(records)
         try:
-            record_sets.append(store.read_winners(current.db_url, device.slug))
+            record_sets.append(store.read_winners(current.db_url, device.slug, timeout_s=current.db_read_timeout))
         except Exception as exc:  # StoreError, a missing DB driver, ...: serve without the DB
-            log.warning("config DB %s not used: %s", store.display_url(current.db_url), exc)
+            log.warning(
+                "config DB %s not used: %s; serving the shipped bundle and portable defaults "
+                "(reload_configs() reads it again)",
+                store.display_url(current.db_url),
+                printable(str(exc), limit=1000),
+            )
         table = build_table(record_sets, device)
         log.info("loaded %d tuned configs for %s", len(table), device.slug)
         return table
@@ -140,9 +159,9 @@ class Dispatcher:
                     reason = f"stored winner is only {exact.speedup:.3f}x the portable default"
             else:
                 # A neighbour's winner must also be feasible at this key (e.g. a split-K config
-                # tuned for small M must not be borrowed at M=8192), and near it: on the H200 a
-                # varlen config tuned for 32 decode tokens, borrowed for a 4096-token mix, ran
-                # 4.4x slower than the portable default.
+                # tuned for small M must not be borrowed at M=8192), and near it: a config tuned
+                # for a few decode tokens can be several times slower than the portable default
+                # on a mix of thousands.
                 neighbours = [
                     (distance, e)
                     for k, e in table.groups.get((spec.name, key.group()), [])
@@ -158,8 +177,7 @@ class Dispatcher:
                     reason = "no tuned config for this key or a bucket near it"
                 elif any(d <= nearest[0] and e.speedup < threshold for d, e in neighbours):
                     # A bucket as near whose tune found no gain says the portable default is near the best
-                    # here: on the H200, decode B=8 borrowed B=16's winner next to B=4's "no gain" and
-                    # replayed 3% slower than the portable default.
+                    # here: borrowing the other neighbour's winner can then lose to it.
                     reason = "a bucket as near as the nearest tuned winner found no gain over the portable default"
                 else:
                     config = nearest[2].config
@@ -167,7 +185,7 @@ class Dispatcher:
             config = spec.default_config(key)
             if (spec.name, key) not in self._logged:
                 self._logged.add((spec.name, key))
-                log.info("%s: portable default serves %s: %s", spec.name, key, reason)
+                log.info("%s: portable default serves %s: %s", spec.name, key, printable(reason, limit=1000))
         with self._lock:
             if generation == self.generation:
                 self._resolved[(spec.name, device.slug, key)] = config
@@ -233,9 +251,9 @@ _DEVICE_ARGS: dict[torch.device, tuple[str, int]] = {}
 def dispatch_config_eager(kernel: str, device: torch.device, facts: tuple[Any, ...]) -> Any:
     """:func:`dispatch_config` for a plain eager call: the same config, from the tensor's device object.
 
-    Reading ``device.type`` costs a quarter of a microsecond (a string built per read), as much
-    as the memo hit itself; a dict keyed by the device costs a sixth of that. Only for eager
-    calls: under ``torch.compile`` callers use :func:`dispatch_config` with plain scalars.
+    Reading ``device.type`` builds a string per read and costs as much as the memo hit itself;
+    a dict keyed by the device costs a fraction of that. Only for eager calls: under
+    ``torch.compile`` callers use :func:`dispatch_config` with plain scalars.
     """
     where = _DEVICE_ARGS.get(device)
     if where is None:
@@ -282,8 +300,8 @@ def config_from_values(spec: KernelSpec[Any, Any], values: tuple[Any, ...]) -> A
 
 
 #: (kernel, the pin's items) -> the parsed config: entering ``use_config`` around every call of a
-#: loop parsed the same dict each time (a prefill call so pinned cost 33 us of host time on the dev
-#: CPU, a plain one 5 us; ``scripts/measure_overhead.py``).
+#: loop would otherwise parse the same dict each time, several times the host cost of the call's
+#: own dispatch (``scripts/measure_overhead.py`` measures both).
 _parsed_pins: dict[tuple[str, tuple[tuple[str, type, Any], ...]], Any] = {}
 
 

@@ -3,7 +3,12 @@
 Nothing is read at import: :func:`settings` reads the environment the first time it is called
 and caches the result, so a serving process may set variables after ``import tritune.kernels``.
 :func:`override` changes settings for a block of code (tests, benchmarks) without touching the
-environment. The README's settings table documents each variable below.
+environment. The README's settings table documents each variable in :data:`ENVIRONMENT`.
+
+A bad value never takes a serving process down: :func:`settings` warns once (naming the
+variable, the value escaped, and the default used) and serves with the default. An empty value
+is the same as an unset one. Tools that would rather refuse a typo (the ``tune`` CLI) ask for
+:func:`validate_environment` or ``settings(strict=True)``.
 """
 
 from __future__ import annotations
@@ -11,33 +16,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from tritune.configs_db.values import printable
+
 TmaMode = Literal["auto", "on", "off"]
 
-#: Environment variable -> (settings field, one-line meaning). The README table mirrors this.
-ENVIRONMENT: dict[str, tuple[str, str]] = {
-    "TRITUNE_DB": (
-        "db_url",
-        "SQLAlchemy URL or file path of the user config DB (default: platformdirs user data dir)",
-    ),
-    "TRITUNE_MARGIN": (
-        "margin",
-        "minimum stored speedup over the portable default before a tuned config is served",
-    ),
-    "TRITUNE_DISABLE_TUNED": ("disable_tuned", "1 serves the portable defaults only (no DB, no bundle)"),
-    "TRITUNE_DISABLE_BUNDLES": ("disable_bundles", "1 ignores the bundles shipped in configs_db/bundles"),
-    "TRITUNE_LOG_LEVEL": ("log_level", "level of the 'tritune' logger (DEBUG, INFO, WARNING, ...)"),
-    "TRITUNE_ENABLE_TMA_CAUSAL_PREFILL": (
-        "enable_tma_causal_prefill",
-        "auto | on | off for the TMA prefill path",
-    ),
-}
+log = logging.getLogger("tritune.settings")
 
 
 @dataclass(frozen=True)
@@ -48,6 +39,8 @@ class Settings:
     disable_bundles: bool = False
     log_level: str = "WARNING"
     enable_tma_causal_prefill: TmaMode = "auto"
+    #: Seconds the serving process's read of the user DB may take in all before it is skipped.
+    db_read_timeout: float = 3.0
 
 
 def default_db_url() -> str:
@@ -65,56 +58,152 @@ def db_url_from(value: str) -> str:
     return f"sqlite:///{Path(value).expanduser().resolve()}"
 
 
-def _parse_bool(name: str, raw: str) -> bool:
-    lowered = raw.strip().lower()
+def _fraction(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value < 1.0:
+        raise ValueError("a fraction in [0, 1) such as 0.03")
+    return value
+
+
+def _seconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0.0 < value <= 3600.0:
+        raise ValueError("a number of seconds in (0, 3600] such as 3")
+    return value
+
+
+def _flag(raw: str) -> bool:
+    lowered = raw.lower()
     if lowered in ("1", "true", "yes", "on"):
         return True
-    if lowered in ("0", "false", "no", "off", ""):
+    if lowered in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"{name}={raw!r}: expected 0/1, true/false, yes/no or on/off")
+    raise ValueError("0/1, true/false, yes/no or on/off")
 
 
-def _read_environment() -> Settings:
-    env = os.environ
-    raw_margin = env.get("TRITUNE_MARGIN", "0.03")
-    try:
-        margin = float(raw_margin)
-    except ValueError:
-        raise ValueError(f"TRITUNE_MARGIN={raw_margin!r}: expected a number such as 0.03") from None
-    if not 0.0 <= margin < 1.0:
-        raise ValueError(f"TRITUNE_MARGIN={raw_margin!r}: expected a fraction in [0, 1)")
-    tma = env.get("TRITUNE_ENABLE_TMA_CAUSAL_PREFILL", "auto").strip().lower()
-    if tma not in ("auto", "on", "off"):
-        raise ValueError(f"TRITUNE_ENABLE_TMA_CAUSAL_PREFILL={tma!r}: expected auto, on or off")
-    level = env.get("TRITUNE_LOG_LEVEL", "WARNING").strip().upper()
+def _log_level(raw: str) -> str:
+    level = raw.upper()
     if not isinstance(logging.getLevelName(level), int):
-        raise ValueError(f"TRITUNE_LOG_LEVEL={level!r}: expected a logging level name such as INFO")
-    db = env.get("TRITUNE_DB")
-    return Settings(
-        db_url=db_url_from(db) if db else default_db_url(),
-        margin=margin,
-        disable_tuned=_parse_bool("TRITUNE_DISABLE_TUNED", env.get("TRITUNE_DISABLE_TUNED", "0")),
-        disable_bundles=_parse_bool("TRITUNE_DISABLE_BUNDLES", env.get("TRITUNE_DISABLE_BUNDLES", "0")),
-        log_level=level,
-        enable_tma_causal_prefill=tma,  # type: ignore[arg-type]
-    )
+        raise ValueError("a logging level name such as INFO")
+    return level
+
+
+def _tma_mode(raw: str) -> str:
+    mode = raw.lower()
+    if mode not in ("auto", "on", "off"):
+        raise ValueError("auto, on or off")
+    return mode
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One environment variable: the field it sets, its default as text, its meaning and its parse.
+
+    ``parse`` gets the stripped, non-empty value and raises ``ValueError`` saying what it expected.
+    """
+
+    field: str
+    default: str
+    meaning: str
+    parse: Callable[[str], Any]
+
+
+#: Environment variable -> what it sets. The README's settings table mirrors this.
+ENVIRONMENT: dict[str, Variable] = {
+    "TRITUNE_DB": Variable(
+        "db_url",
+        "sqlite:///<user data dir>/tritune/configs.sqlite",
+        "SQLAlchemy URL or file path of the user config DB",
+        db_url_from,
+    ),
+    "TRITUNE_DB_READ_TIMEOUT": Variable(
+        "db_read_timeout",
+        "3",
+        "seconds a serving process's read of the user DB may take before it is skipped (with one warning)",
+        _seconds,
+    ),
+    "TRITUNE_MARGIN": Variable(
+        "margin",
+        "0.03",
+        "minimum stored speedup over the portable default before a tuned config is served",
+        _fraction,
+    ),
+    "TRITUNE_DISABLE_TUNED": Variable(
+        "disable_tuned", "0", "1 serves the portable defaults only (no DB, no bundle)", _flag
+    ),
+    "TRITUNE_DISABLE_BUNDLES": Variable(
+        "disable_bundles", "0", "1 ignores the bundles shipped in configs_db/bundles", _flag
+    ),
+    "TRITUNE_LOG_LEVEL": Variable(
+        "log_level", "WARNING", "level of the 'tritune' logger (DEBUG, INFO, WARNING, ...)", _log_level
+    ),
+    "TRITUNE_ENABLE_TMA_CAUSAL_PREFILL": Variable(
+        "enable_tma_causal_prefill", "auto", "auto | on | off for the TMA prefill path", _tma_mode
+    ),
+}
+
+
+def _read_environment(environ: Mapping[str, str]) -> tuple[Settings, list[str]]:
+    """The settings ``environ`` asks for, and one message per value that was refused for its default."""
+    values: dict[str, Any] = {}
+    problems = []
+    for name, variable in ENVIRONMENT.items():
+        raw = environ.get(name, "")
+        if not raw.strip():  # empty is unset
+            continue
+        try:
+            values[variable.field] = variable.parse(raw.strip())
+        except ValueError as exc:
+            problems.append(f"{name}='{printable(raw)}': expected {exc}; the default {variable.default} is used")
+    if "db_url" not in values:
+        values["db_url"] = default_db_url()
+    return Settings(**values), problems
+
+
+def validate_environment(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One message per ``TRITUNE_*`` value that :func:`settings` would replace by its default.
+
+    For tools that refuse a typo instead of serving on (the tuner CLI); ``[]`` when all is well.
+    """
+    return _read_environment(os.environ if environ is None else environ)[1]
 
 
 _lock = threading.Lock()
 _current: Settings | None = None
 _listeners: list[Any] = []
+#: Problems already warned about: a bad value is reported once per process, not per reload.
+_warned: set[str] = set()
 
 
-def settings() -> Settings:
-    """The settings in force (environment read once, on first use)."""
+def settings(*, strict: bool = False) -> Settings:
+    """The settings in force (environment read once, on first use).
+
+    A bad value is replaced by its default with one warning. ``strict=True`` raises
+    ``ValueError`` naming every bad value instead (and caches nothing).
+    """
     global _current
+    if strict:
+        problems = validate_environment()
+        if problems:
+            raise ValueError("; ".join(problems))
     current = _current
     if current is None:
+        fresh: list[str] = []
         with _lock:
             if _current is None:
-                _current = _read_environment()
+                _current, problems = _read_environment(os.environ)
                 logging.getLogger("tritune").setLevel(_current.log_level)
+                fresh = [problem for problem in problems if problem not in _warned]
+                _warned.update(fresh)
             current = _current
+        for problem in fresh:
+            log.warning("%s", problem)
     return current
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import triton
 
 from tritune.configs_db.records import Rejection, WinnerRecord
+from tritune.configs_db.values import printable
 
 from .device import DeviceInfo
 from .registry import get_spec
@@ -101,5 +102,7 @@ def build_table(record_sets: Iterable[Iterable[WinnerRecord]], device: DeviceInf
             table.add(*outcome)
     # Rows of an older kernel version share one reason: say it once with a count, not per row.
     for reason, count in refused.items():
-        log.warning("refused stored config: %s%s", reason, f" ({count} entries)" if count > 1 else "")
+        log.warning(
+            "refused stored config: %s%s", printable(reason, limit=1000), f" ({count} entries)" if count > 1 else ""
+        )
     return table

@@ -7,6 +7,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import time
 from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
@@ -201,31 +202,55 @@ def test_missing_table_is_refused(db_path: Path) -> None:
 def test_passing_lock_conflicts_are_retried(db_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from sqlalchemy.exc import OperationalError
 
-    from tritune.configs_db import store
+    from tritune.configs_db import reader
 
-    real = store._read_winners_once
+    real = reader._read_once
     calls = []
 
-    def flaky(url: str, gpu: str, source: str) -> list[WinnerRecord]:
+    def flaky(url: str, *args: Any) -> list[WinnerRecord]:
         calls.append(url)
         if len(calls) < 3:
             raise OperationalError("SELECT 1", {}, sqlite3.OperationalError("database is locked"))
-        return real(url, gpu, source)
+        return real(url, *args)
 
-    monkeypatch.setattr(store, "_read_winners_once", flaky)
+    monkeypatch.setattr(reader, "_read_once", flaky)
     assert len(read_winners(f"sqlite:///{db_path}", GPU)) == 3
     assert len(calls) == 3
 
 
-def test_lasting_lock_conflicts_are_refused(db_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lasting_lock_conflicts_are_refused_at_the_timeout(db_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from sqlalchemy.exc import OperationalError
 
-    from tritune.configs_db import store
+    from tritune.configs_db import reader
 
-    def locked(url: str, gpu: str, source: str) -> list[WinnerRecord]:
+    def locked(*args: Any) -> list[WinnerRecord]:
         raise OperationalError("SELECT 1", {}, sqlite3.OperationalError("database is locked"))
 
-    monkeypatch.setattr(store, "_read_winners_once", locked)
-    monkeypatch.setattr(store.time, "sleep", lambda seconds: None)
+    monkeypatch.setattr(reader, "_read_once", locked)
+    start = time.monotonic()
     with pytest.raises(StoreError, match="database is locked"):
-        read_winners(f"sqlite:///{db_path}", GPU)
+        read_winners(f"sqlite:///{db_path}", GPU, timeout_s=0.3)
+    assert 0.2 < time.monotonic() - start < 2.0
+
+
+def test_all_gpus_and_one_kernel(db_path: Path) -> None:
+    url = f"sqlite:///{db_path}"
+    assert len(read_winners(url)) == 4
+    assert len(read_winners(url, kernel="tma_prefill")) == 4
+    assert read_winners(url, kernel="decode") == []
+    assert [w.gpu for w in read_winners(url, "nvidia-a100-sm80-108sm", kernel="tma_prefill")] == [
+        "nvidia-a100-sm80-108sm"
+    ]
+
+
+def test_a_malformed_rows_warning_is_one_escaped_line(db_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    forged = '{"seqlen": \n2025-01-01 CRITICAL forged line \x1b[31m'
+    with closing(sqlite3.connect(db_path)) as db, db:
+        db.execute("UPDATE winners SET key_json = ?, kernel = ? WHERE key_json LIKE '%512%'", (forged, "k\nk"))
+    with caplog.at_level(logging.WARNING, logger="tritune.configs_db"):
+        read_winners(f"sqlite:///{db_path}")
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(messages) == 2
+    for message in messages:
+        assert "\n" not in message and "\x1b" not in message
+        assert "k\\nk" in message

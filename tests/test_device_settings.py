@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 
@@ -68,23 +69,80 @@ def test_slugs():
     assert device_info("cpu").is_interpreter
 
 
-def test_settings_read_lazily_and_validated(monkeypatch):
+def test_settings_read_lazily(monkeypatch):
     monkeypatch.setenv("TRITUNE_MARGIN", "0.1")
-    monkeypatch.setenv("TRITUNE_ENABLE_TMA_CAUSAL_PREFILL", "ON")
+    monkeypatch.setenv("TRITUNE_ENABLE_TMA_CAUSAL_PREFILL", " ON ")
+    monkeypatch.setenv("TRITUNE_DISABLE_TUNED", "yes")
+    monkeypatch.setenv("TRITUNE_DB_READ_TIMEOUT", "0.5")
     current = settings.reload()
     assert current.margin == pytest.approx(0.1)
     assert current.enable_tma_causal_prefill == "on"
-    monkeypatch.setenv("TRITUNE_MARGIN", "lots")
-    with pytest.raises(ValueError, match="TRITUNE_MARGIN"):
-        settings.reload()
-    monkeypatch.setenv("TRITUNE_MARGIN", "0.03")
-    monkeypatch.setenv("TRITUNE_ENABLE_TMA_CAUSAL_PREFILL", "sometimes")
-    with pytest.raises(ValueError, match="TRITUNE_ENABLE_TMA_CAUSAL_PREFILL"):
-        settings.reload()
-    monkeypatch.setenv("TRITUNE_ENABLE_TMA_CAUSAL_PREFILL", "auto")
-    monkeypatch.setenv("TRITUNE_DISABLE_TUNED", "maybe")
-    with pytest.raises(ValueError, match="TRITUNE_DISABLE_TUNED"):
-        settings.reload()
+    assert current.disable_tuned is True
+    assert current.db_read_timeout == 0.5
+
+
+#: A bad value of each setting, the field it sets and the default that then serves.
+BAD_VALUES = [
+    ("TRITUNE_MARGIN", "abc", "margin", 0.03),
+    ("TRITUNE_MARGIN", "1.5", "margin", 0.03),
+    ("TRITUNE_MARGIN", "nan", "margin", 0.03),
+    ("TRITUNE_DISABLE_TUNED", "yes please", "disable_tuned", False),
+    ("TRITUNE_DISABLE_BUNDLES", "2", "disable_bundles", False),
+    ("TRITUNE_LOG_LEVEL", "loud", "log_level", "WARNING"),
+    ("TRITUNE_ENABLE_TMA_CAUSAL_PREFILL", "auto-ish", "enable_tma_causal_prefill", "auto"),
+    ("TRITUNE_DB_READ_TIMEOUT", "-1", "db_read_timeout", 3.0),
+    ("TRITUNE_DB_READ_TIMEOUT", "soon", "db_read_timeout", 3.0),
+]
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch, caplog):
+    """Settings warnings captured, as if none had been given yet in this process."""
+    monkeypatch.setattr(settings, "_warned", set())
+    caplog.set_level(logging.WARNING, logger="tritune.settings")
+    return caplog
+
+
+@pytest.mark.parametrize("name, raw, field, default", BAD_VALUES, ids=[f"{n}={v}" for n, v, _, _ in BAD_VALUES])
+def test_a_bad_value_warns_once_and_the_default_serves(monkeypatch, fresh_warnings, name, raw, field, default):
+    monkeypatch.setenv(name, raw)
+    assert getattr(settings.reload(), field) == default
+    assert getattr(settings.reload(), field) == default
+    messages = [r.getMessage() for r in fresh_warnings.records]
+    assert len(messages) == 1, messages
+    assert messages[0].startswith(f"{name}='{raw}': expected ")
+    assert messages[0].endswith(" is used") and "the default" in messages[0]
+
+
+def test_a_bad_value_is_escaped_in_its_warning(monkeypatch, fresh_warnings):
+    monkeypatch.setenv("TRITUNE_MARGIN", "0.1\n2026-01-01 CRITICAL forged\x1b[2J\u202e")
+    assert settings.reload().margin == 0.03
+    (message,) = [r.getMessage() for r in fresh_warnings.records]
+    assert message.isprintable()
+    assert "0.1\\n2026-01-01 CRITICAL forged\\x1b[2J\\u202e" in message
+
+
+@pytest.mark.parametrize("name", sorted(settings.ENVIRONMENT))
+@pytest.mark.parametrize("raw", ["", "  "], ids=["empty", "blank"])
+def test_an_empty_value_is_unset(monkeypatch, fresh_warnings, name, raw):
+    monkeypatch.delenv(name, raising=False)
+    unset = settings.reload()
+    monkeypatch.setenv(name, raw)
+    assert settings.reload() == unset
+    assert fresh_warnings.records == []
+
+
+def test_strict_reading_refuses_bad_values(monkeypatch):
+    monkeypatch.setenv("TRITUNE_MARGIN", "abc")
+    monkeypatch.setenv("TRITUNE_DISABLE_TUNED", "yes please")
+    problems = settings.validate_environment()
+    assert [p.split("=", 1)[0] for p in problems] == ["TRITUNE_MARGIN", "TRITUNE_DISABLE_TUNED"]
+    with pytest.raises(ValueError, match=r"TRITUNE_MARGIN='abc'.*TRITUNE_DISABLE_TUNED='yes please'"):
+        settings.settings(strict=True)
+    assert settings.validate_environment({"TRITUNE_MARGIN": "0.2"}) == []
+    monkeypatch.delenv("TRITUNE_MARGIN")
+    monkeypatch.delenv("TRITUNE_DISABLE_TUNED")
+    assert settings.settings(strict=True) == settings.reload()
 
 
 def test_override_restores(tmp_path):

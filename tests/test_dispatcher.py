@@ -317,3 +317,35 @@ def test_memo_is_bounded(monkeypatch):
         _served_eager(n)
     assert 0 < len(DISPATCHER._memo) <= 3
     assert _served_eager(5)["BLOCK"] == 32
+
+
+# ---- what a serving process survives ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, raw",
+    [
+        ("TRITUNE_MARGIN", "abc"),
+        ("TRITUNE_DISABLE_TUNED", "yes please"),
+        ("TRITUNE_ENABLE_TMA_CAUSAL_PREFILL", "auto-ish"),
+        ("TRITUNE_LOG_LEVEL", "chatty"),
+    ],
+)
+def test_a_typo_in_a_setting_never_fails_a_kernel_call(monkeypatch, caplog, name, raw):
+    monkeypatch.setattr(settings, "_warned", set())
+    caplog.set_level(logging.WARNING, logger="tritune")
+    _store(_winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5))
+    monkeypatch.setenv(name, raw)
+    settings.reload()
+    for _ in range(3):
+        assert _served(100)["BLOCK"] == 64
+    messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(messages) == 1 and messages[0].startswith(f"{name}='{raw}'"), messages
+
+
+def test_refusals_of_stored_records_are_escaped(caplog):
+    caplog.set_level(logging.WARNING, logger="tritune.dispatch")
+    _store(_winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5, kernel="gone\nCRITICAL \x1b[31m"))
+    assert _served(100)["BLOCK"] == 32
+    (message,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert message.isprintable() and "gone\\nCRITICAL \\x1b[31m: unknown kernel" in message
