@@ -139,6 +139,9 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int] | None:
     distinct storages can only meet if their memory is the same (``from_blob``, DLPack aliases).
     """
     first = t.data_ptr()
+    if t.is_contiguous():
+        end = first + t.nbytes
+        return (first, end) if end > first else None
     extent = 1
     for size, stride in zip(t.shape, t.stride(), strict=True):
         if not size:
