@@ -13,7 +13,6 @@ checking would synchronise, and clamped): that is tested as equal to the clamped
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import re
@@ -33,7 +32,6 @@ from tritune.kernels import Q4KWeight, attention, decode_attention, prefill_atte
 
 BF, FP = torch.bfloat16, torch.float16
 META = torch.device("meta")
-HAS_VARLEN = importlib.util.find_spec("tritune.kernels.varlen.op") is not None
 #: Few examples, the same ones on every run, and no shrinking: a failing example is already tiny.
 FUZZ = settings(
     max_examples=6,
@@ -473,8 +471,6 @@ def test_q4k_weight_from_blocks_refuses(mutation, weight, data):
 
 # ---- varlen_attention and validate_seq_info --------------------------------------------------------
 
-varlen = pytest.mark.skipif(not HAS_VARLEN, reason="tritune.kernels.varlen is not in this tree yet")
-
 
 def varlen_call(draw: Any) -> dict[str, Any]:
     kv_heads, group = draw(st.integers(1, 2)), draw(st.integers(1, 3))
@@ -550,7 +546,6 @@ def _varlen_head_dim(draw: Any, call: dict[str, Any]) -> set[str]:
     return {"q"}
 
 
-@varlen
 @pytest.mark.parametrize("mutation", sorted(VARLEN))
 @FUZZ
 @given(data=st.data())
@@ -582,7 +577,6 @@ def _bad_table(draw: Any, tokens: int, rows: int, cols: int) -> tuple[list[list[
     return [[0, tokens, 0, rows], [tokens - 1, 1, min(1, cols - 1), rows]], kind
 
 
-@varlen
 @FUZZ
 @given(data=st.data())
 def test_validate_seq_info_refuses_bad_tables(data):
@@ -594,7 +588,6 @@ def test_validate_seq_info_refuses_bad_tables(data):
     expect_refusal(lambda: validate_seq_info(info, T=tokens, rows=rows, cols=cols), {"seq_info"})
 
 
-@varlen
 @FUZZ
 @given(data=st.data())
 def test_validate_seq_info_refuses_bad_arguments(data):
@@ -670,7 +663,6 @@ def test_the_unmutated_calls_are_accepted(weight):
     assert Q4KWeight.from_blocks(weight.to_blocks(), weight.shape).shape == (N, K)
 
 
-@varlen
 def test_the_unmutated_varlen_call_is_accepted():
     from tritune.kernels import validate_seq_info, varlen_attention
 
@@ -892,7 +884,6 @@ def test_attention_calls_are_served_correctly_or_refused(entry, fault, data, fuz
     record(fuzz_figures, "attention" if entry == "attention" else f"{entry}_attention", call, offenders, check)
 
 
-@varlen
 @pytest.mark.parametrize("fault", FAULTS)
 @FUZZ_RUNS
 @given(data=st.data())
