@@ -176,6 +176,22 @@ def test_missing_db_is_named_and_not_created(command: list[str], tmp_path: Path)
     assert not path.parent.exists()
 
 
+@pytest.mark.parametrize(
+    "command",
+    [["show"], ["import", "BUNDLE"], ["--device", "cpu", "--kernel", "toy_scale"]],
+    ids=["show", "import", "tune"],
+)
+def test_db_path_that_is_a_folder(command: list[str], tmp_path: Path) -> None:
+    command = [str(good_bundle(tmp_path / "b.json")) if a == "BUNDLE" else a for a in command]
+    folder = tmp_path / "db"
+    folder.mkdir()
+    failed(run(*command, "--db", str(folder)), 1, f"{folder} is a directory, not a config DB file")
+
+
+def test_unknown_database_url() -> None:
+    failed(run("show", "--db", "nosuchdb://host/x"), 1, "Can't load plugin", "name a database SQLAlchemy knows")
+
+
 def test_full_disk_while_writing_the_bundle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     db = make_db(tmp_path / "configs.sqlite")
     out = tmp_path / "out.json"
@@ -436,6 +452,31 @@ def test_import_counts_what_it_took_and_refused(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "winners[1] (toy_scale): trials is 0, expected at least 1" in result.output
     assert "imported 1 winner(s), kept 0 existing better one(s), refused 1 entry" in result.output
+
+
+def test_import_that_fails_part_way_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sqlalchemy.exc import OperationalError
+
+    from tritune.configs_db import upserts
+
+    path = good_bundle(tmp_path / "b.json")
+    doc = json.loads(path.read_text())
+    doc["winners"].append({**doc["winners"][0], "key": {**doc["winners"][0]["key"], "n_bucket": 256}})
+    path.write_text(json.dumps(doc))
+    real = upserts.offer_winner
+    offered: list[Any] = []
+
+    def full_on_the_second(session: Any, values: Any, triton_version: str) -> bool:
+        offered.append(values)
+        if len(offered) == 2:
+            raise OperationalError("INSERT INTO winners ...", {}, sqlite3.OperationalError("database or disk is full"))
+        return bool(real(session, values, triton_version))
+
+    monkeypatch.setattr(upserts, "offer_winner", full_on_the_second)
+    db = f"sqlite:///{tmp_path / 'c.sqlite'}"
+    failed(run("import", str(path), "--db", db), 1, "database or disk is full")
+    assert len(offered) == 2
+    assert ConfigStore(db).winners() == []
 
 
 # ---- tune export ------------------------------------------------------------------------------

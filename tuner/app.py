@@ -154,6 +154,26 @@ def db_url(db: str | None) -> str:
     return timed
 
 
+def check_database_path(url: str, *, must_exist: bool) -> None:
+    """Name what is wrong with a SQLite DB path before SQLite does ("disk I/O error" for a folder).
+
+    ``must_exist`` is for commands that only read: they must not create a file where none is.
+    """
+    from tritune.configs_db.urls import sqlite_file
+
+    path = sqlite_file(url)
+    if path is None:
+        return
+    shown = printable(str(path))
+    if path.is_dir():
+        raise CommandError(f"{shown} is a directory, not a config DB file", "give the path of a file with --db")
+    if must_exist and not os.path.lexists(path):
+        raise CommandError(
+            f"no config DB at {shown}",
+            "give the path of an existing DB with --db (or TRITUNE_DB); a tuning run creates one",
+        )
+
+
 def short_key(key: Any) -> str:
     values = key.to_dict()
     return " ".join(f"{k}={v}" for k, v in values.items() if k not in ("arch", "sm_count"))

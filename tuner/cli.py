@@ -25,7 +25,7 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .app import DEBUG_FLAG, app, choose_device, console, db_url, plain, short_key
+from .app import DEBUG_FLAG, app, check_database_path, choose_device, console, db_url, plain, short_key
 from .commands import print_status, status_rows
 
 if TYPE_CHECKING:
@@ -192,6 +192,7 @@ def tune(
         if len(devices) > 1:
             raise typer.BadParameter("--worker is one worker: give one --device (or leave --worker out)")
     url = db_url(db)
+    check_database_path(url, must_exist=False)
     if where is not None and where.is_rdb and _same_database(where.location, url):
         raise typer.BadParameter(
             "--storage and --db name the same database: Optuna's tables (trials, alembic_version) collide with "

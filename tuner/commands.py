@@ -4,7 +4,6 @@ import and bench. They register on the app of :mod:`tritune.tuner.app`."""
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -13,7 +12,7 @@ from rich.table import Table
 
 from tritune.configs_db.values import printable
 
-from .app import app, choose_device, console, db_url, plain, short_key
+from .app import app, check_database_path, choose_device, console, db_url, plain, short_key
 from .failures import CommandError
 
 if TYPE_CHECKING:
@@ -53,7 +52,7 @@ def show(
     from tritune.configs_db.store import display_url, read_winners
 
     url = db_url(db)
-    require_database(url)
+    check_database_path(url, must_exist=True)
     here = runtime_device(device)
     records = read_winners(url, gpu, kernel=kernel)
     table = Table(title=f"winners in {plain(display_url(url))}")
@@ -79,18 +78,6 @@ def show(
     console.print(table)
     for note in notes:
         console.print(f"[yellow]{plain(note)}[/yellow]", soft_wrap=True)
-
-
-def require_database(url: str) -> None:
-    """Refuse a SQLite path with no file behind it (a read must not create one)."""
-    from tritune.configs_db.urls import sqlite_file
-
-    path = sqlite_file(url)
-    if path is not None and not os.path.lexists(path):
-        raise CommandError(
-            f"no config DB at {printable(str(path))}",
-            "give the path of an existing DB with --db (or TRITUNE_DB); a tuning run creates one",
-        )
 
 
 def runtime_device(device: str) -> Any:
@@ -199,7 +186,7 @@ def export_bundle(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--gpu") from None
     url = db_url(db)
-    require_database(url)
+    check_database_path(url, must_exist=True)
     records = read_winners(url, gpu)
     if not records:
         raise typer.BadParameter(f"{gpu!r}: the DB holds no winners for that GPU", param_hint="--gpu")
@@ -264,7 +251,9 @@ def import_bundle(
             if refused
             else f"{printable(str(path))}: the bundle holds no winners, nothing was imported"
         )
-    with ConfigStore(db_url(db)) as store:
+    url = db_url(db)
+    check_database_path(url, must_exist=False)
+    with ConfigStore(url) as store:
         imported, skipped = store.import_records(accepted)
     console.print(
         f"imported {imported} winner(s), kept {skipped} existing better one(s), refused {refused} entr"

@@ -62,6 +62,7 @@ _DATABASE_ADVICE = (
     ("connection", "check that the server is running and reachable, and the URL's host, port and credentials"),
     ("timeout", "check that the server is running and reachable, and the URL's host, port and credentials"),
     ("password authentication", "check the user name and password in the URL"),
+    ("can't load plugin", "name a database SQLAlchemy knows: a file path, sqlite:///path or postgresql+psycopg://..."),
     ("does not exist", "create the database on the server first, or fix its name in the URL"),
 )
 
