@@ -31,10 +31,10 @@ from typer.testing import CliRunner, Result
 
 from tritune.configs_db import bundles, storage
 from tritune.configs_db.records import WinnerRecord
-from tritune.configs_db.store import ConfigStore
-from tritune.kernels import registry
+from tritune.configs_db.store import ConfigStore, StoreError
+from tritune.kernels import registry, settings
 from tritune.kernels.device import device_info
-from tritune.tuner import app as app_module
+from tritune.tuner import commands
 from tritune.tuner.cli import app
 
 runner = CliRunner(env={"COLUMNS": "250"})
@@ -307,7 +307,8 @@ def silent_server() -> Iterator[int]:
 def test_silent_postgres_fails_after_the_connect_timeout(
     command: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(app_module, "CONNECT_TIMEOUT_S", 1)
+    monkeypatch.setattr(commands, "READ_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(storage, "CONNECT_TIMEOUT_S", 2)
     command = [str(good_bundle(tmp_path / "b.json")) if a == "BUNDLE" else a for a in command]
     with silent_server() as port:
         result = run(*command, "--db", f"postgresql+psycopg://tritune@127.0.0.1:{port}/configs")
@@ -394,19 +395,22 @@ def test_real_entry_point_prints_two_lines_and_no_traceback(tmp_path: Path) -> N
     assert len(result.stderr.strip().splitlines()) == 2, result.stderr
 
 
-@pytest.mark.parametrize(
-    "args, env",
-    [
-        (["show", "--debug"], {}),
-        (["--debug", "show"], {}),
-        (["show"], {"TRITUNE_LOG_LEVEL": "DEBUG"}),
-    ],
-    ids=["after-the-command", "before-the-command", "log-level"],
-)
-def test_debug_shows_the_traceback(args: list[str], env: dict[str, str], tmp_path: Path) -> None:
-    result = run_entry(*args, "--db", str(corrupt(tmp_path / "c.sqlite")), env=env)
+def test_debug_shows_the_traceback(tmp_path: Path) -> None:
+    result = run_entry("show", "--db", str(corrupt(tmp_path / "c.sqlite")), "--debug")
     assert result.returncode == 1
     assert "Traceback" in result.stderr and "StoreError" in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("how", ["flag-before-the-command", "log-level"])
+def test_debug_lets_the_exception_through(how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    db = str(corrupt(tmp_path / "c.sqlite"))
+    if how == "log-level":
+        monkeypatch.setenv("TRITUNE_LOG_LEVEL", "DEBUG")
+        settings.reload()
+        result = run("show", "--db", db)
+    else:
+        result = run("--debug", "show", "--db", db)
+    assert isinstance(result.exception, StoreError), result.output
 
 
 def test_debug_after_double_dash_is_an_argument(tmp_path: Path) -> None:

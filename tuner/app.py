@@ -128,30 +128,12 @@ def choose_device(device: str) -> Any:
     return torch.device("cuda", int(index))
 
 
-#: Seconds a command waits for a PostgreSQL server to accept a connection (libpq waits forever).
-CONNECT_TIMEOUT_S = 10
-
-
 def db_url(db: str | None) -> str:
-    """The config DB URL of ``--db`` (a URL or a file path), else of the settings.
-
-    A PostgreSQL URL without ``connect_timeout`` gets :data:`CONNECT_TIMEOUT_S`, so a server that
-    accepts the connection and never answers fails the command instead of hanging it.
-    """
+    """The config DB URL of ``--db`` (a URL or a file path), else of the settings."""
     from tritune.kernels import settings
 
     url: str = settings.db_url_from(db) if db else settings.settings().db_url
-    if url.split("://", 1)[0].split("+", 1)[0].lower() not in ("postgresql", "postgres"):
-        return url
-    from sqlalchemy.engine import make_url
-
-    parsed = make_url(url)
-    if "connect_timeout" in parsed.query:
-        return url
-    timed: str = parsed.update_query_dict({"connect_timeout": str(CONNECT_TIMEOUT_S)}).render_as_string(
-        hide_password=False
-    )
-    return timed
+    return url
 
 
 def check_database_path(url: str, *, must_exist: bool) -> None:

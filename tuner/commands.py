@@ -18,6 +18,10 @@ from .failures import CommandError
 if TYPE_CHECKING:
     from .studies import StudyStorage, StudySummary
 
+#: Seconds ``show`` and ``export`` may spend reading the DB: a person at a terminal waits longer
+#: than a serving process (whose bound is TRITUNE_DB_READ_TIMEOUT), but not forever.
+READ_TIMEOUT_S = 60.0
+
 
 @app.command("list")
 def list_kernels() -> None:
@@ -54,7 +58,7 @@ def show(
     url = db_url(db)
     check_database_path(url, must_exist=True)
     here = runtime_device(device)
-    records = read_winners(url, gpu, kernel=kernel)
+    records = read_winners(url, gpu, kernel=kernel, timeout_s=READ_TIMEOUT_S)
     table = Table(title=f"winners in {plain(display_url(url))}")
     for column in ("gpu", "kernel", "key", "config", "time ms", "portable ms", "speedup", "trials", "served here"):
         table.add_column(column)
@@ -187,7 +191,7 @@ def export_bundle(
         raise typer.BadParameter(str(exc), param_hint="--gpu") from None
     url = db_url(db)
     check_database_path(url, must_exist=True)
-    records = read_winners(url, gpu)
+    records = read_winners(url, gpu, timeout_s=READ_TIMEOUT_S)
     if not records:
         raise typer.BadParameter(f"{gpu!r}: the DB holds no winners for that GPU", param_hint="--gpu")
     # A bundle states one provenance: export the largest group of records sharing one.
