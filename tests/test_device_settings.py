@@ -98,7 +98,7 @@ BAD_VALUES = [
 @pytest.fixture
 def fresh_warnings(monkeypatch, caplog):
     """Settings warnings captured, as if none had been given yet in this process."""
-    monkeypatch.setattr(settings, "_warned", set())
+    monkeypatch.setattr(settings, "_warned", set(), raising=False)
     caplog.set_level(logging.WARNING, logger="tritune.settings")
     return caplog
 

@@ -378,6 +378,34 @@ def test_reading_while_a_tuner_holds_uncheckpointed_writes_leaves_the_main_file(
         assert fingerprint(path) == before
 
 
+def test_a_tuner_opening_the_file_during_an_immutable_read_makes_it_read_again_with_locks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tritune.configs_db import reader
+
+    path = good_db(tmp_path / "configs.sqlite")
+    assert storage.is_quiet_wal_file(path)
+    opened: list[bool] = []
+    make_engine = storage.make_engine
+    tuner = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+
+    def engine_for(url: str, **options: Any) -> Any:
+        opened.append(options.get("immutable", False))
+        if len(opened) == 1:
+            # The tuner starts while the immutable read is under way.
+            tuner.execute("PRAGMA wal_autocheckpoint = 0")
+            tuner.execute("UPDATE winners SET time_ms = 0.05, speedup = 4.0")
+        return make_engine(url, **options)
+
+    monkeypatch.setattr(storage, "make_engine", engine_for)
+    try:
+        (found,) = reader.read_winners(f"sqlite:///{path}", CPU.slug)
+    finally:
+        tuner.close()
+    assert opened == [True, False]
+    assert found.speedup == 4.0
+
+
 def test_a_linked_db_is_read_through_the_wal_beside_its_target(tmp_path: Path) -> None:
     """As a ConfigMap mounts a file: a link to ``..data/configs.sqlite``, its side files beside the target."""
     target = good_db(tmp_path / "..data" / "configs.sqlite")
