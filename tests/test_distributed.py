@@ -55,7 +55,8 @@ def drive() -> None:
 
     TOY_HOLD_AFTER: this process's timer hangs after that many measurements (until killed).
     TOY_VICTIM, TOY_VICTIM_HOLD: in a coordinator run, worker number TOY_VICTIM hangs after
-    TOY_VICTIM_HOLD measurements. TOY_TRIAL_JOURNAL: a file receiving one line per trial any
+    TOY_VICTIM_HOLD measurements. TOY_CRASH_WORKER: worker number TOY_CRASH_WORKER raises as it
+    starts. TOY_TRIAL_JOURNAL: a file receiving one line per trial any
     process of the command starts, written before the trial runs.
     """
     from tritune.tuner import cli, fleet
@@ -75,6 +76,8 @@ def worker_main(job: Any) -> None:
     """A coordinator's worker process: journaled, and the victim's timer hangs."""
     from tritune.tuner.fleet import worker_process_main
 
+    if os.environ.get("TOY_CRASH_WORKER") == str(job.index):
+        raise RuntimeError(f"worker {job.index} crashes as it starts (TOY_CRASH_WORKER)")
     victim = os.environ.get("TOY_VICTIM")
     if str(job.index) == victim:
         job = dataclasses.replace(job, timer=toy_kernel.CostTimer(1.0, int(os.environ["TOY_VICTIM_HOLD"])))
@@ -95,8 +98,8 @@ def lingering_worker(job: Any) -> None:
 class AfterVictimTimer:
     """The other workers' timer: it measures nothing before the victim has started a trial.
 
-    Otherwise, on a loaded machine, the other workers could sweep both toy keys before the victim's
-    process is up, and the victim would never get to hang in a trial (CI saw exactly that).
+    Otherwise, on a loaded machine, the other workers can sweep both toy keys before the victim's
+    process is up, and the victim never gets to hang in a trial.
     """
 
     def __init__(self, timer: Any, journal: str, victim: str) -> None:
@@ -153,7 +156,9 @@ def start(tmp_path: Path, name: str, *args: str, **env: str) -> tuple[subprocess
     return process, log
 
 
-def finish(process: subprocess.Popen, log: Path) -> str:
+def finish(process: subprocess.Popen, log: Path, expected: int = 0) -> str:
+    """Wait for a ``tune`` process (killed, and the test failed, past the limit); its output. Its exit
+    status must be ``expected``."""
     try:
         code = process.wait(RUN_LIMIT_S)
     except subprocess.TimeoutExpired:
@@ -161,7 +166,7 @@ def finish(process: subprocess.Popen, log: Path) -> str:
         process.wait()
         pytest.fail(f"tune did not finish in {RUN_LIMIT_S} s:\n{log.read_text()}")
     output = log.read_text()
-    assert code == 0, output
+    assert code == expected, output
     return output
 
 
@@ -243,7 +248,8 @@ def test_three_local_workers_share_the_studies_and_retry_a_killed_one(tmp_path):
     try:
         held = wait_until_held(journal, "0", lambda: {ident(k, c) for k, c, *_ in _sqlite_rows(db)})
         os.kill(held["pid"], signal.SIGKILL)
-        output = finish(process, log)
+        # The other workers finish its keys, but a worker died: the command fails.
+        output = finish(process, log, expected=1)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
@@ -251,6 +257,7 @@ def test_three_local_workers_share_the_studies_and_retry_a_killed_one(tmp_path):
 
     assert f"worker cpu#0 (pid {held['pid']}) exited with code -9" in output
     assert "handed to the other workers" in output
+    assert "1 worker(s) died" in output and "not finalized" not in output
     check_measured_once(journal_lines(journal), held)
     check_trials_once(_sqlite_rows(db))
     winners = ConfigStore(f"sqlite:///{db}").winners()
@@ -459,7 +466,7 @@ def test_two_workers_racing_for_the_last_budget_slot_measure_one(toy, tmp_path):
             SharedKeyTuner(
                 toy_kernel.SPEC, key, device, torch.device("cpu"), store, env, toy_kernel.CostTimer(),
                 TuneOptions(trials=1, final_rounds=1), where=where,
-                heartbeat=Heartbeat(where.open(), where), worker=f"test:{name}",
+                heartbeat=Heartbeat(where.open(), where, f"test:{name}"), worker=f"test:{name}",
             )
             for name in ("a", "b")
         ]  # fmt: skip
@@ -505,7 +512,7 @@ def _shared_tuners(tmp_path: Path, store: ConfigStore, options: TuneOptions, nam
     return [
         SharedKeyTuner(
             toy_kernel.SPEC, key, device, torch.device("cpu"), store, environment_id(store, device),
-            toy_kernel.CostTimer(), options, where=where, heartbeat=Heartbeat(where.open(), where),
+            toy_kernel.CostTimer(), options, where=where, heartbeat=Heartbeat(where.open(), where, f"test:{name}"),
             worker=f"test:{name}",
         )
         for name in names
@@ -575,10 +582,10 @@ def _one_step(config: dict[str, Any], best: dict[str, Any]) -> bool:
 
 
 def test_the_climb_keeps_its_share_when_another_worker_joins_mid_batch(toy, tmp_path):
-    """Worker b joins while a's first batch runs. It used to see a's running trials reach the polish share and
-    spend the rest of the budget on TPE's proposals: the climb from the best config never ran. Now the
-    exploration stops at the polish share for all workers together, and the climb starts, as in a lone tuner,
-    once that many results are in, from the best of them."""
+    """Worker b joins while a's first batch runs. The exploration must stop at the polish share for all workers
+    together, and the climb start, as in a lone tuner, once that many results are in, from the best of them.
+    (Counting a's running trials as results instead, b spends the rest of the budget on TPE's proposals and the
+    climb from the best config never runs.)"""
     options = TuneOptions(trials=8, batch=4, polish=0.5, final_rounds=1)
     with ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}") as store:
         a, b = _shared_tuners(tmp_path, store, options, ("a", "b"))
@@ -598,9 +605,9 @@ def test_the_climb_keeps_its_share_when_another_worker_joins_mid_batch(toy, tmp_
 
 def test_of_two_workers_holding_one_config_exactly_one_measures_it(toy, tmp_path):
     """Two workers' running trials of one config (a seed, and a proposal of the same config), each worker
-    looking at the study before the other tells its trial: each used to leave the config to the other, so
-    nobody measured it; for the portable default the key failed ("the portable default failed (None)",
-    seen about once in a hundred simulated two-worker tunes of tma_prefill)."""
+    looking at the study before the other tells its trial. If each left the config to the other, nobody would
+    measure it, and for the portable default the key would fail ("the portable default failed (None)"; about
+    once in a hundred simulated two-worker tunes of tma_prefill without the start-time rule)."""
     options = TuneOptions(trials=8, batch=4, final_rounds=1)
     with ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}") as store:
         a, b = _shared_tuners(tmp_path, store, options, ("a", "b"))

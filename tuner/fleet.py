@@ -6,11 +6,21 @@ process per device (``spawn``: a fresh interpreter each), and waits. Each worker
 start on different keys and then help each other with whatever is left. The config DB is one
 for all (SQLite takes several writers; see ``configs_db/storage.py``).
 
-Without ``--storage`` the studies live in a journal file in a temporary directory, removed at the
-end: the trials table is the record, and a later run resumes from it. Journal storages have no
-heartbeat, so the coordinator releases the trials of a worker process that dies (fails them and
-enqueues them again) as soon as it sees the process gone; the surviving workers then retry them.
-On an RDB storage the heartbeat does the same for workers on any host.
+The coordinator opens the study storage before it starts any worker: a journal that is not one
+is refused at once (:class:`.studies.StudyStorageError`), and a fresh RDB storage gets its tables
+from one process.
+
+Without ``--storage`` the studies live in a journal file in a temporary folder of their own
+(:class:`ScratchStudies`), removed at the end: the trials table is the record, and a later run
+resumes from it. The coordinator holds a lock on a file in that folder while it runs; a folder
+whose lock nobody holds belongs to a coordinator that was killed, and the next coordinator
+removes it before it makes its own.
+
+Journal storages have no heartbeat, so the coordinator releases the trials of a worker process
+that dies (fails them and enqueues them again) as soon as it sees the process gone; the surviving
+workers then retry them. Workers also release the trials of any worker that no longer holds its
+presence lock beside the journal, which is how a run started after a killed one takes over the
+trials it left running. On an RDB storage the heartbeat does the same for workers on any host.
 
 A worker process exits by itself when the coordinator dies, like the candidate worker of
 :mod:`.worker`, and at once when its work is done (its results are in the config DB and the
@@ -20,14 +30,18 @@ interpreter exit (leftover threads, exit handlers, CUDA teardown) may take long.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import multiprocessing
 import os
+import shutil
+import tempfile
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 from .shared import worker_name
@@ -37,6 +51,70 @@ from .timing import Timer
 from .worker import STOP_GRACE_S, _exit_with_parent, _interpreter_environment, leave
 
 log = logging.getLogger("tritune.tuner")
+
+#: Name prefix of the temporary folders of runs without ``--storage``.
+SCRATCH_PREFIX = "tritune-studies-"
+#: File in such a folder that its coordinator holds locked (and writes its pid into) while it runs.
+SCRATCH_OWNER = "coordinator.lock"
+
+
+class ScratchStudies:
+    """A temporary journal for one coordinator's studies, in a folder removed when the run ends.
+
+    A coordinator killed with SIGKILL cannot remove its folder. It holds an exclusive ``flock`` on
+    :data:`SCRATCH_OWNER` there while it lives, so a folder whose lock is free (and whose owner
+    file has its pid written, which happens once the lock is held) is a dead run's: the next
+    coordinator removes such folders before it makes its own (:func:`remove_abandoned`).
+    """
+
+    def __init__(self, root: Path | None = None) -> None:
+        root = Path(tempfile.gettempdir()) if root is None else root
+        remove_abandoned(root)
+        self.folder = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=root))
+        self._owner: int | None = os.open(self.folder / SCRATCH_OWNER, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._owner, fcntl.LOCK_EX)
+        os.write(self._owner, f"{os.getpid()}\n".encode())
+        self.where = StudyStorage(str(self.folder / "studies.log"))
+
+    def remove(self) -> None:
+        """Remove the folder (then let the lock go: nobody finds it half-removed and unlocked)."""
+        if self._owner is None:
+            return
+        shutil.rmtree(self.folder, ignore_errors=True)
+        os.close(self._owner)
+        self._owner = None
+
+    def __enter__(self) -> ScratchStudies:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def remove_abandoned(root: Path) -> list[Path]:
+    """Remove the temporary studies folders under ``root`` whose coordinator is dead; the folders removed."""
+    removed = []
+    for folder in sorted(root.glob(SCRATCH_PREFIX + "*")):
+        try:
+            fd = os.open(folder / SCRATCH_OWNER, os.O_RDWR)
+        except OSError:
+            # Not one of ours, or one being made right now (its owner file comes first).
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            # An empty owner file: its coordinator opened it but has not locked it yet.
+            if os.fstat(fd).st_size == 0:
+                continue
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("removed %d temporary studies folder(s) of killed runs: %s", len(removed), removed)
+    return removed
 
 
 @dataclass(frozen=True)
@@ -150,7 +228,14 @@ class WorkerExit:
 
 
 def run_fleet(jobs: Sequence[WorkerJob], study_names: Sequence[str]) -> list[WorkerExit]:
-    """Start a process per job, wait for all, and release the trials of any that died."""
+    """Start a process per job, wait for all, and release the trials of any that died.
+
+    Raises :class:`.studies.StudyStorageError`, before any process starts, if a job's study storage
+    cannot be opened. The caller fails the command when a process exited with a status other than
+    0: the other workers may have finished its keys, but it died.
+    """
+    for where in dict.fromkeys(job.where for job in jobs):
+        where.open()
     context = multiprocessing.get_context("spawn")
     running: dict[Any, tuple[BaseProcess, WorkerJob]] = {}
     exits: list[WorkerExit] = []

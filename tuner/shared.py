@@ -23,9 +23,11 @@ environment). A worker visits the keys of its plan in turn; one visit of a key:
    trials table, and a measuring worker stores the trial before telling Optuna, so of two workers
    asking the same config at once exactly one measures it (both, at worst, on hosts whose clocks
    disagree).
-4. Every asked trial beats a heartbeat until told (RDB storages). Before each batch the worker
-   fails the trials whose heartbeat stopped and Optuna enqueues them again, so another worker
-   retries the trial of a worker killed mid-measurement.
+4. Every asked trial beats a heartbeat until told (RDB storages); on a journal the worker holds a
+   presence lock while it lives. Before each batch the worker fails the trials whose heartbeat
+   stopped, or whose worker no longer holds its lock, and Optuna enqueues them again, so another
+   worker retries the trial of a worker killed mid-measurement, and a run started after a killed
+   one takes over the trials it left running.
 5. When nothing runs and the budget is spent, the worker holding the study lock re-times the
    best configs on its own bench, offers the winner (the DB keeps the faster offer) and marks the
    study finalized: one winner per key and GPU model. A worker finding other workers' trials
@@ -308,7 +310,7 @@ class SharedKeyTuner(KeyTuner):
         while asks < max_asks:
             if opts.time_budget_s is not None and time.monotonic() - started > opts.time_budget_s:
                 return measured, "time"
-            self.where.fail_stale(study)
+            self.where.fail_stale(study, self.heartbeat)
             trials = study.get_trials(deepcopy=False)
             self._refresh_table()
             claimed = self._claimed(trials)
@@ -365,7 +367,7 @@ class SharedKeyTuner(KeyTuner):
             trial = study.ask(self.distributions)
         assert self._study_id is not None
         trial_id = self.where.open().get_trial_id_from_study_id_trial_number(self._study_id, trial.number)
-        self.heartbeat.hold(trial_id)
+        self.heartbeat.hold(trial_id, self.name, trial.number)
         trial.set_user_attr(WORKER_ATTR, self.worker)
         return trial, trial_id
 
@@ -574,7 +576,7 @@ def run_worker(
     ``on_trial_for(spec, key)`` gives each key's trial callback (progress bars); ``on_done`` is
     called once per key, when it is finalized by this worker or found finalized by another.
     """
-    heartbeat = Heartbeat(where.open(), where)
+    heartbeat = Heartbeat(where.open(), where, worker)
     bench: Bench
     if options.isolate:
         from .worker import Worker, worker_device

@@ -9,13 +9,16 @@ Optuna is the distributed engine: workers that share a storage cooperate on one 
   (``RetryHeartbeatStaleTrialCallback``), so the trials of a dead worker on any host are retried.
 - a journal file (``JournalStorage``): several workers on one host without a database server.
   Optuna recommends it over SQLite for concurrent processes, whose write transactions start as
-  reads and fail with "database is locked" when two upgrade at once. It has no heartbeats: the
-  local coordinator (:mod:`.fleet`), which sees its worker processes die, fails and retries their
-  trials instead.
+  reads and fail with "database is locked" when two upgrade at once. It has no heartbeats: each
+  worker holds a presence lock beside the journal while it lives (:mod:`.journal`), and any worker
+  fails and retries the running trials of a worker that no longer holds it (so does the local
+  coordinator, :mod:`.fleet`, as soon as it sees a worker process exit).
 
 A :class:`StudyStorage` is plain values, sent as is to worker processes. Besides the storage it
 gives a cross-process lock per study (a PostgreSQL advisory lock, or an ``fcntl`` record lock
 beside a SQLite or journal file), which the workers take to seed a study and to choose its winner.
+Opening an RDB storage takes such a lock too: Optuna creates its tables and stamps their version
+on first open, and processes doing that at once fail on a unique constraint.
 """
 
 from __future__ import annotations
@@ -25,15 +28,19 @@ import fcntl
 import functools
 import hashlib
 import logging
+import os
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
+
+from . import journal
 
 log = logging.getLogger("tritune.tuner")
 
@@ -58,6 +65,12 @@ DUPLICATE = "duplicate"
 RDB_DIALECTS = ("postgresql", "sqlite")
 #: How long closing a :class:`Heartbeat` waits for a beat being recorded.
 HEARTBEAT_CLOSE_S = 5.0
+#: Name of the lock taken while an RDB storage is opened (no study name starts this way).
+SCHEMA_LOCK = "tritune-storage-schema"
+
+
+class StudyStorageError(ValueError):
+    """The study storage cannot be opened: the message names it and says what to do."""
 
 
 @contextlib.contextmanager
@@ -150,11 +163,40 @@ class StudyStorage:
         with _quiet_experimental():
             optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=self.max_retry)(study, trial)
 
-    def fail_stale(self, study: optuna.Study) -> None:
-        """Fail and retry the trials whose worker stopped beating (RDB storages; others have no heartbeat)."""
+    def fail_stale(self, study: optuna.Study, heartbeat: Heartbeat) -> int:
+        """Fail and retry the trials whose worker is gone; how many this process released.
+
+        On an RDB storage, those whose heartbeat stopped (Optuna's check). On a journal, those whose
+        worker no longer holds its presence lock, those signed with this worker's own name that it
+        does not hold (a dead process whose pid this one reuses), and those that were never signed
+        at all once they are older than the grace period (a worker killed between asking a trial and
+        signing it, a few milliseconds).
+        """
         if self.has_heartbeat:
             with _quiet_experimental():
                 optuna.storages.fail_stale_trials(study)
+            return 0
+        journal_path = Path(self.location)
+        oldest = datetime.now().timestamp() - self.grace_period_s
+        verdicts: dict[str, bool] = {}
+        lost = []
+        for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            worker = trial.user_attrs.get(WORKER_ATTR)
+            if not isinstance(worker, str):
+                started = trial.datetime_start
+                dead = started is not None and started.timestamp() < oldest
+            elif worker == heartbeat.worker:
+                dead = not heartbeat.holds(study.study_name, trial.number)
+            else:
+                if worker not in verdicts:
+                    verdicts[worker] = journal.alive(journal_path, worker)
+                dead = not verdicts[worker]
+            if dead:
+                lost.append(trial.number)
+        released = self.release(study, lost) if lost else 0
+        if released:
+            log.warning("%s: released %d trial(s) of worker(s) no longer running", study.study_name, released)
+        return released
 
     def release(self, study: optuna.Study, numbers: Sequence[int]) -> int:
         """Fail the still-running trials ``numbers`` of ``study`` and enqueue them again; how many were released.
@@ -213,36 +255,88 @@ class StudyStorage:
             return
         base = self._sqlite_path() if self.is_rdb else Path(self.location)
         assert base is not None
-        path = base.with_name(base.name + ".tritune-lock")
-        with path.open("a+b") as handle:
-            # One byte per study: studies lock independently of each other.
-            offset = key % (1 << 31)
-            fcntl.lockf(handle, fcntl.LOCK_EX, 1, offset)
-            try:
-                yield
-            finally:
-                fcntl.lockf(handle, fcntl.LOCK_UN, 1, offset)
+        # One byte per study: studies lock independently of each other.
+        with _file_lock(base.with_name(base.name + ".tritune-lock"), key % (1 << 31)):
+            yield
+
+
+#: This process's descriptors of lock files, and how deep each (file, byte) lock is held. A POSIX record
+#: lock belongs to the process and is dropped when any descriptor of its file is closed, and taking it
+#: twice then releasing once drops it too: one descriptor per file, kept open, and a count per byte.
+_lock_files: dict[Path, int] = {}
+_lock_depth: dict[tuple[Path, int], int] = {}
+_lock_guard = threading.Lock()
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path, offset: int) -> Iterator[None]:
+    """Hold byte ``offset`` of ``path`` exclusively against other processes (re-entrant in this one)."""
+    with _lock_guard:
+        fd = _lock_files.get(path)
+        if fd is None:
+            fd = _lock_files[path] = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    slot = (path, offset)
+    if _lock_depth.get(slot, 0) == 0:
+        fcntl.lockf(fd, fcntl.LOCK_EX, 1, offset)
+    _lock_depth[slot] = _lock_depth.get(slot, 0) + 1
+    try:
+        yield
+    finally:
+        _lock_depth[slot] -= 1
+        if _lock_depth[slot] == 0:
+            fcntl.lockf(fd, fcntl.LOCK_UN, 1, offset)
 
 
 @functools.cache
 def _open_storage(where: StudyStorage) -> optuna.storages.BaseStorage:
     if not where.is_rdb:
-        from optuna.storages.journal import JournalFileBackend, JournalStorage
-
-        Path(where.location).parent.mkdir(parents=True, exist_ok=True)
-        return JournalStorage(JournalFileBackend(where.location))
+        return _open_journal(Path(where.location))
     engine_kwargs: dict[str, Any] = {"pool_pre_ping": True}
     if where.dialect == "sqlite":
         # Wait for another process's write lock instead of failing at once.
         engine_kwargs = {"connect_args": {"timeout": 60}}
-    with _quiet_experimental():
-        return optuna.storages.RDBStorage(
-            where.location,
-            engine_kwargs=engine_kwargs,
-            heartbeat_interval=where.heartbeat_interval_s,
-            grace_period=where.grace_period_s,
-            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=where.max_retry),
-        )
+        path = where._sqlite_path()
+        assert path is not None
+        path.parent.mkdir(parents=True, exist_ok=True)
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        # Optuna creates its tables and stamps their version on first open: one process at a time.
+        with where.lock(SCHEMA_LOCK), _quiet_experimental():
+            return optuna.storages.RDBStorage(
+                where.location,
+                engine_kwargs=engine_kwargs,
+                heartbeat_interval=where.heartbeat_interval_s,
+                grace_period=where.grace_period_s,
+                heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
+                    max_retry=where.max_retry
+                ),
+            )
+    except (SQLAlchemyError, OSError, RuntimeError) as exc:
+        # RuntimeError: Optuna's tables are of another Optuna version (its message says how to upgrade).
+        raise StudyStorageError(f"study storage {where.display()}: cannot be opened: {_first_line(exc)}") from exc
+
+
+def _open_journal(path: Path) -> optuna.storages.BaseStorage:
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    what = f"study journal {path}"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StudyStorageError(f"{what}: its folder cannot be created ({exc.strerror or exc})") from exc
+    wrong = journal.problem(path)
+    if wrong is not None:
+        raise StudyStorageError(f"{what} {wrong}")
+    try:
+        return JournalStorage(JournalFileBackend(str(path)))
+    except Exception as exc:
+        raise StudyStorageError(f"{what} {journal.unreadable(exc)}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 @functools.cache
@@ -254,20 +348,25 @@ def _lock_engine(url: str) -> Any:
 
 
 class Heartbeat:
-    """Records a heartbeat for every trial this worker holds, at the storage's interval, in a thread.
+    """Shows that worker ``worker`` lives and which trials it holds.
 
-    Optuna beats only inside ``study.optimize``; the tuner asks and tells, so it beats itself. A
-    trial is beaten as soon as it is asked: Optuna never fails a running trial that has no
-    heartbeat at all, so a worker killed before its first beat would block the study for good.
+    On an RDB storage it records a heartbeat for every trial the worker holds, at the storage's
+    interval, in a thread. Optuna beats only inside ``study.optimize``; the tuner asks and tells, so
+    it beats itself. A trial is beaten as soon as it is asked: Optuna never fails a running trial
+    that has no heartbeat at all, so a worker killed before its first beat would block the study for
+    good. On a journal it holds the worker's presence lock (:class:`.journal.Presence`) instead.
     """
 
-    def __init__(self, storage: optuna.storages.BaseStorage, where: StudyStorage) -> None:
+    def __init__(self, storage: optuna.storages.BaseStorage, where: StudyStorage, worker: str) -> None:
+        self.worker = worker
         self._storage = storage if where.has_heartbeat else None
         self._interval = where.heartbeat_interval_s
-        self._held: set[int] = set()
+        #: Storage id of each held trial -> its study name and number.
+        self._held: dict[int, tuple[str, int]] = {}
         self._guard = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._presence = None if where.is_rdb else journal.Presence(Path(where.location), worker)
         if self._storage is not None:
             self._thread = threading.Thread(target=self._beat, name="tritune-heartbeat", daemon=True)
             self._thread.start()
@@ -288,22 +387,29 @@ class Heartbeat:
                     # A passing database hiccup must not end the beat; a long one makes the trial stale.
                     log.warning("heartbeat of trial %d not recorded: %s", trial_id, exc)
 
-    def hold(self, trial_id: int) -> None:
-        if self._storage is None:
-            return
-        self._record(trial_id)
+    def hold(self, trial_id: int, study_name: str, number: int) -> None:
+        """From now on this worker holds trial ``trial_id`` (number ``number`` of study ``study_name``)."""
+        if self._storage is not None:
+            self._record(trial_id)
         with self._guard:
-            self._held.add(trial_id)
+            self._held[trial_id] = (study_name, number)
 
     def drop(self, trial_id: int) -> None:
         with self._guard:
-            self._held.discard(trial_id)
+            self._held.pop(trial_id, None)
+
+    def holds(self, study_name: str, number: int) -> bool:
+        """Whether this worker holds trial ``number`` of ``study_name``."""
+        with self._guard:
+            return (study_name, number) in self._held.values()
 
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
             # A beat stuck on a locked or distant database does not hold the worker (a daemon thread).
             self._thread.join(HEARTBEAT_CLOSE_S)
+        if self._presence is not None:
+            self._presence.close()
 
 
 @dataclass
