@@ -270,3 +270,16 @@ def test_path_with_markup_and_a_newline_is_printed_escaped(tmp_path: Path) -> No
     assert result.exit_code == 1, result.output
     assert "[bold]x\\n[red]" in result.output
     assert "refused" in result.output and "[red]nope[/red]: unknown kernel" in result.output
+
+
+def test_numbers_past_every_range_are_named_not_raised() -> None:
+    """Python ints too wide for a float once made ``math.isfinite`` raise ``OverflowError``."""
+    from tritune.configs_db.values import check_flat, winner_numbers_problem
+
+    assert (
+        winner_numbers_problem(10**5000, 0.2, 2.0, 12)
+        == "time_ms is an integer of about 5000 digits, outside the 64-bit range"
+    )
+    assert winner_numbers_problem(0.1, 0.2, 2.0, 2**63) == "trials is 9223372036854775808, expected at most 2147483647"
+    with pytest.raises(ValueError, match=r"key\.n is an integer of about 5000 digits, outside the 64-bit range"):
+        check_flat({"n": 10**5000}, "key")
