@@ -25,13 +25,15 @@ from tritune.kernels.q4k.reference import q4k_linear_reference, sqnr_db
 from tritune.kernels.varlen.reference import varlen_reference
 
 BF = torch.bfloat16
+#: The GPU when there is one, else CPU tensors on the interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPE = (1, 2, 3, 64)  # q and out: [B, Hq, Lq, D]
 KV = (1, 1, 8, 64)
 ATTENTION = ("prefill", "decode", "attention")
 
 
 def _randn(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(BF)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, BF)
 
 
 def _inputs() -> dict[str, torch.Tensor]:
@@ -39,7 +41,7 @@ def _inputs() -> dict[str, torch.Tensor]:
         "q": _randn(*SHAPE, seed=1),
         "k": _randn(*KV, seed=2),
         "v": _randn(*KV, seed=3),
-        "kv_len": torch.tensor([8], dtype=torch.int32),
+        "kv_len": torch.tensor([8], dtype=torch.int32, device=DEVICE),
     }
 
 
@@ -69,16 +71,16 @@ def _refused(call: Callable[[], Any], name: str) -> str:
 
 
 def _expanded_rows(args: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.empty(1, 2, 1, 64, dtype=BF).expand(SHAPE)
+    return torch.empty(1, 2, 1, 64, dtype=BF, device=DEVICE).expand(SHAPE)
 
 
 def _expanded_heads(args: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.empty(1, 1, 3, 64, dtype=BF).expand(SHAPE)
+    return torch.empty(1, 1, 3, 64, dtype=BF, device=DEVICE).expand(SHAPE)
 
 
 def _rows_overlap(args: dict[str, torch.Tensor]) -> torch.Tensor:
     # Each row starts half a row after the previous one.
-    return torch.empty(512, dtype=BF).as_strided(SHAPE, (192, 96, 32, 1))
+    return torch.empty(512, dtype=BF, device=DEVICE).as_strided(SHAPE, (192, 96, 32, 1))
 
 
 def _is_q(args: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -92,14 +94,14 @@ def _expanded_q(args: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def _inside_k(args: dict[str, torch.Tensor]) -> torch.Tensor:
-    storage = torch.randn(2048).to(BF)
+    storage = torch.randn(2048).to(DEVICE, BF)
     args["k"] = storage[:512].view(KV)
     return storage[256 : 256 + 384].view(SHAPE)
 
 
 def _over_kv_len(args: dict[str, torch.Tensor]) -> torch.Tensor:
     # kv_len's four bytes are the first two elements of out.
-    buffer = torch.zeros(384, dtype=BF)
+    buffer = torch.zeros(384, dtype=BF, device=DEVICE)
     args["kv_len"] = buffer[:2].view(torch.int32)
     args["kv_len"].fill_(8)
     return buffer.view(SHAPE)
@@ -131,20 +133,20 @@ def test_an_out_sharing_memory_is_refused(entry, case):
 
 
 def _fresh(args: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.full(SHAPE, float("nan"), dtype=BF)
+    return torch.full(SHAPE, float("nan"), dtype=BF, device=DEVICE)
 
 
 def _transposed(args: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.full((1, 3, 2, 64), float("nan"), dtype=BF).transpose(1, 2)
+    return torch.full((1, 3, 2, 64), float("nan"), dtype=BF, device=DEVICE).transpose(1, 2)
 
 
 def _padded(args: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.full((1, 2, 3, 128), float("nan"), dtype=BF)[..., :64]
+    return torch.full((1, 2, 3, 128), float("nan"), dtype=BF, device=DEVICE)[..., :64]
 
 
 def _beside_k(args: dict[str, torch.Tensor]) -> torch.Tensor:
     # One storage, disjoint byte ranges: k reads its half, the kernels write the other.
-    storage = torch.randn(2048).to(BF)
+    storage = torch.randn(2048).to(DEVICE, BF)
     args["k"] = storage[:512].view(KV)
     return storage[1024 : 1024 + 384].view(SHAPE)
 
@@ -180,7 +182,7 @@ def _varlen_inputs() -> dict[str, torch.Tensor]:
         "q": _randn(3, 2, 64, seed=4),
         "k_store": _randn(8, 1, 1, 64, seed=5),
         "v_store": _randn(8, 1, 1, 64, seed=6),
-        "seq_info": torch.tensor([[0, 3, 0, 8]], dtype=torch.int32),
+        "seq_info": torch.tensor([[0, 3, 0, 8]], dtype=torch.int32, device=DEVICE),
     }
 
 
@@ -188,15 +190,15 @@ def _varlen_inputs() -> dict[str, torch.Tensor]:
 def test_varlen_out_memory(case):
     args = _varlen_inputs()
     if case == "zero-stride":
-        out = torch.empty(1, 2, 64, dtype=BF).expand(3, 2, 64)
+        out = torch.empty(1, 2, 64, dtype=BF, device=DEVICE).expand(3, 2, 64)
     elif case == "out-is-q":
         out = args["q"]
     elif case == "inside-v_store":
         out = args["v_store"].view(-1)[:384].view(3, 2, 64)
     elif case == "transposed":
-        out = torch.full((2, 3, 64), float("nan"), dtype=BF).transpose(0, 1)
+        out = torch.full((2, 3, 64), float("nan"), dtype=BF, device=DEVICE).transpose(0, 1)
     else:
-        out = torch.full((3, 2, 128), float("nan"), dtype=BF)[..., :64]
+        out = torch.full((3, 2, 128), float("nan"), dtype=BF, device=DEVICE)[..., :64]
     call = lambda: varlen_attention(args["q"], args["k_store"], args["v_store"], args["seq_info"], out=out)  # noqa: E731
     if case in ("transposed", "padded"):
         assert call() is out
@@ -208,7 +210,7 @@ def test_varlen_out_memory(case):
 
 @pytest.fixture(scope="module")
 def q4k_weight() -> Q4KWeight:
-    return Q4KWeight.quantize(torch.randn(16, 256, generator=torch.Generator().manual_seed(0)))
+    return Q4KWeight.quantize(torch.randn(16, 256, generator=torch.Generator().manual_seed(0)).to(DEVICE))
 
 
 @pytest.mark.parametrize("case", ["out-is-x", "inside-bias", "inside-weight", "fresh"])
@@ -218,12 +220,12 @@ def test_q4k_out_memory(case, q4k_weight):
     if case == "out-is-x":
         out = x.view(-1)[: 16 * 16].view(16, 16)
     elif case == "inside-bias":
-        storage = torch.zeros(256 + 16, dtype=BF)
+        storage = torch.zeros(256 + 16, dtype=BF, device=DEVICE)
         bias, out = storage[:16], storage[8 : 8 + 256].view(16, 16)
     elif case == "inside-weight":
         out = q4k_weight.qs.view(-1)[:512].view(BF).view(16, 16)
     else:
-        out = torch.full((16, 16), float("nan"), dtype=BF)
+        out = torch.full((16, 16), float("nan"), dtype=BF, device=DEVICE)
     call = lambda: q4k_linear(x, q4k_weight, bias, out=out)  # noqa: E731
     if case == "fresh":
         assert call() is out
