@@ -12,6 +12,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
+
 _SCRIPT = """
 import torch
 from triton.runtime import interpreter
@@ -76,6 +79,10 @@ def _run(tmp_path, *, interpret: bool, launch: bool) -> dict[str, str]:
     return dict(line.split("|", 1) for line in run.stdout.splitlines() if "|" in line)
 
 
+@pytest.mark.skipif(
+    torch.torch_version.TorchVersion(torch.__version__) < "2.13",
+    reason="torch.library.wrap_triton refuses interpreted kernels before torch 2.13",
+)
 def test_the_kernels_run_on_cpu_tensors_with_only_triton_interpret_set(tmp_path):
     results = _run(tmp_path, interpret=True, launch=True)
     assert results.pop("after-import") == "False", "importing tritune must not patch the interpreter"
