@@ -7,8 +7,10 @@ graph once and replayed for any lengths up to ``Lmax``.
 
 Layout contract: every tensor may have any strides as long as its last (head-dim) stride is 1; a
 tensor whose last stride is not 1 is refused with a ValueError rather than copied, because a copy
-of a cache would cost more than the attention itself. ``kv_len`` values outside ``[0, Lmax]`` are
-clamped on the device.
+of a cache would cost more than the attention itself. A given ``out`` must give each element its
+own memory (no zero stride, no expanded view) and share none with an input: the kernels write it
+tile by tile while other programs still read. ``kv_len`` values outside ``[0, Lmax]`` are clamped
+on the device.
 
 The launch is registered once as ``tritune::decode_attention`` (a ``triton_op`` on GPUs, so
 ``torch.compile`` sees the kernels); tracers and dispatch modes always go through it. In eager mode
