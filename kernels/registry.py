@@ -28,6 +28,11 @@ def register(spec: KernelSpec[Any, Any]) -> None:
     _DECLARED[spec.name] = spec
 
 
+def builtin_names() -> list[str]:
+    """The kernels tritune ships."""
+    return list(_SPECS)
+
+
 def kernel_names() -> list[str]:
     """The built-in kernels, then those declared in this process."""
     return list(_SPECS) + [name for name in _DECLARED if name not in _SPECS]

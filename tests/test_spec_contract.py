@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from tritune.kernels.device import device_info
-from tritune.kernels.registry import get_spec, kernel_names
+from tritune.kernels.registry import builtin_names, get_spec
 
 CPU = device_info("cpu")
 
 
-@pytest.fixture(params=kernel_names())
+@pytest.fixture(params=builtin_names())
 def spec(request):
     return get_spec(request.param)
 

@@ -131,7 +131,7 @@ def _jit_functions(module: ModuleType) -> dict[str, object]:
     }
 
 
-@pytest.mark.parametrize("kernel", registry.kernel_names())
+@pytest.mark.parametrize("kernel", registry.builtin_names())
 def test_every_triton_function_of_a_family_is_part_of_its_version(kernel: str) -> None:
     """A launched kernel missing from ``jit_kernels`` could change without staling its winners."""
     spec = registry.get_spec(kernel)
@@ -151,11 +151,11 @@ def test_every_triton_function_of_a_family_is_part_of_its_version(kernel: str) -
 
 def test_versions_are_the_same_with_and_without_the_interpreter() -> None:
     """Winners tuned on a GPU must admit where the CPU tier checks them, and back."""
-    here = {name: registry.get_spec(name).version for name in registry.kernel_names()}
+    here = {name: registry.get_spec(name).version for name in registry.builtin_names()}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = (
         "import json; from tritune.kernels import registry; "
-        "print(json.dumps({n: registry.get_spec(n).version for n in registry.kernel_names()}))"
+        "print(json.dumps({n: registry.get_spec(n).version for n in registry.builtin_names()}))"
     )
     result = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=True
