@@ -283,7 +283,7 @@ def test_shipped_h200_bundle_is_well_formed_and_current():
 
     A kernel edit changes that kernel's version and makes its entries stale: the dispatcher then
     refuses them with one warning and serves the portable path. This test names which kernels'
-    entries went stale, so the bundle is re-tuned (``scripts/gpu_evidence.sh``) in the same change.
+    entries went stale, so the bundle is re-tuned (``scripts/gpu_suite.sh``) in the same change.
     """
     from tritune.configs_db.bundles import shipped_records
     from tritune.kernels.device import DeviceInfo

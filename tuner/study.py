@@ -17,7 +17,7 @@ The loop, per batch of proposals:
 4. The last ``polish`` share of the trial budget goes to configs one step from the best so far
    (one field moved to a neighbouring choice): a hill climb from the incumbent. TPE's proposals
    depend on its seed; two tunes of one key that end near the same optimum should pick it, not
-   two of its neighbours (rank stability, issue 7).
+   two of its neighbours (rank stability).
 5. The best config, the runner-up and the portable default are re-timed in interleaved rounds,
    and the fastest is offered to the DB as the key's winner (the DB keeps the faster of
    concurrent offers).

@@ -274,7 +274,7 @@ class VarlenSpec(KernelSpec[VarlenConfig, VarlenKey]):
             {**prefill_tiles, "BLOCK_N": 128, "KV_TMA": True},
             {**prefill_tiles, "BLOCK_N": 64, "KV_TMA": True},
             {**few_splits, "BLOCK_M": 64, "BLOCK_N": 64, "TARGET_WAVES": 1},
-            # Session 5's mixed-step winner as it ran then: one tile for every segment.
+            # One prefill-sized tile for every segment (no short tile): the mixed step's layout before SHORT_M.
             {"BLOCK_M": 128, "BLOCK_N": 128, "MAX_SPLITS": 64, "MIN_CHUNK": 2048, "TARGET_WAVES": 4, "num_stages": 3,
              "num_warps": 8, "SHORT_M": 128},
         ]  # fmt: skip
