@@ -32,7 +32,15 @@ from tritune.configs_db.store import ConfigStore
 from tritune.kernels import registry
 from tritune.tuner import journal
 from tritune.tuner.fleet import SCRATCH_OWNER, SCRATCH_PREFIX, ScratchStudies, remove_abandoned
-from tritune.tuner.studies import WORKER_ATTR, Heartbeat, StudyStorage, StudyStorageError, summaries
+from tritune.tuner.studies import (
+    FAILED_TRIAL_ATTR,
+    WORKER_ATTR,
+    Heartbeat,
+    StudyStorage,
+    StudyStorageError,
+    summaries,
+)
+from tritune.tuner.study import TuneOptions
 
 #: A rerun of the toy tune takes well under a minute; a hang is caught at this limit.
 RERUN_LIMIT_S = 150.0
@@ -166,6 +174,49 @@ def test_a_journal_worker_releases_the_trials_of_workers_that_are_gone(tmp_path)
     other.close()
     assert where.fail_stale(study, me) == 1, "a worker that closed its presence is gone"
     me.close()
+
+
+def test_a_retried_trial_is_not_released_again_before_its_new_worker_signs_it(tmp_path):
+    """A retry must not carry the dead worker's name: a worker that has just taken it (asked, not signed yet)
+    would lose it to another worker's check of that name, and die on signing it."""
+    where = StudyStorage(str(tmp_path / "studies.log"))
+    storage = where.open()
+    study = optuna.create_study(study_name="tritune:toy", storage=storage)
+    distributions = {"x": optuna.distributions.FloatDistribution(0.0, 1.0)}
+    lost = study.ask(distributions)
+    lost.set_user_attr(WORKER_ATTR, "host:9:cpu")
+    me = Heartbeat(storage, where, "host:1:cpu")
+    assert where.fail_stale(study, me) == 1
+    taken = study.ask(distributions)
+    assert FAILED_TRIAL_ATTR in study.trials[taken.number].system_attrs, "the retry was taken"
+    assert WORKER_ATTR not in study.trials[taken.number].user_attrs
+    assert where.fail_stale(study, me) == 0
+    taken.set_user_attr(WORKER_ATTR, "host:2:cpu")
+    me.close()
+
+
+def test_a_worker_whose_fresh_trial_was_released_asks_another(tmp_path, monkeypatch):
+    """A trial failed by another process between this worker's ask and its signature is not this worker's:
+    it asks again instead of dying."""
+    monkeypatch.setitem(registry._SPECS, "toy_scale", f"{toy_kernel.__name__}:SPEC")
+    with ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}") as store:
+        (tuner,) = dist._shared_tuners(tmp_path, store, TuneOptions(trials=8, final_rounds=1), ("a",))
+        study = tuner._join(toy_kernel.SPEC.default_config(tuner.key))
+        storage, ask = tuner.where.open(), study.ask
+
+        def ask_then_lose(*args: Any, **kwargs: Any) -> Any:
+            trial = ask(*args, **kwargs)
+            if trial.number == 0:
+                study_id = storage.get_study_id_from_name(study.study_name)
+                trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, 0)
+                storage.set_trial_state_values(trial_id, TrialState.FAIL)
+            return trial
+
+        monkeypatch.setattr(study, "ask", ask_then_lose)
+        trial, _ = tuner._ask(study)
+        tuner.heartbeat.close()
+    assert trial.number == 1
+    assert study.trials[1].state == TrialState.RUNNING and study.trials[1].user_attrs[WORKER_ATTR] == "test:a"
 
 
 def test_only_the_temporary_studies_of_dead_coordinators_are_removed(tmp_path):

@@ -361,15 +361,24 @@ class SharedKeyTuner(KeyTuner):
         return measured, "asks"
 
     def _ask(self, study: optuna.Study) -> Asked:
-        with warnings.catch_warnings():
-            # Optuna beats only inside optimize() and says so; this worker beats itself (Heartbeat).
-            warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used", UserWarning)
-            trial = study.ask(self.distributions)
+        """A new trial, held and signed by this worker."""
         assert self._study_id is not None
-        trial_id = self.where.open().get_trial_id_from_study_id_trial_number(self._study_id, trial.number)
-        self.heartbeat.hold(trial_id, self.name, trial.number)
-        trial.set_user_attr(WORKER_ATTR, self.worker)
-        return trial, trial_id
+        while True:
+            with warnings.catch_warnings():
+                # Optuna beats only inside optimize() and says so; this worker beats itself (Heartbeat).
+                warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used", UserWarning)
+                trial = study.ask(self.distributions)
+            trial_id = self.where.open().get_trial_id_from_study_id_trial_number(self._study_id, trial.number)
+            self.heartbeat.hold(trial_id, self.name, trial.number)
+            try:
+                trial.set_user_attr(WORKER_ATTR, self.worker)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                # Released by another process before it was signed (taken for a dead worker's): not ours.
+                self.heartbeat.drop(trial_id)
+                log.warning("%s: trial %d was released before this worker signed it; asking another", self.name,
+                            trial.number)  # fmt: skip
+                continue
+            return trial, trial_id
 
     def _tell(self, study: optuna.Study, asked: Asked, outcome: str, value: float | None = None) -> None:
         trial, trial_id = asked

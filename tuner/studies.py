@@ -24,6 +24,7 @@ on first open, and processes doing that at once fail on a unique constraint.
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
 import functools
 import hashlib
@@ -159,9 +160,16 @@ class StudyStorage:
         return _open_storage(self)
 
     def retry(self, study: optuna.Study, trial: FrozenTrial) -> None:
-        """Enqueue ``trial`` (failed, never measured) again, up to ``max_retry`` times."""
+        """Enqueue ``trial`` (failed, never measured) again, up to ``max_retry`` times.
+
+        The copy does not carry the failed trial's worker (Optuna's retry copies every user
+        attribute): once taken and until signed by its new worker, it would pass for a running trial
+        of the dead one and be released again (:meth:`fail_stale`).
+        """
+        unsigned = copy.copy(trial)
+        unsigned.user_attrs = {name: value for name, value in trial.user_attrs.items() if name != WORKER_ATTR}
         with _quiet_experimental():
-            optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=self.max_retry)(study, trial)
+            optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=self.max_retry)(study, unsigned)
 
     def fail_stale(self, study: optuna.Study, heartbeat: Heartbeat) -> int:
         """Fail and retry the trials whose worker is gone; how many this process released.
