@@ -273,7 +273,8 @@ class CheckedCall:
                     f"{name}: CPU tensors run only on the Triton interpreter (set TRITON_INTERPRET=1 before "
                     "importing tritune); move the tensors to a GPU"
                 )
-            if device.type not in ("cpu", "cuda"):
+            # Meta tensors pass: nothing launches on them unless a recorder stands in for Triton.
+            if device.type not in ("cpu", "cuda", "meta"):
                 raise ValueError(f"{name}: expected a CUDA device, got {device}")
         elif device != self.device:
             assert self.first is not None

@@ -146,11 +146,7 @@ def jit_fingerprint(kernels: Iterable[Any]) -> str:
 
 def space_fingerprint(space: Any, key_type: type) -> str:
     """Hash of a config space's structure and a key type's fields (what stored values mean)."""
-    rule = getattr(space, "_feasibility", None)
-    lines = [f"space {type(space).__module__}.{type(space).__qualname__}"]
-    lines += [f"field {name}={options!r}" for name, options in space.dimensions.items()]
-    if rule is not None:
-        lines.append(f"rule {rule.__module__}.{rule.__qualname__}")
+    lines = [f"space {type(space).__module__}.{type(space).__qualname__}", *space.fingerprint()]
     lines += [f"key {f.name}: {f.type}" for f in dataclasses.fields(key_type)]
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -87,9 +87,7 @@ class SearchSpace(Generic[C, K]):
         :class:`ConfigError` naming the field.
         """
         if not isinstance(values, Mapping):
-            raise ConfigError(
-                f"{self.kernel}: a config must be a mapping of field names, got {type(values).__name__}"
-            )
+            raise ConfigError(f"{self.kernel}: a config must be a mapping of field names, got {type(values).__name__}")
         unknown = sorted(set(values) - set(self.dimensions))
         if unknown:
             raise ConfigError(
@@ -99,9 +97,7 @@ class SearchSpace(Generic[C, K]):
         for name, value in values.items():
             options = self.dimensions[name]
             if not _same_kind(value, options[0]) or value not in options:
-                raise ConfigError(
-                    f"{self.kernel}: {name}={value!r} is not in the space; expected one of {options}"
-                )
+                raise ConfigError(f"{self.kernel}: {name}={value!r} is not in the space; expected one of {options}")
             start[name] = value
         return self.config_type(**start)
 
@@ -144,6 +140,33 @@ class SearchSpace(Generic[C, K]):
         for combo in itertools.product(*(self.dimensions[n] for n in names)):
             yield self.config_type(**dict(zip(names, combo, strict=True)))
 
+    def from_proposal(self, params: Mapping[str, Any]) -> C:
+        """The config a sampler's proposal (a value for every dimension) stands for."""
+        return self.parse(params)
+
+    def neighbours(self, config: C) -> list[C]:
+        """Configs one step away from ``config``: one field moved to the choice next to its own.
+
+        The choices are ordered (tiles, warps, stages), so these are the nearest configs a hill
+        climb from ``config`` tries first; feasibility is the caller's to check.
+        """
+        values = self.to_dict(config)
+        found = []
+        for name, options in self.dimensions.items():
+            position = options.index(values[name])
+            for step in (-1, 1):
+                if 0 <= position + step < len(options):
+                    found.append(self.parse({**values, name: options[position + step]}))
+        return found
+
+    def fingerprint(self) -> list[str]:
+        """The structure that decides what a stored config means (see ``kernels/versioning.py``)."""
+        rule = self._feasibility
+        lines = [f"field {name}={options!r}" for name, options in self.dimensions.items()]
+        if rule is not None:
+            lines.append(f"rule {rule.__module__}.{rule.__qualname__}")
+        return lines
+
     def infeasible_reason(self, config: C, key: K, limits: TargetLimits) -> str | None:
         """Why ``config`` cannot run for ``key`` on this target, or ``None`` if it may."""
         if self._feasibility is None:
@@ -159,6 +182,142 @@ def _same_kind(value: Any, example: Value) -> bool:
     if isinstance(example, bool) or isinstance(value, bool):
         return isinstance(value, bool) and isinstance(example, bool)
     return isinstance(value, type(example))
+
+
+class UnionSpace(Generic[K]):
+    """A space made of member spaces, one per path of a kernel, chosen by a discriminant field.
+
+    Each member is a :class:`SearchSpace` over its own frozen dataclass with its own feasibility
+    rule; its first field is the discriminant, declared with a single choice (its own name), so
+    every config says which member it belongs to. A config holds only the fields its path reads:
+    no field is "only used by path X", and two configs that launch the same thing are equal.
+
+    The union's :attr:`dimensions` (the sampler's view) hold every field of any member with the
+    union of its choices; :meth:`from_proposal` keeps the fields of the proposed path and refuses
+    values outside that path's choices. Op schemas carry every field of the union
+    (:attr:`field_types`); a field the config's path lacks travels as a filler and is ignored.
+    """
+
+    def __init__(self, kernel: str, discriminant: str, members: Sequence[SearchSpace[Any, K]]) -> None:
+        self.kernel = kernel
+        self.discriminant = discriminant
+        self.members: dict[str, SearchSpace[Any, K]] = {}
+        for member in members:
+            options = member.dimensions.get(discriminant, ())
+            if list(member.dimensions)[:1] != [discriminant] or len(options) != 1:
+                raise TypeError(
+                    f"{kernel}: {member.config_type.__name__} must start with a field {discriminant!r} "
+                    "declared with one choice, its own name"
+                )
+            self.members[str(options[0])] = member
+        self.dimensions: dict[str, tuple[Value, ...]] = {discriminant: tuple(self.members)}
+        for member in self.members.values():
+            for name, options in member.dimensions.items():
+                if name != discriminant:
+                    merged = list(self.dimensions.get(name, ()))
+                    merged += [o for o in options if o not in merged]
+                    self.dimensions[name] = tuple(sorted(merged)) if _sortable(merged) else tuple(merged)
+        self._fillers = {name: options[0] for name, options in self.dimensions.items()}
+
+    def member_of(self, config: Any) -> SearchSpace[Any, K]:
+        return self.members[getattr(config, self.discriminant)]
+
+    @property
+    def config_types(self) -> tuple[type, ...]:
+        return tuple(m.config_type for m in self.members.values())
+
+    # ---- conversion and validation -------------------------------------------------------
+
+    def default(self) -> Any:
+        """The first member's defaults: the kernel's portable configuration."""
+        return next(iter(self.members.values())).default()
+
+    def _member_for(self, values: Mapping[str, Any], base: Any = None) -> SearchSpace[Any, K]:
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{self.kernel}: a config must be a mapping of field names, got {type(values).__name__}")
+        path = values.get(self.discriminant, getattr(base, self.discriminant, None))
+        if path is None:
+            return next(iter(self.members.values()))
+        member = self.members.get(path) if isinstance(path, str) else None
+        if member is None:
+            raise ConfigError(
+                f"{self.kernel}: {self.discriminant}={path!r} is not in the space; "
+                f"expected one of {tuple(self.members)}"
+            )
+        return member
+
+    def parse(self, values: Mapping[str, Any], base: Any = None) -> Any:
+        """A config of the member ``values[discriminant]`` names (or ``base``'s, or the first).
+
+        Fields left out take ``base``'s values where ``base`` is of the same member, else that
+        member's defaults. A field the member does not have is refused, naming it and the path.
+        """
+        member = self._member_for(values, base)
+        foreign = sorted(set(values) - set(member.dimensions))
+        if foreign:
+            path = member.dimensions[self.discriminant][0]
+            raise ConfigError(
+                f"{self.kernel}: {self.discriminant}={path!r} has no field(s) {foreign}; its fields are "
+                f"{sorted(member.dimensions)}"
+            )
+        same = base is not None and isinstance(base, member.config_type)
+        return member.parse(values, base if same else None)
+
+    def from_proposal(self, params: Mapping[str, Any]) -> Any:
+        """The config of the proposed path, from a proposal holding a value for every union field."""
+        member = self._member_for(params)
+        return member.parse({name: value for name, value in params.items() if name in member.dimensions})
+
+    def to_dict(self, config: Any) -> dict[str, Value]:
+        return self.member_of(config).to_dict(config)
+
+    def contains(self, config: Any) -> bool:
+        try:
+            return bool(self.parse(self.to_dict(config)) == config)
+        except (ConfigError, KeyError, AttributeError):
+            return False
+
+    @property
+    def field_types(self) -> dict[str, type]:
+        return {name: type(options[0]) for name, options in self.dimensions.items()}
+
+    def from_fields(self, fields: Mapping[str, Any]) -> Any:
+        member = self._member_for(fields)
+        return member.parse({name: fields[name] for name in member.dimensions})
+
+    def field_values(self, config: Any) -> dict[str, Value]:
+        """Every union field: the config's own, fillers for the fields its path lacks."""
+        return {name: getattr(config, name, filler) for name, filler in self._fillers.items()}
+
+    # ---- enumeration and pruning ---------------------------------------------------------
+
+    def size(self) -> int:
+        return sum(member.size() for member in self.members.values())
+
+    def grid(self) -> Iterator[Any]:
+        return itertools.chain.from_iterable(member.grid() for member in self.members.values())
+
+    def neighbours(self, config: Any) -> list[Any]:
+        return self.member_of(config).neighbours(config)
+
+    def fingerprint(self) -> list[str]:
+        lines = [f"union on {self.discriminant}"]
+        for path, member in self.members.items():
+            lines += [f"{path}: {line}" for line in member.fingerprint()]
+        return lines
+
+    def infeasible_reason(self, config: Any, key: K, limits: TargetLimits) -> str | None:
+        member = self.members.get(getattr(config, self.discriminant, None))  # type: ignore[arg-type]
+        if member is None or not isinstance(config, member.config_type):
+            return f"{config!r} is not a config of {self.kernel}"
+        return member.infeasible_reason(config, key, limits)
+
+    def feasible(self, key: K, limits: TargetLimits) -> list[Any]:
+        return [c for c in self.grid() if self.infeasible_reason(c, key, limits) is None]
+
+
+def _sortable(values: list[Value]) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
 
 
 def tile_smem_bytes(*tiles: tuple[int, int, int]) -> int:
