@@ -343,7 +343,7 @@ class CheckedCall:
         name = self.label(arg.name)
         if value is None:
             if not arg.optional:
-                raise TypeError(f"{name}: expected a {arg.type.__name__}, got None")
+                raise TypeError(f"{name}: expected {_article(arg.type.__name__)}, got None")
             return
         wanted = arg.type.__name__ + (" or None" if arg.optional else "")
         if arg.type is bool:
@@ -353,7 +353,7 @@ class CheckedCall:
         else:
             ok = isinstance(value, int | float) and not isinstance(value, bool)
         if not ok:
-            raise TypeError(f"{name}: expected a {wanted}, got {type(value).__name__}")
+            raise TypeError(f"{name}: expected {_article(wanted)}, got {type(value).__name__}")
         low, high = arg.bounds
         # Comparisons, not float(): an int too large for a float is refused, not an OverflowError.
         if (low is not None and not value >= low) or (high is not None and not value <= high) or value != value:
@@ -410,6 +410,11 @@ class CheckedCall:
             else:
                 shape.append(self.dims[d])
         return tuple(shape)
+
+
+def _article(noun: str) -> str:
+    """``noun`` with its indefinite article: "an int", "a float or None"."""
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
 
 
 def _bounds_text(arg: Scalar) -> str:

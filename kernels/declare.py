@@ -161,7 +161,7 @@ class Kernel(KernelSpec[Any, Any]):
             raise ValueError(f"{self.name}: argument names repeat: {names}")
         dims = set(dim_names(self.arguments))
         known = set(names) | dims | {d.name for d in self.derived} | {"dtype"}
-        known |= {f"has_{a.name}" for a in self.arguments if isinstance(a, Tensor) and a.optional}
+        known |= {f"has_{a.name}" for a in self.arguments if isinstance(a, Tensor | Scalar) and a.optional}
         unknown = [f for f in self.fact_names if f not in known]
         if unknown:
             raise ValueError(f"{self.name}: facts {unknown} name no argument, dim or derived fact")
@@ -231,6 +231,14 @@ class Kernel(KernelSpec[Any, Any]):
         from .dispatcher import dispatch_config
 
         facts, device, args = self.check_call(args, names)
+        if device.type == "meta":
+            # The checks let meta tensors through for launch(), where a recorder may stand in for
+            # Triton; a call has nowhere to run.
+            first = self.arguments[0].name
+            raise ValueError(
+                f"{(names or {}).get(first, first)}: expected a CUDA tensor (or a CPU one on the Triton "
+                "interpreter), got device meta"
+            )
         if _empty(args, self._output_positions):
             return self._result(args)
         index = -1 if device.index is None else device.index
