@@ -200,8 +200,7 @@ class Kernel(KernelSpec[Any, Any]):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the kernel: arguments as declared, positionally or by name."""
         if kwargs or len(args) != len(self.arguments):
-            args = tuple(self._signature.bind(*args, **kwargs).arguments.values())
-            args = self._with_defaults(args)
+            args = self._bind(args, kwargs)
         return self.call(*args)
 
     def call(self, *args: Any) -> Any:
@@ -211,20 +210,23 @@ class Kernel(KernelSpec[Any, Any]):
             fast = self._fast = self.fast_check()
         checked = fast.fn(*args)
         if checked is not None:
-            facts, device, args = checked
-            if _empty(args, self._output_positions):
-                return self._result(args)
-            from .dispatcher import dispatch_config_eager
-
-            config = dispatch_config_eager(self.name, device, facts)
-            if no_modes() and not _needs_grad(args):
-                if device.type == "cpu":
-                    _prepare_interpreter()
-                run_unwrapped(self._launch, (config, *args), [args[i] for i in self._output_positions])
-            else:
-                self._call_op(config, args)
-            return self._result(args)
+            return self._call_fast(*checked)
         return self._call_checked(args)
+
+    def _call_fast(self, facts: Any, device: torch.device, args: tuple[Any, ...]) -> Any:
+        """A call the fast check accepted: dispatch, then the direct launch or the op."""
+        if _empty(args, self._output_positions):
+            return self._result(args)
+        from .dispatcher import dispatch_config_eager
+
+        config = dispatch_config_eager(self.name, device, facts)
+        if no_modes() and not _needs_grad(args):
+            if device.type == "cpu":
+                _prepare_interpreter()
+            run_unwrapped(self._launch, (config, *args), [args[i] for i in self._output_positions])
+        else:
+            self._call_op(config, args)
+        return self._result(args)
 
     def _call_checked(self, args: tuple[Any, ...], names: dict[str, str] | None = None) -> Any:
         """The detailed path: checks that name the argument, then dispatch through the op."""
@@ -249,11 +251,17 @@ class Kernel(KernelSpec[Any, Any]):
         return self._result(args)
 
     def call_named(self, args: tuple[Any, ...], names: dict[str, str]) -> Any:
-        """Run a call whose errors name the arguments as ``names`` maps them (a wrapper's own names)."""
-        fast = self._fast or self.fast_check()
+        """Run a call whose errors name the arguments as ``names`` maps them (a wrapper's own names).
+
+        ``args``: every argument, positionally (as :meth:`call` takes them). A call the fast check
+        accepts costs what :meth:`call` does: the check runs once.
+        """
+        fast = self._fast
+        if fast is None:
+            fast = self._fast = self.fast_check()
         checked = fast.fn(*args)
         if checked is not None:
-            return self.call(*args)
+            return self._call_fast(*checked)
         return self._call_checked(args, names)
 
     def check_call(
@@ -304,8 +312,9 @@ class Kernel(KernelSpec[Any, Any]):
         outputs = [args[i] for i in self._output_positions]
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
-    def _with_defaults(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        bound = self._signature.bind_partial(*args)
+    def _bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
+        """Every argument in declared order, defaults filled in (keywords may skip earlier ones)."""
+        bound = self._signature.bind(*args, **kwargs)
         bound.apply_defaults()
         return tuple(bound.arguments.values())
 
@@ -346,7 +355,7 @@ class Kernel(KernelSpec[Any, Any]):
     # ---- the spec interface the dispatcher and the tuner use ---------------------------------
 
     def facts(self, *args: Any, **kwargs: Any) -> Any:
-        bound = self._with_defaults(tuple(self._signature.bind(*args, **kwargs).arguments.values()))
+        bound = self._bind(args, kwargs)
         return self.check_call(bound)[0]
 
     def key_for(self, device: DeviceInfo, facts: tuple[Any, ...]) -> Any:
@@ -363,7 +372,7 @@ class Kernel(KernelSpec[Any, Any]):
 
     def launch(self, config: Any, *args: Any, **kwargs: Any) -> Any:
         """Run ``config`` on the call's arguments without dispatch (the tuner's and benchmarks' entry)."""
-        bound = self._with_defaults(tuple(self._signature.bind(*args, **kwargs).arguments.values()))
+        bound = self._bind(args, kwargs)
         _, device, bound = self.check_call(bound)
         if device.type == "cpu":
             _prepare_interpreter()
