@@ -436,5 +436,7 @@ def static_dim(n: Any, dynamic: bool) -> int:
     if dynamic:
         from torch.fx.experimental.symbolic_shapes import has_static_value
 
-        return int(n) if has_static_value(n) else DYNAMIC
+        # operator.index, not int(): under dynamo a symbol whose range a guard fixed (one that duck
+        # sizing shares with a dim that specialised) is still symbolic, and int() keeps it so.
+        return operator.index(n) if has_static_value(n) else DYNAMIC
     return operator.index(n)
