@@ -25,7 +25,6 @@ from tritune.kernels import (
     dispatcher,
     prefill_attention,
     q4k_linear,
-    varlen_attention,
 )
 from tritune.kernels._oplib import TritonOp
 from tritune.kernels.decode import op as decode_op
@@ -33,7 +32,6 @@ from tritune.kernels.prefill import op as prefill_op
 from tritune.kernels.prefill.spec import SPEC as PREFILL
 from tritune.kernels.q4k import op as q4k_op
 from tritune.kernels.q4k.spec import SPEC as Q4K
-from tritune.kernels.varlen import op as varlen_op
 
 BF, FP = torch.bfloat16, torch.float16
 
@@ -55,7 +53,7 @@ def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, tuple[An
         seen.append(("detailed", facts))
         return dispatcher.dispatch(kernel, device_type, device_index, facts)
 
-    for module in (prefill_op, decode_op, varlen_op, q4k_op):
+    for module in (prefill_op, decode_op, q4k_op):
         monkeypatch.setattr(module, "dispatch_eager", eager)
         monkeypatch.setattr(module, "dispatch", detailed)
     monkeypatch.setattr(TritonOp, "__call__", lambda self, *args: None)
@@ -199,71 +197,6 @@ def test_decode_unusual_calls_take_the_detailed_path(served):
     assert only_call(served, "detailed") == tuple(decode_op.check_inputs(q, k, v, kv_len))
 
 
-# ---- varlen ----------------------------------------------------------------------------------
-
-
-def _varlen_cases() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
-    info = torch.tensor([[0, 3, 0, 10], [3, 1, 1, 7], [4, 0, 2, 0]], dtype=torch.int32)
-    return [
-        ("contiguous", lambda: dict(q=bf(6, 4, 64), k=bf(16, 3, 2, 64), v=bf(16, 3, 2, 64), seq_info=info)),
-        (
-            "fp16-window-ring",
-            lambda: dict(
-                q=bf(6, 2, 128, dtype=FP),
-                k=bf(8, 3, 2, 128, dtype=FP),
-                v=bf(8, 3, 2, 128, dtype=FP),
-                seq_info=info,
-                window=4,
-                ring=True,
-            ),
-        ),
-        (
-            "not-causal-strided",
-            lambda: dict(
-                q=strided((6, 4, 64), 64),
-                k=strided((16, 3, 2, 64), 8),
-                v=bf(16, 3, 2, 64),
-                seq_info=info,
-                causal=False,
-                softmax_scale=0.1,
-            ),
-        ),
-        (
-            "out-given",
-            lambda: dict(
-                q=bf(6, 4, 64),
-                k=bf(16, 3, 2, 64),
-                v=bf(16, 3, 2, 64),
-                seq_info=info,
-                out=torch.empty(6, 4, 64, dtype=BF),
-            ),
-        ),
-    ]
-
-
-@pytest.mark.parametrize("make", [m for _, m in _varlen_cases()], ids=[i for i, _ in _varlen_cases()])
-def test_varlen_eager_facts_are_the_detailed_facts(served, make):
-    call = make()
-    q, k, v, info = call.pop("q"), call.pop("k"), call.pop("v"), call.pop("seq_info")
-    out = varlen_attention(q, k, v, info, **call)
-    facts = only_call(served, "eager")
-    assert facts == tuple(varlen_op.check_inputs(q, k, v, info, **{**call, "out": out}))
-
-
-def test_varlen_unusual_calls_take_the_detailed_path(served):
-    q, k, v = bf(6, 4, 64), bf(16, 3, 2, 64), bf(16, 3, 2, 64)
-    info = torch.tensor([[0, 3, 0, 10]], dtype=torch.int32)
-    varlen_attention(q, k, v, info, softmax_scale=1)
-    assert only_call(served, "detailed") == tuple(varlen_op.check_inputs(q, k, v, info))
-    varlen_attention(q, k, v, info.as_subclass(Subclass))
-    assert only_call(served, "detailed") == tuple(varlen_op.check_inputs(q, k, v, info))
-
-
-def test_varlen_zero_tokens_return_before_dispatch(served):
-    out = varlen_attention(bf(0, 4, 64), bf(16, 3, 2, 64), bf(16, 3, 2, 64), torch.zeros(1, 4, dtype=torch.int32))
-    assert out.shape == (0, 4, 64) and served == []
-
-
 # ---- q4k -------------------------------------------------------------------------------------
 
 
@@ -395,22 +328,6 @@ def test_decode_fast_path_defers_what_the_detailed_checks_refuse(out_case, scale
     _in_step(
         lambda: decode_op.eager_facts(q, k, v, kv_len, out, scale, decode_op.MAX_QUERY_TOKENS),
         lambda: decode_op.check_inputs(q, k, v, kv_len, out, scale),
-        _valid(out_case, scale),
-    )
-
-
-@pytest.mark.parametrize("scale", SCALES, ids=str)
-@pytest.mark.parametrize("out_case", OUT_CASES)
-def test_varlen_fast_path_defers_what_the_detailed_checks_refuse(out_case, scale):
-    from tritune.kernels.varlen.eager import eager_facts
-
-    inputs = {"q": bf(6, 4, 64), "k": bf(16, 3, 2, 64), "v": bf(16, 3, 2, 64)}
-    out = _outs((6, 4, 64), inputs, "v")(out_case)
-    q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    info = torch.tensor([[0, 3, 0, 10]], dtype=torch.int32)
-    _in_step(
-        lambda: eager_facts(q, k, v, info, True, None, False, scale, out),
-        lambda: varlen_op.check_inputs(q, k, v, info, softmax_scale=scale, out=out),
         _valid(out_case, scale),
     )
 
