@@ -30,6 +30,7 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 
 from . import registry
+from ._launch import prepare_interpreter
 from ._oplib import no_modes, register_schema_op, run_unwrapped
 from .arguments import CheckedCall, Derived, Obj, Output, Rule, Scalar, Tensor, dim_names, dtype_name, static_dim
 from .device import DeviceInfo
@@ -133,6 +134,7 @@ class Kernel(KernelSpec[Any, Any]):
         self._by_name = {a.name: a for a in self.arguments}
         self._outputs = tuple(a for a in self.arguments if isinstance(a, Output))
         self._output_positions = tuple(i for i, a in enumerate(self.arguments) if isinstance(a, Output))
+        self._tensor_positions = tuple(i for i, a in enumerate(self.arguments) if isinstance(a, Tensor | Output))
         self._validate()
         #: Whether CPU tensors may run: the kernels were decorated under TRITON_INTERPRET=1.
         self.cpu_allowed = any(isinstance(k, InterpretedFunction) for k in self.jit_kernels)
@@ -220,9 +222,10 @@ class Kernel(KernelSpec[Any, Any]):
         from .dispatcher import dispatch_config_eager
 
         config = dispatch_config_eager(self.name, device, facts)
-        if no_modes() and not _needs_grad(args):
-            if device.type == "cpu":
-                _prepare_interpreter()
+        if no_modes() and not _needs_grad(args, self._tensor_positions):
+            # Reading device.type builds a string per call; only interpreted kernels run on the CPU.
+            if self.cpu_allowed:
+                prepare_interpreter()
             run_unwrapped(self._launch, (config, *args), [args[i] for i in self._output_positions])
         else:
             self._call_op(config, args)
@@ -309,8 +312,10 @@ class Kernel(KernelSpec[Any, Any]):
         return build_fast_check(self.arguments, self.rules, self.derived, self.fact_names, self.cpu_allowed)
 
     def _result(self, args: tuple[Any, ...]) -> Any:
-        outputs = [args[i] for i in self._output_positions]
-        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+        positions = self._output_positions
+        if len(positions) == 1:
+            return args[positions[0]]
+        return tuple(args[i] for i in positions)
 
     def _bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
         """Every argument in declared order, defaults filled in (keywords may skip earlier ones)."""
@@ -428,16 +433,22 @@ def _default_of(a: Tensor | Obj | Scalar | Output) -> Any:
 
 def _empty(args: tuple[Any, ...], outputs: tuple[int, ...]) -> bool:
     """Whether every output has no element (nothing to launch)."""
-    return all(args[i].numel() == 0 for i in outputs)
+    # One output without a generator: this runs on every call.
+    if len(outputs) == 1:
+        return not args[outputs[0]].numel()
+    return all(not args[i].numel() for i in outputs)
 
 
-def _needs_grad(args: tuple[Any, ...]) -> bool:
+def _needs_grad(args: tuple[Any, ...], tensors: tuple[int, ...]) -> bool:
+    """Whether autograd must see the op: grad mode is on and a tensor at a ``tensors`` position requires grad."""
     if not torch.is_grad_enabled():
         return False
-    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    for i in tensors:
+        t = args[i]
+        if t is not None and t.requires_grad:
+            return True
+    return False
 
 
 def _prepare_interpreter() -> None:
-    from ._launch import prepare_interpreter
-
     prepare_interpreter()

@@ -41,6 +41,8 @@ class _Writer:
         self.lines: list[str] = []
         self.names: dict[str, Any] = {}
         self.bound: set[str] = set()
+        #: Dims of a required tensor whose shape was read -> the name it is kept under.
+        self.shapes: dict[tuple[str | int, ...], str] = {}
 
     def emit(self, line: str, depth: int = 1) -> None:
         self.lines.append("    " * depth + line)
@@ -52,35 +54,63 @@ class _Writer:
         return name
 
 
-def _shape_checks(w: _Writer, expr: str, dims: tuple[str | int, ...], depth: int) -> None:
-    """Bind or compare each dim of ``expr``'s shape; return None on any mismatch."""
+def _shape_checks(w: _Writer, expr: str, dims: tuple[str | int, ...], depth: int) -> str:
+    """Bind or compare each dim of ``expr``'s shape; return None on any mismatch.
+
+    Returns the name the shape is kept under: a later tensor of the same dims compares its whole
+    shape with it (one C-level comparison), and a fixed rank unpacks in one step instead of one
+    subscript per dim.
+    """
     star = bool(dims) and isinstance(dims[0], str) and dims[0].startswith("*")
     fixed = dims[1:] if star else dims
-    w.emit(f"_s = {expr}.shape", depth)
-    w.emit(f"if len(_s) {'<' if star else '!='} {len(fixed)}: return None", depth)
-    offset = f"len(_s) - {len(fixed)}" if star else "0"
+    var = f"_s_{expr}"
+    same = w.shapes.get(dims)
+    if same is not None and not star:
+        w.emit(f"{var} = {expr}.shape", depth)
+        w.emit(f"if {var} != {same}: return None", depth)
+        return var
+    w.emit(f"{var} = {expr}.shape", depth)
+    w.emit(f"if len({var}) {'<' if star else '!='} {len(fixed)}: return None", depth)
+    if not star:
+        if fixed:
+            targets, compares = [], []
+            for i, d in enumerate(fixed):
+                if isinstance(d, str) and d not in w.bound:
+                    targets.append(d)
+                    w.bound.add(d)
+                else:
+                    targets.append(f"_d{i}")
+                    compares.append(f"_d{i} != {d}")
+            w.emit(f"{', '.join(targets)}{',' if len(targets) == 1 else ''} = {var}", depth)
+            if compares:
+                w.emit(f"if {' or '.join(compares)}: return None", depth)
+        if depth == 1 and all(isinstance(d, str) for d in fixed):
+            w.shapes[dims] = var
+        return var
+    offset = f"len({var}) - {len(fixed)}"
     for i, d in enumerate(fixed):
-        index = f"{offset} + {i}" if star else str(i)
+        index = f"{offset} + {i}"
         if isinstance(d, int) or d in w.bound:
-            w.emit(f"if _s[{index}] != {d}: return None", depth)
+            w.emit(f"if {var}[{index}] != {d}: return None", depth)
         else:
-            w.emit(f"{d} = _s[{index}]", depth)
+            w.emit(f"{d} = {var}[{index}]", depth)
             w.bound.add(d)
-    if star:
-        name = dims[0][1:]  # type: ignore[index]
-        lead = f"_lead_{name}"
-        w.emit(f"{lead} = _s[:{offset}]", depth)
-        value = f"({lead}[0] if len({lead}) == 1 else _prod({lead}))"
-        if name in w.bound:
-            w.emit(f"if {value} != {name}: return None", depth)
-        else:
-            w.emit(f"{name} = {value}", depth)
-            w.bound.add(name)
+    name = dims[0][1:]  # type: ignore[index]
+    lead = f"_lead_{name}"
+    w.emit(f"{lead} = {var}[:{offset}]", depth)
+    value = f"({lead}[0] if len({lead}) == 1 else _prod({lead}))"
+    if name in w.bound:
+        w.emit(f"if {value} != {name}: return None", depth)
+    else:
+        w.emit(f"{name} = {value}", depth)
+        w.bound.add(name)
+    return var
 
 
-def _output_shape(arg: Output, like: Tensor | Obj) -> str:
+def _output_shape(arg: Output, shapes: dict[str, str]) -> str:
+    """The expected shape of ``arg``: its ``like``'s, read once before where it was, or built from dims."""
     if arg.dims is None:
-        return f"{arg.like}.shape"
+        return shapes.get(arg.like, f"{arg.like}.shape")
     parts = []
     for d in arg.dims:
         if isinstance(d, int):
@@ -90,6 +120,17 @@ def _output_shape(arg: Output, like: Tensor | Obj) -> str:
         else:
             parts.append(d)
     return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
+
+
+def _ranked(alternatives: tuple[tuple[str | int, ...], ...]) -> bool:
+    """Whether every shape the alternatives allow has at least one dim (a last stride to read)."""
+    return all(len(dims) - (1 if dims and isinstance(dims[0], str) and dims[0].startswith("*") else 0) > 0
+               for dims in alternatives)  # fmt: skip
+
+
+def _last_stride(name: str, ranked: bool) -> str:
+    """The last dim's stride of ``name`` as an expression that is 1 for a 0-dim tensor (no last dim)."""
+    return f"{name}.stride()[-1]" if ranked else f"({name}.stride(-1) if {name}.dim() else 1)"
 
 
 def build_fast_check(
@@ -126,6 +167,8 @@ def build_fast_check(
     w.emit(f"_device = {first.name}.device")
     cuda_or_cpu = f"{first.name}.is_cuda" + (f" or {first.name}.is_cpu" if cpu_allowed else "")
     w.emit(f"if not ({cuda_or_cpu}): return None")
+    #: Input name -> the variable its shape was read into (required inputs only).
+    shape_vars: dict[str, str] = {}
     for a in inputs:
         depth = 1
         if isinstance(a, Tensor) and a.optional:
@@ -135,7 +178,9 @@ def build_fast_check(
         if isinstance(a, Tensor):
             if a is not first:
                 if a.dtype_of is not None:
-                    w.emit(f"if {a.name}.dtype is not {a.dtype_of}.dtype: return None", depth)
+                    # The first tensor's dtype was read once already.
+                    other = "_dtype" if a.dtype_of == first.name else f"{a.dtype_of}.dtype"
+                    w.emit(f"if {a.name}.dtype is not {other}: return None", depth)
                 elif a.dtypes:
                     w.emit(f"if {a.name}.dtype not in {w.constant('allowed', frozenset(a.dtypes))}: return None", depth)
                 elif a.floating:
@@ -150,12 +195,14 @@ def build_fast_check(
                     options.append("(" + "".join(f"{d}, " for d in dims) + ")")
                 w.emit(f"if {a.name}.shape not in ({', '.join(options)}): return None", depth)
             else:
-                _shape_checks(w, a.name, a.dims, depth)
+                var = _shape_checks(w, a.name, a.dims, depth)
+                if depth == 1:
+                    shape_vars[a.name] = var
             if a.unit_inner_stride:
-                w.emit(f"if {a.name}.dim() and {a.name}.stride(-1) != 1: return None", depth)
+                w.emit(f"if {_last_stride(a.name, _ranked(a.alternatives()))} != 1: return None", depth)
         else:
             w.emit(f"if {a.name}.device != _device: return None", depth)
-            _shape_checks(w, a.name, a.dims, depth)
+            shape_vars[a.name] = _shape_checks(w, a.name, a.dims, depth)
     for a in arguments:
         if not isinstance(a, Scalar):
             continue
@@ -184,22 +231,24 @@ def build_fast_check(
             continue
         like = by_name[a.like]
         assert isinstance(like, Tensor | Obj)
-        shape = _output_shape(a, like)
+        shape = _output_shape(a, shape_vars)
+        like_dtype = "_dtype" if a.like == first.name else f"{a.like}.dtype"
         w.emit(f"if {a.name} is None:")
         if a.keep_layout and a.dims is None:
             w.emit(f"{a.name} = _empty_like({a.like})", 2)
         else:
-            w.emit(f"{a.name} = _empty({shape}, dtype={a.like}.dtype, device=_device)", 2)
+            w.emit(f"{a.name} = _empty({shape}, dtype={like_dtype}, device=_device)", 2)
         w.emit("else:")
         w.emit(
-            f"if type({a.name}) is not _Tensor or {a.name}.dtype is not {a.like}.dtype or {a.name}.device != _device"
+            f"if type({a.name}) is not _Tensor or {a.name}.dtype is not {like_dtype} or {a.name}.device != _device"
             f" or {a.name}.shape != {shape}: return None",
             2,
         )
         if a.contiguous:
             w.emit(f"if not {a.name}.is_contiguous(): return None", 2)
         if a.unit_inner_stride:
-            w.emit(f"if {a.name}.dim() and {a.name}.stride(-1) != 1: return None", 2)
+            dims = (a.dims,) if a.dims is not None else (like.dims,) if isinstance(like, Obj) else like.alternatives()
+            w.emit(f"if {_last_stride(a.name, _ranked(dims))} != 1: return None", 2)
         others = "(" + "".join(f"{n}, " for n in tensor_inputs) + ")"
         w.emit(f"if not _separate({a.name}, {others}): return None", 2)
     for d in derived:
