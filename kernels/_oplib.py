@@ -193,9 +193,35 @@ def register_schema_op(
         op = custom_op(name, backend, mutates_args=mutates, schema=schema)
         op.register_fake(lambda *args, **kwargs: None)
     else:
-        triton_op(name, body, mutates_args=mutates, schema=schema)
+        # triton_op infers the schema from the function it is given (torch 2.13 does not use its
+        # schema= argument), so the body, which takes *args and **fields, gets the schema's signature.
+        triton_op(name, _with_signature(body, schema), mutates_args=mutates, schema=schema)
     namespace, op_name = name.split("::")
     return getattr(getattr(torch.ops, namespace), op_name).default
+
+
+#: Schema type names -> the Python annotations torch's schema inference maps back to them.
+_ANNOTATIONS: dict[str, Any] = {"Tensor": torch.Tensor, "int": int, "float": float, "bool": bool, "str": str}
+
+
+def _with_signature(body: Callable[..., None], schema: str) -> Callable[..., None]:
+    """A function calling ``body`` whose signature and annotations spell out ``schema``."""
+    inner = schema[schema.index("(") + 1 : schema.rindex(") ->")]
+    params, kind = [], inspect.Parameter.POSITIONAL_OR_KEYWORD
+    for part in (p.strip() for p in inner.split(",") if p.strip()):
+        if part == "*":
+            kind = inspect.Parameter.KEYWORD_ONLY
+            continue
+        type_text, name = part.rsplit(" ", 1)
+        # "Tensor(a!)" (mutated: the caller passes mutates_args) and "int?" (optional) come back as written.
+        annotation = _ANNOTATIONS[type_text.split("(")[0].rstrip("?")]
+        params.append(inspect.Parameter(name, kind, annotation=annotation | None if "?" in type_text else annotation))
+
+    def prototype(*args: Any, **kwargs: Any) -> None:
+        body(*args, **kwargs)
+
+    prototype.__signature__ = inspect.Signature(params, return_annotation=None)  # type: ignore[attr-defined]
+    return prototype
 
 
 def _schema_names(schema: str) -> list[str]:
