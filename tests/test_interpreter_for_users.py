@@ -19,7 +19,7 @@ _SCRIPT = """
 import torch
 from triton.runtime import interpreter
 
-import tritune.kernels.decode.op, tritune.kernels.prefill.op, tritune.kernels.q4k.op, tritune.kernels.varlen.op
+import tritune.kernels.decode.op, tritune.kernels.prefill.op, tritune.kernels.q4k.op, tritune.kernels.varlen.kernel
 from tritune.kernels import (
     Q4KWeight, attention, decode_attention, prefill_attention, q4k_linear, varlen_attention,
 )

@@ -34,9 +34,8 @@ class CountingMode(TorchDispatchMode):
 def test_every_public_op_is_a_triton_op():
     from tritune.kernels.prefill import op as prefill_op
     from tritune.kernels.q4k import op as q4k_op
-    from tritune.kernels.varlen import op as varlen_op
 
-    for op in (prefill_op._prefill_op, prefill_op._prefill_tma_op, decode_op._decode_op, varlen_op._varlen_op,
+    for op in (prefill_op._prefill_op, prefill_op._prefill_tma_op, decode_op._decode_op,
                q4k_op.q4k_linear_op):  # fmt: skip
         assert isinstance(op, TritonOp)
         assert op.mutated == (list(op.op._schema.arguments).index(next(a for a in op.op._schema.arguments
