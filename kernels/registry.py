@@ -12,7 +12,7 @@ _SPECS: dict[str, str] = {
     "tma_prefill": "tritune.kernels.prefill.spec:SPEC",
     "splitk_decode": "tritune.kernels.decode.spec:SPEC",
     "q4k_fp8_gemm": "tritune.kernels.q4k.spec:SPEC",
-    "varlen_sdpa": "tritune.kernels.varlen.spec:SPEC",
+    "varlen_sdpa": "tritune.kernels.varlen.kernel:KERNEL",
 }
 
 

@@ -165,13 +165,14 @@ def _tritune_impls(w: Workload, best_trials: dict) -> list[Impl]:
     """varlen_attention as the dispatcher serves it, its portable default, and the best stored trial."""
     from tritune.kernels import varlen_attention
     from tritune.kernels.device import device_info
-    from tritune.kernels.varlen.spec import SPEC
+    from tritune.kernels.registry import get_spec
 
+    spec = get_spec(KERNEL)
     q, k, v, seq_info = w.q, w.k_store, w.v_store, w.seq_info
-    facts = SPEC.facts(q, k, v, seq_info, causal=True)
-    key = SPEC.key_for(device_info(q.device), tuple(facts))
-    portable = SPEC.space.to_dict(SPEC.default_config(key))
-    served = bl.served_config(SPEC, facts, q.device)
+    facts = spec.facts(q, k, v, seq_info, causal=True)
+    key = spec.key_for(device_info(q.device), tuple(facts))
+    portable = spec.space.to_dict(spec.default_config(key))
+    served = bl.served_config(spec, facts, q.device)
     best = best_trials.get((json.dumps(key.to_dict(), sort_keys=True), "portable"))
 
     def pinned(config: dict[str, Any]) -> Callable[[], torch.Tensor]:
@@ -251,17 +252,17 @@ def _dedicated_impl(w: Workload) -> Impl:
             prefill_attention(q, k, v, causal=True, out=o)
         return out
 
-    from tritune.kernels.decode.spec import SPEC as DECODE
-    from tritune.kernels.prefill.spec import SPEC as PREFILL
+    from tritune.kernels.registry import get_spec
 
+    decode, prefill = get_spec("splitk_decode"), get_spec("tma_prefill")
     device = w.q.device
     notes = []
     if nd:
-        served = bl.served_config(DECODE, tuple(DECODE.facts(q_dec, k_cache, v_cache, kv_len, out=out_dec)), device)
+        served = bl.served_config(decode, tuple(decode.facts(q_dec, k_cache, v_cache, kv_len, out=out_dec)), device)
         notes.append(f"decode_attention over [{nd}, Hkv, {k_cache.shape[2]}, D] ({bl.config_text(served)})")
     if prefills:
         q_pre, k_pre, v_pre, out_pre = prefills[0]
-        served = bl.served_config(PREFILL, tuple(PREFILL.facts(q_pre, k_pre, v_pre, causal=True, out=out_pre)), device)
+        served = bl.served_config(prefill, tuple(prefill.facts(q_pre, k_pre, v_pre, causal=True, out=out_pre)), device)
         notes.append(
             f"{len(prefills)} prefill_attention calls over contiguous [1, Hkv, kv_end, D] "
             f"(first: {bl.config_text(served)})"

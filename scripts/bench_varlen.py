@@ -75,10 +75,11 @@ def main() -> int:
     flex = None if args.skip_flex else bl.compiled_flex()
 
     from tritune.kernels.device import device_info
-    from tritune.kernels.varlen.spec import SPEC
+    from tritune.kernels.registry import get_spec
 
+    spec = get_spec("varlen_sdpa")
     slug = device_info(run.device).slug
-    best_trials = bl.best_trials_by_path(run.db, SPEC.name, SPEC.version, slug) if run.db else {}
+    best_trials = bl.best_trials_by_path(run.db, spec.name, spec.version, slug) if run.db else {}
     rows: list[Row] = []
     with bl.tuned_db(run.db):
         for name in names:

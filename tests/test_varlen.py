@@ -20,12 +20,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from varlen_cases import DEVICE, NAN, NO_SPLIT, SPLIT, Mix, make_inputs, run_and_compare
+from varlen_cases import DEVICE, NAN, NO_SPLIT, SPLIT, Mix, config_of, make_inputs, run_and_compare
 
 from tritune.kernels import _launch, validate_seq_info, varlen_attention
 from tritune.kernels.dispatcher import use_config
 from tritune.kernels.prefill.reference import prefill_reference
-from tritune.kernels.varlen import op as varlen_op
+from tritune.kernels.varlen import launch as varlen_launch
 from tritune.kernels.varlen.reference import compare, segment_keys, sequence_reference, varlen_reference
 from tritune.search_spaces.varlen_sdpa import VarlenConfig
 
@@ -55,10 +55,9 @@ class Schedule:
 
 def schedule(mix: Mix, config: dict, sm_count: int | None = None) -> Schedule:
     cfg = VarlenConfig(**{**dataclasses.asdict(VarlenConfig()), **config})
-    values = tuple(dataclasses.asdict(cfg).values())
-    sm_count = sm_count or varlen_op.sm_count(torch.device(DEVICE))
+    sm_count = sm_count or varlen_launch.sm_count(torch.device(DEVICE))
     slots = mix.slots or len(mix.segments)
-    plan = varlen_op._plan(values, sm_count, slots, mix.rows, mix.kv_heads, mix.group, mix.head_dim, mix.causal,
+    plan = varlen_launch.plan(cfg, sm_count, slots, mix.rows, mix.kv_heads, mix.group, mix.head_dim, mix.causal,
                            mix.window or 0)  # fmt: skip
     tq, window = plan.tokens_per_tile, mix.window or 0
     segs = []
@@ -167,7 +166,7 @@ def test_default_config_matches_reference(mix):
 def test_split_k_matches_reference(many_sms, monkeypatch, mix):
     assert max(tile_splits(mix, SPLIT)) >= 2
     # The workspace is never initialised: poison it to prove only written partials are read.
-    monkeypatch.setattr(varlen_op, "workspace", lambda n, dev: torch.full((n,), NAN, device=dev))
+    monkeypatch.setattr(varlen_launch, "workspace", lambda n, dev: torch.full((n,), NAN, device=dev))
     run_and_compare(mix, SPLIT)
 
 
@@ -177,7 +176,7 @@ def test_sixteen_splits_match_reference(many_sms, monkeypatch):
     mix = Mix(((0, 1, 0, 300), (1, 2, 1, 230)), tokens=3, rows=320, cols=2, group=4)
     config = {**SPLIT, "MAX_SPLITS": 16}
     assert max(tile_splits(mix, config)) > 4
-    monkeypatch.setattr(varlen_op, "workspace", lambda n, dev: torch.full((n,), NAN, device=dev))
+    monkeypatch.setattr(varlen_launch, "workspace", lambda n, dev: torch.full((n,), NAN, device=dev))
     run_and_compare(mix, config)
 
 
@@ -192,13 +191,13 @@ def test_uncovered_rows_and_unused_slots_are_zero(many_sms):
 
 def test_many_slots_used_last(many_sms, monkeypatch):
     """40 slots (most unused, the used ones last), and zero-fill programs of 4 rows each."""
-    monkeypatch.setattr(varlen_op, "_ZERO_TILE", 256)
-    varlen_op._plan.cache_clear()
+    monkeypatch.setattr(varlen_launch, "_ZERO_TILE", 256)
+    varlen_launch.plan.cache_clear()
     segments = [(0, 0, 0, 0)] * 37 + [(3, 9, 0, 30), (20, 1, 1, 17), (25, 4, 2, 26)]
     mix = Mix(tuple(segments), tokens=31, rows=32, cols=3, group=2)
-    assert varlen_op._plan((16, 16, 4, 2, 4, 16, 4), 4, 40, 32, 1, 2, 64, True, 0).zero_tokens == 4
+    assert varlen_launch.plan(config_of(SPLIT), 4, 40, 32, 1, 2, 64, True, 0).zero_tokens == 4
     out, _ = run_and_compare(mix, SPLIT)
-    varlen_op._plan.cache_clear()
+    varlen_launch.plan.cache_clear()
     for rows in (slice(0, 3), slice(12, 20), slice(21, 25), slice(29, 31)):
         assert torch.equal(out[rows].float().cpu(), torch.zeros_like(out[rows].float().cpu()))
 
@@ -440,7 +439,7 @@ def test_short_tile_matches_reference(many_sms, monkeypatch, mix):
     """Short segments (q_len <= 16 // group) take the 16-row tile and the rest the 32-row one; seven
     of the modes mix both in one launch (in the other four every segment fits the short tile), so a
     wrong row, token or workspace mapping in either tile fails here."""
-    monkeypatch.setattr(varlen_op, "workspace", lambda n, dev: torch.full((n,), NAN, device=dev))
+    monkeypatch.setattr(varlen_launch, "workspace", lambda n, dev: torch.full((n,), NAN, device=dev))
     run_and_compare(mix, SHORT)
 
 
@@ -449,9 +448,9 @@ def test_kv_tma_matches_reference(many_sms, monkeypatch, mix):
     """K/V through tensor descriptors (the interpreter runs them) where the layout allows, pointer
     loads elsewhere (ring stores, head dims that are not powers of two); NaN past kv_end as always."""
     built = []
-    real = varlen_op.TensorDescriptor.from_tensor
+    real = varlen_launch.TensorDescriptor.from_tensor
     monkeypatch.setattr(
-        varlen_op.TensorDescriptor, "from_tensor", lambda t, box: built.append(box) or real(t, box)
+        varlen_launch.TensorDescriptor, "from_tensor", lambda t, box: built.append(box) or real(t, box)
     )
     run_and_compare(mix, {**SHORT, "KV_TMA": True})
     flat_pow2 = not mix.ring and mix.head_dim in (64, 128)
@@ -471,9 +470,9 @@ def test_kv_tma_garbage_past_kv_end_is_never_read(many_sms, tail):
 def test_kv_tma_reads_each_kv_heads_column(many_sms, monkeypatch):
     """Several KV heads with GQA: the descriptor coordinate [pos, col, head, 0] picks the right head."""
     built = []
-    real = varlen_op.TensorDescriptor.from_tensor
+    real = varlen_launch.TensorDescriptor.from_tensor
     monkeypatch.setattr(
-        varlen_op.TensorDescriptor, "from_tensor", lambda t, box: built.append(box) or real(t, box)
+        varlen_launch.TensorDescriptor, "from_tensor", lambda t, box: built.append(box) or real(t, box)
     )
     mix = Mix(((0, 1, 2, 30), (1, 6, 0, 37), (7, 2, 1, 9)), tokens=10, rows=40, cols=3, kv_heads=4, group=2)
     run_and_compare(mix, {**SHORT, "KV_TMA": True})
@@ -484,9 +483,9 @@ def test_kv_tma_misaligned_store_keeps_pointer_loads(many_sms, monkeypatch):
     """A store whose data starts 8 bytes past a 16-byte boundary cannot be a descriptor's base: the
     launch keeps pointer loads (no TensorDescriptor assert) and the result is still right."""
     built = []
-    real = varlen_op.TensorDescriptor.from_tensor
+    real = varlen_launch.TensorDescriptor.from_tensor
     monkeypatch.setattr(
-        varlen_op.TensorDescriptor, "from_tensor", lambda t, box: built.append(box) or real(t, box)
+        varlen_launch.TensorDescriptor, "from_tensor", lambda t, box: built.append(box) or real(t, box)
     )
     mix = Mix(((0, 1, 1, 20), (1, 4, 0, 31)), tokens=5, rows=32, cols=2, group=2)
     q, k, v, seq_info = make_inputs(mix)

@@ -10,10 +10,11 @@ import math
 
 import pytest
 import torch
-from varlen_cases import HAS_CUDA, NAN, NO_SPLIT, SPLIT, Mix, config_values, make_inputs
+from varlen_cases import HAS_CUDA, NAN, NO_SPLIT, SPLIT, Mix, config_fields, config_of, make_inputs
 
 from tritune.kernels import _launch, validate_seq_info, varlen_attention
-from tritune.kernels.varlen import op as varlen_op
+from tritune.kernels.varlen import launch as varlen_launch
+from tritune.kernels.varlen.kernel import KERNEL
 from tritune.kernels.varlen.reference import compare, varlen_reference
 
 # ---- validate_seq_info ---------------------------------------------------------------------------
@@ -82,45 +83,51 @@ def _valid_args(device: str):
 BAD_INPUTS = [
     pytest.param(lambda a: {**a, "q": a["q"].float()}, TypeError, "q: expected dtype", id="q-dtype"),
     pytest.param(lambda a: {**a, "q": a["q"].tolist()}, TypeError, "q: expected a torch.Tensor", id="q-not-tensor"),
-    pytest.param(lambda a: {**a, "q": a["q"][None]}, ValueError, "q: expected 3 dims", id="q-rank"),
+    pytest.param(lambda a: {**a, "q": a["q"][None]}, ValueError, r"q: expected shape \[T, Hq, D\].*4 dims",
+                 id="q-rank"),
     pytest.param(lambda a: {**a, "k_store": a["k_store"].bfloat16()}, TypeError, "k_store: expected dtype",
                  id="k-dtype"),
-    pytest.param(lambda a: {**a, "v_store": a["v_store"][:4]}, ValueError, "v_store: expected the shape",
-                 id="v-shape"),
-    pytest.param(lambda a: {**a, "k_store": a["k_store"][0]}, ValueError, "k_store: expected 4 dims", id="k-rank"),
+    pytest.param(lambda a: {**a, "v_store": a["v_store"][:4]}, ValueError,
+                 "v_store: expected shape .*rows is 4 where k_store has rows=8", id="v-shape"),
+    pytest.param(lambda a: {**a, "k_store": a["k_store"][0]}, ValueError, "k_store: expected shape .*3 dims",
+                 id="k-rank"),
     pytest.param(lambda a: {**a, "k_store": a["k_store"][:0], "v_store": a["v_store"][:0]}, ValueError,
                  "at least one row", id="empty-store"),
     pytest.param(lambda a: {**a, "q": a["q"][:, :3]}, ValueError, "not a multiple of", id="gqa-divisibility"),
     pytest.param(lambda a: {**a, "q": a["q"][..., :48], "k_store": a["k_store"][..., :48],
                             "v_store": a["v_store"][..., :48]}, ValueError, "head dim 48", id="head-dim"),
     pytest.param(lambda a: {**a, "k_store": a["k_store"][..., :32], "v_store": a["v_store"][..., :32]}, ValueError,
-                 "k_store: expected head dim 64", id="kv-head-dim"),
+                 "k_store: expected shape .*D is 32 where q has D=64", id="kv-head-dim"),
     pytest.param(lambda a: {**a, "seq_info": a["seq_info"].long()}, TypeError, "seq_info: expected dtype torch.int32",
                  id="seq-info-dtype"),
     pytest.param(lambda a: {**a, "seq_info": a["seq_info"][:, :3]}, ValueError, r"seq_info: expected shape \[S, 4\]",
                  id="seq-info-shape"),
-    pytest.param(lambda a: {**a, "seq_info": a["seq_info"][0]}, ValueError, "seq_info: expected 2 dims",
+    pytest.param(lambda a: {**a, "seq_info": a["seq_info"][:0]}, ValueError,
+                 r"seq_info: expected shape \[S, 4\] with S >= 1", id="seq-info-empty"),
+    pytest.param(lambda a: {**a, "k_store": a["k_store"][:, :, :0], "v_store": a["v_store"][:, :, :0]}, ValueError,
+                 "q: 4 query heads are not a multiple of k_store's 0 KV heads", id="no-kv-heads"),
+    pytest.param(lambda a: {**a, "seq_info": a["seq_info"][0]}, ValueError, r"seq_info: expected shape \[S, 4\]",
                  id="seq-info-rank"),
     pytest.param(lambda a: {**a, "seq_info": a["seq_info"].to("meta")}, ValueError, "seq_info: expected device",
                  id="seq-info-device"),
     pytest.param(lambda a: {**a, "k_store": a["k_store"].to("meta")}, ValueError, "k_store: expected device",
                  id="k-device"),
     pytest.param(lambda a: {**a, "v_store": a["v_store"].transpose(2, 3).contiguous().transpose(2, 3)},
-                 ValueError, "v_store: the head dim must be contiguous", id="v-inner-stride"),
-    pytest.param(lambda a: {**a, "window": 0}, ValueError, "window: expected a positive", id="window-zero"),
-    pytest.param(lambda a: {**a, "window": -4}, ValueError, "window: expected a positive", id="window-negative"),
-    pytest.param(lambda a: {**a, "window": 2.5}, TypeError, "window: expected an int", id="window-float"),
+                 ValueError, "v_store: the last dim must be contiguous", id="v-inner-stride"),
+    pytest.param(lambda a: {**a, "window": 0}, ValueError, "window: expected an int >= 1", id="window-zero"),
+    pytest.param(lambda a: {**a, "window": -4}, ValueError, "window: expected an int >= 1", id="window-negative"),
+    pytest.param(lambda a: {**a, "window": 2.5}, TypeError, "window: expected an int or None", id="window-float"),
     pytest.param(lambda a: {**a, "causal": 1}, TypeError, "causal: expected a bool", id="causal-type"),
     pytest.param(lambda a: {**a, "ring": "yes"}, TypeError, "ring: expected a bool", id="ring-type"),
     pytest.param(lambda a: {**a, "out": torch.empty_like(a["q"]).float()}, TypeError, "out: expected dtype",
                  id="out-dtype"),
-    pytest.param(lambda a: {**a, "out": torch.empty_like(a["q"])[:1]}, ValueError, "out: expected the shape",
+    pytest.param(lambda a: {**a, "out": torch.empty_like(a["q"])[:1]}, ValueError, r"out: expected shape \(2, 4, 64\)",
                  id="out-shape"),
     pytest.param(lambda a: {**a, "softmax_scale": "0.1"}, TypeError, "softmax_scale", id="scale-type"),
-    pytest.param(lambda a: {**a, "softmax_scale": math.nan}, ValueError, "softmax_scale: expected a finite",
-                 id="scale-nan"),
-    pytest.param(lambda a: {**a, "softmax_scale": -math.inf}, ValueError, "softmax_scale: expected a finite",
-                 id="scale-inf"),
+    pytest.param(lambda a: {**a, "softmax_scale": math.nan}, ValueError,
+                 r"softmax_scale: expected a number with \|softmax_scale\| <= 10000", id="scale-nan"),
+    pytest.param(lambda a: {**a, "softmax_scale": -math.inf}, ValueError,
+                 r"softmax_scale: expected a number with \|softmax_scale\| <= 10000", id="scale-inf"),
     pytest.param(lambda a: {k: t.to("meta") for k, t in a.items()}, ValueError, "q: expected a CUDA tensor",
                  id="all-meta"),
 ]  # fmt: skip
@@ -148,10 +155,9 @@ def test_direct_launch_and_registered_op_agree(monkeypatch, device):
         monkeypatch.setitem(_launch.SM_COUNTS, torch.device("cpu"), 4)
     mix = Mix(((0, 3, 0, 40), (3, 1, 1, 37)), tokens=4, rows=40, cols=2, group=2)
     q, k, v, seq_info = make_inputs(mix)
-    values = config_values(SPLIT)
     direct, through_op = torch.full_like(q, NAN), torch.full_like(q, NAN)
-    varlen_op._varlen_attention(q, k, v, seq_info, direct, True, 0, False, 0.125, *values)
-    torch.ops.tritune.varlen_attention(q, k, v, seq_info, through_op, True, 0, False, 0.125, *values)
+    KERNEL.launch(config_of(SPLIT), q, k, v, seq_info, softmax_scale=0.125, out=direct)
+    torch.ops.tritune.varlen_attention(q, k, v, seq_info, True, None, False, 0.125, through_op, **config_fields(SPLIT))
     assert compare(direct, varlen_reference(q, k, v, seq_info, softmax_scale=0.125), q.dtype) is None
     assert torch.equal(direct, through_op)
 
@@ -160,10 +166,11 @@ def test_opcheck():
     mix = Mix(((0, 2, 0, 9), (2, 1, 1, 4)), tokens=4, rows=12, cols=2, group=2)
     q, k, v, seq_info = make_inputs(mix, tail=0.0)
     q = torch.nan_to_num(q)
-    torch.library.opcheck(
-        torch.ops.tritune.varlen_attention.default,
-        (q, k, v, seq_info, torch.empty_like(q), True, 0, False, 0.125, *config_values(NO_SPLIT)),
-    )
+    assert KERNEL.op is torch.ops.tritune.varlen_attention.default
+    for window in (None, 3):
+        torch.library.opcheck(
+            KERNEL.op, (q, k, v, seq_info, True, window, False, 0.125, torch.empty_like(q)), config_fields(NO_SPLIT)
+        )
 
 
 def test_torch_compile_fullgraph():
@@ -209,8 +216,8 @@ def test_torch_compile_with_kv_tma_pinned_keeps_pointer_loads(monkeypatch):
     from tritune.kernels.dispatcher import use_config
 
     built = []
-    real = varlen_op.TensorDescriptor.from_tensor
-    monkeypatch.setattr(varlen_op.TensorDescriptor, "from_tensor", lambda t, box: built.append(box) or real(t, box))
+    real = varlen_launch.TensorDescriptor.from_tensor
+    monkeypatch.setattr(varlen_launch.TensorDescriptor, "from_tensor", lambda t, box: built.append(box) or real(t, box))
     mix = Mix(((0, 1, 0, 300), (1, 40, 2, 200), (41, 3, 1, 257)), tokens=48, rows=320, cols=3, kv_heads=2, group=4,
               head_dim=128, dtype=torch.bfloat16)  # fmt: skip
     q, k, v, seq_info = make_inputs(mix, tail=0.0)

@@ -1,4 +1,4 @@
-"""The ``varlen_sdpa`` spec and search space: keys and buckets, feasibility, defaults, tuning problems."""
+"""The ``varlen_sdpa`` declaration and search space: keys and buckets, feasibility, defaults, tuning problems."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import dataclasses
 import pytest
 import torch
 
+from tritune.kernels.arguments import DYNAMIC
 from tritune.kernels.device import DeviceInfo, interpreter_device
-from tritune.kernels.dispatcher import DISPATCHER, NEAREST_MAX_LOG2, config_from_values, dispatch
+from tritune.kernels.dispatcher import DISPATCHER, NEAREST_MAX_LOG2, dispatch_config
 from tritune.kernels.registry import get_spec
-from tritune.kernels.varlen.op import DYNAMIC, VarlenFacts
-from tritune.kernels.varlen.spec import SPEC, VarlenKey, _segment_lengths
+from tritune.kernels.varlen.kernel import KERNEL, VarlenKey
+from tritune.kernels.varlen.tuning import TUNING, segment_lengths
 from tritune.search_spaces.base import TargetLimits
 from tritune.search_spaces.varlen_sdpa import (
     SPACE,
@@ -21,6 +22,8 @@ from tritune.search_spaces.varlen_sdpa import (
     tokens_per_tile,
 )
 
+SPEC = KERNEL
+VarlenFacts = KERNEL.Facts
 H200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
 CPU = interpreter_device()
 
@@ -68,11 +71,11 @@ def test_facts_from_a_call():
     assert facts == VarlenFacts("bf16", 64, 8, 2, 5, 3, 100, True, True, True)
 
 
-def test_dispatch_values_rebuild_the_config():
+def test_dispatch_serves_the_default_config():
     DISPATCHER.clear()
     facts = VarlenFacts("bf16", 64, 8, 2, 16, 4, 64, True, False, False)
-    values = dispatch("varlen_sdpa", "cpu", -1, tuple(facts))
-    assert config_from_values(SPEC, values) == SPEC.default_config(SPEC.key_for(CPU, facts))
+    config = dispatch_config("varlen_sdpa", "cpu", -1, tuple(facts))
+    assert config == SPEC.default_config(SPEC.key_for(CPU, facts))
 
 
 def test_default_keys():
@@ -89,14 +92,24 @@ def test_default_keys():
     decode_32, decode_64 = (next(k for k in gpu if k.t_bucket == t and k.head_dim == 128) for t in (32, 64))
     assert decode_32.distance(decode_64) > NEAREST_MAX_LOG2
     assert {(k.gqa_group, k.dtype, k.causal, k.windowed, k.ring) for k in gpu} == {(4, "bf16", True, False, False)}
-    assert {k.head_dim for k in SPEC.default_keys(H200, head_dims=[256])} == {256}
-    with pytest.raises(ValueError, match="head_dims: 48"):
-        SPEC.default_keys(H200, head_dims=48)
     tiny = SPEC.default_keys(CPU)
     assert [(k.arch, k.head_dim, k.t_bucket, k.s_bucket) for k in tiny] == [
         ("cpu-interpreter", 64, 4, 4),
         ("cpu-interpreter", 64, 32, 16),
     ]
+
+
+def test_valid_keys_and_key_names():
+    """``tune --key`` overrides: served dtypes and head dims, whole groups, static power-of-two buckets."""
+    key = SPEC.default_keys(H200)[0]
+    assert TUNING.valid_key(key) and TUNING.valid_key(dataclasses.replace(key, head_dim=256, dtype="fp16"))
+    for bad in (dict(head_dim=48), dict(dtype="fp32"), dict(gqa_group=0), dict(t_bucket=DYNAMIC), dict(s_bucket=3),
+                dict(rows_bucket=8)):  # fmt: skip
+        assert not TUNING.valid_key(dataclasses.replace(key, **bad)), bad
+    sizes = {"tokens": 100, "segments": 3, "rows": 1000}
+    named = {name: (field, bucket(sizes[name])) for name, (field, bucket) in TUNING.key_aliases.items()}
+    assert named == {"tokens": ("t_bucket", 128), "segments": ("s_bucket", 4), "rows": ("rows_bucket", 1024)}
+    assert TUNING.key_aliases["tokens"][1](1) == 1 and TUNING.key_aliases["rows"][1](3) == 16
 
 
 @pytest.mark.parametrize(
@@ -112,7 +125,7 @@ def test_default_keys():
     ids=["decode", "decode-few-tokens", "mixed-padded", "prefill", "mixed-remainder", "prefill-short-chunks"],
 )
 def test_problem_mixes(tokens, segments, lengths):
-    assert _segment_lengths(tokens, segments, max_chunk=512) == lengths
+    assert segment_lengths(tokens, segments, max_chunk=512) == lengths
     assert sum(lengths) <= tokens
 
 
@@ -235,12 +248,16 @@ def test_problems_pass_the_check_on_the_interpreter(changes):
     assert SPEC.check(torch.full_like(out, float("nan")), SPEC.reference(*problem.args, **problem.kwargs), problem)
 
 
-def test_starting_configs_seed_small_tiles_for_decode_mixes_only_on_a_gpu():
+def test_starting_configs_follow_the_mix_only_on_a_gpu():
+    """Rules from the key, not stored numbers: a decode mix in one group's tile, a mix with chunks in
+    the largest tile with and without the short one, descriptor and pointer loads alike."""
     keys = {(k.head_dim, k.t_bucket): k for k in SPEC.default_keys(H200)}
     limits = SPEC.limits(H200)
     decode, mixed = SPEC.starting_configs(keys[128, 64], H200), SPEC.starting_configs(keys[128, 4096], H200)
     assert decode and mixed
     assert all(SPEC.space.infeasible_reason(c, keys[128, 64], limits) is None for c in decode)
+    assert {(c.BLOCK_M, c.SHORT_M) for c in decode} == {(16, 16)} and {c.KV_TMA for c in decode} == {False, True}
+    assert {(c.BLOCK_M, c.SHORT_M, c.num_warps) for c in mixed} == {(128, 16, 8), (128, 128, 8)}
     assert min(c.BLOCK_M for c in decode) == 16 and min(c.BLOCK_M for c in mixed) > 16
     assert any(c.KV_TMA and c.SHORT_M < c.BLOCK_M for c in mixed)
     assert any(c.SHORT_M == c.BLOCK_M for c in mixed), "the one-tile shape is seeded too"

@@ -6,7 +6,6 @@ query rows no segment covers: none of it may reach the output.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +13,7 @@ import torch
 from tritune.kernels import varlen_attention
 from tritune.kernels.dispatcher import use_config
 from tritune.kernels.varlen.reference import compare, varlen_reference
-from tritune.search_spaces.varlen_sdpa import VarlenConfig
+from tritune.search_spaces.varlen_sdpa import SPACE, VarlenConfig
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -25,9 +24,14 @@ SPLIT = {"BLOCK_M": 16, "BLOCK_N": 16, "MIN_CHUNK": 16, "MAX_SPLITS": 4, "TARGET
 NO_SPLIT = {"BLOCK_M": 16, "BLOCK_N": 16, "MAX_SPLITS": 1}
 
 
-def config_values(config: dict) -> tuple:
-    """The registered op's config arguments for a pinned config dict (other fields at their defaults)."""
-    return tuple(dataclasses.asdict(VarlenConfig(**{**dataclasses.asdict(VarlenConfig()), **config})).values())
+def config_of(config: dict) -> VarlenConfig:
+    """The config a pinned config dict stands for (other fields at their defaults)."""
+    return SPACE.parse(config)
+
+
+def config_fields(config: dict) -> dict:
+    """The registered op's keyword config fields for a pinned config dict."""
+    return SPACE.field_values(config_of(config))
 
 
 @dataclass(frozen=True)

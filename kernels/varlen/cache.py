@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .op import varlen_attention
+from .kernel import varlen_attention
 
 __all__ = ["BatchedSequenceCache", "SequenceCacheError", "StepPlan"]
 
