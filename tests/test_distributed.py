@@ -632,3 +632,35 @@ def test_of_two_workers_holding_one_config_exactly_one_measures_it(toy, tmp_path
         a._refresh_table = b_looks_meanwhile
         measured_a, _ = a._sort_out(a.study, held[:1], options.trials)
     assert [len(measured_a), len(measured_b[0])] == [1, 0], "the trial that started first keeps the config"
+
+
+def test_workers_share_the_study_of_a_space_of_paths(toy, tmp_path):
+    """A ``UnionSpace`` kernel on a shared study: each worker's proposals, claims and the stored trials name
+    their path's fields only; the budget is spent once over both workers and one winner is offered."""
+    spec = toy_kernel.PATHS
+    device = interpreter_device()
+    where = StudyStorage(str(tmp_path / "studies.log"))
+    key = spec.default_keys(device)[0]
+    options = TuneOptions(trials=8, batch=2, final_rounds=1)
+    with ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}") as store:
+        env = environment_id(store, device)
+        a, b = (
+            SharedKeyTuner(
+                spec, key, device, torch.device("cpu"), store, env, toy_kernel.CostTimer(), options, where=where,
+                heartbeat=Heartbeat(where.open(), where, f"test:{name}"), worker=f"test:{name}",
+            )
+            for name in ("a", "b")
+        )  # fmt: skip
+        visits = []
+        bench_b = KeyBench(RecordingBench())
+        bench_a = KeyBench(RecordingBench(during=lambda: visits.append(b.visit(bench_b))))
+        first = a.visit(bench_a)
+        again = b.visit(bench_b)
+        stored = store.measured_trials(env, spec.name, spec.version, a.key_dict)
+        rows = [row for row in stored if row.status != "pruned"]
+        winners = store.winners(kernel=spec.name)
+    assert first.done and again.done and (first.result is None) != (again.result is None)
+    assert len(rows) == 8 and len({str(sorted(row.config.items())) for row in rows}) == 8
+    assert all(spec.space.to_dict(spec.space.parse(row.config)) == row.config for row in rows)
+    assert len(bench_a.bench.measured) + len(bench_b.bench.measured) == 8, "a config measured twice"
+    assert len(winners) == 1 and spec.space.parse(winners[0].config) is not None

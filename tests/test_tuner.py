@@ -115,9 +115,14 @@ def test_polish_measures_the_unseen_neighbours_of_the_best_config(tmp_path):
     """One field moved to the next choice, infeasible and already-seen configs left out."""
     store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
     tuner = _tuner(store, trials=4)
-    best = (64, False, 1)
-    tuner.times = {best: 1.0, (32, False, 4): 2.0}
-    tuner.status = {best: "ok", (32, False, 4): "ok", (32, False, 1): "failed-runtime"}
+
+    def ident(block: int, broken: bool, warps: int):
+        return tuner._ident(toy_kernel.ToyConfig(block, broken, warps))
+
+    best = ident(64, False, 1)
+    assert best == (("BLOCK", 64), ("BROKEN", False), ("num_warps", 1)), "configs are known by field name"
+    tuner.times = {best: 1.0, ident(32, False, 4): 2.0}
+    tuner.status = {best: "ok", ident(32, False, 4): "ok", ident(32, False, 1): "failed-runtime"}
     neighbours = {(c.BLOCK, c.BROKEN, c.num_warps) for c in tuner._neighbours_of_best()}
     # BLOCK 32 was seen; BLOCK 128 with one warp is infeasible; num_warps has one neighbour of 1.
     assert neighbours == {(64, True, 1), (64, False, 2)}
@@ -283,3 +288,38 @@ def test_earlier_winners_are_capped_fastest_first_and_deduplicated(tmp_path):
     seeds = tuner._earlier_winners(stored)
     assert EARLIER_SEEDS == 2
     assert seeds == [{"BLOCK": 64, "BROKEN": False, "num_warps": 2}, {"BLOCK": 32, "BROKEN": False, "num_warps": 4}]
+
+
+def test_a_space_of_paths_is_swept_by_field_name(tmp_path):
+    """A ``UnionSpace``: each config holds its own path's fields only (stored, seeded and re-timed by
+    name), and the exhaustive sweep measures every config of every path once."""
+    spec = toy_kernel.PATHS
+    store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    key = spec.default_keys(CPU, n=[256])[0]
+    options = TuneOptions(trials=40, seed=1, batch=4, final_rounds=1)
+    env = environment_id(store, CPU)
+    timer = FakeTimer(toy_kernel.paths_cost)
+    result = KeyTuner(spec, key, CPU, torch.device("cpu"), store, env, timer, options).run()
+    assert result.config == {"path": "wide", "BLOCK": 256, "num_warps": 8, "BROKEN": False}
+    rows = store.measured_trials(env, spec.name, spec.version, key.to_dict())
+    stored = sorted(str(sorted(r.config.items())) for r in rows)
+    assert stored == sorted(str(sorted(spec.space.to_dict(c).items())) for c in spec.space.grid())
+    assert {r.status for r in rows if r.config.get("BROKEN")} == {"failed-correctness"}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_space_of_paths_is_sampled_by_field_name(tmp_path, seed):
+    """TPE over the paths' union of fields: a proposal with a value its path lacks is no config and is
+    replaced by a feasible stand-in; the budget is spent on configs of the paths, and the climb stays on
+    the best config's path."""
+    spec = toy_kernel.PATHS
+    store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    key = spec.default_keys(CPU, n=[256])[0]
+    env = environment_id(store, CPU)
+    options = TuneOptions(trials=10, seed=seed, batch=2, final_rounds=1, polish=0.5)
+    timer = FakeTimer(toy_kernel.paths_cost)
+    result = KeyTuner(spec, key, CPU, torch.device("cpu"), store, env, timer, options).run()
+    assert result.measured + result.failed == 10
+    rows = store.measured_trials(env, spec.name, spec.version, key.to_dict())
+    assert len(rows) == 10 and all(spec.space.to_dict(spec.space.parse(r.config)) == r.config for r in rows), rows
+    assert spec.space.parse(result.config) in spec.space.members[result.config["path"]].grid()

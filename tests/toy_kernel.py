@@ -4,10 +4,12 @@ It is a real Triton kernel (row-wise scaled copy, ``out = x * alpha``) with a re
 plus one config that is wrong on purpose (``BROKEN=True`` writes ``x * alpha + 1``) so that the
 tuner's correctness gate has something to refuse.
 
-For the reliability tests, which tune in worker processes, the end of the file adds what must be
-importable there by name: :class:`CostTimer` (a fake timer that pickles), :class:`LingeringTimer` and
-:data:`MISBEHAVING`, a spec of the same kernel whose ``ACTION`` configs crash, hang, run out
-of memory or poison the (simulated) CUDA context on purpose, and only inside a worker process.
+:data:`PATHS` is the same kernel on a space of two paths (a ``UnionSpace``): each config holds only
+its own path's fields. For the reliability tests, which tune in worker processes, the end of the
+file adds what must be importable there by name: :class:`CostTimer` (a fake timer that pickles),
+:class:`LingeringTimer` and :data:`MISBEHAVING`, a spec of the same kernel whose ``ACTION`` configs
+crash, hang, run out of memory or poison the (simulated) CUDA context on purpose, and only inside
+a worker process.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import triton.language as tl
 
 from tritune.kernels.device import DeviceInfo
 from tritune.kernels.spec import KernelSpec, Problem, TuningKey, pow2_bucket
-from tritune.search_spaces.base import SearchSpace, TargetLimits, choice
+from tritune.search_spaces.base import SearchSpace, TargetLimits, UnionSpace, choice
 
 
 @triton.jit
@@ -107,6 +109,48 @@ class ToySpec(KernelSpec[ToyConfig, ToyKey]):
 
 
 SPEC = ToySpec()
+
+
+# ---- the same kernel on a space of paths ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NarrowConfig:
+    path: str = choice("narrow", ("narrow",))
+    BLOCK: int = choice(32, (16, 32, 64))
+    num_warps: int = choice(2, (1, 2))
+
+
+@dataclass(frozen=True)
+class WideConfig:
+    path: str = choice("wide", ("wide",))
+    BLOCK: int = choice(256, (128, 256, 512))
+    num_warps: int = choice(4, (4, 8))
+    BROKEN: bool = choice(False, (False, True))
+
+
+def paths_cost(config: Any) -> float:
+    """Fake time: the wide path's BLOCK=256 with 8 warps is fastest; a broken config fastest of all."""
+    if getattr(config, "BROKEN", False):
+        return 0.01
+    return 1.0 + abs(config.BLOCK - 256) / 64 + (0.0 if config.num_warps == 8 else 0.5)
+
+
+class PathsSpec(ToySpec):
+    name = "toy_paths"
+    space = UnionSpace(  # type: ignore[assignment]
+        "toy_paths", "path", [SearchSpace("toy_paths", NarrowConfig), SearchSpace("toy_paths", WideConfig)]
+    )
+
+    def launch(self, config: Any, x: torch.Tensor, *, alpha: float = 2.0, out: torch.Tensor | None = None):
+        out = torch.empty_like(x) if out is None else out
+        grid = (triton.cdiv(x.numel(), config.BLOCK),)
+        broken = getattr(config, "BROKEN", False)
+        _scale_kernel[grid](x, out, x.numel(), alpha, BLOCK=config.BLOCK, BROKEN=broken, num_warps=config.num_warps)
+        return out
+
+
+PATHS = PathsSpec()
 
 
 # ---- for the reliability tests: importable by a worker process --------------------------------
