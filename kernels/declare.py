@@ -209,6 +209,10 @@ class Kernel(KernelSpec[Any, Any]):
         """:meth:`__call__` with every argument given positionally (what the public wrappers use)."""
         fast = self._fast
         if fast is None:
+            if torch.compiler.is_compiling():
+                # A first call under torch.compile: dynamo cannot trace building the check (it
+                # compiles generated text), and the check would defer a traced call anyway.
+                return self._call_checked(args)
             fast = self._fast = self.fast_check()
         checked = fast.fn(*args)
         if checked is not None:
@@ -261,6 +265,10 @@ class Kernel(KernelSpec[Any, Any]):
         """
         fast = self._fast
         if fast is None:
+            if torch.compiler.is_compiling():
+                # A first call under torch.compile: dynamo cannot trace building the check (it
+                # compiles generated text), and the check would defer a traced call anyway.
+                return self._call_checked(args, names)
             fast = self._fast = self.fast_check()
         checked = fast.fn(*args)
         if checked is not None:
@@ -274,6 +282,9 @@ class Kernel(KernelSpec[Any, Any]):
         values = dict(zip((a.name for a in self.arguments), args, strict=True))
         checked = CheckedCall(self.arguments, self.rules, values, names, self.cpu_allowed)
         inputs = {a.name: values[a.name] for a in self.arguments if isinstance(a, Tensor)}
+        for a in self.arguments:
+            if isinstance(a, Obj):
+                inputs.update(zip((f"{a.name}.{part}" for part in a.parts), a.split(values[a.name]), strict=True))
         for a in self._outputs:
             checked.check_output(a, values[a.name], inputs)
         assert checked.device is not None

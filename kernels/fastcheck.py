@@ -225,7 +225,8 @@ def build_fast_check(
             fn = w.constant("resolve", a.resolve)
             params_of = [p for p in _parameters(a.resolve)]
             w.emit(f"if {a.name} is None: {a.name} = {fn}({', '.join(params_of)})")
-    tensor_inputs = [a.name for a in inputs if isinstance(a, Tensor)]
+    # Every tensor an output must not overlap: tensor inputs and each object's parts.
+    tensor_inputs = [a.name if isinstance(a, Tensor) else f"*{w.constant('split', a.split)}({a.name})" for a in inputs]
     for a in arguments:
         if not isinstance(a, Output):
             continue

@@ -286,8 +286,13 @@ class UnionSpace(Generic[K]):
         return member.parse({name: fields[name] for name in member.dimensions})
 
     def field_values(self, config: Any) -> dict[str, Value]:
-        """Every union field: the config's own, fillers for the fields its path lacks."""
-        return {name: getattr(config, name, filler) for name, filler in self._fillers.items()}
+        """Every union field: the config's own, fillers for the fields its path lacks.
+
+        No ``getattr`` with a default: dynamo cannot trace one that misses on a config it reached
+        through the dispatcher's tables (``torch.compile`` traces this on every compiled call).
+        """
+        own = self.member_of(config).dimensions
+        return {name: getattr(config, name) if name in own else filler for name, filler in self._fillers.items()}
 
     # ---- enumeration and pruning ---------------------------------------------------------
 
