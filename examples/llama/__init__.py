@@ -1,0 +1,36 @@
+"""A minimal Llama-3-architecture decoder on tritune's kernels, with weights from a GGUF file.
+
+Every linear layer is a ``Q4KWeight`` through ``q4k_linear``; attention is ``prefill_attention``
+(chunked prefill), ``decode_attention`` (a graph-capturable decode step) or ``varlen_attention``
+over a ``BatchedSequenceCache`` (batched serving). Put ``examples/`` on ``sys.path`` and import
+``llama``::
+
+    PYTHONPATH=examples python -m llama model.gguf --tokens 1,2,3 --max-new-tokens 16
+
+Modules: ``config`` (hyper-parameters from the metadata), ``loader`` (tensors from the file),
+``layers`` (RMSNorm, RoPE, fused projections), ``model`` (the forward), ``generate`` (one
+sequence), ``serving`` (many sequences), ``reference`` (a plain PyTorch forward for checking).
+"""
+
+from .config import LlamaConfig, config_from_gguf
+from .generate import Generator, SequenceCache
+from .loader import LayerWeights, LlamaWeights, load_gguf, open_gguf
+from .model import Attend, LlamaModel
+from .reference import reference_logits
+from .serving import BatchedServer, serve_greedy
+
+__all__ = [
+    "Attend",
+    "BatchedServer",
+    "Generator",
+    "LayerWeights",
+    "LlamaConfig",
+    "LlamaModel",
+    "LlamaWeights",
+    "SequenceCache",
+    "config_from_gguf",
+    "load_gguf",
+    "open_gguf",
+    "reference_logits",
+    "serve_greedy",
+]

@@ -1,0 +1,172 @@
+"""One sequence at a time: chunked prefill with ``prefill_attention``, decode with ``decode_attention``.
+
+The cache is static: per layer ``[1, Hkv, max_len, D]`` K and V, allocated once, of which the first
+``length`` positions are valid. A prefill chunk of ``C`` tokens writes its K/V at its positions and
+attends with ``kv_len = length + C`` on the device, bottom-right causal: query ``i`` of the chunk
+sits at position ``kv_len - C + i``. A decode step is one token through the same forward, reading
+its token, position and length from device buffers, writing the next token (greedy) and advancing
+the position on the device: it never synchronises with the host, so on a GPU it is captured once
+in a CUDA graph and replayed for every later step. On the CPU (the Triton interpreter) it runs
+eagerly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tritune.kernels import decode_attention, prefill_attention
+
+from .graphs import run_then_capture
+from .model import LlamaModel
+
+
+class SequenceCache:
+    """Per-layer K/V of one sequence, ``[1, Hkv, max_len, D]`` in the model's dtype."""
+
+    def __init__(self, model: LlamaModel, max_len: int) -> None:
+        cfg = model.config
+        shape = (1, cfg.kv_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(cfg.layers)]
+        self.v = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(cfg.layers)]
+        self.max_len = max_len
+
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k, v [T, Hkv, D]`` at int64 ``positions [T]`` (a device index: no sync)."""
+        self.k[layer][0].index_copy_(1, positions, k.transpose(0, 1))
+        self.v[layer][0].index_copy_(1, positions, v.transpose(0, 1))
+
+
+class Generator:
+    """Greedy generation for one sequence of up to ``max_len`` positions (default: the model's).
+
+    ``chunk_size`` bounds the tokens of one prefill launch. ``graphs`` (default: on a CUDA device)
+    captures the decode step in a CUDA graph after its first, eager, run.
+    """
+
+    def __init__(
+        self, model: LlamaModel, *, max_len: int | None = None, chunk_size: int = 256, graphs: bool | None = None
+    ) -> None:
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size: expected a positive int, got {chunk_size}")
+        max_len = max_len or model.max_positions
+        if not 1 <= max_len <= model.max_positions:
+            raise ValueError(f"max_len: expected 1..{model.max_positions} (the model's positions), got {max_len}")
+        self.model = model
+        self.chunk_size = chunk_size
+        self.graphs = model.device.type == "cuda" if graphs is None else graphs
+        self.cache = SequenceCache(model, max_len)
+        #: Positions the cache holds; the host tracks it, the device buffers below mirror it.
+        self.length = 0
+        device = model.device
+        # The decode step's static buffers: its input token, that token's position, the cache
+        # length it attends over, and its logits.
+        self._token = torch.zeros(1, dtype=torch.int64, device=device)
+        self._position = torch.zeros(1, dtype=torch.int64, device=device)
+        self._kv_len = torch.zeros(1, dtype=torch.int32, device=device)
+        self._logits = torch.zeros(1, model.config.vocab, dtype=torch.float32, device=device)
+        self._graph: torch.cuda.CUDAGraph | None = None
+
+    @property
+    def next_token(self) -> torch.Tensor:
+        """int64 ``[1]`` on the device: the greedy choice of the last decode step, the next one's input."""
+        return self._token
+
+    def reset(self) -> None:
+        """Start a new sequence (the cache is reused: positions past ``length`` are never read)."""
+        self.length = 0
+
+    # ---- prefill -------------------------------------------------------------------------------
+
+    def prefill(self, tokens: Sequence[int] | torch.Tensor, *, all_logits: bool = False) -> torch.Tensor:
+        """Append ``tokens`` in chunks of ``chunk_size``; float32 logits of the last token ``[1, vocab]``.
+
+        ``all_logits`` returns every token's logits ``[len(tokens), vocab]`` instead.
+        """
+        ids = torch.as_tensor(tokens, dtype=torch.int64).to(self.model.device)
+        if ids.dim() != 1 or ids.numel() == 0:
+            raise ValueError(f"tokens: expected a non-empty 1-D sequence of token ids, got shape {tuple(ids.shape)}")
+        if self.length + ids.numel() > self.cache.max_len:
+            raise ValueError(f"tokens: {self.length} + {ids.numel()} positions exceed max_len={self.cache.max_len}")
+        logits = []
+        for start in range(0, ids.numel(), self.chunk_size):
+            logits.append(self._prefill_chunk(ids[start : start + self.chunk_size], all_logits))
+        self._position.fill_(self.length)
+        return torch.cat(logits) if all_logits else logits[-1]
+
+    def _prefill_chunk(self, ids: torch.Tensor, all_logits: bool) -> torch.Tensor:
+        cfg, device = self.model.config, self.model.device
+        count, start = ids.numel(), self.length
+        positions = torch.arange(start, start + count, dtype=torch.int64, device=device)
+        kv_len = torch.full((1,), start + count, dtype=torch.int32, device=device)
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            self.cache.write(layer, positions, k, v)
+            # out [C, Hq, D] in memory, handed to the kernel as the [1, Hq, C, D] view it writes.
+            out = torch.empty(count, cfg.heads, cfg.head_dim, dtype=q.dtype, device=device)
+            prefill_attention(
+                q.transpose(0, 1)[None], self.cache.k[layer], self.cache.v[layer], causal=True, kv_len=kv_len,
+                out=out.transpose(0, 1)[None],
+            )  # fmt: skip
+            return out
+
+        last = None if all_logits else torch.full((1,), count - 1, dtype=torch.int64, device=device)
+        logits = self.model.forward(ids, positions, attend, logit_rows=last)
+        self.length += count
+        return logits
+
+    # ---- decode --------------------------------------------------------------------------------
+
+    def decode(self, token: int | None = None) -> torch.Tensor:
+        """Append one token and return the next position's float32 logits ``[1, vocab]``.
+
+        ``token`` defaults to the greedy choice of the previous step, which the step left on the
+        device. The result is a static buffer that the next step overwrites.
+        """
+        if self.length == 0:
+            raise ValueError("decode: the sequence is empty; prefill it first")
+        if self.length >= self.cache.max_len:
+            raise ValueError(f"decode: the cache is full ({self.cache.max_len} positions)")
+        if token is not None:
+            self._token.fill_(token)
+        if self._graph is not None:
+            self._graph.replay()
+        elif self.graphs:
+            self._graph = run_then_capture(self._decode_step, self.model.device)
+        else:
+            self._decode_step()
+        self.length += 1
+        return self._logits
+
+    def _decode_step(self) -> None:
+        """The whole step on device buffers: forward, greedy next token, position advance."""
+        self._kv_len.copy_(self._position + 1)
+        self._logits.copy_(self.model.forward(self._token, self._position, self._attend_decode))
+        self._token.copy_(self._logits.argmax(-1))
+        self._position.add_(1)
+
+    def _attend_decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cfg = self.model.config
+        self.cache.write(layer, self._position, k, v)
+        out = torch.empty(1, cfg.heads, cfg.head_dim, dtype=q.dtype, device=q.device)
+        decode_attention(
+            q.transpose(0, 1)[None], self.cache.k[layer], self.cache.v[layer], self._kv_len,
+            out=out.transpose(0, 1)[None],
+        )  # fmt: skip
+        return out
+
+    # ---- generation ----------------------------------------------------------------------------
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+        """Greedy continuation of ``prompt``: ``max_new_tokens`` ids, synchronising once at the end."""
+        self.reset()
+        logits = self.prefill(prompt)
+        if max_new_tokens <= 0:
+            return []
+        self._token.copy_(logits.argmax(-1))
+        produced = [self._token.clone()]
+        for _ in range(max_new_tokens - 1):
+            self.decode()
+            produced.append(self._token.clone())
+        return torch.cat(produced).tolist()

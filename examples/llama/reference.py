@@ -1,0 +1,78 @@
+"""A plain PyTorch Llama forward over the same weights, for checking the kernel-backed model.
+
+Written independently of ``model.py``: unfused projections (each Q4_K weight dequantized exactly
+with ``Q4KWeight.dequantize()``), RoPE as complex rotations of adjacent pairs (Meta's reference
+formulation, which is llama.cpp's for Llama), GQA by repeating K/V heads and PyTorch's
+``scaled_dot_product_attention`` with a causal mask over the whole sequence.
+
+``dtype=torch.float64`` is the ground truth. ``dtype=torch.bfloat16`` is how PyTorch itself runs
+the model in bf16 (Hugging Face's recipe: bf16 weights, activations and residual stream; norms
+and rotations in float32): the yardstick for what bf16 inference costs in accuracy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from tritune.kernels import Q4KWeight
+
+from .config import LlamaConfig
+from .loader import LlamaWeights
+
+
+def _matrix(weight: Q4KWeight | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    values = weight.dequantize() if isinstance(weight, Q4KWeight) else weight
+    return values.to(dtype)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    y = x.to(compute)
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.to(compute)).to(x.dtype)
+
+
+def _rotations(config: LlamaConfig, weights: LlamaWeights, length: int) -> torch.Tensor:
+    """complex128 ``[length, D/2]``: ``exp(i * position * frequency)`` per position and pair."""
+    dim = config.head_dim
+    freqs = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if weights.rope_freq_factors is not None:
+        freqs = freqs / weights.rope_freq_factors.cpu().double()
+    positions = torch.arange(length, dtype=torch.float64) / config.rope_linear_factor
+    angles = torch.outer(positions, freqs)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def _rotate(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [L, H, D]``'s adjacent pairs by ``rotations [L, D/2]``."""
+    pairs = torch.view_as_complex(x.double().reshape(*x.shape[:-1], -1, 2).contiguous())
+    return torch.view_as_real(pairs * rotations[:, None]).flatten(-2).to(x.dtype)
+
+
+@torch.no_grad()
+def reference_logits(
+    config: LlamaConfig, weights: LlamaWeights, tokens: Sequence[int], *, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
+    """Logits ``[len(tokens), vocab]`` (in ``dtype``, on the CPU) of a causal forward over ``tokens``."""
+    length = len(tokens)
+    ids = torch.as_tensor(tokens, dtype=torch.int64)
+    rotations = _rotations(config, weights, length)
+    h = F.embedding(ids, weights.token_embd.cpu()).to(dtype)
+    for w in weights.layers:
+        x = _rms_norm(h, w.attn_norm.cpu(), config.rms_eps)
+        q = (x @ _matrix(w.attn_q, dtype).cpu().T).view(length, config.heads, config.head_dim)
+        k = (x @ _matrix(w.attn_k, dtype).cpu().T).view(length, config.kv_heads, config.head_dim)
+        v = (x @ _matrix(w.attn_v, dtype).cpu().T).view(length, config.kv_heads, config.head_dim)
+        q, k = _rotate(q, rotations), _rotate(k, rotations)
+        group = config.heads // config.kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        attn = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+        h = h + attn.transpose(0, 1).reshape(length, config.q_width) @ _matrix(w.attn_output, dtype).cpu().T
+        x = _rms_norm(h, w.ffn_norm.cpu(), config.rms_eps)
+        gate, up = x @ _matrix(w.ffn_gate, dtype).cpu().T, x @ _matrix(w.ffn_up, dtype).cpu().T
+        h = h + (F.silu(gate) * up) @ _matrix(w.ffn_down, dtype).cpu().T
+    x = _rms_norm(h, weights.output_norm.cpu(), config.rms_eps)
+    return x @ _matrix(weights.output, dtype).cpu().T

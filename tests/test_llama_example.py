@@ -1,0 +1,348 @@
+"""The Llama example (``examples/llama``) against a plain PyTorch forward of the same weights.
+
+A tiny random Llama file (``scripts/make_llama_gguf.py``'s ``tiny`` preset: 2 layers, hidden 256,
+4 query and 2 KV heads of 64, Llama-3 RoPE scaling) is loaded and run through tritune's kernels:
+prefill in one and in several chunks, greedy decode steps, and batched steps that mix prefill
+chunks with decode tokens while sequences are admitted, cloned and removed. Every logit is compared
+with ``reference_logits`` in float64 over the same exactly dequantized weights.
+
+The bound is the one the kernel tests use for attention: no more than twice the error of PyTorch's
+own bf16 forward (``reference_logits(dtype=torch.bfloat16)``) against float64. Both lose about the
+same: bf16 rounding of every activation at a kernel's input and output (2^-9 relative), and the
+portable Q4_K path's bf16 dot products (at least 40 dB SQNR, about 1% relative per linear, well
+inside ggml's NMSE <= 5e-4); the example keeps its residual stream in float32, PyTorch's recipe
+keeps it in bf16. Measured on the interpreter (2026-12-04): 1.2-1.8% for the model, 1.5% for
+PyTorch's bf16, top-1 agreement 100%.
+
+Corrupt files are refused with a ValueError naming the tensor or key.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+
+ROOT = Path(__file__).resolve().parent.parent
+for folder in (ROOT / "examples", ROOT / "scripts"):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+import llama  # noqa: E402
+import make_llama_gguf as maker  # noqa: E402
+
+from tritune.kernels import use_config  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+#: The interpreter runs a launch's programs one after another in Python, so fewer, larger Q4_K
+#: tiles run the same portable kernel in a fraction of the default tiles' time.
+FAST_Q4K = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128}
+PROMPT = [5, 17, 300, 2, 99, 45, 7, 8, 9, 120, 444]
+#: At least as many top-1 matches as this: random weights can leave a near tie anywhere.
+MIN_TOP1 = 0.9
+
+
+@pytest.fixture(autouse=True)
+def _fast_q4k_tiles() -> Iterator[None]:
+    with use_config("q4k_fp8_gemm", FAST_Q4K):
+        yield
+
+
+@pytest.fixture(scope="module")
+def tiny_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return maker.make_llama_gguf(tmp_path_factory.mktemp("llama") / "tiny.gguf", maker.PRESETS["tiny"], seed=0)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_file: Path) -> tuple[llama.LlamaConfig, llama.LlamaWeights]:
+    return llama.load_gguf(tiny_file)
+
+
+@pytest.fixture(scope="module")
+def model(loaded: tuple[llama.LlamaConfig, llama.LlamaWeights]) -> llama.LlamaModel:
+    return llama.LlamaModel(*loaded, max_positions=64)
+
+
+@pytest.fixture(scope="module")
+def reference(loaded: tuple[llama.LlamaConfig, llama.LlamaWeights]) -> Callable[..., torch.Tensor]:
+    cache: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
+
+    def logits(tokens: list[int], dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        key = (tuple(tokens), dtype)
+        if key not in cache:
+            cache[key] = llama.reference_logits(*loaded, tokens, dtype=dtype)
+        return cache[key]
+
+    return logits
+
+
+def _check(
+    name: str, got: list[torch.Tensor], rows: list[tuple[list[int], slice]], reference: Callable[..., torch.Tensor]
+) -> None:
+    """Compare each of ``got`` with the reference rows of its ``(tokens, positions)``, all together."""
+    ours = torch.cat([g.double().cpu() for g in got])
+    exact = torch.cat([reference(tokens)[positions] for tokens, positions in rows])
+    bf16 = torch.cat([reference(tokens, torch.bfloat16)[positions].double() for tokens, positions in rows])
+    err, bf16_err = _rel(ours, exact), _rel(bf16, exact)
+    top1 = float((ours.argmax(-1) == exact.argmax(-1)).double().mean())
+    log.info("%s: rel. error %.4f (PyTorch bf16 %.4f), top-1 agreement %.3f over %d rows", name, err, bf16_err, top1,
+             len(ours))  # fmt: skip
+    assert torch.isfinite(ours).all()
+    assert err <= 2 * bf16_err, f"{name}: relative error {err:.4f} exceeds twice PyTorch bf16's {bf16_err:.4f}"
+    assert top1 >= MIN_TOP1, f"{name}: top-1 agreement {top1:.3f}"
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm())
+
+
+# ---- the file and the loader ---------------------------------------------------------------------
+
+
+def test_loader_reads_the_tiny_preset(loaded: tuple[llama.LlamaConfig, llama.LlamaWeights]) -> None:
+    config, weights = loaded
+    shape = maker.PRESETS["tiny"]
+    assert (config.layers, config.hidden, config.ffn, config.heads, config.kv_heads, config.head_dim, config.vocab) == (
+        shape.layers, shape.hidden, shape.ffn, shape.heads, shape.kv_heads, shape.dim, shape.vocab,
+    )  # fmt: skip
+    assert (config.context, config.rope_theta, config.rope_linear_factor) == (shape.context, shape.rope_theta, 1.0)
+    assert config.rms_eps == pytest.approx(shape.rms_eps)
+    layer = weights.layers[1]
+    assert layer.attn_q.shape == (256, 256) and layer.attn_k.shape == (128, 256) and layer.ffn_down.shape == (256, 512)
+    assert weights.token_embd.shape == (512, 256) and weights.token_embd.dtype == torch.float32
+    assert isinstance(weights.output, llama.loader.Q4KWeight) and weights.output.shape == (512, 256)
+    # Llama-3 scaling: the highest frequencies kept, the lowest divided by the full factor, a blend between.
+    factors = weights.rope_freq_factors
+    assert factors is not None and factors.shape == (32,)
+    assert factors[0] == 1.0 and factors[-1] == shape.rope_factor and bool((factors.diff() >= 0).all())
+    assert 1.0 < float(factors[factors < shape.rope_factor].max()) < shape.rope_factor
+
+
+def test_script_options_override_the_preset(tmp_path: Path) -> None:
+    out = tmp_path / "small.gguf"
+    maker.main(["--out", str(out), "--layers", "1", "--ffn", "256", "--vocab", "64", "--rope-scaling", "linear",
+                "--rope-factor", "2", "--output-type", "f32", "--embedding-type", "f32", "--seed", "3"])  # fmt: skip
+    config, weights = llama.load_gguf(out)
+    assert (config.layers, config.ffn, config.vocab, config.rope_linear_factor) == (1, 256, 64, 2.0)
+    assert weights.rope_freq_factors is None
+    assert isinstance(weights.output, torch.Tensor) and weights.output.shape == (64, 256)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [("hidden", 200, "hidden"), ("kv_heads", 3, "kv_heads"), ("rope_scaling", "yarn", "rope_scaling")],
+    ids=["hidden-not-q4k", "gqa", "rope-scaling"],
+)
+def test_script_refuses_shapes_a_file_cannot_have(field: str, value: Any, named: str) -> None:
+    import dataclasses
+
+    with pytest.raises(ValueError, match=named):
+        maker.llama_tensors(dataclasses.replace(maker.PRESETS["tiny"], **{field: value}))
+
+
+def _rewrite(
+    src: Path,
+    dst: Path,
+    *,
+    metadata: dict[str, Any] | None = None,
+    drop: tuple[str, ...] = (),
+    tensors: dict[str, maker.TensorPlan] | None = None,
+) -> Path:
+    """A copy of ``src`` with metadata entries set (None: dropped), tensors dropped or replaced."""
+    reader = GGUFReader(src)
+    meta: maker.Metadata = {}
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF."):
+            types = field.types
+            meta[key] = (field.contents(), types[0]) if len(types) == 1 else (field.contents(), types[0], types[-1])
+    for key, entry in (metadata or {}).items():
+        if entry is None:
+            del meta[key]
+        else:
+            meta[key] = entry
+    plans = []
+    for t in reader.tensors:
+        if t.name in drop:
+            continue
+        if tensors and t.name in tensors:
+            plans.append(tensors[t.name])
+            continue
+        data = np.array(t.data)
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        plans.append(maker.TensorPlan(t.name, shape, t.tensor_type, lambda data=data: data))
+    return maker.write_gguf(dst, meta, plans)
+
+
+def _f32(name: str, shape: tuple[int, ...]) -> maker.TensorPlan:
+    return maker.TensorPlan(name, shape, GGMLQuantizationType.F32, lambda: np.zeros(shape, dtype=np.float32))
+
+
+def _q4k_rows(src: Path, name: str, as_name: str) -> maker.TensorPlan:
+    tensor = next(t for t in GGUFReader(src).tensors if t.name == name)
+    data = np.array(tensor.data)
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    return maker.TensorPlan(as_name, shape, GGMLQuantizationType.Q4_K, lambda: data)
+
+
+BAD_FILES: dict[str, tuple[dict[str, Any], str]] = {
+    "missing-tensor": ({"drop": ("blk.1.ffn_up.weight",)}, r"blk\.1\.ffn_up\.weight: missing"),
+    "linear-not-q4k": (
+        {"tensors": {"blk.0.attn_q.weight": _f32("blk.0.attn_q.weight", (256, 256))}},
+        r"blk\.0\.attn_q\.weight: stored as F32, expected Q4_K",
+    ),
+    "norm-not-float": ({"q4k_norm": "output_norm.weight"}, r"output_norm\.weight: stored as Q4_K, expected one of F32"),
+    "wrong-shape": ({"q4k_as": ("blk.0.attn_q.weight", "blk.0.attn_k.weight")}, r"blk\.0\.attn_k\.weight: shape"),
+    "unknown-architecture": (
+        {"metadata": {"general.architecture": ("gpt2", GGUFValueType.STRING)}},
+        "general.architecture",
+    ),
+    "missing-key": ({"metadata": {"llama.attention.head_count_kv": None}}, r"llama\.attention\.head_count_kv: missing"),
+    "key-of-wrong-type": (
+        {"metadata": {"llama.block_count": ("2", GGUFValueType.STRING)}},
+        r"llama\.block_count: expected a positive integer",
+    ),
+    "moe": ({"metadata": {"llama.expert_count": (8, GGUFValueType.UINT32)}}, r"llama\.expert_count"),
+    "unsupported-rope-scaling": (
+        {"metadata": {"llama.rope.scaling.type": ("yarn", GGUFValueType.STRING)}},
+        r"llama\.rope\.scaling\.type",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES), ids=list(BAD_FILES))
+def test_bad_files_are_refused_naming_the_tensor_or_key(case: str, tiny_file: Path, tmp_path: Path) -> None:
+    edits, message = BAD_FILES[case]
+    edits = dict(edits)
+    if "q4k_as" in edits:
+        name, as_name = edits.pop("q4k_as")
+        edits["tensors"] = {as_name: _q4k_rows(tiny_file, name, as_name)}
+    if "q4k_norm" in edits:
+        # One Q4_K row of 256 values: a norm of the right length in a type norms never have.
+        name = edits.pop("q4k_norm")
+        row = _q4k_rows(tiny_file, "blk.0.attn_q.weight", name).make()[0]
+        edits["tensors"] = {name: maker.TensorPlan(name, (256,), GGMLQuantizationType.Q4_K, lambda: row)}
+    bad = _rewrite(tiny_file, tmp_path / f"{case}.gguf", **edits)
+    with pytest.raises(ValueError, match=message):
+        llama.load_gguf(bad)
+
+
+def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "not.gguf"
+    path.write_bytes(b"GGML" + bytes(64))
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        llama.load_gguf(path)
+
+
+def test_optional_entries_fall_back_as_llama_cpp_does(tiny_file: Path, tmp_path: Path) -> None:
+    # No output.weight: the head is the embedding. No llama.vocab_size: the embedding's rows.
+    lean = _rewrite(tiny_file, tmp_path / "lean.gguf", drop=("output.weight",), metadata={"llama.vocab_size": None})
+    config, weights = llama.load_gguf(lean)
+    assert config.vocab == 512
+    assert weights.output is weights.token_embd
+
+
+# ---- the model against the reference -------------------------------------------------------------
+
+
+def test_prefill_in_one_chunk_then_greedy_decode_steps(model: llama.LlamaModel, reference: Any) -> None:
+    generator = llama.Generator(model, max_len=32, chunk_size=32, graphs=False)
+    prefill = generator.prefill(PROMPT, all_logits=True)
+    assert prefill.shape == (len(PROMPT), 512) and generator.length == len(PROMPT)
+    tokens = [*PROMPT, int(prefill[-1].argmax())]
+    steps = []
+    for _ in range(3):
+        steps.append(generator.decode(tokens[-1] if len(steps) == 0 else None).clone())
+        # The step's greedy choice stays on the device as the next step's input.
+        assert int(generator.next_token) == int(steps[-1].argmax())
+        tokens.append(int(generator.next_token))
+    assert generator.length == len(PROMPT) + 3
+    full = tokens[:-1]
+    _check("prefill, one chunk", [prefill], [(PROMPT, slice(None))], reference)
+    _check("decode steps", steps, [(full, slice(len(PROMPT) + i, len(PROMPT) + i + 1)) for i in range(3)], reference)
+
+
+def test_prefill_in_chunks_over_a_growing_cache(model: llama.LlamaModel, reference: Any) -> None:
+    generator = llama.Generator(model, max_len=32, chunk_size=4, graphs=False)
+    logits = generator.prefill(PROMPT, all_logits=True)
+    assert logits.shape == (len(PROMPT), 512)
+    _check("prefill, chunks of 4", [logits], [(PROMPT, slice(None))], reference)
+
+
+def test_batched_steps_admit_clone_and_remove_sequences(model: llama.LlamaModel, reference: Any) -> None:
+    server = llama.BatchedServer(model, max_seqs=4, capacity=32, max_step=6, graphs=False)
+    a_tokens, b_tokens, c_tokens = PROMPT, [3, 1, 4, 1, 5], [200, 100, 50, 25, 12, 6]
+    a, b = server.add(), server.add()
+    got, rows = [], []
+
+    # A prefill chunk next to a shorter one (9 tokens in a 16-wide step).
+    # Each step's logits are views of its width's static buffer: keep copies.
+    first = server.step([(a, a_tokens[:6]), (b, b_tokens[:3])], all_logits=True)
+    got += [logits.clone() for logits in first]
+    rows += [(a_tokens, slice(0, 6)), (b_tokens, slice(0, 3))]
+    # A's last chunk, B decodes one token, C is admitted with its first chunk.
+    c = server.add()
+    second = server.step([(a, a_tokens[6:]), (b, b_tokens[3:4]), (c, c_tokens[:4])], all_logits=True)
+    got += [logits.clone() for logits in second]
+    rows += [(a_tokens, slice(6, None)), (b_tokens, slice(3, 4)), (c_tokens, slice(0, 4))]
+    assert [server.length(s) for s in (a, b, c)] == [11, 4, 4]
+    # D forks A; B leaves. A and D continue differently, C decodes: last-token logits only.
+    d = server.clone(a)
+    server.remove(b)
+    third = server.step([(c, c_tokens[4:5]), (a, [7]), (d, [8])])
+    assert [t.shape for t in third] == [(1, 512)] * 3
+    got += third
+    rows += [(c_tokens[:5], slice(4, 5)), ([*a_tokens, 7], slice(11, 12)), ([*a_tokens, 8], slice(11, 12))]
+    _check("batched steps", got, rows, reference)
+    assert sorted(server.cache.seqs()) == sorted([a, c, d])
+
+
+def test_serve_greedy_continues_each_prompt_as_the_reference_does(model: llama.LlamaModel, reference: Any) -> None:
+    server = llama.BatchedServer(model, max_seqs=2, capacity=16, max_step=8, graphs=False)
+    prompts = [[11, 22, 33], [40, 41, 42, 43, 44, 45, 46]]
+    outputs = llama.serve_greedy(server, prompts, max_new_tokens=2)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert len(out) == 2
+        for i, token in enumerate(out):
+            # Each choice is the reference's best, up to a near tie: the model's logits are bf16
+            # (steps of 1/64 at 3.5), so it may pick a token within PyTorch bf16's own logit error
+            # of the best.
+            prefix = [*prompt, *out[:i]]
+            exact, bf16 = reference(prefix)[-1], reference(prefix, torch.bfloat16)[-1].double()
+            slack = 2 * float((bf16 - exact).abs().max())
+            assert float(exact[token]) >= float(exact.max()) - slack, f"{prompt}: token {i} is {token}"
+    assert server.cache.seqs() == []
+
+
+# ---- CUDA graphs (GPU tier) ----------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_decode_graph_replays_match_eager_steps(tiny_file: Path) -> None:
+    config, weights = llama.load_gguf(tiny_file, device="cuda")
+    model = llama.LlamaModel(config, weights, max_positions=64)
+    eager = llama.Generator(model, max_len=64, graphs=False).generate(PROMPT, 6)
+    graphed = llama.Generator(model, max_len=64, graphs=True)
+    assert graphed.generate(PROMPT, 6) == eager
+    # The captured step is reused for a new sequence: static buffers, device-side lengths.
+    assert graphed._graph is not None
+    assert graphed.generate(PROMPT[:5], 4) == llama.Generator(model, max_len=64, graphs=False).generate(PROMPT[:5], 4)
+
+
+@pytest.mark.gpu
+def test_batched_graph_replays_match_eager_steps(tiny_file: Path) -> None:
+    config, weights = llama.load_gguf(tiny_file, device="cuda")
+    model = llama.LlamaModel(config, weights, max_positions=64)
+    prompts = [PROMPT, [3, 1, 4, 1, 5], [200, 100, 50, 25, 12, 6, 3, 2, 1]]
+    results = []
+    for graphs in (False, True):
+        server = llama.BatchedServer(model, max_seqs=3, capacity=64, max_step=4, graphs=graphs)
+        results.append(llama.serve_greedy(server, prompts, max_new_tokens=8))
+    assert results[0] == results[1]
