@@ -195,7 +195,7 @@ def register_schema_op(
     else:
         # triton_op infers the schema from the function it is given (torch 2.13 does not use its
         # schema= argument), so the body, which takes *args and **fields, gets the schema's signature.
-        triton_op(name, _with_signature(body, schema), mutates_args=mutates, schema=schema)
+        triton_op(name, _with_signature(body, schema), mutates_args=mutates)
     namespace, op_name = name.split("::")
     return getattr(getattr(torch.ops, namespace), op_name).default
 
