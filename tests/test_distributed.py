@@ -566,7 +566,7 @@ def test_a_worker_joining_later_adds_no_seeds_of_its_own(toy, tmp_path):
             ),
             a.env_id,
         )  # fmt: skip
-        assert b._neighbour_winners(store.winners(kernel=toy_kernel.SPEC.name)) == [chosen]
+        assert b.strategy.neighbour_winners(store.winners(kernel=toy_kernel.SPEC.name)) == [chosen]
         joined = b._join(default)
         after = [t.system_attrs["fixed_params"] for t in joined.get_trials(states=(TrialState.WAITING,))]
     assert after == queued
@@ -621,7 +621,7 @@ def test_of_two_workers_holding_one_config_exactly_one_measures_it(toy, tmp_path
         b.study.enqueue_trial(toy_kernel.SPEC.space.to_dict(default))
         copy = b._ask(b.study)
         measured_b = []
-        refresh = a._refresh_table
+        refresh = a.known.refresh
 
         def b_looks_meanwhile() -> None:
             # Called by a's _sort_out right after it read the study: b reads it before a tells anything.
@@ -629,7 +629,7 @@ def test_of_two_workers_holding_one_config_exactly_one_measures_it(toy, tmp_path
             if not measured_b:
                 measured_b.append(b._sort_out(b.study, [copy], options.trials)[0])
 
-        a._refresh_table = b_looks_meanwhile
+        a.known.refresh = b_looks_meanwhile
         measured_a, _ = a._sort_out(a.study, held[:1], options.trials)
     assert [len(measured_a), len(measured_b[0])] == [1, 0], "the trial that started first keeps the config"
 

@@ -117,13 +117,13 @@ def test_polish_measures_the_unseen_neighbours_of_the_best_config(tmp_path):
     tuner = _tuner(store, trials=4)
 
     def ident(block: int, broken: bool, warps: int):
-        return tuner._ident(toy_kernel.ToyConfig(block, broken, warps))
+        return tuner.known.ident(toy_kernel.ToyConfig(block, broken, warps))
 
     best = ident(64, False, 1)
     assert best == (("BLOCK", 64), ("BROKEN", False), ("num_warps", 1)), "configs are known by field name"
-    tuner.times = {best: 1.0, ident(32, False, 4): 2.0}
-    tuner.status = {best: "ok", ident(32, False, 4): "ok", ident(32, False, 1): "failed-runtime"}
-    neighbours = {(c.BLOCK, c.BROKEN, c.num_warps) for c in tuner._neighbours_of_best()}
+    tuner.known.times = {best: 1.0, ident(32, False, 4): 2.0}
+    tuner.known.status = {best: "ok", ident(32, False, 4): "ok", ident(32, False, 1): "failed-runtime"}
+    neighbours = {(c.BLOCK, c.BROKEN, c.num_warps) for c in tuner.strategy.neighbours_of_best()}
     # BLOCK 32 was seen; BLOCK 128 with one warp is infeasible; num_warps has one neighbour of 1.
     assert neighbours == {(64, True, 1), (64, False, 2)}
 
@@ -195,7 +195,8 @@ def test_a_neighbour_winner_equal_to_the_keys_own_takes_no_seed_slot(tmp_path):
         KeyTuner(SPEC, key, CPU, torch.device("cpu"), store, env, FakeTimer(_favouring(block, warps)), options).run()
     tuner = KeyTuner(SPEC, target, CPU, torch.device("cpu"), store, env, FakeTimer(cost), options)
     # The nearest bucket's winner is the key's own (seeded already): the next one comes instead.
-    assert tuner._neighbour_winners(store.winners(kernel=SPEC.name)) == [{"BLOCK": 64, "BROKEN": False, "num_warps": 4}]
+    next_nearest = {"BLOCK": 64, "BROKEN": False, "num_warps": 4}
+    assert tuner.strategy.neighbour_winners(store.winners(kernel=SPEC.name)) == [next_nearest]
 
 
 def test_seeds_leave_the_climb_its_share(tmp_path, monkeypatch):
@@ -207,8 +208,8 @@ def test_seeds_leave_the_climb_its_share(tmp_path, monkeypatch):
     for trials in (4, 10, 16):
         tuner = _tuner(store, trials)
         feasible = SPEC.space.feasible(tuner.key, tuner.limits)
-        seeds = tuner._seeds(SPEC.space.default(), feasible, False, random.Random(0))
-        assert 1 <= len(seeds) <= tuner._polish_from(False) < trials
+        seeds = tuner.strategy.seeds(SPEC.space.default(), feasible, False, random.Random(0))
+        assert 1 <= len(seeds) <= tuner.strategy.polish_from(False) < trials
         assert seeds[0] == SPEC.space.to_dict(SPEC.space.default())
 
 
@@ -254,10 +255,10 @@ def test_a_winner_of_an_earlier_kernel_version_is_seeded_and_measured_again(tmp_
     # winners of the running version reach the neighbour ranking.
     other = toy_kernel.ToyKey(CPU.arch, CPU.sm_count, "float32", 512)
     tuner = KeyTuner(SPEC, other, CPU, torch.device("cpu"), store, env, FakeTimer(cost), quick)
-    assert tuner._earlier_winners(store.winners(kernel=SPEC.name)) == []
+    assert tuner.strategy.earlier_winners(store.winners(kernel=SPEC.name)) == []
     ranked: list = []
-    monkeypatch.setattr(tuner, "_neighbour_winners", lambda winners: ranked.extend(winners) or [])
-    tuner._seeds(SPEC.space.default(), SPEC.space.feasible(other, tuner.limits), False, random.Random(0))
+    monkeypatch.setattr(tuner.strategy, "neighbour_winners", lambda winners: ranked.extend(winners) or [])
+    tuner.strategy.seeds(SPEC.space.default(), SPEC.space.feasible(other, tuner.limits), False, random.Random(0))
     assert ranked and {w.kernel_version for w in ranked} == {"edited0000000000"}
 
 
@@ -265,7 +266,7 @@ def test_earlier_winners_are_capped_fastest_first_and_deduplicated(tmp_path):
     """However many edits a key's history holds, its earlier winners take at most EARLIER_SEEDS
     seed slots: the fastest distinct feasible configs, whatever order the DB lists them in."""
     from tritune.configs_db.records import WinnerRecord
-    from tritune.tuner.study import EARLIER_SEEDS
+    from tritune.tuner.strategy import EARLIER_SEEDS
 
     store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
     tuner = _tuner(store, trials=4)
@@ -285,7 +286,7 @@ def test_earlier_winners_are_capped_fastest_first_and_deduplicated(tmp_path):
         record("v5", 16, 2, 0.8),
         record(SPEC.version, 128, 2, 0.1),  # the running version's: not an earlier winner
     ]
-    seeds = tuner._earlier_winners(stored)
+    seeds = tuner.strategy.earlier_winners(stored)
     assert EARLIER_SEEDS == 2
     assert seeds == [{"BLOCK": 64, "BROKEN": False, "num_warps": 2}, {"BLOCK": 32, "BROKEN": False, "num_warps": 4}]
 

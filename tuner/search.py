@@ -23,35 +23,37 @@ search, in phases:
    portable default are re-timed in interleaved rounds and the fastest is offered to the DB (which
    keeps the faster of concurrent offers); the study is marked finalized.
 
-Where the study lives and what sharing it costs is a :class:`StudyBackend`'s: in this process's
-memory for a lone tuner (:class:`.study.LocalStudy`), or in a storage shared by several workers
-with heartbeats, trial claims and a cross-process lock (:class:`.shared.SharedStudy`).
+Where the study lives and what sharing it costs is a :class:`~.backend.StudyBackend`'s: in this
+process's memory for a lone tuner (:class:`.study.LocalStudy`), or in a storage shared by several
+workers with heartbeats, trial claims and a cross-process lock (:class:`.shared.SharedStudy`). What
+is known of each config is :class:`~.known.Known`'s; which configs go before and around the
+sampler's proposals (seeds, stand-ins, the climb) is :class:`~.strategy.Strategy`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import random
 import time
 import warnings
-from collections.abc import Callable, Collection, Hashable
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any
 
 import optuna
 import torch
 import triton
 from optuna.trial import FrozenTrial, TrialState
 
-from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.store import ConfigStore
 from tritune.kernels.device import DeviceInfo
 from tritune.kernels.spec import KernelSpec, TuningKey
 
-from .candidates import OK, PRUNED, Bench, BenchError, TrialOutcome
-from .options import KeyResult, TuneOptions, TuningError, pick_winner, tritune_version
+from .backend import Asked, KeyBench, StudyBackend, Visit
+from .candidates import OK, PRUNED, Bench, TrialOutcome
+from .known import Ident, Known, OnTrial
+from .options import TuneOptions, TuningError
+from .strategy import Strategy
 from .studies import (
     DUPLICATE,
     FINALIZED_ATTR,
@@ -59,104 +61,22 @@ from .studies import (
     OUTCOME_ATTR,
     REUSED,
     SEEDS_ATTR,
-    WORKER_ATTR,
     measured_outcome,
     study_name,
 )
 from .timing import Timer
+from .winner import offer_winner
 
 log = logging.getLogger("tritune.tuner")
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
-#: A config as the study knows it: its fields by name, in the space's order.
-Ident = tuple[tuple[str, Any], ...]
-#: A trial this process asked, with the id the backend holds it by (heartbeats).
-Asked = tuple[optuna.trial.Trial, int]
 Started = tuple[datetime, int]
-#: Called after each recorded trial with (kernel, config, status, ms).
-OnTrial = Callable[[str, dict[str, Any], str, float | None], None]
-
-#: Winners of this key under earlier kernel versions measured first after an edit (the fastest).
-EARLIER_SEEDS = 2
-#: Winners of the nearest other buckets measured first at a key (see ``KeySearch._neighbour_winners``).
-NEIGHBOUR_SEEDS = 3
-
-
-class StudyBackend(Protocol):
-    """Where a key's study lives, and what sharing it with other workers costs."""
-
-    #: Other workers ask the study too: TPE imagines their running trials (``constant_liar``), and
-    #: they tell it their results themselves.
-    shared: bool
-    #: How this process signs what it asks and finalizes.
-    worker: str
-
-    def sampler_seed(self, seed: int) -> int:
-        """The seed of this process's sampler (workers share the seeds, not the random stream)."""
-        ...
-
-    def lock(self, name: str) -> contextlib.AbstractContextManager[None]:
-        """Held to seed the study and to finalize it (once, across every worker)."""
-        ...
-
-    def open(self, name: str, sampler: optuna.samplers.BaseSampler) -> tuple[optuna.Study, bool]:
-        """The study called ``name``, and whether this call created it."""
-        ...
-
-    def sweep(self, study: optuna.Study) -> None:
-        """Fail and enqueue again the trials of workers that are gone."""
-        ...
-
-    def sign(self, study: optuna.Study, trial: optuna.trial.Trial) -> int | None:
-        """Hold a freshly asked trial as this worker's; ``None`` if it was released before it was signed."""
-        ...
-
-    def drop(self, trial_id: int) -> None:
-        """Stop holding a trial (told, or handed back)."""
-        ...
-
-    def release(self, study: optuna.Study, asked: list[Asked]) -> None:
-        """Hand trials this worker will not tell back to the study, for another worker to take."""
-        ...
 
 
 def _started(trial: FrozenTrial) -> Started:
     """When a trial started, the trial number breaking ties: of two running trials of one config, the
     first keeps it. (Clocks of two hosts may disagree; then both may measure it, but never neither.)"""
     return trial.datetime_start or datetime.max, trial.number
-
-
-@dataclass
-class Visit:
-    """What one visit of a key came to."""
-
-    done: bool
-    measured: int = 0
-    result: KeyResult | None = None
-    #: Who finalized the key, when it was done by another worker.
-    finalized: dict[str, Any] | None = None
-
-
-class KeyBench:
-    """A bench and the key open on it: a key is opened again only after another was."""
-
-    def __init__(self, bench: Bench) -> None:
-        self.bench = bench
-        self._open: tuple[str, str, TuningKey] | None = None
-
-    def ready(self, search: KeySearch, default: Any) -> Bench:
-        wanted = (search.spec.name, search.spec.version, search.key)
-        if self._open != wanted:
-            self._open = None
-            try:
-                self.bench.open(search.spec, search.key, search.options.seed, search.space.to_dict(default))
-            except BenchError as exc:
-                raise TuningError(f"{search.spec.name} {search.key}: cannot set up the problem ({exc})") from exc
-            self._open = wanted
-        return self.bench
-
-    def close(self) -> None:
-        self.bench.close()
 
 
 class KeySearch:
@@ -177,119 +97,20 @@ class KeySearch:
     ) -> None:
         self.spec, self.key, self.device, self.torch_device = spec, key, device, torch_device
         self.store, self.env_id, self.timer, self.options = store, env_id, timer, options
-        self.backend, self.on_trial = backend, on_trial
+        self.backend = backend
         self.space = spec.space
         self.key_dict = key.to_dict()
         self.limits = spec.limits(device)
         self.name = study_name(spec.name, spec.version, device.slug, triton.__version__, self.key_dict)
-        #: What is known of each config: its status, its time when measured, the error when failed.
-        self.times: dict[Ident, float] = {}
-        self.status: dict[Ident, str] = {}
-        self.errors: dict[Ident, str] = {}
-        self.counts = {"measured": 0, "reused": 0, "failed": 0, "pruned": 0}
-        self.distributions: dict[str, optuna.distributions.BaseDistribution] = {
-            name: optuna.distributions.CategoricalDistribution(list(options))
-            for name, options in self.space.dimensions.items()
-        }
-        #: A space of per-path members (:class:`~tritune.search_spaces.base.UnionSpace`): its paths.
-        self.members: dict[str, Any] | None = getattr(self.space, "members", None)
-        self.feasible = self.space.feasible(key, self.limits)
-        self.exhaustive = len(self.feasible) <= options.trials
+        self.known = Known(spec, self.key_dict, store, env_id, on_trial)
+        self.strategy = Strategy(spec, key, device, store, options, self.known)
+        #: Stand-ins are drawn from this process's stream (workers share the seeds, not the stream).
         self.rng = random.Random(backend.sampler_seed(options.seed))
         self.study: optuna.Study | None = None
 
-    # ---- configs by name ---------------------------------------------------------------------
-
-    def _ident(self, config: Any) -> Ident:
-        return tuple(self.space.to_dict(config).items())
-
-    def _config(self, ident: Ident) -> Any:
-        return self.space.parse(dict(ident))
-
-    def _proposal(self, params: dict[str, Any]) -> Any | None:
-        """The config a proposal stands for; ``None`` for one outside its path's choices."""
-        try:
-            return self.space.from_proposal(params)
-        except (TypeError, ValueError, KeyError):
-            return None
-
-    def _trial_ident(self, trial: FrozenTrial) -> Ident | None:
-        params = trial.params or trial.system_attrs.get("fixed_params")
-        config = self._proposal(params) if params else None
-        return None if config is None else self._ident(config)
-
-    # ---- what is known -----------------------------------------------------------------------
-
-    def _record(self, config: Any, status: str, ms: float | None, error: str | None) -> None:
-        ident = self._ident(config)
-        values = self.space.to_dict(config)
-        self.status[ident] = status
-        if ms is not None:
-            self.times[ident] = ms
-        if error is not None:
-            self.errors[ident] = error
-        spec = self.spec
-        self.store.record_trial(self.env_id, spec.name, spec.version, self.key_dict, values, status, ms, error)
-        if status == OK:
-            self.counts["measured"] += 1
-        elif status == PRUNED:
-            self.counts["pruned"] += 1
-        else:
-            self.counts["failed"] += 1
-        if self.on_trial is not None:
-            self.on_trial(self.spec.name, values, status, ms)
-
-    def _refresh_table(self) -> None:
-        """Take in this key's trials stored in the config DB (this environment) by anyone, ever."""
-        for row in self.store.measured_trials(self.env_id, self.spec.name, self.spec.version, self.key_dict):
-            try:
-                ident = self._ident(self.space.parse(row.config))
-            except ValueError:
-                continue
-            if ident in self.status:
-                continue
-            self.status[ident] = row.status
-            if row.error is not None:
-                self.errors[ident] = row.error
-            if row.status == OK and row.time_ms is not None:
-                self.times[ident] = row.time_ms
-
-    def _add_stored(self, study: optuna.Study, trials: list[FrozenTrial]) -> None:
-        """Add the measurements known from the config DB that the study lacks, as finished trials."""
-        finished = {self._trial_ident(t) for t in trials if t.state == TrialState.COMPLETE}
-        for ident, ms in list(self.times.items()):
-            if ident in finished:
-                continue
-            params = dict(ident)
-            study.add_trial(
-                optuna.trial.create_trial(
-                    params=params,
-                    distributions={name: self.distributions[name] for name in params},
-                    value=ms,
-                    user_attrs={OUTCOME_ATTR: REUSED, WORKER_ATTR: "config DB"},
-                )
-            )
-            finished.add(ident)
-
-    def _results(self, trials: list[FrozenTrial]) -> set[Ident]:
-        """Configs with a result: stored (measured or failed), or finished in the study with one."""
-        found = {ident for ident, status in self.status.items() if status != PRUNED}
-        for trial in trials:
-            if measured_outcome(trial):
-                ident = self._trial_ident(trial)
-                if ident is not None:
-                    found.add(ident)
-        return found
-
-    def _claimed(self, trials: list[FrozenTrial]) -> set[Ident]:
-        """Configs that count against the budget: those with a result, and those running."""
-        claimed = self._results(trials)
-        for trial in trials:
-            if trial.state == TrialState.RUNNING:
-                ident = self._trial_ident(trial)
-                if ident is not None:
-                    claimed.add(ident)
-        return claimed
+    def _ready(self, bench: KeyBench, default: Any) -> Bench:
+        """The bench with this key's problems built (once per key on a worker's bench)."""
+        return bench.ready(self.spec, self.key, self.options.seed, self.space.to_dict(default))
 
     def _finalized(self, study: optuna.Study) -> dict[str, Any] | None:
         """The study's finalized mark, if it covers this search's budget."""
@@ -300,148 +121,10 @@ class KeySearch:
             return mark
         return None
 
-    # ---- the sampler and the phases ----------------------------------------------------------
-
-    def _sampler(self, exhaustive: bool, seed: int) -> optuna.samplers.BaseSampler:
-        """Random over enqueued configs for an exhaustive sweep, else multivariate TPE.
-
-        A shared study: several workers ask it at once, so TPE imagines the running trials' results
-        (``constant_liar``) instead of proposing the same config to each of them. A space of paths:
-        each trial holds its own path's fields, so TPE models the groups of fields that occur together.
-        """
-        if exhaustive:
-            return optuna.samplers.RandomSampler(seed=seed)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return optuna.samplers.TPESampler(
-                multivariate=True,
-                group=self.members is not None,
-                seed=seed,
-                n_startup_trials=min(10, self.options.trials // 3),
-                constant_liar=self.backend.shared,
-            )
-
-    def _polish_from(self, exhaustive: bool) -> int:
-        """Trials measured before the climb from the best config starts (never, in an exhaustive sweep)."""
-        budget = self.options.trials
-        return budget if exhaustive else budget - int(self.options.polish * budget)
-
-    def _room(self, spent: int, polish_from: int) -> int:
-        """Trials the next batch may take: the exploration stops at the polish share, which is the climb's."""
-        limit = polish_from if spent < polish_from else self.options.trials
-        return max(0, min(self.options.batch_size, limit - spent))
-
-    def _neighbours_of_best(self) -> list[Any]:
-        """Feasible configs not yet seen, one field away from the fastest measured config.
-
-        A field moves to the choice next to its current one (the choices are ordered), so a
-        climb from the incumbent tries the nearest tiles, warp counts and stage depths first.
-        """
-        if not self.times:
-            return []
-        best = min(self.times, key=lambda ident: self.times[ident])
-        found = []
-        for config in self.space.neighbours(self._config(best)):
-            if self._ident(config) in self.status:
-                continue
-            if self.space.infeasible_reason(config, self.key, self.limits) is None:
-                found.append(config)
-        return found
-
-    def _climb(self, slots: int, taken: Collection[Hashable] = ()) -> list[Any]:
-        """The next ``slots`` configs of the climb: unseen neighbours of the best config, none in ``taken``."""
-        return [c for c in self._neighbours_of_best() if self._ident(c) not in taken][:slots]
-
-    def _stand_in(self, feasible: list[Any], rng: random.Random, taken: Collection[Hashable] = ()) -> Any | None:
-        """A random unseen feasible config (none in ``taken``), asked in place of an infeasible proposal.
-
-        TPE's proposals in a large space are often infeasible; each one's place goes to a feasible
-        config, so the budget keeps measuring instead of asking the sampler over and over.
-        """
-        unseen = [c for c in feasible if self._ident(c) not in self.status and self._ident(c) not in taken]
-        return rng.choice(unseen) if unseen else None
-
-    # ---- seeds -------------------------------------------------------------------------------
-
-    def _seeds(self, default: Any, feasible: list[Any], exhaustive: bool, rng: random.Random) -> list[dict[str, Any]]:
-        """Configs enqueued before the sampler proposes any: portable default, stored winner, the
-        key's winner under an earlier kernel version, the winners of the nearest tuned buckets and
-        the spec's starting configs first."""
-        seeds = [self.space.to_dict(default)]
-        stored = self.store.winners(gpu=self.device.slug, kernel=self.spec.name)
-        winners = [w for w in stored if w.kernel_version == self.spec.version]
-        seeds.extend(w.config for w in winners if w.key == self.key_dict)
-        seeds.extend(self._earlier_winners(stored))
-        seeds.extend(self._neighbour_winners(winners))
-        seeds.extend(self.space.to_dict(config) for config in self.spec.starting_configs(self.key, self.device))
-        if exhaustive:
-            seeds.extend(self.space.to_dict(config) for config in feasible)
-            return seeds
-        # TPE's random start-up draws from the whole product, mostly infeasible for large
-        # spaces: start it from a seeded sample of feasible configs instead.
-        sample = rng.sample(feasible, min(len(feasible), max(1, self.options.trials // 3)))
-        seeds.extend(self.space.to_dict(config) for config in sample)
-        # Queued seeds are asked before anything else, the climb's configs included: at most the
-        # exploration share of them (the portable default always), the random sample dropped first.
-        return seeds[: max(1, self._polish_from(exhaustive))]
-
-    def _earlier_winners(self, stored: list[WinnerRecord]) -> list[dict[str, Any]]:
-        """This key's winners stored under other kernel versions that still parse and are feasible,
-        fastest first, at most ``EARLIER_SEEDS`` distinct configs.
-
-        An edited kernel never serves them (their times were measured on other code), but after
-        an edit that left most launches alone they are the likeliest winners again: seeded, they
-        are re-measured and checked like any trial, so a re-tune recovers them in a few trials.
-        The cap keeps a long history of edits from crowding out the other seeds.
-        """
-        found: list[dict[str, Any]] = []
-        earlier = [w for w in stored if w.key == self.key_dict and w.kernel_version != self.spec.version]
-        for winner in sorted(earlier, key=lambda w: w.time_ms):
-            try:
-                config = self.space.parse(winner.config)
-            except (TypeError, ValueError):
-                continue
-            values = self.space.to_dict(config)
-            if values not in found and self.space.infeasible_reason(config, self.key, self.limits) is None:
-                found.append(values)
-        return found[:EARLIER_SEEDS]
-
-    def _neighbour_winners(self, winners: list[WinnerRecord]) -> list[dict[str, Any]]:
-        """Winners of the nearest other buckets of this key's group that are feasible here, nearest first.
-
-        Neighbouring buckets' optima are usually near this one's: on the H200 the D=64, Lq=512,
-        Lkv=16K prefill key's 24 trials never met the tile that ran 3.3x the portable default at
-        Lkv=32K, and the portable default kept the key. A tune over many keys hands each key what
-        the keys before it found; the sampler and the climb still decide.
-        """
-        ranked: list[tuple[float, dict[str, Any]]] = []
-        for winner in winners:
-            if winner.key == self.key_dict:
-                continue
-            try:
-                other = self.spec.key_type.from_dict(winner.key)
-                config = self.space.parse(winner.config)
-            except (TypeError, ValueError):
-                continue
-            if other.group() != self.key.group():
-                continue
-            if self.space.infeasible_reason(config, self.key, self.limits) is None:
-                ranked.append((self.key.distance(other), self.space.to_dict(config)))
-        ranked.sort(key=lambda item: item[0])
-        # The portable default and the key's own winner are seeded anyway: a neighbour whose winner
-        # is one of them adds nothing.
-        seen = [self.space.to_dict(self.spec.default_config(self.key))]
-        seen.extend(w.config for w in winners if w.key == self.key_dict)
-        already = len(seen)
-        for _, values in ranked:
-            if values not in seen:
-                seen.append(values)
-        return seen[already : already + NEIGHBOUR_SEEDS]
-
     # ---- joining -----------------------------------------------------------------------------
 
     def _join(self, default: Any) -> optuna.Study:
-        sampler = self._sampler(self.exhaustive, self.backend.sampler_seed(self.options.seed))
+        sampler = self.strategy.sampler(self.backend.sampler_seed(self.options.seed), self.backend.shared)
         with self.backend.lock(self.name):
             study, created = self.backend.open(self.name, sampler)
             if created:
@@ -459,22 +142,23 @@ class KeySearch:
 
     def _seed(self, study: optuna.Study, default: Any) -> None:
         """Add the stored measurements and the seeds the study lacks (called under the study lock)."""
-        self._refresh_table()
+        self.known.refresh()
         trials = study.get_trials(deepcopy=False)
-        self._add_stored(study, trials)
-        present = {self._trial_ident(t) for t in trials if t.state != TrialState.FAIL or measured_outcome(t)}
+        self.known.add_stored(study, trials)
+        present = {self.known.trial_ident(t) for t in trials if t.state != TrialState.FAIL or measured_outcome(t)}
         # Stored configs need no asking: measured (added above), failed, or pruned as infeasible.
-        present |= set(self.status)
+        present |= set(self.known.status)
         # The shared start does not depend on the worker: the seeds of a single-process tune, fixed
         # by the first worker to seed the study (they include the nearest buckets' winners, which
         # a worker joining later could find more of in the DB).
         seeds = study.user_attrs.get(SEEDS_ATTR)
         if not isinstance(seeds, list):
-            seeds = self._seeds(default, self.feasible, self.exhaustive, random.Random(self.options.seed))
+            plan = self.strategy
+            seeds = plan.seeds(default, plan.feasible, plan.exhaustive, random.Random(self.options.seed))
             study.set_user_attr(SEEDS_ATTR, seeds)
         for values in seeds:
             try:
-                ident = self._ident(self.space.parse(values))
+                ident = self.known.ident(self.space.parse(values))
             except (TypeError, ValueError):
                 continue
             if ident not in present:
@@ -511,8 +195,8 @@ class KeySearch:
         opts = self.options
         started = time.monotonic()
         budget = opts.trials
-        polish_from = self._polish_from(self.exhaustive)
-        max_asks = 20 * budget + len(self.feasible)
+        polish_from = self.strategy.polish_from(self.strategy.exhaustive)
+        max_asks = 20 * budget + len(self.strategy.feasible)
         asks = measured = 0
         while asks < max_asks:
             if opts.time_budget_s is not None and time.monotonic() - started > opts.time_budget_s:
@@ -520,17 +204,17 @@ class KeySearch:
                 return measured, "time"
             self.backend.sweep(study)
             trials = study.get_trials(deepcopy=False)
-            self._refresh_table()
+            self.known.refresh()
             if not self.backend.shared:
                 # Another tuner on the same DB may have measured configs since the last batch.
-                self._add_stored(study, trials)
-            claimed = self._claimed(trials)
+                self.known.add_stored(study, trials)
+            claimed = self.known.claimed(trials)
             if len(claimed) >= budget:
                 return measured, "budget"
             waiting = any(t.state == TrialState.WAITING for t in trials)
-            if self.exhaustive:
-                seen = claimed | set(self.status)
-                unseen = [c for c in self.feasible if self._ident(c) not in seen]
+            if self.strategy.exhaustive:
+                seen = claimed | set(self.known.status)
+                unseen = [c for c in self.strategy.feasible if self.known.ident(c) not in seen]
                 if not unseen:
                     return measured, "budget"
                 if not waiting:
@@ -538,15 +222,15 @@ class KeySearch:
                     for config in self.rng.sample(unseen, min(len(unseen), opts.batch_size)):
                         study.enqueue_trial(self.space.to_dict(config))
             elif len(claimed) >= polish_from:
-                if len(self._results(trials)) < polish_from:
+                if len(self.known.results(trials)) < polish_from:
                     return measured, "wait"
                 if not waiting:
                     # The incumbent's neighbours that nobody measures or runs.
-                    for config in self._climb(self._room(len(claimed), polish_from), claimed):
+                    for config in self.strategy.climb(self.strategy.room(len(claimed), polish_from), claimed):
                         study.enqueue_trial(self.space.to_dict(config))
             limit = polish_from if len(claimed) < polish_from else budget
-            room = self._room(len(claimed), polish_from)
-            queued = {self._trial_ident(t) for t in trials if t.state == TrialState.WAITING}
+            room = self.strategy.room(len(claimed), polish_from)
+            queued = {self.known.trial_ident(t) for t in trials if t.state == TrialState.WAITING}
             pending: list[tuple[Asked, Any]] = []
             while len(pending) < room and asks < max_asks:
                 asked = [self._ask(study) for _ in range(min(room - len(pending), max_asks - asks))]
@@ -555,14 +239,14 @@ class KeySearch:
                 pending.extend(found)
                 # Each infeasible proposal's place goes to an unseen feasible config, asked next; not one
                 # already queued (a seed), which two workers would then ask at once.
-                taken = claimed | queued | {self._ident(config) for _, config in pending}
+                taken = claimed | queued | {self.known.ident(config) for _, config in pending}
                 replaced = 0
                 for _ in range(infeasible):
-                    stand_in = self._stand_in(self.feasible, self.rng, taken)
+                    stand_in = self.strategy.stand_in(self.rng, taken)
                     if stand_in is None:
                         break
                     study.enqueue_trial(self.space.to_dict(stand_in))
-                    taken.add(self._ident(stand_in))
+                    taken.add(self.known.ident(stand_in))
                     replaced += 1
                 if not replaced:
                     break
@@ -578,10 +262,10 @@ class KeySearch:
             with warnings.catch_warnings():
                 # Optuna beats only inside optimize() and says so; shared workers beat themselves.
                 warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used", UserWarning)
-                trial = study.ask(self.distributions if self.members is None else None)
+                trial = study.ask(self.known.distributions if self.strategy.members is None else None)
             try:
-                if self.members is not None:
-                    self._suggest_path(trial)
+                if self.strategy.members is not None:
+                    self.strategy.suggest(trial)
                 trial_id = self.backend.sign(study, trial)
             except optuna.exceptions.UpdateFinishedTrialError:
                 trial_id = None
@@ -590,15 +274,6 @@ class KeySearch:
             # Released by another process before it was signed (taken for a dead worker's): not ours.
             log.warning("%s: trial %d was released before this worker signed it; asking another", self.name,
                         trial.number)  # fmt: skip
-
-    def _suggest_path(self, trial: optuna.trial.Trial) -> None:
-        """A space of paths: the path first, then that path's fields only (each with the union's choices)."""
-        assert self.members is not None
-        discriminant = next(iter(self.space.dimensions))
-        path = trial.suggest_categorical(discriminant, list(self.space.dimensions[discriminant]))
-        for name in self.members[str(path)].dimensions:
-            if name != discriminant:
-                trial.suggest_categorical(name, list(self.space.dimensions[name]))
 
     def _tell(self, study: optuna.Study, asked: Asked, outcome: str, value: float | None = None) -> None:
         trial, trial_id = asked
@@ -628,14 +303,14 @@ class KeySearch:
         """
         mine = {trial.number for trial, _ in asked}
         trials = study.get_trials(deepcopy=False)
-        self._refresh_table()
+        self.known.refresh()
         finished: dict[Ident, float] = {}
         failed: set[Ident] = set()
         # Per config, when the first of the other workers' running trials of it started.
         running: dict[Ident, Started] = {}
         started = {trial.number: _started(trial) for trial in trials}
         for trial in trials:
-            ident = self._trial_ident(trial)
+            ident = self.known.trial_ident(trial)
             if ident is None or trial.number in mine:
                 continue
             if trial.state == TrialState.COMPLETE and trial.value is not None:
@@ -650,19 +325,19 @@ class KeySearch:
         infeasible = 0
         try:
             for item in asked:
-                config = self._proposal(item[0].params)
+                config = self.known.proposal(item[0].params)
                 if config is None:
                     # A value outside the proposed path's choices: no config, so nothing to store.
                     self._tell(study, item, PRUNED)
-                    self.counts["pruned"] += 1
+                    self.known.counts["pruned"] += 1
                     infeasible += 1
                     told.add(item[0].number)
                     continue
-                ident = self._ident(config)
+                ident = self.known.ident(config)
                 if ident in taken:
                     self._tell(study, item, DUPLICATE)
-                elif ident in self.status or ident in finished or ident in failed:
-                    self._tell(study, item, REUSED, self.times.get(ident, finished.get(ident)))
+                elif ident in self.known.status or ident in finished or ident in failed:
+                    self._tell(study, item, REUSED, self.known.times.get(ident, finished.get(ident)))
                 elif ident in running and running[ident] < started.get(item[0].number, (datetime.max, item[0].number)):
                     # Another worker's trial of this config started first: it measures it. (Of two
                     # running at once, exactly one backs off, so a config, the portable default
@@ -674,7 +349,7 @@ class KeySearch:
                         pending.append((item, config))
                         taken.add(ident)
                         continue
-                    self._record(config, PRUNED, None, reason)
+                    self.known.record(config, PRUNED, None, reason)
                     self._tell(study, item, PRUNED)
                     infeasible += 1
                 taken.add(ident)
@@ -701,12 +376,12 @@ class KeySearch:
             return pending
         mine = {asked[0].number for asked, _ in pending}
         first = min(mine)
-        claimed = {ident for ident, status in self.status.items() if status != PRUNED}
+        claimed = {ident for ident, status in self.known.status.items() if status != PRUNED}
         for trial in trials:
             if trial.number in mine:
                 continue
             if measured_outcome(trial) or (trial.state == TrialState.RUNNING and trial.number < first):
-                ident = self._trial_ident(trial)
+                ident = self.known.trial_ident(trial)
                 if ident is not None:
                     claimed.add(ident)
         room = max(0, limit - len(claimed))
@@ -726,7 +401,11 @@ class KeySearch:
             told.add(index)
 
         try:
-            self._measure_batch(bench.ready(self, default), [config for _, config in pending], on_result=tell)
+            self._measure_batch(
+                self._ready(bench, default),
+                [config for _, config in pending],
+                on_result=tell,
+            )
         except BaseException:
             # Left to another worker at once, rather than after the heartbeat's grace period.
             self._release([item for index, (item, _) in enumerate(pending) if index not in told])
@@ -748,7 +427,7 @@ class KeySearch:
         for index, config in enumerate(configs):
             failed_early = early[index] if early is not None else None
             result = failed_early or bench.trial(values[index], compiled=early is not None)
-            self._record(config, result["status"], result["ms"], result["error"])
+            self.known.record(config, result["status"], result["ms"], result["error"])
             if on_result is not None:
                 on_result(index, result)
             results.append(result)
@@ -770,21 +449,24 @@ class KeySearch:
             trials = study.get_trials(deepcopy=False)
             if any(t.state == TrialState.RUNNING for t in trials):
                 return Visit(done=False, measured=measured)
-            self._refresh_table()
-            claimed = self._claimed(trials)
-            exhausted = all(self._ident(c) in claimed or self._ident(c) in self.status for c in self.feasible)
+            self.known.refresh()
+            claimed = self.known.claimed(trials)
+            exhausted = all(
+                self.known.ident(c) in claimed or self.known.ident(c) in self.known.status
+                for c in self.strategy.feasible
+            )
             if stop == "budget" and len(claimed) < self.options.trials and not exhausted:
                 # Trials counted while running were lost and are queued again: measure them first.
                 return Visit(done=False, measured=measured)
             for trial in trials:
-                ident = self._trial_ident(trial)
+                ident = self.known.trial_ident(trial)
                 if trial.state == TrialState.COMPLETE and trial.value is not None and ident is not None:
-                    self.times[ident] = min(trial.value, self.times.get(ident, trial.value))
+                    self.known.times[ident] = min(trial.value, self.known.times.get(ident, trial.value))
             # Results this process did not measure itself: stored by earlier runs or other workers.
-            own = self.counts["measured"] + self.counts["failed"]
-            self.counts["reused"] = max(0, len(self._results(trials)) - own)
+            own = self.known.counts["measured"] + self.known.counts["failed"]
+            self.known.counts["reused"] = max(0, len(self.known.results(trials)) - own)
             try:
-                result = self._finish(bench.ready(self, default), default)
+                result = offer_winner(self, self._ready(bench, default), default)
             except TuningError as exc:
                 study.set_user_attr(FINALIZED_ATTR, {"error": str(exc), "budget": self.options.trials})
                 raise
@@ -800,59 +482,3 @@ class KeySearch:
                 },
             )
         return Visit(done=True, measured=measured, result=result)
-
-    def _finish(self, bench: Bench, default: Any) -> KeyResult:
-        """Re-time the best, the runner-up and the portable default; offer the fastest to the DB."""
-        default_ident = self._ident(default)
-        if default_ident not in self.times:
-            status = self.status.get(default_ident)
-            error = self.errors.get(default_ident)
-            detail = f"{status}: {error}" if error else str(status)
-            raise TuningError(f"{self.spec.name} {self.key}: the portable default failed ({detail})")
-        ranked = sorted(self.times, key=lambda i: self.times[i])
-        # Winner, runner-up and portable default, each once.
-        contenders = list(dict.fromkeys([*ranked[:2], default_ident]))
-        timed = {ident: self.times[ident] for ident in contenders}
-        notes: list[str] = []
-        if len(contenders) > 1 and self.options.final_rounds > 0:
-            retimed = bench.retime([dict(ident) for ident in contenders], self.options.final_rounds)
-            if retimed is None:
-                notes.append("final re-timing failed; the winner is chosen on the trial times")
-            else:
-                # Interleaved re-timing: all contenders see the same clocks and temperature.
-                timed = dict(zip(contenders, retimed["ms"], strict=True))
-                notes.extend(retimed["notes"])
-        winner = pick_winner(timed, default_ident)
-        if winner == default_ident and ranked[0] != default_ident:
-            notes.append("re-timing found no gain over the portable default")
-        elif winner != ranked[0]:
-            notes.append("re-timing put the runner-up of the trials ahead")
-        best = self.space.to_dict(self._config(winner))
-        best_ms, portable_ms = timed[winner], timed[default_ident]
-        record = WinnerRecord(
-            kernel=self.spec.name,
-            kernel_version=self.spec.version,
-            gpu=self.device.slug,
-            key=self.key_dict,
-            config=best,
-            time_ms=best_ms,
-            portable_ms=portable_ms,
-            speedup=portable_ms / best_ms,
-            trials=self.counts["measured"] + self.counts["reused"],
-            triton_version=triton.__version__,
-            torch_version=torch.__version__,
-            tritune_version=tritune_version(),
-        )
-        self.store.offer_winner(record, self.env_id)
-        return KeyResult(
-            kernel=self.spec.name,
-            key=self.key,
-            config=best,
-            best_ms=best_ms,
-            portable_ms=portable_ms,
-            measured=self.counts["measured"],
-            reused=self.counts["reused"],
-            failed=self.counts["failed"],
-            pruned=self.counts["pruned"],
-            notes=notes,
-        )

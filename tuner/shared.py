@@ -47,9 +47,11 @@ from tritune.configs_db.store import ConfigStore
 from tritune.kernels.device import DeviceInfo
 from tritune.kernels.spec import KernelSpec, TuningKey
 
+from .backend import Asked, KeyBench, Visit
 from .candidates import Bench, LocalBench
+from .known import OnTrial
 from .options import KeyResult, TuneOptions, TuningError
-from .search import Asked, KeyBench, KeySearch, OnTrial, Visit
+from .search import KeySearch
 from .studies import WORKER_ATTR, Heartbeat, StudyStorage
 from .timing import Timer
 

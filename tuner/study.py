@@ -19,6 +19,7 @@ from tritune.configs_db.store import ConfigStore
 from tritune.kernels.device import DeviceInfo
 from tritune.kernels.spec import KernelSpec, TuningKey
 
+from .backend import Asked, KeyBench
 from .candidates import (
     FAILED_COMPILE,
     FAILED_CORRECTNESS,
@@ -29,8 +30,10 @@ from .candidates import (
     BenchError,
     LocalBench,
 )
+from .known import OnTrial
 from .options import KeyResult, TuneOptions, TuningError, environment_id, pick_winner, tritune_version
-from .search import EARLIER_SEEDS, NEIGHBOUR_SEEDS, Asked, KeyBench, KeySearch, OnTrial
+from .search import KeySearch
+from .strategy import EARLIER_SEEDS, NEIGHBOUR_SEEDS
 from .timing import Timer
 
 __all__ = [
@@ -131,7 +134,7 @@ class KeyTuner(KeySearch):
         bench = KeyBench(self._own_bench() if self.bench is None else self.bench)
         try:
             # The problems first: a key whose portable default cannot run records no trial.
-            bench.ready(self, default)
+            self._ready(bench, default)
             try:
                 visit = self.visit(bench)
             except BenchError as exc:
