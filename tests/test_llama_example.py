@@ -42,6 +42,10 @@ from tritune.kernels import use_config  # noqa: E402
 
 log = logging.getLogger(__name__)
 
+#: The kernels run on a GPU when there is one (the tests below pass ``graphs=False`` to compare
+#: eager steps; the GPU tier checks the captured ones), else on the interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 #: The interpreter runs a launch's programs one after another in Python, so fewer, larger Q4_K
 #: tiles run the same portable kernel in a fraction of the default tiles' time.
 FAST_Q4K = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128}
@@ -52,6 +56,9 @@ MIN_TOP1 = 0.9
 
 @pytest.fixture(autouse=True)
 def _fast_q4k_tiles() -> Iterator[None]:
+    if DEVICE == "cuda":
+        yield
+        return
     with use_config("q4k_fp8_gemm", FAST_Q4K):
         yield
 
@@ -63,7 +70,7 @@ def tiny_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def loaded(tiny_file: Path) -> tuple[llama.LlamaConfig, llama.LlamaWeights]:
-    return llama.load_gguf(tiny_file)
+    return llama.load_gguf(tiny_file, device=DEVICE)
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +125,10 @@ def test_loader_reads_the_tiny_preset(loaded: tuple[llama.LlamaConfig, llama.Lla
     layer = weights.layers[1]
     assert layer.attn_q.shape == (256, 256) and layer.attn_k.shape == (128, 256) and layer.ffn_down.shape == (256, 512)
     assert weights.token_embd.shape == (512, 256) and weights.token_embd.dtype == torch.float32
+    assert weights.device.type == DEVICE
     assert isinstance(weights.output, llama.loader.Q4KWeight) and weights.output.shape == (512, 256)
     # Llama-3 scaling: the highest frequencies kept, the lowest divided by the full factor, a blend between.
-    factors = weights.rope_freq_factors
+    factors = None if weights.rope_freq_factors is None else weights.rope_freq_factors.cpu()
     assert factors is not None and factors.shape == (32,)
     assert factors[0] == 1.0 and factors[-1] == shape.rope_factor and bool((factors.diff() >= 0).all())
     assert 1.0 < float(factors[factors < shape.rope_factor].max()) < shape.rope_factor
@@ -325,21 +333,23 @@ def test_serve_greedy_continues_each_prompt_as_the_reference_does(model: llama.L
 
 
 @pytest.mark.gpu
-def test_decode_graph_replays_match_eager_steps(tiny_file: Path) -> None:
-    config, weights = llama.load_gguf(tiny_file, device="cuda")
-    model = llama.LlamaModel(config, weights, max_positions=64)
-    eager = llama.Generator(model, max_len=64, graphs=False).generate(PROMPT, 6)
+def test_decode_graph_replays_match_eager_steps(model: llama.LlamaModel) -> None:
+    eager = llama.Generator(model, max_len=64, graphs=False)
     graphed = llama.Generator(model, max_len=64, graphs=True)
-    assert graphed.generate(PROMPT, 6) == eager
-    # The captured step is reused for a new sequence: static buffers, device-side lengths.
-    assert graphed._graph is not None
-    assert graphed.generate(PROMPT[:5], 4) == llama.Generator(model, max_len=64, graphs=False).generate(PROMPT[:5], 4)
+    assert graphed.generate(PROMPT, 6) == eager.generate(PROMPT, 6)
+    assert graphed.captured
+    # The captured step serves a new sequence: static buffers, lengths on the device.
+    assert graphed.generate(PROMPT[:5], 4) == eager.generate(PROMPT[:5], 4)
+    prefill = graphed.prefill([1, 2, 3])
+    token = int(prefill.argmax())
+    logits = [graphed.decode(token).clone(), graphed.decode().clone()]
+    eager.reset()
+    eager.prefill([1, 2, 3])
+    assert torch.equal(logits[0], eager.decode(token)) and torch.equal(logits[1], eager.decode())
 
 
 @pytest.mark.gpu
-def test_batched_graph_replays_match_eager_steps(tiny_file: Path) -> None:
-    config, weights = llama.load_gguf(tiny_file, device="cuda")
-    model = llama.LlamaModel(config, weights, max_positions=64)
+def test_batched_graph_replays_match_eager_steps(model: llama.LlamaModel) -> None:
     prompts = [PROMPT, [3, 1, 4, 1, 5], [200, 100, 50, 25, 12, 6, 3, 2, 1]]
     results = []
     for graphs in (False, True):

@@ -69,6 +69,11 @@ class Generator:
         self._graph: torch.cuda.CUDAGraph | None = None
 
     @property
+    def captured(self) -> bool:
+        """Whether decode steps replay a captured CUDA graph."""
+        return self._graph is not None
+
+    @property
     def next_token(self) -> torch.Tensor:
         """int64 ``[1]`` on the device: the greedy choice of the last decode step, the next one's input."""
         return self._token
@@ -82,8 +87,11 @@ class Generator:
     def prefill(self, tokens: Sequence[int] | torch.Tensor, *, all_logits: bool = False) -> torch.Tensor:
         """Append ``tokens`` in chunks of ``chunk_size``; float32 logits of the last token ``[1, vocab]``.
 
-        ``all_logits`` returns every token's logits ``[len(tokens), vocab]`` instead.
+        ``all_logits`` returns every token's logits ``[len(tokens), vocab]`` instead. Token ids given
+        as a tensor are not checked against the vocabulary (that would synchronise).
         """
+        if not isinstance(tokens, torch.Tensor):
+            self.model.check_tokens(tokens)
         ids = torch.as_tensor(tokens, dtype=torch.int64).to(self.model.device)
         if ids.dim() != 1 or ids.numel() == 0:
             raise ValueError(f"tokens: expected a non-empty 1-D sequence of token ids, got shape {tuple(ids.shape)}")
@@ -129,6 +137,7 @@ class Generator:
         if self.length >= self.cache.max_len:
             raise ValueError(f"decode: the cache is full ({self.cache.max_len} positions)")
         if token is not None:
+            self.model.check_tokens([token], "token")
             self._token.fill_(token)
         if self._graph is not None:
             self._graph.replay()

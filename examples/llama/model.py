@@ -12,6 +12,7 @@ projection. Four ``q4k_linear`` launches per block instead of seven.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -71,6 +72,12 @@ class LlamaModel:
             weights.output if isinstance(weights.output, Q4KWeight) else weights.output.to(dtype)
         )
         self.rope = Rope(config, weights.rope_freq_factors, self.max_positions, self.device)
+
+    def check_tokens(self, tokens: Sequence[int], name: str = "tokens") -> None:
+        """Refuse token ids outside the vocabulary on the host (on a GPU the lookup would fault)."""
+        bad = [t for t in tokens if not 0 <= t < self.config.vocab]
+        if bad:
+            raise ValueError(f"{name}: token ids {bad[:8]} are outside the vocabulary [0, {self.config.vocab})")
 
     def forward(
         self,

@@ -102,6 +102,7 @@ class BatchedServer:
         for seq, tokens in batch:
             if len(tokens) == 0:
                 raise ValueError(f"batch: sequence {seq} brings no tokens")
+            self.model.check_tokens(tokens, f"batch: sequence {seq}")
             counts.append((seq, len(tokens)))
         total = sum(count for _, count in counts)
         width = next((w for w in self.widths if w >= total), None)
