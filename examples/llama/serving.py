@@ -72,6 +72,8 @@ class BatchedServer:
         if self.widths[0] < 1:
             raise ValueError(f"widths: expected positive step widths, got {list(widths or [])}")
         self._buffers: dict[tuple[int, bool], _WidthBuffers] = {}
+        # Steps run one after another: their graphs can share one memory pool.
+        self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
 
     # ---- sequences -----------------------------------------------------------------------------
 
@@ -132,7 +134,7 @@ class BatchedServer:
         if buffers.graph is not None and buffers.generation == cache.generation:
             buffers.graph.replay()
         elif self.graphs:
-            buffers.graph, buffers.generation = run_then_capture(run, self.model.device), cache.generation
+            buffers.graph, buffers.generation = run_then_capture(run, self.model.device, self._pool), cache.generation
         else:
             run()
         if all_logits:
