@@ -11,8 +11,8 @@ from typing import Any
 
 #: Public name -> module that defines it.
 _EXPORTS: dict[str, str] = {
-    "prefill_attention": "tritune.kernels.prefill.op",
-    "decode_attention": "tritune.kernels.decode.op",
+    "prefill_attention": "tritune.kernels.prefill.kernel",
+    "decode_attention": "tritune.kernels.decode.kernel",
     "attention": "tritune.kernels.routing",
     "q4k_linear": "tritune.kernels.q4k.op",
     "Q4KWeight": "tritune.kernels.q4k.weight",

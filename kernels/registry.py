@@ -9,8 +9,8 @@ from .spec import KernelSpec
 
 #: Kernel name -> "module:attribute" of its spec object.
 _SPECS: dict[str, str] = {
-    "tma_prefill": "tritune.kernels.prefill.spec:SPEC",
-    "splitk_decode": "tritune.kernels.decode.spec:SPEC",
+    "tma_prefill": "tritune.kernels.prefill.kernel:KERNEL",
+    "splitk_decode": "tritune.kernels.decode.kernel:KERNEL",
     "q4k_fp8_gemm": "tritune.kernels.q4k.spec:SPEC",
     "varlen_sdpa": "tritune.kernels.varlen.kernel:KERNEL",
 }

@@ -16,15 +16,21 @@ from collections.abc import Callable
 
 import torch
 
-from .decode.op import MAX_QUERY_TOKENS, decode_attention_named
+from .decode.kernel import KERNEL as DECODE
+from .decode.kernel import MAX_QUERY_TOKENS
 
 __all__ = ["attention"]
 
-_PREFILL_MODULE = "tritune.kernels.prefill.op"
+_PREFILL_MODULE = "tritune.kernels.prefill.kernel"
+#: Decode's argument names -> this function's, for its errors.
+_DECODE_NAMES = {"k_cache": "k", "v_cache": "v"}
 
 
 def _serves_layout(t: object) -> bool:
-    """Decode's ``serves_layout`` of one argument (a 0-dim tensor's strides are empty)."""
+    """Whether decode's layout rule (a head dim of stride 1) holds for one argument.
+
+    A 0-dim tensor's strides are empty: it has no head dim to break the rule.
+    """
     if not isinstance(t, torch.Tensor):
         return True
     strides = t.stride()
@@ -53,13 +59,13 @@ def attention(
 
     Causal attention is aligned bottom-right: query ``i`` sits at position ``kv_len - Lq + i``.
     """
-    # Checked here: a decode step is recognised by causal, and decode_attention takes no flag to check.
+    # Checked here: a decode step is recognised by causal, and decode takes no flag to check.
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     decode_step = False
     if causal and isinstance(q, torch.Tensor) and isinstance(kv_len, torch.Tensor):
         shape = q.shape
-        # serves_layout(q, k, v, out) without its generator, whose cost would be paid on every call.
+        # Decode's layout rule, read inline: a generated check's call would cost every call.
         decode_step = (
             len(shape) == 4
             and 1 <= shape[2] <= MAX_QUERY_TOKENS
@@ -70,5 +76,5 @@ def attention(
             and (out is None or _serves_layout(out))
         )
     if decode_step:
-        return decode_attention_named(q, k, v, kv_len, softmax_scale, out, ("k", "v"))
+        return DECODE.call_named((q, k, v, kv_len, softmax_scale, out), _DECODE_NAMES)  # type: ignore[no-any-return]
     return _prefill_attention()(q, k, v, causal=causal, kv_len=kv_len, softmax_scale=softmax_scale, out=out)

@@ -164,8 +164,7 @@ def bench_shape(batch: int, lkv: int, args: argparse.Namespace, run: bl.BenchRun
 
 def _tritune_impls(q, k, v, kv_len) -> list[Impl]:
     from tritune.kernels import decode_attention
-    from tritune.kernels.decode.op import KERNEL
-    from tritune.kernels.decode.spec import SPEC
+    from tritune.kernels.decode.kernel import KERNEL as SPEC
     from tritune.kernels.device import device_info
 
     facts = SPEC.facts(q, k, v, kv_len)
@@ -173,7 +172,7 @@ def _tritune_impls(q, k, v, kv_len) -> list[Impl]:
     untuned = SPEC.space.to_dict(SPEC.default_config(key))
     served = bl.served_config(SPEC, facts, q.device)
 
-    run_untuned = bl.pinned_call(KERNEL, untuned, decode_attention, q, k, v, kv_len)
+    run_untuned = bl.pinned_call(SPEC.name, untuned, decode_attention, q, k, v, kv_len)
 
     def run_tuned() -> torch.Tensor:
         return decode_attention(q, k, v, kv_len)

@@ -86,7 +86,7 @@ def main() -> int:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
 
     from tritune.kernels.device import device_info
-    from tritune.kernels.prefill.spec import SPEC
+    from tritune.kernels.prefill.kernel import KERNEL as SPEC
 
     slug = device_info(run.device).slug
     best_by_path = bl.best_trials_by_path(run.db, SPEC.name, SPEC.version, slug) if run.db else {}
@@ -114,7 +114,7 @@ def bench_shape(
 
     from tritune.kernels import prefill_attention
     from tritune.kernels.device import device_info
-    from tritune.kernels.prefill.spec import SPEC
+    from tritune.kernels.prefill.kernel import KERNEL as SPEC
 
     device = run.device
     q_heads = SMOKE_HQ if smoke else HQ
@@ -178,7 +178,7 @@ def bench_shape(
 def served_config_text(fn: Callable[[], torch.Tensor], facts: Any, device: torch.device) -> str:
     """The config the dispatcher serves for this row (under the row's pin, if any), as the note says it."""
     from tritune.kernels import use_config
-    from tritune.kernels.prefill.spec import SPEC
+    from tritune.kernels.prefill.kernel import KERNEL as SPEC
 
     pin = getattr(fn, "pin", None)
     with use_config(SPEC.name, pin) if pin is not None else contextlib.nullcontext():

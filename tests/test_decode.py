@@ -21,11 +21,12 @@ import torch
 from tritune.kernels import _launch
 from tritune.kernels import routing as attention_module
 from tritune.kernels._launch import COUNTERS
-from tritune.kernels.decode import op as decode_op
-from tritune.kernels.decode.op import decode_attention
+from tritune.kernels.decode import launch as decode_launch
+from tritune.kernels.decode.kernel import KERNEL, decode_attention
 from tritune.kernels.decode.reference import compare, decode_reference
 from tritune.kernels.dispatcher import use_config
 from tritune.kernels.routing import attention
+from tritune.search_spaces.splitk_decode import DecodeConfig
 
 #: Pinned configs: many small splits (with 64 SMs planned on the interpreter), and one split per sequence.
 MANY_SPLITS = {"MIN_CHUNK": 64, "BLOCK_N": 16, "TARGET_WAVES": 4}
@@ -100,9 +101,9 @@ def many_sms(monkeypatch, device):
 
 def splits_used(q, k, config: dict, lengths: list[int]) -> list[int]:
     """How many splits each sequence used, by the same rule the kernels apply on the device."""
-    spec_config = decode_op.DecodeConfig(**config)
-    plan = decode_op._plan(
-        tuple(vars(spec_config).values()), decode_op.sm_count(q.device), q.shape[0], k.shape[1],
+    spec_config = DecodeConfig(**config)
+    plan = decode_launch.plan(
+        spec_config, decode_launch.sm_count(q.device), q.shape[0], k.shape[1],
         q.shape[1] // k.shape[1] * q.shape[2], k.shape[2], q.shape[3],
     )  # fmt: skip
     used = []
@@ -160,7 +161,7 @@ def test_split_policies_match_reference(device, many_sms, monkeypatch, case, dty
         assert max(used) <= 1, used
     # The workspace is never initialised: poison it to prove only written partials are read.
     monkeypatch.setattr(
-        decode_op, "workspace", lambda n, dev: torch.full((n,), float("nan"), dtype=torch.float32, device=dev)
+        decode_launch, "workspace", lambda n, dev: torch.full((n,), float("nan"), dtype=torch.float32, device=dev)
     )
     run_and_compare(q, k, v, kv_len, config)
 
@@ -168,15 +169,14 @@ def test_split_policies_match_reference(device, many_sms, monkeypatch, case, dty
 @SPLIT_CONFIGS
 def test_merge_in_head_dim_blocks(device, many_sms, monkeypatch, config):
     """Many splits with a small merge tile: the merge takes the head dim 16 columns at a time."""
-    monkeypatch.setattr(decode_op, "MERGE_TILE", 64)
-    decode_op._plan.cache_clear()
+    monkeypatch.setattr(decode_launch, "MERGE_TILE", 64)
+    decode_launch.plan.cache_clear()
     q, k, v, kv_len = make_case(device, batch=1, kv_heads=1, group=2, lq=2, head_dim=80, lmax=300, lengths=[300])
-    values = (4, 64, 16, 4, 3, config is FUSED)
-    plan = decode_op._plan(values, decode_op.sm_count(q.device), 1, 1, 4, 300, 80)
+    plan = decode_launch.plan(DecodeConfig(**config), decode_launch.sm_count(q.device), 1, 1, 4, 300, 80)
     assert plan.num_splits == 5 and plan.merge_block_d == 16
     assert plan.counters == (1 if config is FUSED else 0)
     run_and_compare(q, k, v, kv_len, config)
-    decode_op._plan.cache_clear()
+    decode_launch.plan.cache_clear()
 
 
 # ---- the fused merge --------------------------------------------------------------------------------
@@ -215,11 +215,11 @@ def test_fused_merge_matches_reference(device, many_sms, monkeypatch, case, dtyp
     # One launch: the merge kernel is never used, and the workspace is never initialised. (The
     # stand-in goes through the module's wrap_triton: patching the kernel object's own run would
     # leave an instance attribute behind that hides later class-level patches, as sm90_build's.)
-    wrap = decode_op.wrap_triton
-    merge = decode_op._decode_merge_kernel
-    monkeypatch.setattr(decode_op, "wrap_triton", lambda kernel: _NoLaunch() if kernel is merge else wrap(kernel))
+    wrap = decode_launch.wrap_triton
+    merge = decode_launch._decode_merge_kernel
+    monkeypatch.setattr(decode_launch, "wrap_triton", lambda kernel: _NoLaunch() if kernel is merge else wrap(kernel))
     monkeypatch.setattr(
-        decode_op, "workspace", lambda n, dev: torch.full((n,), float("nan"), dtype=torch.float32, device=dev)
+        decode_launch, "workspace", lambda n, dev: torch.full((n,), float("nan"), dtype=torch.float32, device=dev)
     )
     run_and_compare(q, k, v, kv_len, FUSED)
 
@@ -370,11 +370,11 @@ def test_softmax_scale_and_allocated_out(device):
 @pytest.mark.parametrize("fused", [False, True], ids=["merge-launch", "fused-merge"])
 def test_direct_launch_and_registered_op_agree(device, many_sms, fused):
     q, k, v, kv_len = make_case(device, batch=2, kv_heads=1, group=4, lq=3, head_dim=64, lmax=130, lengths=[130, 61])
-    values = (4, 64, 16, 4, 2, fused)
+    config = DecodeConfig(TARGET_WAVES=4, MIN_CHUNK=64, BLOCK_N=16, num_warps=4, num_stages=2, FUSED_MERGE=fused)
     direct = torch.full_like(q, float("nan"))
     through_op = torch.full_like(q, float("nan"))
-    decode_op._decode_attention(q, k, v, kv_len, direct, 0.125, *values)
-    torch.ops.tritune.decode_attention(q, k, v, kv_len, through_op, 0.125, *values)
+    decode_launch.launch(config, q, k, v, kv_len, 0.125, direct)
+    torch.ops.tritune.decode_attention(q, k, v, kv_len, 0.125, through_op, **KERNEL.space.field_values(config))
     assert compare(direct, decode_reference(q, k, v, kv_len, softmax_scale=0.125), q.dtype) is None
     assert torch.equal(direct, through_op)
 
@@ -392,28 +392,31 @@ def _valid_args():
 BAD_INPUTS = [
     pytest.param(lambda a: {**a, "q": a["q"].float()}, TypeError, "q: expected dtype", id="q-dtype"),
     pytest.param(lambda a: {**a, "q": a["q"].tolist()}, TypeError, "q: expected a torch.Tensor", id="q-not-tensor"),
-    pytest.param(lambda a: {**a, "q": a["q"][0]}, ValueError, "q: expected 4 dims", id="q-rank"),
+    pytest.param(lambda a: {**a, "q": a["q"][0]}, ValueError, "q: expected shape .*: 3 dims, expected 4", id="q-rank"),
     pytest.param(lambda a: {**a, "k_cache": a["k_cache"].half()}, TypeError, "k_cache: expected dtype", id="k-dtype"),
-    pytest.param(lambda a: {**a, "v_cache": a["v_cache"][:, :, :16]}, ValueError, "v_cache: expected the shape",
-                 id="v-shape"),
-    pytest.param(lambda a: {**a, "k_cache": a["k_cache"][:1]}, ValueError, "k_cache: expected shape", id="k-batch"),
+    pytest.param(lambda a: {**a, "v_cache": a["v_cache"][:, :, :16]}, ValueError,
+                 "v_cache: expected shape .*Lmax is 16 where k_cache has Lmax=32", id="v-shape"),
+    pytest.param(lambda a: {**a, "k_cache": a["k_cache"][:1]}, ValueError, "k_cache: expected shape .*B is 1 where q",
+                 id="k-batch"),
     pytest.param(lambda a: {**a, "q": a["q"].repeat(1, 1, 9, 1)}, ValueError, "1 to 8 query tokens", id="lq-9"),
-    pytest.param(lambda a: {**a, "q": a["q"][:, :3]}, ValueError, "not a multiple of", id="gqa-divisibility"),
+    pytest.param(lambda a: {**a, "q": a["q"][:, :3]}, ValueError, "q: 3 query heads are not a multiple of 2 KV heads",
+                 id="gqa-divisibility"),
     pytest.param(lambda a: {**a, "q": a["q"][..., :48], "k_cache": a["k_cache"][..., :48],
                             "v_cache": a["v_cache"][..., :48]}, ValueError, "head dim 48", id="head-dim"),
     pytest.param(lambda a: {**a, "kv_len": a["kv_len"].long()}, TypeError, "kv_len: expected dtype torch.int32",
                  id="kv-len-dtype"),
     pytest.param(lambda a: {**a, "kv_len": a["kv_len"][:1]}, ValueError, "kv_len: expected shape", id="kv-len-shape"),
-    pytest.param(lambda a: {**a, "kv_len": a["kv_len"][0]}, ValueError, "kv_len: expected 1 dims", id="kv-len-rank"),
+    pytest.param(lambda a: {**a, "kv_len": a["kv_len"][0]}, ValueError, "kv_len: expected shape .*0 dims, expected 1",
+                 id="kv-len-rank"),
     pytest.param(lambda a: {**a, "kv_len": a["kv_len"].to("meta")}, ValueError, "kv_len: expected device",
                  id="kv-len-device"),
     pytest.param(lambda a: {**a, "k_cache": a["k_cache"].to("meta")}, ValueError, "k_cache: expected device",
                  id="k-device"),
     pytest.param(lambda a: {**a, "v_cache": a["v_cache"].transpose(2, 3).contiguous().transpose(2, 3)},
-                 ValueError, "v_cache: the head dim must be contiguous", id="v-inner-stride"),
+                 ValueError, "v_cache: the last dim must be contiguous", id="v-inner-stride"),
     pytest.param(lambda a: {**a, "out": torch.empty_like(a["q"]).float()}, TypeError, "out: expected dtype",
                  id="out-dtype"),
-    pytest.param(lambda a: {**a, "out": torch.empty_like(a["q"])[:1]}, ValueError, "out: expected the shape",
+    pytest.param(lambda a: {**a, "out": torch.empty_like(a["q"])[:1]}, ValueError, "out: expected shape",
                  id="out-shape"),
     pytest.param(lambda a: {**a, "softmax_scale": "0.1"}, TypeError, "softmax_scale", id="scale-type"),
 ]  # fmt: skip
@@ -434,8 +437,8 @@ def test_opcheck(device, many_sms, fused):
     q, k, v, kv_len = make_case(device, batch=2, kv_heads=1, group=2, lq=2, head_dim=64, lmax=140, lengths=[140, 3],
                                 tail=None)  # fmt: skip
     out = torch.empty_like(q)
-    args = (q, k, v, kv_len, out, 0.125, 4, 64, 16, 4, 2, fused)
-    torch.library.opcheck(torch.ops.tritune.decode_attention.default, args)
+    fields = {"TARGET_WAVES": 4, "MIN_CHUNK": 64, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "FUSED_MERGE": fused}
+    torch.library.opcheck(torch.ops.tritune.decode_attention.default, (q, k, v, kv_len, 0.125, out), fields)
 
 
 @pytest.mark.parametrize("config", [{}, FUSED], ids=["default", "fused-merge"])
@@ -466,18 +469,20 @@ def spies(monkeypatch):
     """Record which kernel family the unified entry calls (prefill is faked: not needed here)."""
     calls: list[tuple[str, dict]] = []
 
-    def fake_decode(q, k, v, kv_len, softmax_scale, out, kv_names):
-        calls.append(("decode", {"softmax_scale": softmax_scale, "kv_names": kv_names}))
-        return q
+    class FakeDecode:
+        @staticmethod
+        def call_named(args, names):
+            calls.append(("decode", {"softmax_scale": args[4], "names": names}))
+            return args[0]
 
     def fake_prefill(q, k, v, **kwargs):
         calls.append(("prefill", kwargs))
         return q
 
-    monkeypatch.setattr(attention_module, "decode_attention_named", fake_decode)
-    fake_module = types.ModuleType("tritune.kernels.prefill.op")
+    monkeypatch.setattr(attention_module, "DECODE", FakeDecode())
+    fake_module = types.ModuleType("tritune.kernels.prefill.kernel")
     fake_module.prefill_attention = fake_prefill
-    monkeypatch.setitem(sys.modules, "tritune.kernels.prefill.op", fake_module)
+    monkeypatch.setitem(sys.modules, "tritune.kernels.prefill.kernel", fake_module)
     return calls
 
 
@@ -518,14 +523,14 @@ def test_attention_routes(spies, lq, kv_len, causal, strided, expected):
     assert [name for name, _ in spies] == [expected]
     assert spies[0][1]["softmax_scale"] == 0.5
     if expected == "decode":
-        assert spies[0][1]["kv_names"] == ("k", "v")
+        assert spies[0][1]["names"] == {"k_cache": "k", "v_cache": "v"}
 
 
 def test_attention_decode_step_is_decode_attention(device, monkeypatch):
     q, k, v, kv_len = make_case(device, batch=2, kv_heads=1, group=2, lq=1, head_dim=64, lmax=40, lengths=[40, 11])
     ran: list[str] = []
-    monkeypatch.setattr(attention_module, "decode_attention_named",
-                        lambda *args: ran.append("decode") or decode_op.decode_attention_named(*args))  # fmt: skip
+    real = KERNEL.call_named
+    monkeypatch.setattr(KERNEL, "call_named", lambda *args: ran.append("decode") or real(*args))
     routed, direct = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
     attention(q, k, v, kv_len=kv_len, out=routed)
     decode_attention(q, k, v, kv_len, out=direct)
@@ -553,9 +558,9 @@ def test_attention_errors_name_its_own_arguments():
     q, k, v, kv_len = args["q"], args["k_cache"], args["v_cache"], args["kv_len"]
     with pytest.raises(TypeError, match=r"^k: expected dtype"):
         attention(q, k.half(), v, kv_len=kv_len)
-    with pytest.raises(ValueError, match=r"^v: expected the shape of k "):
+    with pytest.raises(ValueError, match=r"^v: expected shape .* Lmax is 16 where k has Lmax=32"):
         attention(q, k, v[:, :, :16], kv_len=kv_len)
-    with pytest.raises(ValueError, match=r"^q: 3 query heads are not a multiple of k's 2 KV heads"):
+    with pytest.raises(ValueError, match=r"^q: 3 query heads are not a multiple of 2 KV heads"):
         attention(q[:, :3], k, v, kv_len=kv_len)
     with pytest.raises(ValueError, match=r"^k: expected device"):
         attention(q, k.to("meta"), v, kv_len=kv_len)

@@ -1,4 +1,4 @@
-"""The ``splitk_decode`` spec and search space: keys and buckets, the split policy, feasibility, problems."""
+"""The ``splitk_decode`` declaration and search space: keys and buckets, the split policy, feasibility, problems."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import dataclasses
 import pytest
 import torch
 
-from tritune.kernels.decode.op import DecodeFacts
+from tritune.kernels.decode.kernel import KERNEL as SPEC
+from tritune.kernels.decode.kernel import DecodeKey, lq_bucket
 from tritune.kernels.decode.reference import compare
-from tritune.kernels.decode.spec import SPEC, DecodeKey, lq_bucket
+from tritune.kernels.decode.tuning import TUNING
 from tritune.kernels.device import DeviceInfo, device_info, interpreter_device
-from tritune.kernels.dispatcher import DISPATCHER, config_from_values, dispatch
+from tritune.kernels.dispatcher import DISPATCHER, dispatch_config
 from tritune.kernels.registry import get_spec
 from tritune.search_spaces.base import TargetLimits
 from tritune.search_spaces.splitk_decode import (
@@ -26,6 +27,11 @@ from tritune.search_spaces.splitk_decode import (
 H200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
 CPU = interpreter_device()
 H200_LIMITS = SPEC.limits(H200)
+
+
+def _facts(dtype, head_dim, batch, q_heads, kv_heads, lq, lmax):
+    """A call's facts, by the declaration's names."""
+    return SPEC.Facts(dtype=dtype, D=head_dim, B=batch, Hq=q_heads, Hkv=kv_heads, Lq=lq, Lmax=lmax)
 
 
 def _key(**changes) -> DecodeKey:
@@ -46,20 +52,36 @@ def test_registered_under_its_name():
 @pytest.mark.parametrize(
     "facts, expected",
     [
-        (DecodeFacts("bf16", 128, 1, 32, 8, 1, 1000), dict(gqa_group=4, lq=1, bh_bucket=8, lkv_bucket=1024)),
-        (DecodeFacts("fp16", 64, 3, 24, 8, 3, 4097), dict(gqa_group=3, lq=4, bh_bucket=32, lkv_bucket=8192)),
-        (DecodeFacts("bf16", 256, 64, 8, 8, 8, 131072), dict(gqa_group=1, lq=8, bh_bucket=512, lkv_bucket=131072)),
-        (DecodeFacts("bf16", 80, 1, 1, 1, 5, 7), dict(gqa_group=1, lq=8, bh_bucket=1, lkv_bucket=16)),
+        (_facts("bf16", 128, 1, 32, 8, 1, 1000), dict(gqa_group=4, lq=1, bh_bucket=8, lkv_bucket=1024)),
+        (_facts("fp16", 64, 3, 24, 8, 3, 4097), dict(gqa_group=3, lq=4, bh_bucket=32, lkv_bucket=8192)),
+        (_facts("bf16", 256, 64, 8, 8, 8, 131072), dict(gqa_group=1, lq=8, bh_bucket=512, lkv_bucket=131072)),
+        (_facts("bf16", 80, 1, 1, 1, 5, 7), dict(gqa_group=1, lq=8, bh_bucket=1, lkv_bucket=16)),
     ],
     ids=["b1-gqa4", "b3-lq3", "b64-lq8", "tiny"],
 )
 def test_key_for_buckets(facts, expected):
     key = SPEC.key_for(H200, facts)
-    assert key == _key(dtype=facts.dtype, head_dim=facts.head_dim, **expected)
+    assert key == _key(dtype=facts.dtype, head_dim=facts.D, **expected)
     assert DecodeKey.from_dict(key.to_dict()) == key
     # Bucket fields move, everything else (GPU, dtype, head dim, group, lq) fixes the group.
-    assert key.group() == ("sm90", 132, facts.dtype, facts.head_dim, expected["gqa_group"], expected["lq"])
+    assert key.group() == ("sm90", 132, facts.dtype, facts.D, expected["gqa_group"], expected["lq"])
     assert key.distance(dataclasses.replace(key, bh_bucket=key.bh_bucket * 4)) == 2
+
+
+def test_tuning_keys_outside_what_calls_can_have_are_invalid():
+    assert TUNING.valid_key(_key())
+    for bad in (_key(head_dim=72), _key(lq=3), _key(lq=16), _key(dtype="fp32"), _key(gqa_group=0)):
+        assert not TUNING.valid_key(bad), bad
+
+
+def test_launch_plans_are_cached_per_config():
+    from tritune.kernels.decode.launch import plan
+
+    plan.cache_clear()
+    first = plan(DecodeConfig(), 132, 1, 8, 4, 4096, 128)
+    again = plan(DecodeConfig(), 132, 1, 8, 4, 4096, 128)
+    assert again is first and plan.cache_info().hits == 1
+    assert plan(DecodeConfig(FUSED_MERGE=True), 132, 1, 8, 4, 4096, 128).counters == 8
 
 
 def test_lq_buckets():
@@ -73,11 +95,11 @@ def test_key_rejects_wrong_field_types():
         DecodeKey.from_dict(values)
 
 
-def test_dispatch_values_rebuild_the_config():
+def test_dispatch_serves_the_portable_default_without_winners():
     DISPATCHER.clear()
-    facts = DecodeFacts("bf16", 64, 2, 8, 2, 1, 128)
-    values = dispatch("splitk_decode", "cpu", -1, tuple(facts))
-    assert config_from_values(SPEC, values) == SPEC.default_config(SPEC.key_for(CPU, facts))
+    facts = _facts("bf16", 64, 2, 8, 2, 1, 128)
+    config = dispatch_config("splitk_decode", "cpu", -1, tuple(facts))
+    assert config == SPEC.default_config(SPEC.key_for(CPU, facts))
 
 
 def test_default_keys():
@@ -87,8 +109,11 @@ def test_default_keys():
     assert {k.bh_bucket for k in gpu} == {8, 32, 64, 128, 256, 512}
     assert {k.lkv_bucket for k in gpu} == {1024, 4096, 16384, 32768, 131072}
     assert {(k.lq, k.gqa_group, k.dtype) for k in gpu} == {(1, 4, "bf16")}
-    narrowed = SPEC.default_keys(H200, head_dims=[256], batches=[2], lkv=[3000])
-    assert narrowed == [_key(head_dim=256, bh_bucket=16, lkv_bucket=4096)]
+    # tune --key batch=2 lkv=3000: the aliases bucket as calls do (8 KV heads a sequence on the GPU).
+    batch_field, batch = TUNING.key_aliases["batch"]
+    lkv_field, lkv = TUNING.key_aliases["lkv"]
+    assert (batch_field, batch(2), lkv_field, lkv(3000)) == ("bh_bucket", 16, "lkv_bucket", 4096)
+    assert batch(1) == 8
     tiny = SPEC.default_keys(CPU)
     assert [(k.arch, k.head_dim, k.bh_bucket, k.lkv_bucket) for k in tiny] == [
         ("cpu-interpreter", 64, 2, 64),
@@ -182,7 +207,9 @@ def test_interpreter_keeps_few_configs():
 
 def test_make_problem_launch_and_check(device):
     info = device_info(device)
-    key = SPEC.default_keys(info)[1] if device == "cpu" else SPEC.default_keys(info, batches=[2], lkv=[2048])[0]
+    key = SPEC.default_keys(info)[1]
+    if device != "cpu":
+        key = dataclasses.replace(key, bh_bucket=16, lkv_bucket=2048)
     problem = SPEC.make_problem(key, torch.device(device), seed=3)
     q, k_cache, _, kv_len = problem.args
     lmax = k_cache.shape[2]

@@ -20,16 +20,10 @@ import torch
 
 from tritune.kernels import (
     Q4KWeight,
-    attention,
-    decode_attention,
     dispatcher,
-    prefill_attention,
     q4k_linear,
 )
 from tritune.kernels._oplib import TritonOp
-from tritune.kernels.decode import op as decode_op
-from tritune.kernels.prefill import op as prefill_op
-from tritune.kernels.prefill.spec import SPEC as PREFILL
 from tritune.kernels.q4k import op as q4k_op
 from tritune.kernels.q4k.spec import SPEC as Q4K
 
@@ -53,7 +47,7 @@ def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, tuple[An
         seen.append(("detailed", facts))
         return dispatcher.dispatch(kernel, device_type, device_index, facts)
 
-    for module in (prefill_op, decode_op, q4k_op):
+    for module in (q4k_op,):
         monkeypatch.setattr(module, "dispatch_eager", eager)
         monkeypatch.setattr(module, "dispatch", detailed)
     monkeypatch.setattr(TritonOp, "__call__", lambda self, *args: None)
@@ -77,124 +71,6 @@ def misaligned(shape: tuple[int, ...], dtype: torch.dtype = BF) -> torch.Tensor:
 def only_call(served: list[tuple[str, tuple[Any, ...]]], route: str) -> tuple[Any, ...]:
     assert [r for r, _ in served] == [route], served
     return served.pop()[1]
-
-
-# ---- prefill ---------------------------------------------------------------------------------
-
-
-def _prefill_cases() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
-    q, kv = (1, 4, 9, 64), (1, 2, 33, 64)
-    return [
-        ("contiguous", lambda: dict(q=bf(*q), k=bf(*kv), v=bf(*kv))),
-        (
-            "fp16-d80-mha",
-            lambda: dict(q=bf(2, 3, 5, 80, dtype=FP), k=bf(2, 3, 7, 80, dtype=FP), v=bf(2, 3, 7, 80, dtype=FP)),
-        ),
-        ("kv_len-scalar", lambda: dict(q=bf(*q), k=bf(*kv), v=bf(*kv), kv_len=torch.tensor(20, dtype=torch.int32))),
-        ("kv_len-batch", lambda: dict(q=bf(*q), k=bf(*kv), v=bf(*kv), kv_len=torch.tensor([20], dtype=torch.int32))),
-        ("not-causal-scaled", lambda: dict(q=bf(*q), k=bf(*kv), v=bf(*kv), causal=False, softmax_scale=0.3)),
-        ("out-given", lambda: dict(q=bf(*q), k=bf(*kv), v=bf(*kv), out=torch.empty(q, dtype=BF))),
-        ("bshd-transposed", lambda: dict(q=bf(1, 9, 4, 64).transpose(1, 2), k=bf(*kv), v=bf(*kv))),
-        ("inner-stride-2", lambda: dict(q=bf(1, 4, 9, 128)[..., ::2], k=bf(*kv), v=bf(*kv))),
-        ("outer-stride-not-16-bytes", lambda: dict(q=strided(q, 4), k=bf(*kv), v=bf(*kv))),
-        ("k-misaligned", lambda: dict(q=bf(*q), k=misaligned(kv), v=bf(*kv))),
-        ("out-misaligned", lambda: dict(q=bf(*q), k=bf(*kv), v=bf(*kv), out=misaligned(q))),
-        ("out-strided", lambda: dict(q=bf(*q), k=bf(*kv), v=bf(*kv), out=strided(q, 4))),
-        ("empty-kv", lambda: dict(q=bf(*q), k=bf(1, 2, 0, 64), v=bf(1, 2, 0, 64))),
-    ]
-
-
-@pytest.mark.parametrize("make", [m for _, m in _prefill_cases()], ids=[i for i, _ in _prefill_cases()])
-def test_prefill_eager_facts_are_the_detailed_facts(served, make):
-    call = make()
-    q, k, v = call.pop("q"), call.pop("k"), call.pop("v")
-    out = prefill_attention(q, k, v, **call)
-    facts = only_call(served, "eager")
-    call["out"] = out
-    assert facts == tuple(PREFILL.facts(q, k, v, **call))
-    # The same facts from routing, which sends every one of these calls (Lq > 8) to prefill.
-    attention(q, k, v, **call)
-    assert only_call(served, "eager") == facts
-
-
-@pytest.mark.parametrize(
-    "unusual",
-    [{"softmax_scale": 1}, {"q": "subclass"}],
-    ids=["int-scale", "tensor-subclass"],
-)
-def test_prefill_unusual_calls_take_the_detailed_path(served, unusual):
-    q, k, v = bf(1, 4, 9, 64), bf(1, 2, 33, 64), bf(1, 2, 33, 64)
-    scale = unusual.get("softmax_scale")
-    if unusual.get("q") == "subclass":
-        q = q.as_subclass(Subclass)
-    out = prefill_attention(q, k, v, softmax_scale=scale, out=torch.empty(q.shape, dtype=BF))
-    facts = only_call(served, "detailed")
-    assert facts == tuple(PREFILL.facts(q, k, v, softmax_scale=scale, out=out))
-
-
-# ---- decode ----------------------------------------------------------------------------------
-
-
-def _decode_cases() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
-    lengths = torch.tensor([5, 17], dtype=torch.int32)
-    return [
-        ("contiguous", lambda: dict(q=bf(2, 4, 1, 64), k=bf(2, 2, 24, 64), v=bf(2, 2, 24, 64), kv_len=lengths)),
-        (
-            "fp16-d128-lq8",
-            lambda: dict(
-                q=bf(2, 2, 8, 128, dtype=FP), k=bf(2, 1, 9, 128, dtype=FP), v=bf(2, 1, 9, 128, dtype=FP), kv_len=lengths
-            ),
-        ),
-        (
-            "strided-caches",
-            lambda: dict(
-                q=bf(2, 4, 2, 64),
-                k=strided((2, 2, 24, 64), 64),
-                v=strided((2, 2, 24, 64), 8),
-                kv_len=lengths,
-                softmax_scale=0.2,
-            ),
-        ),
-        (
-            "out-given",
-            lambda: dict(
-                q=bf(2, 4, 1, 64),
-                k=bf(2, 2, 24, 64),
-                v=bf(2, 2, 24, 64),
-                kv_len=lengths,
-                out=torch.empty(2, 4, 1, 64, dtype=BF),
-            ),
-        ),
-        (
-            "kv_len-view",
-            lambda: dict(
-                q=bf(2, 4, 1, 64),
-                k=bf(2, 2, 24, 64),
-                v=bf(2, 2, 24, 64),
-                kv_len=torch.tensor([5, 0, 17, 0], dtype=torch.int32)[::2],
-            ),
-        ),
-    ]
-
-
-@pytest.mark.parametrize("make", [m for _, m in _decode_cases()], ids=[i for i, _ in _decode_cases()])
-def test_decode_eager_facts_are_the_detailed_facts(served, make):
-    call = make()
-    q, k, v, kv_len = call.pop("q"), call.pop("k"), call.pop("v"), call.pop("kv_len")
-    out = decode_attention(q, k, v, kv_len, **call)
-    facts = only_call(served, "eager")
-    assert facts == tuple(decode_op.check_inputs(q, k, v, kv_len, out, call.get("softmax_scale")))
-    attention(q, k, v, kv_len=kv_len, **call)
-    assert only_call(served, "eager") == facts
-
-
-def test_decode_unusual_calls_take_the_detailed_path(served):
-    q, k, v = bf(2, 4, 1, 64), bf(2, 2, 24, 64), bf(2, 2, 24, 64)
-    kv_len = torch.tensor([5, 17], dtype=torch.int32)
-    decode_attention(q, k, v, kv_len, softmax_scale=1)
-    assert only_call(served, "detailed") == tuple(decode_op.check_inputs(q, k, v, kv_len))
-    decode_attention(q.as_subclass(Subclass), k, v, kv_len)
-    assert only_call(served, "detailed") == tuple(decode_op.check_inputs(q, k, v, kv_len))
 
 
 # ---- q4k -------------------------------------------------------------------------------------
@@ -296,40 +172,6 @@ def _in_step(fast: Callable[[], Any], detailed: Callable[[], Any], valid: bool) 
 def _valid(out_case: str, scale: float | None) -> bool:
     scale_ok = scale is None or abs(scale) <= 1e4
     return scale_ok and out_case in ("none", "fresh", "transposed", "padded", "beside-an-input")
-
-
-@pytest.mark.parametrize("scale", SCALES, ids=str)
-@pytest.mark.parametrize("out_case", OUT_CASES)
-def test_prefill_fast_path_defers_what_the_detailed_checks_refuse(out_case, scale):
-    inputs = {"q": bf(1, 4, 9, 64), "k": bf(1, 2, 33, 64), "v": bf(1, 2, 33, 64)}
-    out = _outs((1, 4, 9, 64), inputs, "k")(out_case)
-    q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    fast = lambda: prefill_op._eager_facts(q, k, v, True, None, scale, out)  # noqa: E731
-
-    def detailed() -> tuple[Any, ...]:
-        prefill_op._check_inputs(q, k, v, True, None, scale, out)
-        return tuple(PREFILL.facts(q, k, v, causal=True, softmax_scale=scale, out=out))
-
-    if out is None:
-        # Without out the facts leave the layout of the out the caller allocates to the caller.
-        facts = fast()
-        assert (facts is not None) == _valid(out_case, scale)
-        return
-    _in_step(fast, detailed, _valid(out_case, scale))
-
-
-@pytest.mark.parametrize("scale", SCALES, ids=str)
-@pytest.mark.parametrize("out_case", OUT_CASES)
-def test_decode_fast_path_defers_what_the_detailed_checks_refuse(out_case, scale):
-    inputs = {"q": bf(2, 4, 2, 64), "k": bf(2, 2, 24, 64), "v": bf(2, 2, 24, 64)}
-    out = _outs((2, 4, 2, 64), inputs, "k")(out_case)
-    q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    kv_len = torch.tensor([5, 17], dtype=torch.int32)
-    _in_step(
-        lambda: decode_op.eager_facts(q, k, v, kv_len, out, scale, decode_op.MAX_QUERY_TOKENS),
-        lambda: decode_op.check_inputs(q, k, v, kv_len, out, scale),
-        _valid(out_case, scale),
-    )
 
 
 @pytest.mark.parametrize("out_case", ["none", "fresh", "is-x", "inside-x", "beside-x", "inside-bias", "inside-qs"])

@@ -19,7 +19,10 @@ _SCRIPT = """
 import torch
 from triton.runtime import interpreter
 
-import tritune.kernels.decode.op, tritune.kernels.prefill.op, tritune.kernels.q4k.op, tritune.kernels.varlen.kernel
+import tritune.kernels.decode.kernel
+import tritune.kernels.prefill.kernel
+import tritune.kernels.q4k.op
+import tritune.kernels.varlen.kernel
 from tritune.kernels import (
     Q4KWeight, attention, decode_attention, prefill_attention, q4k_linear, varlen_attention,
 )

@@ -20,10 +20,9 @@ import torch
 
 from tritune.kernels import prefill_attention, settings, use_config
 from tritune.kernels.device import device_info
-from tritune.kernels.prefill import _triton_portable, _triton_tma
-from tritune.kernels.prefill import op as prefill_op
+from tritune.kernels.prefill import launch as prefill_launch
+from tritune.kernels.prefill.kernel import KERNEL as SPEC
 from tritune.kernels.prefill.reference import prefill_reference, visible_keys
-from tritune.kernels.prefill.spec import SPEC
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -117,14 +116,14 @@ class _PathSpy:
 
     def __init__(self, monkeypatch):
         self.ran: list[str] = []
-        for path, name in (("tma", "prefill_tma"), ("portable", "prefill_portable")):
-            real = getattr(prefill_op, name)
+        for path, name in (("tma", "launch_tma"), ("portable", "launch_portable")):
+            real = getattr(prefill_launch, name)
 
             def spy(*args, _real=real, _path=path, **kwargs):
                 self.ran.append(_path)
                 return _real(*args, **kwargs)
 
-            monkeypatch.setattr(prefill_op, name, spy)
+            monkeypatch.setattr(prefill_launch, name, spy)
 
 
 @pytest.fixture
@@ -246,7 +245,7 @@ class _PoisonedTorch:
 
 @pytest.mark.parametrize("case, config", list(TMA_CASES.values()), ids=list(TMA_CASES))
 def test_tma_matches_portable_and_reference(case, config, spy, monkeypatch):
-    monkeypatch.setattr(_triton_tma, "torch", _PoisonedTorch())
+    monkeypatch.setattr(prefill_launch, "torch", _PoisonedTorch())
     q, k, v, kv_len = _inputs(case, seed=3)
     outs = {}
     for path, pinned in (("tma", {"path": "tma", **config}), ("portable", {"BLOCK_M": 32, "BLOCK_N": 32})):
@@ -265,7 +264,7 @@ def test_eager_tma_call_runs_the_tma_body_directly(monkeypatch, spy):
     def through_the_library(*args):
         raise AssertionError("the nested TMA op went through torch.library")
 
-    monkeypatch.setattr(prefill_op._prefill_tma_op, "op", through_the_library)
+    monkeypatch.setattr(prefill_launch, "_TMA_OP", through_the_library)
     case = Case(1, 4, 2, 9, 40, 64)
     q, k, v, _ = _inputs(case, seed=12)
     with use_config("tma_prefill", {"path": "tma", "BLOCK_M": 16, "BLOCK_N": 16}):
@@ -301,16 +300,17 @@ def test_tma_op_on_a_misaligned_base_runs_portable_tiles_that_fit(monkeypatch):
     q.copy_(q0)
     assert q.data_ptr() % 16
     configs = []
-    real = prefill_op.prefill_portable
+    real = prefill_launch.launch_portable
 
-    def portable(*args, config, **kwargs):
+    def portable(config, *args):
         configs.append(config)
-        return real(*args, config=config, **kwargs)
+        return real(config, *args)
 
-    monkeypatch.setattr(prefill_op, "prefill_portable", portable)
+    monkeypatch.setattr(prefill_launch, "launch_portable", portable)
     out = _poisoned_out(case, q)
     # 128 x 128 tiles in 4 stages: past the interpreter's tiles, and past an H200's shared memory at D 128.
-    prefill_op._prefill_tma_body(q, k, v, None, out, True, 0.125, 128, 128, 8, 4, False, 1)
+    tiles = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4, PACK_GQA=False, SPLIT_KV=1)
+    torch.ops.tritune.prefill_attention_tma(q, k, v, None, True, 0.125, out, **tiles)
     [config] = configs
     device = device_info(q.device)
     key = SPEC.key_for(device, SPEC.facts(q, k, v, causal=True, out=out))
@@ -324,9 +324,9 @@ def test_wide_kv_tiles_take_64_bit_offsets():
     narrow = torch.empty_strided((1, 2, 64, 128), (0, 128, 256, 1), device="meta", dtype=BF16)
     wide = torch.empty_strided((1, 2, 64, 128), (0, 128, 2**25, 1), device="meta", dtype=BF16)
     wide_d = torch.empty_strided((1, 2, 64, 128), (0, 1, 2, 2**24), device="meta", dtype=BF16)
-    assert not _triton_portable._wide_tile(narrow, 64, 128)
-    assert _triton_portable._wide_tile(wide, 64, 128) and not _triton_portable._wide_tile(wide, 32, 128)
-    assert _triton_portable._wide_tile(wide_d, 64, 128)
+    assert not prefill_launch._wide_tile(narrow, 64, 128)
+    assert prefill_launch._wide_tile(wide, 64, 128) and not prefill_launch._wide_tile(wide, 32, 128)
+    assert prefill_launch._wide_tile(wide_d, 64, 128)
 
 
 @pytest.mark.parametrize("case", [PORTABLE_CASES["gqa8-lq33-lkv97-d128-kvlen-per-batch"],
@@ -334,7 +334,7 @@ def test_wide_kv_tiles_take_64_bit_offsets():
                          ids=["gqa8-kvlen", "strided-d", "d80"])  # fmt: skip
 def test_portable_kernel_with_64_bit_kv_tile_offsets(case, spy, monkeypatch):
     """The WIDE_KV_TILES variant of the portable kernel, forced at small shapes, is as exact as the other."""
-    monkeypatch.setattr(_triton_portable, "_INT32_SPAN", 1)
+    monkeypatch.setattr(prefill_launch, "_INT32_SPAN", 1)
     q, k, v, kv_len = _inputs(case)
     out = prefill_attention(q, k, v, causal=case.causal, kv_len=kv_len, out=_poisoned_out(case, q))
     assert spy.ran == ["portable"]
@@ -359,16 +359,19 @@ def test_each_setting_serves_its_path(mode, pinned, expected, spy):
 
 
 @pytest.mark.parametrize(
-    "path_values",
-    [("portable", 32, 32, 4, 2, False, 1), ("tma", 32, 16, 4, 2, True, 2)],
+    "pinned",
+    [{"BLOCK_M": 32, "BLOCK_N": 32}, {"path": "tma", "BLOCK_M": 32, "BLOCK_N": 16, "PACK_GQA": True, "SPLIT_KV": 2}],
     ids=["portable", "tma-pack-split"],
 )
-def test_opcheck(path_values):
+def test_opcheck(pinned):
     case = Case(1, 4, 2, 7, 33, 64, kv_len=20)
     q, k, v, kv_len = _inputs(case, seed=6)
     out = torch.empty_like(q)
-    args = (q, k, v, kv_len, out, True, 0.125, *path_values)
-    torch.library.opcheck(torch.ops.tritune.prefill_attention.default, args)
+    args = (q, k, v, kv_len, True, 0.125, out)
+    fields = SPEC.space.field_values(SPEC.pinned_config(pinned))
+    torch.library.opcheck(torch.ops.tritune.prefill_attention.default, args, fields)
+    if fields.pop("path") == "tma":
+        torch.library.opcheck(torch.ops.tritune.prefill_attention_tma.default, args, fields)
 
 
 @pytest.mark.parametrize(
@@ -431,35 +434,36 @@ def _bad(name: str):
     return {**kwargs, **changes}
 
 
+#: (case, error, the message as a regex: each names the argument first).
 BAD_INPUTS = [
-    ("q-not-a-tensor", TypeError, "q: expected a torch.Tensor"),
-    ("q-float32", TypeError, "q: expected dtype"),
-    ("k-dtype-differs", TypeError, "k: expected the dtype of q"),
-    ("q-rank-3", ValueError, "q: expected 4 dims"),
-    ("v-other-device", ValueError, "v: expected q's device"),
-    ("head-dims-differ", ValueError, "head dims differ"),
-    ("head-dim-72", ValueError, "q: head_dim 72 is not supported"),
-    ("q-heads-not-multiple", ValueError, "multiple of k's 3 heads"),
-    ("k-v-heads-differ", ValueError, "k, v: expected the same"),
-    ("k-v-lengths-differ", ValueError, "k, v: expected the same"),
-    ("batch-differs", ValueError, "k, v: expected batch 1"),
-    ("kv_len-int64", TypeError, "kv_len: expected dtype torch.int32"),
-    ("kv_len-python-int", TypeError, "kv_len: expected an int32 tensor"),
-    ("kv_len-wrong-batch", ValueError, "kv_len: expected shape"),
-    ("kv_len-2d", ValueError, "kv_len: expected shape"),
-    ("kv_len-other-device", ValueError, "kv_len: expected q's device"),
-    ("out-shape", ValueError, "out: expected q's shape"),
-    ("out-dtype", TypeError, "out: expected the dtype of q"),
-    ("out-other-device", ValueError, "out: expected q's device"),
-    ("causal-not-bool", TypeError, "causal: expected a bool"),
-    ("softmax_scale-str", TypeError, "softmax_scale: expected a float"),
+    ("q-not-a-tensor", TypeError, r"q: expected a torch.Tensor"),
+    ("q-float32", TypeError, r"q: expected dtype torch.bfloat16 or torch.float16, got torch.float32"),
+    ("k-dtype-differs", TypeError, r"k: expected dtype torch.float16 \(the dtype of q\)"),
+    ("q-rank-3", ValueError, r"q: expected shape \[B, Hq, Lq, D\], got \(4, 8, 64\): 3 dims, expected 4"),
+    ("v-other-device", ValueError, r"v: expected device \S+ \(the device of q\), got meta"),
+    ("head-dims-differ", ValueError, r"k: expected shape .*: D is 128 where q has D=64"),
+    ("head-dim-72", ValueError, r"q: head dim 72 is not supported"),
+    ("q-heads-not-multiple", ValueError, r"q: 4 query heads are not a multiple of k's 3 KV heads"),
+    ("k-v-heads-differ", ValueError, r"v: expected shape .*: Hkv is 1 where k has Hkv=2"),
+    ("k-v-lengths-differ", ValueError, r"v: expected shape .*: Lkv is 9 where k has Lkv=16"),
+    ("batch-differs", ValueError, r"k: expected shape .*: B is 2 where q has B=1"),
+    ("kv_len-int64", TypeError, r"kv_len: expected dtype torch.int32"),
+    ("kv_len-python-int", TypeError, r"kv_len: expected a torch.Tensor or None, got int"),
+    ("kv_len-wrong-batch", ValueError, r"kv_len: expected shape \[\] or \[B=1\], got \(2,\)"),
+    ("kv_len-2d", ValueError, r"kv_len: expected shape"),
+    ("kv_len-other-device", ValueError, r"kv_len: expected device \S+ \(the device of q\)"),
+    ("out-shape", ValueError, r"out: expected shape \(1, 4, 8, 64\)"),
+    ("out-dtype", TypeError, r"out: expected dtype torch.float16 \(the dtype of q\)"),
+    ("out-other-device", ValueError, r"out: expected device \S+ \(the device of q\)"),
+    ("causal-not-bool", TypeError, r"causal: expected a bool"),
+    ("softmax_scale-str", TypeError, r"softmax_scale: expected a float or None, got str"),
 ]
 
 
 @pytest.mark.parametrize("name, error, message", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
 def test_bad_input_names_the_argument(name, error, message):
     kwargs = _bad(name)
-    with pytest.raises(error, match=message.replace("(", r"\(")):
+    with pytest.raises(error, match="^" + message):
         prefill_attention(kwargs.pop("q"), kwargs.pop("k"), kwargs.pop("v"), **kwargs)
 
 
@@ -491,7 +495,7 @@ GPU_CASES = (
 def test_gpu_bigger_shapes(case, pinned):
     q, k, v, kv_len = _inputs(case, seed=8)
     device = device_info(q.device)
-    facts = SPEC.facts(q, k, v, causal=case.causal, kv_len=kv_len, out=q)
+    facts = SPEC.facts(q, k, v, causal=case.causal, kv_len=kv_len, out=_poisoned_out(case, q))
     served = SPEC.serveable(SPEC.pinned_config(pinned), device, tuple(facts))
     why = SPEC.space.infeasible_reason(served, SPEC.key_for(device, facts), SPEC.limits(device))
     if why is not None:

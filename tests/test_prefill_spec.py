@@ -1,4 +1,4 @@
-"""The ``tma_prefill`` spec and search space without launching kernels: keys, rules, path choice."""
+"""The ``tma_prefill`` declaration and search space without launching kernels: keys, rules, path choice."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import torch
 
 from tritune.kernels import settings
 from tritune.kernels.device import DeviceInfo, interpreter_device
-from tritune.kernels.prefill.reference import visible_keys
-from tritune.kernels.prefill.spec import SPEC, PrefillFacts, PrefillKey, visible_pairs
+from tritune.kernels.prefill.kernel import KERNEL as SPEC
+from tritune.kernels.prefill.kernel import PrefillKey, tma_default
+from tritune.kernels.prefill.reference import visible_keys, visible_pairs
+from tritune.kernels.prefill.tuning import TUNING
 from tritune.search_spaces.base import TargetLimits
 from tritune.search_spaces.tma_prefill import SPACE, PrefillConfig
 
@@ -25,19 +27,9 @@ TMA = PrefillConfig(path="tma", BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages
 PORTABLE_TMA_TILES = dataclasses.replace(TMA, path="portable")
 
 
-def _facts(**changes) -> PrefillFacts:
-    base = PrefillFacts(
-        dtype="bf16",
-        batch=2,
-        q_heads=16,
-        kv_heads=2,
-        seqlen_q=1000,
-        seqlen_k=5000,
-        head_dim=128,
-        causal=True,
-        has_kv_len=True,
-        tma_layout_ok=True,
-    )
+def _facts(**changes):
+    base = SPEC.Facts(dtype="bf16", B=2, Hq=16, Hkv=2, Lq=1000, Lkv=5000, D=128, causal=True, has_kv_len=True,
+                      tma_layout_ok=True)  # fmt: skip
     return base._replace(**changes)
 
 
@@ -61,8 +53,8 @@ def test_key_buckets_lengths_and_keeps_the_rest():
     assert key == _key()
     assert PrefillKey.BUCKETS == ("lq_bucket", "lkv_bucket")
     assert key.group() == ("sm90", 132, "bf16", 128, 8, True)
-    assert SPEC.key_for(H200, _facts(seqlen_q=1, seqlen_k=17)).lq_bucket == 16
-    assert SPEC.key_for(H200, _facts(seqlen_q=1, seqlen_k=17)).lkv_bucket == 32
+    assert SPEC.key_for(H200, _facts(Lq=1, Lkv=17)).lq_bucket == 16
+    assert SPEC.key_for(H200, _facts(Lq=1, Lkv=17)).lkv_bucket == 32
     assert key.distance(_key(lq_bucket=256, lkv_bucket=16384)) == 3.0
 
 
@@ -76,17 +68,20 @@ def test_key_round_trips_strictly():
 def test_facts_are_plain_scalars_and_check_tma_layout():
     q = torch.zeros(1, 4, 8, 64, dtype=torch.float16)
     k = torch.zeros(1, 2, 16, 64, dtype=torch.float16)
-    facts = SPEC.facts(q, k, k, causal=True, kv_len=None, softmax_scale=None, out=q)
-    assert facts == PrefillFacts("fp16", 1, 4, 2, 8, 16, 64, True, False, True)
+    out = torch.zeros(1, 4, 8, 64, dtype=torch.float16)
+    facts = SPEC.facts(q, k, k, causal=True, kv_len=None, softmax_scale=None, out=out)
+    assert facts == ("fp16", 1, 4, 2, 8, 16, 64, True, False, True)
     assert all(isinstance(f, int | str | bool) for f in facts)
     sliced = torch.zeros(1, 4, 8, 128, dtype=torch.float16)[..., ::2]
-    assert not SPEC.facts(sliced, k, k, out=q).tma_layout_ok
+    assert not SPEC.facts(sliced, k, k, out=out).tma_layout_ok
     misaligned = torch.zeros(1 + 4 * 8 * 64, dtype=torch.float16)[1:].view(1, 4, 8, 64)
-    assert not SPEC.facts(misaligned, k, k, out=q).tma_layout_ok
+    assert not SPEC.facts(misaligned, k, k, out=out).tma_layout_ok
     odd_stride = torch.zeros(1, 4, 8, 68, dtype=torch.float16)[..., :64]
     assert not SPEC.facts(q, k, k, out=odd_stride).tma_layout_ok
     transposed = torch.zeros(1, 8, 4, 64, dtype=torch.float16).transpose(1, 2)
-    assert SPEC.facts(transposed, k, k, out=transposed).tma_layout_ok
+    assert SPEC.facts(transposed, k, k, out=torch.zeros(1, 8, 4, 64, dtype=torch.float16).transpose(1, 2)).tma_layout_ok
+    # Without an out, the one allocated like q decides: a strided q's copy keeps its strides.
+    assert SPEC.facts(q, k, k).tma_layout_ok and not SPEC.facts(sliced, k, k).tma_layout_ok
 
 
 @pytest.mark.parametrize(
@@ -104,12 +99,17 @@ def test_default_keys_gpu_and_interpreter():
     assert {k.head_dim for k in gpu} == {64, 128}
     assert all(k.lkv_bucket >= k.lq_bucket and k.gqa_group == 8 and k.causal for k in gpu)
     assert len(gpu) == 2 * 4 * 4
-    narrowed = SPEC.default_keys(H200, head_dims=[128], lq=[1000], lkv=[20000, 500])
-    assert [(k.head_dim, k.lq_bucket, k.lkv_bucket) for k in narrowed] == [(128, 1024, 32768)]
     tiny = SPEC.default_keys(INTERPRETER)
     assert [(k.head_dim, k.gqa_group, k.lq_bucket, k.lkv_bucket) for k in tiny] == [(64, 2, 16, 64), (64, 2, 32, 64)]
-    with pytest.raises(ValueError, match="head_dims"):
-        SPEC.default_keys(H200, head_dims=[72])
+
+
+def test_tuning_key_aliases_bucket_as_calls_do_and_invalid_keys_are_named():
+    lq_field, lq = TUNING.key_aliases["lq"]
+    lkv_field, lkv = TUNING.key_aliases["lkv"]
+    assert (lq_field, lq(1000), lkv_field, lkv(20000)) == ("lq_bucket", 1024, "lkv_bucket", 32768)
+    assert TUNING.valid_key(_key())
+    for bad in (_key(head_dim=72), _key(lq_bucket=1024, lkv_bucket=512), _key(dtype="fp32"), _key(gqa_group=0)):
+        assert not TUNING.valid_key(bad), bad
 
 
 def test_make_problem_on_the_interpreter_uses_the_key_shapes():
@@ -137,13 +137,13 @@ def test_space_default_is_the_portable_default_and_in_the_space():
 def test_defaults_are_feasible_on_gpus(key):
     for limits in (GPU_LIMITS, TargetLimits(smem_bytes=99 * 1024)):
         assert SPACE.infeasible_reason(SPEC.default_config(key), key, limits) is None
-    assert SPACE.infeasible_reason(SPEC.tma_default(key), key, GPU_LIMITS) is None or not key.causal
+    assert SPACE.infeasible_reason(tma_default(key), key, GPU_LIMITS) is None or not key.causal
 
 
 def test_interpreter_defaults_are_feasible():
     for key in SPEC.default_keys(INTERPRETER):
         assert SPACE.infeasible_reason(SPEC.default_config(key), key, CPU_LIMITS) is None
-        assert SPACE.infeasible_reason(SPEC.tma_default(key), key, CPU_LIMITS) is None
+        assert SPACE.infeasible_reason(tma_default(key), key, CPU_LIMITS) is None
 
 
 @pytest.mark.parametrize(
@@ -202,7 +202,7 @@ def test_feasible_grid_has_no_portable_duplicates_and_keeps_tma_extras():
 def test_pinned_config_takes_the_named_paths_defaults():
     assert SPEC.pinned_config({"BLOCK_N": 32}) == PrefillConfig(BLOCK_N=32)
     pinned = SPEC.pinned_config({"path": "tma", "SPLIT_KV": 2})
-    assert pinned == dataclasses.replace(SPEC.tma_default(_key()), SPLIT_KV=2)
+    assert pinned == dataclasses.replace(tma_default(_key()), SPLIT_KV=2)
     with pytest.raises(ValueError, match="BLOCK_M"):
         SPEC.pinned_config({"path": "tma", "BLOCK_M": 48})
 
@@ -217,20 +217,20 @@ def test_pinned_config_takes_the_named_paths_defaults():
         ("auto", TMA, _facts(), TMA),
         ("auto", TMA, _facts(causal=False), dataclasses.replace(TMA, path="portable")),
         ("auto", TMA, _facts(tma_layout_ok=False), dataclasses.replace(TMA, path="portable")),
-        ("auto", TMA, _facts(head_dim=96), dataclasses.replace(TMA, path="portable")),
-        ("auto", dataclasses.replace(TMA, PACK_GQA=True), _facts(kv_heads=16), TMA),
+        ("auto", TMA, _facts(D=96), dataclasses.replace(TMA, path="portable")),
+        ("auto", dataclasses.replace(TMA, PACK_GQA=True), _facts(Hkv=16), TMA),
         (
             "auto",
             dataclasses.replace(TMA, SPLIT_KV=4),
-            _facts(seqlen_q=64, batch=1),
+            _facts(Lq=64, B=1),
             dataclasses.replace(TMA, SPLIT_KV=4),
         ),
-        ("auto", dataclasses.replace(TMA, SPLIT_KV=4), _facts(seqlen_q=4096, batch=8), TMA),
-        ("on", PORTABLE, _facts(), SPEC.tma_default(_key())),
+        ("auto", dataclasses.replace(TMA, SPLIT_KV=4), _facts(Lq=4096, B=8), TMA),
+        ("on", PORTABLE, _facts(), tma_default(_key())),
         ("on", PORTABLE, _facts(causal=False), PORTABLE),
         ("off", TMA, _facts(), dataclasses.replace(TMA, path="portable")),
         ("off", dataclasses.replace(TMA, SPLIT_KV=4, PACK_GQA=True), _facts(), PORTABLE_TMA_TILES),
-        ("off", dataclasses.replace(TMA, BLOCK_N=128), _facts(head_dim=256), SPEC.default_config(_key(head_dim=256))),
+        ("off", dataclasses.replace(TMA, BLOCK_N=128), _facts(D=256), SPEC.default_config(_key(head_dim=256))),
     ],
     ids=[
         "auto-portable",

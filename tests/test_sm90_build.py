@@ -91,12 +91,14 @@ Q4K_GEMV = ("_quantize_rows_gemv_kernel", "_q4k_gemv_kernel")
 
 
 def _tma_default(spec: Any, key: Any) -> Any:
-    """The prefill spec's TMA default (what ``TRITUNE_ENABLE_TMA_CAUSAL_PREFILL=on`` serves)."""
-    return spec.tma_default(key)
+    """The prefill kernel's TMA default (what ``TRITUNE_ENABLE_TMA_CAUSAL_PREFILL=on`` serves)."""
+    from tritune.kernels.prefill.kernel import tma_default
+
+    return tma_default(key)
 
 
 def _fused_default(spec: Any, key: Any) -> Any:
-    """The decode spec's portable default with the merge fused into the split launch."""
+    """The decode kernel's portable default with the merge fused into the split launch."""
     return dataclasses.replace(spec.default_config(key), FUSED_MERGE=True)
 
 

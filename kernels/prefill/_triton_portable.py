@@ -7,42 +7,14 @@ can see: tiles that ``kv_len`` or the causal bound hide entirely are never loade
 sees in full run without masks; only the boundary tiles pay for them. GQA maps query head ``h`` to
 KV head ``h // GROUP``. Runs on any CUDA GPU Triton supports, and on the interpreter.
 
-The jit helpers here (KV bounds, one online-softmax step) are shared with the TMA path.
+The jit helpers here (KV bounds, one online-softmax step) are shared with the TMA path; the launch
+is :func:`.launch.launch_portable`.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
 import triton
 import triton.language as tl
-
-from .._launch import LOG2E
-from .._oplib import wrap_triton
-
-__all__ = ["LOG2E", "prefill_portable"]
-
-#: In-tile offsets are int32: a K/V tile whose elements lie this far apart takes 64-bit ones.
-_INT32_SPAN = 2**31
-
-
-#: float32's smallest normal number, the scale a zero ``softmax_scale`` runs with (:func:`kernel_scale`).
-_FLT_MIN = 1.1754943508222875e-38
-
-
-def kernel_scale(softmax_scale: float) -> tuple[float, bool]:
-    """``(qk_scale, NEG_SCALE)`` of the kernels for ``softmax_scale``: the scale in log2 units and
-    whether it is negative (the row max of the scaled scores is then the raw scores' min).
-
-    A zero (or subnormal) scale runs as float32's smallest normal one: every finite score still
-    gives an exponent of 0 (all visible keys weigh the same, as with 0), while a hidden key's
-    ``-inf`` stays ``-inf`` where ``-inf * 0`` would be NaN.
-    """
-    qk_scale = softmax_scale * LOG2E
-    if abs(qk_scale) < _FLT_MIN:
-        return _FLT_MIN, False
-    return qk_scale, qk_scale < 0
 
 
 @triton.jit
@@ -247,55 +219,3 @@ def _prefill_fwd_kernel(
         tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
         tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
-
-
-def _wide_tile(t: torch.Tensor, rows: int, cols: int) -> bool:
-    """Whether a ``[rows, cols]`` tile of ``t``'s last two dims spans 2**31 elements or more."""
-    return bool(rows * t.stride(2) + cols * t.stride(3) >= _INT32_SPAN)
-
-
-def prefill_portable(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_len: torch.Tensor | None,
-    out: torch.Tensor,
-    *,
-    causal: bool,
-    softmax_scale: float,
-    config: Any,
-) -> None:
-    """Launch the portable kernel on validated inputs, writing ``out`` through its strides."""
-    batch, q_heads, seqlen_q, head_dim = q.shape
-    qk_scale, neg_scale = kernel_scale(softmax_scale)
-    kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    grid = (triton.cdiv(seqlen_q, config.BLOCK_M), q_heads, batch)
-    head_dim_pad = triton.next_power_of_2(head_dim)
-    wide = _wide_tile(k, config.BLOCK_N, head_dim_pad) or _wide_tile(v, config.BLOCK_N, head_dim_pad)
-    wrap_triton(_prefill_fwd_kernel)[grid](
-        q,
-        k,
-        v,
-        out,
-        kv_len,
-        *q.stride(),
-        *k.stride(),
-        *v.stride(),
-        *out.stride(),
-        kv_len.stride(0) if kv_len is not None and kv_len.dim() == 1 else 0,
-        seqlen_q,
-        seqlen_k,
-        qk_scale,
-        GROUP=q_heads // kv_heads,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_M=config.BLOCK_M,
-        BLOCK_N=config.BLOCK_N,
-        CAUSAL=causal,
-        HAS_KV_LEN=kv_len is not None,
-        DOT_IN_FP32=q.device.type == "cpu",
-        NEG_SCALE=neg_scale,
-        WIDE_KV_TILES=wide,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )

@@ -16,23 +16,16 @@ differs is how data moves and how work is cut:
   running max and sum to an fp32 workspace, and a small kernel merges them by log-sum-exp.
 
 Descriptors need 16-byte aligned bases, non-inner strides that are multiples of 16 bytes and an
-inner stride of 1; the spec checks that before it routes a call here.
+inner stride of 1; the declaration's ``tma_layout_ok`` fact checks that before a call is routed
+here. The launch is :func:`.launch.launch_tma`.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .._oplib import wrap_triton
-from ._triton_portable import _attend_tile, _kv_tile_range, _valid_kv_len, kernel_scale
-
-#: Query rows one program of the merge kernel combines.
-_MERGE_BLOCK_M = 16
+from ._triton_portable import _attend_tile, _kv_tile_range, _valid_kv_len
 
 
 @triton.jit
@@ -182,79 +175,3 @@ def _merge_splits_kernel(
     o_ptrs = Out + pid_b.to(tl.int64) * stride_ob + pid_h.to(tl.int64) * stride_oh
     o_ptrs += offs_m.to(tl.int64)[:, None] * stride_om + offs_d.to(tl.int64)[None, :] * stride_od
     tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
-
-
-def prefill_tma(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_len: torch.Tensor | None,
-    out: torch.Tensor,
-    *,
-    causal: bool,
-    softmax_scale: float,
-    config: Any,
-) -> None:
-    """Launch the TMA kernel (and the merge, with a KV split) on validated, TMA-eligible inputs."""
-    batch, q_heads, seqlen_q, head_dim = q.shape
-    qk_scale, neg_scale = kernel_scale(softmax_scale)
-    kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    group = q_heads // kv_heads
-    heads = group if config.PACK_GQA else 1
-    rows = config.BLOCK_M // heads
-    split = config.SPLIT_KV
-    q_desc = TensorDescriptor.from_tensor(q, [1, heads, rows, head_dim])
-    k_desc = TensorDescriptor.from_tensor(k, [1, 1, config.BLOCK_N, head_dim])
-    v_desc = TensorDescriptor.from_tensor(v, [1, 1, config.BLOCK_N, head_dim])
-    o_desc = TensorDescriptor.from_tensor(out, [1, heads, rows, head_dim])
-    if split > 1:
-        part_o = torch.empty((split, batch, q_heads, seqlen_q, head_dim), dtype=torch.float32, device=q.device)
-        part_ml = torch.empty((2, split, batch, q_heads, seqlen_q), dtype=torch.float32, device=q.device)
-        part_m, part_l = part_ml[0], part_ml[1]
-    else:
-        part_o = part_m = part_l = None
-    grid = (triton.cdiv(seqlen_q, rows), q_heads // heads, batch * split)
-    wrap_triton(_prefill_tma_kernel)[grid](
-        q_desc,
-        k_desc,
-        v_desc,
-        o_desc,
-        kv_len,
-        part_o,
-        part_m,
-        part_l,
-        kv_len.stride(0) if kv_len is not None and kv_len.dim() == 1 else 0,
-        batch,
-        q_heads,
-        seqlen_q,
-        seqlen_k,
-        qk_scale,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_M=config.BLOCK_M,
-        BLOCK_N=config.BLOCK_N,
-        PACK_GQA=bool(config.PACK_GQA),
-        SPLIT_KV=split,
-        CAUSAL=causal,
-        HAS_KV_LEN=kv_len is not None,
-        DOT_IN_FP32=q.device.type == "cpu",
-        NEG_SCALE=neg_scale,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-    if split > 1:
-        merge_grid = (triton.cdiv(seqlen_q, _MERGE_BLOCK_M), q_heads, batch)
-        wrap_triton(_merge_splits_kernel)[merge_grid](
-            part_o,
-            part_m,
-            part_l,
-            out,
-            *out.stride(),
-            batch,
-            q_heads,
-            seqlen_q,
-            HEAD_DIM=head_dim,
-            BLOCK_M=_MERGE_BLOCK_M,
-            SPLIT_KV=split,
-            num_warps=4,
-        )

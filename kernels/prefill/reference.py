@@ -81,3 +81,12 @@ def prefill_reference(
         ]  # [B, 1, 1, rows, Lkv]
         out[:, :, :, rows] = masked_attention((qg[:, :, :, rows] @ kt) * scale, mask, vg)
     return out.reshape(batch, q_heads, seqlen_q, head_dim)
+
+
+def visible_pairs(seqlen_q: int, kv_len: int, causal: bool) -> int:
+    """Query-key pairs the mask leaves visible (bottom-right causal), for flop counts."""
+    if not causal:
+        return seqlen_q * kv_len
+    # Row i sees kv_len - seqlen_q + 1 + i keys (at least 0): sum the positive counts.
+    lowest = max(kv_len - seqlen_q + 1, 1)
+    return (kv_len - lowest + 1) * (lowest + kv_len) // 2 if kv_len >= lowest else 0

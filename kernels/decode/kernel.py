@@ -1,0 +1,148 @@
+"""Decode attention over a KV cache: the ``splitk_decode`` declaration and ``decode_attention``.
+
+``decode_attention(q, k_cache, v_cache, kv_len)`` attends ``Lq <= 8`` new query tokens per
+sequence over the first ``kv_len[b]`` positions of a ``[B, Hkv, Lmax, D]`` cache. ``kv_len`` stays on
+the device and is read by the kernels, so a call never synchronises and can be captured in a CUDA
+graph once and replayed for any lengths up to ``Lmax``.
+
+Layout contract: every tensor may have any strides as long as its last (head-dim) stride is 1; a
+tensor whose last stride is not 1 is refused with a ValueError rather than copied, because a copy
+of a cache would cost more than the attention itself (``kv_len`` is read through any stride). A
+given ``out`` must give each element its own memory (no zero stride, no expanded view) and share
+none with an input: the kernels write it tile by tile while other programs still read. ``kv_len``
+values outside ``[0, Lmax]`` are clamped on the device.
+
+The op is ``tritune::decode_attention``; plain eager calls launch directly (:mod:`..declare`), and
+serving loops should capture decode steps in CUDA graphs anyway, where neither costs anything per
+replay. The key buckets the cache length and ``batch x KV heads``, the sizes the split plan reads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from tritune.search_spaces.splitk_decode import HEAD_DIMS, SPACE, DecodeConfig, portable_config
+
+from .._launch import MAX_SOFTMAX_SCALE
+from ..declare import Kernel, Output, Rule, Scalar, Tensor
+from ..device import DeviceInfo
+from ..spec import TuningKey, pow2_bucket
+from ._triton_decode import _decode_merge_kernel, _decode_split_kernel
+from .launch import launch
+from .reference import decode_reference
+
+__all__ = ["KERNEL", "MAX_QUERY_TOKENS", "DecodeKey", "decode_attention", "lq_bucket"]
+
+#: Most new tokens per sequence one call serves (speculative / multi-token decode steps).
+MAX_QUERY_TOKENS = 8
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def lq_bucket(lq: int) -> int:
+    """New tokens per sequence, bucketed to 1, 2, 4 or 8 (the M tile only changes at powers of two)."""
+    return min(pow2_bucket(lq, minimum=1), MAX_QUERY_TOKENS)
+
+
+@dataclass(frozen=True)
+class DecodeKey(TuningKey):
+    dtype: str
+    head_dim: int
+    #: Query heads per KV head (not ``group``: that name is TuningKey.group(), the bucket group).
+    gqa_group: int
+    #: New tokens per sequence, bucketed to 1/2/4/8.
+    lq: int
+    #: Sequences x KV heads, rounded up to a power of two.
+    bh_bucket: int
+    #: The cache length Lmax, rounded up to a power of two (the true lengths live on the device).
+    lkv_bucket: int
+
+    BUCKETS: ClassVar[tuple[str, ...]] = ("bh_bucket", "lkv_bucket")
+
+
+def _key(device: DeviceInfo, f: Any) -> DecodeKey:
+    return DecodeKey(
+        arch=device.arch,
+        sm_count=device.sm_count,
+        dtype=f.dtype,
+        head_dim=f.D,
+        gqa_group=f.Hq // f.Hkv,
+        lq=lq_bucket(f.Lq),
+        bh_bucket=pow2_bucket(f.B * f.Hkv, minimum=1),
+        lkv_bucket=pow2_bucket(f.Lmax),
+    )
+
+
+def default_config(key: DecodeKey) -> DecodeConfig:
+    """The portable default: the space's defaults where they fit every CUDA GPU, else smaller tiles."""
+    return portable_config(key, interpreter=key.arch == "cpu-interpreter")
+
+
+KERNEL = Kernel(
+    "splitk_decode",
+    arguments=[
+        Tensor("q", ("B", "Hq", "Lq", "D"), dtypes=_DTYPES, unit_inner_stride=True),
+        Tensor("k_cache", ("B", "Hkv", "Lmax", "D"), dtype_of="q", unit_inner_stride=True),
+        Tensor("v_cache", ("B", "Hkv", "Lmax", "D"), dtype_of="q", unit_inner_stride=True),
+        Tensor("kv_len", ("B",), dtypes=(torch.int32,)),
+        Scalar(
+            "softmax_scale",
+            float,
+            optional=True,
+            bounds=(-MAX_SOFTMAX_SCALE, MAX_SOFTMAX_SCALE),
+            why="the kernels scale fp32 scores by it",
+            resolve=lambda D: 1.0 / math.sqrt(D),
+        ),
+        Output("out", like="q", unit_inner_stride=True),
+    ],
+    rules=[
+        Rule("q", lambda D: D in HEAD_DIMS, f"head dim {{D}} is not supported; expected one of {HEAD_DIMS}"),
+        Rule(
+            "q",
+            lambda Lq: 1 <= Lq <= MAX_QUERY_TOKENS,
+            f"expected 1 to {MAX_QUERY_TOKENS} query tokens (dim 2), got {{Lq}}",
+        ),
+        Rule(
+            "q",
+            lambda Hq, Hkv: Hkv > 0 and Hq % Hkv == 0,
+            "{Hq} query heads are not a multiple of {Hkv} KV heads (GQA)",
+        ),
+    ],
+    facts=("dtype", "D", "B", "Hq", "Hkv", "Lq", "Lmax"),
+    space=SPACE,
+    key_type=DecodeKey,
+    key=_key,
+    launch=launch,
+    reference=decode_reference,
+    jit_kernels=(_decode_split_kernel, _decode_merge_kernel),
+    # Split geometry comes from the space's rules and the SM count; trials are graph-timed.
+    protocol=1,
+    default=default_config,
+    tuning="tritune.kernels.decode.tuning:TUNING",
+    op_name="tritune::decode_attention",
+)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_len: torch.Tensor,
+    *,
+    softmax_scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of ``q [B, Hq, Lq, D]`` (``Lq <= 8``) over the first ``kv_len[b]`` cache positions.
+
+    ``k_cache, v_cache``: ``[B, Hkv, Lmax, D]`` with ``Hq % Hkv == 0`` (GQA); ``kv_len``: int32 ``[B]``
+    on q's device, read there (no host synchronisation). The new tokens are causal among
+    themselves: token ``i`` sits at position ``kv_len - Lq + i`` and sees the keys up to it; a row
+    that sees no key (``kv_len == 0``) is zero. ``softmax_scale`` defaults to ``1 / sqrt(D)``; any
+    finite scale with ``|softmax_scale| <= 1e4`` is served, zero and negative ones included.
+    Returns ``out`` (allocated when not given), ``[B, Hq, Lq, D]`` in q's dtype; a given ``out``
+    must not share memory with the other arguments, nor two of its elements one address.
+    """
+    return KERNEL.call(q, k_cache, v_cache, kv_len, softmax_scale, out)  # type: ignore[no-any-return]

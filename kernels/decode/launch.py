@@ -1,0 +1,139 @@
+"""The launch of split-K decode attention: the split plan, the workspace, the grids.
+
+The grid is sized from static facts (batch, heads, the cache length ``Lmax``) and the SM count;
+each program decides on the device, from the runtime ``kv_len``, whether its split has work (see
+:mod:`._triton_decode`). Everything a launch needs beyond the tensors' own strides follows from
+the config and those static facts, so it is planned once per combination (:func:`plan`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from tritune.search_spaces.splitk_decode import (
+    DecodeConfig,
+    block_m_for,
+    max_splits,
+    padded_head_dim,
+    row_blocks,
+    splits_target,
+)
+
+from .._launch import (
+    LOG2E,
+    MERGE_TILE,
+    arrival_counters,
+    prepare_interpreter,
+    runs_on_interpreter,
+    sm_count,
+    traced,
+    workspace,
+)
+from .._oplib import wrap_triton
+from ._triton_decode import _decode_merge_kernel, _decode_split_kernel
+
+__all__ = ["Plan", "launch", "plan"]
+
+#: Whether the kernels were decorated for the interpreter, which launches then prepare first.
+_INTERPRETED = runs_on_interpreter(_decode_split_kernel)
+
+
+class Plan(NamedTuple):
+    """Everything a launch needs that follows from static facts and the config."""
+
+    block_m: int
+    d_pad: int
+    row_blocks: int
+    splits_target: int
+    num_splits: int
+    workspace: int
+    lse_offset: int
+    split_block: int
+    merge_block_d: int
+    #: Arrival counters of a fused merge (one per sequence, KV head and row block); 0: no fused merge.
+    counters: int
+
+
+@functools.lru_cache(maxsize=1024)
+def plan(config: DecodeConfig, sm_count: int, batch: int, kv_heads: int, rows: int, lmax: int, head_dim: int) -> Plan:
+    """The launch plan of ``config`` for ``rows`` query rows per KV head (query heads of a group x new tokens)."""
+    target = splits_target(config, sm_count, batch * kv_heads, rows)
+    num_splits = max_splits(config, sm_count, batch * kv_heads, rows, lmax)
+    # Workspace: normalised partial outputs [B, Hkv, splits, rows, D], then their log2-sum-exps.
+    partials = batch * kv_heads * num_splits * rows
+    size = partials * (head_dim + 1) if num_splits > 1 else 1
+    d_pad = padded_head_dim(head_dim)
+    fused = config.FUSED_MERGE and num_splits > 1
+    # The merge holds a [split_block, merge_block_d] fp32 tile: at most MERGE_TILE values (64 a thread at 4
+    # warps), split across head-dim blocks when there are many splits, so that one pass covers up to 512 of
+    # them. A fused merge runs in the split program with its num_warps: the same values per thread.
+    tile = MERGE_TILE * config.num_warps // 4 if fused else MERGE_TILE
+    split_block = max(2, min(1 << (num_splits - 1).bit_length(), 512))
+    merge_block_d = min(d_pad, max(16, tile // split_block))
+    counters = batch * kv_heads * row_blocks(rows) if fused else 0
+    return Plan(
+        block_m=block_m_for(rows),
+        d_pad=d_pad,
+        row_blocks=row_blocks(rows),
+        splits_target=target,
+        num_splits=num_splits,
+        workspace=size,
+        lse_offset=partials * head_dim,
+        split_block=split_block,
+        merge_block_d=merge_block_d,
+        counters=counters,
+    )
+
+
+def launch(
+    config: DecodeConfig,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_len: torch.Tensor,
+    softmax_scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Launch the split kernel, then the merge where some sequence may need more than one split
+    (unless the split kernel merges itself: ``FUSED_MERGE``), on checked arguments."""
+    if _INTERPRETED:
+        prepare_interpreter()
+    # Plain ints: under dynamic-shape tracing sizes arrive as SymInts, and the grid, the workspace and
+    # the kernels' stride specialisation are all fixed per shape anyway.
+    batch, q_heads, lq, head_dim = (int(n) for n in q.shape)
+    kv_heads, lmax = int(k_cache.shape[1]), int(k_cache.shape[2])
+    group = q_heads // kv_heads
+    p = plan(config, sm_count(q.device), batch, kv_heads, group * lq, lmax, head_dim)
+    ws = workspace(p.workspace, q.device)
+    fused = p.counters > 0
+    counters = arrival_counters(p.counters, q.device, fresh=traced(q)) if fused else None
+    sq, sk, sv, so = (tuple(int(x) for x in t.stride()[:3]) for t in (q, k_cache, v_cache, out))
+    # A view such as lengths[::2] is read through its stride.
+    stride_kvl = int(kv_len.stride(0))
+    # Only the interpreter runs CPU tensors; its bf16 dot is broken, so its MMAs take fp32 operands.
+    dot_in_fp32 = q.device.type == "cpu"
+    try:
+        wrap_triton(_decode_split_kernel)[(p.num_splits, p.row_blocks * kv_heads, batch)](
+            q, k_cache, v_cache, kv_len, out, ws, counters, *sq, *sk, *sv, *so, stride_kvl,
+            kv_heads, lmax, softmax_scale * LOG2E, p.splits_target, config.MIN_CHUNK, p.num_splits, p.lse_offset,
+            GROUP=group, LQ=lq, BLOCK_M=p.block_m, HEAD_DIM=head_dim, D_PAD=p.d_pad, BLOCK_N=config.BLOCK_N,
+            DOT_IN_FP32=dot_in_fp32, FUSED_MERGE=fused, SPLIT_BLOCK=p.split_block,
+            MERGE_BLOCK_D=p.merge_block_d, num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+    except BaseException:
+        # The interpreter runs the programs one by one: a launch that raised part-way has left row
+        # blocks counted, which would keep their last split from merging in every later launch.
+        if counters is not None and not counters.is_cuda:
+            counters.zero_()
+        raise
+    if p.num_splits > 1 and not fused:
+        d_blocks = -(-head_dim // p.merge_block_d)
+        wrap_triton(_decode_merge_kernel)[(group * lq * d_blocks, kv_heads, batch)](
+            kv_len, out, ws, *so, stride_kvl,
+            kv_heads, lmax, p.splits_target, config.MIN_CHUNK, p.num_splits, p.lse_offset,
+            GROUP=group, LQ=lq, HEAD_DIM=head_dim, BLOCK_N=config.BLOCK_N,
+            SPLIT_BLOCK=p.split_block, BLOCK_D=p.merge_block_d, num_warps=4, num_stages=2,
+        )  # fmt: skip

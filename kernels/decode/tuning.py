@@ -1,0 +1,125 @@
+"""The tuning half of ``splitk_decode``: problems, the correctness gate and the keys ``tune`` sweeps.
+
+Imported by the tuner only (``Kernel(tuning=...)``), never by serving code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from tritune.search_spaces.splitk_decode import HEAD_DIMS
+
+from ..declare import KernelTuning
+from ..device import DeviceInfo
+from ..spec import Problem, pow2_bucket
+from .kernel import DecodeKey
+from .reference import compare
+
+__all__ = ["TUNED_KV_HEADS", "TUNING", "DecodeTuning"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: KV heads of the problems the tuner times on a GPU (``bh_bucket // 8`` sequences).
+TUNED_KV_HEADS = 8
+#: Cache lengths (``lkv_bucket``) and batches ``tune`` sweeps on a GPU when none are named. Every power
+#: of two between batches: a neighbour's borrowed winner can replay slower than the portable default.
+_GPU_LKV = (1024, 4096, 16384, 32768, 131072)
+_GPU_BATCHES = (1, 4, 8, 16, 32, 64)
+_GPU_HEAD_DIMS = (128, 64)
+
+
+class DecodeTuning(KernelTuning):
+    """Random caches at the key's sizes, graph-timed; the fp64 reference's dtype tolerance."""
+
+    #: ``tune --key batch=...`` and ``lkv=...``: sequences (of :data:`TUNED_KV_HEADS` KV heads) and cache lengths.
+    key_aliases: ClassVar[dict[str, tuple[str, Callable[[int], int]]]] = {
+        "batch": ("bh_bucket", lambda b: pow2_bucket(TUNED_KV_HEADS * b, minimum=1)),
+        "lkv": ("lkv_bucket", pow2_bucket),
+    }
+
+    def make_problem(self, key: DecodeKey, device: torch.device, seed: int) -> Problem:
+        """Random caches of ``lkv_bucket`` positions, each sequence valid on a random [Lmax/2, Lmax].
+
+        On a GPU: 8 KV heads and ``bh_bucket // 8`` sequences; on the interpreter: tiny shapes.
+        One sequence is always full length, so the slowest split plan is timed.
+        """
+        device = torch.device(device)
+        dtype = _DTYPES[key.dtype]
+        if device.type == "cpu":
+            kv_heads = 1
+            lmax = min(key.lkv_bucket, 128)
+        else:
+            kv_heads = min(key.bh_bucket, TUNED_KV_HEADS)
+            lmax = key.lkv_bucket
+        batch = max(1, key.bh_bucket // kv_heads)
+        q_heads = kv_heads * key.gqa_group
+        lengths = torch.randint(
+            lmax // 2, lmax + 1, (batch,), generator=torch.Generator().manual_seed(seed), dtype=torch.int32
+        )
+        lengths[0] = lmax
+        # Drawn on the device itself: the largest keys hold tens of GB of cache.
+        gen = torch.Generator(device=device).manual_seed(seed)
+
+        def normal(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+
+        q = normal(batch, q_heads, key.lq, key.head_dim)
+        k_cache = normal(batch, kv_heads, lmax, key.head_dim)
+        v_cache = normal(batch, kv_heads, lmax, key.head_dim)
+        element = torch.finfo(dtype).bits // 8
+        keys_read = int(lengths.sum()) * kv_heads
+        bytes_moved = (2 * keys_read * key.head_dim + 2 * q.numel()) * element
+        flops = 4.0 * float(lengths.sum()) * q_heads * key.lq * key.head_dim
+        return Problem(
+            args=(q, k_cache, v_cache, lengths.to(device)),
+            kwargs={},
+            flops=flops,
+            bytes_moved=float(bytes_moved),
+            flush_l2=True,
+            # Always timed as CUDA-graph replays, the way serving loops run decode steps. Eager timing
+            # counts the host's launches wherever they outlast the GPU work, which biases tunes toward
+            # configs with fewer launches rather than faster kernels.
+            launch_bound=True,
+        )
+
+    def check(self, out: torch.Tensor, expected: torch.Tensor, problem: Problem, config: Any = None) -> str | None:
+        return compare(out, expected, problem.args[0].dtype)
+
+    def default_keys(self, device: DeviceInfo) -> list[DecodeKey]:
+        """GPU: D 128 and 64, B in {1, 4, 8, 16, 32, 64} with 8 KV heads, caches 1K..128K, one new token,
+        group 4. The interpreter: D 64, one sequence of 2 KV heads, caches of 64 and 128 positions."""
+        if device.is_interpreter:
+            dims, bhs, lengths = (64,), (2,), (64, 128)
+        else:
+            dims, bhs, lengths = _GPU_HEAD_DIMS, tuple(TUNED_KV_HEADS * b for b in _GPU_BATCHES), _GPU_LKV
+        return [
+            DecodeKey(
+                arch=device.arch,
+                sm_count=device.sm_count,
+                dtype="bf16",
+                head_dim=d,
+                gqa_group=4,
+                lq=1,
+                bh_bucket=pow2_bucket(bh, minimum=1),
+                lkv_bucket=pow2_bucket(n),
+            )
+            for d in dims
+            for bh in bhs
+            for n in lengths
+        ]
+
+    def valid_key(self, key: DecodeKey) -> bool:
+        """A served dtype and head dim, 1 to 8 new tokens (bucketed), a positive group and sizes."""
+        return (
+            key.dtype in _DTYPES
+            and key.head_dim in HEAD_DIMS
+            and key.lq in (1, 2, 4, 8)
+            and key.gqa_group >= 1
+            and key.bh_bucket >= 1
+            and key.lkv_bucket >= 1
+        )
+
+
+TUNING = DecodeTuning()

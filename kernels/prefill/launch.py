@@ -1,0 +1,218 @@
+"""The launches of prefill attention: the portable path and the TMA path, chosen by ``config.path``.
+
+The portable launch is a plain ``wrap_triton(kernel)[grid](...)``, which ``torch.compile`` traces
+inside the kernel's ``triton_op``. The TMA launch builds host-side ``TensorDescriptor`` objects,
+which torch cannot trace inside a ``triton_op`` body yet, so it runs inside its own opaque op,
+``tritune::prefill_attention_tma``: a traced call records that op; a call whose body runs on plain
+tensors (:func:`~tritune.kernels._oplib.in_direct_body`) runs its body directly, without paying
+the op's dispatch a second time.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from tritune.search_spaces.tma_prefill import SPACE, PrefillConfig
+
+from .._launch import LOG2E, prepare_interpreter, runs_on_interpreter
+from .._oplib import in_direct_body, register_schema_op, wrap_triton
+from ._triton_portable import _prefill_fwd_kernel
+from ._triton_tma import _merge_splits_kernel, _prefill_tma_kernel
+
+__all__ = ["kernel_scale", "launch", "launch_portable", "launch_tma"]
+
+#: Whether the kernels were decorated for the interpreter, which launches then prepare first.
+_INTERPRETED = runs_on_interpreter(_prefill_fwd_kernel)
+#: In-tile offsets are int32: a K/V tile whose elements lie this far apart takes 64-bit ones.
+_INT32_SPAN = 2**31
+#: float32's smallest normal number, the scale a zero ``softmax_scale`` runs with (:func:`kernel_scale`).
+_FLT_MIN = 1.1754943508222875e-38
+#: Query rows one program of the merge kernel combines.
+_MERGE_BLOCK_M = 16
+
+
+def kernel_scale(softmax_scale: float) -> tuple[float, bool]:
+    """``(qk_scale, NEG_SCALE)`` of the kernels for ``softmax_scale``: the scale in log2 units and
+    whether it is negative (the row max of the scaled scores is then the raw scores' min).
+
+    A zero (or subnormal) scale runs as float32's smallest normal one: every finite score still
+    gives an exponent of 0 (all visible keys weigh the same, as with 0), while a hidden key's
+    ``-inf`` stays ``-inf`` where ``-inf * 0`` would be NaN.
+    """
+    qk_scale = softmax_scale * LOG2E
+    if abs(qk_scale) < _FLT_MIN:
+        return _FLT_MIN, False
+    return qk_scale, qk_scale < 0
+
+
+def _wide_tile(t: torch.Tensor, rows: int, cols: int) -> bool:
+    """Whether a ``[rows, cols]`` tile of ``t``'s last two dims spans 2**31 elements or more."""
+    return bool(rows * t.stride(2) + cols * t.stride(3) >= _INT32_SPAN)
+
+
+def _kv_len_stride(kv_len: torch.Tensor | None) -> int:
+    # A [] kv_len serves every sequence; a [B] view such as lengths[::2] is read through its stride.
+    return kv_len.stride(0) if kv_len is not None and kv_len.dim() == 1 else 0
+
+
+def launch_portable(
+    config: PrefillConfig,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_len: torch.Tensor | None,
+    causal: bool,
+    softmax_scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Launch the portable kernel on checked inputs, writing ``out`` through its strides."""
+    batch, q_heads, seqlen_q, head_dim = q.shape
+    qk_scale, neg_scale = kernel_scale(softmax_scale)
+    kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    grid = (triton.cdiv(seqlen_q, config.BLOCK_M), q_heads, batch)
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    wide = _wide_tile(k, config.BLOCK_N, head_dim_pad) or _wide_tile(v, config.BLOCK_N, head_dim_pad)
+    wrap_triton(_prefill_fwd_kernel)[grid](
+        q, k, v, out, kv_len, *q.stride(), *k.stride(), *v.stride(), *out.stride(), _kv_len_stride(kv_len),
+        seqlen_q, seqlen_k, qk_scale,
+        GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, CAUSAL=causal, HAS_KV_LEN=kv_len is not None,
+        DOT_IN_FP32=q.device.type == "cpu", NEG_SCALE=neg_scale, WIDE_KV_TILES=wide,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+
+
+def launch_tma(
+    config: PrefillConfig,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_len: torch.Tensor | None,
+    causal: bool,
+    softmax_scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Launch the TMA kernel (and the merge, with a KV split) on checked, TMA-eligible inputs."""
+    batch, q_heads, seqlen_q, head_dim = q.shape
+    qk_scale, neg_scale = kernel_scale(softmax_scale)
+    kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    heads = group if config.PACK_GQA else 1
+    rows = config.BLOCK_M // heads
+    split = config.SPLIT_KV
+    q_desc = TensorDescriptor.from_tensor(q, [1, heads, rows, head_dim])
+    k_desc = TensorDescriptor.from_tensor(k, [1, 1, config.BLOCK_N, head_dim])
+    v_desc = TensorDescriptor.from_tensor(v, [1, 1, config.BLOCK_N, head_dim])
+    o_desc = TensorDescriptor.from_tensor(out, [1, heads, rows, head_dim])
+    if split > 1:
+        part_o = torch.empty((split, batch, q_heads, seqlen_q, head_dim), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((2, split, batch, q_heads, seqlen_q), dtype=torch.float32, device=q.device)
+        part_m, part_l = part_ml[0], part_ml[1]
+    else:
+        part_o = part_m = part_l = None
+    grid = (triton.cdiv(seqlen_q, rows), q_heads // heads, batch * split)
+    wrap_triton(_prefill_tma_kernel)[grid](
+        q_desc, k_desc, v_desc, o_desc, kv_len, part_o, part_m, part_l, _kv_len_stride(kv_len),
+        batch, q_heads, seqlen_q, seqlen_k, qk_scale,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N,
+        PACK_GQA=bool(config.PACK_GQA), SPLIT_KV=split, CAUSAL=causal, HAS_KV_LEN=kv_len is not None,
+        DOT_IN_FP32=q.device.type == "cpu", NEG_SCALE=neg_scale,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    if split > 1:
+        merge_grid = (triton.cdiv(seqlen_q, _MERGE_BLOCK_M), q_heads, batch)
+        wrap_triton(_merge_splits_kernel)[merge_grid](
+            part_o, part_m, part_l, out, *out.stride(), batch, q_heads, seqlen_q,
+            HEAD_DIM=head_dim, BLOCK_M=_MERGE_BLOCK_M, SPLIT_KV=split, num_warps=4,
+        )  # fmt: skip
+
+
+# ---- the nested TMA op -----------------------------------------------------------------------
+
+#: The config fields the TMA op carries by name (its path is always "tma").
+_TMA_FIELDS = tuple(name for name in SPACE.field_types if name != "path")
+_SCHEMA_TYPES = {bool: "bool", int: "int", float: "float", str: "str"}
+_TMA_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor? kv_len, bool causal, float softmax_scale, Tensor(a!) out, *, "
+    + ", ".join(f"{_SCHEMA_TYPES[SPACE.field_types[name]]} {name}" for name in _TMA_FIELDS)
+    + ") -> ()"
+)
+
+
+@functools.lru_cache(maxsize=256)
+def _tma_config(fields: tuple[tuple[str, Any], ...]) -> PrefillConfig:
+    """The TMA config an op call's fields stand for (built once per distinct config)."""
+    return SPACE.from_fields({"path": "tma", **dict(fields)})
+
+
+def _tma_body(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_len: torch.Tensor | None,
+    causal: bool,
+    softmax_scale: float,
+    out: torch.Tensor,
+    **fields: Any,
+) -> None:
+    _run_tma(_tma_config(tuple(fields.items())), q, k, v, kv_len, causal, softmax_scale, out)
+
+
+_TMA_OP = register_schema_op("tritune::prefill_attention_tma", _tma_body, _TMA_SCHEMA, mutated=(6,), opaque=True)
+
+
+def _tma_fields(config: PrefillConfig) -> Mapping[str, Any]:
+    return {name: getattr(config, name) for name in _TMA_FIELDS}
+
+
+def _run_tma(
+    config: PrefillConfig,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_len: torch.Tensor | None,
+    causal: bool,
+    softmax_scale: float,
+    out: torch.Tensor,
+) -> None:
+    """The TMA launch on real tensors, or its portable stand-in where a base is not 16-byte aligned."""
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15:
+        # Only a compiled graph gets here with a misaligned base: its facts could not see pointers.
+        # The stand-in keeps the TMA tiles only where the portable kernel fits them.
+        from .kernel import portable_stand_in
+
+        stand_in = portable_stand_in(config, q, k, v, kv_len, causal, softmax_scale, out)
+        launch_portable(stand_in, q, k, v, kv_len, causal, softmax_scale, out)
+        return
+    launch_tma(config, q, k, v, kv_len, causal, softmax_scale, out)
+
+
+# ---- the declaration's launch ----------------------------------------------------------------
+
+
+def launch(
+    config: PrefillConfig,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_len: torch.Tensor | None,
+    causal: bool,
+    softmax_scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Run ``config``'s path on checked arguments (outputs allocated, the scale resolved)."""
+    if _INTERPRETED:
+        prepare_interpreter()
+    if config.path != "tma":
+        launch_portable(config, q, k, v, kv_len, causal, softmax_scale, out)
+    elif in_direct_body():
+        # Plain tensors already: the TMA op's own dispatch would be a second toll.
+        _run_tma(config, q, k, v, kv_len, causal, softmax_scale, out)
+    else:
+        _TMA_OP(q, k, v, kv_len, causal, softmax_scale, out, **_tma_fields(config))
