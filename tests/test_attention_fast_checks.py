@@ -25,6 +25,8 @@ from tritune.kernels.fastcheck import FastCheck
 from tritune.kernels.prefill.kernel import KERNEL as PREFILL
 
 BF, FP = torch.bfloat16, torch.float16
+#: The GPU when there is one, else CPU tensors on the interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 #: Layouts of an input tensor; each keeps its shape ("subclass" is valid but never plain).
 LAYOUTS = ("contiguous", "transposed", "padded", "misaligned", "expanded")
 OUTS = ("none", "fresh", "transposed", "padded", "misaligned", "beside-k")
@@ -42,17 +44,17 @@ class Subclass(torch.Tensor):
 def laid_out(shape: tuple[int, ...], dtype: torch.dtype, layout: str) -> torch.Tensor:
     """A random tensor of ``shape`` in ``layout`` (the values do not matter here)."""
     if layout == "transposed" and len(shape) >= 3:
-        t = torch.randn(*shape[:-3], shape[-2], shape[-3], shape[-1]).to(dtype).transpose(-2, -3)
+        t = torch.randn(*shape[:-3], shape[-2], shape[-3], shape[-1]).to(DEVICE, dtype).transpose(-2, -3)
     elif layout == "padded":
-        t = torch.randn(*shape[:-1], shape[-1] + 4).to(dtype)[..., : shape[-1]]
+        t = torch.randn(*shape[:-1], shape[-1] + 4).to(DEVICE, dtype)[..., : shape[-1]]
     elif layout == "head-strided":
-        t = torch.randn(*shape[:-1], 2 * shape[-1]).to(dtype)[..., ::2]
+        t = torch.randn(*shape[:-1], 2 * shape[-1]).to(DEVICE, dtype)[..., ::2]
     elif layout == "misaligned":
-        t = torch.randn(math.prod(shape) + 1).to(dtype)[1:].view(shape)
+        t = torch.randn(math.prod(shape) + 1).to(DEVICE, dtype)[1:].view(shape)
     elif layout == "expanded" and shape and shape[0] > 1:
-        t = torch.randn(1, *shape[1:]).to(dtype).expand(shape)
+        t = torch.randn(1, *shape[1:]).to(DEVICE, dtype).expand(shape)
     else:
-        t = torch.randn(shape).to(dtype)
+        t = torch.randn(shape).to(DEVICE, dtype)
     return t.as_subclass(Subclass) if layout == "subclass" else t
 
 
@@ -81,17 +83,17 @@ def draw_out(pick: Chooser, q: torch.Tensor, k: torch.Tensor, strided_ok: bool) 
     if case in ("fresh", "transposed", "padded", "head-strided", "misaligned"):
         return laid_out(shape, dtype, "contiguous" if case == "fresh" else case), k
     if case == "zero-stride":
-        return torch.empty((*shape[:-2], 1, shape[-1]), dtype=dtype).expand(shape), k
+        return torch.empty((*shape[:-2], 1, shape[-1]), dtype=dtype, device=DEVICE).expand(shape), k
     if case == "is-q":
         return q, k
     if case == "wrong-shape":
-        return torch.empty((*shape[:-1], shape[-1] + 1), dtype=dtype), k
+        return torch.empty((*shape[:-1], shape[-1] + 1), dtype=dtype, device=DEVICE), k
     if case == "wrong-dtype":
-        return torch.empty(shape, dtype=BF if dtype == FP else FP), k
+        return torch.empty(shape, dtype=BF if dtype == FP else FP, device=DEVICE), k
     if case == "not-a-tensor":
         return [0.0], k
     size = math.prod(shape)
-    storage = torch.empty(k.numel() + size + 64, dtype=dtype)
+    storage = torch.empty(k.numel() + size + 64, dtype=dtype, device=DEVICE)
     moved = storage[: k.numel()].view(k.shape).copy_(k)
     start = k.numel() // 2 if case == "inside-k" and k.numel() else k.numel()
     return storage[start : start + size].view(shape), moved
@@ -101,17 +103,17 @@ def make_kv_len(case: str, batch: int, lkv: int) -> Any:
     if case == "none":
         return None
     if case == "scalar":
-        return torch.tensor(lkv, dtype=torch.int32)
+        return torch.tensor(lkv, dtype=torch.int32, device=DEVICE)
     if case == "batch":
-        return torch.full((batch,), lkv, dtype=torch.int32)
+        return torch.full((batch,), lkv, dtype=torch.int32, device=DEVICE)
     if case == "strided":
-        return torch.full((2 * batch,), lkv, dtype=torch.int32)[::2]
+        return torch.full((2 * batch,), lkv, dtype=torch.int32, device=DEVICE)[::2]
     if case == "int64":
-        return torch.full((batch,), lkv, dtype=torch.int64)
+        return torch.full((batch,), lkv, dtype=torch.int64, device=DEVICE)
     if case == "wrong-batch":
-        return torch.full((batch + 1,), lkv, dtype=torch.int32)
+        return torch.full((batch + 1,), lkv, dtype=torch.int32, device=DEVICE)
     if case == "2d":
-        return torch.full((batch, 1), lkv, dtype=torch.int32)
+        return torch.full((batch, 1), lkv, dtype=torch.int32, device=DEVICE)
     return lkv
 
 
@@ -207,8 +209,8 @@ def test_an_attention_decode_step_pays_one_fast_check(monkeypatch):
     seen = _counting(DECODE, monkeypatch)
     _no_launch(DECODE, monkeypatch)
     monkeypatch.setattr(DECODE, "check_call", lambda *args: pytest.fail("the detailed checks ran"))
-    q, k = torch.randn(2, 4, 1, 64).to(BF), torch.randn(2, 2, 24, 64).to(BF)
-    kv_len = torch.tensor([5, 17], dtype=torch.int32)
+    q, k = torch.randn(2, 4, 1, 64).to(DEVICE, BF), torch.randn(2, 2, 24, 64).to(DEVICE, BF)
+    kv_len = torch.tensor([5, 17], dtype=torch.int32, device=DEVICE)
     attention(q, k, k.clone(), kv_len=kv_len)
     decode_attention(q, k, k.clone(), kv_len)
     assert len(seen) == 2 and seen[0] is not None and seen[0][0] == seen[1][0]
@@ -219,7 +221,7 @@ def test_an_attention_decode_step_pays_one_fast_check(monkeypatch):
     [
         lambda q, k, v: prefill_attention(q, k, v, softmax_scale=1),
         lambda q, k, v: prefill_attention(q.as_subclass(Subclass), k, v),
-        lambda q, k, v: attention(q, k, v, kv_len=torch.tensor(33, dtype=torch.int32), softmax_scale=1),
+        lambda q, k, v: attention(q, k, v, kv_len=torch.tensor(33, dtype=torch.int32, device=DEVICE), softmax_scale=1),
     ],
     ids=["int-scale", "tensor-subclass", "attention-int-scale"],
 )
@@ -231,14 +233,18 @@ def test_unusual_valid_calls_are_served_by_the_detailed_path(monkeypatch, call):
     monkeypatch.setattr(PREFILL, "check_call", lambda *args: ran.append(args) or real(*args))
     _no_launch(PREFILL, monkeypatch)
     monkeypatch.setattr(PREFILL, "_call_op", lambda config, args: None)
-    q, k, v = torch.randn(1, 4, 9, 64).to(BF), torch.randn(1, 2, 33, 64).to(BF), torch.randn(1, 2, 33, 64).to(BF)
+    q, k, v = (
+        torch.randn(1, 4, 9, 64).to(DEVICE, BF),
+        torch.randn(1, 2, 33, 64).to(DEVICE, BF),
+        torch.randn(1, 2, 33, 64).to(DEVICE, BF),
+    )
     out = call(q, k, v)
     assert seen == [None] and len(ran) == 1 and out.shape == q.shape
 
 
 def _plain_cases() -> dict[str, Callable[[], tuple[str, tuple[Any, ...]]]]:
     q, kv, dq, dkv = (1, 4, 9, 64), (1, 2, 33, 64), (2, 4, 2, 64), (2, 2, 24, 64)
-    lengths = torch.tensor([5, 17], dtype=torch.int32)
+    lengths = torch.tensor([5, 17], dtype=torch.int32, device=DEVICE)
 
     def t(shape: tuple[int, ...], layout: str = "contiguous", dtype: torch.dtype = BF) -> torch.Tensor:
         return laid_out(shape, dtype, layout)
@@ -254,7 +260,7 @@ def _plain_cases() -> dict[str, Callable[[], tuple[str, tuple[Any, ...]]]]:
         "prefill-contiguous": lambda: prefill(t(q), t(kv), t(kv)),
         "prefill-fp16-d80": lambda: prefill(t((2, 3, 5, 80), dtype=FP), t(fp16_d80, dtype=FP), t(fp16_d80, dtype=FP)),
         "prefill-kv_len-out": lambda: prefill(
-            t(q), t(kv), t(kv), torch.tensor([20], dtype=torch.int32), False, 0.3, t(q)
+            t(q), t(kv), t(kv), torch.tensor([20], dtype=torch.int32, device=DEVICE), False, 0.3, t(q)
         ),
         "prefill-strided": lambda: prefill(
             t(q, "transposed"), t(kv, "head-strided"), t(kv, "padded"), out=t(q, "misaligned")
@@ -269,7 +275,10 @@ def _plain_cases() -> dict[str, Callable[[], tuple[str, tuple[Any, ...]]]]:
             out=t((2, 2, 8, 128), "transposed", FP),
         ),
         "decode-padded-kv_len-view": lambda: decode(
-            t(dq), t(dkv, "padded"), t(dkv, "expanded"), torch.tensor([5, 0, 17, 0], dtype=torch.int32)[::2]
+            t(dq),
+            t(dkv, "padded"),
+            t(dkv, "expanded"),
+            torch.tensor([5, 0, 17, 0], dtype=torch.int32, device=DEVICE)[::2],
         ),
     }
 
