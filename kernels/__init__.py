@@ -14,7 +14,7 @@ _EXPORTS: dict[str, str] = {
     "prefill_attention": "tritune.kernels.prefill.kernel",
     "decode_attention": "tritune.kernels.decode.kernel",
     "attention": "tritune.kernels.routing",
-    "q4k_linear": "tritune.kernels.q4k.op",
+    "q4k_linear": "tritune.kernels.q4k.kernel",
     "Q4KWeight": "tritune.kernels.q4k.weight",
     "varlen_attention": "tritune.kernels.varlen.kernel",
     "validate_seq_info": "tritune.kernels.varlen.seq_info",

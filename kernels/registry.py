@@ -11,7 +11,7 @@ from .spec import KernelSpec
 _SPECS: dict[str, str] = {
     "tma_prefill": "tritune.kernels.prefill.kernel:KERNEL",
     "splitk_decode": "tritune.kernels.decode.kernel:KERNEL",
-    "q4k_fp8_gemm": "tritune.kernels.q4k.spec:SPEC",
+    "q4k_fp8_gemm": "tritune.kernels.q4k.kernel:KERNEL",
     "varlen_sdpa": "tritune.kernels.varlen.kernel:KERNEL",
 }
 

@@ -96,10 +96,10 @@ def main() -> int:
     torch.set_float32_matmul_precision("highest")
 
     from tritune.kernels.device import device_info
-    from tritune.kernels.q4k.spec import SPEC
+    from tritune.kernels.q4k.kernel import KERNEL as Q4K
 
     info = device_info(run.device)
-    best = bl.best_trials_by_path(run.db, KERNEL, SPEC.version, info.slug) if run.db else {}
+    best = bl.best_trials_by_path(run.db, KERNEL, Q4K.version, info.slug) if run.db else {}
     rows: list[Row] = []
     with bl.tuned_db(run.db):
         for k, n in shapes:
@@ -164,7 +164,7 @@ def _measure(row: Row, impl: Impl, expected: torch.Tensor, run: bl.BenchRun) -> 
 
 
 def _floor(path: str) -> float:
-    from tritune.kernels.q4k.spec import MIN_SQNR_DB
+    from tritune.kernels.q4k.reference import MIN_SQNR_DB
 
     return MIN_SQNR_DB[path]
 
@@ -217,15 +217,17 @@ def _scaled_mm_impl(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_row: torch.Ten
 
 def _tritune_impls(x: torch.Tensor, weight, best: dict) -> list[Impl]:
     from tritune.kernels import q4k_linear
+    from tritune.kernels._launch import device_index
     from tritune.kernels.device import device_info
-    from tritune.kernels.q4k.spec import SPEC
+    from tritune.kernels.dispatcher import dispatch_config
+    from tritune.kernels.q4k.kernel import KERNEL as Q4K
 
     info = device_info(x.device)
-    facts = SPEC.facts(x, weight, None)
-    key = SPEC.key_for(info, facts)
+    facts = Q4K.facts(x, weight, None)
+    key = Q4K.key_for(info, facts)
     key_json = json.dumps(key.to_dict(), sort_keys=True)
-    untuned = SPEC.space.to_dict(SPEC.default_config(key))
-    served = bl.served_config(SPEC, facts, x.device)
+    untuned = Q4K.space.to_dict(Q4K.default_config(key))
+    served = Q4K.space.to_dict(dispatch_config(KERNEL, x.device.type, device_index(x.device), tuple(facts)))
 
     def pinned(config: dict[str, Any]) -> Callable[[], torch.Tensor]:
         return bl.pinned_call(KERNEL, config, q4k_linear, x, weight)
@@ -235,7 +237,7 @@ def _tritune_impls(x: torch.Tensor, weight, best: dict) -> list[Impl]:
         config, origin = best.get((key_json, path)), "fastest tuned trial"
         if config is None:
             config, origin = _path_default(untuned, path, key, info), "default tiles, no tuned trial"
-            if path == "staged" and SPEC.space.infeasible_reason(SPEC.space.parse(config), key, SPEC.limits(info)):
+            if path == "staged" and Q4K.space.infeasible_reason(Q4K.space.parse(config), key, Q4K.limits(info)):
                 continue  # small M, fp16 or odd N: the staged path is not a candidate there
         if config == untuned:
             continue  # the untuned row already times it
@@ -256,13 +258,14 @@ def _tritune_impls(x: torch.Tensor, weight, best: dict) -> list[Impl]:
 
 def _path_default(untuned: dict[str, Any], path: str, key, info) -> dict[str, Any]:
     """The untuned tiles on ``path`` where they are feasible there, else that path's own defaults."""
-    from tritune.kernels.q4k.spec import SPEC
+    from tritune.kernels.q4k.kernel import KERNEL as Q4K
 
-    # Parsed, so the fields the path does not read show their defaults (what the launch uses).
-    config = SPEC.space.to_dict(SPEC.space.parse({**untuned, "path": path}))
-    if SPEC.space.infeasible_reason(SPEC.space.parse(config), key, SPEC.limits(info)) is None:
+    # The untuned tiles the path has; its own defaults for the rest.
+    fields = Q4K.space.members[path].dimensions
+    config = Q4K.space.to_dict(Q4K.space.parse({**{k: v for k, v in untuned.items() if k in fields}, "path": path}))
+    if Q4K.space.infeasible_reason(Q4K.space.parse(config), key, Q4K.limits(info)) is None:
         return config
-    return SPEC.space.to_dict(SPEC.pinned_config({"path": path}))
+    return Q4K.space.to_dict(Q4K.pinned_config({"path": path}))
 
 
 def _log_row(r: Row) -> None:

@@ -31,6 +31,8 @@ import _benchlib as bl
 import torch
 
 log = logging.getLogger("tritune.sweep")
+#: Stands for a field a config's path does not have.
+_ABSENT = object()
 
 
 def _parse_where(items: list[str], space) -> dict[str, Any]:
@@ -73,8 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     limits = spec.limits(info)
     wanted = _parse_where(args.where, spec.space)
     default = spec.default_config(key)
+    # A config of a path without a filtered field (spaces of paths) does not match it.
     feasible = [
-        c for c in spec.space.feasible(key, limits) if all(getattr(c, name) == value for name, value in wanted.items())
+        c
+        for c in spec.space.feasible(key, limits)
+        if all(getattr(c, name, _ABSENT) == value for name, value in wanted.items())
     ]
     sample = feasible if len(feasible) <= args.limit else random.Random(args.seed).sample(feasible, args.limit)
     candidates = [default, *(c for c in sample if c != default)]

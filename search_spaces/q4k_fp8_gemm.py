@@ -1,23 +1,23 @@
-"""Search space of ``q4k_fp8_gemm``: the Q4_K weight x activation GEMM, portable and fp8 paths.
+"""Search space of ``q4k_fp8_gemm``: the Q4_K weight x activation GEMM, one member space per path.
 
-Five kernels: portable, fp8 against the exact codes, folded fp8 (``SCALE_FOLD``), folded fp8 with
-swapped operands (``SWAP_AB``: the dequantized weight as wgmma's register A operand), and the GEMV
-for decode-sized M (integer dot products on the CUDA cores); the staged path adds cuBLASLt's. A field
-that leaves a path's launch unchanged is pruned as a duplicate (``SCALE_FOLD`` off the fp8 path,
-``SWAP_AB`` without ``SCALE_FOLD``), ``BLOCK_M=256`` exists for the swapped kernel only, and the
-register and shared-memory rules are fitted to what Triton 3.6 and ptxas make of each kernel for
-sm_90.
+Four paths, each its own config type holding only the fields its launch reads (a
+:class:`~.base.UnionSpace` on ``path``): the portable kernel, the fp8 kernels (centred, folded
+``SCALE_FOLD``, and folded with swapped operands ``SWAP_AB``: the dequantized weight as wgmma's
+register A operand), the staged path (the fold kernel's weights, chunk by chunk, into cuBLASLt's
+fp8 GEMM) and the GEMV for decode-sized M (integer dot products on the CUDA cores). A field keeps
+its name and choices on every path that has it, so the sampler's view (the union of the members'
+fields) and stored configs mean what they meant. Within the fp8 member a field that leaves the
+launch unchanged is pruned as a duplicate (``SWAP_AB`` without ``SCALE_FOLD``), ``BLOCK_M=256``
+exists for the swapped kernel only, and the register and shared-memory rules are fitted to what
+Triton 3.6 and ptxas make of each kernel for sm_90.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
-from .base import SearchSpace, TargetLimits, choice
+from .base import SearchSpace, TargetLimits, UnionSpace, choice, smem_reason
 
 #: Largest M bucket for which splitting K may pay: up to here a few M tiles cannot fill the GPU
 #: (N=4096 at BLOCK_N=64 is 64 programs, fewer than a large GPU's SMs).
@@ -44,39 +44,50 @@ SUPER_BLOCK = 256
 #: Smallest chunk the staged path uses on a GPU: below it each chunk's GEMM is too narrow to fill
 #: the GPU (4096 x 1024 tiles of 128 x 256 are 128 programs for 132 SMs).
 MIN_CHUNK_N = 1024
-#: The staged path's fields other than its dequantization tile: each is pinned at its default there.
-_STAGED_FIXED = ("BLOCK_M", "GROUP_M", "num_stages", "SPLIT_K", "SCALE_FOLD", "SWAP_AB")
+
+#: K tiles of the paths whose tile divides a super-block (all but the GEMV).
+_K_TILES = (32, 64, 128, 256)
 
 
 @dataclass(frozen=True)
-class Q4KConfig:
-    """One launch of the Q4_K GEMM. The defaults are the portable path's safe middle."""
+class PortableConfig:
+    """The portable path: dequantize to x's dtype and bf16/fp16 ``tl.dot`` (any CUDA GPU).
 
-    #: "portable": dequantize to x's dtype and bf16/fp16 ``tl.dot`` (any CUDA GPU);
-    #: "fp8": e4m3 activations against exact 4-bit quants, or folded e4m3 weights (SM89+);
-    #: "staged": the folded e4m3 weights made ``CHUNK_N`` rows at a time into one reused scratch,
-    #: each chunk multiplied by cuBLASLt's fp8 GEMM with row and column scales (SM90+, bf16, large M).
-    #: "gemv": decode-sized M (up to ``GEMV_MAX_M`` rows) on the CUDA cores: int8 x (one scale per
-    #: 32 values) against the exact codes with ``dp4a``, no MMA (any CUDA GPU);
-    path: str = choice("portable", ("portable", "fp8", "staged", "gemv"))
-    #: 256 only with SWAP_AB, where it is wgmma's widest N (m64n256).
-    BLOCK_M: int = choice(64, (16, 32, 64, 128, 256))
+    The defaults are the path's safe middle; the kernel's defaults by M bucket are the spec's.
+    """
+
+    path: str = choice("portable", ("portable",))
+    BLOCK_M: int = choice(64, (16, 32, 64, 128))
     BLOCK_N: int = choice(64, (32, 64, 128, 256))
     #: K tile; a multiple of the 32-wide sub-block that divides the 256-wide super-block.
-    #: 512 and 1024 only for the GEMV path, where a deeper tile keeps more bytes in flight per SM.
-    BLOCK_K: int = choice(64, (32, 64, 128, 256, 512, 1024))
+    BLOCK_K: int = choice(64, _K_TILES)
     GROUP_M: int = choice(8, (1, 4, 8))
     num_warps: int = choice(4, (2, 4, 8))
     num_stages: int = choice(3, (1, 2, 3, 4, 5))
     #: Programs per output tile along K (float32 partials, then a reduce); small M only.
     SPLIT_K: int = choice(1, (1, 2, 4, 8))
-    #: fp8 path only. False: one 32-deep dot per sub-block against the exact codes ``q - 8``,
-    #: scaled into the accumulator by the sub-block's scale. True: each sub-block's scale and min
-    #: are folded into e4m3 weights ``(d*sc*q - dmin*m) * 2**e`` (one power of two per column), so
-    #: one dot spans the whole K tile and accumulates in place; the rounded weights cost about
-    #: 2.5 dB of SQNR (28.5 dB instead of 31 on Gaussian data).
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """The fp8 path (SM89+): e4m3 activations against exact 4-bit quants, or folded e4m3 weights."""
+
+    path: str = choice("fp8", ("fp8",))
+    #: 256 only with SWAP_AB, where it is wgmma's widest N (m64n256).
+    BLOCK_M: int = choice(64, (16, 32, 64, 128, 256))
+    BLOCK_N: int = choice(64, (32, 64, 128, 256))
+    BLOCK_K: int = choice(128, _K_TILES)
+    GROUP_M: int = choice(8, (1, 4, 8))
+    num_warps: int = choice(4, (2, 4, 8))
+    num_stages: int = choice(3, (1, 2, 3, 4, 5))
+    SPLIT_K: int = choice(1, (1, 2, 4, 8))
+    #: False: one 32-deep dot per sub-block against the exact codes ``q - 8``, scaled into the
+    #: accumulator by the sub-block's scale. True: each sub-block's scale and min are folded into
+    #: e4m3 weights ``(d*sc*q - dmin*m) * 2**e`` (one power of two per column), so one dot spans the
+    #: whole K tile and accumulates in place; the rounded weights cost about 2.5 dB of SQNR (28.5 dB
+    #: instead of 31 on Gaussian data).
     SCALE_FOLD: bool = choice(False, (False, True))
-    #: Folded fp8 path only. True: each program computes a tile of ``out^T``,
+    #: With SCALE_FOLD only. True: each program computes a tile of ``out^T``,
     #: ``acc_t[BLOCK_N, BLOCK_M] += w[BLOCK_N, BLOCK_K] @ x^T``, so the weight made in registers is
     #: the MMA's A operand, which Hopper's wgmma reads from registers (no staging through shared
     #: memory, no wait before each MMA: dequantization overlaps the tensor cores), and x^T (K-major,
@@ -84,11 +95,44 @@ class Q4KConfig:
     #: BLOCK_N becomes the MMA's M side (64 rows per warpgroup) and BLOCK_M its N side, so small M
     #: gets wgmma too. The same e4m3 weights and scales as SCALE_FOLD, so the same SQNR.
     SWAP_AB: bool = choice(False, (False, True))
-    #: Staged path only: weight rows dequantized per chunk (the scratch holds CHUNK_N x K e4m3
-    #: bytes: 8 MiB at 2048 x 4096). Small chunks (below ``MIN_CHUNK_N``) are for the interpreter.
+
+
+@dataclass(frozen=True)
+class StagedConfig:
+    """The staged path (SM90+, bf16, large M): the folded e4m3 weights made ``CHUNK_N`` rows at a
+    time into one reused scratch, each chunk multiplied by cuBLASLt's fp8 GEMM with row and column
+    scales. BLOCK_N x BLOCK_K is one dequantization program's tile and ``num_warps`` its warps."""
+
+    path: str = choice("staged", ("staged",))
+    BLOCK_N: int = choice(32, (32, 64, 128, 256))
+    BLOCK_K: int = choice(256, _K_TILES)
+    num_warps: int = choice(4, (2, 4, 8))
+    #: Weight rows dequantized per chunk (the scratch holds CHUNK_N x K e4m3 bytes: 8 MiB at
+    #: 2048 x 4096). Small chunks (below ``MIN_CHUNK_N``) are for the interpreter.
     CHUNK_N: int = choice(2048, (32, 1024, 2048, 4096, 8192))
-    #: Staged path only: cuBLASLt's fast fp8 accumulation (``use_fast_accum``), checked by the SQNR gate.
+    #: cuBLASLt's fast fp8 accumulation (``use_fast_accum``), checked by the SQNR gate.
     FAST_ACCUM: bool = choice(False, (False, True))
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """The GEMV path: decode-sized M (up to ``GEMV_MAX_M`` rows) on the CUDA cores, int8 x (one
+    scale per 32 values) against the exact codes with ``dp4a``, no MMA (any CUDA GPU).
+
+    Its loads are issued one iteration ahead by the kernel itself (no dot: Triton's pipeliner
+    leaves them alone), so it has no ``num_stages``.
+    """
+
+    path: str = choice("gemv", ("gemv",))
+    BLOCK_N: int = choice(64, (32, 64, 128, 256))
+    #: 512 and 1024 too: a deeper tile keeps more bytes in flight per SM.
+    BLOCK_K: int = choice(64, (*_K_TILES, 512, 1024))
+    num_warps: int = choice(4, (2, 4, 8))
+    SPLIT_K: int = choice(1, (1, 2, 4, 8))
+
+
+#: A config of any path.
+Q4KConfig = PortableConfig | Fp8Config | StagedConfig | GemvConfig
 
 
 class Q4KShape(Protocol):
@@ -107,50 +151,34 @@ class Q4KShape(Protocol):
     def dtype(self) -> str: ...
 
 
-def smem_bytes(config: Q4KConfig) -> int:
+def smem_bytes(config: PortableConfig | Fp8Config) -> int:
     """Shared memory a launch is expected to need: pipelined loads plus the staged dot operand."""
     bm, bn, bk = config.BLOCK_M, config.BLOCK_N, config.BLOCK_K
-    if config.path == "fp8" and config.SCALE_FOLD and config.SWAP_AB:
+    stages = config.num_stages
+    if isinstance(config, Fp8Config) and config.SCALE_FOLD and config.SWAP_AB:
         # As Triton 3.6 lays it out for wgmma on sm_90 (never under, at most 6 KiB over on the
         # admitted tiles compiled): x's e4m3 tile in every stage, the packed quants, codes and
         # (d, dmin) in all but one. The weight never passes through shared memory.
-        stages = config.num_stages
         return stages * bm * bk + (stages - 1) * (bn * bk // 2 + 2 * bn * (bk // 32) + 4 * bn)
-    if config.path == "fp8" and config.SCALE_FOLD:
+    if isinstance(config, Fp8Config) and config.SCALE_FOLD:
         # As Triton 3.6 lays it out for wgmma on sm_90 (exact or 2 KiB over on the tiles compiled;
         # mma.sync tiles below 64 rows need less): x's e4m3 tile in every stage, the packed quants
         # and codes in all but one, and the folded e4m3 weight tile staged once.
-        stages = config.num_stages
         return stages * bm * bk + (stages - 1) * (bn * bk // 2 + 2 * bn * (bk // 32)) + bn * bk
-    if config.path == "fp8":
+    if isinstance(config, Fp8Config):
         # Per 32-wide slice: e4m3 x, packed quants and one byte of scale per column.
         per_stage = bk * (bm + bn // 2) + 3 * bn * (bk // 32)
         staged = bn * 32
     else:
         per_stage = bk * (2 * bm + bn // 2) + 2 * bn * (bk // 32) + 4 * bn * max(bk // 256, 1)
         staged = 2 * bn * bk
-    return max(config.num_stages - 1, 1) * per_stage + staged
+    return max(stages - 1, 1) * per_stage + staged
 
 
-def feasibility(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> str | None:
-    """Why ``config`` cannot (or should not) run for ``key``; ``None`` if it may."""
-    small = key.m_bucket <= SMALL_M
-    if config.path == "staged":
-        return _staged_reason(config, key, limits)
-    if config.path == "gemv":
-        return _gemv_reason(config, key, limits)
-    if config.BLOCK_K > SUPER_BLOCK:
-        return f"BLOCK_K={config.BLOCK_K} only for the GEMV path (the others' K tiles divide a super-block)"
-    default = Q4KConfig()
-    if config.CHUNK_N != default.CHUNK_N or config.FAST_ACCUM != default.FAST_ACCUM:
-        return "CHUNK_N and FAST_ACCUM only change the staged path (the same launch as their defaults)"
-    if config.SCALE_FOLD and config.path != "fp8":
-        return "SCALE_FOLD only changes the fp8 path (the same launch as SCALE_FOLD=False)"
-    if config.SWAP_AB and not config.SCALE_FOLD:
-        return "SWAP_AB only changes the folded fp8 path (the same launch as SWAP_AB=False)"
-    if config.BLOCK_M == 256 and not config.SWAP_AB:
-        return "BLOCK_M=256 only for the swapped kernel (SWAP_AB), where it is wgmma's N side"
-    if config.SPLIT_K > 1 and not small:
+def _mma_tile_reason(config: PortableConfig | Fp8Config, key: Q4KShape, limits: TargetLimits) -> str | None:
+    """The rules the two MMA paths share: split-K and tiles against the key, the accumulator's
+    registers, and (on a GPU) threads the tile leaves idle; on the interpreter, small blocks."""
+    if config.SPLIT_K > 1 and key.m_bucket > SMALL_M:
         return f"SPLIT_K={config.SPLIT_K} only for M <= {SMALL_M} (m_bucket={key.m_bucket})"
     if (key.k // config.BLOCK_K) % config.SPLIT_K:
         return f"SPLIT_K={config.SPLIT_K} does not divide the {key.k // config.BLOCK_K} BLOCK_K={config.BLOCK_K} tiles"
@@ -167,6 +195,26 @@ def feasibility(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> str |
         return None
     if config.num_warps * 32 * 4 > config.BLOCK_M * config.BLOCK_N:
         return f"{config.num_warps} warps for a {config.BLOCK_M}x{config.BLOCK_N} tile leave threads idle"
+    return None
+
+
+def portable_feasibility(config: PortableConfig, key: Q4KShape, limits: TargetLimits) -> str | None:
+    """Why a portable ``config`` cannot (or should not) run for ``key``; ``None`` if it may."""
+    reason = _mma_tile_reason(config, key, limits)
+    if reason is not None or limits.interpreter:
+        return reason
+    return smem_reason(smem_bytes(config), limits)
+
+
+def fp8_feasibility(config: Fp8Config, key: Q4KShape, limits: TargetLimits) -> str | None:
+    """Why an fp8 ``config`` cannot (or should not) run for ``key``; ``None`` if it may."""
+    if config.SWAP_AB and not config.SCALE_FOLD:
+        return "SWAP_AB only changes the folded fp8 path (the same launch as SWAP_AB=False)"
+    if config.BLOCK_M == 256 and not config.SWAP_AB:
+        return "BLOCK_M=256 only for the swapped kernel (SWAP_AB), where it is wgmma's N side"
+    reason = _mma_tile_reason(config, key, limits)
+    if reason is not None or limits.interpreter:
+        return reason
     # Each warpgroup (4 warps) of the swapped kernel takes WGMMA_ROWS weight rows as wgmma's M side;
     # with fewer, Triton falls back to mma.sync (2 warps) or two warpgroups dequantize the same
     # rows (8 warps, BLOCK_N=64).
@@ -183,7 +231,7 @@ def feasibility(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> str |
         # Triton 3.6 dequantizes a 32-wide tile in a layout of its own, then passes it through
         # shared memory and waits for each wgmma: what swapping the operands is meant to avoid.
         return "the swapped kernel keeps its weight tile in registers only with BLOCK_K >= 64"
-    if config.path == "fp8" and config.SCALE_FOLD:
+    if config.SCALE_FOLD:
         # The float32 weight tile is dequantized next to the accumulator before its e4m3 cast.
         live_k = 3 * config.BLOCK_K // 4 if config.SWAP_AB else config.BLOCK_K // 2
         regs = (config.BLOCK_M + live_k) * config.BLOCK_N // (32 * config.num_warps)
@@ -193,47 +241,15 @@ def feasibility(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> str |
                 f"the {config.BLOCK_M}x{config.BLOCK_N} accumulator and the {config.BLOCK_N}x{config.BLOCK_K} "
                 f"float32 weight tile spill ({regs} registers per thread by the estimate, > {limit})"
             )
-    need = smem_bytes(config)
-    if need > limits.smem_bytes:
-        return f"needs about {need} bytes of shared memory, the target has {limits.smem_bytes}"
-    return None
+    return smem_reason(smem_bytes(config), limits)
 
 
-def _gemv_reason(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> str | None:
-    """Feasibility of the GEMV path: a ``[BLOCK_N, BLOCK_K]`` weight tile per program, all of x's
-    rows (up to 8) against it; its K tile, warps and split are what vary."""
-    if key.k % config.BLOCK_K or (key.k // config.BLOCK_K) % config.SPLIT_K:
-        return f"SPLIT_K={config.SPLIT_K} does not divide K={key.k} into BLOCK_K={config.BLOCK_K} tiles evenly"
-    if limits.interpreter:
-        if config.BLOCK_N > 64 or config.BLOCK_K > 128:
-            return "the interpreter only runs small blocks (BLOCK_N <= 64, BLOCK_K <= 128)"
-        return None
-    if key.m_bucket > GEMV_MAX_M:
-        return f"the GEMV path is for M <= {GEMV_MAX_M} (m_bucket={key.m_bucket})"
-    words = config.BLOCK_N * config.BLOCK_K // 8  # 32-bit words of codes per tile
-    if words < 4 * 32 * config.num_warps:
-        return f"{config.num_warps} warps for {words} words of codes leave threads without a sub-block"
-    # Each product word of every row stays live with its code and x words: past 32 words a thread
-    # ptxas for sm_90 spills.
-    per_thread = min(key.m_bucket, GEMV_MAX_M) * words // (32 * config.num_warps)
-    if per_thread > 32:
-        return f"{per_thread} product words a thread (rows x BLOCK_N x BLOCK_K / 8 / threads) exceed 32"
-    return None
+def staged_feasibility(config: StagedConfig, key: Q4KShape, limits: TargetLimits) -> str | None:
+    """Why a staged ``config`` cannot (or should not) run for ``key``; ``None`` if it may.
 
-
-def _staged_reason(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> str | None:
-    """Feasibility of the staged path: only its dequantization tile, chunk and accumulation vary.
-
-    BLOCK_N x BLOCK_K is one dequantization program's tile and ``num_warps`` its warps; the GEMM is
-    cuBLASLt's. Small M is left to the in-loop kernels: writing and re-reading every weight costs
-    more than dequantizing it once per M tile when there are few M tiles.
+    Small M is left to the in-loop kernels: writing and re-reading every weight costs more than
+    dequantizing it once per M tile when there are few M tiles.
     """
-    default = Q4KConfig()
-    moved = [name for name in _STAGED_FIXED if getattr(config, name) != getattr(default, name)]
-    if moved:
-        return f"the staged path ignores {', '.join(moved)} (the same launch as their defaults)"
-    if config.BLOCK_K > SUPER_BLOCK:
-        return f"BLOCK_K={config.BLOCK_K} only for the GEMV path (the others' K tiles divide a super-block)"
     if key.dtype != "bfloat16":
         return f"the staged path's GEMM writes bfloat16 only (row-wise scaled fp8), not {key.dtype}"
     if key.n < 2 * config.CHUNK_N:
@@ -256,50 +272,38 @@ def _staged_reason(config: Q4KConfig, key: Q4KShape, limits: TargetLimits) -> st
     return None
 
 
-#: The fields each path's launch reads; the others keep their defaults there.
-_TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT_K")
-PATH_FIELDS: dict[str, tuple[str, ...]] = {
-    "portable": _TILES,
-    "fp8": (*_TILES, "SCALE_FOLD", "SWAP_AB"),
-    "staged": ("BLOCK_N", "BLOCK_K", "num_warps", "CHUNK_N", "FAST_ACCUM"),
-    # The GEMV's loads are issued one iteration ahead by the kernel itself (no dot: Triton's
-    # pipeliner leaves them alone), so num_stages changes nothing there.
-    "gemv": ("BLOCK_N", "BLOCK_K", "num_warps", "SPLIT_K"),
-}
+def gemv_feasibility(config: GemvConfig, key: Q4KShape, limits: TargetLimits) -> str | None:
+    """Why a GEMV ``config`` cannot (or should not) run for ``key``; ``None`` if it may.
 
-
-class PathSpace(SearchSpace[Q4KConfig, Q4KShape]):
-    """The space as one sub-grid per path: a field a path's launch does not read keeps its default.
-
-    The paths read different fields (the staged one five of eleven), so their full cross product
-    would be mostly duplicate launches: 2.6 million configs a key, where the per-path grids hold
-    72 thousand. :meth:`parse` resets the fields the config's path does not read, so a config the
-    tuner's sampler proposes, a pin, or a stored config names one launch one way.
+    Each program multiplies a ``[BLOCK_N, BLOCK_K]`` weight tile with all of x's rows (up to 8);
+    its K tile, warps and split are what vary.
     """
-
-    def parse(self, values: Mapping[str, Any], base: Q4KConfig | None = None) -> Q4KConfig:
-        config = super().parse(values, base)
-        default = self.default()
-        read = PATH_FIELDS[config.path]
-        unread = {f.name: getattr(default, f.name) for f in dataclasses.fields(config) if f.name not in read}
-        unread.pop("path")
-        return dataclasses.replace(config, **unread)
-
-    def size(self) -> int:
-        total = 0
-        for fields in PATH_FIELDS.values():
-            count = 1
-            for name in fields:
-                count *= len(self.dimensions[name])
-            total += count
-        return total
-
-    def grid(self) -> Iterator[Q4KConfig]:
-        default = self.default()
-        for path, fields in PATH_FIELDS.items():
-            for combo in itertools.product(*(self.dimensions[name] for name in fields)):
-                changes: dict[str, Any] = dict(zip(fields, combo, strict=True))
-                yield dataclasses.replace(default, path=path, **changes)
+    if key.k % config.BLOCK_K or (key.k // config.BLOCK_K) % config.SPLIT_K:
+        return f"SPLIT_K={config.SPLIT_K} does not divide K={key.k} into BLOCK_K={config.BLOCK_K} tiles evenly"
+    if limits.interpreter:
+        if config.BLOCK_N > 64 or config.BLOCK_K > 128:
+            return "the interpreter only runs small blocks (BLOCK_N <= 64, BLOCK_K <= 128)"
+        return None
+    if key.m_bucket > GEMV_MAX_M:
+        return f"the GEMV path is for M <= {GEMV_MAX_M} (m_bucket={key.m_bucket})"
+    words = config.BLOCK_N * config.BLOCK_K // 8  # 32-bit words of codes per tile
+    if words < 4 * 32 * config.num_warps:
+        return f"{config.num_warps} warps for {words} words of codes leave threads without a sub-block"
+    # Each product word of every row stays live with its code and x words: past 32 words a thread
+    # ptxas for sm_90 spills.
+    per_thread = min(key.m_bucket, GEMV_MAX_M) * words // (32 * config.num_warps)
+    if per_thread > 32:
+        return f"{per_thread} product words a thread (rows x BLOCK_N x BLOCK_K / 8 / threads) exceed 32"
+    return None
 
 
-SPACE = PathSpace("q4k_fp8_gemm", Q4KConfig, feasibility=feasibility)
+SPACE: UnionSpace[Q4KShape] = UnionSpace(
+    "q4k_fp8_gemm",
+    "path",
+    [
+        SearchSpace("q4k_fp8_gemm", PortableConfig, feasibility=portable_feasibility),
+        SearchSpace("q4k_fp8_gemm", Fp8Config, feasibility=fp8_feasibility),
+        SearchSpace("q4k_fp8_gemm", StagedConfig, feasibility=staged_feasibility),
+        SearchSpace("q4k_fp8_gemm", GemvConfig, feasibility=gemv_feasibility),
+    ],
+)

@@ -20,7 +20,7 @@ Script use: ``python tests/sm90_build.py --records FILE`` (records as :func:`spe
 them), or ``python tests/sm90_build.py '[[BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages], ...]'``
 for the folded fp8 Q4_K kernel with what ptxas made of it (tensor-core instructions, registers,
 spill bytes, shared memory, where wgmma's A operand comes from, asynchronous copies); a sixth
-element ``true`` builds the swapped folded kernel (``SWAP_AB``) instead, ``"portable"`` the
+element ``true`` builds the folded kernel with ``SWAP_AB``, ``"portable"`` the
 portable (bf16) kernel. With ``--sass`` first, each line also counts the SASS opcodes of the
 kernel's main loop (:func:`sass_loop_counts`), the measure of the dequantization's cost.
 """
@@ -296,7 +296,7 @@ def build_q4k(
     k: int = 4096,
     sass: bool = False,
 ) -> dict[str, Any]:
-    """Build a Q4_K kernel (``variant``: ``False`` the folded fp8 kernel, ``True`` the swapped one,
+    """Build a Q4_K kernel (``variant``: ``False`` the folded fp8 kernel, ``True`` it with ``SWAP_AB``,
     ``"portable"`` the portable one) as a launch specializes it (16-byte divisible pointers and
     sizes, unit strides along K and N) and report the MMA instructions, registers, spills, shared
     memory, where wgmma's A operand comes from and how many wgmma groups stay in flight
@@ -305,16 +305,16 @@ def build_q4k(
     the main loop's SASS opcodes too (:func:`_sass_report`)."""
     from triton.backends.nvidia.compiler import get_ptxas
 
-    from tritune.kernels.q4k import _triton_q4k
+    from tritune.kernels.q4k import _triton_fold, _triton_portable
 
     if variant == "portable":
-        kernel = _triton_q4k._q4k_gemm_portable_kernel
+        kernel = _triton_portable._q4k_gemm_portable_kernel
         signature = PORTABLE_SIGNATURE
         flags = {"stride_xk": 1, "stride_on": 1, "HAS_BIAS": False, "DOT_IN_FP32": False}
     elif isinstance(variant, bool):
-        kernel = _triton_q4k._q4k_gemm_fp8_fold_swap_kernel if variant else _triton_q4k._q4k_gemm_fp8_fold_kernel
+        kernel = _triton_fold._q4k_gemm_fp8_fold_kernel
         signature = FOLD_SIGNATURE
-        flags = {"stride_on": 1, "HAS_BIAS": False, "ROUND_IN_FP32": False}
+        flags = {"stride_on": 1, "HAS_BIAS": False, "ROUND_IN_FP32": False, "SWAP_AB": variant}
     else:
         raise ValueError(f"variant: expected False, True or 'portable', got {variant!r}")
     constants = {

@@ -404,7 +404,8 @@ Q4K = {
     "x-dtype": mutate_dtype("x"),
     "x-type": mutate_type("x"),
     "x-shape": _q4k_x_shape,
-    "x-meta": mutate_device("x"),
+    # x first sets the device; the weight, on the CPU, is then the one refused for disagreeing.
+    "x-meta": lambda draw, call: mutate_device("x")(draw, call) | {"weight"},
     "all-meta": all_on_meta("x"),
     "weight-type": _q4k_weight_type,
     "bias-shape": _q4k_bias("shape"),

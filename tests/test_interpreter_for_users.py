@@ -21,7 +21,7 @@ from triton.runtime import interpreter
 
 import tritune.kernels.decode.kernel
 import tritune.kernels.prefill.kernel
-import tritune.kernels.q4k.op
+import tritune.kernels.q4k.kernel
 import tritune.kernels.varlen.kernel
 from tritune.kernels import (
     Q4KWeight, attention, decode_attention, prefill_attention, q4k_linear, varlen_attention,

@@ -40,15 +40,6 @@ def test_every_declared_op_writes_only_its_out():
         assert written == ["out"], op
 
 
-def test_every_public_op_is_a_triton_op():
-    from tritune.kernels.q4k import op as q4k_op
-
-    for op in (q4k_op.q4k_linear_op,):
-        assert isinstance(op, TritonOp)
-        assert op.mutated == (list(op.op._schema.arguments).index(next(a for a in op.op._schema.arguments
-                                                                        if a.name == "out")),)  # fmt: skip
-
-
 @pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning")
 def test_plain_eager_only_for_plain_tensors_without_modes_or_grad():
     plain = torch.ones(2)

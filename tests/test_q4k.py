@@ -1,154 +1,24 @@
-"""Q4_K weights and the ``q4k_fp8_gemm`` kernel: format, GGUF files, quantizer, GEMM paths, op.
+"""The ``q4k_fp8_gemm`` kernels and ``q4k_linear``: every GEMM path against the reference, the op.
 
 CPU tier: the kernels run on the Triton interpreter at tiny shapes. GPU tier (``gpu`` marker): the
-same checks over larger K and the Llama-3-8B shapes.
+same checks over larger K and the Llama-3-8B shapes. The weight format is ``test_q4k_format.py``'s,
+the config space, defaults and tuning half ``test_q4k_space.py``'s, the argument checks
+``test_q4k_checks.py``'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-import gguf
-import numpy as np
 import pytest
 import torch
 
 from tritune.kernels import Q4KWeight, q4k_linear, use_config
-from tritune.kernels.device import DeviceInfo, device_info, interpreter_device
-from tritune.kernels.q4k import format as q4k_format
+from tritune.kernels.device import device_info
 from tritune.kernels.q4k import launch as q4k_launch
-from tritune.kernels.q4k.op import q4k_linear_op
-from tritune.kernels.q4k.reference import q4k_linear_reference, sqnr_db
-from tritune.kernels.q4k.spec import MIN_SQNR_DB, SPEC, Q4KKey, check_path
-from tritune.search_spaces.base import TargetLimits
-from tritune.search_spaces.q4k_fp8_gemm import PATH_FIELDS, Q4KConfig, smem_bytes
-
-Q4_K = gguf.GGMLQuantizationType.Q4_K
-
-
-def _random_blocks(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
-    """Random Q4_K rows whose d and dmin are finite fp16 values (everything else random bytes)."""
-    raw = rng.integers(0, 256, size=(n, k // 256 * 144), dtype=np.uint8)
-    blocks = raw.reshape(n, -1, 144)
-    halves = (rng.standard_normal((n, blocks.shape[1], 2)) * 0.01).astype(np.float16)
-    blocks[..., 0:4] = halves.view(np.uint8).reshape(n, -1, 4)
-    return raw
-
-
-def _gguf_values(raw: np.ndarray) -> np.ndarray:
-    return gguf.quants.dequantize(raw, Q4_K).astype(np.float32)
-
-
-def _assert_bitwise(ours: torch.Tensor, theirs: np.ndarray) -> None:
-    assert ours.dtype == torch.float32 and tuple(ours.shape) == theirs.shape
-    np.testing.assert_array_equal(ours.numpy().view(np.int32), theirs.view(np.int32))
-
-
-# ---- the block format ------------------------------------------------------------------------
-
-
-def test_decode_matches_gguf_on_random_blocks():
-    raw = _random_blocks(np.random.default_rng(0), 6, 1024)
-    _assert_bitwise(q4k_format.dequantize_q4k_blocks(torch.from_numpy(raw)), _gguf_values(raw))
-
-
-def test_decode_matches_gguf_on_every_scale_and_min_pattern():
-    # 64 super-blocks: sub-block j of block b gets scale (b + 9j) % 64 and min (5b + 3j + 1) % 64,
-    # so every sub-block position sees all 64 six-bit values of both, with varied partners.
-    rng = np.random.default_rng(1)
-    b = np.arange(64)[:, None]
-    j = np.arange(8)[None, :]
-    sc = torch.from_numpy(((b + 9 * j) % 64).astype(np.uint8)).reshape(1, -1)
-    m = torch.from_numpy(((5 * b + 3 * j + 1) % 64).astype(np.uint8)).reshape(1, -1)
-    q = torch.from_numpy(rng.integers(0, 16, size=(1, 64 * 256), dtype=np.uint8))
-    d = torch.from_numpy(rng.uniform(0.001, 0.01, size=(1, 64)).astype(np.float16))
-    dmin = torch.from_numpy(rng.uniform(0.001, 0.01, size=(1, 64)).astype(np.float16))
-    raw = q4k_format.pack_blocks(d, dmin, sc, m, q).numpy()
-
-    # gguf's own unpacking of our bytes gives back exactly the codes we meant.
-    scales = raw.reshape(64, 144)[:, 4:16]
-    gguf_sc, gguf_m = gguf.quants.Q4_K.get_scale_min(scales)
-    np.testing.assert_array_equal(gguf_sc.reshape(1, -1), sc.numpy())
-    np.testing.assert_array_equal(gguf_m.reshape(1, -1), m.numpy())
-    _assert_bitwise(q4k_format.dequantize_q4k_blocks(torch.from_numpy(raw)), _gguf_values(raw))
-
-
-def test_repack_is_lossless():
-    raw = _random_blocks(np.random.default_rng(2), 5, 768)
-    weight = Q4KWeight.from_blocks(raw, (5, 768))
-    assert weight.shape == (5, 768)
-    assert weight.qs.shape == (5, 384) and weight.scales.shape == (5, 24) and weight.super_scales.shape == (5, 3, 2)
-    _assert_bitwise(weight.dequantize(), _gguf_values(raw))
-    np.testing.assert_array_equal(weight.to_blocks().numpy(), raw)
-
-
-def test_weight_is_immutable_and_moves():
-    weight = Q4KWeight.from_blocks(_random_blocks(np.random.default_rng(3), 2, 256), (2, 256))
-    with pytest.raises(AttributeError, match="immutable"):
-        weight.qs = weight.qs  # type: ignore[misc]
-    moved = weight.to("cpu")
-    assert moved is not weight and moved.shape == weight.shape
-    assert torch.equal(moved.dequantize(), weight.dequantize())
-
-
-def test_gguf_file_round_trip(tmp_path):
-    raw = _random_blocks(np.random.default_rng(4), 7, 512)
-    path = tmp_path / "tiny.gguf"
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=Q4_K)
-    writer.add_tensor("output_norm.weight", np.ones(512, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-    weight = Q4KWeight.from_gguf(path, "blk.0.ffn_down.weight")
-    assert weight.shape == (7, 512)
-    np.testing.assert_array_equal(weight.to_blocks().numpy(), raw)
-    _assert_bitwise(weight.dequantize(), _gguf_values(raw))
-    with pytest.raises(KeyError, match="tensor_name: no tensor 'missing'"):
-        Q4KWeight.from_gguf(path, "missing")
-    with pytest.raises(ValueError, match="stored as F32, not Q4_K"):
-        Q4KWeight.from_gguf(path, "output_norm.weight")
-
-
-def test_from_blocks_rejects_bad_input():
-    raw = _random_blocks(np.random.default_rng(5), 2, 256)
-    with pytest.raises(ValueError, match="K=300"):
-        Q4KWeight.from_blocks(raw, (2, 300))
-    with pytest.raises(TypeError, match="raw: expected uint8"):
-        Q4KWeight.from_blocks(torch.from_numpy(raw).to(torch.int16), (2, 256))
-    with pytest.raises(ValueError, match=r"raw: a Q4_K weight of shape \(2, 512\)"):
-        Q4KWeight.from_blocks(raw, (2, 512))
-    with pytest.raises(ValueError, match="K=100"):
-        Q4KWeight.quantize(torch.randn(4, 100))
-
-
-# ---- the quantizer ---------------------------------------------------------------------------
-
-
-def test_quantizer_error_on_gaussian_data():
-    w = torch.randn(64, 1024, generator=torch.Generator().manual_seed(6))
-    raw = q4k_format.quantize_q4_k(w)
-    assert raw.dtype == torch.uint8 and tuple(raw.shape) == (64, 4 * 144)
-    values = torch.from_numpy(_gguf_values(raw.numpy()))
-    rel_rms = ((values - w).square().mean() / w.square().mean()).sqrt().item()
-    assert rel_rms <= 0.075, f"relative RMS error {rel_rms:.4f} (ggml's Q4_K reaches about 0.07)"
-
-
-def test_quantizer_degenerate_rows():
-    w = torch.zeros(3, 256)
-    w[1] = 0.5  # constant positive: min clamps to zero
-    w[2, ::2] = -1.0  # two levels
-    values = Q4KWeight.quantize(w).dequantize()
-    assert torch.isfinite(values).all()
-    torch.testing.assert_close(values, w, atol=0.02, rtol=0)
-
+from tritune.kernels.q4k.kernel import KERNEL, Q4KKey
+from tritune.kernels.q4k.reference import MIN_SQNR_DB, check_path, q4k_linear_reference, sqnr_db
+from tritune.search_spaces.q4k_fp8_gemm import SPACE, Fp8Config, StagedConfig
 
 # ---- the GEMM --------------------------------------------------------------------------------
 
@@ -284,9 +154,10 @@ def _config(case: Case, device: str) -> dict[str, object]:
 
 
 def _pin(path: str, **fields: object) -> dict[str, object]:
-    """A ``use_config`` pin of ``path`` with those of ``fields`` its launch reads (a pin that sets a
+    """A ``use_config`` pin of ``path`` with those of ``fields`` its config has (a pin that sets a
     field its path does not read is refused)."""
-    return {"path": path, **{name: value for name, value in fields.items() if name in PATH_FIELDS[path]}}
+    member = SPACE.members[path].dimensions
+    return {"path": path, **{name: value for name, value in fields.items() if name in member}}
 
 
 #: Quantized test weights by (N, K, seed, device): quantizing on the CPU costs seconds at the Llama
@@ -308,6 +179,21 @@ def _problem(case: Case, device: str, seed: int = 0):
     return x, weight, bias
 
 
+class _Launch:
+    """``kernel[grid](...)`` through the real wrapper, recording the kernel's name at the call (the
+    folded kernel's name says whether SWAP_AB was set)."""
+
+    def __init__(self, wrapped, name: str, ran: list[str]) -> None:
+        self.wrapped, self.name, self.ran = wrapped, name, ran
+
+    def __getitem__(self, grid):
+        def call(*args, **kwargs):
+            self.ran.append(self.name + ("-swap" if kwargs.get("SWAP_AB") else ""))
+            return self.wrapped[grid](*args, **kwargs)
+
+        return call
+
+
 class _KernelSpy:
     """Records the kernels an eager ``q4k_linear`` launches (the real kernels still run)."""
 
@@ -319,20 +205,19 @@ class _KernelSpy:
             q4k_launch._q4k_gemv_kernel: "gemv",
             q4k_launch._q4k_gemm_fp8_kernel: "fp8",
             q4k_launch._q4k_gemm_fp8_fold_kernel: "fp8-fold",
-            q4k_launch._q4k_gemm_fp8_fold_swap_kernel: "fp8-fold-swap",
             q4k_launch._q4k_gemm_portable_kernel: "portable",
             q4k_launch._splitk_reduce_kernel: "reduce",
             q4k_launch._staged_prepass_kernel: "prepass",
             q4k_launch._q4k_dequant_fp8_kernel: "dequant",
         }
+        assert set(names) == set(q4k_launch.JIT_KERNELS)
 
         wrap = q4k_launch.wrap_triton
 
         def launcher(kernel):
-            self.ran.append(names[kernel])
             # The real wrapper: a bare kernel in eager mode, a traceable one under torch.compile
             # (where a bare kernel would be launched on fake tensors).
-            return wrap(kernel)
+            return _Launch(wrap(kernel), names[kernel], self.ran)
 
         monkeypatch.setattr(q4k_launch, "wrap_triton", launcher)
 
@@ -495,14 +380,14 @@ def test_staged_opcheck_and_compile_gpu():
     """On a GPU the op is a triton_op whose body torch.compile traces on fake tensors: the staged
     path's _scaled_mm out= calls must trace (static shapes here; dynamic ones are not covered)."""
     x, weight, bias = _problem(Case("staged", 64, 512, 2048, bias=True), "cuda", seed=13)
-    config = Q4KConfig(path="staged", BLOCK_N=32, CHUNK_N=1024)
+    config = StagedConfig(BLOCK_N=32, CHUNK_N=1024)
     out = torch.empty(64, 2048, dtype=torch.bfloat16, device="cuda")
-    torch.library.opcheck(q4k_linear_op.op, (x, *weight.tensors(), bias, out, *dataclasses.astuple(config)))
+    torch.library.opcheck(KERNEL.op, (x, *weight.tensors(), bias, out), SPACE.field_values(config))
 
     def layer(inp: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
         return q4k_linear(inp, weight, bias, out=dest) * 2
 
-    with use_config("q4k_fp8_gemm", dataclasses.asdict(config)):
+    with use_config("q4k_fp8_gemm", SPACE.to_dict(config)):
         compiled = torch.compile(layer, fullgraph=True)
         dest = _nan_out((64, 2048), x)
         result = compiled(x, dest)
@@ -682,64 +567,6 @@ def test_fold_keeps_every_column_in_e4m3_range(swap, device, record_property):
     assert min(per_column) >= MIN_SQNR_DB["fp8"], per_column
 
 
-def test_fold_builds_for_sm90(tmp_path):
-    """Triton's compiler, unlike the interpreter, sees the real kernel: built for sm_90 here (no GPU
-    needed), feasible tiles use e4m3 wgmma from 64 rows, spill nothing and fit the smem estimate.
-
-    The unswapped folded kernel takes its weight tile (wgmma's A) from shared memory and waits for
-    each wgmma; the swapped one (SWAP_AB) takes it from registers and keeps wgmma groups in flight
-    while it dequantizes the next chunk, at every BLOCK_M down to 16, with x's tiles arriving by
-    cp.async.
-    """
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        ptxas = get_ptxas(90).path
-    except Exception as exc:
-        pytest.skip(f"Triton's CUDA backend cannot build here: {exc}")
-    if not os.access(ptxas, os.X_OK):
-        pytest.skip(f"Triton's ptxas is not executable here: {ptxas}")
-    # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP_AB): prefill tiles and decode tiles.
-    configs = [
-        (128, 128, 128, 8, 3, False),
-        (64, 256, 64, 8, 4, False),
-        (16, 64, 256, 4, 3, False),
-        (256, 128, 64, 8, 4, True),
-        (128, 256, 64, 8, 3, True),
-        (16, 128, 256, 8, 3, True),
-        (16, 64, 256, 4, 4, True),
-    ]
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    script = Path(__file__).with_name("sm90_build.py")
-    run = subprocess.run(
-        [sys.executable, str(script), json.dumps(configs)], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    built = [json.loads(line) for line in run.stdout.splitlines()]
-    h200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
-    for (bm, bn, bk, warps, stages, swap), result in zip(configs, built, strict=True):
-        assert result["swap"] is swap, result
-        key = SPEC.key_for(h200, (4096 if bm >= 64 else 16, 14336, 4096, "bfloat16"))
-        config = Q4KConfig(
-            path="fp8", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8 if bm >= 64 else 1, num_warps=warps,
-            num_stages=stages, SCALE_FOLD=True, SWAP_AB=swap,
-        )  # fmt: skip
-        assert SPEC.space.infeasible_reason(config, key, SPEC.limits(h200)) is None, config
-        assert result["spill_bytes"] == 0, result
-        assert result["shared"] <= smem_bytes(config), result
-        if swap:
-            # wgmma's M side is BLOCK_N (64 rows per warpgroup, each warpgroup its own rows), its N
-            # side all of BLOCK_M: wgmma at every tile, 16 rows too.
-            assert result["mma"] == [f"wgmma.mma_async.sync.aligned.m64n{bm}k32.f32.e4m3.e4m3"], result
-            assert result["wgmma_a"] == ["registers"], result
-            assert result["wgmma_in_flight"] == bk // 32 - 1, result
-            assert result["cp_async"] > 0 and result["tma"] == 0, result
-        elif bm >= 64:
-            assert [m for m in result["mma"] if m.endswith(".f32.e4m3.e4m3")], result
-            assert result["wgmma_a"] == ["shared"] and result["wgmma_in_flight"] == 0, result
-
-
 def _activations(kind: str, m: int, k: int, gen: torch.Generator) -> torch.Tensor:
     x = torch.randn(m, k, generator=gen)
     if kind == "outlier-channels":
@@ -790,19 +617,19 @@ def test_empty_batch(device):
 def test_bad_inputs_name_the_argument(device):
     # On the test's device: on a GPU machine a CPU tensor is refused first (it needs the interpreter).
     x, weight, _ = _problem(Case("portable", 2, 256, 8), device)
-    with pytest.raises(ValueError, match=r"x: expected shape \[\.\.\., K=256\]"):
+    with pytest.raises(ValueError, match=r"x: expected shape \[\.\.\., K=256\] to match the weight, got K=512"):
         q4k_linear(torch.zeros(2, 512, dtype=torch.bfloat16, device=device), weight)
     with pytest.raises(TypeError, match="x: expected dtype"):
         q4k_linear(x.float(), weight)
     with pytest.raises(TypeError, match="weight: expected a Q4KWeight"):
         q4k_linear(x, weight.dequantize())
-    with pytest.raises(ValueError, match=r"bias: expected shape \(8,\)"):
+    with pytest.raises(ValueError, match=r"bias: expected shape \[N=8\]"):
         q4k_linear(x, weight, torch.zeros(9, device=device))
     with pytest.raises(ValueError, match=r"out: expected shape \(2, 8\)"):
         q4k_linear(x, weight, out=torch.empty(2, 9, dtype=torch.bfloat16, device=device))
     with pytest.raises(TypeError, match=r"out: expected dtype torch\.bfloat16"):
         q4k_linear(x, weight, out=torch.empty(2, 8, dtype=torch.float16, device=device))
-    with pytest.raises(ValueError, match=f"x: on meta, but weight is on {device}"):
+    with pytest.raises(ValueError, match=rf"weight: expected device meta \(the device of x\), got {device}"):
         q4k_linear(torch.empty(2, 256, dtype=torch.bfloat16, device="meta"), weight)
 
 
@@ -820,12 +647,13 @@ def test_config_outside_the_space_is_refused():
 def test_opcheck(path, fold, swap, device):
     x, weight, bias = _problem(Case(path, 3, 256, 16), device, seed=9)
     out = torch.empty(3, 16, dtype=torch.bfloat16, device=device)
-    config = Q4KConfig(
-        path=path, BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_stages=1, SPLIT_K=2, SCALE_FOLD=fold, SWAP_AB=swap
+    config = KERNEL.pinned_config(
+        _pin(path, BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_stages=1, SPLIT_K=2, SCALE_FOLD=fold, SWAP_AB=swap)
     )
     if path == "staged":
-        config = Q4KConfig(path="staged", BLOCK_N=32, CHUNK_N=32)
-    torch.library.opcheck(q4k_linear_op.op, (x, *weight.tensors(), bias, out, *dataclasses.astuple(config)))
+        config = StagedConfig(BLOCK_N=32, CHUNK_N=32)
+    assert KERNEL.op is torch.ops.tritune.q4k_linear.default
+    torch.library.opcheck(KERNEL.op, (x, *weight.tensors(), bias, out), SPACE.field_values(config))
 
 
 def test_torch_compile_fullgraph(device):
@@ -841,6 +669,14 @@ def test_torch_compile_fullgraph(device):
     assert check_path(out.float(), q4k_linear_reference(x, weight, bias), "portable") is None
     torch.testing.assert_close(result, out * 2, rtol=0, atol=0)
     torch.testing.assert_close(result, layer(x, _nan_out((4, 16), x)), rtol=0, atol=0)
+
+
+def test_a_first_call_under_torch_compile(device, monkeypatch):
+    """A process whose first call is traced: the generated fast check is not built inside the trace."""
+    monkeypatch.setattr(KERNEL, "_fast", None)
+    x, weight, bias = _problem(Case("portable", 4, 256, 16), device, seed=10)
+    compiled = torch.compile(lambda inp: q4k_linear(inp, weight, bias), fullgraph=True, backend="aot_eager")
+    assert check_path(compiled(x).float(), q4k_linear_reference(x, weight, bias), "portable") is None
 
 
 def test_torch_compile_fullgraph_staged(device, kernel_spy):
@@ -865,238 +701,27 @@ def test_torch_compile_fullgraph_staged(device, kernel_spy):
     assert passes >= 1 and kernel_spy.ran == ["prepass", "dequant", "dequant"] * passes, kernel_spy.ran
 
 
-# ---- the spec --------------------------------------------------------------------------------
+# ---- the tuning half -------------------------------------------------------------------------
 
 
-def test_spec_keys_defaults_and_problems(device):
+def test_tuning_problems_launch_and_pass_the_gate(device):
     info = device_info(device)
     # On a GPU, the smallest M buckets of the real keys (the large ones are the tuner's work).
-    keys = SPEC.default_keys(info) if info.is_interpreter else SPEC.default_keys(info, m=[1, 16])[:2]
+    keys = [k for k in KERNEL.default_keys(info) if info.is_interpreter or k.m_bucket in (1, 16)][:2]
     assert keys and all(isinstance(k, Q4KKey) for k in keys)
-    limits = SPEC.limits(info)
+    limits = KERNEL.limits(info)
     for key in keys:
-        config = SPEC.default_config(key)
+        config = KERNEL.default_config(key)
         assert config.path == "portable"
-        assert SPEC.space.infeasible_reason(config, key, limits) is None
-        problem = SPEC.make_problem(key, torch.device(device), seed=0)
+        assert SPACE.infeasible_reason(config, key, limits) is None
+        problem = KERNEL.make_problem(key, torch.device(device), seed=0)
         x = problem.args[0]
-        out = SPEC.launch(config, *problem.args, **problem.kwargs, out=_nan_out((x.shape[0], key.n), x))
-        expected = SPEC.reference(*problem.args, **problem.kwargs)
-        assert SPEC.check(out.float(), expected, problem, config) is None
-    fp8 = SPEC.launch(dataclasses.replace(SPEC.default_config(keys[0]), path="fp8"), *problem.args)
-    assert check_path(fp8.float(), SPEC.reference(*problem.args), "fp8") is None
-
-
-def test_spec_gpu_keys_and_feasible_defaults():
-    h200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
-    keys = SPEC.default_keys(h200)
-    assert {k.m_bucket for k in keys} == {1, 16, 64, 256, 1024, 4096, 8192}
-    assert {(k.k, k.n) for k in keys} == {(4096, 14336), (14336, 4096), (4096, 4096)}
-    limits = SPEC.limits(h200)
-    for key in keys:
-        assert SPEC.space.infeasible_reason(SPEC.default_config(key), key, limits) is None, key
-        assert SPEC.space.feasible(key, limits), key
-    assert SPEC.key_for(h200, (3, 14336, 4096, "bfloat16")).m_bucket == 4
-    assert SPEC.default_keys(h200, m=[3, 4])[0].m_bucket == 4
-
-
-def test_space_rules():
-    space = SPEC.space
-    assert space.default() == Q4KConfig() and Q4KConfig().path == "portable"
-    assert Q4KConfig().SCALE_FOLD is False
-    key = Q4KKey(arch="sm90", sm_count=132, dtype="bfloat16", m_bucket=4096, n=4096, k=4096)
-    assert "SPLIT_K" in space.infeasible_reason(Q4KConfig(SPLIT_K=2), key, TargetLimits())
-    huge = Q4KConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=256, num_warps=8, num_stages=5)
-    assert "shared memory" in space.infeasible_reason(huge, key, TargetLimits())
-    small_blocks = space.infeasible_reason(Q4KConfig(BLOCK_N=256), key, TargetLimits(interpreter=True))
-    assert small_blocks is not None and "interpreter" in small_blocks
-    # Folding only exists on the fp8 path; the portable launch would be a duplicate.
-    assert "SCALE_FOLD" in space.infeasible_reason(Q4KConfig(SCALE_FOLD=True), key, TargetLimits())
-    folded = Q4KConfig(path="fp8", BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, SCALE_FOLD=True)
-    assert space.infeasible_reason(folded, key, TargetLimits()) is None
-    # 128 accumulator registers plus a 128x256 float32 weight tile over 4 warps.
-    wide = dataclasses.replace(folded, BLOCK_K=256, num_warps=4)
-    assert "weight tile" in space.infeasible_reason(wide, key, TargetLimits())
-    # The rule is the folded kernel's: the unfolded one keeps its feasible configs.
-    assert space.infeasible_reason(dataclasses.replace(wide, SCALE_FOLD=False), key, TargetLimits()) is None
-
-
-def test_staged_rules():
-    """The staged path varies its dequantization tile, chunk and accumulation only, at large M,
-    bf16 and N, K multiples of 16, with at least two chunks (never the whole weight at once)."""
-    space = SPEC.space
-    key = Q4KKey(arch="sm90", sm_count=132, dtype="bfloat16", m_bucket=4096, n=14336, k=4096)
-    limits = TargetLimits()
-    staged = Q4KConfig(path="staged", BLOCK_N=32, BLOCK_K=256, CHUNK_N=2048)
-    assert space.infeasible_reason(staged, key, limits) is None
-    assert space.infeasible_reason(dataclasses.replace(staged, FAST_ACCUM=True), key, limits) is None
-    assert "ignores SPLIT_K" in space.infeasible_reason(dataclasses.replace(staged, SPLIT_K=2), key, limits)
-    assert "ignores BLOCK_M" in space.infeasible_reason(dataclasses.replace(staged, BLOCK_M=128), key, limits)
-    assert "M > 64" in space.infeasible_reason(staged, dataclasses.replace(key, m_bucket=64), limits)
-    assert "half or more" in space.infeasible_reason(staged, dataclasses.replace(key, n=4096 - 16), limits)
-    assert space.infeasible_reason(staged, dataclasses.replace(key, n=4096), limits) is None
-    assert "bfloat16" in space.infeasible_reason(staged, dataclasses.replace(key, dtype="float16"), limits)
-    assert "multiples of 16" in space.infeasible_reason(staged, dataclasses.replace(key, n=14328), limits)
-    assert "below 1024" in space.infeasible_reason(dataclasses.replace(staged, CHUNK_N=32), key, limits)
-    assert "BLOCK_K >= 64" in space.infeasible_reason(dataclasses.replace(staged, BLOCK_K=32), key, limits)
-    # The interpreter tries it at its tiny keys, with its small chunk.
-    tiny_key = Q4KKey(arch="cpu-interpreter", sm_count=1, dtype="bfloat16", m_bucket=16, n=64, k=256)
-    tiny = dataclasses.replace(staged, BLOCK_K=64, CHUNK_N=32)
-    assert space.infeasible_reason(tiny, tiny_key, TargetLimits(interpreter=True)) is None
-    # CHUNK_N and FAST_ACCUM leave the other paths' launches unchanged: pruned as duplicates.
-    for other in (Q4KConfig(CHUNK_N=1024), Q4KConfig(path="fp8", FAST_ACCUM=True)):
-        assert "only change the staged path" in space.infeasible_reason(other, key, limits)
-    feasible = space.feasible(key, limits)
-    assert any(c.path == "staged" for c in feasible)
-    small = dataclasses.replace(key, m_bucket=16)
-    assert not any(c.path == "staged" for c in space.feasible(small, limits))
-
-
-def test_path_space_grids_and_parse():
-    """One sub-grid per path: every config once, each parsing back to itself; parse resets the
-    fields a path does not read, and a pin that sets one is refused rather than rewritten."""
-    from tritune.search_spaces.base import ConfigError
-    from tritune.search_spaces.q4k_fp8_gemm import PATH_FIELDS
-
-    space = SPEC.space
-    grid = list(space.grid())
-    assert len(grid) == space.size() == len(set(grid))
-    assert {c.path for c in grid} == set(PATH_FIELDS)
-    assert all(space.parse(space.to_dict(c)) == c for c in grid[::97])
-    assert space.parse({"path": "staged", "SPLIT_K": 4}) == space.parse({"path": "staged"})
-    assert space.parse({"CHUNK_N": 1024}) == Q4KConfig()
-    with pytest.raises(ConfigError, match="portable path does not read SCALE_FOLD, SWAP_AB"):
-        SPEC.pinned_config({"SCALE_FOLD": True, "SWAP_AB": True, "BLOCK_M": 256})
-    with pytest.raises(ConfigError, match="staged path does not read SPLIT_K"):
-        SPEC.pinned_config({"path": "staged", "SPLIT_K": 2})
-    # Defaults of unread fields are accepted (full dicts from a DB or a benchmark carry them).
-    full = space.to_dict(space.parse({"path": "staged", "CHUNK_N": 1024}))
-    assert SPEC.pinned_config(full).CHUNK_N == 1024
-
-
-def test_swap_rules():
-    """SWAP_AB exists on the folded fp8 path only, BLOCK_M=256 with it only, and its tiles follow
-    what Triton 3.6 and ptxas make of the swapped kernel for sm_90 (tests/test_sm90_build.py)."""
-    space = SPEC.space
-    key = Q4KKey(arch="sm90", sm_count=132, dtype="bfloat16", m_bucket=4096, n=14336, k=4096)
-    limits = TargetLimits()
-    swapped = Q4KConfig(
-        path="fp8", BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, SCALE_FOLD=True, SWAP_AB=True
-    )
-    assert space.infeasible_reason(swapped, key, limits) is None
-    # The same launch as SWAP_AB=False: pruned as duplicates.
-    for path, fold in (("fp8", False), ("portable", False)):
-        duplicate = dataclasses.replace(swapped, path=path, SCALE_FOLD=fold, BLOCK_M=128)
-        assert "SWAP_AB only changes" in space.infeasible_reason(duplicate, key, limits)
-    # BLOCK_M=256 keeps the other kernels' spaces as they were.
-    unswapped = dataclasses.replace(swapped, SWAP_AB=False)
-    assert "BLOCK_M=256" in space.infeasible_reason(unswapped, key, limits)
-    assert space.infeasible_reason(dataclasses.replace(unswapped, BLOCK_M=128), key, limits) is None
-    # 64 weight rows per warpgroup: 8 warps need BLOCK_N=128, 2 warps have no warpgroup.
-    assert "per warpgroup" in space.infeasible_reason(dataclasses.replace(swapped, BLOCK_N=64), key, limits)
-    narrow = dataclasses.replace(swapped, BLOCK_M=128, BLOCK_N=64, num_warps=4)
-    assert space.infeasible_reason(narrow, key, limits) is None
-    assert "per warpgroup" in space.infeasible_reason(dataclasses.replace(narrow, num_warps=2), key, limits)
-    assert "BLOCK_K >= 64" in space.infeasible_reason(dataclasses.replace(swapped, BLOCK_K=32), key, limits)
-    assert "num_stages >= 2" in space.infeasible_reason(dataclasses.replace(swapped, num_stages=1), key, limits)
-    # A tile the unswapped folded kernel holds without spilling, the swapped one does not.
-    wide = Q4KConfig(path="fp8", BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, num_warps=4, SCALE_FOLD=True, SWAP_AB=True)
-    assert "weight tile" in space.infeasible_reason(wide, key, limits)
-    assert space.infeasible_reason(dataclasses.replace(wide, SWAP_AB=False), key, limits) is None
-    # The weight tile never passes through shared memory.
-    same_tile = dataclasses.replace(swapped, BLOCK_M=128)
-    assert smem_bytes(same_tile) < smem_bytes(dataclasses.replace(same_tile, SWAP_AB=False))
-    # The interpreter runs the swapped kernel at its small tiles, whatever wgmma would need.
-    tiny = Q4KConfig(path="fp8", BLOCK_M=16, BLOCK_N=32, num_stages=1, GROUP_M=1, SCALE_FOLD=True, SWAP_AB=True)
-    small_key = dataclasses.replace(key, m_bucket=16)
-    assert space.infeasible_reason(tiny, small_key, TargetLimits(interpreter=True)) is None
-    assert "per warpgroup" in space.infeasible_reason(tiny, small_key, limits)
-
-
-def test_tuner_can_choose_the_fold():
-    """SCALE_FOLD and SWAP_AB are more dimensions: feasible at decode and prefill sizes, never a default."""
-    h200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
-    limits = SPEC.limits(h200)
-    assert SPEC.space.dimensions["SCALE_FOLD"] == (False, True)
-    assert SPEC.space.dimensions["SWAP_AB"] == (False, True)
-    for m in (1, 16, 4096):
-        key = SPEC.key_for(h200, (m, 14336, 4096, "bfloat16"))
-        assert not SPEC.default_config(key).SCALE_FOLD
-        feasible = SPEC.space.feasible(key, limits)
-        assert any(c.SCALE_FOLD and c.BLOCK_K == 256 for c in feasible), m
-        assert not any(c.SCALE_FOLD and c.path == "portable" for c in feasible)
-        assert not SPEC.default_config(key).SWAP_AB
-        swapped = [c for c in feasible if c.SWAP_AB]
-        assert swapped and all(c.SCALE_FOLD and c.path == "fp8" for c in swapped), m
-        assert all(c.SWAP_AB for c in feasible if c.BLOCK_M == 256)
-    # BLOCK_M=256 (wgmma's widest N in the swapped kernel) where M fills it.
-    assert any(c.BLOCK_M == 256 for c in feasible)
-
-
-def test_pinned_and_serveable_configs():
-    pinned = SPEC.pinned_config({"path": "fp8"})
-    assert pinned.path == "fp8" and pinned.BLOCK_K == 128 and not pinned.SCALE_FOLD
-    folded = SPEC.pinned_config({"path": "fp8", "SCALE_FOLD": True})
-    assert folded == dataclasses.replace(pinned, SCALE_FOLD=True)
-    assert SPEC.pinned_config({}).path == "portable"
-    facts = (16, 4096, 4096, "bfloat16")
-    a100 = DeviceInfo(name="NVIDIA A100", vendor="nvidia", capability=(8, 0), sm_count=108, arch="sm80")
-    h100 = DeviceInfo(name="NVIDIA H100", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
-    assert SPEC.serveable(pinned, a100, facts).path == "portable"
-    assert SPEC.serveable(folded, a100, facts) == SPEC.serveable(pinned, a100, facts)
-    assert SPEC.serveable(folded, h100, facts) == folded
-    assert SPEC.serveable(pinned, h100, facts) == pinned
-    assert SPEC.serveable(pinned, interpreter_device(), facts) == pinned
-    staged = SPEC.pinned_config({"path": "staged"})
-    assert (
-        staged.path == "staged"
-        and SPEC.space.infeasible_reason(staged, SPEC.key_for(h100, (4096, 14336, 4096, "bfloat16")), SPEC.limits(h100))
-        is None
-    )
-    assert SPEC.serveable(staged, h100, facts) == staged
-    assert SPEC.serveable(staged, interpreter_device(), facts) == staged
-    # Row-wise scaled fp8 GEMMs: SM90+, bf16 out, N and K multiples of 16; else the portable default.
-    ada = DeviceInfo(name="NVIDIA L40S", vendor="nvidia", capability=(8, 9), sm_count=142, arch="sm89")
-    for device, call in ((ada, facts), (h100, (16, 4096, 4096, "float16")), (h100, (16, 4088, 4096, "bfloat16"))):
-        assert SPEC.serveable(staged, device, call).path == "portable", (device.arch, call)
-    # A split that does not divide K's tiles is narrowed rather than refused at launch.
-    odd = SPEC.serveable(Q4KConfig(BLOCK_K=256, SPLIT_K=8), h100, (1, 4096, 768, "bfloat16"))
-    assert odd.SPLIT_K == 1
-
-
-def test_check_rejects_nan_and_noise():
-    expected = torch.randn(4, 8)
-    problem = SPEC.make_problem(SPEC.default_keys(interpreter_device())[0], torch.device("cpu"), seed=1)
-    assert "NaN" in SPEC.check(torch.full_like(expected, float("nan")), expected, problem)
-    noisy = expected + 0.2 * torch.randn(4, 8)
-    assert "SQNR" in SPEC.check(noisy, expected, problem)
-    assert MIN_SQNR_DB["fp8"] < MIN_SQNR_DB["portable"]
-
-
-def test_starting_configs_are_tiles_the_space_admits():
-    """On an H200 every default key starts from feasible SWAP_AB tiles, large M from staged chunks
-    too and decode-sized M from GEMV tiles; before Hopper only the GEMV tiles remain; the
-    interpreter gets none."""
-    h200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
-    limits = SPEC.limits(h200)
-    for key in SPEC.default_keys(h200, m=[1, 16, 64, 4096]):
-        starts = SPEC.starting_configs(key, h200)
-        assert starts, key
-        for config in starts:
-            assert (config.path == "fp8" and config.SCALE_FOLD and config.SWAP_AB) or config.path in ("staged", "gemv")
-            assert SPEC.space.infeasible_reason(config, key, limits) is None
-        fold = [c for c in starts if c.path == "fp8"]
-        assert max(c.BLOCK_M for c in fold) == {1: 16, 16: 16, 64: 64, 4096: 256}[key.m_bucket]
-        staged = [c for c in starts if c.path == "staged"]
-        # Chunks of at most half the weight rows: N=4096 keeps only the 2048-row one.
-        assert len(staged) == {1: 0, 16: 0, 64: 0, 4096: 3 if key.n == 14336 else 1}[key.m_bucket], key
-        assert bool([c for c in starts if c.path == "gemv"]) == (key.m_bucket == 1), key
-    ada = DeviceInfo(name="NVIDIA L40S", vendor="nvidia", capability=(8, 9), sm_count=142, arch="sm89")
-    assert SPEC.starting_configs(SPEC.default_keys(ada, m=[4096])[0], ada) == []
-    decode = SPEC.starting_configs(SPEC.default_keys(ada, m=[1])[0], ada)
-    assert decode and {c.path for c in decode} == {"gemv"}
-    cpu = device_info("cpu")
-    assert SPEC.starting_configs(SPEC.default_keys(cpu)[0], cpu) == []
+        out = KERNEL.launch(config, *problem.args, **problem.kwargs, out=_nan_out((x.shape[0], key.n), x))
+        expected = KERNEL.reference(*problem.args, **problem.kwargs)
+        assert KERNEL.check(out.float(), expected, problem, config) is None
+    tiles = {name: value for name, value in SPACE.to_dict(KERNEL.default_config(keys[0])).items() if name != "path"}
+    fp8 = KERNEL.launch(Fp8Config(**tiles), *problem.args)
+    assert check_path(fp8.float(), KERNEL.reference(*problem.args), "fp8") is None
 
 
 def test_weight_views_off_alignment_are_copied_and_still_exact(device):

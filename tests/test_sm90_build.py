@@ -84,8 +84,8 @@ PREFILL_SPLIT = ("_prefill_tma_kernel", "_merge_splits_kernel")
 DECODE_MERGED = ("_decode_split_kernel", "_decode_merge_kernel")
 VARLEN_SPLIT = ("_varlen_fwd_kernel", "_varlen_merge_kernel")
 Q4K_FP8 = ("_quantize_rows_fp8_kernel", "_q4k_gemm_fp8_kernel")
+# The folded kernel with and without SWAP_AB (a constexpr of the one kernel).
 Q4K_FOLD = ("_quantize_rows_fp8_kernel", "_q4k_gemm_fp8_fold_kernel")
-Q4K_FOLD_SWAP = ("_quantize_rows_fp8_kernel", "_q4k_gemm_fp8_fold_swap_kernel")
 Q4K_STAGED = ("_staged_prepass_kernel", "_q4k_dequant_fp8_kernel", "_q4k_dequant_fp8_kernel")
 Q4K_GEMV = ("_quantize_rows_gemv_kernel", "_q4k_gemv_kernel")
 
@@ -249,14 +249,14 @@ CASES = [
         "fp8-fold-swap-m4096-bm256",
         key={"k": 14336, "m_bucket": 4096},
         config={"path": "fp8", "SWAP_AB": True, "BLOCK_M": _is_256},
-        launches=Q4K_FOLD_SWAP,
+        launches=Q4K_FOLD,
     ),
     Case(
         "q4k_fp8_gemm",
         "fp8-fold-swap-m256",
         key={"k": 14336, "m_bucket": 256},
         config={"path": "fp8", "SWAP_AB": True, "BLOCK_M": _at_least_64, "BLOCK_N": 256},
-        launches=Q4K_FOLD_SWAP,
+        launches=Q4K_FOLD,
     ),
     Case(
         "q4k_fp8_gemm",
@@ -285,7 +285,7 @@ CASES = [
         "fp8-fold-swap-splitk-m16",
         key={"k": 14336, "m_bucket": 16},
         config={"path": "fp8", "SWAP_AB": True, "SPLIT_K": _more_than_one},
-        launches=(*Q4K_FOLD_SWAP, "_splitk_reduce_kernel"),
+        launches=(*Q4K_FOLD, "_splitk_reduce_kernel"),
     ),
 ]
 

@@ -1,44 +1,43 @@
-"""Host side of ``q4k_fp8_gemm``: allocate workspaces and launch the kernels for one config.
+"""Host side of ``q4k_fp8_gemm``: plan, allocate workspaces and launch the kernels of one config.
 
-Arguments arrive validated (see :func:`tritune.kernels.q4k.op.q4k_linear`): ``x`` is ``[M, K]``
-with unit stride along K, the weight tensors are :class:`~tritune.kernels.q4k.weight.Q4KWeight`'s,
-``out`` is a contiguous ``[M, N]`` of x's dtype and ``bias`` (if any) is ``[N]`` with any stride.
-Launches go through ``wrap_triton`` so the registered op stays traceable by ``torch.compile``.
+Arguments arrive checked by the declaration (:mod:`.kernel`): ``x`` is ``[..., K]`` bf16 or fp16
+with any strides, ``weight`` a :class:`~.weight.Q4KWeight` ``[N, K]``, ``bias`` (if any) ``[N]``
+with any stride, ``out`` a contiguous ``[..., N]`` of x's dtype. Launches go through
+``wrap_triton`` (looked up at each call), so the registered op stays traceable by
+``torch.compile`` and plain eager calls reach the bare kernels.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import Any, NamedTuple
+
 import torch
 import triton
 
-from tritune.search_spaces import q4k_fp8_gemm as q4k_space
-from tritune.search_spaces.q4k_fp8_gemm import Q4KConfig
+from tritune.search_spaces.q4k_fp8_gemm import Fp8Config, GemvConfig, PortableConfig, Q4KConfig, StagedConfig
 
 from .._oplib import wrap_triton
-from ._triton_q4k import (
-    _q4k_dequant_fp8_kernel,
-    _q4k_gemm_fp8_fold_kernel,
-    _q4k_gemm_fp8_fold_swap_kernel,
-    _q4k_gemm_fp8_kernel,
-    _q4k_gemm_portable_kernel,
-    _q4k_gemv_kernel,
-    _quantize_rows_fp8_kernel,
-    _quantize_rows_gemv_kernel,
-    _splitk_reduce_kernel,
-    _staged_prepass_kernel,
-)
+from ._triton_fold import _q4k_gemm_fp8_fold_kernel
+from ._triton_fp8 import _q4k_gemm_fp8_kernel
+from ._triton_gemv import _q4k_gemv_kernel, _quantize_rows_gemv_kernel
+from ._triton_portable import _q4k_gemm_portable_kernel
+from ._triton_quantize import _quantize_rows_fp8_kernel
+from ._triton_splitk import _splitk_reduce_kernel
+from ._triton_staged import _q4k_dequant_fp8_kernel, _staged_prepass_kernel
+from .weight import Q4KWeight
 
-KERNELS = (
+#: Every kernel :func:`launch` may run (the declaration's ``jit_kernels``).
+JIT_KERNELS = (
     _quantize_rows_fp8_kernel,
-    _quantize_rows_gemv_kernel,
-    _q4k_gemv_kernel,
+    _q4k_gemm_portable_kernel,
     _q4k_gemm_fp8_kernel,
     _q4k_gemm_fp8_fold_kernel,
-    _q4k_gemm_fp8_fold_swap_kernel,
-    _q4k_gemm_portable_kernel,
-    _splitk_reduce_kernel,
     _staged_prepass_kernel,
     _q4k_dequant_fp8_kernel,
+    _quantize_rows_gemv_kernel,
+    _q4k_gemv_kernel,
+    _splitk_reduce_kernel,
 )
 
 _REDUCE_BLOCK_M = 16
@@ -48,6 +47,109 @@ _FOLD_BLOCK_N = 128
 _GEMV_PREPASS_TILE = 16
 #: Most rows of x one GEMV program multiplies (more rows take more programs).
 _GEMV_MAX_ROWS = 8
+
+
+class _Plan(NamedTuple):
+    """What a tiled launch (portable, fp8, GEMV) needs beyond the tensors, fixed by config and shape."""
+
+    grid: tuple[int, ...]
+    #: The kernel's constexpr arguments and launch options.
+    constants: dict[str, Any]
+    reduce_grid: tuple[int, int] | None
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(config: PortableConfig | Fp8Config | GemvConfig, m: int, n: int, k: int, has_bias: bool) -> _Plan:
+    # Plain // and % (not divmod): a traced call's sizes may be SymInts.
+    if k % config.BLOCK_K or (k // config.BLOCK_K) % config.SPLIT_K:
+        raise ValueError(
+            f"config: SPLIT_K={config.SPLIT_K} must divide the {k // config.BLOCK_K} BLOCK_K={config.BLOCK_K} "
+            f"tiles of K={k}"
+        )
+    split = config.SPLIT_K
+    constants: dict[str, Any] = {
+        "HAS_BIAS": has_bias,
+        "BLOCK_N": config.BLOCK_N,
+        "BLOCK_K": config.BLOCK_K,
+        "SPLIT_K": split,
+        "K_TILES": k // config.BLOCK_K // split,
+        "num_warps": config.num_warps,
+    }
+    if isinstance(config, GemvConfig):
+        rows = min(triton.next_power_of_2(m), _GEMV_MAX_ROWS)
+        grid: tuple[int, ...] = (triton.cdiv(n, config.BLOCK_N), split, triton.cdiv(m, rows))
+        constants["ROWS"] = rows
+    else:
+        grid = (triton.cdiv(m, config.BLOCK_M) * triton.cdiv(n, config.BLOCK_N), split)
+        constants.update(
+            BLOCK_M=config.BLOCK_M, GROUP_M=config.GROUP_M, num_stages=config.num_stages
+        )  # fmt: skip
+    reduce_grid = (triton.cdiv(m, _REDUCE_BLOCK_M), triton.cdiv(n, _REDUCE_BLOCK_N)) if split > 1 else None
+    return _Plan(grid, constants, reduce_grid)
+
+
+def launch(config: Q4KConfig, x: torch.Tensor, weight: Q4KWeight, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """``out = x @ dequant(weight)^T (+ bias)`` with ``config``; writes every element of ``out``."""
+    n, k = weight.shape
+    # A 2-D x or out is its own [M, K] / [M, N] view (reshape and view each cost host time per call).
+    x2d = x if x.dim() == 2 else x.reshape(-1, k)
+    if x2d.stride(1) != 1:
+        x2d = x2d.contiguous()
+    out2d = out if out.dim() == 2 else out.view(-1, n)
+    m = x2d.shape[0]
+    if m == 0:
+        return
+    qs, scales, mins, super_scales = weight.qs, weight.scales, weight.mins, weight.super_scales
+    # CPU tensors run on the interpreter, whose e4m3 casts and bf16 dots need workarounds.
+    interpreted = x.device.type == "cpu"
+    if isinstance(config, StagedConfig):
+        _run_staged(config, x2d, qs, scales, mins, super_scales, bias, out2d, interpreted)
+        return
+    plan = _plan(config, m, n, k, bias is not None)
+    bias_arg = bias if bias is not None else out2d
+    # A bias view such as b[::2] is read through its stride.
+    stride_bn = bias.stride(0) if bias is not None else 0
+    if plan.reduce_grid is not None:
+        target = torch.empty((config.SPLIT_K, m, n), dtype=torch.float32, device=out2d.device)
+        stride_ok, stride_om, stride_on = target.stride()
+    else:
+        target = out2d
+        stride_ok, (stride_om, stride_on) = 0, out2d.stride()
+    if isinstance(config, GemvConfig):
+        words, x_scales, lost, sums = quantize_rows_gemv(x2d)
+        wrap_triton(_q4k_gemv_kernel)[plan.grid](
+            words, x_scales, lost, sums, qs, scales, mins, super_scales, bias_arg, target, m, n, k,
+            qs.stride(0), scales.stride(0), super_scales.stride(0), stride_om, stride_on, stride_ok, stride_bn,
+            ASM=not interpreted, **plan.constants,
+        )  # fmt: skip
+    elif isinstance(config, Fp8Config):
+        # Folded weights carry their mins: only the centred kernel needs x's 32-wide row sums.
+        xq, row_scale, rowsum = _quantize_rows(x2d, row_sums=not config.SCALE_FOLD, interpreted=interpreted)
+        # The fp8 kernels read the weight, bias and output alike.
+        rest = (
+            qs, scales, mins, super_scales, bias_arg, target, m, n, k, qs.stride(0), scales.stride(0),
+            super_scales.stride(0), stride_om, stride_on, stride_ok, stride_bn,
+        )  # fmt: skip
+        if config.SCALE_FOLD:
+            # SWAP_AB writes the same (untransposed) tiles from the transposed product.
+            wrap_triton(_q4k_gemm_fp8_fold_kernel)[plan.grid](
+                xq, row_scale, *rest, ROUND_IN_FP32=interpreted, SWAP_AB=config.SWAP_AB, **plan.constants
+            )
+        else:
+            wrap_triton(_q4k_gemm_fp8_kernel)[plan.grid](xq, row_scale, rowsum, *rest, **plan.constants)
+    else:
+        wrap_triton(_q4k_gemm_portable_kernel)[plan.grid](
+            x2d, qs, scales, mins, super_scales, bias_arg, target, m, n, x2d.stride(0), x2d.stride(1),
+            qs.stride(0), scales.stride(0), super_scales.stride(0), stride_om, stride_on, stride_ok, stride_bn,
+            # The interpreter (CPU tensors) multiplies bf16 tiles wrongly: give it fp32 operands.
+            DOT_IN_FP32=interpreted, **plan.constants,
+        )  # fmt: skip
+    if plan.reduce_grid is not None:
+        wrap_triton(_splitk_reduce_kernel)[plan.reduce_grid](
+            target, bias_arg, out2d, m, n, target.stride(0), target.stride(1), out2d.stride(0), out2d.stride(1),
+            stride_bn, HAS_BIAS=bias is not None, SPLIT_K=config.SPLIT_K, BLOCK_M=_REDUCE_BLOCK_M,
+            BLOCK_N=_REDUCE_BLOCK_N, num_warps=4,
+        )  # fmt: skip
 
 
 def _prepass_block(k: int) -> int:
@@ -67,19 +169,9 @@ def _quantize_rows(x: torch.Tensor, *, row_sums: bool, interpreted: bool) -> tup
     rowsum = torch.empty((m, k // 32), dtype=torch.float32, device=x.device) if row_sums else row_scale
     block = _prepass_block(k)
     wrap_triton(_quantize_rows_fp8_kernel)[(m,)](
-        x,
-        xq,
-        row_scale,
-        rowsum,
-        k,
-        x.stride(0),
-        x.stride(1),
-        BLOCK_K=block,
-        K_TILES=k // block,
-        ROUND_IN_FP32=interpreted,
-        ROW_SUMS=row_sums,
-        num_warps=4,
-    )
+        x, xq, row_scale, rowsum, k, x.stride(0), x.stride(1),
+        BLOCK_K=block, K_TILES=k // block, ROUND_IN_FP32=interpreted, ROW_SUMS=row_sums, num_warps=4,
+    )  # fmt: skip
     return xq, row_scale, rowsum
 
 
@@ -115,32 +207,8 @@ def staged_prepass(
     return xq, row_scale, inv_fold
 
 
-def dequantize_chunk(
-    qs: torch.Tensor,
-    scales: torch.Tensor,
-    mins: torch.Tensor,
-    super_scales: torch.Tensor,
-    inv_fold: torch.Tensor,
-    scratch: torch.Tensor,
-    row0: int,
-    rows: int,
-    *,
-    block_n: int,
-    block_k: int,
-    num_warps: int,
-    interpreted: bool,
-) -> None:
-    """Weight rows ``row0 .. row0 + rows - 1`` as folded e4m3 into ``scratch[:rows]`` (``[CHUNK_N, K]``)."""
-    k = scratch.shape[1]
-    wrap_triton(_q4k_dequant_fp8_kernel)[(triton.cdiv(rows, block_n), k // block_k)](
-        qs, scales, mins, super_scales, inv_fold, scratch, row0, rows, k,
-        qs.stride(0), scales.stride(0), super_scales.stride(0),
-        ROUND_IN_FP32=interpreted, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-    )  # fmt: skip
-
-
 def _run_staged(
-    config: Q4KConfig,
+    config: StagedConfig,
     x: torch.Tensor,
     qs: torch.Tensor,
     scales: torch.Tensor,
@@ -165,9 +233,11 @@ def _run_staged(
     scale_a = row_scale.view(m, 1)
     for row0 in range(0, n, chunk):
         rows = min(chunk, n - row0)
-        dequantize_chunk(
-            qs, scales, mins, super_scales, inv_fold, scratch, row0, rows,
-            block_n=config.BLOCK_N, block_k=config.BLOCK_K, num_warps=config.num_warps, interpreted=interpreted,
+        # Weight rows row0 .. row0 + rows - 1 as folded e4m3 into scratch[:rows].
+        wrap_triton(_q4k_dequant_fp8_kernel)[(triton.cdiv(rows, config.BLOCK_N), k // config.BLOCK_K)](
+            qs, scales, mins, super_scales, inv_fold, scratch, row0, rows, k,
+            qs.stride(0), scales.stride(0), super_scales.stride(0),
+            ROUND_IN_FP32=interpreted, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, num_warps=config.num_warps,
         )  # fmt: skip
         torch._scaled_mm(
             xq,
@@ -180,141 +250,3 @@ def _run_staged(
         )
     if bias is not None:
         out.add_(bias)
-
-
-def run_q4k_gemm(
-    config: Q4KConfig,
-    x: torch.Tensor,
-    qs: torch.Tensor,
-    scales: torch.Tensor,
-    mins: torch.Tensor,
-    super_scales: torch.Tensor,
-    bias: torch.Tensor | None,
-    out: torch.Tensor,
-) -> None:
-    """``out = x @ dequant(W)^T (+ bias)`` with ``config``; writes every element of ``out``.
-
-    Launches go through ``wrap_triton``: bare kernels in eager mode (the caller switches it off,
-    as ``TritonOp`` and the spec's launch do), traced ones inside the registered op.
-    """
-    launcher = wrap_triton
-    m, k = x.shape
-    n = qs.shape[0]
-    if m == 0:
-        return
-    if config.BLOCK_K > q4k_space.SUPER_BLOCK and config.path != "gemv":
-        raise ValueError(f"config: BLOCK_K={config.BLOCK_K} is for the gemv path only, not {config.path!r}")
-    # Plain // and % (not divmod): under torch.compile's dynamic shapes k is a SymInt.
-    k_tiles = k // config.BLOCK_K // config.SPLIT_K
-    if (k // config.BLOCK_K) % config.SPLIT_K or k % config.BLOCK_K:
-        raise ValueError(
-            f"config: SPLIT_K={config.SPLIT_K} must divide the {k // config.BLOCK_K} BLOCK_K={config.BLOCK_K} "
-            f"tiles of K={k}"
-        )
-    has_bias = bias is not None
-    bias_arg = bias if bias is not None else out
-    # A bias view such as b[::2] is read through its stride.
-    stride_bn = bias.stride(0) if bias is not None else 0
-    grid = (triton.cdiv(m, config.BLOCK_M) * triton.cdiv(n, config.BLOCK_N), config.SPLIT_K)
-    if config.SPLIT_K > 1:
-        target = torch.empty((config.SPLIT_K, m, n), dtype=torch.float32, device=out.device)
-        stride_ok, stride_om, stride_on = target.stride()
-    else:
-        target = out
-        stride_ok, (stride_om, stride_on) = 0, out.stride()
-    launch = {
-        "HAS_BIAS": has_bias,
-        "BLOCK_M": config.BLOCK_M,
-        "BLOCK_N": config.BLOCK_N,
-        "BLOCK_K": config.BLOCK_K,
-        "GROUP_M": config.GROUP_M,
-        "SPLIT_K": config.SPLIT_K,
-        "K_TILES": k_tiles,
-        "num_warps": config.num_warps,
-        "num_stages": config.num_stages,
-    }
-    # CPU tensors run on the interpreter, whose e4m3 casts and bf16 dots need workarounds.
-    interpreted = x.device.type == "cpu"
-    if config.path == "staged":
-        _run_staged(config, x, qs, scales, mins, super_scales, bias, out, interpreted)
-        return
-    if config.path == "gemv":
-        rows = min(triton.next_power_of_2(m), _GEMV_MAX_ROWS)
-        words, x_scales, lost, sums = quantize_rows_gemv(x)
-        launcher(_q4k_gemv_kernel)[(triton.cdiv(n, config.BLOCK_N), config.SPLIT_K, triton.cdiv(m, rows))](
-            words, x_scales, lost, sums, qs, scales, mins, super_scales, bias_arg, target, m, n, k,
-            qs.stride(0), scales.stride(0), super_scales.stride(0), stride_om, stride_on, stride_ok, stride_bn,
-            HAS_BIAS=has_bias, ASM=not interpreted, ROWS=rows, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-            SPLIT_K=config.SPLIT_K, K_TILES=k_tiles, num_warps=config.num_warps,
-        )  # fmt: skip
-    elif config.path == "fp8":
-        # Folded weights carry their mins: only the centred kernel needs x's 32-wide row sums.
-        xq, row_scale, rowsum = _quantize_rows(x, row_sums=not config.SCALE_FOLD, interpreted=interpreted)
-        # The fp8 kernels read the weight, bias and output alike.
-        rest = (
-            qs,
-            scales,
-            mins,
-            super_scales,
-            bias_arg,
-            target,
-            m,
-            n,
-            k,
-            qs.stride(0),
-            scales.stride(0),
-            super_scales.stride(0),
-            stride_om,
-            stride_on,
-            stride_ok,
-            stride_bn,
-        )
-        if config.SCALE_FOLD:
-            # The swapped kernel takes the same arguments and writes the same (untransposed) tiles.
-            fold_kernel = _q4k_gemm_fp8_fold_swap_kernel if config.SWAP_AB else _q4k_gemm_fp8_fold_kernel
-            launcher(fold_kernel)[grid](xq, row_scale, *rest, ROUND_IN_FP32=interpreted, **launch)
-        else:
-            launcher(_q4k_gemm_fp8_kernel)[grid](xq, row_scale, rowsum, *rest, **launch)
-    else:
-        launcher(_q4k_gemm_portable_kernel)[grid](
-            x,
-            qs,
-            scales,
-            mins,
-            super_scales,
-            bias_arg,
-            target,
-            m,
-            n,
-            x.stride(0),
-            x.stride(1),
-            qs.stride(0),
-            scales.stride(0),
-            super_scales.stride(0),
-            stride_om,
-            stride_on,
-            stride_ok,
-            stride_bn,
-            # The interpreter (CPU tensors) multiplies bf16 tiles wrongly: give it fp32 operands.
-            DOT_IN_FP32=interpreted,
-            **launch,
-        )
-    if config.SPLIT_K > 1:
-        reduce_grid = (triton.cdiv(m, _REDUCE_BLOCK_M), triton.cdiv(n, _REDUCE_BLOCK_N))
-        launcher(_splitk_reduce_kernel)[reduce_grid](
-            target,
-            bias_arg,
-            out,
-            m,
-            n,
-            target.stride(0),
-            target.stride(1),
-            out.stride(0),
-            out.stride(1),
-            stride_bn,
-            HAS_BIAS=has_bias,
-            SPLIT_K=config.SPLIT_K,
-            BLOCK_M=_REDUCE_BLOCK_M,
-            BLOCK_N=_REDUCE_BLOCK_N,
-            num_warps=4,
-        )

@@ -81,6 +81,21 @@ class Q4KWeight:
     # ---- construction ------------------------------------------------------------------
 
     @classmethod
+    def from_parts(
+        cls, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, super_scales: torch.Tensor
+    ) -> Q4KWeight:
+        """The weight whose :meth:`tensors` these are, taken as they are: no checks, no copies.
+
+        For the op's body, which rebuilds the weight a checked call split into its tensors; under
+        ``torch.compile`` they are fake tensors, which have no data for the constructor to align.
+        """
+        weight = object.__new__(cls)
+        for name, value in (("qs", qs), ("scales", scales), ("mins", mins), ("super_scales", super_scales)):
+            object.__setattr__(weight, name, value)
+        object.__setattr__(weight, "shape", (qs.shape[0], qs.shape[1] * 2))
+        return weight
+
+    @classmethod
     def from_blocks(cls, raw: torch.Tensor | np.ndarray, shape: tuple[int, int]) -> Q4KWeight:
         """Repack raw GGUF Q4_K rows (uint8 ``[N, K/256*144]``) of a weight of ``shape`` (N, K)."""
         if isinstance(raw, np.ndarray):

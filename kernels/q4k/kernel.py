@@ -1,0 +1,150 @@
+"""``q4k_linear``: a linear layer with a GGUF Q4_K weight, declared as kernel ``q4k_fp8_gemm``.
+
+The declaration (:data:`KERNEL`) gives the call's checks (each error names the argument), the
+``tritune::q4k_linear`` op, dispatch by tuning key and the kernel's version; this module adds the
+key, the portable defaults by M bucket and the last-moment path eligibility.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+import torch
+import triton
+
+from tritune.search_spaces.q4k_fp8_gemm import SMALL_M, SPACE, PortableConfig, Q4KConfig, StagedConfig
+
+from ..declare import Kernel, Obj, Output, Rule, Tensor
+from ..device import DeviceInfo, target_supports
+from ..spec import TuningKey, pow2_bucket
+from .launch import JIT_KERNELS, launch
+from .reference import q4k_linear_reference
+from .weight import Q4KWeight
+
+#: Key dtype names (stored bundle keys spell them out) of the facts' short dtype names.
+_KEY_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class Q4KKey(TuningKey):
+    dtype: str
+    m_bucket: int
+    n: int
+    k: int
+
+    BUCKETS: ClassVar[tuple[str, ...]] = ("m_bucket",)
+
+
+def key_for(device: DeviceInfo, facts: Any) -> Q4KKey:
+    """The key of a call: its GPU, dtype, M rounded up to a power of two, and the weight's N and K."""
+    return Q4KKey(
+        arch=device.arch,
+        sm_count=device.sm_count,
+        dtype=_KEY_DTYPES[facts.dtype],
+        m_bucket=pow2_bucket(facts.M, minimum=1),
+        n=facts.N,
+        k=facts.K,
+    )
+
+
+def default_config(key: Q4KKey) -> PortableConfig:
+    """Portable defaults by M (chosen on Llama-3-8B shapes, bf16; docs/perf/HISTORY.md).
+
+    Up to M=64: 64-wide N tiles, split along K until about 1.5 programs per SM (one pass over
+    the weight; 256-deep K tiles for decode). Beyond: 128x128x64 tiles, 8 warps.
+    """
+    if key.arch == "cpu-interpreter":
+        block_m = 16 if key.m_bucket <= 16 else 32
+        return PortableConfig(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=1)
+    if key.m_bucket <= SMALL_M:
+        decode = key.m_bucket <= 16
+        block_k = 256 if decode else 128
+        tiles = triton.cdiv(key.n, 64) * triton.cdiv(key.m_bucket, 16 if decode else key.m_bucket)
+        split = 1
+        while split < 8 and 2 * tiles * split < 3 * key.sm_count and (key.k // block_k) % (2 * split) == 0:
+            split *= 2
+        return PortableConfig(
+            BLOCK_M=16 if decode else key.m_bucket,
+            BLOCK_N=64,
+            BLOCK_K=block_k,
+            GROUP_M=1,
+            num_warps=4,
+            num_stages=3 if decode else 4,
+            SPLIT_K=split,
+        )
+    # GROUP_M only reorders programs when more than one M tile exists (the space prunes the
+    # duplicate launch otherwise).
+    group_m = 8 if key.m_bucket > 128 else 1
+    return PortableConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=group_m, num_warps=8, num_stages=3)
+
+
+def serve(config: Q4KConfig, device: DeviceInfo, facts: Any) -> Q4KConfig:
+    """The fp8 path needs e4m3 tensor cores (SM89+, every built arch) or the interpreter; the
+    staged path needs row-wise scaled fp8 GEMMs (SM90+ or the interpreter's CPU ``_scaled_mm``),
+    a bf16 x and N, K multiples of 16. Otherwise the key's portable default serves.
+
+    A pinned SPLIT_K that does not divide K's tiles is halved until it does.
+    """
+    if config.path == "fp8" and not (device.is_interpreter or target_supports(device, (8, 9))):
+        config = default_config(key_for(device, facts))
+    if isinstance(config, StagedConfig):
+        eligible = device.is_interpreter or target_supports(device, (9, 0))
+        if eligible and facts.dtype == "bf16" and facts.N % 16 == 0 and facts.K % 16 == 0:
+            return config
+        config = default_config(key_for(device, facts))
+    tiles = facts.K // config.BLOCK_K
+    split = config.SPLIT_K
+    while split > 1 and tiles % split:
+        split //= 2
+    return config if split == config.SPLIT_K else replace(config, SPLIT_K=split)
+
+
+KERNEL = Kernel(
+    "q4k_fp8_gemm",
+    arguments=[
+        # Any strides: the launch copies an x whose K stride is not 1.
+        Tensor("x", ("*M", "K"), dtypes=(torch.bfloat16, torch.float16)),
+        Obj(
+            "weight",
+            Q4KWeight,
+            ("N", "K_weight"),
+            parts=("qs", "scales", "mins", "super_scales"),
+            split=Q4KWeight.tensors,
+            join=Q4KWeight.from_parts,
+        ),
+        Tensor("bias", ("N",), floating=True, optional=True),
+        Output("out", like="x", dims=("*M", "N"), contiguous=True),
+    ],
+    # Named on x, whose last dim is what a caller gets wrong (the weight's K is fixed by its file).
+    rules=[
+        Rule(
+            "x", lambda K, K_weight: K_weight == K, "expected shape [..., K={K_weight}] to match the weight, got K={K}"
+        )
+    ],
+    facts=("M", "N", "K", "dtype"),
+    space=SPACE,
+    key_type=Q4KKey,
+    key=key_for,
+    launch=launch,
+    reference=q4k_linear_reference,
+    jit_kernels=JIT_KERNELS,
+    # Small-M trials are graph-timed (the tuning half's launch_bound), large-M ones eager.
+    protocol=1,
+    default=default_config,
+    serve=serve,
+    tuning="tritune.kernels.q4k.tuning:TUNING",
+    op_name="tritune::q4k_linear",
+)
+
+
+def q4k_linear(
+    x: torch.Tensor, weight: Q4KWeight, bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ W^T + bias`` for a Q4_K weight ``W`` ``[N, K]``; ``x`` is ``[..., K]`` bf16 or fp16.
+
+    The result is ``[..., N]`` in x's dtype, written to ``out`` when given (contiguous, sharing no
+    memory with x, bias or the weight). The config (portable, fp8, staged or GEMV path, tiles,
+    split-K) comes from the dispatcher for this GPU, M bucket, N and K.
+    """
+    return KERNEL.call(x, weight, bias, out)  # type: ignore[no-any-return]

@@ -1,0 +1,157 @@
+"""The tuning half of ``q4k_fp8_gemm``: problems, the accuracy gate, default keys and seed rules.
+
+Imported by the tuner only (the declaration names it as ``tuning=``), never by serving code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+import triton
+
+from tritune.search_spaces.q4k_fp8_gemm import (
+    GEMV_MAX_M,
+    MIN_CHUNK_N,
+    SMALL_M,
+    SPACE,
+    WGMMA_ROWS,
+    Fp8Config,
+    GemvConfig,
+    Q4KConfig,
+    StagedConfig,
+)
+
+from ..declare import KernelTuning
+from ..device import DeviceInfo, target_supports
+from ..spec import Problem, pow2_bucket
+from .kernel import KERNEL, Q4KKey
+from .reference import check_path
+from .weight import Q4KWeight
+
+_GPU_SHAPES = ((4096, 14336), (14336, 4096), (4096, 4096))  # (K, N)
+_GPU_M_BUCKETS = (1, 16, 64, 256, 1024, 4096, 8192)
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Rows of x the reference is computed at (see :meth:`Q4KTuning.check_problem`).
+_CHECK_ROWS = 256
+
+
+class Q4KTuning(KernelTuning):
+    """Llama-3-8B shapes over M buckets on a GPU, one tiny key on the interpreter."""
+
+    key_aliases: ClassVar[dict[str, tuple[str, Callable[[int], int]]]] = {
+        "m": ("m_bucket", lambda m: pow2_bucket(m, 1)),
+    }
+
+    def make_problem(self, key: Q4KKey, device: torch.device, seed: int) -> Problem:
+        generator = torch.Generator(device=device).manual_seed(seed)
+        m = key.m_bucket
+        w = torch.randn((key.n, key.k), generator=generator, device=device) * 0.02
+        weight = Q4KWeight.quantize(w)
+        x = torch.randn((m, key.k), generator=generator, device=device).to(_DTYPES[key.dtype])
+        x_bytes = x.numel() * x.element_size()
+        return Problem(
+            args=(x, weight),
+            flops=2.0 * m * key.n * key.k,
+            bytes_moved=float(weight.nbytes + x_bytes + m * key.n * x.element_size()),
+            flush_l2=True,
+            launch_bound=m <= SMALL_M,
+        )
+
+    def check_problem(self, key: Q4KKey, device: torch.device, seed: int) -> Problem:
+        """The key's problem with M capped at 256 rows: the fp32 reference of an 8192-row product
+        costs seconds per key, and the tuner still cross-checks the full size against the
+        portable output."""
+        return self.make_problem(dataclasses.replace(key, m_bucket=min(key.m_bucket, _CHECK_ROWS)), device, seed)
+
+    def check(self, out: torch.Tensor, expected: torch.Tensor, problem: Problem, config: Any = None) -> str | None:
+        """SQNR against the exact-weight reference at the floor of the config's path.
+
+        Without a config the loosest floor (fp8) applies.
+        """
+        return check_path(out, expected, config.path if config is not None else "fp8")
+
+    def default_keys(self, device: DeviceInfo) -> list[Q4KKey]:
+        """GPU: the Llama-3-8B MLP and attention shapes over M buckets, bf16; interpreter: one tiny key."""
+        if device.is_interpreter:
+            shapes: tuple[tuple[int, int], ...] = ((256, 64),)
+            buckets: tuple[int, ...] = (16,)
+        else:
+            shapes, buckets = _GPU_SHAPES, _GPU_M_BUCKETS
+        return [
+            Q4KKey(arch=device.arch, sm_count=device.sm_count, dtype="bfloat16", m_bucket=mb, n=n, k=k)
+            for (k, n) in shapes
+            for mb in buckets
+        ]
+
+    def valid_key(self, key: Q4KKey) -> bool:
+        """A served dtype, a weight Q4_K can hold (K a multiple of 256), and a power-of-two M bucket."""
+        m = key.m_bucket
+        return key.dtype in _DTYPES and key.k > 0 and key.k % 256 == 0 and key.n > 0 and m > 0 and m & (m - 1) == 0
+
+    def starting_configs(self, key: Q4KKey, device: DeviceInfo) -> list[Q4KConfig]:
+        """Rules for where the good tiles lie, measured first (the admitted ones only):
+
+        - one row of x, on any GPU: GEMV tiles of the narrowest and next row counts at each K depth
+          from one super-block up, each split along K until about four programs per SM;
+        - on SM90+ (wgmma), swapped folded fp8 tiles, which compile to register-A wgmma with the
+          dequantization overlapping the MMA (sm_90 ptxas builds, ``tests/sm90_build.py``): one
+          warpgroup per 64 weight rows (wgmma's M side); at small M 16-row x tiles with
+          super-block-deep K tiles split along K toward about one program per SM, and one M tile
+          of the whole bucket; at large M x tiles as wide as wgmma's N side allows (256 rows);
+        - at large M, staged chunks: the largest the key admits (large chunks amortise the
+          GEMM's launch; the dequantization tile matters little, so the path's own).
+        """
+        if device.is_interpreter:
+            return []
+        starts: list[Q4KConfig] = list(self._gemv_starts(key, device))
+        if target_supports(device, (9, 0)):
+            starts += self._swapped_starts(key, device)
+            if key.m_bucket > SMALL_M:
+                chunks = [c for c in SPACE.dimensions["CHUNK_N"] if MIN_CHUNK_N <= c <= key.n // 2]
+                starts += [StagedConfig(CHUNK_N=chunk) for chunk in sorted(chunks, reverse=True)[:2]]
+        limits = KERNEL.limits(device)
+        return [c for c in starts if SPACE.infeasible_reason(c, key, limits) is None]
+
+    @staticmethod
+    def _gemv_starts(key: Q4KKey, device: DeviceInfo) -> list[GemvConfig]:
+        if key.m_bucket > GEMV_MAX_M:
+            return []
+        starts = []
+        for block_k in (256, 512, 1024):
+            for block_n in (32, 64):
+                tiles = triton.cdiv(key.n, block_n)
+                split = 1
+                while split < 8 and tiles * split * 2 <= 4 * device.sm_count and (key.k // block_k) % (2 * split) == 0:
+                    split *= 2
+                starts.append(GemvConfig(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, SPLIT_K=split))
+        return starts
+
+    @staticmethod
+    def _swapped_starts(key: Q4KKey, device: DeviceInfo) -> list[Fp8Config]:
+        swapped = Fp8Config(SCALE_FOLD=True, SWAP_AB=True, GROUP_M=1)
+        if key.m_bucket > SMALL_M:
+            # Two warpgroups of 64 weight rows against 256 (then 128) rows of x, in grouped tile
+            # order where several M tiles share a weight tile.
+            wide = dataclasses.replace(swapped, BLOCK_N=2 * WGMMA_ROWS, BLOCK_K=64, num_warps=8)
+            return [
+                dataclasses.replace(wide, BLOCK_M=block_m, GROUP_M=8 if key.m_bucket > block_m else 1)
+                for block_m in (256, 128)
+            ]
+        small = dataclasses.replace(swapped, BLOCK_M=16, BLOCK_N=WGMMA_ROWS, BLOCK_K=256, num_stages=4)
+        tiles = triton.cdiv(key.n, WGMMA_ROWS)
+        starts = [
+            dataclasses.replace(small, SPLIT_K=split)
+            for split in (1, 2, 4, 8)
+            if split == 1 or tiles * split <= 2 * device.sm_count
+        ]
+        if key.m_bucket > 16:
+            # One M tile of the whole bucket: each weight tile dequantized once for all its rows.
+            whole = dataclasses.replace(swapped, BLOCK_M=key.m_bucket, BLOCK_N=2 * WGMMA_ROWS, BLOCK_K=128)
+            starts += [dataclasses.replace(whole, SPLIT_K=split) for split in (2, 4, 8)]
+        return starts
+
+
+TUNING = Q4KTuning()

@@ -1,0 +1,400 @@
+"""The ``q4k_fp8_gemm`` config space, defaults, serving rules and tuning half (no kernel runs here).
+
+One member space per path, each holding only the fields its launch reads; the union's fields and
+choices are what the sampler and stored configs have always used. The feasibility rules are
+fitted to what Triton 3.6 and ptxas make of each kernel for sm_90 (``test_fold_builds_for_sm90``
+builds them with Triton's compiler on the CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tritune.kernels.device import DeviceInfo, device_info, interpreter_device
+from tritune.kernels.q4k.kernel import KERNEL, Q4KKey, default_config, key_for
+from tritune.kernels.q4k.reference import MIN_SQNR_DB
+from tritune.kernels.q4k.tuning import TUNING
+from tritune.search_spaces.base import ConfigError, TargetLimits
+from tritune.search_spaces.q4k_fp8_gemm import (
+    SPACE,
+    Fp8Config,
+    GemvConfig,
+    PortableConfig,
+    StagedConfig,
+    smem_bytes,
+)
+
+H200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
+A100 = DeviceInfo(name="NVIDIA A100", vendor="nvidia", capability=(8, 0), sm_count=108, arch="sm80")
+L40S = DeviceInfo(name="NVIDIA L40S", vendor="nvidia", capability=(8, 9), sm_count=142, arch="sm89")
+LIMITS = TargetLimits()
+INTERPRETER = TargetLimits(interpreter=True)
+
+
+def _key(m: int, n: int = 14336, k: int = 4096, dtype: str = "bfloat16") -> Q4KKey:
+    return Q4KKey(arch="sm90", sm_count=132, dtype=dtype, m_bucket=m, n=n, k=k)
+
+
+def _facts(m: int, n: int, k: int, dtype: str = "bf16") -> tuple[int, int, int, str]:
+    return KERNEL.Facts(m, n, k, dtype)  # type: ignore[no-any-return]
+
+
+# ---- the union of per-path spaces ------------------------------------------------------------
+
+
+def test_each_path_holds_only_the_fields_its_launch_reads():
+    fields = {path: tuple(member.dimensions) for path, member in SPACE.members.items()}
+    tiles = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT_K")
+    assert fields == {
+        "portable": ("path", *tiles),
+        "fp8": ("path", *tiles, "SCALE_FOLD", "SWAP_AB"),
+        "staged": ("path", "BLOCK_N", "BLOCK_K", "num_warps", "CHUNK_N", "FAST_ACCUM"),
+        "gemv": ("path", "BLOCK_N", "BLOCK_K", "num_warps", "SPLIT_K"),
+    }
+    # What the sampler sees: every field with the choices stored configs have always used.
+    assert SPACE.dimensions == {
+        "path": ("portable", "fp8", "staged", "gemv"),
+        "BLOCK_M": (16, 32, 64, 128, 256),
+        "BLOCK_N": (32, 64, 128, 256),
+        "BLOCK_K": (32, 64, 128, 256, 512, 1024),
+        "GROUP_M": (1, 4, 8),
+        "num_warps": (2, 4, 8),
+        "num_stages": (1, 2, 3, 4, 5),
+        "SPLIT_K": (1, 2, 4, 8),
+        "SCALE_FOLD": (False, True),
+        "SWAP_AB": (False, True),
+        "CHUNK_N": (32, 1024, 2048, 4096, 8192),
+        "FAST_ACCUM": (False, True),
+    }
+    # A field keeps its choices on every path that can launch them: 256-row x tiles exist for the
+    # swapped fp8 kernel only, K tiles beyond a super-block for the GEMV only.
+    assert SPACE.members["portable"].dimensions["BLOCK_M"] == (16, 32, 64, 128)
+    assert SPACE.members["fp8"].dimensions["BLOCK_M"] == (16, 32, 64, 128, 256)
+    assert max(SPACE.members["staged"].dimensions["BLOCK_K"]) == 256
+    assert max(SPACE.members["gemv"].dimensions["BLOCK_K"]) == 1024
+
+
+def test_pins_and_stored_configs_parse_to_their_paths_defaults():
+    assert SPACE.default() == PortableConfig() == KERNEL.pinned_config({})
+    assert KERNEL.pinned_config({"path": "fp8"}) == Fp8Config() and Fp8Config().BLOCK_K == 128
+    assert KERNEL.pinned_config({"path": "staged"}) == StagedConfig(BLOCK_N=32, BLOCK_K=256, CHUNK_N=2048)
+    assert KERNEL.pinned_config({"path": "gemv", "SPLIT_K": 2}) == GemvConfig(SPLIT_K=2)
+    folded = KERNEL.pinned_config({"path": "fp8", "SCALE_FOLD": True})
+    assert folded == dataclasses.replace(Fp8Config(), SCALE_FOLD=True)
+    # A field the pinned path does not read is refused, not silently dropped: without "path" the
+    # pin is the portable kernel's, which has no SCALE_FOLD.
+    with pytest.raises(ConfigError, match=r"path='portable' has no field\(s\) \['SCALE_FOLD', 'SWAP_AB'\]"):
+        KERNEL.pinned_config({"SCALE_FOLD": True, "SWAP_AB": True, "BLOCK_M": 128})
+    with pytest.raises(ConfigError, match=r"path='staged' has no field\(s\) \['SPLIT_K'\]"):
+        KERNEL.pinned_config({"path": "staged", "SPLIT_K": 2})
+    with pytest.raises(ConfigError, match="BLOCK_M=256 is not in the space"):
+        KERNEL.pinned_config({"BLOCK_M": 256})
+    with pytest.raises(ConfigError, match="BLOCK_K=512 is not in the space"):
+        KERNEL.pinned_config({"path": "fp8", "BLOCK_K": 512})
+    assert KERNEL.pinned_config({"path": "gemv", "BLOCK_K": 512}).BLOCK_K == 512
+
+
+def test_the_grid_holds_each_launch_once():
+    grid = list(SPACE.grid())
+    assert len(grid) == SPACE.size() == len(set(grid))
+    assert {c.path for c in grid} == set(SPACE.members)
+    assert all(SPACE.parse(SPACE.to_dict(c)) == c for c in grid[::97])
+    # The per-path grids, where the old flat product held 2.6 million configs.
+    assert SPACE.size() == 4 * 4 * 4 * 3 * 3 * 5 * 4 + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 4 + 4 * 4 * 3 * 5 * 2 + 4 * 6 * 3 * 4
+
+
+def test_a_proposal_keeps_its_paths_fields():
+    proposal = {name: options[-1] for name, options in SPACE.dimensions.items()}
+    staged = SPACE.from_proposal({**proposal, "path": "staged", "BLOCK_K": 128})
+    assert staged == StagedConfig(BLOCK_N=256, BLOCK_K=128, num_warps=8, CHUNK_N=8192, FAST_ACCUM=True)
+    with pytest.raises(ConfigError, match="BLOCK_K=1024 is not in the space"):
+        SPACE.from_proposal({**proposal, "path": "staged"})
+
+
+# ---- portable defaults -----------------------------------------------------------------------
+
+#: (arch, SMs, m_bucket, N, K) -> portable tiles (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages,
+#: SPLIT_K), the defaults served since they were chosen on Llama-3-8B shapes (docs/perf/HISTORY.md).
+DEFAULTS = {
+    ("sm90", 132, 1, 14336, 4096): (16, 64, 256, 1, 4, 3, 1),
+    ("sm90", 132, 16, 14336, 4096): (16, 64, 256, 1, 4, 3, 1),
+    ("sm90", 132, 32, 14336, 4096): (32, 64, 128, 1, 4, 4, 1),
+    ("sm90", 132, 64, 14336, 4096): (64, 64, 128, 1, 4, 4, 1),
+    ("sm90", 132, 128, 14336, 4096): (128, 128, 64, 1, 8, 3, 1),
+    ("sm90", 132, 256, 14336, 4096): (128, 128, 64, 8, 8, 3, 1),
+    ("sm90", 132, 1, 4096, 14336): (16, 64, 256, 1, 4, 3, 4),
+    ("sm90", 132, 32, 4096, 14336): (32, 64, 128, 1, 4, 4, 4),
+    ("sm90", 132, 64, 4096, 4096): (64, 64, 128, 1, 4, 4, 4),
+    ("sm90", 132, 8192, 4096, 4096): (128, 128, 64, 8, 8, 3, 1),
+    ("sm80", 108, 1, 1000, 768): (16, 64, 256, 1, 4, 3, 1),
+    ("sm80", 108, 64, 1000, 768): (64, 64, 128, 1, 4, 4, 2),
+    ("cpu-interpreter", 1, 16, 64, 256): (16, 32, 64, 1, 4, 1, 1),
+    ("cpu-interpreter", 1, 32, 64, 256): (32, 32, 64, 1, 4, 1, 1),
+}
+
+
+@pytest.mark.parametrize("where", sorted(DEFAULTS), ids=lambda w: "-".join(map(str, w)))
+def test_portable_defaults_by_m_bucket(where):
+    arch, sms, m, n, k = where
+    config = default_config(Q4KKey(arch=arch, sm_count=sms, dtype="bfloat16", m_bucket=m, n=n, k=k))
+    names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT_K")
+    assert isinstance(config, PortableConfig)
+    assert tuple(getattr(config, name) for name in names) == DEFAULTS[where]
+
+
+def test_gpu_keys_and_feasible_defaults():
+    keys = KERNEL.default_keys(H200)
+    assert {k.m_bucket for k in keys} == {1, 16, 64, 256, 1024, 4096, 8192}
+    assert {(k.k, k.n) for k in keys} == {(4096, 14336), (14336, 4096), (4096, 4096)}
+    limits = KERNEL.limits(H200)
+    for key in keys:
+        assert SPACE.infeasible_reason(KERNEL.default_config(key), key, limits) is None, key
+        assert SPACE.feasible(key, limits), key
+    assert key_for(H200, _facts(3, 14336, 4096)) == _key(4)
+    assert key_for(H200, _facts(3, 14336, 4096, "fp16")).dtype == "float16"
+
+
+def test_tuning_keys_aliases_and_validity():
+    (key,) = TUNING.default_keys(interpreter_device())
+    assert (key.m_bucket, key.n, key.k, key.dtype) == (16, 64, 256, "bfloat16")
+    field, transform = TUNING.key_aliases["m"]
+    assert field == "m_bucket" and [transform(m) for m in (1, 3, 4, 100)] == [1, 4, 4, 128]
+    assert TUNING.valid_key(_key(16))
+    for bad in (_key(16, k=300), _key(16, dtype="float32"), _key(3), _key(16, n=0)):
+        assert not TUNING.valid_key(bad), bad
+
+
+# ---- feasibility -----------------------------------------------------------------------------
+
+
+def test_mma_tile_rules():
+    key = _key(4096, n=4096)
+    assert "SPLIT_K" in SPACE.infeasible_reason(PortableConfig(SPLIT_K=2), key, LIMITS)
+    huge = PortableConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=256, num_warps=8, num_stages=5)
+    assert "shared memory" in SPACE.infeasible_reason(huge, key, LIMITS)
+    small_blocks = SPACE.infeasible_reason(PortableConfig(BLOCK_N=256), key, INTERPRETER)
+    assert small_blocks is not None and "interpreter" in small_blocks
+    folded = Fp8Config(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, SCALE_FOLD=True)
+    assert SPACE.infeasible_reason(folded, key, LIMITS) is None
+    # 128 accumulator registers plus a 128x256 float32 weight tile over 4 warps.
+    wide = dataclasses.replace(folded, BLOCK_K=256, num_warps=4)
+    assert "weight tile" in SPACE.infeasible_reason(wide, key, LIMITS)
+    # The rule is the folded kernel's: the unfolded one keeps its feasible configs.
+    assert SPACE.infeasible_reason(dataclasses.replace(wide, SCALE_FOLD=False), key, LIMITS) is None
+
+
+def test_staged_rules():
+    """The staged path varies its dequantization tile, chunk and accumulation only, at large M,
+    bf16 and N, K multiples of 16, with at least two chunks (never the whole weight at once)."""
+    key = _key(4096)
+    staged = StagedConfig(BLOCK_N=32, BLOCK_K=256, CHUNK_N=2048)
+    assert SPACE.infeasible_reason(staged, key, LIMITS) is None
+    assert SPACE.infeasible_reason(dataclasses.replace(staged, FAST_ACCUM=True), key, LIMITS) is None
+    assert "M > 64" in SPACE.infeasible_reason(staged, _key(64), LIMITS)
+    assert "half or more" in SPACE.infeasible_reason(staged, _key(4096, n=4096 - 16), LIMITS)
+    assert SPACE.infeasible_reason(staged, _key(4096, n=4096), LIMITS) is None
+    assert "bfloat16" in SPACE.infeasible_reason(staged, _key(4096, dtype="float16"), LIMITS)
+    assert "multiples of 16" in SPACE.infeasible_reason(staged, _key(4096, n=14328), LIMITS)
+    assert "below 1024" in SPACE.infeasible_reason(dataclasses.replace(staged, CHUNK_N=32), key, LIMITS)
+    assert "BLOCK_K >= 64" in SPACE.infeasible_reason(dataclasses.replace(staged, BLOCK_K=32), key, LIMITS)
+    # The interpreter tries it at its tiny keys, with its small chunk.
+    tiny_key = Q4KKey(arch="cpu-interpreter", sm_count=1, dtype="bfloat16", m_bucket=16, n=64, k=256)
+    tiny = dataclasses.replace(staged, BLOCK_K=64, CHUNK_N=32)
+    assert SPACE.infeasible_reason(tiny, tiny_key, INTERPRETER) is None
+    assert any(c.path == "staged" for c in SPACE.feasible(key, LIMITS))
+    assert not any(c.path == "staged" for c in SPACE.feasible(_key(16), LIMITS))
+
+
+def test_swap_rules():
+    """SWAP_AB exists with SCALE_FOLD only, BLOCK_M=256 with it only, and its tiles follow what
+    Triton 3.6 and ptxas make of the swapped kernel for sm_90 (tests/test_sm90_build.py)."""
+    key = _key(4096)
+    swapped = Fp8Config(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, SCALE_FOLD=True, SWAP_AB=True)
+    assert SPACE.infeasible_reason(swapped, key, LIMITS) is None
+    # The same launch as SWAP_AB=False: pruned as a duplicate.
+    duplicate = dataclasses.replace(swapped, SCALE_FOLD=False, BLOCK_M=128)
+    assert "SWAP_AB only changes" in SPACE.infeasible_reason(duplicate, key, LIMITS)
+    # BLOCK_M=256 keeps the other kernels' spaces as they were.
+    unswapped = dataclasses.replace(swapped, SWAP_AB=False)
+    assert "BLOCK_M=256" in SPACE.infeasible_reason(unswapped, key, LIMITS)
+    assert SPACE.infeasible_reason(dataclasses.replace(unswapped, BLOCK_M=128), key, LIMITS) is None
+    # 64 weight rows per warpgroup: 8 warps need BLOCK_N=128, 2 warps have no warpgroup.
+    assert "per warpgroup" in SPACE.infeasible_reason(dataclasses.replace(swapped, BLOCK_N=64), key, LIMITS)
+    narrow = dataclasses.replace(swapped, BLOCK_M=128, BLOCK_N=64, num_warps=4)
+    assert SPACE.infeasible_reason(narrow, key, LIMITS) is None
+    assert "per warpgroup" in SPACE.infeasible_reason(dataclasses.replace(narrow, num_warps=2), key, LIMITS)
+    assert "BLOCK_K >= 64" in SPACE.infeasible_reason(dataclasses.replace(swapped, BLOCK_K=32), key, LIMITS)
+    assert "num_stages >= 2" in SPACE.infeasible_reason(dataclasses.replace(swapped, num_stages=1), key, LIMITS)
+    # A tile the unswapped folded kernel holds without spilling, the swapped one does not.
+    wide = Fp8Config(BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, num_warps=4, SCALE_FOLD=True, SWAP_AB=True)
+    assert "weight tile" in SPACE.infeasible_reason(wide, key, LIMITS)
+    assert SPACE.infeasible_reason(dataclasses.replace(wide, SWAP_AB=False), key, LIMITS) is None
+    # The weight tile never passes through shared memory.
+    same_tile = dataclasses.replace(swapped, BLOCK_M=128)
+    assert smem_bytes(same_tile) < smem_bytes(dataclasses.replace(same_tile, SWAP_AB=False))
+    # The interpreter runs the swapped kernel at its small tiles, whatever wgmma would need.
+    tiny = Fp8Config(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_stages=1, GROUP_M=1, SCALE_FOLD=True, SWAP_AB=True)
+    assert SPACE.infeasible_reason(tiny, _key(16), INTERPRETER) is None
+    assert "per warpgroup" in SPACE.infeasible_reason(tiny, _key(16), LIMITS)
+
+
+def test_gemv_rules():
+    """One row of x on a GPU (two or more spill), K tiles up to 1024 that divide K and its split."""
+    gemv = GemvConfig(BLOCK_N=32, BLOCK_K=256, SPLIT_K=2)
+    assert SPACE.infeasible_reason(gemv, _key(1), LIMITS) is None
+    assert "M <= 1" in SPACE.infeasible_reason(gemv, _key(2), LIMITS)
+    assert "does not divide" in SPACE.infeasible_reason(dataclasses.replace(gemv, SPLIT_K=8), _key(1, k=768), LIMITS)
+    assert "exceed 32" in SPACE.infeasible_reason(GemvConfig(BLOCK_N=256, BLOCK_K=1024), _key(1), LIMITS)
+    assert "leave threads" in SPACE.infeasible_reason(GemvConfig(BLOCK_N=32, BLOCK_K=32, num_warps=8), _key(1), LIMITS)
+    # The interpreter's tiny keys take it at any M.
+    assert SPACE.infeasible_reason(GemvConfig(BLOCK_N=32), _key(16, n=64, k=256), INTERPRETER) is None
+
+
+def test_the_tuner_can_choose_every_fp8_kernel():
+    """SCALE_FOLD and SWAP_AB are dimensions: feasible at decode and prefill sizes, never a default."""
+    limits = KERNEL.limits(H200)
+    for m in (1, 16, 4096):
+        key = key_for(H200, _facts(m, 14336, 4096))
+        assert KERNEL.default_config(key).path == "portable"
+        fp8 = [c for c in SPACE.feasible(key, limits) if isinstance(c, Fp8Config)]
+        assert any(c.SCALE_FOLD and c.BLOCK_K == 256 for c in fp8), m
+        assert any(c.SWAP_AB for c in fp8) and all(c.SCALE_FOLD for c in fp8 if c.SWAP_AB), m
+        assert all(c.SWAP_AB for c in fp8 if c.BLOCK_M == 256)
+    # BLOCK_M=256 (wgmma's widest N in the swapped kernel) where M fills it.
+    assert any(c.BLOCK_M == 256 for c in fp8)
+
+
+# ---- serving ---------------------------------------------------------------------------------
+
+
+def test_serve_falls_back_where_a_path_cannot_run():
+    fp8 = KERNEL.pinned_config({"path": "fp8"})
+    folded = KERNEL.pinned_config({"path": "fp8", "SCALE_FOLD": True})
+    facts = _facts(16, 4096, 4096)
+    assert KERNEL.serveable(fp8, A100, facts) == KERNEL.default_config(key_for(A100, facts))
+    assert KERNEL.serveable(folded, A100, facts) == KERNEL.serveable(fp8, A100, facts)
+    assert KERNEL.serveable(folded, H200, facts) == folded
+    assert KERNEL.serveable(fp8, H200, facts) == fp8
+    assert KERNEL.serveable(fp8, interpreter_device(), facts) == fp8
+    staged = KERNEL.pinned_config({"path": "staged"})
+    assert SPACE.infeasible_reason(staged, key_for(H200, _facts(4096, 14336, 4096)), KERNEL.limits(H200)) is None
+    assert KERNEL.serveable(staged, H200, facts) == staged
+    assert KERNEL.serveable(staged, interpreter_device(), facts) == staged
+    # Row-wise scaled fp8 GEMMs: SM90+, bf16 out, N and K multiples of 16; else the portable default.
+    for device, call in ((L40S, facts), (H200, _facts(16, 4096, 4096, "fp16")), (H200, _facts(16, 4088, 4096))):
+        assert KERNEL.serveable(staged, device, call).path == "portable", (device.arch, call)
+    # A split that does not divide K's tiles is narrowed rather than refused at launch.
+    odd = KERNEL.serveable(PortableConfig(BLOCK_K=256, SPLIT_K=8), H200, _facts(1, 4096, 768))
+    assert odd == PortableConfig(BLOCK_K=256, SPLIT_K=1)
+    assert KERNEL.serveable(GemvConfig(BLOCK_K=256, SPLIT_K=4), H200, _facts(1, 4096, 512)).SPLIT_K == 2
+
+
+def test_check_holds_each_path_to_its_floor():
+    expected = torch.randn(4, 8)
+    problem = TUNING.make_problem(TUNING.default_keys(interpreter_device())[0], torch.device("cpu"), seed=1)
+    assert "NaN" in KERNEL.check(torch.full_like(expected, float("nan")), expected, problem)
+    noisy = expected + 0.2 * torch.randn(4, 8)
+    assert "SQNR" in KERNEL.check(noisy, expected, problem)
+    assert MIN_SQNR_DB["fp8"] < MIN_SQNR_DB["gemv"] < MIN_SQNR_DB["portable"]
+
+
+# ---- the tuner's starting configs ------------------------------------------------------------
+
+
+def test_starting_configs_follow_the_rules_the_space_admits():
+    """On an H200: one row of x starts from GEMV tiles split toward four programs per SM; every
+    key from swapped folded fp8 tiles (16-row x tiles at small M, 256 and 128 rows at large M);
+    large M from the two largest staged chunks the key admits. Before Hopper only the GEMV tiles
+    remain; the interpreter gets none."""
+    limits = KERNEL.limits(H200)
+    for key in KERNEL.default_keys(H200):
+        if key.m_bucket not in (1, 16, 64, 4096):
+            continue
+        starts = KERNEL.starting_configs(key, H200)
+        assert len(starts) == len(set(starts)), key
+        for config in starts:
+            assert SPACE.infeasible_reason(config, key, limits) is None, (key, config)
+            assert (isinstance(config, Fp8Config) and config.SWAP_AB) or config.path in ("staged", "gemv")
+        fold = [c for c in starts if isinstance(c, Fp8Config)]
+        assert max(c.BLOCK_M for c in fold) == {1: 16, 16: 16, 64: 64, 4096: 256}[key.m_bucket]
+        staged = sorted(c.CHUNK_N for c in starts if isinstance(c, StagedConfig))
+        # Chunks of at most half the weight rows.
+        expected = {14336: [2048, 4096], 4096: [1024, 2048]}[key.n] if key.m_bucket == 4096 else []
+        assert staged == expected, key
+        gemv = [c for c in starts if isinstance(c, GemvConfig)]
+        assert bool(gemv) == (key.m_bucket == 1), key
+        for config in gemv:
+            programs = -(-key.n // config.BLOCK_N) * config.SPLIT_K
+            assert programs <= 4 * H200.sm_count or config.SPLIT_K == 1, config
+    decode = KERNEL.starting_configs(key_for(L40S, _facts(1, 14336, 4096)), L40S)
+    assert decode and {c.path for c in decode} == {"gemv"}
+    assert KERNEL.starting_configs(key_for(L40S, _facts(4096, 14336, 4096)), L40S) == []
+    cpu = device_info("cpu")
+    assert KERNEL.starting_configs(KERNEL.default_keys(cpu)[0], cpu) == []
+
+
+# ---- what Triton's compiler makes of the folded kernel -----------------------------------------
+
+
+def test_fold_builds_for_sm90(tmp_path):
+    """Triton's compiler, unlike the interpreter, sees the real kernel: built for sm_90 here (no GPU
+    needed), feasible tiles use e4m3 wgmma from 64 rows, spill nothing and fit the smem estimate.
+
+    Without SWAP_AB the folded kernel takes its weight tile (wgmma's A) from shared memory and waits
+    for each wgmma; with it, from registers, keeping wgmma groups in flight while it dequantizes
+    the next chunk, at every BLOCK_M down to 16, with x's tiles arriving by cp.async.
+    """
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(90).path
+    except Exception as exc:
+        pytest.skip(f"Triton's CUDA backend cannot build here: {exc}")
+    if not os.access(ptxas, os.X_OK):
+        pytest.skip(f"Triton's ptxas is not executable here: {ptxas}")
+    # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP_AB): prefill tiles and decode tiles.
+    configs = [
+        (128, 128, 128, 8, 3, False),
+        (64, 256, 64, 8, 4, False),
+        (16, 64, 256, 4, 3, False),
+        (256, 128, 64, 8, 4, True),
+        (128, 256, 64, 8, 3, True),
+        (16, 128, 256, 8, 3, True),
+        (16, 64, 256, 4, 4, True),
+    ]
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    script = Path(__file__).with_name("sm90_build.py")
+    run = subprocess.run(
+        [sys.executable, str(script), json.dumps(configs)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    built = [json.loads(line) for line in run.stdout.splitlines()]
+    for (bm, bn, bk, warps, stages, swap), result in zip(configs, built, strict=True):
+        assert result["swap"] is swap, result
+        key = key_for(H200, _facts(4096 if bm >= 64 else 16, 14336, 4096))
+        config = Fp8Config(
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8 if bm >= 64 else 1, num_warps=warps, num_stages=stages,
+            SCALE_FOLD=True, SWAP_AB=swap,
+        )  # fmt: skip
+        assert SPACE.infeasible_reason(config, key, KERNEL.limits(H200)) is None, config
+        assert result["spill_bytes"] == 0, result
+        assert result["shared"] <= smem_bytes(config), result
+        if swap:
+            # wgmma's M side is BLOCK_N (64 rows per warpgroup, each warpgroup its own rows), its N
+            # side all of BLOCK_M: wgmma at every tile, 16 rows too.
+            assert result["mma"] == [f"wgmma.mma_async.sync.aligned.m64n{bm}k32.f32.e4m3.e4m3"], result
+            assert result["wgmma_a"] == ["registers"], result
+            assert result["wgmma_in_flight"] == bk // 32 - 1, result
+            assert result["cp_async"] > 0 and result["tma"] == 0, result
+        elif bm >= 64:
+            assert [m for m in result["mma"] if m.endswith(".f32.e4m3.e4m3")], result
+            assert result["wgmma_a"] == ["shared"] and result["wgmma_in_flight"] == 0, result
