@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ._inline import inline_lambda
 from ._launch import out_is_separate
 from .arguments import Derived, Obj, Output, Rule, Scalar, Tensor, dtype_name
 
@@ -218,13 +219,10 @@ def build_fast_check(
         else:
             w.emit(f"if {test}: return None")
     for rule in rules:
-        fn = w.constant("rule", rule.check)
-        w.emit(f"if not {fn}({', '.join(rule.params)}): return None")
+        w.emit(f"if not {_applied(w, 'rule', rule.check, rule.params)}: return None")
     for a in arguments:
         if isinstance(a, Scalar) and a.resolve is not None:
-            fn = w.constant("resolve", a.resolve)
-            params_of = [p for p in _parameters(a.resolve)]
-            w.emit(f"if {a.name} is None: {a.name} = {fn}({', '.join(params_of)})")
+            w.emit(f"if {a.name} is None: {a.name} = {_applied(w, 'resolve', a.resolve, _parameters(a.resolve))}")
     # Every tensor an output must not overlap: tensor inputs and each object's parts.
     tensor_inputs = [a.name if isinstance(a, Tensor) else f"*{w.constant('split', a.split)}({a.name})" for a in inputs]
     for a in arguments:
@@ -253,8 +251,7 @@ def build_fast_check(
         others = "(" + "".join(f"{n}, " for n in tensor_inputs) + ")"
         w.emit(f"if not _separate({a.name}, {others}): return None", 2)
     for d in derived:
-        fn = w.constant("derived", d.compute)
-        w.emit(f"{d.name} = {fn}({', '.join(d.params)})")
+        w.emit(f"{d.name} = {_applied(w, 'derived', d.compute, d.params)}")
     fact_exprs = []
     for fact in facts:
         if fact == "dtype":
@@ -269,6 +266,13 @@ def build_fast_check(
     code = compile(source, f"<tritune fast check: {', '.join(params)}>", "exec")
     exec(code, namespace)  # our own generated text, from a declaration in code: nothing read from a file
     return FastCheck(namespace["fast_check"], source)
+
+
+def _applied(w: _Writer, prefix: str, fn: Callable[..., Any], params: Sequence[str]) -> str:
+    """``fn`` applied to the locals named ``params``: its expression in place where it can be (a
+    lambda over those names, see :mod:`._inline`), else a call (a Python call per check saved)."""
+    inline = inline_lambda(fn, lambda value: w.constant("g", value))
+    return inline if inline is not None else f"{w.constant(prefix, fn)}({', '.join(params)})"
 
 
 def _parameters(fn: Callable[..., Any]) -> list[str]:

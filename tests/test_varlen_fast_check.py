@@ -221,3 +221,10 @@ def test_the_fast_check_never_accepts_what_the_detailed_checks_refuse(args):
         assert fast_args[-1] is given_out and checked[-1] is given_out
     else:
         assert fast_args[-1].shape == checked[-1].shape and fast_args[-1].dtype == checked[-1].dtype
+
+
+def test_the_rules_and_the_default_scale_are_written_in_place():
+    """No Python call per rule: the generated check holds the declaration's lambdas as expressions."""
+    source = KERNEL.fast_check().source
+    assert "_rule" not in source and "_resolve" not in source
+    assert "if not (Hkv > 0 and Hq % Hkv == 0): return None" in source
