@@ -340,6 +340,7 @@ def test_decode_graph_replays_match_eager_steps(model: llama.LlamaModel) -> None
     assert graphed.captured
     # The captured step serves a new sequence: static buffers, lengths on the device.
     assert graphed.generate(PROMPT[:5], 4) == eager.generate(PROMPT[:5], 4)
+    graphed.reset()
     prefill = graphed.prefill([1, 2, 3])
     token = int(prefill.argmax())
     logits = [graphed.decode(token).clone(), graphed.decode().clone()]
