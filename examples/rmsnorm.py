@@ -6,6 +6,8 @@
 ``rms_norm(x, weight)`` then serves the tuned config for each row length (docs/ARCHITECTURE.md).
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 from typing import ClassVar
 

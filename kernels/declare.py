@@ -24,7 +24,7 @@ import collections
 import importlib
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from triton.runtime.interpreter import InterpretedFunction
@@ -48,6 +48,10 @@ class KernelTuning:
     Subclass it next to the declaration (``kernels/<family>/tuning.py`` for the built-ins) and
     name it in ``Kernel(tuning="module:attribute")``; only the tuner imports it.
     """
+
+    #: ``tune --key NAME=VALUES`` names besides the key's own fields: NAME -> (field, transform of
+    #: each value), for example ``{"lq": ("lq_bucket", pow2_bucket)}`` so that ``--key lq=4096`` works.
+    key_aliases: ClassVar[dict[str, tuple[str, Callable[[int], int]]]] = {}
 
     def make_problem(self, key: Any, device: torch.device, seed: int) -> Problem:
         """Fresh random inputs representative of ``key`` (tiny shapes on the interpreter)."""
@@ -146,6 +150,8 @@ class Kernel(KernelSpec[Any, Any]):
             ]
         )
         self._config_cache: dict[tuple[Any, ...], Any] = {}
+        # Before the op is registered: a clash of names must not rebind the other kernel's op.
+        registry.check_name(self)
         self.op = register_schema_op(
             op_name or f"tritune::{name}",
             self._op_body,

@@ -29,6 +29,7 @@ import torch
 
 from tritune.configs_db.values import printable
 
+from . import registry
 from . import settings as settings_module
 from .device import DeviceInfo, device_info
 from .registry import get_spec
@@ -72,6 +73,14 @@ class Dispatcher:
             self._resolved.clear()
             self._logged.clear()
             self._memo.clear()
+
+    def declared(self, spec: KernelSpec[Any, Any]) -> None:
+        """A kernel declared after winners were loaded: admit the stored records kept aside for it."""
+        with self._lock:
+            for slug, table in self._tables.items():
+                admitted = table.admit_waiting(spec.name)
+                if admitted:
+                    log.info("%s: %d stored config(s) for %s admitted on its declaration", spec.name, admitted, slug)
 
     def memo_get(self, memo: tuple[Any, ...]) -> Any:
         return self._memo.get(memo)
@@ -194,6 +203,7 @@ class Dispatcher:
 
 DISPATCHER = Dispatcher()
 settings_module.on_change(DISPATCHER.clear)
+registry.on_register(DISPATCHER.declared)
 
 
 def reload_configs() -> None:

@@ -5,6 +5,11 @@ Each record is checked against the running environment before it is admitted: th
 exist, its source hash and the Triton version must match, it must be for this GPU, and its key and
 config must parse strictly against the kernel's key type and search space. Anything else is
 refused with one logged reason, and the portable path serves that key instead.
+
+Records of a kernel not declared in this process yet (a user's kernel whose module is imported
+after the first call of another kernel) are kept aside in the table and admitted when a kernel of
+that name is declared (:meth:`WinnerTable.admit_waiting`). A name no installed package declares
+either is logged as unknown when the table loads.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from tritune.configs_db.records import Rejection, WinnerRecord
 from tritune.configs_db.values import printable
 
 from .device import DeviceInfo
-from .registry import get_spec
+from .registry import entry_points, get_spec, known
 from .spec import TuningKey
 
 log = logging.getLogger("tritune.dispatch")
@@ -37,9 +42,12 @@ class Entry:
 class WinnerTable:
     """Winners of one device, indexed for exact and nearest-bucket lookup."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: DeviceInfo | None = None) -> None:
+        self.device = device
         self.exact: dict[tuple[str, TuningKey], Entry] = {}
         self.groups: dict[tuple[str, tuple[Any, ...]], list[tuple[TuningKey, Entry]]] = defaultdict(list)
+        #: Records of kernels not declared in this process, by kernel name, in the order they were read.
+        self.waiting: dict[str, list[WinnerRecord]] = defaultdict(list)
 
     def add(self, kernel: str, key: TuningKey, entry: Entry) -> None:
         """Later additions override earlier ones (the user's DB is added after the bundle)."""
@@ -52,6 +60,21 @@ class WinnerTable:
 
     def __len__(self) -> int:
         return len(self.exact)
+
+    def admit_waiting(self, kernel: str) -> int:
+        """Admit the records kept aside for ``kernel`` (declared since the table loaded); how many."""
+        records = self.waiting.pop(kernel, [])
+        if not records or self.device is None:
+            return 0
+        refused: Counter[str] = Counter()
+        for record in records:
+            outcome = admit(record, self.device)
+            if isinstance(outcome, Rejection):
+                refused[outcome.reason] += 1
+            else:
+                self.add(*outcome)
+        _log_refused(refused)
+        return len(records) - sum(refused.values())
 
 
 def admit(record: WinnerRecord, device: DeviceInfo) -> tuple[str, TuningKey, Entry] | Rejection:
@@ -90,19 +113,44 @@ def admit(record: WinnerRecord, device: DeviceInfo) -> tuple[str, TuningKey, Ent
 
 
 def build_table(record_sets: Iterable[Iterable[WinnerRecord]], device: DeviceInfo) -> WinnerTable:
-    """Admit records in order (later sets override earlier ones), logging each refusal once."""
-    table = WinnerTable()
+    """Admit records in order (later sets override earlier ones), logging each refusal once.
+
+    A record of a kernel not declared here is kept aside (see the module docstring).
+    """
+    table = WinnerTable(device)
     refused: Counter[str] = Counter()
+    installed: dict[str, str] | None = None
     for records in record_sets:
         for record in records:
+            if not known(record.kernel):
+                table.waiting[record.kernel].append(record)
+                if installed is None:
+                    installed = _installed()
+                if record.kernel not in installed:
+                    reason = f"{record.source} {record.kernel}: unknown kernel"
+                    refused[f"{reason} (kept aside: served if a kernel of that name is declared)"] += 1
+                continue
             outcome = admit(record, device)
             if isinstance(outcome, Rejection):
                 refused[outcome.reason] += 1
                 continue
             table.add(*outcome)
+    _log_refused(refused)
+    return table
+
+
+def _installed() -> dict[str, str]:
+    """Kernels installed packages declare (entry points); none if the metadata cannot be read."""
+    try:
+        return entry_points()
+    except Exception as exc:  # a broken install must not take the kernels down
+        log.debug("installed kernels not listed: %s", exc)
+        return {}
+
+
+def _log_refused(refused: Counter[str]) -> None:
     # Rows of an older kernel version share one reason: say it once with a count, not per row.
     for reason, count in refused.items():
         log.warning(
             "refused stored config: %s%s", printable(reason, limit=1000), f" ({count} entries)" if count > 1 else ""
         )
-    return table

@@ -72,10 +72,54 @@ def test_list_shows_spaces(toy):
     assert "toy_scale" in result.output and "BLOCK" in result.output
 
 
+def test_list_shows_version_protocol_and_the_key_fields(toy):
+    output = " ".join(_run("list").output.split())
+    spec = toy_kernel.SPEC
+    assert f"toy_scale (version {spec.version}, protocol 1, 24 configs before pruning)" in output
+    assert "key: dtype (str), n_bucket (int); aliases: n -> n_bucket" in output
+    assert "declared at toy_kernel:SPEC" in output
+
+
+def test_list_shows_the_paths_of_a_space_of_paths(monkeypatch):
+    monkeypatch.setitem(registry._SPECS, "toy_paths", f"{toy_kernel.__name__}:PATHS")
+    output = _run("list").output
+    table = output[output.index("toy_paths (version") :]
+    rows = {line.split("│")[1].strip(): line for line in table.splitlines() if line.count("│") == 5}
+    assert "narrow, wide" in rows["BLOCK"] and rows["BROKEN"].rstrip(" │").endswith("wide")
+
+
+def test_key_option_tunes_the_keys_it_names(toy, tmp_path):
+    db = f"sqlite:///{tmp_path / 'k.sqlite'}"
+    args = ["--device", "cpu", "--kernel", "toy_scale", "--key", "n=100", "--trials", "3", "--no-isolate", "--db", db]
+    result = _run(*args)
+    assert result.exit_code == 0, result.output
+    assert [w.key["n_bucket"] for w in ConfigStore(db).winners(kernel="toy_scale")] == [128]
+
+
+def test_a_bad_key_option_is_a_usage_error_and_creates_no_db(toy, tmp_path):
+    db = tmp_path / "k.sqlite"
+    result = runner.invoke(app, ["--device", "cpu", "--kernel", "toy_scale", "--key", "n_bucket=x", "--db", str(db)])
+    assert result.exit_code == 2
+    assert "'x' is not an int" in " ".join(result.output.replace("│", " ").split())
+    assert not db.exists()
+
+
 def test_unknown_kernel_is_a_usage_error(tmp_path):
     result = runner.invoke(app, ["--device", "cpu", "--kernel", "nope", "--db", str(tmp_path / "x.sqlite")])
     assert result.exit_code == 2
     assert "nope" in result.output
+    assert "path/to/file.py:NAME" in " ".join(result.output.replace("│", " ").split())
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [("missing/kernel.py:KERNEL", "no such file missing/kernel.py"), ("toy_kernel:NOTHING", "no kernel declaration")],
+)
+def test_a_declaration_that_is_not_there_is_a_usage_error(target, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["--device", "cpu", "--kernel", target, "--db", str(tmp_path / "x.sqlite")])
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.replace("│", " ").split())
 
 
 def test_option_that_does_not_apply(toy, tmp_path):

@@ -353,7 +353,7 @@ def test_unforeseen_error_is_one_line_with_its_type(monkeypatch: pytest.MonkeyPa
     def broken() -> Any:
         raise RuntimeError("registry\nexploded [bold]")
 
-    monkeypatch.setattr(registry, "all_specs", broken)
+    monkeypatch.setattr(registry, "kernel_names", broken)
     output = failed(run("list"), 1, "RuntimeError: registry exploded [bold]", "run with --debug", max_lines=1)
     assert "\x1b" not in output
 

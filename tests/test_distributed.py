@@ -380,9 +380,8 @@ def test_two_gpus_of_one_model_count_each_shared_study_once(toy, tmp_path, monke
     monkeypatch.setattr(fleet, "run_fleet", run_here)
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
     where = StudyStorage(str(tmp_path / "studies.log"))
-    given: dict[str, list[int]] = {"head_dim": [], "lq": [], "lkv": [], "batch": [], "m": []}
     # Without an exception: the command exits 0.
-    cli._tune_fleet(["0", "1"], ["toy_scale"], given, url, TuneOptions(trials=40, final_rounds=1), where, 10)
+    cli._tune_fleet(["0", "1"], ["toy_scale"], [], url, TuneOptions(trials=40, final_rounds=1), where, 10)
 
     output = " ".join(capsys.readouterr().out.split())
     assert [len(names) for names in released_from] == [2]

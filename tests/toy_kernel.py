@@ -19,8 +19,9 @@ import multiprocessing
 import resource
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import triton
@@ -74,6 +75,8 @@ class ToySpec(KernelSpec[ToyConfig, ToyKey]):
     protocol = 1
     key_type = ToyKey
     space: SearchSpace[ToyConfig, ToyKey] = SearchSpace("toy_scale", ToyConfig, feasibility=_feasible)
+    #: ``tune --key n=100``: a length, bucketed as calls are.
+    key_aliases: ClassVar[dict[str, tuple[str, Callable[[int], int]]]] = {"n": ("n_bucket", pow2_bucket)}
 
     def facts(self, x: torch.Tensor, *, alpha: float = 2.0, out: torch.Tensor | None = None) -> ToyFacts:
         return ToyFacts(str(x.dtype).removeprefix("torch."), x.numel())
@@ -106,6 +109,9 @@ class ToySpec(KernelSpec[ToyConfig, ToyKey]):
 
     def default_keys(self, device: DeviceInfo, n: list[int] | None = None) -> list[ToyKey]:
         return [ToyKey(device.arch, device.sm_count, "float32", pow2_bucket(v)) for v in (n or [64, 256])]
+
+    def valid_key(self, key: ToyKey) -> bool:
+        return key.dtype in ("float32", "float16", "bfloat16") and key.n_bucket >= 16
 
 
 SPEC = ToySpec()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -154,6 +155,52 @@ def check_database_path(url: str, *, must_exist: bool) -> None:
             f"no config DB at {shown}",
             "give the path of an existing DB with --db (or TRITUNE_DB); a tuning run creates one",
         )
+
+
+def check_kernel_names(names: list[str]) -> None:
+    """Refuse an unknown kernel name, or a file that is not there, before anything is imported.
+
+    ``--kernel`` takes a kernel's name (built in, declared by an installed package's ``tritune.kernels``
+    entry point) or where a declaration is: ``package.module:NAME`` or ``path/to/file.py:NAME``.
+    """
+    from tritune.kernels import registry
+
+    known: list[str] | None = None
+    for name in names:
+        if registry.is_target(name):
+            where = name.rpartition(":")[0]
+            if registry.is_path(where) and not Path(where).expanduser().is_file():
+                raise typer.BadParameter(f"{name!r}: no such file {where}", param_hint="--kernel")
+            continue
+        known = registry.kernel_names() if known is None else known
+        if name not in known:
+            raise typer.BadParameter(
+                f"{name!r}: known kernels are {', '.join(known)} (or name a declaration: package.module:NAME "
+                "or path/to/file.py:NAME)",
+                param_hint="--kernel",
+            )
+
+
+def load_kernels(names: list[str] | None, *, tunable: bool = False) -> list[Any]:
+    """The kernels ``--kernel`` names (declarations imported), or every known one without names.
+
+    Call it after :func:`choose_device`: a declaration's Triton kernels are compiled or interpreted
+    as Triton's mode is when they are defined. ``tunable``: without names, leave out the kernels
+    declared without a tuning half.
+    """
+    from tritune.kernels import registry
+
+    from .keys import can_tune
+
+    specs: dict[str, Any] = {}
+    for name in names or registry.kernel_names():
+        try:
+            spec = registry.load(name) if registry.is_target(name) else registry.find(name)
+        except KeyError as exc:
+            raise typer.BadParameter(str(exc.args[0]), param_hint="--kernel") from None
+        if names or not tunable or can_tune(spec):
+            specs.setdefault(spec.name, spec)
+    return list(specs.values())
 
 
 def short_key(key: Any) -> str:

@@ -125,31 +125,27 @@ def consistency_problem(out: torch.Tensor, portable: torch.Tensor) -> str | None
 
 
 def resolve_spec(kernel: str, target: str) -> KernelSpec[Any, Any]:
-    """The spec registered as ``kernel`` at ``target`` ("module:attribute"), registering it in this process.
+    """The kernel ``kernel`` declared at ``target`` ("module:attribute" or "path/file.py:attribute").
 
-    A worker process learns kernels from the tuner's registry entries, so a kernel registered at
-    run time in the tuner process (a test's toy kernel) resolves in the worker too.
+    A worker process learns kernels from where the tuner process found them (:func:`spec_target`),
+    so a kernel declared at run time there (a user's file, a test's toy kernel) resolves here too.
     """
     from tritune.kernels import registry
 
-    registry._SPECS[kernel] = target
-    return registry.get_spec(kernel)
+    spec = registry.get_spec(kernel) if registry.known(kernel) else registry.load(target)
+    if spec.name != kernel:
+        raise BenchError(f"{target} declares a kernel named {spec.name!r}, not {kernel!r}")
+    return spec
 
 
 def spec_target(spec: KernelSpec[Any, Any]) -> str:
-    """The "module:attribute" a worker process imports ``spec`` from."""
-    import sys
-
+    """Where a worker process imports ``spec`` from: "module:attribute" or "path/file.py:attribute"."""
     from tritune.kernels import registry
 
-    target = registry._SPECS.get(spec.name)
-    if target is not None:
-        return str(target)
-    module = sys.modules.get(type(spec).__module__)
-    for attribute, value in vars(module).items() if module is not None else ():
-        if value is spec:
-            return f"{type(spec).__module__}:{attribute}"
-    raise BenchError(f"{spec.name}: not in the kernel registry, so a worker process cannot import it")
+    target = registry.target_of(spec)
+    if target is None:
+        raise BenchError(f"{spec.name}: not found in any module, so a worker process cannot import it")
+    return str(target)
 
 
 class CandidateBench:

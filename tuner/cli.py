@@ -1,7 +1,9 @@
 """The ``tune`` (alias ``tritune``) command line.
 
 ``tune --device 0 --kernel tma_prefill`` tunes the kernel's default keys on GPU 0 into the config
-DB; ``tune list|show|export|import|bench`` inspect and move what was stored. Without a GPU,
+DB (``--key FIELD=VALUES`` replaces key fields, :mod:`.keys`; ``--kernel`` also takes a user's
+declaration, ``package.module:NAME`` or ``path/to/file.py:NAME``); ``tune
+list|show|export|import|bench`` inspect and move what was stored. Without a GPU,
 ``--device cpu`` (what ``auto`` picks there) runs the same loop on the Triton interpreter at tiny
 shapes and stores under the pseudo-device ``cpu-interpreter``.
 
@@ -12,7 +14,6 @@ postgresql+psycopg://...`` joins shared studies from any host; ``tune status`` s
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import time
@@ -25,30 +26,30 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .app import DEBUG_FLAG, app, check_database_path, choose_device, console, db_url, plain, short_key
+from .app import (
+    DEBUG_FLAG,
+    app,
+    check_database_path,
+    check_kernel_names,
+    choose_device,
+    console,
+    db_url,
+    load_kernels,
+    plain,
+    short_key,
+)
 from .commands import print_status, status_rows
+from .keys import KeyOverride, KeyPlan, parse_overrides
 
 if TYPE_CHECKING:
     from .studies import StudyStorage
     from .study import TuneOptions
 
-#: CLI option -> parameter name of ``KernelSpec.default_keys``.
-_KEY_OPTIONS = {"head_dim": "head_dims", "lq": "lq", "lkv": "lkv", "batch": "batches", "m": "m"}
 
-
-def _keys_for(spec: Any, device_info: Any, given: dict[str, list[int]]) -> list[Any]:
-    accepted = inspect.signature(spec.default_keys).parameters
-    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-    kwargs: dict[str, Any] = {}
-    for option, values in given.items():
-        name = _KEY_OPTIONS[option]
-        if not values:
-            continue
-        if name not in accepted and not open_ended:
-            raise typer.BadParameter(f"--{option.replace('_', '-')} does not apply to kernel {spec.name}")
-        kwargs[name] = values
-    keys: list[Any] = spec.default_keys(device_info, **kwargs)
-    return keys
+def _plan(specs: list[Any], overrides: list[KeyOverride], device_info: Any) -> list[tuple[Any, Any]]:
+    """(kernel, key) pairs to tune on one device: each kernel's default keys with the overrides applied."""
+    keys = KeyPlan(specs, overrides)
+    return [(spec, key) for spec in specs for key in keys.keys(spec, device_info)]
 
 
 def _positive_seconds(value: float | None) -> float | None:
@@ -105,12 +106,25 @@ def tune(
             "or all: one worker process per entry"
         ),
     ] = "auto",
-    kernel: Annotated[list[str] | None, typer.Option(help="kernel(s) to tune; default: all")] = None,
-    head_dim: Annotated[list[int] | None, typer.Option(min=1, help="head dims to tune (attention kernels)")] = None,
-    lq: Annotated[list[int] | None, typer.Option(min=1, help="query lengths to tune (prefill)")] = None,
-    lkv: Annotated[list[int] | None, typer.Option(min=1, help="KV lengths to tune")] = None,
-    batch: Annotated[list[int] | None, typer.Option(min=1, help="batch sizes to tune (decode)")] = None,
-    m: Annotated[list[int] | None, typer.Option(min=1, help="M (rows) to tune (GEMM)")] = None,
+    kernel: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="kernel(s) to tune: a name (tune list), or a declaration of your own as package.module:NAME "
+            "or path/to/file.py:NAME; default: all"
+        ),
+    ] = None,
+    key: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="FIELD=V1,V2: tune each default key with FIELD set to each value (repeatable: every "
+            "combination); FIELD is a key field or an alias (tune list shows them)"
+        ),
+    ] = None,
+    head_dim: Annotated[list[int] | None, typer.Option(min=1, help="--key head_dim=...")] = None,
+    lq: Annotated[list[int] | None, typer.Option(min=1, help="--key lq=... (query length, prefill)")] = None,
+    lkv: Annotated[list[int] | None, typer.Option(min=1, help="--key lkv=... (KV length)")] = None,
+    batch: Annotated[list[int] | None, typer.Option(min=1, help="--key batch=... (sequences, decode)")] = None,
+    m: Annotated[list[int] | None, typer.Option(min=1, help="--key m=... (rows, GEMM)")] = None,
     trials: Annotated[int | None, typer.Option(min=1, help="measured trials per key [default: 40; 12 on cpu]")] = None,
     time_budget: Annotated[
         float | None, typer.Option(callback=_positive_seconds, help="seconds per key (above zero)")
@@ -157,21 +171,19 @@ def tune(
         ),
     ] = False,
 ) -> None:
-    """Tune kernels at their default keys (or the ones narrowed by the options) into the DB."""
+    """Tune kernels at their default keys (or those --key makes of them) into the DB."""
     # --debug is read by the app's error handler before click parses the line (see app.TuneGroup).
     del debug
     if ctx.invoked_subcommand is not None:
         return
-    from tritune.kernels.registry import kernel_names
-
     from .studies import StudyStorage
     from .study import TuneOptions
 
     devices = _parse_devices(device, workers)
-    names = kernel or kernel_names()
-    for name in names:
-        if name not in kernel_names():
-            raise typer.BadParameter(f"--kernel {name!r}: known kernels are {', '.join(kernel_names())}")
+    names = list(kernel or [])
+    check_kernel_names(names)
+    overrides = parse_overrides(key or [], {"head_dim": head_dim or [], "lq": lq or [], "lkv": lkv or [],
+                                            "batch": batch or [], "m": m or []})  # fmt: skip
     where = None
     if storage is not None:
         where = StudyStorage(
@@ -204,11 +216,10 @@ def tune(
     options = TuneOptions(
         trials=trials, time_budget_s=time_budget, seed=seed, isolate=isolate, trial_timeout_s=trial_timeout
     )
-    given = {"head_dim": head_dim or [], "lq": lq or [], "lkv": lkv or [], "batch": batch or [], "m": m or []}
     if len(devices) > 1:
-        _tune_fleet(devices, names, given, url, options, where, heartbeat_interval)
+        _tune_fleet(devices, names, overrides, url, options, where, heartbeat_interval)
     else:
-        _tune_here(devices[0], names, given, url, options, where)
+        _tune_here(devices[0], names, overrides, url, options, where)
 
 
 def _same_database(first: str, second: str) -> bool:
@@ -221,7 +232,7 @@ def _same_database(first: str, second: str) -> bool:
 def _tune_here(
     device: str,
     names: list[str],
-    given: dict[str, list[int]],
+    overrides: list[KeyOverride],
     url: str,
     options: TuneOptions,
     where: StudyStorage | None,
@@ -230,7 +241,6 @@ def _tune_here(
     torch_device = choose_device(device)
     from tritune.configs_db.store import ConfigStore, display_url
     from tritune.kernels.device import device_info
-    from tritune.kernels.registry import get_spec
 
     from .shared import run_worker, worker_name
     from .study import KeyResult, KeyTuner, TuningError, environment_id
@@ -238,10 +248,11 @@ def _tune_here(
     from .worker import Worker, worker_device
 
     info = device_info(torch_device)
+    # The kernels and their keys before the DB: a bad --kernel or --key leaves no DB behind.
+    plan = _plan(load_kernels(names, tunable=True), overrides, info)
     store = ConfigStore(url)
     env_id = environment_id(store, info)
     timer = timer_for(torch_device)
-    plan = [(get_spec(n), k) for n in names for k in _keys_for(get_spec(n), info, given)]
     trials = options.trials
     shared = "" if where is None else f" with the studies in {where.display()}"
     console.print(f"tuning {len(plan)} key(s) on {info.slug} into {plain(display_url(url))}{plain(shared)}")
@@ -319,7 +330,7 @@ def _tune_here(
 def _tune_fleet(
     devices: list[str],
     names: list[str],
-    given: dict[str, list[int]],
+    overrides: list[KeyOverride],
     url: str,
     options: TuneOptions,
     where: StudyStorage | None,
@@ -330,7 +341,6 @@ def _tune_fleet(
 
     from tritune.configs_db.store import ConfigStore, display_url
     from tritune.kernels.device import device_info
-    from tritune.kernels.registry import get_spec
 
     from .candidates import spec_target
     from .fleet import ScratchStudies, WorkerJob, run_fleet
@@ -340,25 +350,28 @@ def _tune_fleet(
     if devices[0] == "cpu":
         # The interpreter before any kernel module is imported (the plan imports the specs).
         choose_device("cpu")
+    specs = load_kernels(names, tunable=True)
+    targets = {spec.name: spec_target(spec) for spec in specs}
+    plans: dict[str, list[tuple[Any, Any]]] = {}
+    infos: dict[str, Any] = {}
+    for entry in dict.fromkeys(devices):
+        torch_device = torch.device("cpu") if entry == "cpu" else torch.device("cuda", int(entry))
+        infos[entry] = device_info(torch_device)
+        plans[entry] = _plan(specs, overrides, infos[entry])
     # The config DB is created (and upgraded) once, before the workers open it together.
     ConfigStore(url).close()
     scratch = None
     if where is None:
         scratch = ScratchStudies()
         where = scratch.where
-    specs = [get_spec(n) for n in names]
-    targets = {spec.name: spec_target(spec) for spec in specs}
     jobs: list[WorkerJob] = []
     # GPUs of one model plan the same keys and so share each study: a name is counted once.
     study_names: dict[str, None] = {}
-    plans: dict[str, list[tuple[Any, Any]]] = {}
+    for entry, plan in plans.items():
+        for spec, key in plan:
+            study_names[study_name(spec.name, spec.version, infos[entry].slug, _triton_version(), key.to_dict())] = None
     for index, entry in enumerate(devices):
         torch_device = torch.device("cpu") if entry == "cpu" else torch.device("cuda", int(entry))
-        info = device_info(torch_device)
-        if entry not in plans:
-            plans[entry] = [(spec, key) for spec in specs for key in _keys_for(spec, info, given)]
-            for spec, key in plans[entry]:
-                study_names[study_name(spec.name, spec.version, info.slug, _triton_version(), key.to_dict())] = None
         jobs.append(
             WorkerJob(
                 label=f"cpu#{index}" if entry == "cpu" else f"cuda:{entry}",

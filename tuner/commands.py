@@ -12,7 +12,17 @@ from rich.table import Table
 
 from tritune.configs_db.values import printable
 
-from .app import app, check_database_path, choose_device, console, db_url, plain, short_key
+from .app import (
+    app,
+    check_database_path,
+    check_kernel_names,
+    choose_device,
+    console,
+    db_url,
+    load_kernels,
+    plain,
+    short_key,
+)
 from .failures import CommandError
 
 if TYPE_CHECKING:
@@ -25,24 +35,47 @@ READ_TIMEOUT_S = 60.0
 
 @app.command("list")
 def list_kernels() -> None:
-    """Kernels and their search spaces."""
-    from tritune.kernels.registry import all_specs
+    """Kernels: version, protocol, where each is declared, its key's fields (for --key) and its search space."""
+    from tritune.kernels import registry
 
-    for spec in all_specs():
-        table = Table(title=f"{spec.name} (version {spec.version}, {spec.space.size()} configs before pruning)")
+    from .keys import describe_key
+
+    for name in registry.kernel_names():
+        try:
+            spec = registry.find(name)
+        except Exception as exc:
+            if name in registry.builtin_names():
+                raise
+            # An installed package that fails to import must not hide the other kernels.
+            console.print(f"[yellow]{plain(name)}: its declaration cannot be imported ({plain(exc)})[/yellow]")
+            continue
+        space = spec.space
+        title = f"{spec.name} (version {spec.version}, protocol {spec.protocol}, {space.size()} configs before pruning)"
+        table = Table(title=plain(title))
+        members = getattr(space, "members", None)
         table.add_column("dimension")
         table.add_column("choices")
         table.add_column("portable default")
-        default = spec.space.to_dict(spec.space.default())
-        for name, choices in spec.space.dimensions.items():
-            table.add_row(name, ", ".join(map(str, choices)), str(default[name]))
+        if members is not None:
+            table.add_column("paths")
+        default = space.to_dict(space.default())
+        for field, choices in space.dimensions.items():
+            row = [field, ", ".join(map(str, choices)), str(default.get(field, ""))]
+            if members is not None:
+                row.append(", ".join(path for path, member in members.items() if field in member.dimensions))
+            table.add_row(*map(plain, row))
         console.print(table)
+        console.print(f"  key: {plain(describe_key(spec))}", soft_wrap=True)
+        console.print(f"  declared at {plain(registry.target_of(spec) or 'an unknown module')}", soft_wrap=True)
 
 
 @app.command()
 def show(
     db: Annotated[str | None, typer.Option(help="config DB")] = None,
-    kernel: Annotated[str | None, typer.Option(help="only this kernel")] = None,
+    kernel: Annotated[
+        str | None,
+        typer.Option(help="only this kernel: a name, or a declaration (package.module:NAME or path/to/file.py:NAME)"),
+    ] = None,
     gpu: Annotated[str | None, typer.Option(help="only this GPU slug")] = None,
     device: Annotated[
         str, typer.Option(help="judge what the runtime would serve on this device: auto, cpu or a CUDA index")
@@ -58,7 +91,10 @@ def show(
     url = db_url(db)
     check_database_path(url, must_exist=True)
     here = runtime_device(device)
+    if kernel is not None and _is_declaration(kernel):
+        kernel = load_kernels([kernel])[0].name
     records = read_winners(url, gpu, kernel=kernel, timeout_s=READ_TIMEOUT_S)
+    _declare_installed({record.kernel for record in records})
     table = Table(title=f"winners in {plain(display_url(url))}")
     for column in ("gpu", "kernel", "key", "config", "time ms", "portable ms", "speedup", "trials", "served here"):
         table.add_column(column)
@@ -82,6 +118,25 @@ def show(
     console.print(table)
     for note in notes:
         console.print(f"[yellow]{plain(note)}[/yellow]", soft_wrap=True)
+
+
+def _is_declaration(name: str) -> bool:
+    from tritune.kernels import registry
+
+    return bool(registry.is_target(name))
+
+
+def _declare_installed(names: set[str]) -> None:
+    """Import the installed packages' kernels among ``names`` (their entries would read as unknown)."""
+    from tritune.kernels import registry
+
+    installed = registry.entry_points()
+    for name in sorted(names):
+        if not registry.known(name) and name in installed:
+            try:
+                registry.find(name)
+            except Exception as exc:
+                console.print(f"[yellow]{plain(name)}: its declaration cannot be imported ({plain(exc)})[/yellow]")
 
 
 def runtime_device(device: str) -> Any:
@@ -220,23 +275,35 @@ def export_bundle(
 def import_bundle(
     path: Annotated[Path, typer.Argument(help="bundle JSON file")],
     db: Annotated[str | None, typer.Option(help="config DB")] = None,
+    kernel: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="declare these kernels first (package.module:NAME or path/to/file.py:NAME): entries of a kernel "
+            "neither built in, installed nor declared are refused"
+        ),
+    ] = None,
 ) -> None:
     """Load a bundle's winners into the DB (entries this tritune could never serve are refused).
 
     Refused, each with its reason: malformed entries, unknown kernels, kernel versions other than
     the running source, other Triton versions, and keys or configs outside the kernel's types and
-    space. A bundle of another GPU is loaded (a DB may hold several GPUs; each is only served on
-    its own). Every entry is checked before anything is written, and the accepted ones are written
-    in one transaction: an import that fails leaves the DB as it was. Exit status 1 when the file
-    cannot be used or every entry was refused.
+    space. A kernel is known when it is built in, declared by an installed package (entry point
+    ``tritune.kernels``) or named with ``--kernel``. A bundle of another GPU is loaded (a DB may
+    hold several GPUs; each is only served on its own). Every entry is checked before anything is
+    written, and the accepted ones are written in one transaction: an import that fails leaves the
+    DB as it was. Exit status 1 when the file cannot be used or every entry was refused.
     """
     from tritune.configs_db import bundles
     from tritune.configs_db.store import ConfigStore
 
+    if kernel:
+        check_kernel_names(kernel)
+        load_kernels(kernel)
     try:
         records, rejections = bundles.load_bundle(path)
     except bundles.BundleError as exc:
         raise CommandError(str(exc), "nothing was imported") from None
+    _declare_installed({record.kernel for record in records})
     accepted = []
     for rejection in rejections:
         console.print(f"[yellow]refused {plain(rejection.reason)}[/yellow]", soft_wrap=True)
@@ -269,12 +336,11 @@ def _import_refusal(record: Any) -> str | None:
     """Why a bundle record can never be served by this tritune, in the dispatcher's words; ``None`` if it can."""
     import triton
 
-    from tritune.kernels.registry import get_spec
+    from tritune.kernels.registry import get_spec, known
 
-    try:
-        spec = get_spec(record.kernel)
-    except KeyError:
-        return "unknown kernel"
+    if not known(record.kernel):
+        return "unknown kernel (declare it: tune import --kernel package.module:NAME or path/to/file.py:NAME)"
+    spec = get_spec(record.kernel)
     if record.kernel_version != spec.version:
         return f"stale kernel version {record.kernel_version} (running {spec.version})"
     if record.triton_version != triton.__version__:
@@ -293,16 +359,18 @@ def _import_refusal(record: Any) -> str | None:
 @app.command()
 def bench(
     device: Annotated[str, typer.Option(help="auto, cpu, or a CUDA index")] = "auto",
-    kernel: Annotated[list[str] | None, typer.Option(help="kernel(s); default: all")] = None,
+    kernel: Annotated[
+        list[str] | None, typer.Option(help="kernel(s): names, or package.module:NAME or path/to/file.py:NAME")
+    ] = None,
     db: Annotated[str | None, typer.Option(help="config DB")] = None,
     seed: Annotated[int, typer.Option()] = 0,
 ) -> None:
     """Portable vs tuned (as the dispatcher would serve it) at each default key, side by side."""
+    check_kernel_names(kernel or [])
     torch_device = choose_device(device)
     from tritune.kernels import settings
     from tritune.kernels.device import device_info
     from tritune.kernels.dispatcher import DISPATCHER
-    from tritune.kernels.registry import get_spec, kernel_names
 
     from .timing import timer_for
 
@@ -312,8 +380,8 @@ def bench(
     for column in ("kernel", "key", "served config", "portable ms", "tuned ms", "speedup"):
         table.add_column(column)
     with settings.override(db_url=db_url(db)):
-        for name in kernel or kernel_names():
-            spec = get_spec(name)
+        for spec in load_kernels(kernel, tunable=True):
+            name = spec.name
             for key in spec.default_keys(info):
                 problem = spec.make_problem(key, torch_device, seed)
                 default = spec.default_config(key)
