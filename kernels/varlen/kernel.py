@@ -6,9 +6,10 @@
 the kernels, so a call never synchronises and one captured CUDA graph serves any mix of decode
 tokens, prefill chunks and draft blocks within the static ``T`` and ``S``.
 
-T, S and the store's rows stay symbolic under ``torch.compile`` (their facts are 0 there, and the
-key buckets them as 0), so a compiled step does not guard on the width of the batch; the head
-counts and the head dim fix the kernels and specialise.
+T, S and the store's rows are declared dynamic: where ``torch.compile`` keeps them symbolic their
+facts are 0 (the key's buckets too), so choosing the config never guards on them, and T stays
+symbolic through the launch's grid, so one compiled step serves any width. The head counts and
+the head dim fix the kernels and specialise, as S and the store's shape do in the launch.
 """
 
 from __future__ import annotations

@@ -161,6 +161,8 @@ class VarlenTuning(KernelTuning):
         tokens (16K rows), 28 decodes + 4 prefill chunks of 512 (width 4096, 32K rows), 4 chunks of 512 (width
         2048, 32K rows). Interpreter: D 64, GQA 2, tiny.
         """
+        dims: tuple[int, ...]
+        mixes: tuple[tuple[int, int, int], ...]
         if device.is_interpreter:
             dims, mixes, group = (64,), _CPU_MIXES, 2
         else:
