@@ -101,7 +101,7 @@ def launch(config: Q4KConfig, x: torch.Tensor, weight: Q4KWeight, bias: torch.Te
         return
     qs, scales, mins, super_scales = weight.qs, weight.scales, weight.mins, weight.super_scales
     # CPU tensors run on the interpreter, whose e4m3 casts and bf16 dots need workarounds.
-    interpreted = x.device.type == "cpu"
+    interpreted = x.is_cpu
     if isinstance(config, StagedConfig):
         _run_staged(config, x2d, qs, scales, mins, super_scales, bias, out2d, interpreted)
         return
