@@ -4,5 +4,5 @@
 # Extra arguments go to `tune`, e.g.  bash scripts/tune.sh --trials 10
 set -euo pipefail
 . "$(dirname "$0")/_venv.sh"
-pip install -q -e .
+pip install -q -e ".[tune]"
 exec tune --device auto --kernel tma_prefill "$@"

@@ -109,8 +109,10 @@ def _os_failure(exc: OSError) -> Failure:
 
 def _import_failure(exc: ImportError) -> Failure:
     root = (exc.name or "").split(".")[0]
-    if root == "optuna":
-        return Failure("optuna is not installed, and tuning needs it", "pip install 'optuna>=4'")
+    if root in ("optuna", "alembic"):
+        return Failure(f"{root} is not installed, and tuning needs it", "pip install 'tritune[tune]'")
+    if root == "gguf":
+        return Failure("gguf is not installed, and reading GGUF files needs it", "pip install 'tritune[gguf]'")
     if root in ("psycopg", "psycopg2"):
         return Failure(
             "the PostgreSQL driver psycopg is not installed", "pip install 'tritune[postgres]' (or 'psycopg[binary]')"
