@@ -17,6 +17,8 @@ from tritune.kernels.prefill.tuning import TUNING
 from tritune.search_spaces.base import TargetLimits
 from tritune.search_spaces.tma_prefill import SPACE, PrefillConfig
 
+#: The GPU when there is one, else CPU tensors on the interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
 INTERPRETER = interpreter_device()
 GPU_LIMITS = TargetLimits(smem_bytes=227 * 1024)
@@ -66,20 +68,22 @@ def test_key_round_trips_strictly():
 
 
 def test_facts_are_plain_scalars_and_check_tma_layout():
-    q = torch.zeros(1, 4, 8, 64, dtype=torch.float16)
-    k = torch.zeros(1, 2, 16, 64, dtype=torch.float16)
-    out = torch.zeros(1, 4, 8, 64, dtype=torch.float16)
+    q = torch.zeros(1, 4, 8, 64, dtype=torch.float16, device=DEVICE)
+    k = torch.zeros(1, 2, 16, 64, dtype=torch.float16, device=DEVICE)
+    out = torch.zeros(1, 4, 8, 64, dtype=torch.float16, device=DEVICE)
     facts = SPEC.facts(q, k, k, causal=True, kv_len=None, softmax_scale=None, out=out)
     assert facts == ("fp16", 1, 4, 2, 8, 16, 64, True, False, True)
     assert all(isinstance(f, int | str | bool) for f in facts)
-    sliced = torch.zeros(1, 4, 8, 128, dtype=torch.float16)[..., ::2]
+    sliced = torch.zeros(1, 4, 8, 128, dtype=torch.float16, device=DEVICE)[..., ::2]
     assert not SPEC.facts(sliced, k, k, out=out).tma_layout_ok
-    misaligned = torch.zeros(1 + 4 * 8 * 64, dtype=torch.float16)[1:].view(1, 4, 8, 64)
+    misaligned = torch.zeros(1 + 4 * 8 * 64, dtype=torch.float16, device=DEVICE)[1:].view(1, 4, 8, 64)
     assert not SPEC.facts(misaligned, k, k, out=out).tma_layout_ok
-    odd_stride = torch.zeros(1, 4, 8, 68, dtype=torch.float16)[..., :64]
+    odd_stride = torch.zeros(1, 4, 8, 68, dtype=torch.float16, device=DEVICE)[..., :64]
     assert not SPEC.facts(q, k, k, out=odd_stride).tma_layout_ok
-    transposed = torch.zeros(1, 8, 4, 64, dtype=torch.float16).transpose(1, 2)
-    assert SPEC.facts(transposed, k, k, out=torch.zeros(1, 8, 4, 64, dtype=torch.float16).transpose(1, 2)).tma_layout_ok
+    transposed = torch.zeros(1, 8, 4, 64, dtype=torch.float16, device=DEVICE).transpose(1, 2)
+    assert SPEC.facts(
+        transposed, k, k, out=torch.zeros(1, 8, 4, 64, dtype=torch.float16, device=DEVICE).transpose(1, 2)
+    ).tma_layout_ok
     # Without an out, the one allocated like q decides: a strided q's copy keeps its strides.
     assert SPEC.facts(q, k, k).tma_layout_ok and not SPEC.facts(sliced, k, k).tma_layout_ok
 
