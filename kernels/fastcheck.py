@@ -182,6 +182,9 @@ def build_fast_check(
                     # The first tensor's dtype was read once already.
                     other = "_dtype" if a.dtype_of == first.name else f"{a.dtype_of}.dtype"
                     w.emit(f"if {a.name}.dtype is not {other}: return None", depth)
+                elif len(a.dtypes) == 1:
+                    # dtypes are singletons: one identity test, no hash.
+                    w.emit(f"if {a.name}.dtype is not {w.constant('dtype', a.dtypes[0])}: return None", depth)
                 elif a.dtypes:
                     w.emit(f"if {a.name}.dtype not in {w.constant('allowed', frozenset(a.dtypes))}: return None", depth)
                 elif a.floating:

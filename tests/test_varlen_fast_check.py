@@ -228,3 +228,5 @@ def test_the_rules_and_the_default_scale_are_written_in_place():
     source = KERNEL.fast_check().source
     assert "_rule" not in source and "_resolve" not in source
     assert "if not (Hkv > 0 and Hq % Hkv == 0): return None" in source
+    # One allowed dtype is one identity test.
+    assert "if seq_info.dtype is not _dtype" in source
