@@ -1,7 +1,7 @@
 """A kernel of your own on tritune: a fused RMSNorm, declared once, then tuned, served and shipped.
 
     tune --device cpu --kernel examples/rmsnorm.py:RMSNORM      # or --device 0 on a GPU
-    tune export --gpu cpu-interpreter --out rmsnorm-bundle.json && tune import rmsnorm-bundle.json
+    tune export --gpu cpu-interpreter --out b.json && tune import b.json --kernel examples/rmsnorm.py:RMSNORM
 
 ``rms_norm(x, weight)`` then serves the tuned config for each row length (docs/ARCHITECTURE.md).
 """
@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import triton
@@ -46,36 +45,26 @@ class RMSNormConfig:
 class RMSNormKey(TuningKey):
     dtype: str
     n_bucket: int
-
-    BUCKETS: ClassVar[tuple[str, ...]] = ("n_bucket",)
+    BUCKETS = ("n_bucket",)
 
 
 def _launch(config: RMSNormConfig, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
-    rows = x.reshape(-1, x.shape[-1])
-    out_rows = out.view(-1, out.shape[-1])
-    grid = (rows.shape[0],)
-    _rmsnorm_kernel[grid](rows, weight, out_rows, rows.shape[1], rows.stride(0), out_rows.stride(0), eps,
-                          BLOCK_N=config.BLOCK_N, num_warps=config.num_warps)  # fmt: skip
-
-
-def _reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x64 = x.double()
-    return x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    rows, out_rows = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+    _rmsnorm_kernel[(rows.shape[0],)](rows, weight, out_rows, rows.shape[1], rows.stride(0), out_rows.stride(0), eps,
+                                      BLOCK_N=config.BLOCK_N, num_warps=config.num_warps)  # fmt: skip
 
 
 class RMSNormTuning(KernelTuning):
     def make_problem(self, key: RMSNormKey, device: torch.device, seed: int) -> Problem:
         gen = torch.Generator(device=device).manual_seed(seed)
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[key.dtype]
-        rows = 4 if device.type == "cpu" else 4096
-        x = torch.randn(rows, key.n_bucket, generator=gen, device=device).to(dtype)
+        x = torch.randn(4 if device.type == "cpu" else 4096, key.n_bucket, generator=gen, device=device).to(dtype)
         weight = torch.rand(key.n_bucket, generator=gen, device=device).to(dtype)
         return Problem(args=(x, weight), kwargs={"eps": 1e-6}, bytes_moved=3.0 * x.numel() * x.element_size())
 
     def check(self, out: torch.Tensor, expected: torch.Tensor, problem: Problem, config: object = None) -> str | None:
-        error = float((out.double() - expected).abs().max())
-        bound = 8 * torch.finfo(out.dtype).eps * float(expected.abs().max())
-        return None if error <= bound else f"max error {error:.3g} > {bound:.3g}"
+        error, scale = float((out.double() - expected).abs().max()), float(expected.abs().max())
+        return None if error <= 8 * torch.finfo(out.dtype).eps * scale else f"max error {error:.3g}"
 
     def default_keys(self, device) -> list[RMSNormKey]:  # type: ignore[no-untyped-def]
         dtype, lengths = ("fp32", (64, 256)) if device.is_interpreter else ("bf16", (1024, 4096, 8192))
@@ -90,16 +79,11 @@ RMSNORM = Kernel(
         Scalar("eps", float, default=1e-6, bounds=(0.0, 1.0)),
         Output("out", like="x"),
     ],
-    facts=("dtype", "N"),
-    space=SearchSpace("example_rmsnorm", RMSNormConfig),
-    key_type=RMSNormKey,
+    facts=("dtype", "N"), space=SearchSpace("example_rmsnorm", RMSNormConfig), key_type=RMSNormKey,
     key=lambda device, f: RMSNormKey(device.arch, device.sm_count, f.dtype, pow2_bucket(f.N)),
-    launch=_launch,
-    reference=_reference,
-    jit_kernels=(_rmsnorm_kernel,),
-    protocol=1,
-    tuning=RMSNormTuning(),
-)
+    reference=lambda x, weight, eps: x.double() * torch.rsqrt(x.double().square().mean(-1, True) + eps) * weight,
+    launch=_launch, jit_kernels=(_rmsnorm_kernel,), protocol=1, tuning=RMSNormTuning(),
+)  # fmt: skip
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torch.Tensor | None = None) -> torch.Tensor:
