@@ -126,3 +126,17 @@ def test_winners_loaded_before_their_kernel_is_declared_serve_it_once_it_is(tmp_
         assert not table.waiting
     finally:
         DISPATCHER.clear()
+
+
+@pytest.mark.parametrize("workers", ["isolated", "fleet"])
+def test_a_file_declaration_is_tuned_in_worker_processes(tmp_path, workers):
+    """Worker processes import the kernel from the file the coordinator named (a candidate worker, or one
+    fleet process per entry of --device cpu --workers 2)."""
+    path = copy_example(tmp_path, f"user_rmsnorm_{workers}")
+    db = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    mode = ["--workers", "2", "--no-isolate"] if workers == "fleet" else []
+    args = ["--device", "cpu", "--kernel", f"{path}:RMSNORM", "--key", "n_bucket=64", "--trials", "3", *mode]
+    result = CliRunner().invoke(app, [*args, "--db", db], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    (winner,) = ConfigStore(db).winners(kernel=f"user_rmsnorm_{workers}")
+    assert winner.key["n_bucket"] == 64 and winner.trials >= 3
