@@ -23,6 +23,8 @@ from tritune.kernels import dispatcher, varlen_attention
 from tritune.kernels.varlen.kernel import KERNEL
 
 BF, FP = torch.bfloat16, torch.float16
+#: The GPU when there is one, else CPU tensors on the interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class Subclass(torch.Tensor):
@@ -50,7 +52,7 @@ def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, tuple[An
 
 
 def bf(*shape: int, dtype: torch.dtype = BF) -> torch.Tensor:
-    return torch.randn(shape).to(dtype)
+    return torch.randn(shape).to(DEVICE, dtype)
 
 
 def strided(shape: tuple[int, ...], pad: int, dtype: torch.dtype = BF) -> torch.Tensor:
@@ -67,20 +69,22 @@ def _detailed_facts(q, k, v, info, **call: Any) -> tuple[Any, ...]:
     return tuple(KERNEL.facts(q, k, v, info, **call))
 
 
-_INFO = torch.tensor([[0, 3, 0, 10], [3, 1, 1, 7], [4, 0, 2, 0]], dtype=torch.int32)
+def _info() -> torch.Tensor:
+    return torch.tensor([[0, 3, 0, 10], [3, 1, 1, 7], [4, 0, 2, 0]], dtype=torch.int32, device=DEVICE)
+
 
 VALID_CALLS: dict[str, Callable[[], dict[str, Any]]] = {
-    "contiguous": lambda: dict(q=bf(6, 4, 64), k=bf(16, 3, 2, 64), v=bf(16, 3, 2, 64), seq_info=_INFO),
+    "contiguous": lambda: dict(q=bf(6, 4, 64), k=bf(16, 3, 2, 64), v=bf(16, 3, 2, 64), seq_info=_info()),
     "fp16-window-ring": lambda: dict(q=bf(6, 2, 128, dtype=FP), k=bf(8, 3, 2, 128, dtype=FP),
-                                     v=bf(8, 3, 2, 128, dtype=FP), seq_info=_INFO, window=4, ring=True),
+                                     v=bf(8, 3, 2, 128, dtype=FP), seq_info=_info(), window=4, ring=True),
     "not-causal-strided": lambda: dict(q=strided((6, 4, 64), 64), k=strided((16, 3, 2, 64), 8), v=bf(16, 3, 2, 64),
-                                       seq_info=_INFO, causal=False, softmax_scale=0.1),
-    "out-given": lambda: dict(q=bf(6, 4, 64), k=bf(16, 3, 2, 64), v=bf(16, 3, 2, 64), seq_info=_INFO,
-                              out=torch.empty(6, 4, 64, dtype=BF)),
-    "out-transposed": lambda: dict(q=bf(6, 4, 64), k=bf(16, 3, 2, 64), v=bf(16, 3, 2, 64), seq_info=_INFO,
-                                   out=torch.empty(4, 6, 64, dtype=BF).transpose(0, 1)),
+                                       seq_info=_info(), causal=False, softmax_scale=0.1),
+    "out-given": lambda: dict(q=bf(6, 4, 64), k=bf(16, 3, 2, 64), v=bf(16, 3, 2, 64), seq_info=_info(),
+                              out=torch.empty(6, 4, 64, dtype=BF, device=DEVICE)),
+    "out-transposed": lambda: dict(q=bf(6, 4, 64), k=bf(16, 3, 2, 64), v=bf(16, 3, 2, 64), seq_info=_info(),
+                                   out=torch.empty(4, 6, 64, dtype=BF, device=DEVICE).transpose(0, 1)),
     "seq_info-view": lambda: dict(q=bf(6, 4, 80), k=bf(16, 3, 1, 80), v=bf(16, 3, 1, 80),
-                                  seq_info=torch.zeros(3, 8, dtype=torch.int32)[:, ::2]),
+                                  seq_info=torch.zeros(3, 8, dtype=torch.int32, device=DEVICE)[:, ::2]),
 }  # fmt: skip
 
 
@@ -96,7 +100,7 @@ def test_valid_calls_take_the_fast_path_with_the_detailed_facts(served, name):
 
 def test_unusual_calls_take_the_detailed_path(served):
     q, k, v = bf(6, 4, 64), bf(16, 3, 2, 64), bf(16, 3, 2, 64)
-    info = torch.tensor([[0, 3, 0, 10]], dtype=torch.int32)
+    info = torch.tensor([[0, 3, 0, 10]], dtype=torch.int32, device=DEVICE)
     varlen_attention(q, k, v, info, softmax_scale=1)
     assert only_call(served, "detailed") == _detailed_facts(q, k, v, info)
     varlen_attention(q, k, v, info.as_subclass(Subclass))
@@ -104,7 +108,8 @@ def test_unusual_calls_take_the_detailed_path(served):
 
 
 def test_zero_tokens_return_before_dispatch(served):
-    out = varlen_attention(bf(0, 4, 64), bf(16, 3, 2, 64), bf(16, 3, 2, 64), torch.zeros(1, 4, dtype=torch.int32))
+    info = torch.zeros(1, 4, dtype=torch.int32, device=DEVICE)
+    out = varlen_attention(bf(0, 4, 64), bf(16, 3, 2, 64), bf(16, 3, 2, 64), info)
     assert out.shape == (0, 4, 64) and served == []
 
 
@@ -114,15 +119,15 @@ def test_zero_tokens_return_before_dispatch(served):
 def _tensor(shape: tuple[int, ...], dtype: torch.dtype, layout: str = "contiguous") -> torch.Tensor:
     """A tensor of ``shape`` laid out as asked (the data does not matter: nothing launches)."""
     if layout == "padded":
-        return torch.zeros((*shape[:-1], shape[-1] + 8), dtype=dtype)[..., : shape[-1]]
+        return torch.zeros((*shape[:-1], shape[-1] + 8), dtype=dtype, device=DEVICE)[..., : shape[-1]]
     if layout == "inner-strided":
-        return torch.zeros((*shape[:-1], 2 * shape[-1]), dtype=dtype)[..., ::2]
+        return torch.zeros((*shape[:-1], 2 * shape[-1]), dtype=dtype, device=DEVICE)[..., ::2]
     if layout == "subclass":
-        return torch.zeros(shape, dtype=dtype).as_subclass(Subclass)
+        return torch.zeros(shape, dtype=dtype, device=DEVICE).as_subclass(Subclass)
     if layout == "meta":
         return torch.zeros(shape, dtype=dtype, device="meta")
     assert layout == "contiguous"
-    return torch.zeros(shape, dtype=dtype)
+    return torch.zeros(shape, dtype=dtype, device=DEVICE)
 
 
 #: What a drawn call may get wrong (each fault alone is refused, or served by the detailed path).
@@ -173,23 +178,23 @@ def _calls(draw: Any) -> tuple[Any, ...]:
     shape = tuple(q.shape)
     out: Any = draw(st.sampled_from(["none", "fresh", "transposed", "padded"]))
     if "out-zero-stride" in faults:
-        out = torch.empty(1, *shape[1:], dtype=dtype).expand(shape)
+        out = torch.empty(1, *shape[1:], dtype=dtype, device=DEVICE).expand(shape)
     elif "out-is-q" in faults:
         out = q
     elif "out-inside-v" in faults and v.numel() >= math.prod(shape) and v.is_contiguous():
         out = v.view(-1)[: math.prod(shape)].view(shape)
     elif "out-shape" in faults:
-        out = torch.empty(*shape[:-1], shape[-1] + 1, dtype=dtype)
+        out = torch.empty(*shape[:-1], shape[-1] + 1, dtype=dtype, device=DEVICE)
     elif "out-dtype" in faults:
-        out = torch.empty(shape, dtype=torch.float32 if dtype != torch.float32 else BF)
+        out = torch.empty(shape, dtype=torch.float32 if dtype != torch.float32 else BF, device=DEVICE)
     elif "out-subclass" in faults:
         out = _tensor(shape, dtype, "subclass")
     elif "out-inner-stride" in faults:
         out = _tensor(shape, dtype, "inner-strided")
     elif out == "transposed":
-        out = torch.empty(shape[1], shape[0], shape[2], dtype=dtype).transpose(0, 1)
+        out = torch.empty(shape[1], shape[0], shape[2], dtype=dtype, device=DEVICE).transpose(0, 1)
     else:
-        out = {"none": None, "fresh": torch.empty(shape, dtype=dtype), "padded": _tensor(shape, dtype, "padded")}[out]
+        out = None if out == "none" else _tensor(shape, dtype, "contiguous" if out == "fresh" else out)
     return q, k, v, info, causal, window, ring, scale, out
 
 
