@@ -21,6 +21,8 @@ from tritune.kernels.q4k.kernel import KERNEL
 
 BF, FP = torch.bfloat16, torch.float16
 N, K = 32, 512
+#: The GPU when there is one (where CPU tensors are refused), else CPU tensors on the interpreter.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class Subclass(torch.Tensor):
@@ -28,12 +30,12 @@ class Subclass(torch.Tensor):
 
 
 def _weight(n: int = N, k: int = K) -> Q4KWeight:
-    u8 = {"dtype": torch.uint8}
+    u8 = {"dtype": torch.uint8, "device": DEVICE}
     return Q4KWeight(
         torch.zeros(n, k // 2, **u8),
         torch.zeros(n, k // 32, **u8),
         torch.zeros(n, k // 32, **u8),
-        torch.zeros(n, k // 256, 2, dtype=torch.float16),
+        torch.zeros(n, k // 256, 2, dtype=torch.float16, device=DEVICE),
     )
 
 
@@ -41,7 +43,7 @@ WEIGHT = _weight()
 
 
 def bf(*shape: int, dtype: torch.dtype = BF) -> torch.Tensor:
-    return torch.randn(shape).to(dtype)
+    return torch.randn(shape, device=DEVICE).to(dtype)
 
 
 def _both(x: Any, weight: Any, bias: Any = None, out: Any = None) -> tuple[Any, Any]:
@@ -59,10 +61,10 @@ def _both(x: Any, weight: Any, bias: Any = None, out: Any = None) -> tuple[Any, 
     ("call", "facts"),
     [
         (lambda: {"x": bf(3, K)}, (3, N, K, "bf16")),
-        (lambda: {"x": bf(2, 3, K, dtype=FP), "bias": torch.zeros(N)}, (6, N, K, "fp16")),
+        (lambda: {"x": bf(2, 3, K, dtype=FP), "bias": torch.zeros(N, device=DEVICE)}, (6, N, K, "fp16")),
         (lambda: {"x": bf(K)}, (1, N, K, "bf16")),
         (lambda: {"x": bf(0, K)}, (0, N, K, "bf16")),
-        (lambda: {"x": bf(5, K), "out": torch.empty(5, N, dtype=BF)}, (5, N, K, "bf16")),
+        (lambda: {"x": bf(5, K), "out": torch.empty(5, N, dtype=BF, device=DEVICE)}, (5, N, K, "bf16")),
         (lambda: {"x": bf(5, K + 8)[:, :K]}, (5, N, K, "bf16")),
         (lambda: {"x": bf(K, 4).t()}, (4, N, K, "bf16")),
         (lambda: {"x": bf(3, K), "bias": bf(2 * N)[::2]}, (3, N, K, "bf16")),
@@ -73,7 +75,7 @@ def test_the_fast_facts_are_the_detailed_facts(call, facts):
     fast, detailed = _both(weight=WEIGHT, **call())
     assert fast is not None and not isinstance(detailed, Exception)
     assert fast[0] == tuple(detailed[0]) == facts
-    assert fast[1] == detailed[1] == torch.device("cpu")
+    assert fast[1] == detailed[1] == DEVICE
     # The output the check allocates has x's leading dims and the weight's N.
     assert fast[2][3].shape == detailed[2][3].shape
 
@@ -125,42 +127,51 @@ def test_the_fast_check_never_accepts_what_the_detailed_checks_refuse(fault, dat
     lead, rows = shape[:-1], torch.Size(shape[:-1]).numel()
     floating = dtype.is_floating_point
     # x at the start of a buffer whose end can hold an output beside it.
-    storage = torch.randn(4096 + 4 * N).to(dtype) if floating else torch.ones(4096 + 4 * N, dtype=dtype)
+    storage = (
+        torch.randn(4096 + 4 * N, device=DEVICE).to(dtype)
+        if floating
+        else torch.ones(4096 + 4 * N, dtype=dtype, device=DEVICE)
+    )
     x = storage[: torch.Size(shape).numel()].view(shape) if shape else storage[0]
     if x_layout == "row-padded" and len(shape) == 2:
-        x = torch.empty(shape[0], shape[1] + 8, dtype=dtype)[:, : shape[1]]
+        x = torch.empty(shape[0], shape[1] + 8, dtype=dtype, device=DEVICE)[:, : shape[1]]
     elif x_layout == "inner-strided" and shape:
-        x = torch.empty(*lead, 2 * shape[-1], dtype=dtype)[..., ::2]
+        x = torch.empty(*lead, 2 * shape[-1], dtype=dtype, device=DEVICE)[..., ::2]
     elif x_layout == "subclass":
         x = x.as_subclass(Subclass)
-    weight_value = {"weight": WEIGHT, "narrow": _weight(N, K - 256), "tensor": torch.zeros(N, K), "none": None}[weight]
+    weight_value = {
+        "weight": WEIGHT,
+        "narrow": _weight(N, K - 256),
+        "tensor": torch.zeros(N, K, device=DEVICE),
+        "none": None,
+    }[weight]
     bias_value: Any = {
         "none": None,
-        "fp32": torch.zeros(N),
+        "fp32": torch.zeros(N, device=DEVICE),
         "bf16-view": bf(2 * N)[::2],
-        "int": torch.zeros(N, dtype=torch.int32),
-        "wide": torch.zeros(N + 1),
-        "matrix": torch.zeros(1, N),
+        "int": torch.zeros(N, dtype=torch.int32, device=DEVICE),
+        "wide": torch.zeros(N + 1, device=DEVICE),
+        "matrix": torch.zeros(1, N, device=DEVICE),
         "list": [0.0] * N,
         "meta": torch.zeros(N, device="meta"),
     }[bias]
     out_dtype = dtype if floating else BF
     out_value: Any = None
     if out == "fresh":
-        out_value = torch.empty(*lead, N, dtype=out_dtype)
+        out_value = torch.empty(*lead, N, dtype=out_dtype, device=DEVICE)
     elif out == "wrong-shape":
-        out_value = torch.empty(*lead, N + 1, dtype=out_dtype)
+        out_value = torch.empty(*lead, N + 1, dtype=out_dtype, device=DEVICE)
     elif out == "fp16":
-        out_value = torch.empty(*lead, N, dtype=FP)
+        out_value = torch.empty(*lead, N, dtype=FP, device=DEVICE)
     elif out == "strided":
-        out_value = torch.empty(*lead, 2 * N, dtype=out_dtype)[..., ::2]
+        out_value = torch.empty(*lead, 2 * N, dtype=out_dtype, device=DEVICE)[..., ::2]
     elif out == "expanded":
-        out_value = torch.empty(N, dtype=out_dtype).expand(*lead, N)
+        out_value = torch.empty(N, dtype=out_dtype, device=DEVICE).expand(*lead, N)
     elif out == "is-x":
         out_value = x
     elif out == "inside-bias" and bias in ("fp32", "bf16-view"):
         # The bias and out share a buffer, out starting halfway through the bias.
-        shared = torch.zeros(N + rows * N, dtype=out_dtype)
+        shared = torch.zeros(N + rows * N, dtype=out_dtype, device=DEVICE)
         bias_value, out_value = shared[:N], shared[N // 2 : N // 2 + rows * N].view(*lead, N)
     elif out == "inside-qs" and out_dtype == BF:
         out_value = WEIGHT.qs.view(-1)[: 2 * rows * N].view(BF).view(*lead, N)
