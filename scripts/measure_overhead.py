@@ -10,16 +10,19 @@ over a direct launch, which the dispatcher is built to keep under 5 us. The look
 beside it.
 
 With a CUDA GPU, the launch-bound tables follow. At tiny shapes the host time per call is what an
-eager decode loop pays (a CUDA graph replays none of it). For prefill and decode, each variant is
-called N times back to back and timed on the host, the GPU synchronised before and after:
+eager decode loop pays (a CUDA graph replays none of it). For each public entry point, each
+variant is called N times back to back and timed on the host, the GPU synchronised before and after:
 
 - public: the public function (input checks + facts + dispatch + the op's body, called directly
   in plain eager mode);
 - through torch.library: the same call with the registered op forced (what ``torch.compile``,
   dispatch modes and autograd see);
-- launch: the spec's launch of the same config (the Triton launch plus its host-side set-up,
-  no checks, no dispatch);
-- lookup: facts + dispatch alone (the dict lookup the dispatcher promises).
+- launch: the kernel's own launch of the same config (the Triton launch plus its host-side
+  set-up, no checks, no dispatch);
+- lookup: the generated one-pass check + the dispatch lookup alone (what a call pays before it
+  launches);
+- the public call captured in a CUDA graph and replayed, and eager time over replay time: what an
+  eager caller pays over a graph-replaying one.
 
 In every table the variants take turns in every round (interleaved, so clock or cache drift hits
 all alike) and the median round counts. Each GPU time per call (CUDA events over the same loop)
@@ -31,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import platform
 import statistics
 import time
@@ -49,31 +51,53 @@ ROUNDS = 7
 
 @contextlib.contextmanager
 def forced_op() -> Iterator[None]:
-    """Make every TritonOp take the registered op (as under torch.compile or a dispatch mode)."""
-    from tritune.kernels import _oplib
+    """Make every declared kernel take its registered op (as under torch.compile or a dispatch mode)."""
+    from tritune.kernels import declare
 
-    original = _oplib._plain_eager
-    _oplib._plain_eager = lambda args: False
+    original = declare.no_modes
+    declare.no_modes = lambda: False
     try:
         yield
     finally:
-        _oplib._plain_eager = original
+        declare.no_modes = original
 
 
 @contextlib.contextmanager
 def launches_stubbed() -> Iterator[None]:
-    """Make every registered op's call a no-op: a public call then does its host work and stops there."""
-    from tritune.kernels._oplib import TritonOp
+    """Make every launch a no-op: a public call then does its host work and stops there."""
+    from tritune.kernels import declare
 
-    # Both doors: the public wrappers call ``call_body`` themselves in plain eager mode.
-    original_call, original_body = TritonOp.__call__, TritonOp.call_body
-    TritonOp.__call__ = lambda self, *args: None  # type: ignore[method-assign]
-    TritonOp.call_body = lambda self, args: None  # type: ignore[method-assign]
+    # Both doors: the direct launch of a plain eager call, and the registered op.
+    original_run, original_op = declare.run_unwrapped, declare.Kernel._call_op
+    declare.run_unwrapped = lambda fn, args, mutated: None
+    declare.Kernel._call_op = lambda self, config, args: None  # type: ignore[method-assign]
     try:
         yield
     finally:
-        TritonOp.__call__ = original_call  # type: ignore[method-assign]
-        TritonOp.call_body = original_body  # type: ignore[method-assign]
+        declare.run_unwrapped = original_run
+        declare.Kernel._call_op = original_op  # type: ignore[method-assign]
+
+
+def bare_launch(kernel: object, config: object, *args: object) -> Callable[[], None]:
+    """The kernel's own launch of ``config`` on checked arguments: no checks, no dispatch."""
+    from tritune.kernels._oplib import run_unwrapped
+
+    launch = kernel._launch  # type: ignore[attr-defined]
+    return lambda: run_unwrapped(launch, (config, *args), ())
+
+
+def lookup(kernel: object, *args: object) -> Callable[[], object]:
+    """The one-pass check and the dispatcher's memo hit of a call: what a call pays before its launch."""
+    from tritune.kernels.dispatcher import dispatch_config_eager
+
+    check = kernel.fast_check().fn  # type: ignore[attr-defined]
+    name = kernel.name  # type: ignore[attr-defined]
+
+    def run() -> object:
+        facts, device, _ = check(*args)
+        return dispatch_config_eager(name, device, facts)
+
+    return run
 
 
 def host_us(variants: dict[str, Callable[[], object]]) -> dict[str, tuple[float, float]]:
@@ -105,10 +129,9 @@ def host_variants(device: str) -> dict[str, Callable[[], object]]:
         use_config,
         varlen_attention,
     )
-    from tritune.kernels._launch import device_index
     from tritune.kernels.device import device_info
-    from tritune.kernels.dispatcher import dispatch
-    from tritune.kernels.prefill.spec import SPEC as PREFILL
+    from tritune.kernels.dispatcher import dispatch_config_eager
+    from tritune.kernels.prefill.kernel import KERNEL as PREFILL
 
     bf16 = torch.bfloat16
     q = torch.randn(1, 16, 16, 64, device=device, dtype=bf16)
@@ -137,9 +160,8 @@ def host_variants(device: str) -> dict[str, Callable[[], object]]:
     )
     x, xout = torch.randn(1, kdim, device=device, dtype=bf16), torch.empty(1, n, device=device, dtype=bf16)
 
-    # An indexed device: the dispatcher keys CUDA devices by ordinal (a bare "cuda" has none).
-    dev = q.device
-    facts = tuple(PREFILL.facts(q, k, v, causal=True, kv_len=kv_len, softmax_scale=1 / math.sqrt(64), out=out))
+    args = (q, k, v, kv_len, True, None, out)
+    facts, dev, _ = PREFILL.fast_check().fn(*args)
     pin = PREFILL.space.to_dict(PREFILL.default_config(PREFILL.key_for(device_info(dev), facts)))
 
     def pinned_each_call() -> object:
@@ -162,9 +184,7 @@ def host_variants(device: str) -> dict[str, Callable[[], object]]:
             vq, vk, vv, seq_info, out=vout
         ),
         "`q4k_linear` x [1, 4096], W [4096, 4096]": lambda: q4k_linear(x, weight, out=xout),
-        "dispatch lookup alone (prefill facts, memo hit)": lambda: dispatch(
-            PREFILL.name, dev.type, device_index(dev), facts
-        ),
+        "dispatch lookup alone (prefill facts, memo hit)": lambda: dispatch_config_eager(PREFILL.name, dev, facts),
     }
 
 
@@ -204,56 +224,100 @@ def interleaved_us(variants: dict[str, Callable[[], object]]) -> dict[str, tuple
     return {name: (statistics.median(host[name]), statistics.median(gpu[name])) for name in variants}
 
 
-def prefill_variants() -> tuple[str, dict[str, Callable[[], object]]]:
-    from tritune.kernels import prefill_attention
-    from tritune.kernels.dispatcher import config_from_values, dispatch
-    from tritune.kernels.prefill.spec import SPEC
+def _gpu_variants(
+    kernel: object, public: Callable[[], object], args: tuple[object, ...]
+) -> dict[str, Callable[[], object]]:
+    from tritune.kernels.dispatcher import dispatch_config_eager
 
-    q = torch.randn(1, 16, 16, 64, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    kv_len = torch.tensor(128, device="cuda", dtype=torch.int32)
-    out = torch.empty_like(q)
-    kwargs = dict(causal=True, kv_len=kv_len, softmax_scale=None, out=out)
-    config = config_from_values(SPEC, dispatch(SPEC.name, "cuda", 0, tuple(SPEC.facts(q, k, v, **kwargs))))
+    facts, device, checked = kernel.fast_check().fn(*args)  # type: ignore[attr-defined]
+    config = dispatch_config_eager(kernel.name, device, facts)  # type: ignore[attr-defined]
 
     def through_op() -> None:
         with forced_op():
-            prefill_attention(q, k, v, kv_len=kv_len, out=out)
+            public()
 
-    shape = f"prefill q [1, 16, 16, 64], k/v [1, 2, 128, 64] bf16, served {config}"
-    return shape, {
-        "public `prefill_attention`": lambda: prefill_attention(q, k, v, kv_len=kv_len, out=out),
+    return {
+        "public call": public,
         "public, through torch.library": through_op,
-        "`SPEC.launch` (same config)": lambda: SPEC.launch(config, q, k, v, **kwargs),
-        "facts + dispatch lookup": lambda: dispatch(SPEC.name, "cuda", 0, tuple(SPEC.facts(q, k, v, **kwargs))),
+        "the kernel's launch alone (same config)": bare_launch(kernel, config, *checked),
+        "fast check + dispatch lookup": lookup(kernel, *args),
     }
 
 
-def decode_variants() -> tuple[str, dict[str, Callable[[], object]]]:
-    from tritune.kernels import decode_attention
-    from tritune.kernels.decode.spec import SPEC
-    from tritune.kernels.dispatcher import config_from_values, dispatch
+def gpu_tables() -> list[tuple[str, dict[str, Callable[[], object]]]]:
+    """The four public entry points at host-bound shapes, each beside its bare launch."""
+    from tritune.kernels import Q4KWeight, decode_attention, prefill_attention, q4k_linear, varlen_attention
+    from tritune.kernels.decode.kernel import KERNEL as DECODE
+    from tritune.kernels.prefill.kernel import KERNEL as PREFILL
+    from tritune.kernels.q4k.kernel import KERNEL as Q4K
+    from tritune.kernels.varlen.kernel import KERNEL as VARLEN
 
-    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, 8, 1024, 128, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    kv_len = torch.full((1,), 1024, device="cuda", dtype=torch.int32)
-    out = torch.empty_like(q)
-    facts = lambda: tuple(SPEC.facts(q, k, v, kv_len, softmax_scale=None, out=out))  # noqa: E731
-    config = config_from_values(SPEC, dispatch(SPEC.name, "cuda", 0, facts()))
+    bf16, cuda = torch.bfloat16, "cuda"
+    q = torch.randn(1, 16, 16, 64, device=cuda, dtype=bf16)
+    k = torch.randn(1, 2, 128, 64, device=cuda, dtype=bf16)
+    v, out = torch.randn_like(k), torch.empty_like(q)
+    kv_len = torch.tensor(128, device=cuda, dtype=torch.int32)
+    dq = torch.randn(1, 32, 1, 128, device=cuda, dtype=bf16)
+    dk = torch.randn(1, 8, 1024, 128, device=cuda, dtype=bf16)
+    dv, dout = torch.randn_like(dk), torch.empty_like(dq)
+    lengths = torch.full((1,), 1024, device=cuda, dtype=torch.int32)
+    vq = torch.randn(32, 32, 128, device=cuda, dtype=bf16)
+    vk = torch.randn(1024, 4, 8, 128, device=cuda, dtype=bf16)
+    vv, vout = torch.randn_like(vk), torch.empty_like(vq)
+    seq_info = torch.tensor([[0, 1, 0, 900], [1, 1, 1, 300], [2, 30, 2, 30]], device=cuda, dtype=torch.int32)
+    weight = Q4KWeight.quantize(torch.randn(4096, 4096, device=cuda) * 0.02)
+    x, xout = torch.randn(1, 4096, device=cuda, dtype=bf16), torch.empty(1, 4096, device=cuda, dtype=bf16)
+    return [
+        (
+            "prefill q [1, 16, 16, 64], k/v [1, 2, 128, 64] bf16",
+            _gpu_variants(
+                PREFILL,
+                lambda: prefill_attention(q, k, v, kv_len=kv_len, out=out),
+                (q, k, v, kv_len, True, None, out),
+            ),
+        ),
+        (
+            "decode q [1, 32, 1, 128], cache [1, 8, 1024, 128] bf16",
+            _gpu_variants(
+                DECODE, lambda: decode_attention(dq, dk, dv, lengths, out=dout), (dq, dk, dv, lengths, None, dout)
+            ),
+        ),
+        (
+            "varlen q [32, 32, 128], stores [1024, 4, 8, 128], 3 segments",
+            _gpu_variants(
+                VARLEN,
+                lambda: varlen_attention(vq, vk, vv, seq_info, out=vout),
+                (vq, vk, vv, seq_info, True, None, False, None, vout),
+            ),
+        ),
+        (
+            "q4k_linear x [1, 4096], W [4096, 4096]",
+            _gpu_variants(Q4K, lambda: q4k_linear(x, weight, out=xout), (x, weight, None, xout)),
+        ),
+    ]
 
-    def through_op() -> None:
-        with forced_op():
-            decode_attention(q, k, v, kv_len, out=out)
 
-    shape = f"decode q [1, 32, 1, 128], cache [1, 8, 1024, 128] bf16, served {config}"
-    return shape, {
-        "public `decode_attention`": lambda: decode_attention(q, k, v, kv_len, out=out),
-        "public, through torch.library": through_op,
-        "`SPEC.launch` (same config)": lambda: SPEC.launch(config, q, k, v, kv_len, out=out),
-        "facts + dispatch lookup": lambda: dispatch(SPEC.name, "cuda", 0, facts()),
-    }
+def graph_us(fn: Callable[[], object]) -> float:
+    """Microseconds per replay of ``fn`` captured in a CUDA graph (replays back to back)."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    samples = []
+    for _ in range(ROUNDS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(CALLS // 4):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / (CALLS // 4) * 1e3)
+    return statistics.median(samples)
 
 
 def main() -> int:
@@ -274,14 +338,19 @@ def main() -> int:
         "",
         *host_table("cuda" if gpu else "cpu"),
     ]
-    for build in (prefill_variants, decode_variants) if gpu else ():
-        shape, variants = build()
+    for shape, variants in gpu_tables() if gpu else ():
         times = interleaved_us(variants)
-        public = next(iter(times.values()))[0]
-        launch = times["`SPEC.launch` (same config)"][0]
+        public_host, public_gpu = times["public call"]
+        launch = times["the kernel's launch alone (same config)"][0]
+        replay = graph_us(variants["public call"])
         lines += [f"**{shape}**", "", "| path | host us per call | GPU us per call |", "| --- | --- | --- |"]
         lines += [f"| {name} | {h:.1f} | {g:.1f} |" for name, (h, g) in times.items()]
-        lines += [f"| overhead of the public path over the launch | {public - launch:.1f} | |", ""]
+        lines += [
+            f"| overhead of the public call over the bare launch | {public_host - launch:.1f} | |",
+            f"| CUDA-graph replay of the public call | | {replay:.1f} |",
+            f"| eager / graph time per call | {max(public_host, public_gpu) / replay:.2f}x | |",
+            "",
+        ]
     lines.append(f"torch.cuda.is_initialized() right after `import tritune.kernels`: {CUDA_INITIALISED_AFTER_IMPORT}")
     text = "\n".join(lines) + "\n"
     print(text)
