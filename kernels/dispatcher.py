@@ -279,21 +279,6 @@ def dispatch_config_eager(kernel: str, device: torch.device, facts: tuple[Any, .
     return config
 
 
-def _values(kernel: str, config: Any) -> tuple[Any, ...]:
-    return tuple(getattr(config, name) for name in get_spec(kernel).space.dimensions)
-
-
-@torch.compiler.assume_constant_result
-def dispatch(kernel: str, device_type: str, device_index: int, facts: tuple[Any, ...]) -> tuple[Any, ...]:
-    """:func:`dispatch_config`'s config as its field values in field order."""
-    return _values(kernel, dispatch_config(kernel, device_type, device_index, facts))
-
-
-def dispatch_eager(kernel: str, device: torch.device, facts: tuple[Any, ...]) -> tuple[Any, ...]:
-    """:func:`dispatch_config_eager`'s config as its field values in field order."""
-    return _values(kernel, dispatch_config_eager(kernel, device, facts))
-
-
 _rewritten_pins: set[tuple[str, Any, Any]] = set()
 
 
@@ -302,11 +287,6 @@ def _log_pin_rewrite(kernel: str, pin: Any, served: Any) -> None:
     if (kernel, pin, served) not in _rewritten_pins:
         _rewritten_pins.add((kernel, pin, served))
         log.warning("%s: pinned config %s cannot serve this call; serving %s instead", kernel, pin, served)
-
-
-def config_from_values(spec: KernelSpec[Any, Any], values: tuple[Any, ...]) -> Any:
-    """Rebuild the config dataclass from :func:`dispatch`'s tuple (field order)."""
-    return spec.space.config_type(*values)
 
 
 #: (kernel, the pin's items) -> the parsed config: entering ``use_config`` around every call of a

@@ -171,10 +171,10 @@ def pinned_call(kernel: str, config: dict[str, Any], fn: Callable[..., torch.Ten
 def served_config(spec: Any, facts: Iterable[Any], device: torch.device) -> dict[str, Any]:
     """The config the dispatcher serves a call of ``spec`` with these facts on ``device`` (under any pin in force)."""
     from tritune.kernels._launch import device_index
-    from tritune.kernels.dispatcher import config_from_values, dispatch
+    from tritune.kernels.dispatcher import dispatch_config
 
-    values = dispatch(spec.name, device.type, device_index(device), tuple(facts))
-    return spec.space.to_dict(config_from_values(spec, values))
+    config = dispatch_config(spec.name, device.type, device_index(device), tuple(facts))
+    return spec.space.to_dict(config)
 
 
 def config_text(config: Mapping[str, Any]) -> str:

@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 from tritune.configs_db import bundles
 from tritune.configs_db.store import ConfigStore
 from tritune.kernels import registry, settings
-from tritune.kernels.dispatcher import DISPATCHER, dispatch
+from tritune.kernels.dispatcher import DISPATCHER, dispatch_config
 from tritune.tuner.cli import app
 
 PORTABLE = {"BLOCK": 32, "BROKEN": False, "num_warps": 4}
@@ -163,8 +163,8 @@ def shipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def served() -> dict[str, Any]:
     spec = toy_kernel.SPEC
-    values = dispatch("toy_scale", "cpu", -1, spec.facts(torch.randn(100)))
-    return dict(spec.space.to_dict(spec.space.config_type(*values)))
+    config = dispatch_config("toy_scale", "cpu", -1, tuple(spec.facts(torch.randn(100))))
+    return dict(spec.space.to_dict(config))
 
 
 def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:

@@ -13,7 +13,7 @@ from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.store import ConfigStore
 from tritune.kernels import dispatcher, registry, settings
 from tritune.kernels.device import device_info
-from tritune.kernels.dispatcher import DISPATCHER, dispatch, use_config
+from tritune.kernels.dispatcher import DISPATCHER, dispatch_config, use_config
 from tritune.search_spaces.base import ConfigError
 
 CPU = device_info("cpu")
@@ -69,8 +69,8 @@ def _store(*records: WinnerRecord) -> None:
 def _served(n: int, dtype: torch.dtype = torch.float32) -> dict:
     spec = toy_kernel.SPEC
     x = torch.randn(n).to(dtype)
-    values = dispatch("toy_scale", "cpu", -1, spec.facts(x))
-    return spec.space.to_dict(spec.space.config_type(*values))
+    config = dispatch_config("toy_scale", "cpu", -1, tuple(spec.facts(x)))
+    return spec.space.to_dict(config)
 
 
 def test_portable_default_without_winners():
@@ -210,7 +210,7 @@ def test_served_config_computes_the_right_thing():
     _store(_winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5))
     spec = toy_kernel.SPEC
     x = torch.randn(100)
-    config = spec.space.config_type(*dispatch("toy_scale", "cpu", -1, spec.facts(x)))
+    config = dispatch_config("toy_scale", "cpu", -1, tuple(spec.facts(x)))
     out = torch.full_like(x, float("nan"))
     spec.launch(config, x, alpha=3.0, out=out)
     torch.testing.assert_close(out, x * 3.0)
@@ -226,8 +226,8 @@ def test_winner_of_another_gpu_in_the_db_is_not_served():
 
 def _served_eager(n: int) -> dict:
     spec = toy_kernel.SPEC
-    values = dispatcher.dispatch_eager("toy_scale", torch.device("cpu"), tuple(spec.facts(torch.randn(n))))
-    return spec.space.to_dict(spec.space.config_type(*values))
+    config = dispatcher.dispatch_config_eager("toy_scale", torch.device("cpu"), tuple(spec.facts(torch.randn(n))))
+    return spec.space.to_dict(config)
 
 
 def test_dispatch_eager_serves_from_the_memo_that_dispatch_fills():

@@ -26,7 +26,7 @@ from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.store import ConfigStore
 from tritune.kernels import registry, settings
 from tritune.kernels.device import device_info
-from tritune.kernels.dispatcher import DISPATCHER, dispatch
+from tritune.kernels.dispatcher import DISPATCHER, dispatch_config
 from tritune.tuner.cli import app
 
 CORPUS = Path(__file__).resolve().parent / "data" / "bad_bundles"
@@ -120,8 +120,8 @@ def bundle_dir(tmp_path, monkeypatch):
 
 def served() -> dict:
     spec = toy_kernel.SPEC
-    values = dispatch("toy_scale", "cpu", -1, spec.facts(torch.randn(100)))
-    return spec.space.to_dict(spec.space.config_type(*values))
+    config = dispatch_config("toy_scale", "cpu", -1, tuple(spec.facts(torch.randn(100))))
+    return spec.space.to_dict(config)
 
 
 def warnings(caplog) -> list[str]:

@@ -38,7 +38,7 @@ from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.store import ConfigStore, StoreError, read_winners
 from tritune.kernels import dispatcher, registry, settings
 from tritune.kernels.device import DeviceInfo, device_info
-from tritune.kernels.dispatcher import DISPATCHER, dispatch, use_config
+from tritune.kernels.dispatcher import DISPATCHER, dispatch_config, use_config
 
 CPU = device_info("cpu")
 PORTABLE = {"BLOCK": 32, "BROKEN": False, "num_warps": 4}
@@ -87,8 +87,8 @@ def good_db(path: Path, *records: WinnerRecord) -> Path:
 
 def served(n: int = 100) -> dict[str, Any]:
     spec = toy_kernel.SPEC
-    values = dispatch("toy_scale", "cpu", -1, spec.facts(torch.randn(n)))
-    return spec.space.to_dict(spec.space.config_type(*values))
+    config = dispatch_config("toy_scale", "cpu", -1, tuple(spec.facts(torch.randn(n))))
+    return spec.space.to_dict(config)
 
 
 def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
