@@ -126,7 +126,8 @@ class WorkerJob:
     count: int
     #: ``cpu`` or ``cuda:N``.
     device: str
-    #: Kernel name -> registry target ("module:attribute"), so run-time registrations reach the worker.
+    #: Kernel name -> where the worker imports it ("module:attribute" or "path/file.py:attribute"), so
+    #: kernels declared at run time (a user's file) reach the worker.
     targets: dict[str, str]
     #: (kernel name, key dict) in plan order.
     keys: list[tuple[str, dict[str, Any]]]
