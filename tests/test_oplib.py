@@ -1,4 +1,4 @@
-"""``TritonOp``: the body runs directly in plain eager mode, the registered op everywhere else.
+"""Declared kernels launch directly in plain eager mode and through their registered op everywhere else.
 
 Both routes must give the same result; the direct one exists only to skip ``torch.library``'s
 per-call Python cost, so every situation where the op matters (a dispatch mode such as
@@ -12,7 +12,7 @@ import torch
 from torch._library.triton import is_wrap_triton_enabled
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tritune.kernels._oplib import TritonOp, _plain_eager, in_direct_body, plain_tensors_call, register_op
+from tritune.kernels._oplib import in_direct_body, no_modes, run_unwrapped
 
 #: Where the kernels run: the GPU when there is one, else CPU tensors on the interpreter.
 _DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -41,73 +41,76 @@ def test_every_declared_op_writes_only_its_out():
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning")
-def test_plain_eager_only_for_plain_tensors_without_modes_or_grad():
-    plain = torch.ones(2)
-    assert _plain_eager((plain, 1, None))
-    assert not _plain_eager((torch.ones(2, requires_grad=True),))
-    with torch.no_grad():
-        assert _plain_eager((torch.ones(2, requires_grad=True),))
+def test_no_modes_sees_every_tracer_and_mode():
+    assert no_modes()
     with CountingMode():
-        assert not _plain_eager((plain,))
+        assert not no_modes()
     with torch.device("cpu"):  # a torch function mode
-        assert not _plain_eager((plain,))
+        assert not no_modes()
     seen: list[bool] = []
 
     def probe(x: torch.Tensor) -> torch.Tensor:
-        seen.append(_plain_eager((x,)))
+        seen.append(no_modes())
         return x
 
     torch.func.vmap(probe)(torch.ones(3, 2))  # a functorch transform: its tensors look plain
-    torch.jit.trace(probe, (plain,), check_trace=False)
+    torch.jit.trace(probe, (torch.ones(2),), check_trace=False)
     assert seen == [False, False]
 
 
-def _toy_op() -> tuple[TritonOp, list[bool]]:
-    calls: list[bool] = []
-
-    def _body(x: torch.Tensor, out: torch.Tensor, alpha: float) -> None:
-        calls.append(is_wrap_triton_enabled())
-        assert in_direct_body() is not calls[-1]
-        out.copy_(x * alpha)
-
-    return register_op("tritune_test::scaled_copy", _body, mutates_args=("out",), kernels=[]), calls
-
-
-TOY, TOY_CALLS = _toy_op()
-
-
-def test_direct_call_skips_the_dispatcher_and_bumps_the_version():
-    x, out = torch.randn(5), torch.full((5,), float("nan"))
+def test_run_unwrapped_launches_bare_kernels_and_bumps_the_version():
+    out = torch.zeros(3)
     version = out._version
-    with CountingMode() as mode:
-        pass
-    TOY_CALLS.clear()
-    TOY(x, out, 3.0)
-    assert torch.equal(out, x * 3.0)
+    inside: list[bool] = []
+
+    def launch(value: float, target: torch.Tensor) -> None:
+        inside.append(is_wrap_triton_enabled())
+        assert in_direct_body()
+        target.fill_(value)
+
+    run_unwrapped(launch, (2.0, out), [out])
+    assert inside == [False] and torch.equal(out, torch.full((3,), 2.0))
     assert out._version > version
-    assert mode.seen == []
-    # The body launches bare kernels, as triton_op's backend would run it.
-    assert TOY_CALLS == [False]
-    assert is_wrap_triton_enabled()
-    assert not in_direct_body()
+    assert is_wrap_triton_enabled() and not in_direct_body()
 
 
-def test_a_dispatch_mode_sees_the_op():
-    x, out = torch.randn(5), torch.full((5,), float("nan"))
-    with CountingMode() as mode:
-        TOY(x, out, 2.0)
-    assert "tritune_test.scaled_copy.default" in mode.seen
-    assert torch.equal(out, x * 2.0)
+def _decode_case() -> tuple[torch.Tensor, ...]:
+    from test_decode import make_case
+
+    return make_case(_DEVICE, batch=2, kv_heads=2, group=2, lq=1, head_dim=64, lmax=32, lengths=[5, 9])
+
+
+def test_a_plain_call_skips_the_op_and_a_call_with_grad_takes_it():
+    """A plain call's launch is the op's body run directly (no op reaches a mode that was not
+    active then); one whose inputs require grad must reach the op, which autograd knows."""
+    from tritune.kernels import decode_attention
+
+    q, k, v, kv_len = _decode_case()
+    out = torch.full_like(q, float("nan"))
+    version = out._version
+    decode_attention(q, k, v, kv_len, out=out)
+    assert out._version > version and not torch.isnan(out).any()
+    calls: list[tuple[object, ...]] = []
+    with pytest.MonkeyPatch.context() as patch:
+        from tritune.kernels import declare
+
+        def counting(self: object, config: object, args: tuple[object, ...]) -> None:
+            calls.append(args)
+            original_call_op(self, config, args)
+
+        original_call_op = declare.Kernel._call_op
+        patch.setattr(declare.Kernel, "_call_op", counting)
+        decode_attention(q, k, v, kv_len, out=torch.empty_like(q))
+        assert calls == []
+        decode_attention(q.clone().requires_grad_(True), k, v, kv_len, out=torch.empty_like(q))
+        assert len(calls) == 1
 
 
 @pytest.mark.parametrize("route", ["direct", "op"])
 def test_decode_results_are_the_same_either_way(route):
-    from test_decode import make_case
-
     from tritune.kernels import decode_attention
 
-    q, k, v, kv_len = make_case("cuda" if torch.cuda.is_available() else "cpu", batch=2, kv_heads=2, group=2, lq=1,
-                                head_dim=64, lmax=32, lengths=[5, 9])  # fmt: skip
+    q, k, v, kv_len = _decode_case()
     expected = decode_attention(q, k, v, kv_len)
     out = torch.full_like(q, float("nan"))
     if route == "op":
@@ -117,18 +120,6 @@ def test_decode_results_are_the_same_either_way(route):
     else:
         decode_attention(q, k, v, kv_len, out=out)
     assert torch.equal(out, expected)
-
-
-def test_plain_tensors_call_rules_out_modes_and_autograd_like_plain_eager():
-    plain = torch.ones(2)
-    assert plain_tensors_call(plain, None)
-    assert not plain_tensors_call(plain, torch.ones(2, requires_grad=True))
-    with torch.no_grad():
-        assert plain_tensors_call(torch.ones(2, requires_grad=True))
-    with CountingMode():
-        assert not plain_tensors_call(plain)
-    with torch.device("cpu"):
-        assert not plain_tensors_call(plain)
 
 
 def test_public_prefill_under_a_dispatch_mode_reaches_the_op():
