@@ -143,3 +143,19 @@ def test_full_tune_of_prefill_on_the_interpreter(tmp_path):
     assert result.exit_code == 0, result.output
     winners = ConfigStore(db).winners(gpu="cpu-interpreter", kernel="tma_prefill")
     assert winners and all(w.trials >= 1 and w.portable_ms > 0 for w in winners)
+
+
+def test_a_kernel_the_keys_leave_nothing_valid_is_left_out_when_others_are_tuned(monkeypatch, tmp_path):
+    """``--key dtype=int8``: the toy kernel accepts no such key; the space-of-paths toy, here without a
+    ``valid_key`` rule, is tuned alone. With the toy kernel alone it is a usage error."""
+    monkeypatch.setitem(registry._SPECS, "toy_scale", f"{toy_kernel.__name__}:SPEC")
+    monkeypatch.setitem(registry._SPECS, "toy_paths", f"{toy_kernel.__name__}:PATHS")
+    monkeypatch.setattr(toy_kernel.PathsSpec, "valid_key", lambda self, key: True)
+    db = f"sqlite:///{tmp_path / 'k.sqlite'}"
+    common = ["--device", "cpu", "--key", "dtype=int8", "--key", "n_bucket=64", "--trials", "2", "--no-isolate"]
+    both = _run(*common, "--kernel", "toy_scale", "--kernel", "toy_paths", "--db", db)
+    assert both.exit_code == 0, both.output
+    assert "no key of toy_scale remains valid with these values: toy_scale is left out" in " ".join(both.output.split())
+    assert [w.kernel for w in ConfigStore(db).winners()] == ["toy_paths"]
+    alone = runner.invoke(app, [*common, "--kernel", "toy_scale", "--db", db])
+    assert alone.exit_code == 2 and "no key of toy_scale remains valid" in " ".join(alone.output.split())

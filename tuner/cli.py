@@ -39,7 +39,7 @@ from .app import (
     short_key,
 )
 from .commands import print_status, status_rows
-from .keys import KeyOverride, KeyPlan, parse_overrides
+from .keys import KeyOverride, KeyPlan, NoValidKey, parse_overrides
 
 if TYPE_CHECKING:
     from .studies import StudyStorage
@@ -47,9 +47,22 @@ if TYPE_CHECKING:
 
 
 def _plan(specs: list[Any], overrides: list[KeyOverride], device_info: Any) -> list[tuple[Any, Any]]:
-    """(kernel, key) pairs to tune on one device: each kernel's default keys with the overrides applied."""
+    """(kernel, key) pairs to tune on one device: each kernel's default keys with the overrides applied.
+
+    A kernel the overrides leave no valid key is left out, with a note, when others are tuned.
+    """
     keys = KeyPlan(specs, overrides)
-    return [(spec, key) for spec in specs for key in keys.keys(spec, device_info)]
+    plan: list[tuple[Any, Any]] = []
+    for spec in specs:
+        try:
+            plan.extend((spec, key) for key in keys.keys(spec, device_info))
+        except NoValidKey as exc:
+            if len(specs) == 1:
+                raise
+            console.print(f"[yellow]{plain(exc.message)}: {plain(spec.name)} is left out[/yellow]")
+    if not plan:
+        raise typer.BadParameter("no kernel has a valid key with these --key values")
+    return plan
 
 
 def _positive_seconds(value: float | None) -> float | None:

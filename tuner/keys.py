@@ -10,7 +10,9 @@ here: the field's type (int, str or bool) says how its values are read.
 
 A name that a kernel has neither as a field nor as an alias leaves that kernel's keys alone; a name
 that none of the kernels tuned knows, or a value its field cannot take, is a usage error naming it
-and listing the key's fields.
+and listing the key's fields. Overrides that leave a kernel no valid key (``--lq 4096`` sets the
+decode key's ``lq`` field, its new tokens per step) leave that kernel out when others are tuned,
+and are a usage error when it is the only one.
 """
 
 from __future__ import annotations
@@ -27,12 +29,16 @@ from tritune.kernels.declare import Kernel
 from tritune.kernels.device import DeviceInfo
 from tritune.kernels.spec import KernelSpec, TuningKey
 
-__all__ = ["KeyOverride", "KeyPlan", "alias_table", "key_fields", "parse_overrides"]
+__all__ = ["KeyOverride", "KeyPlan", "NoValidKey", "alias_table", "key_fields", "parse_overrides"]
 
 #: Key fields that describe the device: they come from ``--device``, never from ``--key``.
 DEVICE_FIELDS = ("arch", "sm_count")
 _TYPES: dict[str, type] = {"int": int, "str": str, "bool": bool}
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+class NoValidKey(typer.BadParameter):
+    """The overrides leave a kernel no key its tuning half accepts."""
 
 
 @dataclass(frozen=True)
@@ -179,5 +185,5 @@ class KeyPlan:
                     keys[changed] = None
         if not keys:
             shown = " ".join(override.option for override in self.overrides)
-            raise typer.BadParameter(f"{shown}: no key of {spec.name} remains valid with these values")
+            raise NoValidKey(f"{shown}: no key of {spec.name} remains valid with these values")
         return list(keys)
