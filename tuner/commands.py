@@ -51,7 +51,9 @@ def list_kernels() -> None:
             continue
         space = spec.space
         title = f"{spec.name} (version {spec.version}, protocol {spec.protocol}, {space.size()} configs before pruning)"
-        table = Table(title=plain(title))
+        # Its own line: a table title wraps at the table's width.
+        console.print(f"[bold]{plain(title)}[/bold]", soft_wrap=True)
+        table = Table()
         members = getattr(space, "members", None)
         table.add_column("dimension")
         table.add_column("choices")
