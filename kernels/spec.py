@@ -60,7 +60,9 @@ class TuningKey:
             raise ValueError(f"{cls.__name__}: fields {sorted(values)} differ from {sorted(fields)}")
         hints = {f.name: f.type for f in dataclasses.fields(cls)}
         for name, value in values.items():
-            expected = {"int": int, "str": str, "bool": bool}.get(str(hints[name]))
+            # A string under ``from __future__ import annotations``, else the type itself.
+            hint = hints[name]
+            expected = {"int": int, "str": str, "bool": bool}.get(hint if isinstance(hint, str) else hint.__name__)
             if expected is None:
                 raise ValueError(f"{cls.__name__}.{name}: unsupported field type {hints[name]!r}")
             if isinstance(value, bool) != (expected is bool) or not isinstance(value, expected):

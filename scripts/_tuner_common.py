@@ -58,6 +58,13 @@ class Record:
         tmp.replace(self.path)
 
 
+def keys_of(spec: Any, info: Any, **fields: list[int]) -> list[Any]:
+    """``spec``'s default keys narrowed as ``tune --key NAME=VALUES`` would (``head_dim=[128]``, ``lkv=[...]``)."""
+    from tritune.tuner.keys import KeyPlan, parse_overrides
+
+    return KeyPlan([spec], parse_overrides([], fields)).keys(spec, info)
+
+
 def check(name: str, passed: bool | None, detail: str = "") -> dict[str, Any]:
     """One line of a part's verdict; ``passed=None`` means not judged (``detail`` says why)."""
     return {"name": name, "passed": passed, "detail": detail}

@@ -44,6 +44,7 @@ from _tuner_common import (
     fmt_ms,
     fresh_sqlite,
     key_text,
+    keys_of,
     log,
     make_worker,
     ratio_check,
@@ -77,7 +78,7 @@ def run(ctx: Context, record: Record) -> None:
     args = ctx.args
     info = device_info(ctx.torch_device)
     specs = [get_spec(name) for name in args.multigpu_kernels]
-    plan = [(spec, key) for spec in specs for key in spec.default_keys(info, **key_options(ctx))]
+    plan = [(spec, key) for spec in specs for key in keys_of(spec, info, **key_options(ctx))]
     gpus = 0 if ctx.smoke else torch.cuda.device_count()
     data = record.data
     data.update(
@@ -117,8 +118,8 @@ def run(ctx: Context, record: Record) -> None:
 
 
 def key_options(ctx: Context) -> dict[str, Any]:
-    """``default_keys`` options of both runs: the CLI's ``--head-dim`` and ``--lkv``, valid for either kernel."""
-    return {"head_dims": [ctx.args.multigpu_head_dim], "lkv": list(ctx.args.multigpu_lkv)}
+    """The key fields of both runs: the CLI's ``--head-dim`` and ``--lkv``, valid for either kernel."""
+    return {"head_dim": [ctx.args.multigpu_head_dim], "lkv": list(ctx.args.multigpu_lkv)}
 
 
 def tune_arguments(ctx: Context, kernels: list[str]) -> list[str]:

@@ -19,6 +19,7 @@ from _tuner_common import (
     fmt_ms,
     fresh_sqlite,
     key_text,
+    keys_of,
     log,
     make_worker,
     ratio_check,
@@ -31,13 +32,13 @@ from _tuner_common import (
 )
 
 TITLE = "Stability: two seeds, two DBs, the picks re-timed together"
-#: The key of each kernel on a GPU, as options of ``KernelSpec.default_keys`` (q4k: N = K = 4096 of
-#: its shapes). Cheapest first: a part stopped by its cap keeps the kernels it finished.
+#: The key of each kernel on a GPU, as ``tune --key`` fields or aliases (q4k: N = K = 4096 of its
+#: shapes). Cheapest first: a part stopped by its cap keeps the kernels it finished.
 KEYS: dict[str, dict[str, Any]] = {
-    "splitk_decode": {"head_dims": [128], "batches": [8], "lkv": [32768]},
-    "tma_prefill": {"head_dims": [128], "lq": [1024], "lkv": [16384]},
+    "splitk_decode": {"head_dim": [128], "batch": [8], "lkv": [32768]},
+    "tma_prefill": {"head_dim": [128], "lq": [1024], "lkv": [16384]},
     "q4k_fp8_gemm": {"m": [64]},
-    "varlen_sdpa": {"head_dims": [128]},
+    "varlen_sdpa": {"head_dim": [128]},
 }
 KERNELS = tuple(KEYS)
 
@@ -46,7 +47,7 @@ def stability_key(spec: Any, info: Any, smoke: bool) -> Any:
     """The kernel's key: the one above on a GPU, its first interpreter key in smoke mode."""
     if smoke:
         return spec.default_keys(info)[0]
-    keys = spec.default_keys(info, **KEYS[spec.name])
+    keys = keys_of(spec, info, **KEYS[spec.name])
     if spec.name == "q4k_fp8_gemm":
         keys = [k for k in keys if k.n == 4096 and k.k == 4096]
     return keys[0]

@@ -29,6 +29,7 @@ from _tuner_common import (
     fmt_ms,
     fresh_sqlite,
     key_text,
+    keys_of,
     log,
     make_worker,
     ratio_check,
@@ -59,8 +60,8 @@ def run(ctx: Context, record: Record) -> None:
     args = ctx.args
     spec = get_spec(KERNEL)
     info = device_info(ctx.torch_device)
-    gpu_keys = {"head_dims": [128], "batches": [8], "lkv": list(args.workers_lkv)}
-    keys = spec.default_keys(info) if ctx.smoke else spec.default_keys(info, **gpu_keys)
+    gpu_keys = {"head_dim": [128], "batch": [8], "lkv": list(args.workers_lkv)}
+    keys = spec.default_keys(info) if ctx.smoke else keys_of(spec, info, **gpu_keys)
     names = [study_name(spec.name, spec.version, info.slug, triton.__version__, k.to_dict()) for k in keys]
     data = record.data
     data.update(kernel=spec.name, keys=[k.to_dict() for k in keys], trials=args.workers_trials, runs={})

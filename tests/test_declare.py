@@ -253,3 +253,14 @@ def test_facts_and_key_come_from_the_declaration():
     facts = KERNEL.facts(*_call()[:-1])
     assert facts == ("fp32", 3, 2, 8, False, False, True)
     assert facts.M == 3 and facts.has_lo is False
+
+
+def test_a_key_declared_without_postponed_annotations_reads_back_from_a_file():
+    """A user's key module need not use ``from __future__ import annotations``: its field types are types."""
+    key_type = dataclasses.make_dataclass(
+        "PlainKey", [("dtype", str), ("n_bucket", int)], bases=(TuningKey,), frozen=True
+    )
+    key = key_type(arch="sm90", sm_count=132, dtype="bf16", n_bucket=1024)
+    assert key_type.from_dict(key.to_dict()) == key
+    with pytest.raises(ValueError, match="n_bucket='1024': expected int"):
+        key_type.from_dict({**key.to_dict(), "n_bucket": "1024"})

@@ -131,7 +131,12 @@ class Q4KWeight:
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str], tensor_name: str) -> Q4KWeight:
         """Read tensor ``tensor_name`` of a GGUF file; it must be stored as Q4_K."""
-        import gguf
+        try:
+            import gguf
+        except ImportError as exc:
+            raise ImportError(
+                "Q4KWeight.from_gguf reads GGUF files with the gguf package: pip install 'tritune[gguf]'"
+            ) from exc
 
         reader = gguf.GGUFReader(path)
         found = [t for t in reader.tensors if t.name == tensor_name]
