@@ -392,14 +392,29 @@ class Kernel(KernelSpec[Any, Any]):
     def serveable(self, config: Any, device: DeviceInfo, facts: tuple[Any, ...]) -> Any:
         return self._serve(config, device, self.Facts(*facts)) if self._serve is not None else config
 
-    def launch(self, config: Any, *args: Any, **kwargs: Any) -> Any:
-        """Run ``config`` on the call's arguments without dispatch (the tuner's and benchmarks' entry)."""
+    def prepare(self, config: Any, *args: Any, **kwargs: Any) -> Callable[[], Any]:
+        """The checked launch of ``config`` on these arguments, as a function to call repeatedly.
+
+        The arguments are bound and checked once (an output left out is allocated once); each call
+        then costs only the kernel's launch, as a plain eager call's direct launch does.
+        """
         bound = self._bind(args, kwargs)
         _, device, bound = self.check_call(bound)
         if device.type == "cpu":
             _prepare_interpreter()
-        run_unwrapped(self._launch, (config, *bound), [bound[i] for i in self._output_positions])
-        return self._result(bound)
+        launch, arguments = self._launch, (config, *bound)
+        outputs = [bound[i] for i in self._output_positions]
+        result = self._result(bound)
+
+        def run() -> Any:
+            run_unwrapped(launch, arguments, outputs)
+            return result
+
+        return run
+
+    def launch(self, config: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run ``config`` on the call's arguments without dispatch, once (checked; see :meth:`prepare`)."""
+        return self.prepare(config, *args, **kwargs)()
 
     def reference(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         bound = self._signature.bind(*args, **kwargs)

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -152,6 +152,14 @@ class KernelSpec(ABC, Generic[C, K]):
         Takes the public op's arguments, ``out=`` included: the tuner passes a NaN-poisoned
         ``out`` so that a config which leaves part of the output unwritten cannot pass its check.
         """
+
+    def prepare(self, config: C, *args: Any, **kwargs: Any) -> Callable[[], Any]:
+        """``launch(config, *args, **kwargs)`` as a function of no arguments, for timing loops.
+
+        A kernel whose launch checks or binds its arguments does that work here, once, so that a
+        timed call costs what the launch itself costs (the tuner and the benchmarks time this).
+        """
+        return functools.partial(self.launch, config, *args, **kwargs)
 
     # ---- the tuning half ---------------------------------------------------------------
 

@@ -39,6 +39,11 @@ def _isolated_settings(tmp_path, monkeypatch):
 
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
+        # Tests of host logic that build CPU tensors for the interpreter: the CPU tier covers them.
+        skip_interpreter = pytest.mark.skip(reason="CPU tier: runs its kernels on the Triton interpreter")
+        for item in items:
+            if "interpreter" in item.keywords:
+                item.add_marker(skip_interpreter)
         return
     skip_gpu = pytest.mark.skip(reason="GPU tier: needs a CUDA GPU (run on the H200)")
     for item in items:

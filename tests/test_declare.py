@@ -17,6 +17,9 @@ from tritune.kernels.declare import Derived, Kernel, Obj, Output, Rule, Scalar, 
 from tritune.kernels.spec import TuningKey, pow2_bucket
 from tritune.search_spaces.base import SearchSpace, choice
 
+# The kernel declared here launches on CPU tensors: the framework's host logic is the point.
+pytestmark = pytest.mark.interpreter
+
 
 @triton.jit
 def _scaled_add_kernel(X, Y, Lo, Out, n, alpha, BLOCK: tl.constexpr):
@@ -264,3 +267,17 @@ def test_a_key_declared_without_postponed_annotations_reads_back_from_a_file():
     assert key_type.from_dict(key.to_dict()) == key
     with pytest.raises(ValueError, match="n_bucket='1024': expected int"):
         key_type.from_dict({**key.to_dict(), "n_bucket": "1024"})
+
+
+def test_a_prepared_launch_checks_once_and_then_only_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tuner times ``prepare``'s function: a timed call must not pay the argument checks again."""
+    args = _call()
+    checks: list[int] = []
+    original = KERNEL.check_call
+    monkeypatch.setattr(KERNEL, "check_call", lambda *a, **k: checks.append(1) or original(*a, **k))
+    out = torch.full_like(args[0], float("nan"))
+    run = KERNEL.prepare(AddConfig(BLOCK=32), *args[:-1], out=out)
+    for _ in range(3):
+        assert run() is out
+    assert checks == [1]
+    torch.testing.assert_close(out.double(), _reference(*args[:-1]), rtol=1e-6, atol=1e-6)

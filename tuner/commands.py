@@ -3,7 +3,6 @@ import and bench. They register on the app of :mod:`tritune.tuner.app`."""
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -392,7 +391,7 @@ def bench(
                 for config in (default, served):
                     times.append(
                         timer(
-                            functools.partial(spec.launch, config, *problem.args, **problem.kwargs),
+                            spec.prepare(config, *problem.args, **problem.kwargs),
                             config=config,
                             flush_l2=problem.flush_l2,
                             launch_bound=problem.launch_bound,
