@@ -9,7 +9,7 @@ Loop trip counts are compile-time (``K_TILES``): the Triton 3.6 interpreter cann
 ``range`` bound under numpy 2.4, and on a GPU a model has only a few distinct K.
 
 The folding helpers (:func:`_column_fold`, :func:`_folded_weight_tile`) are shared by the folded
-GEMM kernel and the staged path's dequantization, so that both round every weight alike.
+GEMM kernel and the staged path's dequantization, so that the two make identical e4m3 weights.
 """
 
 from __future__ import annotations
