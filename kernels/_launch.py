@@ -8,6 +8,7 @@ of an interpreted kernel (:func:`prepare_interpreter`).
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from triton.runtime.interpreter import InterpretedFunction
 
 from ._interpreter import fix_interpreter_index
+from .arguments import Rule, Scalar
 from .device import device_info
 
 __all__ = [
@@ -24,12 +26,11 @@ __all__ = [
     "MAX_SOFTMAX_SCALE",
     "MERGE_TILE",
     "SM_COUNTS",
+    "SOFTMAX_SCALE",
     "arrival_counters",
-    "check_device",
     "check_out_memory",
-    "check_softmax_scale",
-    "check_tensor",
     "device_index",
+    "gqa_rule",
     "out_is_separate",
     "overlaps_itself",
     "prepare_interpreter",
@@ -45,8 +46,36 @@ log = logging.getLogger("tritune.launch")
 DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 #: log2(e): the kernels keep scores in the log2 domain, with this folded into the softmax scale.
 LOG2E = 1.4426950408889634
-#: Largest ``|softmax_scale|`` served (see :func:`check_softmax_scale`).
+#: Largest ``|softmax_scale|`` served (see :data:`SOFTMAX_SCALE`).
 MAX_SOFTMAX_SCALE = 1e4
+#: The ``softmax_scale`` argument of every attention kernel: None means ``1 / sqrt(D)``.
+#:
+#: Zero and negative scales are served. The kernels multiply fp32 scores by ``softmax_scale *
+#: log2(e)``, so with ``|softmax_scale| <= 1e4`` a score stays finite up to ``FLT_MAX / (1e4 *
+#: log2 e)``, about 2.4e34: any score of fp16 inputs (at most ``256 * 65504**2``, about 1.1e12) and
+#: of bf16 inputs with elements up to about 9e15. Beyond the bound a product overflows to inf for
+#: smaller scores and the row's softmax turns into NaN or zeros. Typical scales are ``1 / sqrt(D)``
+#: (0.0625-0.125), so the bound leaves ample room for temperatures.
+SOFTMAX_SCALE = Scalar(
+    "softmax_scale",
+    float,
+    optional=True,
+    bounds=(-MAX_SOFTMAX_SCALE, MAX_SOFTMAX_SCALE),
+    why="the kernels scale fp32 scores by it",
+    resolve=lambda D: 1.0 / math.sqrt(D),
+)
+
+
+def gqa_rule(kv_argument: str | None = None) -> Rule:
+    """The rule every attention kernel states: q's heads ``Hq`` a multiple of the KV heads ``Hkv``."""
+    owner = f"{kv_argument}'s " if kv_argument else ""
+    return Rule(
+        "q",
+        lambda Hq, Hkv: Hkv > 0 and Hq % Hkv == 0,
+        "{Hq} query heads are not a multiple of " + owner + "{Hkv} KV heads (GQA)",
+    )
+
+
 #: fp32 values of one merge program's tile of partials (64 registers a thread at 4 warps).
 MERGE_TILE = 8192
 #: Device -> SM count, filled on a device's first launch (the launch path must not query it per call).
@@ -60,15 +89,6 @@ _MIN_COUNTERS = 1024
 _warned_capture_counters: set[torch.device] = set()
 #: Whether :func:`prepare_interpreter` has run in this process.
 _interpreter_prepared = False
-
-
-def check_tensor(name: str, t: object, rank: int) -> torch.Tensor:
-    """``t`` if it is a tensor of ``rank`` dims, else a TypeError/ValueError naming ``name``."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != rank:
-        raise ValueError(f"{name}: expected {rank} dims, got shape {tuple(t.shape)}")
-    return t
 
 
 def runs_on_interpreter(kernel: Any) -> bool:
@@ -87,29 +107,6 @@ def prepare_interpreter() -> None:
     if not _interpreter_prepared:
         fix_interpreter_index()
         _interpreter_prepared = True
-
-
-def check_softmax_scale(softmax_scale: object) -> None:
-    """Refuse a ``softmax_scale`` the kernels cannot apply (TypeError/ValueError naming it).
-
-    Served: None (``1 / sqrt(D)``) or an int or float with ``|softmax_scale| <= MAX_SOFTMAX_SCALE``,
-    zero and negative scales included. The kernels multiply fp32 scores by ``softmax_scale * log2(e)``,
-    so a score stays finite up to ``FLT_MAX / (1e4 * log2(e))``, about 2.4e34: any score of fp16
-    inputs (at most ``256 * 65504**2``, about 1.1e12) and of bf16 inputs with elements up to about
-    9e15. Beyond the bound a product overflows to inf for smaller scores, and the row's softmax
-    turns into NaN or zeros; from about 2.4e38 the scale itself is not an fp32 number. Typical
-    scales are ``1 / sqrt(D)`` (0.0625-0.125), so the bound leaves ample room for temperatures.
-    """
-    if softmax_scale is None:
-        return
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, int | float):
-        raise TypeError(f"softmax_scale: expected a float or None, got {type(softmax_scale).__name__}")
-    # Comparisons, not float(): an int too large for a float is refused, not an OverflowError; NaN fails both.
-    if not -MAX_SOFTMAX_SCALE <= softmax_scale <= MAX_SOFTMAX_SCALE:
-        raise ValueError(
-            f"softmax_scale: expected a finite number with |softmax_scale| <= {MAX_SOFTMAX_SCALE:g} "
-            f"(the kernels scale fp32 scores by it), got {softmax_scale!r}"
-        )
 
 
 def overlaps_itself(t: torch.Tensor) -> bool:
@@ -197,25 +194,6 @@ def check_out_memory(out: torch.Tensor, inputs: dict[str, torch.Tensor | None], 
                 f"{name}: overlaps {input_name} in memory; expected a separate tensor (the kernels read "
                 f"{input_name} while writing {name})"
             )
-
-
-def check_device(name: str, t: torch.Tensor, kernel: Any) -> None:
-    """Refuse ``t`` (ValueError naming ``name``) unless ``kernel`` can run on its device.
-
-    CUDA tensors run on any kernel; CPU tensors only on the Triton interpreter, which Triton
-    chooses when a kernel is decorated: without it a CPU launch fails deep inside Triton.
-    """
-    kind = t.device.type
-    if kind == "cuda":
-        return
-    if kind == "cpu":
-        if runs_on_interpreter(kernel):
-            return
-        raise ValueError(
-            f"{name}: a CPU tensor runs only on the Triton interpreter, which this process is not using; "
-            "pass CUDA tensors, or set TRITON_INTERPRET=1 before tritune's kernels are imported"
-        )
-    raise ValueError(f"{name}: expected a CUDA tensor (or a CPU one on the Triton interpreter), got device {t.device}")
 
 
 def device_index(device: torch.device) -> int:

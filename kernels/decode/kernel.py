@@ -19,7 +19,6 @@ replay. The key buckets the cache length and ``batch x KV heads``, the sizes the
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -27,8 +26,8 @@ import torch
 
 from tritune.search_spaces.splitk_decode import HEAD_DIMS, SPACE, DecodeConfig, portable_config
 
-from .._launch import MAX_SOFTMAX_SCALE
-from ..declare import Kernel, Output, Rule, Scalar, Tensor
+from .._launch import SOFTMAX_SCALE, gqa_rule
+from ..declare import Kernel, Output, Rule, Tensor
 from ..device import DeviceInfo
 from ..spec import TuningKey, pow2_bucket
 from ._triton_decode import _decode_merge_kernel, _decode_split_kernel
@@ -88,14 +87,7 @@ KERNEL = Kernel(
         Tensor("k_cache", ("B", "Hkv", "Lmax", "D"), dtype_of="q", unit_inner_stride=True),
         Tensor("v_cache", ("B", "Hkv", "Lmax", "D"), dtype_of="q", unit_inner_stride=True),
         Tensor("kv_len", ("B",), dtypes=(torch.int32,)),
-        Scalar(
-            "softmax_scale",
-            float,
-            optional=True,
-            bounds=(-MAX_SOFTMAX_SCALE, MAX_SOFTMAX_SCALE),
-            why="the kernels scale fp32 scores by it",
-            resolve=lambda D: 1.0 / math.sqrt(D),
-        ),
+        SOFTMAX_SCALE,
         Output("out", like="q", unit_inner_stride=True),
     ],
     rules=[
@@ -105,11 +97,7 @@ KERNEL = Kernel(
             lambda Lq: 1 <= Lq <= MAX_QUERY_TOKENS,
             f"expected 1 to {MAX_QUERY_TOKENS} query tokens (dim 2), got {{Lq}}",
         ),
-        Rule(
-            "q",
-            lambda Hq, Hkv: Hkv > 0 and Hq % Hkv == 0,
-            "{Hq} query heads are not a multiple of {Hkv} KV heads (GQA)",
-        ),
+        gqa_rule(),
     ],
     facts=("dtype", "D", "B", "Hq", "Hkv", "Lq", "Lmax"),
     space=SPACE,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -30,7 +29,7 @@ from tritune.search_spaces.tma_prefill import (
 )
 
 from .. import settings as settings_module
-from .._launch import MAX_SOFTMAX_SCALE
+from .._launch import SOFTMAX_SCALE, gqa_rule
 from ..declare import Derived, Kernel, Output, Rule, Scalar, Tensor
 from ..device import DeviceInfo, device_info, target_supports
 from ..spec import TuningKey, pow2_bucket
@@ -226,23 +225,12 @@ KERNEL = Kernel(
         Tensor("v", ("B", "Hkv", "Lkv", "D"), dtype_of="q"),
         Tensor("kv_len", shapes=((), ("B",)), dtypes=(torch.int32,), optional=True),
         Scalar("causal", bool, default=True),
-        Scalar(
-            "softmax_scale",
-            float,
-            optional=True,
-            bounds=(-MAX_SOFTMAX_SCALE, MAX_SOFTMAX_SCALE),
-            why="the kernels scale fp32 scores by it",
-            resolve=lambda D: 1.0 / math.sqrt(D),
-        ),
+        SOFTMAX_SCALE,
         Output("out", like="q", keep_layout=True),
     ],
     rules=[
         Rule("q", lambda D: D in HEAD_DIMS, f"head dim {{D}} is not supported; expected one of {HEAD_DIMS}"),
-        Rule(
-            "q",
-            lambda Hq, Hkv: Hkv > 0 and Hq % Hkv == 0,
-            "{Hq} query heads are not a multiple of k's {Hkv} KV heads (GQA)",
-        ),
+        gqa_rule("k"),
     ],
     derived=[Derived("tma_layout_ok", tma_layout_ok)],
     facts=("dtype", "B", "Hq", "Hkv", "Lq", "Lkv", "D", "causal", "has_kv_len", "tma_layout_ok"),

@@ -15,7 +15,6 @@ the head dim fix the kernels and specialise, as S and the store's shape do in th
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -23,7 +22,7 @@ import torch
 
 from tritune.search_spaces.varlen_sdpa import HEAD_DIMS, SPACE, VarlenConfig, portable_config
 
-from .._launch import MAX_SOFTMAX_SCALE
+from .._launch import SOFTMAX_SCALE, gqa_rule
 from ..arguments import DYNAMIC
 from ..declare import Kernel, Output, Rule, Scalar, Tensor
 from ..device import DeviceInfo, target_supports
@@ -89,7 +88,6 @@ def _serve(config: VarlenConfig, device: DeviceInfo, facts: Any) -> VarlenConfig
 
 # Rule messages, formatted with the call's dims.
 _HEAD_DIM = f"head dim {{D}} is not supported; expected one of {HEAD_DIMS}"
-_GQA = "{Hq} query heads are not a multiple of k_store's {Hkv} KV heads (GQA)"
 _EMPTY_STORE = "expected at least one row and one column, got {rows} rows and {cols} columns"
 _NO_SEGMENT = "expected shape [S, 4] with S >= 1 (q_start, q_len, col, kv_end), got S=0"
 
@@ -104,19 +102,12 @@ KERNEL = Kernel(
         Scalar("causal", bool, default=True),
         Scalar("window", int, optional=True, bounds=(1, None), why="a number of positions"),
         Scalar("ring", bool, default=False),
-        Scalar(
-            "softmax_scale",
-            float,
-            optional=True,
-            bounds=(-MAX_SOFTMAX_SCALE, MAX_SOFTMAX_SCALE),
-            why="the kernels scale fp32 scores by it",
-            resolve=lambda D: 1.0 / math.sqrt(D),
-        ),
+        SOFTMAX_SCALE,
         Output("out", like="q", unit_inner_stride=True),
     ],
     rules=[
         Rule("q", lambda D: D in HEAD_DIMS, _HEAD_DIM),
-        Rule("q", lambda Hq, Hkv: Hkv > 0 and Hq % Hkv == 0, _GQA),
+        gqa_rule("k_store"),
         Rule("k_store", lambda rows, cols: rows >= 1 and cols >= 1, _EMPTY_STORE),
         Rule("seq_info", lambda S: S >= 1, _NO_SEGMENT),
     ],
