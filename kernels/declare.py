@@ -34,6 +34,7 @@ from ._launch import prepare_interpreter
 from ._oplib import no_modes, register_schema_op, run_unwrapped
 from .arguments import CheckedCall, Derived, Obj, Output, Rule, Scalar, Tensor, dim_names, dtype_name, static_dim
 from .device import DeviceInfo
+from .dispatcher import dispatch_config, dispatch_config_eager
 from .fastcheck import FastCheck, build_fast_check
 from .spec import KernelSpec, Problem, TuningKey
 
@@ -229,8 +230,6 @@ class Kernel(KernelSpec[Any, Any]):
         """A call the fast check accepted: dispatch, then the direct launch or the op."""
         if _empty(args, self._output_positions):
             return self._result(args)
-        from .dispatcher import dispatch_config_eager
-
         config = dispatch_config_eager(self.name, device, facts)
         if no_modes() and not _needs_grad(args, self._tensor_positions):
             # Reading device.type builds a string per call; only interpreted kernels run on the CPU.
@@ -243,8 +242,6 @@ class Kernel(KernelSpec[Any, Any]):
 
     def _call_checked(self, args: tuple[Any, ...], names: dict[str, str] | None = None) -> Any:
         """The detailed path: checks that name the argument, then dispatch through the op."""
-        from .dispatcher import dispatch_config
-
         facts, device, args = self.check_call(args, names)
         if device.type == "meta":
             # The checks let meta tensors through for launch(), where a recorder may stand in for
