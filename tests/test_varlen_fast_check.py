@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tritune.kernels import dispatcher, varlen_attention
+from tritune.kernels import declare, dispatcher, varlen_attention
 from tritune.kernels.varlen.kernel import KERNEL
 
 BF, FP = torch.bfloat16, torch.float16
@@ -45,8 +45,9 @@ def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, tuple[An
         seen.append(("detailed", tuple(facts)))
         return detailed(kernel, device_type, device_index, facts)
 
-    monkeypatch.setattr(dispatcher, "dispatch_config_eager", record_eager)
-    monkeypatch.setattr(dispatcher, "dispatch_config", record_detailed)
+    # Where declared calls look them up.
+    monkeypatch.setattr(declare, "dispatch_config_eager", record_eager)
+    monkeypatch.setattr(declare, "dispatch_config", record_detailed)
     monkeypatch.setattr(KERNEL, "_launch", lambda config, *args: None)
     yield seen
 
