@@ -1,4 +1,4 @@
-"""SQLAlchemy models of the config DB: environments, trials and winners.
+"""SQLAlchemy models of the config DB: environments, trials, winners and missed keys.
 
 The unique constraints carry the invariants the tuner relies on: one row per environment, a
 config measured at most once per key in one environment, and one winner per (GPU, kernel,
@@ -23,7 +23,17 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from .records import TRIAL_STATUSES
 from .values import Scalar, canonical_json, parse_canonical_json
 
-__all__ = ["Base", "Environment", "Scalar", "Trial", "Winner", "canonical_json", "parse_canonical_json", "utcnow"]
+__all__ = [
+    "Base",
+    "Environment",
+    "Miss",
+    "Scalar",
+    "Trial",
+    "Winner",
+    "canonical_json",
+    "parse_canonical_json",
+    "utcnow",
+]
 
 # Named constraints keep migrations reproducible (SQLite batch mode recreates tables by name).
 NAMING_CONVENTION = {
@@ -181,6 +191,7 @@ class Winner(Base):
     __table_args__ = (
         UniqueConstraint("gpu", "kernel", "kernel_version", "key_json", name="uq_winners_key"),
         CheckConstraint("time_ms > 0 AND portable_ms > 0 AND speedup > 0", name="positive_numbers"),
+        CheckConstraint("peer_ms IS NULL OR peer_ms > 0", name="peer_positive"),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -193,6 +204,9 @@ class Winner(Base):
     portable_ms: Mapped[float] = mapped_column(Float)
     speedup: Mapped[float] = mapped_column(Float)
     trial_count: Mapped[int] = mapped_column(server_default="1")
+    #: The peer (the PyTorch call a user would make instead) timed at this key in the same run.
+    peer_ms: Mapped[float | None] = mapped_column(Float)
+    peer_name: Mapped[str | None] = mapped_column(String(64))
     environment_id: Mapped[int] = mapped_column(ForeignKey("environments.id"))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
@@ -212,3 +226,24 @@ class Winner(Base):
             query = query.where(cls.kernel == kernel)
         query = query.order_by(cls.gpu, cls.kernel, cls.kernel_version, cls.key_json)
         return list(session.execute(query).scalars())
+
+
+class Miss(Base):
+    """A key a serving process resolved without an exact stored winner (what ``tune --missed`` tunes)."""
+
+    __tablename__ = "misses"
+    __table_args__ = (
+        UniqueConstraint("gpu", "kernel", "kernel_version", "key_json", name="uq_misses_key"),
+        CheckConstraint("count > 0", name="count_positive"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    gpu: Mapped[str] = mapped_column(String(128))
+    kernel: Mapped[str] = mapped_column(String(64))
+    kernel_version: Mapped[str] = mapped_column(String(64))
+    key_json: Mapped[str] = mapped_column(Text)
+    triton_version: Mapped[str] = mapped_column(String(64))
+    torch_version: Mapped[str] = mapped_column(String(64))
+    count: Mapped[int]
+    first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -75,7 +75,12 @@ def reason_of(exc: BaseException) -> str:
     return printable(str(getattr(exc, "orig", None) or exc), limit=REASON_CHARS)
 
 
-def _record_from_row(winner: Winner, environment: Environment, source: str) -> WinnerRecord:
+#: Older schema revisions the runtime still reads (without the columns they lack); reading never
+#: upgrades a DB, and a tuner opening it for writing does.
+READABLE_REVISIONS = ("0002",)
+
+
+def _record_from_row(winner: Winner, environment: Environment, source: str, *, with_peer: bool) -> WinnerRecord:
     """A :class:`WinnerRecord` from one winners row; ``ValueError`` if its stored JSON is malformed."""
     return WinnerRecord(
         kernel=winner.kernel,
@@ -91,6 +96,8 @@ def _record_from_row(winner: Winner, environment: Environment, source: str) -> W
         torch_version=environment.torch_version,
         tritune_version=environment.tritune_version,
         source=source,
+        peer_ms=(None if winner.peer_ms is None else float(winner.peer_ms)) if with_peer else None,
+        peer_name=winner.peer_name if with_peer else None,
         extra={
             "gpu_name": environment.gpu_name,
             "capability": environment.capability,
@@ -101,13 +108,21 @@ def _record_from_row(winner: Winner, environment: Environment, source: str) -> W
     )
 
 
-def winner_records(session: Session, gpu: str | None, kernel: str | None, source: str) -> list[WinnerRecord]:
-    """Winner records from the database; a row with malformed JSON is skipped with one warning."""
+def winner_records(
+    session: Session, gpu: str | None, kernel: str | None, source: str, *, with_peer: bool = True
+) -> list[WinnerRecord]:
+    """Winner records from the database; a row with malformed JSON is skipped with one warning.
+
+    ``with_peer=False`` reads a DB at a revision before the peer columns existed.
+    """
     from sqlalchemy import select
+    from sqlalchemy.orm import defer
 
     from .models import Environment, Winner
 
     query = select(Winner, Environment).join(Environment, Winner.environment_id == Environment.id)
+    if not with_peer:
+        query = query.options(defer(Winner.peer_ms, raiseload=True), defer(Winner.peer_name, raiseload=True))
     if gpu is not None:
         query = query.where(Winner.gpu == gpu)
     if kernel is not None:
@@ -116,7 +131,7 @@ def winner_records(session: Session, gpu: str | None, kernel: str | None, source
     records = []
     for winner, environment in session.execute(query):
         try:
-            records.append(_record_from_row(winner, environment, source))
+            records.append(_record_from_row(winner, environment, source, with_peer=with_peer))
         except ValueError as exc:
             log.warning(
                 "%s: skipping winners row %d (%s %s): %s",
@@ -253,11 +268,11 @@ def _read_engine(
             revision = storage.schema_revision(connection)
             if revision is None:
                 return []
-            if revision != storage.SCHEMA_HEAD:
+            if revision != storage.SCHEMA_HEAD and revision not in READABLE_REVISIONS:
                 raise StoreError(
                     f"schema revision {revision} is older than this tritune's {storage.SCHEMA_HEAD}, and reading "
                     "never upgrades a DB; a tuner opening it for writing (tune, tune import) upgrades it"
                 )
-            return winner_records(session, gpu, kernel, source)
+            return winner_records(session, gpu, kernel, source, with_peer=revision == storage.SCHEMA_HEAD)
     finally:
         engine.dispose()

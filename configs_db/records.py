@@ -32,6 +32,10 @@ class WinnerRecord:
     tritune_version: str
     #: Where the record came from, for messages: "db:<url>" or "bundle:<path>".
     source: str = ""
+    #: The peer (the PyTorch call a user would make instead) timed at this key in the same run,
+    #: and its name; ``None`` where the kernel names no peer or the record predates peer timing.
+    peer_ms: float | None = None
+    peer_name: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 

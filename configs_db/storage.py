@@ -44,9 +44,9 @@ from .errors import StoreError
 from .urls import sqlite_file
 
 #: The Alembic revision this code writes and reads; older known revisions can be upgraded.
-SCHEMA_HEAD = "0002"
+SCHEMA_HEAD = "0003"
 #: Every revision this code knows, oldest first (a test checks them against ``migrations/``).
-SCHEMA_REVISIONS = ("0001", "0002")
+SCHEMA_REVISIONS = ("0001", "0002", "0003")
 MIGRATIONS_DIR = Path(__file__).resolve().with_name("migrations")
 #: How long a tuner's connection waits for another process's write lock before giving up.
 BUSY_TIMEOUT_MS = 30_000
@@ -58,7 +58,7 @@ _WAL_HEADER = b"\x02\x02"
 #: PostgreSQL advisory lock taken while upgrading (an arbitrary constant: "tritune" in base 36).
 SCHEMA_LOCK_KEY = 64790900330
 #: Tables of a tritune DB, used to tell an empty database from somebody else's.
-TRITUNE_TABLES = frozenset({"alembic_version", "environments", "trials", "winners"})
+TRITUNE_TABLES = frozenset({"alembic_version", "environments", "misses", "trials", "winners"})
 
 
 def _enable_wal(cursor: sqlite3.Cursor) -> None:

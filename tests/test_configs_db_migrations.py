@@ -200,3 +200,24 @@ def test_upgrade_refuses_somebody_elses_database(tmp_path: Path) -> None:
 
 if __name__ == "__main__":
     make_v0001_db(Path(sys.argv[1]))
+
+
+def test_runtime_reads_a_revision_0002_db_without_writing_it(old_db: Path) -> None:
+    """A DB one revision behind (no peer columns) still serves its winners; only a tuner upgrades it."""
+    storage.upgrade(f"sqlite:///{old_db}", revision="0002")
+    before = old_db.read_bytes()
+    winners = read_winners(f"sqlite:///{old_db}", GPU)
+    assert sorted(w.key["seqlen"] for w in winners) == [1024, 4096]
+    assert all(w.peer_ms is None and w.peer_name is None for w in winners)
+    assert _revision(old_db) == "0002"
+    assert old_db.read_bytes() == before
+
+
+def test_upgrade_to_head_adds_peer_columns_and_the_miss_log(old_db: Path) -> None:
+    storage.upgrade(f"sqlite:///{old_db}")
+    with _sqlite(old_db) as db:
+        winner_columns = {row[1] for row in db.execute("PRAGMA table_info(winners)")}
+        miss_columns = {row[1] for row in db.execute("PRAGMA table_info(misses)")}
+    assert {"peer_ms", "peer_name"} <= winner_columns
+    assert {"gpu", "kernel", "kernel_version", "key_json", "count", "first_seen", "last_seen"} <= miss_columns
+    assert all(w.peer_ms is None for w in read_winners(f"sqlite:///{old_db}", GPU))

@@ -336,7 +336,9 @@ def _killed_tuner(path: Path) -> None:
         db = sqlite3.connect(sys.argv[1], isolation_level=None)
         db.execute("PRAGMA wal_autocheckpoint = 0")
         db.execute("UPDATE winners SET time_ms = 0.05, speedup = 4.0")
-        db.execute("INSERT INTO winners SELECT NULL, gpu, kernel, kernel_version, replace(key_json, '128', '256'),"
+        db.execute("INSERT INTO winners (gpu, kernel, kernel_version, key_json, config_json, time_ms, portable_ms,"
+                   " speedup, environment_id, created_at, updated_at, trial_count)"
+                   " SELECT gpu, kernel, kernel_version, replace(key_json, '128', '256'),"
                    " config_json, time_ms, portable_ms, speedup, environment_id, created_at, updated_at, trial_count"
                    " FROM winners")
         os._exit(0)
