@@ -91,7 +91,8 @@ class Kernel(KernelSpec[Any, Any]):
     ``wrap_triton(kernel)[grid](...)``. ``reference(**inputs)`` computes the same in fp32 or better.
     ``default(key)``, ``pin(values)`` and ``serve(config, device, facts)`` are optional hooks for
     a key-dependent portable default, ``use_config`` parsing and last-moment path eligibility.
-    ``dynamic``: dim facts left symbolic under ``torch.compile`` (0 in the facts) instead of
+    ``fallback_key(key)`` names the key whose winner serves where ``key`` has none (see
+    :meth:`KernelSpec.fallback_key`). ``dynamic``: dim facts left symbolic under ``torch.compile`` (0 in the facts) instead of
     specialising the graph on them. ``protocol`` is bumped by hand when launch geometry or the
     timing method changes (see :mod:`.versioning`).
     """
@@ -115,6 +116,7 @@ class Kernel(KernelSpec[Any, Any]):
         default: Callable[[Any], Any] | None = None,
         pin: Callable[[Mapping[str, Any]], Any] | None = None,
         serve: Callable[[Any, DeviceInfo, Any], Any] | None = None,
+        fallback_key: Callable[[Any], Any] | None = None,
         tuning: str | KernelTuning | None = None,
         op_name: str | None = None,
     ) -> None:
@@ -134,6 +136,7 @@ class Kernel(KernelSpec[Any, Any]):
         self._default = default
         self._pin = pin
         self._serve = serve
+        self._fallback_key = fallback_key
         self._tuning = tuning
         self.Facts = collections.namedtuple(f"{_camel(name)}Facts", self.fact_names)  # type: ignore[misc]
         self._by_name = {a.name: a for a in self.arguments}
@@ -385,6 +388,9 @@ class Kernel(KernelSpec[Any, Any]):
 
     def pinned_config(self, values: Mapping[str, Any]) -> Any:
         return self._pin(values) if self._pin is not None else self.space.parse(values)
+
+    def fallback_key(self, key: Any) -> Any:
+        return self._fallback_key(key) if self._fallback_key is not None else None
 
     def serveable(self, config: Any, device: DeviceInfo, facts: tuple[Any, ...]) -> Any:
         return self._serve(config, device, self.Facts(*facts)) if self._serve is not None else config

@@ -7,7 +7,9 @@ Lookup order, resolved once per (kernel, key) and then served from a dict:
    ``1 + margin``;
 3. with no winner at the exact key, the nearest bucket of the same kernel, GPU, dtype and head dim
    (the same key group) whose winner clears the margin;
-4. the portable default, logged once per key.
+4. where the kernel names a fallback key (a key with a stricter numerics contract, see
+   :meth:`~.spec.KernelSpec.fallback_key`), what serves that key;
+5. the portable default, logged once per key.
 
 Stored winners are loaded on the first dispatch for a device (the shipped bundle, then the
 user's DB on top), never at import. Reading the DB takes at most ``TRITUNE_DB_READ_TIMEOUT``
@@ -190,6 +192,12 @@ class Dispatcher:
                     reason = "a bucket as near as the nearest tuned winner found no gain over the portable default"
                 else:
                     config = nearest[2].config
+        if config is None and not current.disable_tuned:
+            fallback = spec.fallback_key(key)
+            if fallback is not None and fallback != key:
+                config = self._resolved.get((spec.name, device.slug, fallback))
+                if config is None:
+                    config = self._resolve(spec, device, fallback)
         if config is None:
             config = spec.default_config(key)
             if (spec.name, key) not in self._logged:

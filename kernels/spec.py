@@ -137,6 +137,15 @@ class KernelSpec(ABC, Generic[C, K]):
         """Turn a ``use_config`` dict into a config (fields left out take the defaults)."""
         return self.space.parse(values)
 
+    def fallback_key(self, key: K) -> K | None:
+        """A key whose winner may serve ``key`` when ``key`` has none of its own (a hook; none by default).
+
+        For a key whose numerics contract admits more paths than another's (an opt-in to faster,
+        less accurate paths): where the looser key has no tuned winner, the stricter key's winner
+        is as valid there and serves instead of the portable default.
+        """
+        return None
+
     def serveable(self, config: C, device: DeviceInfo, facts: tuple[Any, ...]) -> C:
         """Last word before launch: replace a config that cannot serve this call (a hook).
 

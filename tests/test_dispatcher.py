@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -141,6 +142,32 @@ def test_far_buckets_never_lend():
 def test_other_group_never_borrows():
     _store(_winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5))
     assert _served(100, torch.float64)["BLOCK"] == 32
+
+
+def test_a_key_without_a_winner_serves_its_fallback_keys_winner(monkeypatch):
+    """float16 calls fall back to the float32 key's winner (a stricter contract) when they have none."""
+    spec = toy_kernel.SPEC
+    monkeypatch.setattr(
+        spec, "fallback_key", lambda key: dataclasses.replace(key, dtype="float32") if key.dtype != "float32" else None
+    )
+    _store(_winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5))
+    assert _served(100, torch.float16)["BLOCK"] == 64
+    with settings.override(disable_tuned=True):
+        assert _served(100, torch.float16)["BLOCK"] == 32
+
+
+def test_a_key_with_its_own_winner_ignores_the_fallback(monkeypatch):
+    spec = toy_kernel.SPEC
+    monkeypatch.setattr(
+        spec, "fallback_key", lambda key: dataclasses.replace(key, dtype="float32") if key.dtype != "float32" else None
+    )
+    half_key = toy_kernel.ToyKey(CPU.arch, CPU.sm_count, "float16", 128).to_dict()
+    _store(
+        _winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5),
+        _winner(128, {"BLOCK": 16, "BROKEN": False, "num_warps": 1}, speedup=1.5, key=half_key),
+    )
+    assert _served(100, torch.float16)["BLOCK"] == 16
+    assert _served(100)["BLOCK"] == 64
 
 
 def test_pinned_config_wins_and_fills_defaults():
