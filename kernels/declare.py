@@ -92,9 +92,9 @@ class Kernel(KernelSpec[Any, Any]):
     ``default(key)``, ``pin(values)`` and ``serve(config, device, facts)`` are optional hooks for
     a key-dependent portable default, ``use_config`` parsing and last-moment path eligibility.
     ``fallback_key(key)`` names the key whose winner serves where ``key`` has none (see
-    :meth:`KernelSpec.fallback_key`). ``dynamic``: dim facts left symbolic under ``torch.compile`` (0 in the facts) instead of
-    specialising the graph on them. ``protocol`` is bumped by hand when launch geometry or the
-    timing method changes (see :mod:`.versioning`).
+    :meth:`KernelSpec.fallback_key`). ``dynamic``: dim facts left symbolic under ``torch.compile``
+    (0 in the facts) instead of specialising the graph on them. ``protocol`` is bumped by hand
+    when launch geometry or the timing method changes (see :mod:`.versioning`).
     """
 
     def __init__(
