@@ -27,6 +27,8 @@ from typing import Any, Literal
 from tritune.configs_db.values import printable
 
 TmaMode = Literal["auto", "on", "off"]
+JitMode = Literal["off", "sync", "background"]
+CrossGpuMode = Literal["off", "seed", "serve"]
 
 log = logging.getLogger("tritune.settings")
 
@@ -41,6 +43,18 @@ class Settings:
     enable_tma_causal_prefill: TmaMode = "auto"
     #: Seconds the serving process's read of the user DB may take in all before it is skipped.
     db_read_timeout: float = 3.0
+    #: Let Q4_K's fp8 and staged paths serve (faster at large M, below ggml's accuracy bound).
+    q4k_fp8: bool = False
+    #: Online tuning of a key that has no exact winner: off, in the calling thread, or in a worker.
+    jit: JitMode = "off"
+    #: Trials and seconds one online tune of a key may spend, and seconds per process in all.
+    jit_trials: int = 16
+    jit_key_seconds: float = 5.0
+    jit_total_seconds: float = 120.0
+    #: Keys resolved without an exact winner are logged to the user DB (``tune missed``).
+    miss_log: bool = True
+    #: Bundles of other GPUs: ignored, seeds for tuning on this GPU, or also served provisionally.
+    cross_gpu: CrossGpuMode = "seed"
 
 
 def default_db_url() -> str:
@@ -85,6 +99,26 @@ def _flag(raw: str) -> bool:
     if lowered in ("0", "false", "no", "off"):
         return False
     raise ValueError("0/1, true/false, yes/no or on/off")
+
+
+def _count(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 10_000:
+        raise ValueError("a whole number in [1, 10000] such as 16")
+    return value
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        lowered = raw.lower()
+        if lowered not in choices:
+            raise ValueError(", ".join(choices[:-1]) + " or " + choices[-1])
+        return lowered
+
+    return parse
 
 
 def _log_level(raw: str) -> str:
@@ -145,6 +179,32 @@ ENVIRONMENT: dict[str, Variable] = {
     ),
     "TRITUNE_ENABLE_TMA_CAUSAL_PREFILL": Variable(
         "enable_tma_causal_prefill", "auto", "auto | on | off for the TMA prefill path", _tma_mode
+    ),
+    "TRITUNE_Q4K_FP8": Variable(
+        "q4k_fp8",
+        "0",
+        "1 lets Q4_K's fp8 and staged paths serve (faster at large M; below ggml's NMSE 5e-4 bound)",
+        _flag,
+    ),
+    "TRITUNE_JIT": Variable(
+        "jit",
+        "off",
+        "off | sync | background: tune a key with no exact winner on its first eager call",
+        _choice("off", "sync", "background"),
+    ),
+    "TRITUNE_JIT_TRIALS": Variable("jit_trials", "16", "configs one online tune of a key may measure", _count),
+    "TRITUNE_JIT_KEY_SECONDS": Variable("jit_key_seconds", "5", "seconds one online tune of a key may take", _seconds),
+    "TRITUNE_JIT_TOTAL_SECONDS": Variable(
+        "jit_total_seconds", "120", "seconds of online tuning per process in all", _seconds
+    ),
+    "TRITUNE_MISS_LOG": Variable(
+        "miss_log", "1", "0 stops logging keys served without an exact winner to the user DB", _flag
+    ),
+    "TRITUNE_CROSS_GPU": Variable(
+        "cross_gpu",
+        "seed",
+        "off | seed | serve: other GPUs' bundles seed tuning here (seed), or also serve provisionally (serve)",
+        _choice("off", "seed", "serve"),
     ),
 }
 

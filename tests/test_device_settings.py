@@ -92,7 +92,32 @@ BAD_VALUES = [
     ("TRITUNE_ENABLE_TMA_CAUSAL_PREFILL", "auto-ish", "enable_tma_causal_prefill", "auto"),
     ("TRITUNE_DB_READ_TIMEOUT", "-1", "db_read_timeout", 3.0),
     ("TRITUNE_DB_READ_TIMEOUT", "soon", "db_read_timeout", 3.0),
+    ("TRITUNE_Q4K_FP8", "fast", "q4k_fp8", False),
+    ("TRITUNE_JIT", "always", "jit", "off"),
+    ("TRITUNE_JIT_TRIALS", "0", "jit_trials", 16),
+    ("TRITUNE_JIT_TRIALS", "2.5", "jit_trials", 16),
+    ("TRITUNE_JIT_KEY_SECONDS", "0", "jit_key_seconds", 5.0),
+    ("TRITUNE_JIT_TOTAL_SECONDS", "forever", "jit_total_seconds", 120.0),
+    ("TRITUNE_MISS_LOG", "maybe", "miss_log", True),
+    ("TRITUNE_CROSS_GPU", "everywhere", "cross_gpu", "seed"),
 ]
+
+
+@pytest.mark.parametrize(
+    ("name", "raw", "field", "value"),
+    [
+        ("TRITUNE_Q4K_FP8", "On", "q4k_fp8", True),
+        ("TRITUNE_JIT", " Background ", "jit", "background"),
+        ("TRITUNE_JIT_TRIALS", "40", "jit_trials", 40),
+        ("TRITUNE_CROSS_GPU", "serve", "cross_gpu", "serve"),
+        ("TRITUNE_MISS_LOG", "0", "miss_log", False),
+    ],
+)
+def test_new_settings_parse(monkeypatch, name, raw, field, value):
+    monkeypatch.setenv(name, raw)
+    assert getattr(settings.reload(), field) == value
+    monkeypatch.delenv(name)
+    settings.reload()
 
 
 @pytest.fixture
