@@ -1,10 +1,14 @@
 """Search space of ``q4k_fp8_gemm``: the Q4_K weight x activation GEMM, one member space per path.
 
-Four paths, each its own config type holding only the fields its launch reads (a
+Five paths, each its own config type holding only the fields its launch reads (a
 :class:`~.base.UnionSpace` on ``path``): the portable kernel, the fp8 kernels (centred, folded
 ``SCALE_FOLD``, and folded with swapped operands ``SWAP_AB``: the dequantized weight as wgmma's
 register A operand), the staged path (the fold kernel's weights, chunk by chunk, into cuBLASLt's
-fp8 GEMM) and the GEMV for decode-sized M (integer dot products on the CUDA cores). A field keeps
+fp8 GEMM), the int8 kernel (folded weights and activations as int8 with one scale per row, int8
+tensor-core dots) and the GEMV for decode-sized M (integer dot products on the CUDA cores).
+
+The fp8 and staged paths miss ggml's Q4_K accuracy bound (NMSE <= 5e-4): they are feasible only
+at keys with ``fp8=True`` (the ``TRITUNE_Q4K_FP8`` opt-in); the others meet it. A field keeps
 its name and choices on every path that has it, so the sampler's view (the union of the members'
 fields) and stored configs mean what they meant. Within the fp8 member a field that leaves the
 launch unchanged is pruned as a duplicate (``SWAP_AB`` without ``SCALE_FOLD``), ``BLOCK_M=256``
@@ -115,6 +119,28 @@ class StagedConfig:
 
 
 @dataclass(frozen=True)
+class Int8Config:
+    """The int8 path (SM80+ int8 tensor cores; wgmma on SM90): the folded weights ``d*sc*q - dmin*m``
+    (the fold kernel's values, before its e4m3 rounding) as int8 with one scale per weight row,
+    against x as int8 with one scale per row; ``tl.dot`` accumulates int32 over the whole K loop
+    and both scales apply once after it. Accurate: about 37 dB on Gaussian data, above ggml's
+    Q4_K bound (see :mod:`tritune.kernels.q4k._triton_int8`)."""
+
+    path: str = choice("int8", ("int8",))
+    #: 256 only with SWAP_AB, where it is wgmma's widest N (m64n256).
+    BLOCK_M: int = choice(64, (16, 32, 64, 128, 256))
+    BLOCK_N: int = choice(128, (32, 64, 128, 256))
+    BLOCK_K: int = choice(64, _K_TILES)
+    GROUP_M: int = choice(8, (1, 4, 8))
+    num_warps: int = choice(4, (2, 4, 8))
+    num_stages: int = choice(3, (1, 2, 3, 4, 5))
+    SPLIT_K: int = choice(1, (1, 2, 4, 8))
+    #: As the folded fp8 kernel's: tiles of ``out^T``, the register-made int8 weight as wgmma's A
+    #: operand (from registers), x^T (K-major, as int8 wgmma needs its B operand) from shared memory.
+    SWAP_AB: bool = choice(False, (False, True))
+
+
+@dataclass(frozen=True)
 class GemvConfig:
     """The GEMV path: decode-sized M (up to ``GEMV_MAX_M`` rows) on the CUDA cores, int8 x (one
     scale per 32 values) against the exact codes with ``dp4a``, no MMA (any CUDA GPU).
@@ -132,7 +158,7 @@ class GemvConfig:
 
 
 #: A config of any path.
-Q4KConfig = PortableConfig | Fp8Config | StagedConfig | GemvConfig
+Q4KConfig = PortableConfig | Fp8Config | StagedConfig | GemvConfig | Int8Config
 
 
 class Q4KShape(Protocol):
@@ -150,17 +176,32 @@ class Q4KShape(Protocol):
     @property
     def dtype(self) -> str: ...
 
+    @property
+    def fp8(self) -> bool: ...
 
-def smem_bytes(config: PortableConfig | Fp8Config) -> int:
-    """Shared memory a launch is expected to need: pipelined loads plus the staged dot operand."""
+
+#: Why the fp8 and staged paths cannot serve a key without the opt-in.
+FP8_OPT_IN_REASON = (
+    "the fp8 and staged paths miss ggml's Q4_K accuracy bound (NMSE <= 5e-4); "
+    "they serve only with TRITUNE_Q4K_FP8=1 (keys with fp8=True)"
+)
+
+
+def smem_bytes(config: PortableConfig | Fp8Config | Int8Config) -> int:
+    """Shared memory a launch is expected to need: pipelined loads plus the staged dot operand.
+
+    The int8 kernel loads and stages what the folded fp8 kernel does (one byte per x and per
+    weight element, the same packed codes and scales), so it shares that kernel's estimates.
+    """
     bm, bn, bk = config.BLOCK_M, config.BLOCK_N, config.BLOCK_K
     stages = config.num_stages
-    if isinstance(config, Fp8Config) and config.SCALE_FOLD and config.SWAP_AB:
+    folded = isinstance(config, Int8Config) or (isinstance(config, Fp8Config) and config.SCALE_FOLD)
+    if folded and config.SWAP_AB:
         # As Triton 3.6 lays it out for wgmma on sm_90 (never under, at most 6 KiB over on the
         # admitted tiles compiled): x's e4m3 tile in every stage, the packed quants, codes and
         # (d, dmin) in all but one. The weight never passes through shared memory.
         return stages * bm * bk + (stages - 1) * (bn * bk // 2 + 2 * bn * (bk // 32) + 4 * bn)
-    if isinstance(config, Fp8Config) and config.SCALE_FOLD:
+    if folded:
         # As Triton 3.6 lays it out for wgmma on sm_90 (exact or 2 KiB over on the tiles compiled;
         # mma.sync tiles below 64 rows need less): x's e4m3 tile in every stage, the packed quants
         # and codes in all but one, and the folded e4m3 weight tile staged once.
@@ -175,8 +216,10 @@ def smem_bytes(config: PortableConfig | Fp8Config) -> int:
     return max(stages - 1, 1) * per_stage + staged
 
 
-def _mma_tile_reason(config: PortableConfig | Fp8Config, key: Q4KShape, limits: TargetLimits) -> str | None:
-    """The rules the two MMA paths share: split-K and tiles against the key, the accumulator's
+def _mma_tile_reason(
+    config: PortableConfig | Fp8Config | Int8Config, key: Q4KShape, limits: TargetLimits
+) -> str | None:
+    """The rules the MMA paths share: split-K and tiles against the key, the accumulator's
     registers, and (on a GPU) threads the tile leaves idle; on the interpreter, small blocks."""
     if config.SPLIT_K > 1 and key.m_bucket > SMALL_M:
         return f"SPLIT_K={config.SPLIT_K} only for M <= {SMALL_M} (m_bucket={key.m_bucket})"
@@ -208,10 +251,30 @@ def portable_feasibility(config: PortableConfig, key: Q4KShape, limits: TargetLi
 
 def fp8_feasibility(config: Fp8Config, key: Q4KShape, limits: TargetLimits) -> str | None:
     """Why an fp8 ``config`` cannot (or should not) run for ``key``; ``None`` if it may."""
+    if not key.fp8:
+        return FP8_OPT_IN_REASON
     if config.SWAP_AB and not config.SCALE_FOLD:
         return "SWAP_AB only changes the folded fp8 path (the same launch as SWAP_AB=False)"
     if config.BLOCK_M == 256 and not config.SWAP_AB:
         return "BLOCK_M=256 only for the swapped kernel (SWAP_AB), where it is wgmma's N side"
+    return _folded_reason(config, key, limits, folded=config.SCALE_FOLD)
+
+
+def int8_feasibility(config: Int8Config, key: Q4KShape, limits: TargetLimits) -> str | None:
+    """Why an int8 ``config`` cannot (or should not) run for ``key``; ``None`` if it may.
+
+    The kernel is the folded fp8 kernel's loop with int8 operands and an int32 accumulator (the
+    same bytes per operand, the same registers per accumulator element): the folded kernel's
+    register and shared-memory rules apply (``tests/test_sm90_build.py`` builds its starting
+    tiles for sm_90).
+    """
+    if config.BLOCK_M == 256 and not config.SWAP_AB:
+        return "BLOCK_M=256 only for the swapped kernel (SWAP_AB), where it is wgmma's N side"
+    return _folded_reason(config, key, limits, folded=True)
+
+
+def _folded_reason(config: Fp8Config | Int8Config, key: Q4KShape, limits: TargetLimits, *, folded: bool) -> str | None:
+    """The tile rules of the kernels that dequantize a float32 weight tile and round it to 8 bits."""
     reason = _mma_tile_reason(config, key, limits)
     if reason is not None or limits.interpreter:
         return reason
@@ -231,8 +294,8 @@ def fp8_feasibility(config: Fp8Config, key: Q4KShape, limits: TargetLimits) -> s
         # Triton 3.6 dequantizes a 32-wide tile in a layout of its own, then passes it through
         # shared memory and waits for each wgmma: what swapping the operands is meant to avoid.
         return "the swapped kernel keeps its weight tile in registers only with BLOCK_K >= 64"
-    if config.SCALE_FOLD:
-        # The float32 weight tile is dequantized next to the accumulator before its e4m3 cast.
+    if folded:
+        # The float32 weight tile is dequantized next to the accumulator before its 8-bit cast.
         live_k = 3 * config.BLOCK_K // 4 if config.SWAP_AB else config.BLOCK_K // 2
         regs = (config.BLOCK_M + live_k) * config.BLOCK_N // (32 * config.num_warps)
         limit = SWAP_MAX_REGISTERS if config.SWAP_AB else FOLD_MAX_REGISTERS
@@ -250,6 +313,8 @@ def staged_feasibility(config: StagedConfig, key: Q4KShape, limits: TargetLimits
     Small M is left to the in-loop kernels: writing and re-reading every weight costs more than
     dequantizing it once per M tile when there are few M tiles.
     """
+    if not key.fp8:
+        return FP8_OPT_IN_REASON
     if key.dtype != "bfloat16":
         return f"the staged path's GEMM writes bfloat16 only (row-wise scaled fp8), not {key.dtype}"
     if key.n < 2 * config.CHUNK_N:
@@ -305,5 +370,6 @@ SPACE: UnionSpace[Q4KShape] = UnionSpace(
         SearchSpace("q4k_fp8_gemm", Fp8Config, feasibility=fp8_feasibility),
         SearchSpace("q4k_fp8_gemm", StagedConfig, feasibility=staged_feasibility),
         SearchSpace("q4k_fp8_gemm", GemvConfig, feasibility=gemv_feasibility),
+        SearchSpace("q4k_fp8_gemm", Int8Config, feasibility=int8_feasibility),
     ],
 )

@@ -3,18 +3,33 @@
 The declaration (:data:`KERNEL`) gives the call's checks (each error names the argument), the
 ``tritune::q4k_linear`` op, dispatch by tuning key and the kernel's version; this module adds the
 key, the portable defaults by M bucket and the last-moment path eligibility.
+
+Accuracy contract: by default only the paths that meet ggml's Q4_K bound (NMSE <= 5e-4 against
+the exactly dequantized product: portable, GEMV, int8) serve. ``TRITUNE_Q4K_FP8=1`` opts in to
+the faster fp8 and staged paths (about 28.5-33 dB); its calls get keys with ``fp8=True``, where
+those paths are feasible, and where such a key has no winner of its own the accurate key's winner
+serves (:func:`accurate_key`, the declaration's ``fallback_key``).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
 import triton
 
-from tritune.search_spaces.q4k_fp8_gemm import SMALL_M, SPACE, PortableConfig, Q4KConfig, StagedConfig
+from tritune.search_spaces.q4k_fp8_gemm import (
+    FP8_OPT_IN_REASON,
+    SMALL_M,
+    SPACE,
+    PortableConfig,
+    Q4KConfig,
+    StagedConfig,
+)
 
+from .. import settings as settings_module
 from ..declare import Kernel, Obj, Output, Rule, Tensor
 from ..device import DeviceInfo, target_supports
 from ..spec import TuningKey, pow2_bucket
@@ -22,8 +37,12 @@ from .launch import JIT_KERNELS, launch
 from .reference import q4k_linear_reference
 from .weight import Q4KWeight
 
+log = logging.getLogger("tritune.dispatch")
+
 #: Key dtype names (stored bundle keys spell them out) of the facts' short dtype names.
 _KEY_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+#: The paths below ggml's accuracy bound, served only with the opt-in.
+_FP8_PATHS = ("fp8", "staged")
 
 
 @dataclass(frozen=True)
@@ -32,12 +51,16 @@ class Q4KKey(TuningKey):
     m_bucket: int
     n: int
     k: int
+    #: The fp8 opt-in (``TRITUNE_Q4K_FP8``): True admits the fp8 and staged paths, which miss
+    #: ggml's Q4_K accuracy bound; False admits only the paths that meet it.
+    fp8: bool
 
     BUCKETS: ClassVar[tuple[str, ...]] = ("m_bucket",)
 
 
 def key_for(device: DeviceInfo, facts: Any) -> Q4KKey:
-    """The key of a call: its GPU, dtype, M rounded up to a power of two, and the weight's N and K."""
+    """The key of a call: its GPU, dtype, M rounded up to a power of two, the weight's N and K,
+    and whether the fp8 paths may serve it (``TRITUNE_Q4K_FP8``)."""
     return Q4KKey(
         arch=device.arch,
         sm_count=device.sm_count,
@@ -45,7 +68,14 @@ def key_for(device: DeviceInfo, facts: Any) -> Q4KKey:
         m_bucket=pow2_bucket(facts.M, minimum=1),
         n=facts.N,
         k=facts.K,
+        fp8=settings_module.settings().q4k_fp8,
     )
+
+
+def accurate_key(key: Q4KKey) -> Q4KKey | None:
+    """The declaration's ``fallback_key``: an opt-in key's accurate twin, whose winner (meeting
+    ggml's bound, so valid under the opt-in too) serves where the opt-in key has none."""
+    return replace(key, fp8=False) if key.fp8 else None
 
 
 def default_config(key: Q4KKey) -> PortableConfig:
@@ -79,14 +109,28 @@ def default_config(key: Q4KKey) -> PortableConfig:
     return PortableConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=group_m, num_warps=8, num_stages=3)
 
 
+#: Pinned fp8 and staged configs already warned about: one warning each per process.
+_warned_opt_in: set[Q4KConfig] = set()
+
+
 def serve(config: Q4KConfig, device: DeviceInfo, facts: Any) -> Q4KConfig:
-    """The fp8 path needs e4m3 tensor cores (SM89+, every built arch) or the interpreter; the
-    staged path needs row-wise scaled fp8 GEMMs (SM90+ or the interpreter's CPU ``_scaled_mm``),
-    a bf16 x and N, K multiples of 16. Otherwise the key's portable default serves.
+    """The fp8 and staged paths serve only with the opt-in (``TRITUNE_Q4K_FP8=1``; a stored winner
+    of theirs is infeasible at a key without it, so only a pin gets here, with a warning naming
+    the setting). The fp8 path needs e4m3 tensor cores (SM89+, every built arch) or the
+    interpreter; the staged path needs row-wise scaled fp8 GEMMs (SM90+ or the interpreter's CPU
+    ``_scaled_mm``), a bf16 x and N, K multiples of 16; the int8 path int8 tensor cores (SM80+) or
+    the interpreter. Otherwise the key's portable default serves.
 
     A pinned SPLIT_K that does not divide K's tiles is halved until it does.
     """
+    if config.path in _FP8_PATHS and not settings_module.settings().q4k_fp8:
+        if config not in _warned_opt_in:
+            _warned_opt_in.add(config)
+            log.warning("q4k_fp8_gemm: %s cannot serve: %s", config, FP8_OPT_IN_REASON)
+        config = default_config(key_for(device, facts))
     if config.path == "fp8" and not (device.is_interpreter or target_supports(device, (8, 9))):
+        config = default_config(key_for(device, facts))
+    if config.path == "int8" and not (device.is_interpreter or target_supports(device, (8, 0))):
         config = default_config(key_for(device, facts))
     if isinstance(config, StagedConfig):
         eligible = device.is_interpreter or target_supports(device, (9, 0))
@@ -133,6 +177,7 @@ KERNEL = Kernel(
     protocol=1,
     default=default_config,
     serve=serve,
+    fallback_key=accurate_key,
     tuning="tritune.kernels.q4k.tuning:TUNING",
     op_name="tritune::q4k_linear",
 )
@@ -144,7 +189,8 @@ def q4k_linear(
     """``x @ W^T + bias`` for a Q4_K weight ``W`` ``[N, K]``; ``x`` is ``[..., K]`` bf16 or fp16.
 
     The result is ``[..., N]`` in x's dtype, written to ``out`` when given (contiguous, sharing no
-    memory with x, bias or the weight). The config (portable, fp8, staged or GEMV path, tiles,
-    split-K) comes from the dispatcher for this GPU, M bucket, N and K.
+    memory with x, bias or the weight). The config (portable, int8, GEMV, or with
+    ``TRITUNE_Q4K_FP8=1`` also fp8 or staged path, tiles, split-K) comes from the dispatcher for
+    this GPU, M bucket, N, K and the opt-in.
     """
     return KERNEL.call(x, weight, bias, out)  # type: ignore[no-any-return]

@@ -15,12 +15,20 @@ from typing import Any, NamedTuple
 import torch
 import triton
 
-from tritune.search_spaces.q4k_fp8_gemm import Fp8Config, GemvConfig, PortableConfig, Q4KConfig, StagedConfig
+from tritune.search_spaces.q4k_fp8_gemm import (
+    Fp8Config,
+    GemvConfig,
+    Int8Config,
+    PortableConfig,
+    Q4KConfig,
+    StagedConfig,
+)
 
 from .._oplib import wrap_triton
 from ._triton_fold import _q4k_gemm_fp8_fold_kernel
 from ._triton_fp8 import _q4k_gemm_fp8_kernel
 from ._triton_gemv import _q4k_gemv_kernel, _quantize_rows_gemv_kernel
+from ._triton_int8 import _int8_prepass_kernel, _q4k_gemm_int8_kernel
 from ._triton_portable import _q4k_gemm_portable_kernel
 from ._triton_quantize import _quantize_rows_fp8_kernel
 from ._triton_splitk import _splitk_reduce_kernel
@@ -38,11 +46,15 @@ JIT_KERNELS = (
     _quantize_rows_gemv_kernel,
     _q4k_gemv_kernel,
     _splitk_reduce_kernel,
+    _int8_prepass_kernel,
+    _q4k_gemm_int8_kernel,
 )
 
 _REDUCE_BLOCK_M = 16
 _REDUCE_BLOCK_N = 128
 _FOLD_BLOCK_N = 128
+#: Weight rows per program of the int8 pre-pass's scale half: N=4096 makes 128 programs.
+_INT8_SCALE_BLOCK_N = 32
 #: Sub-blocks per program of the GEMV pre-pass: 16 rows of K=4096 make 128 programs.
 _GEMV_PREPASS_TILE = 16
 #: Most rows of x one GEMV program multiplies (more rows take more programs).
@@ -59,7 +71,9 @@ class _Plan(NamedTuple):
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(config: PortableConfig | Fp8Config | GemvConfig, m: int, n: int, k: int, has_bias: bool) -> _Plan:
+def _plan(
+    config: PortableConfig | Fp8Config | GemvConfig | Int8Config, m: int, n: int, k: int, has_bias: bool
+) -> _Plan:
     # Plain // and % (not divmod): a traced call's sizes may be SymInts.
     if k % config.BLOCK_K or (k // config.BLOCK_K) % config.SPLIT_K:
         raise ValueError(
@@ -122,6 +136,13 @@ def launch(config: Q4KConfig, x: torch.Tensor, weight: Q4KWeight, bias: torch.Te
             qs.stride(0), scales.stride(0), super_scales.stride(0), stride_om, stride_on, stride_ok, stride_bn,
             ASM=not interpreted, **plan.constants,
         )  # fmt: skip
+    elif isinstance(config, Int8Config):
+        xq, x_scale, w_scale = int8_prepass(x2d, scales, mins, super_scales)
+        wrap_triton(_q4k_gemm_int8_kernel)[plan.grid](
+            xq, x_scale, w_scale, qs, scales, mins, super_scales, bias_arg, target, m, n, k, qs.stride(0),
+            scales.stride(0), super_scales.stride(0), stride_om, stride_on, stride_ok, stride_bn,
+            SWAP_AB=config.SWAP_AB, **plan.constants,
+        )  # fmt: skip
     elif isinstance(config, Fp8Config):
         # Folded weights carry their mins: only the centred kernel needs x's 32-wide row sums.
         xq, row_scale, rowsum = _quantize_rows(x2d, row_sums=not config.SCALE_FOLD, interpreted=interpreted)
@@ -173,6 +194,29 @@ def _quantize_rows(x: torch.Tensor, *, row_sums: bool, interpreted: bool) -> tup
         BLOCK_K=block, K_TILES=k // block, ROUND_IN_FP32=interpreted, ROW_SUMS=row_sums, num_warps=4,
     )  # fmt: skip
     return xq, row_scale, rowsum
+
+
+def int8_prepass(
+    x: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, super_scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int8 path's pre-pass (one launch): int8 rows of ``x`` ``[M, K]``, their float32 scales
+    ``[M]``, and each weight row's float32 scale ``[N]`` (its largest weight over 127).
+
+    The weight's scales are computed per call from its sub-block fields (a read of 5/64 of a byte
+    per weight) rather than kept on the weight: the op rebuilds the weight from its four tensors.
+    """
+    m, k = x.shape
+    n = super_scales.shape[0]
+    xq = torch.empty((m, k), dtype=torch.int8, device=x.device)
+    x_scale = torch.empty((m,), dtype=torch.float32, device=x.device)
+    w_scale = torch.empty((n,), dtype=torch.float32, device=x.device)
+    block = _prepass_block(k)
+    wrap_triton(_int8_prepass_kernel)[(m + triton.cdiv(n, _INT8_SCALE_BLOCK_N),)](
+        x, xq, x_scale, scales, mins, super_scales, w_scale, m, n, x.stride(0), x.stride(1), scales.stride(0),
+        super_scales.stride(0), K=k, BLOCK_K=block, K_TILES=k // block, SCALE_BLOCK_N=_INT8_SCALE_BLOCK_N,
+        num_warps=4,
+    )  # fmt: skip
+    return xq, x_scale, w_scale
 
 
 def quantize_rows_gemv(x: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -20,6 +20,7 @@ from tritune.search_spaces.q4k_fp8_gemm import (
     WGMMA_ROWS,
     Fp8Config,
     GemvConfig,
+    Int8Config,
     Q4KConfig,
     StagedConfig,
 )
@@ -32,7 +33,11 @@ from .reference import check_path
 from .weight import Q4KWeight
 
 _GPU_SHAPES = ((4096, 14336), (14336, 4096), (4096, 4096))  # (K, N)
-_GPU_M_BUCKETS = (1, 16, 64, 256, 1024, 4096, 8192)
+#: Every power of two a call's M rounds up to, from decode (1) to long prefill chunks (8192).
+_GPU_M_BUCKETS = tuple(2**i for i in range(14))
+#: Smallest M bucket with an opt-in (fp8=True) default key: below it the fp8 paths gain little over
+#: the GEMV and split-K tiles, and the accurate key's winner serves through the fallback.
+_FP8_MIN_M = 64
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 #: Rows of x the reference is computed at (see :meth:`Q4KTuning.check_problem`).
 _CHECK_ROWS = 256
@@ -74,16 +79,21 @@ class Q4KTuning(KernelTuning):
         return check_path(out, expected, config.path if config is not None else "fp8")
 
     def default_keys(self, device: DeviceInfo) -> list[Q4KKey]:
-        """GPU: the Llama-3-8B MLP and attention shapes over M buckets, bf16; interpreter: one tiny key."""
+        """GPU: the Llama-3-8B MLP and attention shapes, bf16, at every power-of-two M bucket with
+        accurate keys (``fp8=False``) and from M=64 up with opt-in keys (``fp8=True``; smaller M
+        falls back to the accurate key's winner); interpreter: one tiny accurate key."""
         if device.is_interpreter:
             shapes: tuple[tuple[int, int], ...] = ((256, 64),)
             buckets: tuple[int, ...] = (16,)
+            opt_in_from = 2**31
         else:
-            shapes, buckets = _GPU_SHAPES, _GPU_M_BUCKETS
+            shapes, buckets, opt_in_from = _GPU_SHAPES, _GPU_M_BUCKETS, _FP8_MIN_M
         return [
-            Q4KKey(arch=device.arch, sm_count=device.sm_count, dtype="bfloat16", m_bucket=mb, n=n, k=k)
+            Q4KKey(arch=device.arch, sm_count=device.sm_count, dtype="bfloat16", m_bucket=mb, n=n, k=k, fp8=fp8)
+            for fp8 in (False, True)
             for (k, n) in shapes
             for mb in buckets
+            if not fp8 or mb >= opt_in_from
         ]
 
     def valid_key(self, key: Q4KKey) -> bool:
@@ -102,7 +112,12 @@ class Q4KTuning(KernelTuning):
           super-block-deep K tiles split along K toward about one program per SM, and one M tile
           of the whole bucket; at large M x tiles as wide as wgmma's N side allows (256 rows);
         - at large M, staged chunks: the largest the key admits (large chunks amortise the
-          GEMM's launch; the dequantization tile matters little, so the path's own).
+          GEMM's launch; the dequantization tile matters little, so the path's own);
+        - at large M on SM90+, int8 tiles as the swapped fp8 ones (the same loop with int8
+          operands, register-A wgmma) and one unswapped 128x128 tile.
+
+        The fp8 and staged starts are dropped at accurate keys (``fp8=False``), where the space
+        makes them infeasible.
         """
         if device.is_interpreter:
             return []
@@ -110,6 +125,7 @@ class Q4KTuning(KernelTuning):
         if target_supports(device, (9, 0)):
             starts += self._swapped_starts(key, device)
             if key.m_bucket > SMALL_M:
+                starts += self._int8_starts(key)
                 chunks = [c for c in SPACE.dimensions["CHUNK_N"] if MIN_CHUNK_N <= c <= key.n // 2]
                 starts += [StagedConfig(CHUNK_N=chunk) for chunk in sorted(chunks, reverse=True)[:2]]
         limits = KERNEL.limits(device)
@@ -128,6 +144,18 @@ class Q4KTuning(KernelTuning):
                     split *= 2
                 starts.append(GemvConfig(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, SPLIT_K=split))
         return starts
+
+    @staticmethod
+    def _int8_starts(key: Q4KKey) -> list[Int8Config]:
+        # 256 (then 128) rows of x against two warpgroups of 64 weight rows, grouped where several
+        # M tiles share a weight tile; then the plain 128x128 tile with the weight in shared memory.
+        swapped = Int8Config(BLOCK_N=2 * WGMMA_ROWS, BLOCK_K=64, num_warps=8, num_stages=3, SWAP_AB=True)
+        starts = [
+            dataclasses.replace(swapped, BLOCK_M=block_m, GROUP_M=8 if key.m_bucket > block_m else 1)
+            for block_m in (256, 128)
+        ]
+        plain = Int8Config(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+        return [*starts, dataclasses.replace(plain, GROUP_M=8 if key.m_bucket > 128 else 1)]
 
     @staticmethod
     def _swapped_starts(key: Q4KKey, device: DeviceInfo) -> list[Fp8Config]:
