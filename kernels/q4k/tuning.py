@@ -181,5 +181,19 @@ class Q4KTuning(KernelTuning):
             starts += [dataclasses.replace(whole, SPLIT_K=split) for split in (2, 4, 8)]
         return starts
 
+    def peer(self, key: Q4KKey, problem: Problem) -> Any:
+        """``torch.nn.functional.linear(x, w)`` with ``w`` the weight dequantized to x's dtype (bf16 cuBLAS).
+
+        What a user without a Q4_K kernel does: dequantize the weight once, at load, and run the
+        dense GEMM; the dequantization is done here, before timing. A ``Peer`` (kernels.spec).
+        """
+        from ..spec import Peer
+
+        x, weight = problem.args[0], problem.args[1]
+        bias = problem.args[2] if len(problem.args) > 2 else problem.kwargs.get("bias")
+        dense = weight.dequantize().to(x.dtype)
+        bias = None if bias is None else bias.to(x.dtype)
+        return Peer("F.linear, dequantized weight", lambda: torch.nn.functional.linear(x, dense, bias))
+
 
 TUNING = Q4KTuning()
