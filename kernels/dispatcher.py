@@ -31,7 +31,7 @@ import torch
 
 from tritune.configs_db.values import printable
 
-from . import registry
+from . import misses, registry
 from . import settings as settings_module
 from .device import DeviceInfo, device_info
 from .registry import get_spec
@@ -169,6 +169,7 @@ class Dispatcher:
                 else:
                     reason = f"stored winner is only {exact.speedup:.3f}x the portable default"
             else:
+                misses.note(spec, device, key)
                 # A neighbour's winner must also be feasible at this key (e.g. a split-K config
                 # tuned for small M must not be borrowed at M=8192), and near it: a config tuned
                 # for a few decode tokens can be several times slower than the portable default

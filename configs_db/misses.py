@@ -1,0 +1,238 @@
+"""The ``misses`` table: keys a serving process resolved without an exact stored winner, and how often.
+
+:func:`write_misses` is the only write a serving process makes to a config DB, and it touches this
+table alone: one upsert per key that adds the new count to the stored one, keeps the earliest
+``first_seen`` and the latest ``last_seen``, and stamps the latest Triton and torch versions. A DB
+that does not exist yet, or is at an older schema revision, is created or upgraded through the
+tuner's path (:func:`.storage.upgrade`) when Alembic is importable (the ``tritune[tune]`` extra);
+without Alembic :class:`SchemaNeeded` says so and nothing is touched. A DB that refuses writes
+(read-only file, folder or mount, a read-only database role) raises :class:`NotWritable`.
+
+:func:`read_misses` is ``tune missed``'s read: read-only, it never creates or upgrades a file, and
+a DB at a revision without the table holds no misses. Both are bounded in time like the runtime's
+read of winners. SQLAlchemy is imported only when a DB is written or read.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from .errors import StoreError
+from .reader import ABANDON_GRACE_S, _within, database_error_types, display_url, reason_of
+from .urls import sqlite_file
+from .values import parse_canonical_json, printable
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+    from sqlalchemy.orm import Session
+
+__all__ = ["MissRecord", "NotWritable", "SchemaNeeded", "read_misses", "write_misses"]
+
+#: Revisions whose schema has no ``misses`` table (it came with 0003).
+REVISIONS_WITHOUT_MISSES = ("0001", "0002")
+
+
+class SchemaNeeded(StoreError):
+    """The DB does not exist or is at an older revision, and Alembic (``tritune[tune]``) is not installed."""
+
+
+class NotWritable(StoreError):
+    """The DB (its file, folder, mount or the database role) refuses writes."""
+
+
+@dataclass(frozen=True)
+class MissRecord:
+    """One logged key: the key as stored (canonical JSON), how often and when it was resolved without a winner."""
+
+    gpu: str
+    kernel: str
+    kernel_version: str
+    key_json: str
+    triton_version: str
+    torch_version: str
+    count: int
+    first_seen: datetime
+    last_seen: datetime
+
+    def key(self) -> dict[str, Any]:
+        """The key's fields; ``ValueError`` if the stored JSON is malformed."""
+        return parse_canonical_json(self.key_json)
+
+
+def alembic_available() -> bool:
+    return importlib.util.find_spec("alembic") is not None
+
+
+def _not_writable(exc: BaseException) -> bool:
+    text = str(getattr(exc, "orig", None) or exc).lower()
+    return any(
+        marker in text
+        for marker in ("readonly", "read-only", "unable to open database file", "permission denied", "read only")
+    )
+
+
+def write_misses(url: str, rows: Iterable[MissRecord], *, timeout_s: float) -> int:
+    """Add ``rows`` to the DB at ``url`` within ``timeout_s`` seconds; how many rows were written.
+
+    Raises :class:`SchemaNeeded`, :class:`NotWritable`, or :class:`StoreError` for anything else
+    (a lock held past the bound, a corrupt file, a newer schema); nothing is half written.
+    """
+    batch = list(rows)
+    if not batch:
+        return 0
+    late = f"no answer from {display_url(url)} within {timeout_s:g} s"
+    return _within(timeout_s + ABANDON_GRACE_S, lambda: _write(url, batch, timeout_s), late)
+
+
+def _write(url: str, batch: list[MissRecord], timeout_s: float) -> int:
+    path = sqlite_file(url)
+    if path is not None and not path.exists() and not alembic_available():
+        raise SchemaNeeded(f"no config DB at {printable(str(path))}")
+    from . import storage
+
+    try:
+        engine = storage.make_engine(url, timeout_s=timeout_s)
+    except PermissionError as exc:
+        raise NotWritable(f"{display_url(url)}: {printable(str(exc))}") from exc
+    try:
+        with engine.connect() as connection:
+            revision = storage.schema_revision(connection)
+        if revision != storage.SCHEMA_HEAD:
+            if not alembic_available():
+                where = "holds no schema" if revision is None else f"is at schema revision {revision}"
+                raise SchemaNeeded(f"the config DB {display_url(url)} {where}")
+            storage.upgrade(engine)
+        with storage.session_scope(engine) as session:
+            for row in batch:
+                _upsert(session, row)
+        return len(batch)
+    except StoreError:
+        raise
+    except (*database_error_types(), OSError) as exc:
+        if _not_writable(exc):
+            raise NotWritable(f"{display_url(url)}: {reason_of(exc)}") from exc
+        raise StoreError(f"cannot log missed keys to {display_url(url)}: {reason_of(exc)}") from exc
+    finally:
+        engine.dispose()
+
+
+def _upsert(session: Session, row: MissRecord) -> None:
+    """Insert the key's row, or add to its count and widen its first/last seen (one statement where the
+    dialect has ``ON CONFLICT``)."""
+    from sqlalchemy import case, select
+
+    from .models import Miss
+    from .upserts import UPSERT_DIALECTS, dialect_insert
+
+    values = {
+        "gpu": row.gpu,
+        "kernel": row.kernel,
+        "kernel_version": row.kernel_version,
+        "key_json": row.key_json,
+        "triton_version": row.triton_version,
+        "torch_version": row.torch_version,
+        "count": row.count,
+        "first_seen": row.first_seen,
+        "last_seen": row.last_seen,
+    }
+    dialect = session.get_bind().dialect.name
+    if dialect in UPSERT_DIALECTS:
+        table = Miss.__table__
+        statement = dialect_insert(dialect)(table).values(**values)
+        excluded = statement.excluded
+        statement = statement.on_conflict_do_update(
+            index_elements=["gpu", "kernel", "kernel_version", "key_json"],
+            set_={
+                "count": table.c.count + excluded.count,
+                "first_seen": case(
+                    (excluded.first_seen < table.c.first_seen, excluded.first_seen), else_=table.c.first_seen
+                ),
+                "last_seen": case((excluded.last_seen > table.c.last_seen, excluded.last_seen), else_=table.c.last_seen),
+                "triton_version": excluded.triton_version,
+                "torch_version": excluded.torch_version,
+            },
+        )
+        session.execute(statement)
+        return
+    query = select(Miss).filter_by(
+        gpu=row.gpu, kernel=row.kernel, kernel_version=row.kernel_version, key_json=row.key_json
+    )
+    held = session.execute(query.with_for_update()).scalar_one_or_none()
+    if held is None:
+        session.add(Miss(**values))
+        return
+    held.count += row.count
+    held.first_seen = min(_aware(held.first_seen), row.first_seen)
+    held.last_seen = max(_aware(held.last_seen), row.last_seen)
+    held.triton_version, held.torch_version = row.triton_version, row.torch_version
+
+
+def _aware(moment: datetime) -> datetime:
+    """SQLite hands back naive datetimes; they were written in UTC."""
+    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
+
+
+def read_misses(
+    url: str, *, gpu: str | None = None, kernel: str | None = None, timeout_s: float
+) -> list[MissRecord]:
+    """The logged misses (of one GPU and/or kernel when given), most frequent first; read-only.
+
+    A SQLite file that does not exist, an empty DB and a DB at a revision without the table hold
+    none. Anything that cannot be read as a config DB raises :class:`StoreError` saying why.
+    """
+    path = sqlite_file(url)
+    if path is not None and not path.exists():
+        return []
+    from . import models, storage  # noqa: F401  (imported in the caller's thread: the bound is for the DB)
+
+    late = f"no answer from {display_url(url)} within {timeout_s:g} s"
+
+    def read() -> list[MissRecord]:
+        engine = storage.make_engine(url, read_only=True, timeout_s=timeout_s)
+        try:
+            return _read(engine, gpu, kernel)
+        except StoreError:
+            raise
+        except database_error_types() as exc:
+            raise StoreError(f"cannot read {display_url(url)} as a config DB: {reason_of(exc)}") from exc
+        finally:
+            engine.dispose()
+
+    return _within(timeout_s + ABANDON_GRACE_S, read, late)
+
+
+def _read(engine: Engine, gpu: str | None, kernel: str | None) -> list[MissRecord]:
+    from sqlalchemy import select
+    from sqlalchemy.orm import Session
+
+    from . import storage
+    from .models import Miss
+
+    with Session(engine) as session, session.begin():
+        revision = storage.schema_revision(session.connection())
+        if revision is None or revision in REVISIONS_WITHOUT_MISSES:
+            return []
+        query = select(Miss)
+        if gpu is not None:
+            query = query.where(Miss.gpu == gpu)
+        if kernel is not None:
+            query = query.where(Miss.kernel == kernel)
+        query = query.order_by(Miss.count.desc(), Miss.gpu, Miss.kernel, Miss.key_json)
+        return [
+            MissRecord(
+                gpu=miss.gpu,
+                kernel=miss.kernel,
+                kernel_version=miss.kernel_version,
+                key_json=miss.key_json,
+                triton_version=miss.triton_version,
+                torch_version=miss.torch_version,
+                count=int(miss.count),
+                first_seen=_aware(miss.first_seen),
+                last_seen=_aware(miss.last_seen),
+            )
+            for miss in session.execute(query).scalars()
+        ]

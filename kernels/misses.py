@@ -1,0 +1,245 @@
+"""The miss log: keys this process resolved without an exact admitted winner, for ``tune --missed``.
+
+A user runs their model once with the default settings, then ``tune --missed``, and every shape
+the model called that had no winner of its own is tuned. To get there cheaply:
+
+- :func:`note` runs where the dispatcher resolves a key without an exact winner, which happens once
+  per key per process (never on the per-call memo hit). It only adds to a dict in memory. Inside
+  CUDA-graph capture or ``torch.compile`` tracing that is all it does; elsewhere it also starts the
+  writer (once per process).
+- The writer is a daemon thread that writes what was noted every :data:`FLUSH_INTERVAL_S` seconds,
+  and once more at exit (``atexit``). Each write is one transaction on the ``misses`` table only
+  (:func:`tritune.configs_db.misses.write_misses`: an upsert that adds the counts and moves
+  ``last_seen``), bounded by ``TRITUNE_DB_READ_TIMEOUT`` seconds, and never raises into the caller.
+  What a write could not store stays in memory for the next one.
+- The user DB does not exist yet, or is at an older schema revision: with Alembic importable
+  (``pip install 'tritune[tune]'``, which anyone who runs ``tune`` has) it is created or upgraded
+  the way ``tune`` does it, then written. Without Alembic the misses stay in memory, one INFO line
+  says how to get them logged, and later writes try again (a ``tune`` run may create the DB).
+- A DB that refuses writes (a read-only file, folder or mount): one INFO line, and this process
+  stops writing misses (they stay in memory: :func:`pending`). Any other failure (a lock held past
+  the bound): one INFO line the first time, retried at the next interval.
+
+``TRITUNE_MISS_LOG=0`` turns all of it off. Each miss is logged to the DB in force when it was
+noted (``TRITUNE_DB``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+
+from tritune.configs_db.values import canonical_json, printable
+
+from . import settings as settings_module
+from .device import DeviceInfo
+from .spec import KernelSpec, TuningKey
+
+log = logging.getLogger("tritune.misses")
+
+#: Seconds between the writer's batches (and the exit's last one).
+FLUSH_INTERVAL_S = 30.0
+
+#: (DB URL, GPU slug, kernel, kernel version, key): what identifies one logged row.
+Ident = tuple[str, str, str, str, TuningKey]
+
+
+@dataclass
+class Seen:
+    """How often and when a key was resolved without a winner since the last write."""
+
+    count: int
+    first: datetime
+    last: datetime
+
+
+def in_capture_or_trace() -> bool:
+    """Whether this thread is tracing for ``torch.compile`` or capturing a CUDA graph."""
+    if torch.compiler.is_compiling():
+        return True
+    return bool(torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+
+
+class MissLog:
+    """The process's miss log (see the module docstring); :data:`MISSES` is the one instance."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: Held by one write at a time (the writer thread's and the exit's).
+        self._writing = threading.Lock()
+        self._pending: dict[Ident, Seen] = {}
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        #: DB URLs that refused writes: nothing more is tried there by this process.
+        self._refused: set[str] = set()
+        #: Messages already logged, so that each is said once.
+        self._told: set[str] = set()
+
+    def note(self, spec: KernelSpec[Any, Any], device: DeviceInfo, key: TuningKey) -> None:
+        """Record that ``key`` resolved without an exact winner; start the writer unless tracing or capturing."""
+        current = settings_module.settings()
+        if not current.miss_log:
+            return
+        now = datetime.now(timezone.utc)
+        ident = (current.db_url, device.slug, spec.name, spec.version, key)
+        with self._lock:
+            seen = self._pending.get(ident)
+            if seen is None:
+                self._pending[ident] = Seen(1, now, now)
+            else:
+                seen.count += 1
+                seen.last = now
+        if self._thread is None and not in_capture_or_trace():
+            self._start()
+
+    def pending(self) -> dict[Ident, Seen]:
+        """What was noted and not written yet (a copy)."""
+        with self._lock:
+            return {ident: Seen(s.count, s.first, s.last) for ident, s in self._pending.items()}
+
+    def clear(self) -> None:
+        """Forget what was noted and which DBs refused writes (tests)."""
+        with self._lock:
+            self._pending.clear()
+            self._refused.clear()
+            self._told.clear()
+
+    def flush(self, timeout_s: float | None = None) -> int:
+        """Write what was noted; how many rows were written. Never raises.
+
+        ``timeout_s`` bounds each DB's write (default: ``TRITUNE_DB_READ_TIMEOUT``).
+        """
+        try:
+            return self._flush(timeout_s)
+        except Exception as exc:  # the log must never take the serving process down
+            self._tell(f"missed keys not logged: {printable(str(exc), limit=1000)}")
+            return 0
+
+    def _flush(self, timeout_s: float | None) -> int:
+        from tritune.configs_db import misses as store
+
+        bound = settings_module.settings().db_read_timeout if timeout_s is None else timeout_s
+        if not self._writing.acquire(timeout=bound):
+            return 0
+        try:
+            with self._lock:
+                taken, self._pending = self._pending, {}
+            by_url: dict[str, list[tuple[Ident, Seen]]] = {}
+            for ident, seen in taken.items():
+                by_url.setdefault(ident[0], []).append((ident, seen))
+            written = 0
+            for url, items in by_url.items():
+                if url in self._refused:
+                    self._put_back(items)
+                    continue
+                rows = [_row(ident, seen) for ident, seen in items]
+                try:
+                    written += store.write_misses(url, rows, timeout_s=bound)
+                except store.NotWritable as exc:
+                    self._refused.add(url)
+                    self._put_back(items)
+                    self._tell(
+                        f"config DB {store.display_url(url)} refuses writes ({exc}): missed keys are not logged by "
+                        "this process (TRITUNE_MISS_LOG=0 stops noting them)"
+                    )
+                except store.SchemaNeeded as exc:
+                    self._put_back(items)
+                    self._tell(
+                        f"{len(items)} missed key(s) kept in memory, not logged: {exc}; install the tuner "
+                        "(pip install 'tritune[tune]') so that serving creates or upgrades the DB, or run tune once"
+                    )
+                except Exception as exc:
+                    self._put_back(items)
+                    self._tell(f"missed keys not logged yet (retried later): {printable(str(exc), limit=1000)}")
+            return written
+        finally:
+            self._writing.release()
+
+    def _put_back(self, items: list[tuple[Ident, Seen]]) -> None:
+        with self._lock:
+            for ident, seen in items:
+                held = self._pending.get(ident)
+                if held is None:
+                    self._pending[ident] = seen
+                else:
+                    held.count += seen.count
+                    held.first = min(held.first, seen.first)
+                    held.last = max(held.last, seen.last)
+
+    def _tell(self, message: str) -> None:
+        # One INFO line per distinct message: a DB that keeps refusing does not flood the log.
+        if message not in self._told:
+            self._told.add(message)
+            log.info("%s", message)
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is not None:
+                return
+            thread = threading.Thread(target=self._run, name="tritune-miss-log", daemon=True)
+            self._thread = thread
+        thread.start()
+        atexit.register(self._at_exit)
+
+    def _run(self) -> None:
+        while not self._wake.wait(FLUSH_INTERVAL_S):
+            self.flush()
+
+    def _at_exit(self) -> None:
+        self._wake.set()
+        self.flush()
+
+    def _after_fork(self) -> None:
+        # A forked child starts with its own log: the parent writes what it noted, and its thread
+        # does not exist here.
+        self._lock = threading.Lock()
+        self._writing = threading.Lock()
+        self._pending = {}
+        self._wake = threading.Event()
+        self._thread = None
+
+
+def _row(ident: Ident, seen: Seen) -> Any:
+    import triton
+
+    from tritune.configs_db.misses import MissRecord
+
+    _url, gpu, kernel, version, key = ident
+    return MissRecord(
+        gpu=gpu,
+        kernel=kernel,
+        kernel_version=version,
+        key_json=canonical_json(key.to_dict()),
+        triton_version=str(triton.__version__),
+        torch_version=str(torch.__version__),
+        count=seen.count,
+        first_seen=seen.first,
+        last_seen=seen.last,
+    )
+
+
+MISSES = MissLog()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=MISSES._after_fork)
+
+
+def note(spec: KernelSpec[Any, Any], device: DeviceInfo, key: TuningKey) -> None:
+    """Record a key resolved without an exact admitted winner (the dispatcher's hook)."""
+    MISSES.note(spec, device, key)
+
+
+def flush(timeout_s: float | None = None) -> int:
+    """Write the noted misses now; how many rows were written (never raises)."""
+    return MISSES.flush(timeout_s)
+
+
+def pending() -> dict[Ident, Seen]:
+    """What was noted and not written yet."""
+    return MISSES.pending()
