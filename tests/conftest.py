@@ -23,6 +23,8 @@ if not HAS_CUDA:
 
 # Tests must never read or write the developer's real config DB or shipped bundles implicitly.
 os.environ.setdefault("TRITUNE_DISABLE_BUNDLES", "1")
+# Nor log missed keys to a DB at exit: the miss log's own tests turn it on.
+os.environ.setdefault("TRITUNE_MISS_LOG", "0")
 
 
 @pytest.fixture(autouse=True)
