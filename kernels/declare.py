@@ -36,7 +36,7 @@ from .arguments import CheckedCall, Derived, Obj, Output, Rule, Scalar, Tensor, 
 from .device import DeviceInfo
 from .dispatcher import dispatch_config, dispatch_config_eager
 from .fastcheck import FastCheck, build_fast_check
-from .spec import KernelSpec, Problem, TuningKey
+from .spec import KernelSpec, Peer, Problem, TuningKey
 
 __all__ = ["Derived", "Kernel", "KernelTuning", "Obj", "Output", "Rule", "Scalar", "Tensor"]
 
@@ -77,6 +77,15 @@ class KernelTuning:
     def valid_key(self, key: Any) -> bool:
         """Whether a key built from ``--key`` overrides is one this kernel can be tuned at."""
         return True
+
+    def peer(self, key: Any, problem: Problem) -> Peer | None:
+        """The PyTorch call a user would make instead of the kernel, on ``problem``'s inputs; ``None`` if none.
+
+        It computes the same function as the kernel's launch on ``problem`` (its ``fn`` returns that
+        result) with any setup done before ``fn``; the tuner times it beside the winner at every
+        key and stores its time with the winner, and ``tune bench`` prints it beside ours.
+        """
+        return None
 
 
 class Kernel(KernelSpec[Any, Any]):
@@ -449,6 +458,9 @@ class Kernel(KernelSpec[Any, Any]):
 
     def default_keys(self, device: DeviceInfo, **options: Any) -> list[Any]:
         return self.tuning.default_keys(device)
+
+    def peer(self, key: Any, problem: Problem) -> Peer | None:
+        return self.tuning.peer(key, problem)
 
     def __repr__(self) -> str:
         return f"Kernel({self.name!r})"

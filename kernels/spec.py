@@ -95,6 +95,19 @@ class Problem:
     launch_bound: bool = False
 
 
+@dataclass(frozen=True)
+class Peer:
+    """The PyTorch call a user would make instead of the kernel, on one problem's inputs.
+
+    ``fn`` takes no arguments and returns the same result as the kernel's launch on that problem;
+    whatever setup the call needs (a dequantized weight, expanded KV heads, a mask) was done
+    before, so timing ``fn`` times the call alone. ``name`` says what it is ("SDPA flash").
+    """
+
+    name: str
+    fn: Callable[[], Any]
+
+
 class KernelSpec(ABC, Generic[C, K]):
     """Everything the dispatcher and the tuner may know about one kernel."""
 
@@ -205,6 +218,15 @@ class KernelSpec(ABC, Generic[C, K]):
         them; they are measured and gated like any other proposal, and may lose.
         """
         return []
+
+    def peer(self, key: K, problem: Problem) -> Peer | None:
+        """The PyTorch call users judge the kernel against, on ``problem`` (built for ``key``); none by default.
+
+        The tuner times it beside the winner at every key it tunes and stores its time with the
+        winner; ``tune bench`` times it live. ``None`` where the kernel names no peer, or where no
+        PyTorch call computes the same function at this problem.
+        """
+        return None
 
     @abstractmethod
     def default_keys(self, device: DeviceInfo, **options: Any) -> list[K]:

@@ -9,13 +9,15 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
+from torch.nn.attention.bias import CausalBias
 
 from tritune.search_spaces.splitk_decode import HEAD_DIMS
 
+from .._sdpa_peer import SdpaCall, bottom_right_causal, bound_arguments, fastest_sdpa
 from ..declare import KernelTuning
 from ..device import DeviceInfo
-from ..spec import Problem, pow2_bucket
-from .kernel import DecodeKey
+from ..spec import Peer, Problem, pow2_bucket
+from .kernel import KERNEL, DecodeKey
 from .reference import compare
 
 __all__ = ["TUNED_KV_HEADS", "TUNING", "DecodeTuning"]
@@ -120,6 +122,37 @@ class DecodeTuning(KernelTuning):
             and key.bh_bucket >= 1
             and key.lkv_bucket >= 1
         )
+
+    def peer(self, key: DecodeKey, problem: Problem) -> Peer | None:
+        """``scaled_dot_product_attention`` of the new tokens over the caches, on the fastest backend here.
+
+        ``kv_len`` is read once (before timing). Where every sequence holds the same length the
+        caches are sliced to it and the call needs no mask (several new tokens get
+        ``causal_lower_right``), so flash attention may serve it. Where lengths differ, the call
+        gets the boolean padding mask ``[B, 1, Lq, Lmax]`` a user of a ragged batch passes (keys
+        past each length hidden, the new tokens causal among themselves); flash attention takes no
+        mask, so cuDNN or efficient attention serves it. The cache past each length must hold
+        finite values, as the tuner's caches do: a masked NaN key still poisons SDPA's sum.
+        ``None`` where a query row sees no key (a length below the number of new tokens), which
+        the kernel returns as zeros and SDPA as NaN.
+        """
+        call = bound_arguments(KERNEL.arguments, problem)
+        q, k, v, kv_len = call["q"], call["k_cache"], call["v_cache"], call["kv_len"]
+        seqlen_q, lmax = q.shape[2], k.shape[2]
+        lengths = [min(max(int(n), 0), lmax) for n in kv_len.tolist()]
+        if not lengths or min(lengths) < seqlen_q:
+            return None
+        mask: torch.Tensor | CausalBias | None
+        if len(set(lengths)) == 1:
+            k, v = k[:, :, : lengths[0]], v[:, :, : lengths[0]]
+            mask = bottom_right_causal(seqlen_q, lengths[0])
+        else:
+            # New token i of a sequence of n keys sees positions up to n - Lq + i (below n).
+            valid = torch.tensor(lengths, device=q.device)[:, None, None, None]  # [B, 1, 1, 1]
+            last = valid - seqlen_q + torch.arange(seqlen_q, device=q.device)[:, None]  # [B, 1, Lq, 1]
+            mask = torch.arange(lmax, device=q.device) <= last  # [B, 1, Lq, Lmax]
+        sdpa = SdpaCall(q, k, v, mask, call.get("softmax_scale"))
+        return fastest_sdpa([sdpa], lambda outs: outs[0])
 
 
 TUNING = DecodeTuning()

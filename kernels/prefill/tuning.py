@@ -13,10 +13,11 @@ import torch
 
 from tritune.search_spaces.tma_prefill import HEAD_DIMS, TUNED_QUERY_HEADS
 
+from .._sdpa_peer import SdpaCall, bottom_right_causal, bound_arguments, fastest_sdpa
 from ..declare import KernelTuning
 from ..device import DeviceInfo
-from ..spec import Problem, pow2_bucket
-from .kernel import PrefillKey
+from ..spec import Peer, Problem, pow2_bucket
+from .kernel import KERNEL, PrefillKey
 from .reference import visible_pairs
 
 __all__ = ["TUNING", "PrefillTuning"]
@@ -120,6 +121,33 @@ class PrefillTuning(KernelTuning):
             and key.gqa_group >= 1
             and 1 <= key.lq_bucket <= key.lkv_bucket
         )
+
+    def peer(self, key: PrefillKey, problem: Problem) -> Peer | None:
+        """``scaled_dot_product_attention`` on the fastest backend here, bottom-right causal, GQA.
+
+        Causal calls get ``causal_lower_right(Lq, Lkv)``: query ``i`` sees the keys up to
+        ``Lkv - Lq + i``, the kernel's alignment. ``kv_len`` is read once (before timing): where
+        every batch's length is the same, K and V are sliced to it. ``None`` where SDPA cannot
+        compute what the kernel does: lengths that differ between batches (that needs a dense
+        ``[B, Lq, Lkv]`` mask, no call a user would make at these sizes), or query rows that see
+        no key (a length of 0, or causal with fewer keys than queries), which the kernel returns
+        as zeros and SDPA as NaN.
+        """
+        call = bound_arguments(KERNEL.arguments, problem)
+        q, k, v = call["q"], call["k"], call["v"]
+        causal, kv_len = call.get("causal", True), call.get("kv_len")
+        seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+        if kv_len is not None:
+            lengths = {min(max(int(n), 0), seqlen_k) for n in kv_len.reshape(-1).tolist()}
+            if len(lengths) != 1:
+                return None
+            seqlen_k = lengths.pop()
+            k, v = k[:, :, :seqlen_k], v[:, :, :seqlen_k]
+        if seqlen_k == 0 or (causal and seqlen_q > seqlen_k):
+            return None
+        mask = bottom_right_causal(seqlen_q, seqlen_k) if causal else None
+        sdpa = SdpaCall(q, k, v, mask, call.get("softmax_scale"))
+        return fastest_sdpa([sdpa], lambda outs: outs[0])
 
 
 TUNING = PrefillTuning()

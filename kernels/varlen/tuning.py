@@ -12,9 +12,10 @@ import torch
 
 from tritune.search_spaces.varlen_sdpa import HEAD_DIMS, SPACE, VarlenConfig, block_m_for
 
+from .._sdpa_peer import SdpaCall, bottom_right_causal, bound_arguments, fastest_sdpa
 from ..declare import KernelTuning
 from ..device import DeviceInfo
-from ..spec import Problem, pow2_bucket
+from ..spec import Peer, Problem, pow2_bucket
 from .kernel import KERNEL, VarlenKey
 from .reference import compare
 
@@ -227,6 +228,51 @@ class VarlenTuning(KernelTuning):
                 if config not in configs and SPACE.infeasible_reason(config, key, limits) is None:
                     configs.append(config)
         return configs
+
+    def peer(self, key: VarlenKey, problem: Problem) -> Peer | None:
+        """A loop of ``scaled_dot_product_attention`` calls, one per segment, on the fastest backend here.
+
+        What a user without a varlen kernel writes: ``seq_info`` is read once (before timing), and
+        each segment's queries attend its column's first ``kv_end`` store rows (views, no copies),
+        bottom-right causal where the segment has several tokens; the results are written to
+        the step's rows (rows no segment covers stay zero, as the kernel leaves them).
+        ``None`` where such a loop would not compute what the kernel does: a ring store (a
+        sequence's positions wrap around the store, out of order) or a window (each call would
+        need a dense mask); a flat segment whose ``kv_end`` passes the store's rows; and query
+        rows that see no key (fewer keys than the segment's tokens under causality, or none),
+        which the kernel returns as zeros and SDPA as NaN.
+        """
+        call = bound_arguments(KERNEL.arguments, problem)
+        if call.get("ring") or call.get("window") is not None:
+            return None
+        q, k_store, v_store = call["q"], call["k_store"], call["v_store"]
+        causal, scale = call.get("causal", True), call.get("softmax_scale")
+        rows = k_store.shape[0]
+        segments: list[tuple[int, int]] = []
+        calls: list[SdpaCall] = []
+        for q_start, q_len, col, kv_end in call["seq_info"].tolist():
+            if q_len <= 0:
+                continue
+            if kv_end > rows or kv_end <= 0 or (causal and kv_end < q_len):
+                return None
+            segments.append((q_start, q_len))
+            calls.append(
+                SdpaCall(
+                    q[q_start : q_start + q_len].transpose(0, 1)[None],  # [1, Hq, q_len, D]
+                    k_store[:kv_end, col].transpose(0, 1)[None],  # [1, Hkv, kv_end, D]
+                    v_store[:kv_end, col].transpose(0, 1)[None],
+                    bottom_right_causal(q_len, kv_end) if causal else None,
+                    scale,
+                )
+            )
+        out = torch.zeros_like(q)
+
+        def assemble(outs: list[torch.Tensor]) -> torch.Tensor:
+            for (q_start, q_len), part in zip(segments, outs, strict=True):
+                out[q_start : q_start + q_len] = part[0].transpose(0, 1)
+            return out
+
+        return fastest_sdpa(calls, assemble, prefix="per-sequence ")
 
 
 TUNING = VarlenTuning()
