@@ -144,12 +144,15 @@ def compile_record(record: dict[str, Any]) -> Any:
     import importlib
 
     from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
     from triton.runtime.jit import JITFunction
 
     kernel = getattr(importlib.import_module(record["module"]), record["kernel"])
     if not isinstance(kernel, JITFunction):
         raise RuntimeError(f"{record['kernel']} is a {type(kernel).__name__}: compile without TRITON_INTERPRET")
-    source = ASTSource(
+    # A Gluon kernel (explicit layouts) is built from its own source class, as its launch would.
+    source_type = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
+    source = source_type(
         kernel,
         record["signature"],
         constexprs={tuple(path): _constexpr_value(value) for path, value in record["constexprs"]},
