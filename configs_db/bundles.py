@@ -11,9 +11,13 @@ A bundle lives at ``configs_db/bundles/<gpu-slug>.json`` and looks like::
       "provenance": {"cuda": "...", "driver": "...", "torch": "...", "triton": "...", "tritune": "..."},
       "winners": [
         {"kernel": "...", "kernel_version": "...", "key": {...}, "config": {...},
-         "time_ms": 0.1, "portable_ms": 0.2, "speedup": 2.0, "trials": 40}
+         "time_ms": 0.1, "portable_ms": 0.2, "speedup": 2.0, "trials": 40,
+         "peer_ms": 0.15, "peer_name": "SDPA flash"}
       ]
     }
+
+``peer_ms`` and ``peer_name`` (the PyTorch call a user would make instead, timed beside the winner
+in the same run) come together or not at all: an entry without them has no peer time.
 
 Checks here are structural only: a file that is not a regular file (a FIFO, device, directory or
 dangling link), too big, not JSON, not a bundle, of an unknown schema version or for another GPU is
@@ -42,6 +46,7 @@ from .values import (
     canonical_json,
     check_flat,
     describe,
+    number_problem,
     printable,
     strict_loads,
     text_problem,
@@ -55,6 +60,10 @@ MAX_BUNDLE_BYTES = 8 * 1024 * 1024
 PROVENANCE_FIELDS = ("cuda", "driver", "torch", "triton", "tritune")
 TOP_LEVEL_FIELDS = ("schema", "schema_version", "gpu", "gpu_name", "created", "provenance", "winners")
 ENTRY_FIELDS = ("kernel", "kernel_version", "key", "config", "time_ms", "portable_ms", "speedup", "trials")
+#: Entry fields that may be left out (an entry without a peer time, or written before peers were timed).
+OPTIONAL_ENTRY_FIELDS = ("peer_ms", "peer_name")
+#: The longest peer name: what the DB's ``winners.peer_name`` column holds.
+MAX_PEER_NAME_CHARS = 64
 #: GPU slugs as :class:`tritune.kernels.device.DeviceInfo` makes them; also keeps paths inside bundles/.
 GPU_SLUG = re.compile(r"[a-z0-9][a-z0-9-]*")
 
@@ -188,9 +197,15 @@ def _entry_problem(entry: Any) -> str | None:
     missing = [name for name in ENTRY_FIELDS if name not in entry]
     if missing:
         return f"missing field(s) {', '.join(missing)}"
-    unknown = sorted(set(entry) - set(ENTRY_FIELDS))
+    unknown = sorted(set(entry) - set(ENTRY_FIELDS) - set(OPTIONAL_ENTRY_FIELDS))
     if unknown:
         return f"unknown field(s) {', '.join(unknown)}"
+    if ("peer_ms" in entry) != ("peer_name" in entry):
+        return "peer_ms and peer_name come together: one is missing"
+    if "peer_ms" in entry:
+        problem = peer_problem(entry["peer_ms"], entry["peer_name"])
+        if problem is not None:
+            return problem
     for name in ("kernel", "kernel_version"):
         if not isinstance(entry[name], str) or not entry[name]:
             return f"{name} is {describe(entry[name])}, expected a non-empty string"
@@ -207,6 +222,27 @@ def _entry_problem(entry: Any) -> str | None:
             if problem is not None:
                 return problem
     return winner_numbers_problem(entry["time_ms"], entry["portable_ms"], entry["speedup"], entry["trials"])
+
+
+def peer_problem(peer_ms: object, peer_name: object) -> str | None:
+    """Why a winner's peer time and name are unusable, or ``None`` (both ``None``: no peer, which is fine).
+
+    The time is checked as ``time_ms`` is (a finite positive number in range); the name is
+    printable text of 1 to :data:`MAX_PEER_NAME_CHARS` characters, as it reaches logs, terminals
+    and the DB's column. The database's writes apply the same rule.
+    """
+    if peer_ms is None and peer_name is None:
+        return None
+    if peer_ms is None or peer_name is None:
+        return f"peer_ms is {describe(peer_ms)} and peer_name {describe(peer_name)}: both or neither"
+    problem = number_problem(peer_ms, "peer_ms")
+    if problem is not None:
+        return problem
+    if not isinstance(peer_name, str) or not peer_name:
+        return f"peer_name is {describe(peer_name)}, expected a non-empty string"
+    if len(peer_name) > MAX_PEER_NAME_CHARS:
+        return f"peer_name is {len(peer_name)} characters long, expected at most {MAX_PEER_NAME_CHARS}"
+    return text_problem(peer_name, "peer_name")
 
 
 class BundleError(ValueError):
@@ -274,6 +310,8 @@ def load_bundle(path: Path | str, expected_gpu: str | None = None) -> tuple[list
                 portable_ms=float(entry["portable_ms"]),
                 speedup=float(entry["speedup"]),
                 trials=int(entry["trials"]),
+                peer_ms=float(entry["peer_ms"]) if "peer_ms" in entry else None,
+                peer_name=entry.get("peer_name"),
                 triton_version=provenance["triton"],
                 torch_version=provenance["torch"],
                 tritune_version=provenance["tritune"],
@@ -286,8 +324,10 @@ def load_bundle(path: Path | str, expected_gpu: str | None = None) -> tuple[list
 
 def _entry(record: WinnerRecord) -> dict[str, Any]:
     problem = winner_numbers_problem(record.time_ms, record.portable_ms, record.speedup, record.trials)
+    problem = problem or peer_problem(record.peer_ms, record.peer_name)
     if problem is not None:
         raise ValueError(f"{record.kernel} at {record.key}: {problem}")
+    peer = {} if record.peer_ms is None else {"peer_ms": float(record.peer_ms), "peer_name": record.peer_name}
     return {
         "kernel": record.kernel,
         "kernel_version": record.kernel_version,
@@ -297,6 +337,7 @@ def _entry(record: WinnerRecord) -> dict[str, Any]:
         "portable_ms": float(record.portable_ms),
         "speedup": float(record.speedup),
         "trials": int(record.trials),
+        **peer,
     }
 
 
@@ -382,6 +423,7 @@ __all__ = [
     "bundle_path",
     "bundle_text",
     "load_bundle",
+    "peer_problem",
     "read_bundle",
     "shipped_bundle_dir",
     "shipped_records",

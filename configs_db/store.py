@@ -17,6 +17,7 @@ from datetime import timezone
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from .bundles import peer_problem
 from .errors import StoreError
 from .reader import database_error_types, display_url, read_winners, reason_of, winner_records
 from .records import TRIAL_STATUSES, TrialRow, WinnerRecord
@@ -204,7 +205,8 @@ class ConfigStore:
         The stored winner is replaced when the offer is faster, or when the stored one was
         measured under another Triton version (the runtime refuses those, so they must not
         block a fresh measurement). One conditional upsert decides, so concurrent offers leave
-        exactly one row holding the best time.
+        exactly one row holding the best time. The record's peer time and name travel with it:
+        they are stored when the offer is, and left as they are when it is not.
         """
         with self._session() as session:
             return self._offer(session, record, env_id)
@@ -212,6 +214,7 @@ class ConfigStore:
     def _offer(self, session: Session, record: WinnerRecord, env_id: int) -> bool:
         """:meth:`offer_winner` inside the caller's transaction; ``ValueError`` before anything is written."""
         problem = winner_numbers_problem(record.time_ms, record.portable_ms, record.speedup, record.trials)
+        problem = problem or peer_problem(record.peer_ms, record.peer_name)
         if problem is not None:
             raise ValueError(f"winner for {record.kernel}: {problem}")
         from . import upserts
@@ -234,6 +237,8 @@ class ConfigStore:
             speedup=float(record.speedup),
             trial_count=int(record.trials),
             environment_id=env_id,
+            peer_ms=None if record.peer_ms is None else float(record.peer_ms),
+            peer_name=record.peer_name,
         )
         return upserts.offer_winner(session, values, environment.triton_version)
 

@@ -22,6 +22,17 @@ from .models import Environment, Trial, Winner, utcnow
 
 #: Dialects whose INSERT supports ON CONFLICT through SQLAlchemy.
 UPSERT_DIALECTS = ("sqlite", "postgresql")
+#: The columns a better offer replaces in the stored winner (the peer's time goes with its run's winner).
+_REPLACED = (
+    "config_json",
+    "time_ms",
+    "portable_ms",
+    "speedup",
+    "trial_count",
+    "environment_id",
+    "peer_ms",
+    "peer_name",
+)
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,9 @@ class WinnerValues:
     speedup: float
     trial_count: int
     environment_id: int
+    #: The peer timed beside the winner in the same run (``None``: none was).
+    peer_ms: float | None = None
+    peer_name: str | None = None
 
     def columns(self, now: datetime) -> dict[str, Any]:
         values = dict(self.__dict__)
@@ -119,10 +133,7 @@ def offer_upsert(session: Session, values: WinnerValues, triton_version: str, di
     now = utcnow()
     statement = dialect_insert(dialect)(table).values(**values.columns(now))
     excluded = statement.excluded
-    replace = {
-        name: excluded[name]
-        for name in ("config_json", "time_ms", "portable_ms", "speedup", "trial_count", "environment_id")
-    }
+    replace = {name: excluded[name] for name in _REPLACED}
     replace["updated_at"] = now
     statement = statement.on_conflict_do_update(
         index_elements=["gpu", "kernel", "kernel_version", "key_json"],
@@ -158,7 +169,7 @@ def offer_portable(session: Session, values: WinnerValues, triton_version: str) 
         stale = held_triton is not None and held_triton.triton_version != triton_version
         if not (values.time_ms < held.time_ms or stale):
             return False
-        for name in ("config_json", "time_ms", "portable_ms", "speedup", "trial_count", "environment_id"):
+        for name in _REPLACED:
             setattr(held, name, getattr(values, name))
         held.updated_at = now
         return True
