@@ -94,6 +94,7 @@ def _write(url: str, batch: list[MissRecord], timeout_s: float) -> int:
         raise SchemaNeeded(f"no config DB at {printable(str(path))}")
     from . import storage
 
+    failures: tuple[type[BaseException], ...] = (OSError, *database_error_types())
     try:
         engine = storage.make_engine(url, timeout_s=timeout_s)
     except PermissionError as exc:
@@ -112,7 +113,7 @@ def _write(url: str, batch: list[MissRecord], timeout_s: float) -> int:
         return len(batch)
     except StoreError:
         raise
-    except (*database_error_types(), OSError) as exc:
+    except failures as exc:
         if _not_writable(exc):
             raise NotWritable(f"{display_url(url)}: {reason_of(exc)}") from exc
         raise StoreError(f"cannot log missed keys to {display_url(url)}: {reason_of(exc)}") from exc
@@ -151,7 +152,9 @@ def _upsert(session: Session, row: MissRecord) -> None:
                 "first_seen": case(
                     (excluded.first_seen < table.c.first_seen, excluded.first_seen), else_=table.c.first_seen
                 ),
-                "last_seen": case((excluded.last_seen > table.c.last_seen, excluded.last_seen), else_=table.c.last_seen),
+                "last_seen": case(
+                    (excluded.last_seen > table.c.last_seen, excluded.last_seen), else_=table.c.last_seen
+                ),
                 "triton_version": excluded.triton_version,
                 "torch_version": excluded.torch_version,
             },
@@ -176,9 +179,7 @@ def _aware(moment: datetime) -> datetime:
     return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
 
 
-def read_misses(
-    url: str, *, gpu: str | None = None, kernel: str | None = None, timeout_s: float
-) -> list[MissRecord]:
+def read_misses(url: str, *, gpu: str | None = None, kernel: str | None = None, timeout_s: float) -> list[MissRecord]:
     """The logged misses (of one GPU and/or kernel when given), most frequent first; read-only.
 
     A SQLite file that does not exist, an empty DB and a DB at a revision without the table hold

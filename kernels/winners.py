@@ -1,10 +1,19 @@
 """The in-memory table of stored winners the dispatcher serves from, and how records get in.
 
-Records come from two places: the bundle shipped for the detected GPU and the user's config DB.
-Each record is checked against the running environment before it is admitted: the kernel must
-exist, its source hash and the Triton version must match, it must be for this GPU, and its key and
-config must parse strictly against the kernel's key type and search space. Anything else is
-refused with one logged reason, and the portable path serves that key instead.
+Records come from two places: the bundle shipped for the detected GPU and the user's config DB
+(and, with ``TRITUNE_CROSS_GPU=serve`` on a GPU without a bundle of its own, the nearest other
+GPUs' bundles: :mod:`.prior`). Each record is checked against the running environment before it
+is admitted: the kernel must exist, its version must match the running code, it must be for this
+GPU, and its key and config must parse strictly against the kernel's key type and search space and
+be feasible here. Anything else is refused with one logged reason, and the portable path serves
+that key instead.
+
+A record that passes every check but was tuned under another Triton or torch version is admitted
+*provisional* (``Entry.provisional``): an upgrade rarely changes which tile is fastest by much,
+and the tuned config is a better bet than the portable default until ``tune`` re-measures it
+(``tune`` takes keys with provisional winners first). One INFO line per kernel says how many
+provisional entries serve and under which versions they were tuned. A provisional entry never
+replaces a current one at the same key, whichever source comes later.
 
 Records of a kernel not declared in this process yet (a user's kernel whose module is imported
 after the first call of another kernel) are kept aside in the table and admitted when a kernel of
@@ -17,9 +26,10 @@ from __future__ import annotations
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 import triton
 
 from tritune.configs_db.records import Rejection, WinnerRecord
@@ -37,6 +47,10 @@ class Entry:
     config: Any
     speedup: float
     source: str
+    #: Tuned under other Triton/torch versions, or on another GPU (:mod:`.prior`): serves until re-tuned.
+    provisional: bool = False
+    #: Where a provisional entry was measured, for messages: "Triton 3.5.0, torch 2.11.0".
+    tuned_under: str = ""
 
 
 class WinnerTable:
@@ -49,14 +63,26 @@ class WinnerTable:
         #: Records of kernels not declared in this process, by kernel name, in the order they were read.
         self.waiting: dict[str, list[WinnerRecord]] = defaultdict(list)
 
-    def add(self, kernel: str, key: TuningKey, entry: Entry) -> None:
-        """Later additions override earlier ones (the user's DB is added after the bundle)."""
+    def add(self, kernel: str, key: TuningKey, entry: Entry) -> bool:
+        """Later additions override earlier ones (the user's DB is added after the bundle), except that a
+        provisional entry never replaces a current one; whether ``entry`` was added."""
         previous = self.exact.get((kernel, key))
+        if previous is not None and entry.provisional and not previous.provisional:
+            return False
         self.exact[(kernel, key)] = entry
         group = self.groups[(kernel, key.group())]
         if previous is not None:
             group[:] = [(k, e) for k, e in group if k != key]
         group.append((key, entry))
+        return True
+
+    def provisional(self) -> dict[str, Counter[str]]:
+        """Kernel -> how many provisional entries serve, by the versions (or GPU) they were tuned under."""
+        found: dict[str, Counter[str]] = defaultdict(Counter)
+        for (kernel, _key), entry in self.exact.items():
+            if entry.provisional:
+                found[kernel][entry.tuned_under] += 1
+        return found
 
     def __len__(self) -> int:
         return len(self.exact)
@@ -74,6 +100,7 @@ class WinnerTable:
             else:
                 self.add(*outcome)
         _log_refused(refused)
+        log_provisional(self, kernels={kernel})
         return len(records) - sum(refused.values())
 
 
@@ -90,10 +117,6 @@ def admit(record: WinnerRecord, device: DeviceInfo) -> tuple[str, TuningKey, Ent
         return Rejection(
             record.source, f"{where}: stale kernel version {record.kernel_version} (running {spec.version})"
         )
-    if record.triton_version != triton.__version__:
-        return Rejection(
-            record.source, f"{where}: tuned with Triton {record.triton_version}, running {triton.__version__}"
-        )
     try:
         key = spec.key_type.from_dict(record.key)
     except (TypeError, ValueError) as exc:
@@ -109,7 +132,19 @@ def admit(record: WinnerRecord, device: DeviceInfo) -> tuple[str, TuningKey, Ent
         return Rejection(record.source, f"{where}: config infeasible on this GPU ({why})")
     if not (record.speedup > 0 and record.speedup < 1e3):
         return Rejection(record.source, f"{where}: absurd speedup {record.speedup!r}")
-    return record.kernel, key, Entry(config=config, speedup=record.speedup, source=record.source)
+    entry = Entry(config=config, speedup=record.speedup, source=record.source)
+    under = tuned_under(record)
+    if under:
+        entry = replace(entry, provisional=True, tuned_under=under)
+    return record.kernel, key, entry
+
+
+def tuned_under(record: WinnerRecord) -> str:
+    """The Triton and torch versions ``record`` was tuned under where they differ from the running ones
+    ("Triton 3.5.0, torch 2.11.0"); ``""`` when both match (a current record)."""
+    if record.triton_version == triton.__version__ and record.torch_version == torch.__version__:
+        return ""
+    return f"Triton {record.triton_version}, torch {record.torch_version}"
 
 
 def build_table(record_sets: Iterable[Iterable[WinnerRecord]], device: DeviceInfo) -> WinnerTable:
@@ -120,6 +155,11 @@ def build_table(record_sets: Iterable[Iterable[WinnerRecord]], device: DeviceInf
     table = WinnerTable(device)
     refused: Counter[str] = Counter()
     installed: dict[str, str] | None = None
+    from . import prior
+
+    # The nearest other GPUs' winners first: this GPU's own bundle and DB override them.
+    for kernel, key, entry in prior.serving_entries(device):
+        table.add(kernel, key, entry)
     for records in record_sets:
         for record in records:
             if not known(record.kernel):
@@ -136,7 +176,25 @@ def build_table(record_sets: Iterable[Iterable[WinnerRecord]], device: DeviceInf
                 continue
             table.add(*outcome)
     _log_refused(refused)
+    log_provisional(table)
     return table
+
+
+def log_provisional(table: WinnerTable, kernels: set[str] | None = None) -> None:
+    """One INFO line per kernel (of ``kernels``, else all) with provisional entries: how many, tuned under what."""
+    running = f"Triton {triton.__version__}, torch {torch.__version__}"
+    for kernel, under in sorted(table.provisional().items()):
+        if kernels is not None and kernel not in kernels:
+            continue
+        log.info(
+            "%s: %d stored config(s) serve provisionally, tuned under %s (running %s); "
+            "`tune --kernel %s` re-measures them",
+            kernel,
+            sum(under.values()),
+            "; ".join(f"{printable(what)} ({count})" for what, count in sorted(under.items())),
+            running,
+            kernel,
+        )
 
 
 def _installed() -> dict[str, str]:

@@ -544,10 +544,12 @@ def test_show_marks_what_the_runtime_would_refuse(tmp_path: Path) -> None:
     result = run("show", "--db", db, "--device", "cpu")
     assert result.exit_code == 0, result.output
     notes = [line for line in result.output.splitlines() if line.startswith("not served on cpu-interpreter: ")]
-    assert len(notes) == 4, result.output
+    assert len(notes) == 3, result.output
     n_buckets = [int(note.split("n_bucket=")[1].split(":")[0]) for note in notes]
     reasons = dict(zip(n_buckets, notes, strict=True))
     assert "stale kernel version 0123456789abcdef" in reasons[128]
-    assert "tuned with Triton 2.1.0" in reasons[256]
+    # Tuned under another Triton: served, provisionally, until re-tuned.
+    provisional = "provisional on cpu-interpreter: cpu-interpreter toy_scale dtype=float32 n_bucket=256"
+    assert f"{provisional}: tuned under Triton 2.1.0" in " ".join(result.output.split())
     assert f"recorded for GPU {h100}, this is cpu-interpreter" in reasons[512]
     assert "only 1.005x the portable default" in reasons[1024]

@@ -218,13 +218,12 @@ def test_fallback_logged_once_per_key(caplog):
     "overrides, reason",
     [
         ({"kernel_version": "0123456789abcdef"}, "stale kernel version"),
-        ({"triton_version": "2.0.0"}, "tuned with Triton 2.0.0"),
         ({"config": {"BLOCK": 48, "BROKEN": False, "num_warps": 2}}, "outside the search space"),
         ({"key": {"arch": "sm90", "sm_count": 132, "dtype": "float32", "n_bucket": 128}}, "not this GPU"),
         ({"key": {"arch": "cpu-interpreter", "dtype": "float32", "n_bucket": 128}}, "malformed key"),
         ({"kernel": "gone_kernel"}, "unknown kernel"),
     ],
-    ids=["stale-kernel", "stale-triton", "config-outside-space", "key-other-gpu", "key-missing", "unknown-kernel"],
+    ids=["stale-kernel", "config-outside-space", "key-other-gpu", "key-missing", "unknown-kernel"],
 )
 def test_refused_records_log_reason_and_portable_serves(caplog, overrides, reason):
     caplog.set_level(logging.WARNING, logger="tritune.dispatch")

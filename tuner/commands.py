@@ -23,6 +23,7 @@ from .app import (
     short_key,
 )
 from .failures import CommandError
+from .provisional import provisional_mark, tuned_under_here
 
 if TYPE_CHECKING:
     from .studies import StudyStorage, StudySummary
@@ -105,6 +106,9 @@ def show(
         key = " ".join(f"{k}={v}" for k, v in w.key.items() if k not in ("arch", "sm_count"))
         if verdict is not None:
             notes.append(f"not served on {here.slug}: {w.gpu} {w.kernel} {key}: {verdict}")
+        under = tuned_under_here(w, here) if verdict is None else ""
+        if under:
+            notes.append(f"provisional on {here.slug}: {w.gpu} {w.kernel} {key}: tuned under {under}; tune re-tunes it")
         table.add_row(
             plain(w.gpu),
             plain(w.kernel),
@@ -114,7 +118,7 @@ def show(
             f"{w.portable_ms:.4g}",
             f"{w.speedup:.3f}x",
             str(w.trials),
-            "yes" if verdict is None else "[yellow]no[/yellow]",
+            ("yes (provisional)" if under else "yes") if verdict is None else "[yellow]no[/yellow]",
         )
     console.print(table)
     for note in notes:
@@ -400,7 +404,8 @@ def bench(
                 table.add_row(
                     name,
                     short_key(key),
-                    " ".join(f"{k}={v}" for k, v in spec.space.to_dict(served).items()),
+                    " ".join(f"{k}={v}" for k, v in spec.space.to_dict(served).items())
+                    + provisional_mark(DISPATCHER.table(info), spec.name, key, served),
                     f"{times[0]:.4g}",
                     f"{times[1]:.4g}",
                     f"{times[0] / times[1]:.3f}x",

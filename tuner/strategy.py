@@ -3,10 +3,12 @@
 The search loop (:mod:`.search`) asks the sampler in batches; this module decides what goes
 before and around its proposals:
 
-- the seeds, enqueued before anything is proposed: the portable default, the key's stored winner,
-  its winners under earlier kernel versions, the winners of the nearest tuned buckets, the spec's
-  starting configs, then a seeded sample of feasible configs (all of them when they fit the
-  budget: an exhaustive sweep);
+- the seeds, enqueued before anything is proposed: the portable default, the key's stored winner
+  (in the DB or the bundle shipped for this GPU; one tuned under other Triton or torch versions,
+  which serves provisionally, counts), its winners under earlier kernel versions, the winners of
+  the nearest tuned buckets, the nearest other GPUs' bundled winners at this key where this GPU has
+  no bundle (:mod:`tritune.kernels.prior`), the spec's starting configs, then a seeded sample of
+  feasible configs (all of them when they fit the budget: an exhaustive sweep);
 - a stand-in for each infeasible proposal: a random unseen feasible config;
 - the climb: the last ``polish`` share of the budget goes to the unseen feasible neighbours of the
   best config so far (one field moved to the next choice). TPE's proposals depend on its seed; two
@@ -22,8 +24,10 @@ from typing import Any
 
 import optuna
 
+from tritune.configs_db import bundles
 from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.store import ConfigStore
+from tritune.kernels import prior, settings
 from tritune.kernels.device import DeviceInfo
 from tritune.kernels.spec import KernelSpec, TuningKey
 
@@ -143,15 +147,18 @@ class Strategy:
     # ---- seeds -------------------------------------------------------------------------------
 
     def seeds(self, default: Any, feasible: list[Any], exhaustive: bool, rng: random.Random) -> list[dict[str, Any]]:
-        """Configs enqueued before the sampler proposes any: portable default, stored winner, the
-        key's winner under an earlier kernel version, the winners of the nearest tuned buckets and
-        the spec's starting configs first."""
+        """Configs enqueued before the sampler proposes any: portable default, stored winner (DB or
+        shipped bundle, provisional ones included), the key's winner under an earlier kernel
+        version, the winners of the nearest tuned buckets, other GPUs' winners (the prior) and the
+        spec's starting configs first."""
         seeds = [self.space.to_dict(default)]
         stored = self.store.winners(gpu=self.device.slug, kernel=self.spec.name)
         winners = [w for w in stored if w.kernel_version == self.spec.version]
         seeds.extend(w.config for w in winners if w.key == self.key_dict)
+        seeds.extend(self.bundled_winner())
         seeds.extend(self.earlier_winners(stored))
         seeds.extend(self.neighbour_winners(winners))
+        seeds.extend(prior.seed_configs(self.spec, self.key, self.device))
         seeds.extend(self.space.to_dict(config) for config in self.spec.starting_configs(self.key, self.device))
         if exhaustive:
             seeds.extend(self.space.to_dict(config) for config in feasible)
@@ -163,6 +170,27 @@ class Strategy:
         # Queued seeds are asked before anything else, the climb's configs included: at most the
         # exploration share of them (the portable default always), the random sample dropped first.
         return seeds[: max(1, self.polish_from(exhaustive))]
+
+    def bundled_winner(self) -> list[dict[str, Any]]:
+        """The winner the bundle shipped for this GPU holds at this key and kernel version, if it parses
+        and is feasible: it serves (provisionally where its Triton or torch differ) until a tune
+        stores one in the DB, so a re-tune starts from it."""
+        if settings.settings().disable_bundles:
+            return []
+        records, _rejections = bundles.shipped_records(self.device.slug)
+        found: list[dict[str, Any]] = []
+        for record in records:
+            if record.kernel != self.spec.name or record.kernel_version != self.spec.version:
+                continue
+            if record.key != self.key_dict:
+                continue
+            try:
+                config = self.space.parse(record.config)
+            except (TypeError, ValueError):
+                continue
+            if self.space.infeasible_reason(config, self.key, self.limits) is None:
+                found.append(self.space.to_dict(config))
+        return found
 
     def earlier_winners(self, stored: list[WinnerRecord]) -> list[dict[str, Any]]:
         """This key's winners stored under other kernel versions that still parse and are feasible,
