@@ -329,6 +329,53 @@ def test_serve_greedy_continues_each_prompt_as_the_reference_does(model: llama.L
     assert server.cache.seqs() == []
 
 
+# ---- the plain PyTorch baseline ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def torch_model(loaded: tuple[llama.LlamaConfig, llama.LlamaWeights]) -> llama.TorchLlamaModel:
+    return llama.TorchLlamaModel(*loaded, max_positions=64)
+
+
+def test_torch_baseline_runs_dense_bf16_weights(torch_model: llama.TorchLlamaModel, model: llama.LlamaModel) -> None:
+    block = torch_model.blocks[0]
+    assert all(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 for w in block.weights())
+    assert block.qkv.shape == (256 + 2 * 128, 256) and block.gate_up.shape == (2 * 512, 256)
+    assert isinstance(torch_model.head, torch.Tensor) and torch_model.head.dtype == torch.bfloat16
+    # 16 bits a linear weight against Q4_K's 4.625; the float32 embedding and the norms are shared.
+    linears = sum(w.numel() for block in torch_model.blocks for w in block.weights()) + torch_model.head.numel()
+    assert torch_model.weight_bytes() - model.weight_bytes() == pytest.approx(linears * (2 - 4.625 / 8))
+
+
+def test_torch_baseline_prefill_and_decode_match_the_reference(
+    torch_model: llama.TorchLlamaModel, reference: Any
+) -> None:
+    whole = llama.TorchGenerator(torch_model, max_len=32, chunk_size=32, graphs=False)
+    chunked = llama.TorchGenerator(torch_model, max_len=32, chunk_size=4, graphs=False)
+    prefill = whole.prefill(PROMPT, all_logits=True)
+    prefill_chunks = chunked.prefill(PROMPT, all_logits=True)
+    tokens = [*PROMPT, int(prefill[-1].argmax())]
+    steps = []
+    for _ in range(3):
+        steps.append(whole.decode(tokens[-1] if not steps else None).clone())
+        tokens.append(int(whole.next_token))
+    full = tokens[:-1]
+    _check("baseline prefill, one chunk", [prefill], [(PROMPT, slice(None))], reference)
+    _check("baseline prefill, chunks of 4", [prefill_chunks], [(PROMPT, slice(None))], reference)
+    _check("baseline decode", steps, [(full, slice(len(PROMPT) + i, len(PROMPT) + i + 1)) for i in range(3)], reference)
+
+
+def test_truncate_replays_decode_steps_at_the_same_context(model: llama.LlamaModel) -> None:
+    generator = llama.Generator(model, max_len=32, chunk_size=32, graphs=False)
+    generator.prefill(PROMPT)
+    first = generator.decode(7).clone()
+    generator.truncate(len(PROMPT))
+    assert generator.length == len(PROMPT)
+    assert torch.equal(generator.decode(7), first)
+    with pytest.raises(ValueError, match="length"):
+        generator.truncate(len(PROMPT) + 5)
+
+
 # ---- CUDA graphs (GPU tier) ----------------------------------------------------------------------
 
 

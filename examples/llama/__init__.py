@@ -9,7 +9,8 @@ over a ``BatchedSequenceCache`` (batched serving). Put ``examples/`` on ``sys.pa
 
 Modules: ``config`` (hyper-parameters from the metadata), ``loader`` (tensors from the file),
 ``layers`` (RMSNorm, RoPE, fused projections), ``model`` (the forward), ``generate`` (one
-sequence), ``serving`` (many sequences), ``reference`` (a plain PyTorch forward for checking).
+sequence), ``serving`` (many sequences), ``reference`` (a plain PyTorch forward for checking), ``torch_model``
+(the same decoder in plain PyTorch bf16, the baseline ``scripts/bench_model.py`` measures against).
 """
 
 from .config import LlamaConfig, config_from_gguf
@@ -18,6 +19,7 @@ from .loader import LayerWeights, LlamaWeights, load_gguf, open_gguf
 from .model import Attend, LlamaModel
 from .reference import reference_logits
 from .serving import BatchedServer, serve_greedy
+from .torch_model import TorchGenerator, TorchLlamaModel
 
 __all__ = [
     "Attend",
@@ -28,6 +30,8 @@ __all__ = [
     "LlamaModel",
     "LlamaWeights",
     "SequenceCache",
+    "TorchGenerator",
+    "TorchLlamaModel",
     "config_from_gguf",
     "load_gguf",
     "open_gguf",

@@ -64,7 +64,8 @@ class Generator:
         # length it attends over, and its logits.
         self._token = torch.zeros(1, dtype=torch.int64, device=device)
         self._position = torch.zeros(1, dtype=torch.int64, device=device)
-        self._kv_len = torch.zeros(1, dtype=torch.int32, device=device)
+        #: int32 ``[1]``: the positions a decode step attends over (its own included).
+        self.kv_len = torch.zeros(1, dtype=torch.int32, device=device)
         self._logits = torch.zeros(1, model.config.vocab, dtype=torch.float32, device=device)
         self._graph: torch.cuda.CUDAGraph | None = None
 
@@ -81,6 +82,17 @@ class Generator:
     def reset(self) -> None:
         """Start a new sequence (the cache is reused: positions past ``length`` are never read)."""
         self.length = 0
+
+    def truncate(self, length: int) -> None:
+        """Forget every position from ``length`` on: the next token goes to position ``length``.
+
+        The cache keeps its storage (a captured decode step stays valid), so a benchmark can time
+        the same decode steps again at the same context without a new prefill.
+        """
+        if not 0 <= length <= self.length:
+            raise ValueError(f"length: expected 0..{self.length} (the positions held), got {length}")
+        self.length = length
+        self._position.fill_(length)
 
     # ---- prefill -------------------------------------------------------------------------------
 
@@ -103,21 +115,30 @@ class Generator:
         self._position.fill_(self.length)
         return torch.cat(logits) if all_logits else logits[-1]
 
+    def attend_chunk(self, layer: int, q: torch.Tensor, kv_len: torch.Tensor, kv_count: int) -> torch.Tensor:
+        """A prefill chunk's attention ``[C, Hq, D]`` for ``q [C, Hq, D]`` over the cache's first positions.
+
+        The chunk's K/V are already in the cache; ``kv_len`` (int32 ``[1]``, on the device) and
+        ``kv_count`` (on the host) both say how many positions are valid, the chunk's last.
+        """
+        cfg = self.model.config
+        # out [C, Hq, D] in memory, handed to the kernel as the [1, Hq, C, D] view it writes.
+        out = torch.empty(q.shape[0], cfg.heads, cfg.head_dim, dtype=q.dtype, device=q.device)
+        prefill_attention(
+            q.transpose(0, 1)[None], self.cache.k[layer], self.cache.v[layer], causal=True, kv_len=kv_len,
+            out=out.transpose(0, 1)[None],
+        )  # fmt: skip
+        return out
+
     def _prefill_chunk(self, ids: torch.Tensor, all_logits: bool) -> torch.Tensor:
-        cfg, device = self.model.config, self.model.device
+        device = self.model.device
         count, start = ids.numel(), self.length
         positions = torch.arange(start, start + count, dtype=torch.int64, device=device)
         kv_len = torch.full((1,), start + count, dtype=torch.int32, device=device)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             self.cache.write(layer, positions, k, v)
-            # out [C, Hq, D] in memory, handed to the kernel as the [1, Hq, C, D] view it writes.
-            out = torch.empty(count, cfg.heads, cfg.head_dim, dtype=q.dtype, device=device)
-            prefill_attention(
-                q.transpose(0, 1)[None], self.cache.k[layer], self.cache.v[layer], causal=True, kv_len=kv_len,
-                out=out.transpose(0, 1)[None],
-            )  # fmt: skip
-            return out
+            return self.attend_chunk(layer, q, kv_len, start + count)
 
         last = None if all_logits else torch.full((1,), count - 1, dtype=torch.int64, device=device)
         logits = self.model.forward(ids, positions, attend, logit_rows=last)
@@ -150,17 +171,21 @@ class Generator:
 
     def _decode_step(self) -> None:
         """The whole step on device buffers: forward, greedy next token, position advance."""
-        self._kv_len.copy_(self._position + 1)
+        self.kv_len.copy_(self._position + 1)
         self._logits.copy_(self.model.forward(self._token, self._position, self._attend_decode))
         self._token.copy_(self._logits.argmax(-1))
         self._position.add_(1)
 
     def _attend_decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cfg = self.model.config
         self.cache.write(layer, self._position, k, v)
+        return self.attend_step(layer, q)
+
+    def attend_step(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """A decode step's attention ``[1, Hq, D]`` over the cache's first ``kv_len`` positions (device values only)."""
+        cfg = self.model.config
         out = torch.empty(1, cfg.heads, cfg.head_dim, dtype=q.dtype, device=q.device)
         decode_attention(
-            q.transpose(0, 1)[None], self.cache.k[layer], self.cache.v[layer], self._kv_len,
+            q.transpose(0, 1)[None], self.cache.k[layer], self.cache.v[layer], self.kv_len,
             out=out.transpose(0, 1)[None],
         )  # fmt: skip
         return out

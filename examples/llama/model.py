@@ -7,7 +7,9 @@ chunked prefill, a graph-captured decode step (``generate.py``) and a batched se
 
 Per block: RMSNorm, one fused Q4_K projection for Q, K and V, RoPE, attention, the output
 projection; RMSNorm, one fused Q4_K projection for the SwiGLU gate and up halves, the down
-projection. Four ``q4k_linear`` launches per block instead of seven.
+projection. Four ``q4k_linear`` launches per block instead of seven. A block's weights may also be
+dense tensors (``F.linear``): ``torch_model.py`` runs this same forward on bf16 weights with cuBLAS,
+so that a comparison of the two differs in the linears and attention only.
 """
 
 from __future__ import annotations
@@ -31,17 +33,39 @@ class Attend(Protocol):
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
-class _Block:
-    """One decoder block's parameters, with the projections fused."""
+#: A linear weight ``[N, K]``: Q4_K through ``q4k_linear``, or dense through ``F.linear``.
+Linear = Q4KWeight | torch.Tensor
 
-    def __init__(self, weights: LlamaWeights, layer: int) -> None:
+
+def linear(x: torch.Tensor, weight: Linear) -> torch.Tensor:
+    """``x @ weight.T`` in ``x``'s dtype, on the kernel that suits the weight's storage."""
+    return q4k_linear(x, weight) if isinstance(weight, Q4KWeight) else F.linear(x, weight)
+
+
+class Block:
+    """One decoder block's parameters, with the projections fused (Q, K and V; gate and up)."""
+
+    def __init__(
+        self, attn_norm: torch.Tensor, qkv: Linear, attn_output: Linear, ffn_norm: torch.Tensor, gate_up: Linear,
+        ffn_down: Linear,
+    ) -> None:  # fmt: skip
+        self.attn_norm = attn_norm
+        self.qkv = qkv
+        self.attn_output = attn_output
+        self.ffn_norm = ffn_norm
+        self.gate_up = gate_up
+        self.ffn_down = ffn_down
+
+    @classmethod
+    def q4k(cls, weights: LlamaWeights, layer: int) -> Block:
+        """Layer ``layer`` of ``weights`` with its Q4_K projections fused (exact: Q4_K blocks run along rows)."""
         w = weights.layers[layer]
-        self.attn_norm = w.attn_norm
-        self.qkv = fuse_rows(w.attn_q, w.attn_k, w.attn_v)
-        self.attn_output = w.attn_output
-        self.ffn_norm = w.ffn_norm
-        self.gate_up = fuse_rows(w.ffn_gate, w.ffn_up)
-        self.ffn_down = w.ffn_down
+        return cls(w.attn_norm, fuse_rows(w.attn_q, w.attn_k, w.attn_v), w.attn_output, w.ffn_norm,
+                   fuse_rows(w.ffn_gate, w.ffn_up), w.ffn_down)  # fmt: skip
+
+    def weights(self) -> tuple[Linear, ...]:
+        """The linear weights, in the order the forward uses them."""
+        return self.qkv, self.attn_output, self.gate_up, self.ffn_down
 
 
 class LlamaModel:
@@ -65,13 +89,22 @@ class LlamaModel:
         self.device = weights.device
         self.max_positions = max_positions or config.context
         self.embedding = weights.token_embd
-        self.blocks = [_Block(weights, i) for i in range(config.layers)]
+        self.blocks = [self.make_block(weights, i) for i in range(config.layers)]
         self.output_norm = weights.output_norm
         # A float head runs as a dense matmul in the activations' dtype.
-        self.head: Q4KWeight | torch.Tensor = (
-            weights.output if isinstance(weights.output, Q4KWeight) else weights.output.to(dtype)
-        )
+        self.head: Linear = weights.output if isinstance(weights.output, Q4KWeight) else weights.output.to(dtype)
         self.rope = Rope(config, weights.rope_freq_factors, self.max_positions, self.device)
+
+    def make_block(self, weights: LlamaWeights, layer: int) -> Block:
+        """Block ``layer``'s parameters as this model runs them (here: fused Q4_K projections)."""
+        return Block.q4k(weights, layer)
+
+    def weight_bytes(self) -> int:
+        """Bytes of every parameter the forward reads (linears, norms, embedding, head)."""
+        tensors: list[Linear] = [self.embedding, self.output_norm, self.head]
+        for block in self.blocks:
+            tensors += [block.attn_norm, block.ffn_norm, *block.weights()]
+        return sum(t.nbytes if isinstance(t, Q4KWeight) else t.numel() * t.element_size() for t in tensors)
 
     def check_tokens(self, tokens: Sequence[int], name: str = "tokens") -> None:
         """Refuse token ids outside the vocabulary on the host (on a GPU the lookup would fault)."""
@@ -97,18 +130,16 @@ class LlamaModel:
         h = F.embedding(tokens, self.embedding).float()  # [T, hidden], the float32 residual stream
         for layer, block in enumerate(self.blocks):
             x = rms_norm(h, block.attn_norm, cfg.rms_eps, self.dtype)
-            q, k, v = q4k_linear(x, block.qkv).split((cfg.q_width, cfg.kv_width, cfg.kv_width), dim=-1)
+            q, k, v = linear(x, block.qkv).split((cfg.q_width, cfg.kv_width, cfg.kv_width), dim=-1)
             q = self.rope(q.view(tokens_count, cfg.heads, cfg.head_dim), positions)
             k = self.rope(k.view(tokens_count, cfg.kv_heads, cfg.head_dim), positions)
             v = v.reshape(tokens_count, cfg.kv_heads, cfg.head_dim)
             attn = attend(layer, q, k, v).reshape(tokens_count, cfg.q_width)
-            h = h + q4k_linear(attn, block.attn_output).float()
+            h = h + linear(attn, block.attn_output).float()
             x = rms_norm(h, block.ffn_norm, cfg.rms_eps, self.dtype)
-            gate, up = q4k_linear(x, block.gate_up).split((cfg.ffn, cfg.ffn), dim=-1)
-            h = h + q4k_linear((F.silu(gate.float()) * up.float()).to(self.dtype), block.ffn_down).float()
+            gate, up = linear(x, block.gate_up).split((cfg.ffn, cfg.ffn), dim=-1)
+            h = h + linear((F.silu(gate.float()) * up.float()).to(self.dtype), block.ffn_down).float()
         if logit_rows is not None:
             h = h.index_select(0, logit_rows)
         x = rms_norm(h, self.output_norm, cfg.rms_eps, self.dtype)
-        if isinstance(self.head, Q4KWeight):
-            return q4k_linear(x, self.head).float()
-        return (x @ self.head.T).float()
+        return linear(x, self.head).float()
