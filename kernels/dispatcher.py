@@ -11,11 +11,15 @@ Lookup order, resolved once per (kernel, key) and then served from a dict:
    :meth:`~.spec.KernelSpec.fallback_key`), what serves that key;
 5. the portable default, logged once per key.
 
+With ``TRITUNE_JIT`` on, a key of an eager call with no winner of its own is tuned online before
+steps 3 to 5 (:mod:`.jit`: in the calling thread, or handed to a worker process while 3 to 5 serve).
+
 Stored winners are loaded on the first dispatch for a device (the shipped bundle, then the
 user's DB on top), never at import. Reading the DB takes at most ``TRITUNE_DB_READ_TIMEOUT``
 seconds, under a lock of that device alone: a DB that does not answer costs that device's first
-call the bound and one warning, and the bundle and portable defaults serve. Nothing here tunes,
-synchronises the GPU or writes files, so dispatching is safe inside CUDA-graph capture.
+call the bound and one warning, and the bundle and portable defaults serve. Nothing here tunes
+(online tuning runs for eager calls only), synchronises the GPU or writes files inside CUDA-graph
+capture or ``torch.compile`` tracing, so dispatching is safe there.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from . import settings as settings_module
 from .device import DeviceInfo, device_info
 from .registry import get_spec
 from .spec import KernelSpec, TuningKey
-from .winners import WinnerTable, build_table
+from .winners import Entry, WinnerTable, build_table
 
 log = logging.getLogger("tritune.dispatch")
 
@@ -95,14 +99,33 @@ class Dispatcher:
                 self._memo.clear()
             self._memo[memo] = values
 
-    def select(self, spec: KernelSpec[Any, Any], device: DeviceInfo, key: TuningKey) -> Any:
+    def select(
+        self, spec: KernelSpec[Any, Any], device: DeviceInfo, key: TuningKey, where: torch.device | None = None
+    ) -> Any:
+        """The config serving ``key``; ``where``: the call's device, for a call (online tuning may run)."""
         pinned = _pinned.get()
         if pinned is not None and spec.name in pinned:
             return pinned[spec.name]
         config = self._resolved.get((spec.name, device.slug, key))
         if config is None:
-            config = self._resolve(spec, device, key)
+            config = self._resolve(spec, device, key, where)
         return config
+
+    def admit_online(self, device: DeviceInfo, kernel: str, key: TuningKey, entry: Entry) -> None:
+        """A winner tuned online (:mod:`.jit`) joins the device's table; ``kernel``'s choices there are made again.
+
+        The kernel's other keys may borrow it as their nearest bucket. A resolution under way in
+        another thread is not cached (the generation moves), so none keeps the config it replaces.
+        """
+        with self._lock:
+            self.generation += 1
+            table = self._tables.get(device.slug)
+            if table is not None:
+                table.add(kernel, key, entry)
+            for resolved in [r for r in self._resolved if r[0] == kernel and r[1] == device.slug]:
+                del self._resolved[resolved]
+            # The memo is read without the lock on every call: replaced whole, never changed in place.
+            self._memo = {memo: config for memo, config in self._memo.items() if memo[0] != kernel}
 
     def table(self, device: DeviceInfo) -> WinnerTable:
         """The device's winners, read on first use; calls for other devices never wait for the read."""
@@ -149,7 +172,9 @@ class Dispatcher:
         log.info("loaded %d tuned configs for %s", len(table), device.slug)
         return table
 
-    def _resolve(self, spec: KernelSpec[Any, Any], device: DeviceInfo, key: TuningKey) -> Any:
+    def _resolve(
+        self, spec: KernelSpec[Any, Any], device: DeviceInfo, key: TuningKey, where: torch.device | None = None
+    ) -> Any:
         generation = self.generation
         current = settings_module.settings()
         threshold = 1.0 + current.margin
@@ -160,6 +185,12 @@ class Dispatcher:
         else:
             table = self.table(device)
             exact = table.exact.get((spec.name, key))
+            if exact is None:
+                misses.note(spec, device, key)
+                if where is not None and current.jit != "off":
+                    from . import jit  # only where online tuning is on: serving alone never imports it
+
+                    exact = jit.ONLINE.on_miss(self, spec, device, where, key)
             if exact is not None:
                 why = spec.space.infeasible_reason(exact.config, key, limits)
                 if why is not None:
@@ -169,7 +200,6 @@ class Dispatcher:
                 else:
                     reason = f"stored winner is only {exact.speedup:.3f}x the portable default"
             else:
-                misses.note(spec, device, key)
                 # A neighbour's winner must also be feasible at this key (e.g. a split-K config
                 # tuned for small M must not be borrowed at M=8192), and near it: a config tuned
                 # for a few decode tokens can be several times slower than the portable default
@@ -229,9 +259,10 @@ def _choose(kernel: str, device_type: str, device_index: int, facts: tuple[Any, 
     """Resolve the config of one call's facts and memoise it under ``memo``."""
     generation = DISPATCHER.generation
     spec = get_spec(kernel)
-    device = device_info(torch.device(device_type, device_index) if device_type != "cpu" else "cpu")
+    where = torch.device(device_type, device_index) if device_type != "cpu" else torch.device("cpu")
+    device = device_info(where)
     key = spec.key_for(device, facts)
-    chosen = DISPATCHER.select(spec, device, key)
+    chosen = DISPATCHER.select(spec, device, key, where)
     config = spec.serveable(chosen, device, facts)
     pin = memo[4] if len(memo) > 4 else None
     if pin is not None and config != pin:

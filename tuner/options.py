@@ -10,7 +10,7 @@ import os
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import triton
@@ -20,6 +20,10 @@ from tritune.kernels.device import DeviceInfo
 from tritune.kernels.spec import TuningKey
 
 from .noise import NoisePolicy
+
+if TYPE_CHECKING:
+    from .candidates import Bench
+    from .timing import Timer
 
 __all__ = ["KeyResult", "TuneOptions", "TuningError", "environment_id", "pick_winner", "tritune_version"]
 
@@ -62,6 +66,26 @@ class TuneOptions:
         if self.batch is not None:
             return max(1, self.batch)
         return max(1, min(self.compile_workers, max(4, -(-self.trials // 4))))
+
+    def make_bench(self, device: torch.device, timer: Timer) -> Bench:
+        """Where these options run candidates: a worker process when ``isolate``, else this process.
+
+        One bench serves many keys (a worker's start-up, importing torch and creating a CUDA
+        context, is paid once): ``tune`` makes one per run, online tuning one per process.
+        """
+        from .candidates import LocalBench
+
+        if not self.isolate:
+            return LocalBench(device, timer, noise=self.noise, compile_workers=self.compile_workers)
+        from .worker import Worker, worker_device
+
+        return Worker(
+            worker_device(device),
+            timer,
+            trial_timeout_s=self.trial_timeout_s,
+            noise=self.noise,
+            compile_workers=self.compile_workers,
+        )
 
 
 @dataclass

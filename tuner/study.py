@@ -28,7 +28,6 @@ from .candidates import (
     PRUNED,
     Bench,
     BenchError,
-    LocalBench,
 )
 from .known import OnTrial
 from .options import KeyResult, TuneOptions, TuningError, environment_id, pick_winner, tritune_version
@@ -110,20 +109,6 @@ class KeyTuner(KeySearch):
         )
         self.bench = bench
 
-    def _own_bench(self) -> Bench:
-        opts = self.options
-        if not opts.isolate:
-            return LocalBench(self.torch_device, self.timer, noise=opts.noise, compile_workers=opts.compile_workers)
-        from .worker import Worker, worker_device
-
-        return Worker(
-            worker_device(self.torch_device),
-            self.timer,
-            trial_timeout_s=opts.trial_timeout_s,
-            noise=opts.noise,
-            compile_workers=opts.compile_workers,
-        )
-
     def run(self) -> KeyResult:
         """Search the key to the end of its budget and offer its winner; the result."""
         default = self.spec.default_config(self.key)
@@ -131,7 +116,7 @@ class KeyTuner(KeySearch):
         if why is not None:
             raise TuningError(f"{self.spec.name} {self.key}: the portable default is infeasible here ({why})")
         owned = self.bench is None
-        bench = KeyBench(self._own_bench() if self.bench is None else self.bench)
+        bench = KeyBench(self.options.make_bench(self.torch_device, self.timer) if self.bench is None else self.bench)
         try:
             # The problems first: a key whose portable default cannot run records no trial.
             self._ready(bench, default)

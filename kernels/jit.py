@@ -1,0 +1,411 @@
+"""Online tuning (``TRITUNE_JIT``): a key with no stored winner is tuned on its first eager call.
+
+The dispatcher imports this module only when the setting is not ``off``, at its first miss: a key
+with no admitted winner of its own. Nothing here imports Optuna; the tuner (``tritune.tuner``, the
+``tune`` extra) runs the search:
+
+- ``sync``: in the calling thread (:func:`tritune.tuner.jit.tune_one_key`), within
+  ``TRITUNE_JIT_TRIALS`` configs and ``TRITUNE_JIT_KEY_SECONDS``; the winner, stored in the user DB
+  with every trial, is admitted into the dispatcher's table and serves this call if it clears the
+  margin like any stored winner.
+- ``background``: the call is served at once (nearest bucket, fallback key or portable default) and
+  the key is handed to one worker process (``python -m tritune.tuner.jit_worker``, JSON lines over
+  pipes); a daemon thread admits each winner it reports. Calls never wait for it.
+
+A key is attempted at most once per process, and no more than ``TRITUNE_JIT_TOTAL_SECONDS`` are
+spent in all. Nothing is tuned under CUDA-graph capture, ``torch.compile`` or ``torch.jit``
+tracing, FakeTensor or any other dispatch mode. Two processes never tune one key at once (a claim
+beside the DB): the second serves the best available config and admits the first one's winner
+when its claim ends.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tritune.configs_db.records import Rejection, WinnerRecord
+from tritune.configs_db.values import check_flat, printable, strict_loads, text_problem, winner_numbers_problem
+
+from . import registry
+from .device import DeviceInfo
+from .settings import Settings, settings
+from .spec import KernelSpec, TuningKey
+from .winners import Entry, admit
+
+if TYPE_CHECKING:
+    from .dispatcher import Dispatcher
+
+__all__ = ["ONLINE", "OnlineTuning", "eager", "record_from_plain"]
+
+log = logging.getLogger("tritune.jit")
+
+#: Extra arguments of the background worker's command line (tests pass a fake timer this way).
+WORKER_ARGS: list[str] = []
+
+#: What installs the tuner, in the one warning given when it is missing.
+INSTALL_HINT = "pip install 'tritune[tune]'"
+
+
+def claim_wait_s(key_seconds: float) -> float:
+    """How long a process that found a key being tuned elsewhere waits for that tune to end.
+
+    The other tune explores for ``key_seconds`` after setting up its problems and then re-times
+    its best configs; this leaves room for both.
+    """
+    return 3.0 * key_seconds + 30.0
+
+
+def eager() -> bool:
+    """Whether the current call runs eagerly, where a tune may run in its stead.
+
+    Not under ``torch.compile`` tracing (the config is baked into the graph), ``torch.jit`` tracing
+    or scripting, FX tracing, a dispatch mode (FakeTensor, ``make_fx``, functionalization, ...), or
+    CUDA-graph capture (a capture must not synchronise or allocate).
+    """
+    if torch.compiler.is_compiling() or torch.jit.is_scripting() or torch.jit.is_tracing():
+        return False
+    if torch._C._len_torch_dispatch_stack() > 0 or torch.fx._symbolic_trace.is_fx_tracing():
+        return False
+    # No capture can run before CUDA is initialised, and the query itself needs CUDA.
+    return not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+
+
+def _tunable(spec: KernelSpec[Any, Any]) -> bool:
+    """Whether the tuner can make problems for ``spec``: a declaration names a tuning half."""
+    # Kernel(..., tuning=None) keeps None here; a KernelSpec subclass implements make_problem itself.
+    return getattr(spec, "_tuning", True) is not None
+
+
+def _device_text(where: torch.device) -> str:
+    """``cpu`` or ``cuda:N``: what the tuner and the worker are told."""
+    if where.type == "cpu":
+        return "cpu"
+    index = where.index if where.index is not None else torch.cuda.current_device()
+    return f"{where.type}:{index}"
+
+
+def _short(key: TuningKey) -> str:
+    return " ".join(f"{k}={v}" for k, v in key.to_dict().items() if k not in ("arch", "sm_count"))
+
+
+def record_from_plain(values: Any, source: str) -> WinnerRecord:
+    """A winner from the plain JSON values the background worker reports; ``ValueError`` names what is off."""
+    if not isinstance(values, dict):
+        raise ValueError(f"winner is {type(values).__name__}, expected an object")
+    texts = ("kernel", "kernel_version", "gpu", "triton_version", "torch_version", "tritune_version")
+    for name in texts:
+        if not isinstance(values.get(name), str):
+            raise ValueError(f"winner.{name} is missing or not a string")
+        problem = text_problem(values[name], f"winner.{name}")
+        if problem is not None:
+            raise ValueError(problem)
+    problem = winner_numbers_problem(values.get("time_ms"), values.get("portable_ms"), values.get("speedup"),
+                                     values.get("trials"))  # fmt: skip
+    if problem is not None:
+        raise ValueError(f"winner: {problem}")
+    return WinnerRecord(
+        **{name: values[name] for name in texts},
+        key=check_flat(values.get("key"), "winner.key"),
+        config=check_flat(values.get("config"), "winner.config"),
+        time_ms=float(values["time_ms"]),
+        portable_ms=float(values["portable_ms"]),
+        speedup=float(values["speedup"]),
+        trials=int(values["trials"]),
+        source=source,
+    )
+
+
+class OnlineTuning:
+    """This process's online tuning: keys attempted, seconds spent, the background worker."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: (kernel, device slug, key) attempted in this process: each at most once.
+        self.attempted: set[tuple[str, str, TuningKey]] = set()
+        self.spent_s = 0.0
+        #: Why online tuning stopped in this process (the tuner is not installed, the worker died).
+        self.stopped: str | None = None
+        self._worker: BackgroundWorker | None = None
+        self._budget_logged = False
+        #: Set while this thread tunes: what the tuner runs must not start a tune of its own.
+        self._local = threading.local()
+
+    def reset(self) -> None:
+        """Forget attempts, spending and a stop (tests); the worker, if any, is stopped."""
+        with self._lock:
+            worker, self._worker = self._worker, None
+            self.attempted.clear()
+            self.spent_s = 0.0
+            self.stopped = None
+            self._budget_logged = False
+        if worker is not None:
+            worker.close()
+
+    def on_miss(
+        self, dispatcher: Dispatcher, spec: KernelSpec[Any, Any], device: DeviceInfo, where: torch.device,
+        key: TuningKey,
+    ) -> Entry | None:  # fmt: skip
+        """Tune ``key`` (sync: the winner's entry, admitted; background: handed out, ``None``) where allowed."""
+        current = settings()
+        if current.jit == "off" or getattr(self._local, "tuning", False) or not eager() or not _tunable(spec):
+            return None
+        slot = (spec.name, device.slug, key)
+        with self._lock:
+            if self.stopped is not None or slot in self.attempted:
+                return None
+            left = current.jit_total_seconds - self.spent_s
+            if left <= 0:
+                if not self._budget_logged:
+                    self._budget_logged = True
+                    log.info("online tuning budget of %g s spent (TRITUNE_JIT_TOTAL_SECONDS): no more keys are "
+                             "tuned in this process", current.jit_total_seconds)  # fmt: skip
+                return None
+            self.attempted.add(slot)
+            seconds = min(current.jit_key_seconds, left)
+            if current.jit == "background":
+                if self._worker is None:
+                    self._worker = BackgroundWorker(self._report_handler(dispatcher), self._worker_died)
+                self._worker.hand(spec, device, where, key, current, seconds)
+                return None
+        return self._sync(dispatcher, spec, device, where, key, current, seconds)
+
+    # ---- sync -------------------------------------------------------------------------------
+
+    def _tuner(self) -> Any:
+        """``tritune.tuner.jit``, or ``None`` (with one warning) where the ``tune`` extra is missing."""
+        try:
+            return importlib.import_module("tritune.tuner.jit")
+        except ImportError as exc:
+            self._stop(f"online tuning (TRITUNE_JIT) needs the tune extra, which is not installed here ({exc}): "
+                       f"{INSTALL_HINT}; serving without online tuning")  # fmt: skip
+            return None
+
+    def _sync(
+        self, dispatcher: Dispatcher, spec: KernelSpec[Any, Any], device: DeviceInfo, where: torch.device,
+        key: TuningKey, current: Settings, seconds: float,
+    ) -> Entry | None:  # fmt: skip
+        tuner = self._tuner()
+        if tuner is None:
+            return None
+        self._local.tuning = True
+        try:
+            result = tuner.tune_one_key(
+                spec, where, key, trials=current.jit_trials, seconds=seconds, db_url=current.db_url
+            )
+        except Exception as exc:  # a DB that cannot be written, a bench that cannot start: serve on
+            log.warning("%s %s: online tuning failed (%s); the best available config serves",
+                        spec.name, _short(key), printable(str(exc), limit=1000))  # fmt: skip
+            return None
+        finally:
+            self._local.tuning = False
+        self._spend(result.seconds)
+        if result.outcome == tuner.BUSY:
+            self._await(dispatcher, spec, device, where, key, current, seconds)
+            return None
+        return self._take(dispatcher, device, spec.name, key, result.outcome, result.winner, result.seconds,
+                          result.measured, result.detail, current.margin)  # fmt: skip
+
+    def _await(
+        self, dispatcher: Dispatcher, spec: KernelSpec[Any, Any], device: DeviceInfo, where: torch.device,
+        key: TuningKey, current: Settings, seconds: float,
+    ) -> None:  # fmt: skip
+        """Another process tunes ``key``: admit its winner when its claim ends (a daemon thread)."""
+        log.info("%s %s: being tuned by another process; the best available config serves meanwhile",
+                 spec.name, _short(key))  # fmt: skip
+        tuner = self._tuner()
+
+        def wait() -> None:
+            try:
+                record = tuner.await_winner(spec, where, key, db_url=current.db_url, wait_s=claim_wait_s(seconds))
+            except Exception as exc:
+                log.warning("%s %s: the winner tuned by another process was not read (%s)",
+                            spec.name, _short(key), printable(str(exc), limit=1000))  # fmt: skip
+                return
+            if record is not None:
+                self._take(dispatcher, device, spec.name, key, "found", record, 0.0, 0, "", current.margin)
+
+        threading.Thread(target=wait, name="tritune-jit-await", daemon=True).start()
+
+    # ---- both -------------------------------------------------------------------------------
+
+    def _spend(self, seconds: float) -> None:
+        with self._lock:
+            self.spent_s += max(0.0, seconds)
+
+    def _stop(self, reason: str) -> None:
+        """Stop online tuning in this process, saying why once."""
+        with self._lock:
+            if self.stopped is not None:
+                return
+            self.stopped = reason
+        log.warning("%s", reason)
+
+    def _take(
+        self, dispatcher: Dispatcher, device: DeviceInfo, kernel: str, key: TuningKey, outcome: str,
+        winner: WinnerRecord | None, seconds: float, measured: int, detail: str, margin: float,
+    ) -> Entry | None:  # fmt: skip
+        """Log what a tune came to and admit its winner into the dispatcher; the winner's entry."""
+        if winner is None:
+            log.warning("%s %s: online tuning found no winner (%s); the best available config serves",
+                        kernel, _short(key), printable(detail or outcome, limit=1000))  # fmt: skip
+            return None
+        admitted = admit(winner, device)
+        if isinstance(admitted, Rejection):
+            log.warning("%s %s: online tuning's winner refused: %s", kernel, _short(key),
+                        printable(admitted.reason, limit=1000))  # fmt: skip
+            return None
+        _, admitted_key, entry = admitted
+        config = " ".join(f"{name}={value}" for name, value in winner.config.items())
+        serves = "" if winner.speedup >= 1.0 + margin else " (below the margin: the portable default serves)"
+        if outcome == "tuned":
+            log.warning("%s %s: tuned online in %.1f s (%d trials): %s, %.2fx the portable default%s",
+                        kernel, _short(key), seconds, measured, printable(config, limit=1000), winner.speedup,
+                        serves)  # fmt: skip
+        else:
+            log.info("%s %s: took the winner another process stored: %s, %.2fx the portable default%s",
+                     kernel, _short(key), printable(config, limit=1000), winner.speedup, serves)  # fmt: skip
+        dispatcher.admit_online(device, kernel, admitted_key, entry)
+        return entry
+
+    # ---- background -------------------------------------------------------------------------
+
+    def _report_handler(self, dispatcher: Dispatcher) -> Callable[[dict[str, Any], DeviceInfo, TuningKey], None]:
+        def handle(report: dict[str, Any], device: DeviceInfo, key: TuningKey) -> None:
+            seconds = report.get("seconds")
+            seconds = float(seconds) if isinstance(seconds, int | float) and not isinstance(seconds, bool) else 0.0
+            self._spend(seconds)
+            outcome = str(report.get("outcome"))
+            kernel = str(report.get("kernel"))
+            winner = None
+            if report.get("winner") is not None:
+                try:
+                    winner = record_from_plain(report["winner"], "online tuning worker")
+                except ValueError as exc:
+                    log.warning("online tuning worker: a malformed report refused (%s)", printable(str(exc)))
+                    return
+            measured = report.get("measured")
+            measured = measured if isinstance(measured, int) and not isinstance(measured, bool) else 0
+            detail = str(report.get("detail") or "")
+            self._take(dispatcher, device, kernel, key, outcome, winner, seconds, measured, detail,
+                       settings().margin)  # fmt: skip
+
+        return handle
+
+    def _worker_died(self, reason: str) -> None:
+        self._stop(f"online tuning worker {reason}; no more keys are tuned online in this process")
+
+
+class BackgroundWorker:
+    """The one worker process of ``TRITUNE_JIT=background``, fed and read by two daemon threads.
+
+    A call only puts the key on a queue: the process is started, and each request built and
+    written, by the writer thread; the reader thread hands each report to ``on_report``. Neither
+    ever holds up a call, whatever the worker does.
+    """
+
+    def __init__(
+        self,
+        on_report: Callable[[dict[str, Any], DeviceInfo, TuningKey], None],
+        on_death: Callable[[str], None],
+    ) -> None:
+        self._on_report, self._on_death = on_report, on_death
+        self._queue: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        #: (kernel, device, key as JSON) -> what the report is about.
+        self._pending: dict[tuple[str, str, str], tuple[DeviceInfo, TuningKey]] = {}
+        self._process: subprocess.Popen[str] | None = None
+        threading.Thread(target=self._write, name="tritune-jit-writer", daemon=True).start()
+
+    def hand(
+        self, spec: KernelSpec[Any, Any], device: DeviceInfo, where: torch.device, key: TuningKey,
+        current: Settings, seconds: float,
+    ) -> None:  # fmt: skip
+        self._queue.put((spec, device, where, key, current, seconds))
+
+    def close(self) -> None:
+        """Let the worker finish its key and exit (its input ends)."""
+        self._queue.put(None)
+
+    def _command(self, current: Settings) -> list[str]:
+        total = f"{current.jit_total_seconds:g}"
+        return [sys.executable, "-m", "tritune.tuner.jit_worker", "--total-seconds", total, *WORKER_ARGS]
+
+    def _start(self, current: Settings) -> subprocess.Popen[str]:
+        env = dict(os.environ)
+        env["TRITUNE_JIT"] = "off"
+        # The serving process's import path: a user's kernel module resolves in the worker too.
+        env["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path)
+        process = subprocess.Popen(
+            self._command(current), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1
+        )
+        log.info("online tuning worker started (pid %d)", process.pid)
+        threading.Thread(target=self._read, args=(process,), name="tritune-jit-reader", daemon=True).start()
+        return process
+
+    def _write(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                if self._process is not None and self._process.stdin is not None:
+                    self._process.stdin.close()
+                return
+            spec, device, where, key, current, seconds = item
+            target = registry.target_of(spec)
+            if target is None:
+                log.info("%s: not found in any module, so the online tuning worker cannot import it", spec.name)
+                continue
+            request = {
+                "kernel": spec.name,
+                "target": target,
+                "device": _device_text(where),
+                "key": key.to_dict(),
+                "trials": current.jit_trials,
+                "seconds": seconds,
+                "wait_s": claim_wait_s(seconds),
+                "db_url": current.db_url,
+            }
+            self._pending[(spec.name, request["device"], json.dumps(request["key"], sort_keys=True))] = (device, key)
+            try:
+                if self._process is None:
+                    self._process = self._start(current)
+                assert self._process.stdin is not None
+                self._process.stdin.write(json.dumps(request) + "\n")
+                self._process.stdin.flush()
+            except (OSError, ValueError) as exc:
+                if self._process is None:
+                    self._on_death(f"could not be started ({exc})")
+                # Otherwise the reader sees the worker's end and says why.
+                return
+
+    def _read(self, process: subprocess.Popen[str]) -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            try:
+                report = strict_loads(line)
+                if not isinstance(report, dict):
+                    raise ValueError("a report is not an object")
+                about = (str(report.get("kernel")), str(report.get("device")),
+                         json.dumps(check_flat(report.get("key"), "key"), sort_keys=True))  # fmt: skip
+                pending = self._pending.pop(about, None)
+                if pending is None:
+                    raise ValueError(f"a report about a key not handed out: {about}")
+                self._on_report(report, *pending)
+            except Exception as exc:  # a report must never take the reader down
+                log.warning("online tuning worker: report not used (%s)", printable(str(exc), limit=1000))
+        code = process.wait()
+        if code != 0 or not self._queue.empty() or self._pending:
+            self._on_death(f"(pid {process.pid}) exited with code {code}")
+
+
+#: This process's online tuning.
+ONLINE = OnlineTuning()

@@ -1,0 +1,299 @@
+"""One key tuned online: what a serving process (``TRITUNE_JIT=sync``) or its worker runs on a miss.
+
+:func:`tune_one_key` is ``tune``'s own search of one key (:class:`~.study.KeyTuner`: the portable
+default, stored and provisional winners, the nearest buckets' winners and the spec's starting
+configs first, then TPE and a short climb; the correctness gate; every trial and the winner in
+the config DB) with a smaller budget: ``trials`` configs and ``seconds`` of exploration. The bench
+that runs the candidates (a worker process, so that a crashing candidate costs one trial) is made
+once per process and kept for the next key.
+
+Two processes never tune one key at once: the key is claimed with a lock beside the config DB
+(one byte per key of a lock file; the kernel drops it when the process dies, however it dies). A
+process that finds the key claimed either reports it as being tuned elsewhere (``wait_s=0``) or
+waits for the claim and then takes the winner the other process stored, without measuring.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+
+from tritune.configs_db.errors import StoreError
+from tritune.configs_db.records import WinnerRecord
+from tritune.configs_db.store import ConfigStore
+from tritune.kernels.device import DeviceInfo, device_info
+from tritune.kernels.spec import KernelSpec, TuningKey
+
+from .candidates import Bench, BenchError
+from .options import TuneOptions, TuningError, environment_id
+from .studies import study_name
+from .study import KeyTuner
+from .timing import Timer, timer_for
+
+__all__ = [
+    "BUSY",
+    "FAILED",
+    "FOUND",
+    "TUNED",
+    "JitResult",
+    "await_winner",
+    "plain_winner",
+    "stored_winner",
+    "tune_one_key",
+]
+
+log = logging.getLogger("tritune.jit")
+
+#: What an online tune of a key came to.
+TUNED, FOUND, BUSY, FAILED = "tuned", "found", "busy", "failed"
+
+#: How often a process waiting for another's claim on a key looks again.
+POLL_S = 0.1
+
+#: The timer online tunes use (``None``: the device's own, as ``tune`` uses) and whether candidates
+#: run in a worker process. Tests and the worker's ``--timer``/``--no-isolate`` replace them.
+TIMER: Timer | None = None
+ISOLATE = True
+
+
+@dataclass(frozen=True)
+class JitResult:
+    """One online tune: ``outcome`` (:data:`TUNED`, :data:`FOUND`, :data:`BUSY` or :data:`FAILED`),
+    the key's winner as the DB keeps it (``None`` unless tuned or found), seconds spent, trials
+    measured here, and for a failure why."""
+
+    outcome: str
+    winner: WinnerRecord | None
+    seconds: float
+    measured: int = 0
+    detail: str = ""
+
+
+def tune_one_key(
+    spec: KernelSpec[Any, Any],
+    device: torch.device | str,
+    key: TuningKey,
+    *,
+    trials: int,
+    seconds: float,
+    db_url: str,
+    wait_s: float = 0.0,
+    seed: int = 0,
+) -> JitResult:
+    """Tune ``key`` of ``spec`` on ``device`` into the config DB at ``db_url`` within the budget.
+
+    ``trials``: configs measured at most; ``seconds``: the exploration stops past it (a batch
+    under way and the final re-timing of the best configs finish), and no candidate may run
+    longer. ``wait_s``: how long to wait for another process's claim on the key before reporting
+    :data:`BUSY`. A key whose winner is stored already is :data:`FOUND`, not tuned again.
+    """
+    if trials < 1:
+        raise ValueError(f"trials={trials!r}: expected a whole number of at least 1")
+    if not seconds > 0:
+        raise ValueError(f"seconds={seconds!r}: expected a positive number of seconds")
+    started = time.monotonic()
+    torch_device = torch.device(device)
+    info = device_info(torch_device)
+    name = study_name(spec.name, spec.version, info.slug, triton.__version__, key.to_dict())
+    try:
+        claim = _claim(db_url, name, wait_s)
+        with claim as held:
+            if not held:
+                return JitResult(BUSY, None, time.monotonic() - started, detail="being tuned by another process")
+            return _tune_claimed(spec, torch_device, info, key, trials, seconds, db_url, seed, started)
+    except (OSError, StoreError) as exc:
+        return JitResult(FAILED, None, time.monotonic() - started, detail=str(exc))
+
+
+def _tune_claimed(
+    spec: KernelSpec[Any, Any],
+    torch_device: torch.device,
+    info: DeviceInfo,
+    key: TuningKey,
+    trials: int,
+    seconds: float,
+    db_url: str,
+    seed: int,
+    started: float,
+) -> JitResult:
+    store = ConfigStore(db_url)
+    try:
+        stored = stored_winner(store, spec, info, key)
+        if stored is not None:
+            return JitResult(FOUND, stored, time.monotonic() - started)
+        options = TuneOptions(trials=trials, time_budget_s=seconds, seed=seed, isolate=ISOLATE, trial_timeout_s=seconds)
+        timer = TIMER if TIMER is not None else timer_for(torch_device)
+        log.info("%s %s: tuning online (%d trials, %g s)", spec.name, _short(key), trials, seconds)
+        tuner = KeyTuner(
+            spec,
+            key,
+            info,
+            torch_device,
+            store,
+            environment_id(store, info),
+            timer,
+            options,
+            on_trial=lambda kernel, config, status, ms: log.info(
+                "%s %s: %s %s%s",
+                kernel,
+                _short(key),
+                " ".join(f"{k}={v}" for k, v in config.items()),
+                status,
+                "" if ms is None else f" {ms:.4g} ms",
+            ),
+            bench=_bench(torch_device, timer, options),
+        )
+        try:
+            result = tuner.run()
+        except (TuningError, BenchError) as exc:
+            return JitResult(FAILED, None, time.monotonic() - started, detail=str(exc))
+        measured = result.measured + result.failed
+        # What the DB keeps: the faster of this offer and one stored meanwhile (another host).
+        winner = stored_winner(store, spec, info, key)
+        return JitResult(TUNED, winner, time.monotonic() - started, measured=measured)
+    finally:
+        store.close()
+
+
+def await_winner(
+    spec: KernelSpec[Any, Any], device: torch.device | str, key: TuningKey, *, db_url: str, wait_s: float
+) -> WinnerRecord | None:
+    """Wait up to ``wait_s`` seconds for another process's claim on ``key``, then read its stored winner.
+
+    For a process that found the key being tuned elsewhere: it measures nothing itself.
+    """
+    info = device_info(torch.device(device))
+    name = study_name(spec.name, spec.version, info.slug, triton.__version__, key.to_dict())
+    with _claim(db_url, name, wait_s) as held:
+        if not held:
+            return None
+        with ConfigStore(db_url) as store:
+            return stored_winner(store, spec, info, key)
+
+
+def stored_winner(
+    store: ConfigStore, spec: KernelSpec[Any, Any], device: DeviceInfo, key: TuningKey
+) -> WinnerRecord | None:
+    """The winner ``store`` holds for ``key`` under the running kernel version and Triton, if any."""
+    wanted = key.to_dict()
+    for record in store.winners(gpu=device.slug, kernel=spec.name):
+        if (
+            record.key == wanted
+            and record.kernel_version == spec.version
+            and record.triton_version == triton.__version__
+        ):
+            return record
+    return None
+
+
+def plain_winner(record: WinnerRecord) -> dict[str, Any]:
+    """A winner as plain JSON values (what the background worker reports)."""
+    return {
+        "kernel": record.kernel,
+        "kernel_version": record.kernel_version,
+        "gpu": record.gpu,
+        "key": dict(record.key),
+        "config": dict(record.config),
+        "time_ms": record.time_ms,
+        "portable_ms": record.portable_ms,
+        "speedup": record.speedup,
+        "trials": record.trials,
+        "triton_version": record.triton_version,
+        "torch_version": record.torch_version,
+        "tritune_version": record.tritune_version,
+    }
+
+
+def _short(key: TuningKey) -> str:
+    return " ".join(f"{k}={v}" for k, v in key.to_dict().items() if k not in ("arch", "sm_count"))
+
+
+# ---- one bench per process --------------------------------------------------------------------
+
+_benches: dict[tuple[str, int, bool], Bench] = {}
+_benches_lock = threading.Lock()
+
+
+def _bench(device: torch.device, timer: Timer, options: TuneOptions) -> Bench:
+    """This process's bench for ``device`` (made on first use, closed at exit)."""
+    slot = (str(device), id(timer), options.isolate)
+    with _benches_lock:
+        bench = _benches.get(slot)
+        if bench is None:
+            bench = _benches[slot] = options.make_bench(device, timer)
+        return bench
+
+
+@atexit.register
+def close_benches() -> None:
+    """Stop the worker processes online tunes started (at exit, or when a test is done with them)."""
+    with _benches_lock:
+        benches = list(_benches.values())
+        _benches.clear()
+    for bench in benches:
+        with contextlib.suppress(Exception):
+            bench.close()
+
+
+# ---- claims on keys -----------------------------------------------------------------------------
+
+#: This process's descriptor of each claim file: a POSIX record lock belongs to the process and
+#: closing any descriptor of the file drops all of them, so each file is opened once and kept.
+_claim_files: dict[Path, int] = {}
+_claim_guard = threading.Lock()
+
+
+def claim_path(db_url: str) -> Path:
+    """The lock file of ``db_url``'s keys: beside an SQLite file, else in the user's cache folder."""
+    from sqlalchemy.engine import make_url
+
+    url = make_url(db_url)
+    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+        database = Path(str(url.database))
+        return database.with_name(database.name + ".tritune-jit-lock")
+    import platformdirs
+
+    digest = hashlib.blake2b(db_url.encode(), digest_size=12).hexdigest()
+    return Path(platformdirs.user_cache_dir("tritune", appauthor=False)) / f"jit-{digest}.lock"
+
+
+@contextlib.contextmanager
+def _claim(db_url: str, name: str, wait_s: float) -> Iterator[bool]:
+    """Hold the claim on study ``name`` (one byte of the DB's claim file); yields whether it was taken.
+
+    Waits up to ``wait_s`` seconds for another process to let it go.
+    """
+    path = claim_path(db_url)
+    with _claim_guard:
+        fd = _claim_files.get(path)
+        if fd is None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = _claim_files[path] = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    offset = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big") % (1 << 31)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, offset)
+            break
+        except (BlockingIOError, PermissionError):
+            if time.monotonic() >= deadline:
+                yield False
+                return
+            time.sleep(POLL_S)
+    try:
+        yield True
+    finally:
+        fcntl.lockf(fd, fcntl.LOCK_UN, 1, offset)
