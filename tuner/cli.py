@@ -258,7 +258,7 @@ def _tune_here(
     from .shared import run_worker, worker_name
     from .study import KeyResult, KeyTuner, TuningError, environment_id
     from .timing import timer_for
-    from .worker import Worker, worker_device
+    from .worker import worker_device
 
     info = device_info(torch_device)
     # The kernels and their keys before the DB: a bad --kernel or --key leaves no DB behind.
@@ -301,18 +301,8 @@ def _tune_here(
             if report.by_others:
                 console.print(f"{len(report.by_others)} key(s) were already finalized (tune status shows them)")
         else:
-            # One worker for the whole run: its start-up (importing torch, CUDA init) is paid once.
-            bench = (
-                Worker(
-                    worker_device(torch_device),
-                    timer,
-                    trial_timeout_s=options.trial_timeout_s,
-                    noise=options.noise,
-                    compile_workers=options.compile_workers,
-                )
-                if options.isolate
-                else None
-            )
+            # One bench for the whole run: a worker's start-up (importing torch, CUDA init) is paid once.
+            bench = options.make_bench(torch_device, timer)
             try:
                 for spec, key in plan:
                     task = tasks[(spec.name, key)]
@@ -334,8 +324,7 @@ def _tune_here(
                         console.print(f"[red]{plain(exc)}[/red]")
                     progress.update(task, completed=trials)
             finally:
-                if bench is not None:
-                    bench.close()
+                bench.close()
     _print_results(results)
     console.print(f"done in {time.monotonic() - started:.1f} s; winners stored in {plain(display_url(url))}")
 
