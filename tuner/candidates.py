@@ -20,7 +20,8 @@ from typing import Any, Protocol, TypedDict
 
 import torch
 
-from tritune.kernels.spec import KernelSpec, Problem, TuningKey
+from tritune.configs_db.bundles import peer_problem
+from tritune.kernels.spec import KernelSpec, Peer, Problem, TuningKey
 
 from .noise import ClockMonitor, NoisePolicy, monitor_for, stable_measurement
 from .timing import Timer, measure
@@ -51,6 +52,11 @@ class RetimeOutcome(TypedDict):
     #: Median of the interleaved rounds, one per config, in the order asked.
     ms: list[float]
     notes: list[str]
+    #: The peer's median over the same rounds and its name; ``None`` when it was not asked for,
+    #: the kernel names none at this key, or it failed (``peer_error`` says why).
+    peer_ms: float | None
+    peer_name: str | None
+    peer_error: str | None
 
 
 class BenchError(RuntimeError):
@@ -76,8 +82,9 @@ class Bench(Protocol):
         """Launch (unless ``compiled``), check and time one config."""
         ...
 
-    def retime(self, configs: list[dict[str, Any]], rounds: int) -> RetimeOutcome | None:
-        """Time ``configs`` in interleaved rounds; ``None`` if that failed."""
+    def retime(self, configs: list[dict[str, Any]], rounds: int, peer: bool = False) -> RetimeOutcome | None:
+        """Time ``configs`` in interleaved rounds (with the kernel's peer last in each round when
+        ``peer``); ``None`` if that failed."""
         ...
 
     def close(self) -> None: ...
@@ -295,18 +302,91 @@ class CandidateBench:
         sample, note = stable_measurement(take, self.monitor, self.noise)
         return sample.ms, note
 
-    def retime(self, configs: list[dict[str, Any]], rounds: int) -> RetimeOutcome:
-        """Interleaved rounds over ``configs``: each round sees the same clocks and temperature."""
+    def retime(self, configs: list[dict[str, Any]], rounds: int, peer: bool = False) -> RetimeOutcome:
+        """Interleaved rounds over ``configs``: each round sees the same clocks and temperature.
+
+        With ``peer``, the kernel's peer (:meth:`KernelSpec.peer`) is timed last in each round, with
+        the same timer and flags; a peer that cannot be built, disagrees with the portable output
+        or raises is dropped with the reason (``peer_error``), and the configs' rounds go on.
+        """
         parsed = [self.spec.space.parse(c) for c in configs]
         samples: list[list[float]] = [[] for _ in parsed]
         notes: list[str] = []
+        rival, peer_error = self._peer() if peer else (None, None)
+        peer_samples: list[float] = []
         for _ in range(rounds):
             for index, config in enumerate(parsed):
                 ms, note = self._measure(config)
                 samples[index].append(ms)
                 if note is not None:
                     notes.append(f"final re-timing of {configs[index]}: {note}")
-        return {"ms": [sorted(s)[len(s) // 2] for s in samples], "notes": notes}
+            if rival is not None:
+                try:
+                    peer_ms, note = self._measure_peer(rival)
+                except Exception as exc:
+                    rival, peer_error = None, describe_exception(exc)
+                    self._recover()
+                    continue
+                peer_samples.append(peer_ms)
+                if note is not None:
+                    notes.append(f"final re-timing of the peer {rival.name}: {note}")
+        return {
+            "ms": [_median(s) for s in samples],
+            "notes": notes,
+            "peer_ms": _median(peer_samples) if rival is not None and peer_samples else None,
+            "peer_name": rival.name if rival is not None and peer_samples else None,
+            "peer_error": peer_error,
+        }
+
+    def _peer(self) -> tuple[Peer | None, str | None]:
+        """The kernel's peer on the timed problem, run once and cross-checked; else ``None`` and why."""
+        try:
+            rival = self.spec.peer(self.key, self.problem)
+            if rival is None:
+                return None, "the kernel names no peer at this key"
+            problem = peer_problem(1.0, rival.name)
+            if problem is not None:
+                return None, problem
+            out = rival.fn()
+            self._sync()
+            if not isinstance(out, torch.Tensor) or out.shape != self.portable_out.shape:
+                shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                return None, f"{rival.name} returned {shape}, not the kernel's {tuple(self.portable_out.shape)}"
+            mismatch = consistency_problem(out, self.portable_out)
+            if mismatch is not None:
+                return None, f"{rival.name} {mismatch}"
+        except Exception as exc:
+            self._recover()
+            return None, describe_exception(exc)
+        return rival, None
+
+    def _measure_peer(self, rival: Peer) -> tuple[float, str | None]:
+        """The peer timed as a candidate is (:meth:`_measure`): the same timer, flags and noise checks."""
+
+        def take() -> Any:
+            return measure(
+                self.timer,
+                rival.fn,
+                config=rival,
+                flush_l2=self.problem.flush_l2,
+                launch_bound=self.problem.launch_bound,
+            )
+
+        sample, note = stable_measurement(take, self.monitor, self.noise)
+        if not math.isfinite(sample.ms) or sample.ms <= 0:
+            raise ValueError(f"the timer returned {sample.ms!r} for the peer")
+        return sample.ms, note
+
+    def _recover(self) -> None:
+        """After a failed peer: give back what an out-of-memory left cached; a lost context ends the process."""
+        if not self.context_alive():
+            raise ContextLost("the CUDA context was lost while running the peer")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _median(samples: list[float]) -> float:
+    return sorted(samples)[len(samples) // 2]
 
 
 class LocalBench:
@@ -353,9 +433,9 @@ class LocalBench:
             )
         return result
 
-    def retime(self, configs: list[dict[str, Any]], rounds: int) -> RetimeOutcome | None:
+    def retime(self, configs: list[dict[str, Any]], rounds: int, peer: bool = False) -> RetimeOutcome | None:
         try:
-            return self._current().retime(configs, rounds)
+            return self._current().retime(configs, rounds, peer)
         except Exception as exc:
             log.warning("final re-timing failed: %s", describe_exception(exc))
             return None

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
 import triton
 
+from tritune.configs_db.bundles import peer_problem
 from tritune.configs_db.records import WinnerRecord
+from tritune.configs_db.values import printable
 
-from .candidates import Bench
+from .candidates import Bench, RetimeOutcome
 from .options import KeyResult, TuningError, pick_winner, tritune_version
 
 if TYPE_CHECKING:
@@ -17,12 +20,17 @@ if TYPE_CHECKING:
 
 __all__ = ["offer_winner"]
 
+log = logging.getLogger("tritune.tuner")
+
 
 def offer_winner(search: KeySearch, bench: Bench, default: Any) -> KeyResult:
     """Re-time the best, the runner-up and the portable default in interleaved rounds; offer the fastest.
 
     The portable default wins unless another config is strictly faster; the DB keeps the faster of
-    concurrent offers. A portable default without a time (it failed) fails the key.
+    concurrent offers. A portable default without a time (it failed) fails the key. The kernel's
+    peer (the PyTorch call a user would make instead) is timed last in each of those rounds, in
+    the same process and with the same timer, and its time is stored with the winner; a peer that
+    is missing, unsupported or fails is logged at INFO and stored as NULL, never failing the key.
     """
     known = search.known
     default_ident = known.ident(default)
@@ -36,14 +44,21 @@ def offer_winner(search: KeySearch, bench: Bench, default: Any) -> KeyResult:
     contenders = list(dict.fromkeys([*ranked[:2], default_ident]))
     timed = {ident: known.times[ident] for ident in contenders}
     notes: list[str] = []
-    if len(contenders) > 1 and search.options.final_rounds > 0:
-        retimed = bench.retime([dict(ident) for ident in contenders], search.options.final_rounds)
-        if retimed is None:
-            notes.append("final re-timing failed; the winner is chosen on the trial times")
-        else:
-            # Interleaved re-timing: all contenders see the same clocks and temperature.
-            timed = dict(zip(contenders, retimed["ms"], strict=True))
-            notes.extend(retimed["notes"])
+    rounds = search.options.final_rounds
+    interleaved = len(contenders) > 1 and rounds > 0
+    configs = [dict(ident) for ident in contenders] if interleaved else []
+    # The peer is timed in the same rounds (alone where no contenders are re-timed).
+    retimed = bench.retime(configs, max(rounds, 1), peer=True)
+    peer_ms, peer_name = _peer_time(search, retimed)
+    if retimed is None and interleaved:
+        # A peer that takes the worker down must not cost the contenders their re-timing.
+        retimed = bench.retime(configs, rounds)
+    if interleaved and retimed is None:
+        notes.append("final re-timing failed; the winner is chosen on the trial times")
+    elif interleaved and retimed is not None:
+        # Interleaved re-timing: all contenders see the same clocks and temperature.
+        timed = dict(zip(contenders, retimed["ms"], strict=True))
+        notes.extend(retimed["notes"])
     winner = pick_winner(timed, default_ident)
     if winner == default_ident and ranked[0] != default_ident:
         notes.append("re-timing found no gain over the portable default")
@@ -64,6 +79,8 @@ def offer_winner(search: KeySearch, bench: Bench, default: Any) -> KeyResult:
         triton_version=triton.__version__,
         torch_version=torch.__version__,
         tritune_version=tritune_version(),
+        peer_ms=peer_ms,
+        peer_name=peer_name,
     )
     search.store.offer_winner(record, search.env_id)
     return KeyResult(
@@ -78,3 +95,17 @@ def offer_winner(search: KeySearch, bench: Bench, default: Any) -> KeyResult:
         pruned=known.counts["pruned"],
         notes=notes,
     )
+
+
+def _peer_time(search: KeySearch, retimed: RetimeOutcome | None) -> tuple[float | None, str | None]:
+    """The peer's time and name from the final rounds; ``(None, None)``, logged at INFO, where there is none."""
+    where = f"{search.spec.name} {search.key}"
+    if retimed is None:
+        log.info("%s: no peer time (the final rounds that time it failed)", printable(where))
+        return None, None
+    peer_ms, peer_name = retimed.get("peer_ms"), retimed.get("peer_name")
+    problem = peer_problem(peer_ms, peer_name) if peer_ms is not None else retimed.get("peer_error")
+    if peer_ms is None or problem is not None:
+        log.info("%s: no peer time (%s)", printable(where), printable(str(problem or "none was timed")))
+        return None, None
+    return peer_ms, peer_name

@@ -273,10 +273,10 @@ class Worker:
         result: TrialOutcome = reply["result"]
         return result
 
-    def retime(self, configs: list[dict[str, Any]], rounds: int) -> RetimeOutcome | None:
+    def retime(self, configs: list[dict[str, Any]], rounds: int, peer: bool = False) -> RetimeOutcome | None:
         timeout = None if self.trial_timeout_s is None else self.trial_timeout_s * max(1, rounds)
         try:
-            reply = self._request({"op": "retime", "configs": configs, "rounds": rounds}, timeout)
+            reply = self._request({"op": "retime", "configs": configs, "rounds": rounds, "peer": peer}, timeout)
         except WorkerFailure as exc:
             log.warning("final re-timing failed: %s", exc)
             return None
@@ -390,7 +390,7 @@ def serve(conn: Connection, device: str) -> None:
                 result = bench.trial(message["config"], message["compiled"])
                 exiting = result["fatal"]
             elif op == "retime":
-                result = bench.retime(message["configs"], message["rounds"])
+                result = bench.retime(message["configs"], message["rounds"], message.get("peer", False))
             else:
                 raise ValueError(f"unknown request {op!r}")
             reply = {"ok": True, "result": result, "exiting": exiting}
