@@ -72,7 +72,8 @@ class MarkupPeerName(PeeredToy):
         return Peer("torch.mul\n\x1b[31mforged", peer.fn)
 
 
-PEERED, RAISING, WRONG, BROKEN_BUILD, MARKUP = PeeredToy(), RaisingPeer(), WrongPeer(), BrokenPeerBuild(), MarkupPeerName()
+PEERED, RAISING, WRONG = PeeredToy(), RaisingPeer(), WrongPeer()
+BROKEN_BUILD, MARKUP = BrokenPeerBuild(), MarkupPeerName()
 
 
 def cost(config: object) -> float:
@@ -91,10 +92,8 @@ class PeerCostTimer(toy_kernel.CostTimer):
 
 @pytest.fixture(autouse=True)
 def registered(monkeypatch: pytest.MonkeyPatch) -> None:
-    for attribute, spec in (("PEERED", PEERED), ("RAISING", RAISING), ("WRONG", WRONG)):
-        monkeypatch.setitem(registry._SPECS, spec.name, f"{__name__}:{attribute}")
-    monkeypatch.setitem(registry._SPECS, BROKEN_BUILD.name, f"{__name__}:BROKEN_BUILD")
-    monkeypatch.setitem(registry._SPECS, MARKUP.name, f"{__name__}:MARKUP")
+    for attribute in ("PEERED", "RAISING", "WRONG", "BROKEN_BUILD", "MARKUP"):
+        monkeypatch.setitem(registry._SPECS, globals()[attribute].name, f"{__name__}:{attribute}")
 
 
 def _tune(spec: PeeredToy, tmp_path: Any, *, final_rounds: int = 2, trials: int = 6) -> tuple[ConfigStore, Any]:
