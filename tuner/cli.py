@@ -40,17 +40,23 @@ from .app import (
 )
 from .commands import print_status, status_rows
 from .keys import KeyOverride, KeyPlan, NoValidKey, parse_overrides
+from .missed import plan_missed
 
 if TYPE_CHECKING:
     from .studies import StudyStorage
     from .study import TuneOptions
 
 
-def _plan(specs: list[Any], overrides: list[KeyOverride], device_info: Any) -> list[tuple[Any, Any]]:
-    """(kernel, key) pairs to tune on one device: each kernel's default keys with the overrides applied.
+def _plan(
+    specs: list[Any], overrides: list[KeyOverride], device_info: Any, missed_in: str | None = None
+) -> list[tuple[Any, Any]]:
+    """(kernel, key) pairs to tune on one device: each kernel's default keys with the overrides applied,
+    or with ``missed_in`` (``--missed``) the keys logged in that DB (:mod:`.missed`).
 
     A kernel the overrides leave no valid key is left out, with a note, when others are tuned.
     """
+    if missed_in is not None:
+        return plan_missed(specs, device_info, missed_in)
     keys = KeyPlan(specs, overrides)
     plan: list[tuple[Any, Any]] = []
     for spec in specs:
@@ -138,6 +144,14 @@ def tune(
     lkv: Annotated[list[int] | None, typer.Option(min=1, help="--key lkv=... (KV length)")] = None,
     batch: Annotated[list[int] | None, typer.Option(min=1, help="--key batch=... (sequences, decode)")] = None,
     m: Annotated[list[int] | None, typer.Option(min=1, help="--key m=... (rows, GEMM)")] = None,
+    missed: Annotated[
+        bool,
+        typer.Option(
+            "--missed",
+            help="tune the keys the runtime logged without a winner on this GPU (tune missed lists them) "
+            "instead of the default keys",
+        ),
+    ] = False,
     trials: Annotated[int | None, typer.Option(min=1, help="measured trials per key [default: 40; 12 on cpu]")] = None,
     time_budget: Annotated[
         float | None, typer.Option(callback=_positive_seconds, help="seconds per key (above zero)")
@@ -197,6 +211,8 @@ def tune(
     check_kernel_names(names)
     overrides = parse_overrides(key or [], {"head_dim": head_dim or [], "lq": lq or [], "lkv": lkv or [],
                                             "batch": batch or [], "m": m or []})  # fmt: skip
+    if missed and overrides:
+        raise typer.BadParameter("--missed tunes the logged keys: leave out --key (and --head-dim, --lq, ...)")
     where = None
     if storage is not None:
         where = StudyStorage(
@@ -229,10 +245,11 @@ def tune(
     options = TuneOptions(
         trials=trials, time_budget_s=time_budget, seed=seed, isolate=isolate, trial_timeout_s=trial_timeout
     )
+    missed_in = url if missed else None
     if len(devices) > 1:
-        _tune_fleet(devices, names, overrides, url, options, where, heartbeat_interval)
+        _tune_fleet(devices, names, overrides, url, options, where, heartbeat_interval, missed_in)
     else:
-        _tune_here(devices[0], names, overrides, url, options, where)
+        _tune_here(devices[0], names, overrides, url, options, where, missed_in)
 
 
 def _same_database(first: str, second: str) -> bool:
@@ -249,12 +266,14 @@ def _tune_here(
     url: str,
     options: TuneOptions,
     where: StudyStorage | None,
+    missed_in: str | None = None,
 ) -> None:
     """One worker in this process: the classic tune (in-memory studies), or one worker of shared studies."""
     torch_device = choose_device(device)
     from tritune.configs_db.store import ConfigStore, display_url
     from tritune.kernels.device import device_info
 
+    from .provisional import provisional_first
     from .shared import run_worker, worker_name
     from .study import KeyResult, KeyTuner, TuningError, environment_id
     from .timing import timer_for
@@ -262,8 +281,9 @@ def _tune_here(
 
     info = device_info(torch_device)
     # The kernels and their keys before the DB: a bad --kernel or --key leaves no DB behind.
-    plan = _plan(load_kernels(names, tunable=True), overrides, info)
+    plan = _plan(load_kernels(names, tunable=True), overrides, info, missed_in)
     store = ConfigStore(url)
+    plan = provisional_first(plan, store, info)
     env_id = environment_id(store, info)
     timer = timer_for(torch_device)
     trials = options.trials
@@ -337,6 +357,7 @@ def _tune_fleet(
     options: TuneOptions,
     where: StudyStorage | None,
     heartbeat_interval: int,
+    missed_in: str | None = None,
 ) -> None:
     """One worker process per device entry, on one shared storage; this process coordinates."""
     import torch
@@ -346,6 +367,7 @@ def _tune_fleet(
 
     from .candidates import spec_target
     from .fleet import ScratchStudies, WorkerJob, run_fleet
+    from .provisional import provisional_first
     from .studies import study_name
     from .timing import timer_for
 
@@ -359,9 +381,10 @@ def _tune_fleet(
     for entry in dict.fromkeys(devices):
         torch_device = torch.device("cpu") if entry == "cpu" else torch.device("cuda", int(entry))
         infos[entry] = device_info(torch_device)
-        plans[entry] = _plan(specs, overrides, infos[entry])
+        plans[entry] = _plan(specs, overrides, infos[entry], missed_in)
     # The config DB is created (and upgraded) once, before the workers open it together.
-    ConfigStore(url).close()
+    with ConfigStore(url) as store:
+        plans = {entry: provisional_first(plan, store, infos[entry]) for entry, plan in plans.items()}
     scratch = None
     if where is None:
         scratch = ScratchStudies()
