@@ -3,8 +3,12 @@
 The portable path (plain pointer loads, any CUDA GPU) tunes ``BLOCK_M``, ``BLOCK_N``, ``num_warps``
 and ``num_stages``. The TMA path (tensor descriptors, SM90+) tunes the same plus ``PACK_GQA`` (the
 query heads of one GQA group share an M tile, so each K/V tile is read once per group) and
-``SPLIT_KV`` (the KV range is split across programs and merged by log-sum-exp). On the portable
-path those two stay at their neutral values, so the grid holds no duplicate configs.
+``SPLIT_KV`` (the KV range is split across programs and merged by log-sum-exp). The ws path (the
+warp-specialized Gluon kernel, SM90 only) reads ``BLOCK_M`` (two consumer warpgroups of
+``BLOCK_M // 2`` rows), ``BLOCK_N``, ``num_stages`` (the K/V ring's depth) and the registers
+``warp_specialize`` gives each consumer (``CONSUMER_REGS``) and the producer (``PRODUCER_REGS``);
+its ``num_warps`` is one consumer warpgroup's, 4. On every other path a field it does not read
+stays at its neutral value, so the grid holds no duplicate configs.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ __all__ = [
     "SPACE",
     "TMA_HEAD_DIMS",
     "TUNED_QUERY_HEADS",
+    "WS_HEAD_DIMS",
     "PrefillConfig",
     "feasibility",
     "grid_programs",
@@ -43,17 +48,36 @@ TUNED_QUERY_HEADS = 16
 _MAX_TILE_REGISTERS = 192
 #: Largest tiles the interpreter rule keeps, so tuning at tiny shapes stays quick.
 _INTERPRETER_MAX_BLOCK = 32
+#: Head dims the ws path serves (one wgmma N extent for O; 256 would not leave the registers).
+WS_HEAD_DIMS = (64, 128)
+#: Registers per thread of the three warpgroups of a ws program as Triton 3.6 hands them out:
+#: it starts each warp at 65536 / 12 warps / 32 threads = 168 (rounded to 8) and gives the
+#: default partition (consumer 0) what the workers leave, ``3 * 168 - CONSUMER_REGS - PRODUCER_REGS``.
+#: Both consumers get ``CONSUMER_REGS`` when the three add up to this.
+_WS_REGISTER_SUM = 3 * 168
+#: Registers a ws consumer keeps besides its tiles (addresses, row statistics, loop state): at
+#: 128 x 128 tiles and head dim 128 ptxas uses 184 of 232 for tiles of 64 + 64 + 2 x 32.
+_WS_CONSUMER_OVERHEAD = 32
+#: Fewest producer registers at head dim 128: zeroing V's rows past kv_len (8 rows of 128 at a
+#: time, one warp) spills at 24 with ptxas for sm_90 (Triton 3.6), not at 40.
+_WS_PRODUCER_REGS_D128 = 40
 
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    path: str = choice("portable", ("portable", "tma"))
+    path: str = choice("portable", ("portable", "tma", "ws"))
     BLOCK_M: int = choice(64, (16, 32, 64, 128))
     BLOCK_N: int = choice(64, (16, 32, 64, 128))
     num_warps: int = choice(4, (4, 8))
     num_stages: int = choice(2, (1, 2, 3, 4))
     PACK_GQA: bool = choice(False, (False, True))
     SPLIT_KV: int = choice(1, (1, 2, 4, 8))
+    CONSUMER_REGS: int = choice(240, (224, 232, 240))
+    PRODUCER_REGS: int = choice(24, (24, 40, 56))
+
+
+_WS_NEUTRAL_CONSUMER = PrefillConfig.CONSUMER_REGS
+_WS_NEUTRAL_PRODUCER = PrefillConfig.PRODUCER_REGS
 
 
 class _PrefillKeyFields(Protocol):
@@ -85,8 +109,57 @@ def grid_programs(config: PrefillConfig, group: int, seqlen_q: int, q_heads: int
     return -(-seqlen_q // (config.BLOCK_M // heads_per_tile)) * (q_heads // heads_per_tile) * batch
 
 
+def ws_feasibility(config: PrefillConfig, key: _PrefillKeyFields, limits: TargetLimits) -> str | None:
+    """The ws path's rule: SM90, its head dims, its fixed partition shape, registers and shared memory.
+
+    Fitted to what ptxas makes of the kernel for sm_90 with Triton 3.6 (2026-12-04, 18 builds
+    over head dims 64/128, ``BLOCK_N`` 64/128, 2-4 stages and the three register splits): no
+    config the rule keeps spills, and its shared memory is the Q tiles plus ``num_stages`` K and
+    V tiles plus under 1 KB of barriers (head dim 128 at 128 x 128 tiles: 164176 bytes at two
+    stages, 229760 at three, 295296 at four).
+    """
+    if config.PACK_GQA or config.SPLIT_KV != 1:
+        return "PACK_GQA and SPLIT_KV apply to the tma path only (neutral on the ws path)"
+    if limits.interpreter:
+        return "the ws path is Gluon for sm_90a: the interpreter cannot run it"
+    if key.arch != "sm90":
+        return f"the ws path needs SM90 (wgmma, setmaxnreg), not {key.arch}"
+    if key.head_dim not in WS_HEAD_DIMS:
+        return f"the ws path covers head dims {WS_HEAD_DIMS}, not {key.head_dim}"
+    if config.num_warps != 4:
+        return "the ws path's num_warps is one consumer warpgroup's: 4"
+    if config.BLOCK_M != 128:
+        return "the ws path takes BLOCK_M = 128 (two consumer warpgroups of 64 rows)"
+    if config.BLOCK_N < 64:
+        return "the ws path wants BLOCK_N >= 64 (a narrower tile starves the wgmma)"
+    if config.num_stages < 2:
+        # A consumer issues QK^T of tile j before it releases tile j - 1: one stage would deadlock.
+        return "the ws path holds two K/V tiles at once: num_stages >= 2"
+    if 2 * config.CONSUMER_REGS + config.PRODUCER_REGS != _WS_REGISTER_SUM:
+        return (
+            f"2 x CONSUMER_REGS + PRODUCER_REGS must be {_WS_REGISTER_SUM} (both consumers then get "
+            f"CONSUMER_REGS), not {2 * config.CONSUMER_REGS + config.PRODUCER_REGS}"
+        )
+    if key.head_dim > 64 and config.PRODUCER_REGS < _WS_PRODUCER_REGS_D128:
+        return f"the producer spills with fewer than {_WS_PRODUCER_REGS_D128} registers at head dim {key.head_dim}"
+    # Per thread of a consumer: S (fp32) and O (fp32) over 128 threads, and two P tiles (bf16, packed).
+    tiles = (config.BLOCK_N + key.head_dim) // 2 + config.BLOCK_N // 2
+    if tiles + _WS_CONSUMER_OVERHEAD > config.CONSUMER_REGS:
+        return f"{tiles} tile registers per consumer thread leave too few of {config.CONSUMER_REGS}"
+    smem = tile_smem_bytes(
+        (config.BLOCK_M, key.head_dim, 2),
+        (2 * config.num_stages * config.BLOCK_N, key.head_dim, 2),
+        (1, 1024, 1),
+    )
+    return smem_reason(smem, limits)
+
+
 def feasibility(config: PrefillConfig, key: _PrefillKeyFields, limits: TargetLimits) -> str | None:
     """Why ``config`` cannot (or should not) run for ``key`` on this target, or ``None``."""
+    if config.path == "ws":
+        return ws_feasibility(config, key, limits)
+    if (config.CONSUMER_REGS, config.PRODUCER_REGS) != (_WS_NEUTRAL_CONSUMER, _WS_NEUTRAL_PRODUCER):
+        return "CONSUMER_REGS and PRODUCER_REGS apply to the ws path only (neutral elsewhere)"
     tma = config.path == "tma"
     if not tma and (config.PACK_GQA or config.SPLIT_KV != 1):
         return "PACK_GQA and SPLIT_KV apply to the tma path only (neutral on the portable path)"

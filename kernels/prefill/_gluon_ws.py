@@ -162,10 +162,8 @@ def _softmax_step(
         if CAUSAL:
             valid = valid & (cols[None, :] <= q_pos[:, None])
         s = gl.where(valid, s, float("inf") if NEG_SCALE else float("-inf"))
-    if NEG_SCALE:
-        m_new = gl.maximum(m_i, gl.min(s, 1) * qk_scale)
-    else:
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    extreme = gl.min(s, 1) if NEG_SCALE else gl.max(s, 1)
+    m_new = gl.maximum(m_i, extreme * qk_scale)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_use)
     p = gl.exp2(s * qk_scale - m_use[:, None])
@@ -345,6 +343,9 @@ def _prefill_ws_kernel(
     mbarrier.arrive(turn.index(0))
     fence_async_shared()
 
+    # Consumer 0 is the default partition (this program's 4 warps), consumer 1 and the producer
+    # are workers; the register counts are the workers' (see the module doc).
+    # fmt: off
     gl.warp_specialize(
         [
             (
@@ -375,3 +376,4 @@ def _prefill_ws_kernel(
         [CONSUMER_WARPS, PRODUCER_WARPS],
         [CONSUMER_REGS, PRODUCER_REGS],
     )
+    # fmt: on

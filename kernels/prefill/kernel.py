@@ -1,10 +1,11 @@
 """Prefill attention: the ``tma_prefill`` declaration, its path choice and ``prefill_attention``.
 
-Two paths serve one contract (see :mod:`.reference`): the portable kernel (any CUDA GPU) and the
-TMA kernel (SM90+, causal, 16-byte aligned layouts, head dims 64/128/256). The dispatcher picks a
-config per key; :func:`serve` then makes sure the chosen path may serve the call, honouring
-``settings().enable_tma_causal_prefill``. The op is ``tritune::prefill_attention``; the TMA path
-runs inside its nested opaque op (:mod:`.launch`).
+Three paths serve one contract (see :mod:`.reference`): the portable kernel (any CUDA GPU), the
+TMA kernel (SM90+, causal, 16-byte aligned layouts, head dims 64/128/256) and the warp-specialized
+Gluon kernel ``ws`` (SM90 only, causal or not, the TMA layouts, head dims 64/128). The dispatcher
+picks a config per key; :func:`serve` then makes sure the chosen path may serve the call,
+honouring ``settings().enable_tma_causal_prefill``. The op is ``tritune::prefill_attention``; the
+TMA and ws paths run inside nested opaque ops (:mod:`.launch`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tritune.search_spaces.tma_prefill import (
     HEAD_DIMS,
     SPACE,
     TMA_HEAD_DIMS,
+    WS_HEAD_DIMS,
     PrefillConfig,
     grid_programs,
     pack_gqa_applies,
@@ -33,6 +35,7 @@ from .._launch import SOFTMAX_SCALE, gqa_rule
 from ..declare import Derived, Kernel, Output, Rule, Scalar, Tensor
 from ..device import DeviceInfo, device_info, target_supports
 from ..spec import TuningKey, pow2_bucket
+from ._gluon_ws import _prefill_ws_kernel
 from ._triton_portable import _prefill_fwd_kernel
 from ._triton_tma import _merge_splits_kernel, _prefill_tma_kernel
 from .launch import launch
@@ -47,6 +50,8 @@ __all__ = [
     "serve",
     "tma_default",
     "tma_layout_ok",
+    "ws_default",
+    "ws_fallback_reason",
 ]
 
 log = logging.getLogger("tritune.prefill")
@@ -57,6 +62,14 @@ _PORTABLE_INTERPRETER = PrefillConfig(BLOCK_M=32, BLOCK_N=32)
 _TMA_DEFAULT = PrefillConfig(path="tma", BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
 _TMA_D256 = PrefillConfig(path="tma", BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
 _TMA_INTERPRETER = PrefillConfig(path="tma", BLOCK_M=32, BLOCK_N=32)
+# The ws path at head dim 128: 128 x 128 tiles, two stages (three fit 227 KB but leave no room to
+# grow), and 40 producer registers (24 spill zeroing V's tail). At 64: three stages and 24 suffice.
+_WS_D128 = PrefillConfig(
+    path="ws", BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, CONSUMER_REGS=232, PRODUCER_REGS=40
+)
+_WS_D64 = PrefillConfig(
+    path="ws", BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3, CONSUMER_REGS=240, PRODUCER_REGS=24
+)
 
 _warned_targets: set[str] = set()
 _is_compiling = torch.compiler.is_compiling
@@ -132,17 +145,28 @@ def tma_default(key: PrefillKey) -> PrefillConfig:
     return _TMA_D256 if key.head_dim > 128 else _TMA_DEFAULT
 
 
+def ws_default(key: PrefillKey) -> PrefillConfig:
+    """The ws path's starting config for ``key`` (head dim 64 or 128; SM90 only)."""
+    return _WS_D64 if key.head_dim <= 64 else _WS_D128
+
+
 def pinned_config(values: Mapping[str, Any]) -> PrefillConfig:
     """A ``use_config`` dict: fields left out take the defaults of the path it names."""
     if isinstance(values, Mapping) and values.get("path") == "tma":
         return SPACE.parse(values, base=_TMA_DEFAULT)
+    if isinstance(values, Mapping) and values.get("path") == "ws":
+        return SPACE.parse(values, base=_WS_D128)
     return SPACE.parse(values)
+
+
+#: The fields only the ws path reads, at the neutral values every other path holds.
+_WS_NEUTRAL = {"CONSUMER_REGS": PrefillConfig.CONSUMER_REGS, "PRODUCER_REGS": PrefillConfig.PRODUCER_REGS}
 
 
 @functools.lru_cache(maxsize=256)
 def portable_for(config: PrefillConfig, key: PrefillKey, limits: TargetLimits) -> PrefillConfig:
-    """The portable config standing in for a TMA one: same tiles if they fit, else the default."""
-    candidate = dataclasses.replace(config, path="portable", PACK_GQA=False, SPLIT_KV=1)
+    """The portable config standing in for a TMA or ws one: same tiles if they fit, else the default."""
+    candidate = dataclasses.replace(config, path="portable", PACK_GQA=False, SPLIT_KV=1, **_WS_NEUTRAL)
     if SPACE.infeasible_reason(candidate, key, limits) is None:
         return candidate
     return default_config(key)
@@ -164,13 +188,49 @@ def portable_stand_in(
     return portable_for(config, KERNEL.key_for(device, facts), KERNEL.limits(device))
 
 
+def ws_fallback_reason(device: DeviceInfo, f: Any) -> str | None:
+    """Why the ws path may not serve a call with facts ``f`` on ``device``, or ``None`` if it may.
+
+    The ws kernel is Gluon built for sm_90a (wgmma, setmaxnreg): the interpreter cannot run
+    Gluon, and other architectures lack those instructions. Its tiles move through the same
+    tensor descriptors as the TMA path's, so the same layout fact gates it; causal and
+    non-causal calls, GQA and device ``kv_len`` are all served.
+    """
+    if settings_module.settings().enable_tma_causal_prefill == "off":
+        return "enable_tma_causal_prefill=off turns off every descriptor (TMA) path, ws included"
+    if device.is_interpreter:
+        return "the interpreter cannot run Gluon kernels: the TMA or portable path serves"
+    if device.capability != (9, 0) or not target_supports(device, (9, 0)):
+        return f"the ws path runs on SM90 (Hopper) only, not {device.arch}"
+    if f.D not in WS_HEAD_DIMS:
+        return f"the ws path covers head dims {WS_HEAD_DIMS}, not {f.D}"
+    if not f.tma_layout_ok:
+        return "q, k, v or out cannot be covered by tensor descriptors (strides or bases not 16-byte aligned)"
+    return None
+
+
+def _ws_stand_in(device: DeviceInfo, f: Any) -> PrefillConfig:
+    """What serves a call a ws config may not: the TMA default where it fits the key, else the portable default."""
+    key = _key(device, f)
+    forced = tma_default(key)
+    if SPACE.infeasible_reason(forced, key, KERNEL.limits(device)) is None:
+        return forced
+    return default_config(key)
+
+
 def serve(config: PrefillConfig, device: DeviceInfo, f: Any) -> PrefillConfig:
-    """Serve ``config`` if its path may run this call, else its portable stand-in.
+    """Serve ``config`` if its path may run this call, else its stand-in.
 
     ``enable_tma_causal_prefill``: ``auto`` keeps the selected config where eligible; ``on``
     serves a TMA config (the selected one, else the TMA default) wherever eligible and warns
-    once per device when the target cannot run it; ``off`` never serves TMA.
+    once per device when the target cannot run it; ``off`` never serves TMA (nor ws). A ws
+    config serves where :func:`ws_fallback_reason` finds nothing against it, else the TMA default
+    stands in (then checked like any TMA config: the portable path where TMA may not serve).
     """
+    if config.path == "ws":
+        if ws_fallback_reason(device, f) is None:
+            return config
+        config = _ws_stand_in(device, f)
     mode = settings_module.settings().enable_tma_causal_prefill
     wants_tma = config.path == "tma" if mode == "auto" else mode == "on"
     if not wants_tma and config.path != "tma":
@@ -239,7 +299,7 @@ KERNEL = Kernel(
     key=_key,
     launch=launch,
     reference=prefill_reference,
-    jit_kernels=(_prefill_fwd_kernel, _prefill_tma_kernel, _merge_splits_kernel),
+    jit_kernels=(_prefill_fwd_kernel, _prefill_tma_kernel, _merge_splits_kernel, _prefill_ws_kernel),
     # Trials are timed as CUDA-graph replays with the L2 flushed (the tuning half's launch_bound).
     protocol=1,
     default=default_config,

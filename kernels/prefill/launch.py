@@ -1,11 +1,12 @@
-"""The launches of prefill attention: the portable path and the TMA path, chosen by ``config.path``.
+"""The launches of prefill attention: the portable, TMA and warp-specialized (ws) paths, by ``config.path``.
 
 The portable launch is a plain ``wrap_triton(kernel)[grid](...)``, which ``torch.compile`` traces
 inside the kernel's ``triton_op``. The TMA launch builds host-side ``TensorDescriptor`` objects,
 which torch cannot trace inside a ``triton_op`` body yet, so it runs inside its own opaque op,
 ``tritune::prefill_attention_tma``: a traced call records that op; a call whose body runs on plain
 tensors (:func:`~tritune.kernels._oplib.in_direct_body`) runs its body directly, without paying
-the op's dispatch a second time.
+the op's dispatch a second time. The ws path (Gluon, SM90 only) does the same through
+``tritune::prefill_attention_ws``.
 """
 
 from __future__ import annotations
@@ -16,16 +17,19 @@ from typing import Any
 
 import torch
 import triton
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tritune.search_spaces.tma_prefill import SPACE, PrefillConfig
 
 from .._launch import LOG2E, prepare_interpreter, runs_on_interpreter
 from .._oplib import in_direct_body, register_schema_op, wrap_triton
+from ._gluon_ws import CONSUMER_WARPS, _prefill_ws_kernel
 from ._triton_portable import _prefill_fwd_kernel
 from ._triton_tma import _merge_splits_kernel, _prefill_tma_kernel
 
-__all__ = ["kernel_scale", "launch", "launch_portable", "launch_tma"]
+__all__ = ["kernel_scale", "launch", "launch_portable", "launch_tma", "launch_ws"]
 
 #: Whether the kernels were decorated for the interpreter, which launches then prepare first.
 _INTERPRETED = runs_on_interpreter(_prefill_fwd_kernel)
@@ -133,6 +137,62 @@ def launch_tma(
         )  # fmt: skip
 
 
+#: Gluon's names of the dtypes the warp-specialized path serves.
+_GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+@functools.lru_cache(maxsize=64)
+def _ws_layouts(dtype: torch.dtype, rows: int, block_n: int, head_dim: int) -> tuple[Any, Any]:
+    """The shared-memory layouts of the ws path's Q/O and K/V descriptors (``[1, 1, rows, D]``
+    boxes over the 4-D tensors), built once per (dtype, tiles): what a launch would otherwise
+    recompute on every call."""
+    element = _GLUON_DTYPES[dtype]
+    return (
+        gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], element),
+        gl.NVMMASharedLayout.get_default_for([1, 1, block_n, head_dim], element),
+    )
+
+
+def _ws_descriptor(t: torch.Tensor, box: list[int], layout: Any) -> GluonTensorDescriptor:
+    """A host descriptor over ``t``'s real shape and strides (the layout checks ran in the facts)."""
+    return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), box, layout)
+
+
+def launch_ws(
+    config: PrefillConfig,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_len: torch.Tensor | None,
+    causal: bool,
+    softmax_scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Launch the warp-specialized Gluon kernel (SM90 only) on checked, TMA-eligible inputs.
+
+    One program per ``BLOCK_M`` query rows of one head: two consumer warpgroups of
+    ``BLOCK_M // 2`` rows each and a producer warp (:mod:`._gluon_ws`). The descriptors are host
+    objects, so the launch stays CUDA-graph capturable and ``kv_len`` is read on the device.
+    """
+    batch, q_heads, seqlen_q, head_dim = q.shape
+    qk_scale, neg_scale = kernel_scale(softmax_scale)
+    kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    rows = config.BLOCK_M // 2
+    q_layout, kv_layout = _ws_layouts(q.dtype, rows, config.BLOCK_N, head_dim)
+    q_box = [1, 1, rows, head_dim]
+    kv_box = [1, 1, config.BLOCK_N, head_dim]
+    grid = (triton.cdiv(seqlen_q, config.BLOCK_M), q_heads, batch)
+    _prefill_ws_kernel[grid](
+        _ws_descriptor(q, q_box, q_layout), _ws_descriptor(k, kv_box, kv_layout),
+        _ws_descriptor(v, kv_box, kv_layout), _ws_descriptor(out, q_box, q_layout),
+        kv_len, _kv_len_stride(kv_len), seqlen_q, seqlen_k, qk_scale,
+        GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N,
+        NUM_STAGES=config.num_stages, CAUSAL=causal, HAS_KV_LEN=kv_len is not None, NEG_SCALE=neg_scale,
+        CONSUMER_REGS=config.CONSUMER_REGS, PRODUCER_REGS=config.PRODUCER_REGS,
+        num_warps=CONSUMER_WARPS.value,
+    )  # fmt: skip
+
+
 # ---- the nested TMA op -----------------------------------------------------------------------
 
 #: The config fields the TMA op carries by name (its path is always "tma").
@@ -146,9 +206,9 @@ _TMA_SCHEMA = (
 
 
 @functools.lru_cache(maxsize=256)
-def _tma_config(fields: tuple[tuple[str, Any], ...]) -> PrefillConfig:
-    """The TMA config an op call's fields stand for (built once per distinct config)."""
-    return SPACE.from_fields({"path": "tma", **dict(fields)})
+def _tma_config(fields: tuple[tuple[str, Any], ...], path: str = "tma") -> PrefillConfig:
+    """The TMA (or ws) config an op call's fields stand for (built once per distinct config)."""
+    return SPACE.from_fields({"path": path, **dict(fields)})
 
 
 def _tma_body(
@@ -167,6 +227,24 @@ def _tma_body(
 _TMA_OP = register_schema_op("tritune::prefill_attention_tma", _tma_body, _TMA_SCHEMA, mutated=(6,), opaque=True)
 
 
+def _ws_body(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_len: torch.Tensor | None,
+    causal: bool,
+    softmax_scale: float,
+    out: torch.Tensor,
+    **fields: Any,
+) -> None:
+    _run_tma(_tma_config(tuple(fields.items()), "ws"), q, k, v, kv_len, causal, softmax_scale, out)
+
+
+#: The ws path's Gluon descriptors are host objects too: its launch runs in an opaque op of its own
+#: (same schema as the TMA op; the op name carries the path).
+_WS_OP = register_schema_op("tritune::prefill_attention_ws", _ws_body, _TMA_SCHEMA, mutated=(6,), opaque=True)
+
+
 def _tma_fields(config: PrefillConfig) -> Mapping[str, Any]:
     return {name: getattr(config, name) for name in _TMA_FIELDS}
 
@@ -181,7 +259,7 @@ def _run_tma(
     softmax_scale: float,
     out: torch.Tensor,
 ) -> None:
-    """The TMA launch on real tensors, or its portable stand-in where a base is not 16-byte aligned."""
+    """The TMA (or ws) launch on real tensors, or its portable stand-in where a base is not 16-byte aligned."""
     if (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15:
         # Only a compiled graph gets here with a misaligned base: its facts could not see pointers.
         # The stand-in keeps the TMA tiles only where the portable kernel fits them.
@@ -190,7 +268,10 @@ def _run_tma(
         stand_in = portable_stand_in(config, q, k, v, kv_len, causal, softmax_scale, out)
         launch_portable(stand_in, q, k, v, kv_len, causal, softmax_scale, out)
         return
-    launch_tma(config, q, k, v, kv_len, causal, softmax_scale, out)
+    if config.path == "ws":
+        launch_ws(config, q, k, v, kv_len, causal, softmax_scale, out)
+    else:
+        launch_tma(config, q, k, v, kv_len, causal, softmax_scale, out)
 
 
 # ---- the declaration's launch ----------------------------------------------------------------
@@ -209,10 +290,11 @@ def launch(
     """Run ``config``'s path on checked arguments (outputs allocated, the scale resolved)."""
     if _INTERPRETED:
         prepare_interpreter()
-    if config.path != "tma":
+    if config.path not in ("tma", "ws"):
         launch_portable(config, q, k, v, kv_len, causal, softmax_scale, out)
     elif in_direct_body():
         # Plain tensors already: the TMA op's own dispatch would be a second toll.
         _run_tma(config, q, k, v, kv_len, causal, softmax_scale, out)
     else:
-        _TMA_OP(q, k, v, kv_len, causal, softmax_scale, out, **_tma_fields(config))
+        op = _WS_OP if config.path == "ws" else _TMA_OP
+        op(q, k, v, kv_len, causal, softmax_scale, out, **_tma_fields(config))
