@@ -196,7 +196,7 @@ def smem_bytes(config: PortableConfig | Fp8Config | Int8Config) -> int:
     bm, bn, bk = config.BLOCK_M, config.BLOCK_N, config.BLOCK_K
     stages = config.num_stages
     folded = isinstance(config, Int8Config) or (isinstance(config, Fp8Config) and config.SCALE_FOLD)
-    if folded and config.SWAP_AB:
+    if folded and not isinstance(config, PortableConfig) and config.SWAP_AB:
         # As Triton 3.6 lays it out for wgmma on sm_90 (never under, at most 6 KiB over on the
         # admitted tiles compiled): x's e4m3 tile in every stage, the packed quants, codes and
         # (d, dmin) in all but one. The weight never passes through shared memory.

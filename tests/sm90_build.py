@@ -21,7 +21,8 @@ them), or ``python tests/sm90_build.py '[[BLOCK_M, BLOCK_N, BLOCK_K, num_warps, 
 for the folded fp8 Q4_K kernel with what ptxas made of it (tensor-core instructions, registers,
 spill bytes, shared memory, where wgmma's A operand comes from, asynchronous copies); a sixth
 element ``true`` builds the folded kernel with ``SWAP_AB``, ``"portable"`` the
-portable (bf16) kernel. With ``--sass`` first, each line also counts the SASS opcodes of the
+portable (bf16) kernel, ``"int8"`` and ``"int8-swap"`` the int8 kernel without and with
+``SWAP_AB``. With ``--sass`` first, each line also counts the SASS opcodes of the
 kernel's main loop (:func:`sass_loop_counts`), the measure of the dequantization's cost.
 """
 
@@ -207,6 +208,13 @@ FOLD_SIGNATURE = {
     "stride_bn": "i32",
 }
 
+INT8_SIGNATURE = {
+    "xq_ptr": "*i8",
+    "x_scale_ptr": "*fp32",
+    "w_scale_ptr": "*fp32",
+    **{name: kind for name, kind in FOLD_SIGNATURE.items() if name not in ("xq_ptr", "row_scale_ptr")},
+}
+
 PORTABLE_SIGNATURE = {
     "x_ptr": "*bf16",
     "qs_ptr": "*u8",
@@ -300,7 +308,8 @@ def build_q4k(
     sass: bool = False,
 ) -> dict[str, Any]:
     """Build a Q4_K kernel (``variant``: ``False`` the folded fp8 kernel, ``True`` it with ``SWAP_AB``,
-    ``"portable"`` the portable one) as a launch specializes it (16-byte divisible pointers and
+    ``"portable"`` the portable one, ``"int8"``/``"int8-swap"`` the int8 one without/with
+    ``SWAP_AB``) as a launch specializes it (16-byte divisible pointers and
     sizes, unit strides along K and N) and report the MMA instructions, registers, spills, shared
     memory, where wgmma's A operand comes from and how many wgmma groups stay in flight
     (``wgmma.wait_group N``: 0 waits for each), and the pipelined loads as ``cp.async``
@@ -308,9 +317,13 @@ def build_q4k(
     the main loop's SASS opcodes too (:func:`_sass_report`)."""
     from triton.backends.nvidia.compiler import get_ptxas
 
-    from tritune.kernels.q4k import _triton_fold, _triton_portable
+    from tritune.kernels.q4k import _triton_fold, _triton_int8, _triton_portable
 
-    if variant == "portable":
+    if variant in ("int8", "int8-swap"):
+        kernel = _triton_int8._q4k_gemm_int8_kernel
+        signature = INT8_SIGNATURE
+        flags = {"stride_on": 1, "HAS_BIAS": False, "SWAP_AB": variant == "int8-swap"}
+    elif variant == "portable":
         kernel = _triton_portable._q4k_gemm_portable_kernel
         signature = PORTABLE_SIGNATURE
         flags = {"stride_xk": 1, "stride_on": 1, "HAS_BIAS": False, "DOT_IN_FP32": False}
@@ -319,7 +332,7 @@ def build_q4k(
         signature = FOLD_SIGNATURE
         flags = {"stride_on": 1, "HAS_BIAS": False, "ROUND_IN_FP32": False, "SWAP_AB": variant}
     else:
-        raise ValueError(f"variant: expected False, True or 'portable', got {variant!r}")
+        raise ValueError(f"variant: expected False, True, 'portable', 'int8' or 'int8-swap', got {variant!r}")
     constants = {
         **flags,
         "BLOCK_M": block_m,
@@ -352,12 +365,12 @@ def build_q4k(
         ).stderr
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     registers = re.search(r"Used (\d+) registers", log)
-    mma = re.findall(r"(wgmma\.mma_async\.sync\.aligned\.\w+\.f32\.\w+\.\w+|mma\.sync\.aligned\.[\w.]+)", ptx)
+    mma = re.findall(r"(wgmma\.mma_async\.sync\.aligned\.\w+\.[fs]32\.\w+\.\w+|mma\.sync\.aligned\.[\w.]+)", ptx)
     a_sources = {"{": "registers", "%rd": "shared"}
     result = {
         "config": [block_m, block_n, block_k, num_warps, num_stages],
         "kernel": kernel.fn.__name__,
-        "swap": variant is True,
+        "swap": variant is True or variant == "int8-swap",
         "mma": sorted(set(mma)),
         "wgmma_a": sorted({a_sources[a] for a in _WGMMA_A.findall(ptx)}),
         "wgmma_in_flight": max(map(int, re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)), default=None),

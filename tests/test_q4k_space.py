@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -18,15 +19,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from tritune.kernels import settings
 from tritune.kernels.device import DeviceInfo, device_info, interpreter_device
-from tritune.kernels.q4k.kernel import KERNEL, Q4KKey, default_config, key_for
-from tritune.kernels.q4k.reference import MIN_SQNR_DB
+from tritune.kernels.q4k.kernel import KERNEL, Q4KKey, accurate_key, default_config, key_for
+from tritune.kernels.q4k.reference import GGML_MAX_NMSE, MIN_SQNR_DB
 from tritune.kernels.q4k.tuning import TUNING
 from tritune.search_spaces.base import ConfigError, TargetLimits
 from tritune.search_spaces.q4k_fp8_gemm import (
     SPACE,
     Fp8Config,
     GemvConfig,
+    Int8Config,
     PortableConfig,
     StagedConfig,
     smem_bytes,
@@ -39,8 +42,9 @@ LIMITS = TargetLimits()
 INTERPRETER = TargetLimits(interpreter=True)
 
 
-def _key(m: int, n: int = 14336, k: int = 4096, dtype: str = "bfloat16") -> Q4KKey:
-    return Q4KKey(arch="sm90", sm_count=132, dtype=dtype, m_bucket=m, n=n, k=k)
+def _key(m: int, n: int = 14336, k: int = 4096, dtype: str = "bfloat16", fp8: bool = True) -> Q4KKey:
+    """An H200 key; with the fp8 opt-in unless ``fp8=False`` (most rules here are the fp8 paths')."""
+    return Q4KKey(arch="sm90", sm_count=132, dtype=dtype, m_bucket=m, n=n, k=k, fp8=fp8)
 
 
 def _facts(m: int, n: int, k: int, dtype: str = "bf16") -> tuple[int, int, int, str]:
@@ -58,10 +62,11 @@ def test_each_path_holds_only_the_fields_its_launch_reads():
         "fp8": ("path", *tiles, "SCALE_FOLD", "SWAP_AB"),
         "staged": ("path", "BLOCK_N", "BLOCK_K", "num_warps", "CHUNK_N", "FAST_ACCUM"),
         "gemv": ("path", "BLOCK_N", "BLOCK_K", "num_warps", "SPLIT_K"),
+        "int8": ("path", *tiles, "SWAP_AB"),
     }
     # What the sampler sees: every field with the choices stored configs have always used.
     assert SPACE.dimensions == {
-        "path": ("portable", "fp8", "staged", "gemv"),
+        "path": ("portable", "fp8", "staged", "gemv", "int8"),
         "BLOCK_M": (16, 32, 64, 128, 256),
         "BLOCK_N": (32, 64, 128, 256),
         "BLOCK_K": (32, 64, 128, 256, 512, 1024),
@@ -108,7 +113,10 @@ def test_the_grid_holds_each_launch_once():
     assert {c.path for c in grid} == set(SPACE.members)
     assert all(SPACE.parse(SPACE.to_dict(c)) == c for c in grid[::97])
     # The per-path grids, where the old flat product held 2.6 million configs.
-    assert SPACE.size() == 4 * 4 * 4 * 3 * 3 * 5 * 4 + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 4 + 4 * 4 * 3 * 5 * 2 + 4 * 6 * 3 * 4
+    assert SPACE.size() == (
+        4 * 4 * 4 * 3 * 3 * 5 * 4 + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 4 + 4 * 4 * 3 * 5 * 2 + 4 * 6 * 3 * 4
+        + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 2
+    )  # fmt: skip
 
 
 def test_a_proposal_keeps_its_paths_fields():
@@ -144,27 +152,35 @@ DEFAULTS = {
 @pytest.mark.parametrize("where", sorted(DEFAULTS), ids=lambda w: "-".join(map(str, w)))
 def test_portable_defaults_by_m_bucket(where):
     arch, sms, m, n, k = where
-    config = default_config(Q4KKey(arch=arch, sm_count=sms, dtype="bfloat16", m_bucket=m, n=n, k=k))
+    config = default_config(Q4KKey(arch=arch, sm_count=sms, dtype="bfloat16", m_bucket=m, n=n, k=k, fp8=False))
     names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT_K")
     assert isinstance(config, PortableConfig)
     assert tuple(getattr(config, name) for name in names) == DEFAULTS[where]
 
 
 def test_gpu_keys_and_feasible_defaults():
+    """Every power-of-two M from 1 to 8192 at the three Llama-3-8B shapes with accurate keys, and
+    from M=64 up with opt-in keys (the accurate key's winner serves smaller opt-in calls)."""
     keys = KERNEL.default_keys(H200)
-    assert {k.m_bucket for k in keys} == {1, 16, 64, 256, 1024, 4096, 8192}
-    assert {(k.k, k.n) for k in keys} == {(4096, 14336), (14336, 4096), (4096, 4096)}
+    shapes = {(4096, 14336), (14336, 4096), (4096, 4096)}
+    powers = {2**i for i in range(14)}
+    assert len(keys) == len(set(keys)) == 3 * 14 + 3 * 8
+    assert {(k.k, k.n, k.m_bucket) for k in keys if not k.fp8} == {(*s, m) for s in shapes for m in powers}
+    assert {(k.k, k.n, k.m_bucket) for k in keys if k.fp8} == {(*s, m) for s in shapes for m in powers if m >= 64}
+    assert 512 in {k.m_bucket for k in keys if not k.fp8}
     limits = KERNEL.limits(H200)
     for key in keys:
         assert SPACE.infeasible_reason(KERNEL.default_config(key), key, limits) is None, key
         assert SPACE.feasible(key, limits), key
-    assert key_for(H200, _facts(3, 14336, 4096)) == _key(4)
+    assert key_for(H200, _facts(3, 14336, 4096)) == _key(4, fp8=False)
     assert key_for(H200, _facts(3, 14336, 4096, "fp16")).dtype == "float16"
+    with settings.override(q4k_fp8=True):
+        assert key_for(H200, _facts(3, 14336, 4096)) == _key(4, fp8=True)
 
 
 def test_tuning_keys_aliases_and_validity():
     (key,) = TUNING.default_keys(interpreter_device())
-    assert (key.m_bucket, key.n, key.k, key.dtype) == (16, 64, 256, "bfloat16")
+    assert (key.m_bucket, key.n, key.k, key.dtype, key.fp8) == (16, 64, 256, "bfloat16", False)
     field, transform = TUNING.key_aliases["m"]
     assert field == "m_bucket" and [transform(m) for m in (1, 3, 4, 100)] == [1, 4, 4, 128]
     assert TUNING.valid_key(_key(16))
@@ -206,7 +222,7 @@ def test_staged_rules():
     assert "below 1024" in SPACE.infeasible_reason(dataclasses.replace(staged, CHUNK_N=32), key, LIMITS)
     assert "BLOCK_K >= 64" in SPACE.infeasible_reason(dataclasses.replace(staged, BLOCK_K=32), key, LIMITS)
     # The interpreter tries it at its tiny keys, with its small chunk.
-    tiny_key = Q4KKey(arch="cpu-interpreter", sm_count=1, dtype="bfloat16", m_bucket=16, n=64, k=256)
+    tiny_key = Q4KKey(arch="cpu-interpreter", sm_count=1, dtype="bfloat16", m_bucket=16, n=64, k=256, fp8=True)
     tiny = dataclasses.replace(staged, BLOCK_K=64, CHUNK_N=32)
     assert SPACE.infeasible_reason(tiny, tiny_key, INTERPRETER) is None
     assert any(c.path == "staged" for c in SPACE.feasible(key, LIMITS))
@@ -262,7 +278,7 @@ def test_the_tuner_can_choose_every_fp8_kernel():
     """SCALE_FOLD and SWAP_AB are dimensions: feasible at decode and prefill sizes, never a default."""
     limits = KERNEL.limits(H200)
     for m in (1, 16, 4096):
-        key = key_for(H200, _facts(m, 14336, 4096))
+        key = _key(m)
         assert KERNEL.default_config(key).path == "portable"
         fp8 = [c for c in SPACE.feasible(key, limits) if isinstance(c, Fp8Config)]
         assert any(c.SCALE_FOLD and c.BLOCK_K == 256 for c in fp8), m
@@ -275,7 +291,13 @@ def test_the_tuner_can_choose_every_fp8_kernel():
 # ---- serving ---------------------------------------------------------------------------------
 
 
-def test_serve_falls_back_where_a_path_cannot_run():
+@pytest.fixture
+def fp8_opt_in():
+    with settings.override(q4k_fp8=True):
+        yield
+
+
+def test_serve_falls_back_where_a_path_cannot_run(fp8_opt_in):
     fp8 = KERNEL.pinned_config({"path": "fp8"})
     folded = KERNEL.pinned_config({"path": "fp8", "SCALE_FOLD": True})
     facts = _facts(16, 4096, 4096)
@@ -295,6 +317,75 @@ def test_serve_falls_back_where_a_path_cannot_run():
     odd = KERNEL.serveable(PortableConfig(BLOCK_K=256, SPLIT_K=8), H200, _facts(1, 4096, 768))
     assert odd == PortableConfig(BLOCK_K=256, SPLIT_K=1)
     assert KERNEL.serveable(GemvConfig(BLOCK_K=256, SPLIT_K=4), H200, _facts(1, 4096, 512)).SPLIT_K == 2
+    # int8 tensor cores: SM80+ (and the interpreter); before, the portable default.
+    int8 = Int8Config(BLOCK_M=16, BLOCK_N=32, GROUP_M=1)
+    assert KERNEL.serveable(int8, A100, facts) == int8
+    assert KERNEL.serveable(int8, interpreter_device(), facts) == int8
+    turing = DeviceInfo(name="NVIDIA T4", vendor="nvidia", capability=(7, 5), sm_count=40, arch="sm75")
+    assert KERNEL.serveable(int8, turing, facts).path == "portable"
+
+
+def test_without_the_opt_in_fp8_and_staged_pins_do_not_serve(caplog):
+    """A pinned fp8 or staged config without TRITUNE_Q4K_FP8 is replaced by the portable default,
+    with one warning naming the setting; the accurate paths serve as pinned."""
+    facts = _facts(4096, 14336, 4096)
+    default = KERNEL.default_config(key_for(H200, facts))
+    pins = [{"path": "fp8"}, {"path": "fp8", "SCALE_FOLD": True, "SWAP_AB": True}, {"path": "staged"}]
+    with caplog.at_level("WARNING", logger="tritune"):
+        for pin in pins:
+            config = KERNEL.pinned_config(pin)
+            assert KERNEL.serveable(config, H200, facts) == default, pin
+            assert KERNEL.serveable(config, H200, facts) == default, pin
+    warned = [r.getMessage() for r in caplog.records if "TRITUNE_Q4K_FP8=1" in r.getMessage()]
+    assert len(warned) == len(pins), warned
+    for accurate in (Int8Config(BLOCK_M=128, BLOCK_N=128), GemvConfig(), PortableConfig(BLOCK_M=128)):
+        assert KERNEL.serveable(accurate, H200, facts) == accurate
+
+
+def test_fp8_and_staged_are_infeasible_at_accurate_keys():
+    """At a key without the opt-in the tuner never tries the fp8 and staged paths and the
+    dispatcher never admits a stored winner of theirs; the accurate paths keep their configs."""
+    limits = KERNEL.limits(H200)
+    for m in (1, 16, 512, 4096):
+        accurate, opt_in = _key(m, fp8=False), _key(m, fp8=True)
+        paths = {c.path for c in SPACE.feasible(accurate, limits)}
+        assert paths.isdisjoint({"fp8", "staged"}), m
+        assert {"portable", "int8"} <= paths, m
+        opt_in_feasible = set(SPACE.feasible(opt_in, limits))
+        assert set(SPACE.feasible(accurate, limits)) <= opt_in_feasible
+        assert "fp8" in {c.path for c in opt_in_feasible}
+    for config in (Fp8Config(), StagedConfig()):
+        assert "TRITUNE_Q4K_FP8=1" in SPACE.infeasible_reason(config, _key(4096, fp8=False), limits)
+
+
+def test_the_opt_in_key_falls_back_to_the_accurate_key():
+    assert accurate_key(_key(512, fp8=True)) == _key(512, fp8=False)
+    assert accurate_key(_key(512, fp8=False)) is None
+    assert KERNEL.fallback_key(_key(64, fp8=True)) == _key(64, fp8=False)
+
+
+def test_int8_rules():
+    """The folded kernel's tile rules: BLOCK_M=256 with SWAP_AB only, 64 weight rows per warpgroup
+    when swapped, the register estimate of the float32 weight tile; any M, dtype and N."""
+    key = _key(4096, fp8=False)
+    swapped = Int8Config(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, SWAP_AB=True)
+    assert SPACE.infeasible_reason(swapped, key, LIMITS) is None
+    assert "BLOCK_M=256" in SPACE.infeasible_reason(dataclasses.replace(swapped, SWAP_AB=False), key, LIMITS)
+    assert "per warpgroup" in SPACE.infeasible_reason(dataclasses.replace(swapped, BLOCK_N=64), key, LIMITS)
+    assert "num_stages >= 2" in SPACE.infeasible_reason(dataclasses.replace(swapped, num_stages=1), key, LIMITS)
+    wide = Int8Config(BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, num_warps=4, SWAP_AB=True)
+    assert "weight tile" in SPACE.infeasible_reason(wide, key, LIMITS)
+    assert (
+        SPACE.infeasible_reason(
+            Int8Config(BLOCK_M=128, BLOCK_N=128, num_warps=8), _key(4096, dtype="float16", fp8=False), LIMITS
+        )
+        is None
+    )
+    assert "SPLIT_K" in SPACE.infeasible_reason(Int8Config(SPLIT_K=2), key, LIMITS)
+    # The same shared memory as the folded fp8 tile of the same shape.
+    assert smem_bytes(swapped) == smem_bytes(
+        Fp8Config(**{**dataclasses.asdict(swapped), "path": "fp8", "SCALE_FOLD": True})
+    )
 
 
 def test_check_holds_each_path_to_its_floor():
@@ -304,6 +395,16 @@ def test_check_holds_each_path_to_its_floor():
     noisy = expected + 0.2 * torch.randn(4, 8)
     assert "SQNR" in KERNEL.check(noisy, expected, problem)
     assert MIN_SQNR_DB["fp8"] < MIN_SQNR_DB["gemv"] < MIN_SQNR_DB["portable"]
+    # The accurate paths answer to ggml's NMSE bound too: 35 dB passes it, 32 dB does not.
+    signal = torch.randn(64, 64, dtype=torch.float64)
+    noise = torch.randn(64, 64, dtype=torch.float64)
+    noise *= (signal.square().sum() / noise.square().sum()).sqrt()
+    for path in ("portable", "gemv", "int8"):
+        assert MIN_SQNR_DB[path] >= -10 * math.log10(GGML_MAX_NMSE) - 0.02
+    assert KERNEL.check(signal + noise * 10 ** (-35 / 20), signal, problem, Int8Config()) is None
+    too_noisy = KERNEL.check(signal + noise * 10 ** (-32 / 20), signal, problem, Int8Config())
+    assert too_noisy is not None and "33 dB" in too_noisy
+    assert KERNEL.check(signal + noise * 10 ** (-32 / 20), signal, problem, Fp8Config()) is None
 
 
 # ---- the tuner's starting configs ------------------------------------------------------------
@@ -311,23 +412,32 @@ def test_check_holds_each_path_to_its_floor():
 
 def test_starting_configs_follow_the_rules_the_space_admits():
     """On an H200: one row of x starts from GEMV tiles split toward four programs per SM; every
-    key from swapped folded fp8 tiles (16-row x tiles at small M, 256 and 128 rows at large M);
-    large M from the two largest staged chunks the key admits. Before Hopper only the GEMV tiles
-    remain; the interpreter gets none."""
+    opt-in key from swapped folded fp8 tiles (16-row x tiles at small M, 256 and 128 rows at large
+    M); large M from int8 tiles (swapped 256 and 128 rows, one plain 128x128) and, at opt-in keys,
+    the two largest staged chunks the key admits. Accurate keys get no fp8 or staged start. Before
+    Hopper only the GEMV tiles remain; the interpreter gets none."""
     limits = KERNEL.limits(H200)
-    for key in KERNEL.default_keys(H200):
-        if key.m_bucket not in (1, 16, 64, 4096):
-            continue
+    keys = [k for k in KERNEL.default_keys(H200) if k.m_bucket in (1, 16, 64, 512, 4096)]
+    keys += [dataclasses.replace(k, fp8=True) for k in keys if k.m_bucket < 64]
+    for key in keys:
         starts = KERNEL.starting_configs(key, H200)
         assert len(starts) == len(set(starts)), key
         for config in starts:
             assert SPACE.infeasible_reason(config, key, limits) is None, (key, config)
-            assert (isinstance(config, Fp8Config) and config.SWAP_AB) or config.path in ("staged", "gemv")
+            assert (isinstance(config, Fp8Config) and config.SWAP_AB) or config.path in ("staged", "gemv", "int8")
         fold = [c for c in starts if isinstance(c, Fp8Config)]
-        assert max(c.BLOCK_M for c in fold) == {1: 16, 16: 16, 64: 64, 4096: 256}[key.m_bucket]
+        if key.fp8:
+            assert max(c.BLOCK_M for c in fold) == {1: 16, 16: 16, 64: 64, 512: 256, 4096: 256}[key.m_bucket]
+        else:
+            assert not fold and not any(isinstance(c, StagedConfig) for c in starts), key
+        int8 = [c for c in starts if isinstance(c, Int8Config)]
+        assert {(c.BLOCK_M, c.SWAP_AB) for c in int8} == (
+            {(256, True), (128, True), (128, False)} if key.m_bucket > 64 else set()
+        )
         staged = sorted(c.CHUNK_N for c in starts if isinstance(c, StagedConfig))
         # Chunks of at most half the weight rows.
-        expected = {14336: [2048, 4096], 4096: [1024, 2048]}[key.n] if key.m_bucket == 4096 else []
+        large = key.m_bucket > 64 and key.fp8
+        expected = {14336: [2048, 4096], 4096: [1024, 2048]}[key.n] if large else []
         assert staged == expected, key
         gemv = [c for c in starts if isinstance(c, GemvConfig)]
         assert bool(gemv) == (key.m_bucket == 1), key
@@ -380,7 +490,7 @@ def test_fold_builds_for_sm90(tmp_path):
     built = [json.loads(line) for line in run.stdout.splitlines()]
     for (bm, bn, bk, warps, stages, swap), result in zip(configs, built, strict=True):
         assert result["swap"] is swap, result
-        key = key_for(H200, _facts(4096 if bm >= 64 else 16, 14336, 4096))
+        key = _key(4096 if bm >= 64 else 16)
         config = Fp8Config(
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8 if bm >= 64 else 1, num_warps=warps, num_stages=stages,
             SCALE_FOLD=True, SWAP_AB=swap,

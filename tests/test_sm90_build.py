@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -88,6 +89,7 @@ Q4K_FP8 = ("_quantize_rows_fp8_kernel", "_q4k_gemm_fp8_kernel")
 Q4K_FOLD = ("_quantize_rows_fp8_kernel", "_q4k_gemm_fp8_fold_kernel")
 Q4K_STAGED = ("_staged_prepass_kernel", "_q4k_dequant_fp8_kernel", "_q4k_dequant_fp8_kernel")
 Q4K_GEMV = ("_quantize_rows_gemv_kernel", "_q4k_gemv_kernel")
+Q4K_INT8 = ("_int8_prepass_kernel", "_q4k_gemm_int8_kernel")
 
 
 def _tma_default(spec: Any, key: Any) -> Any:
@@ -206,7 +208,8 @@ CASES = [
         config={"MAX_SPLITS": _more_than_one},
         launches=VARLEN_SPLIT,
     ),
-    # q4k_fp8_gemm: the default keys are the Llama-3-8B shapes over M buckets (K=14336, N=4096 here).
+    # q4k_fp8_gemm: the default keys are the Llama-3-8B shapes over M buckets (K=14336, N=4096 here),
+    # accurate ones first; the fp8 and staged paths are feasible at opt-in keys (fp8=True) only.
     Case(
         "q4k_fp8_gemm",
         "portable-default-m1-splitk",
@@ -220,6 +223,7 @@ CASES = [
         "q4k_fp8_gemm",
         "fp8-m4096",
         key={"k": 14336, "m_bucket": 4096},
+        replace={"fp8": True},
         config={"path": "fp8", "SCALE_FOLD": False, "BLOCK_M": _at_least_64},
         launches=Q4K_FP8,
     ),
@@ -227,6 +231,7 @@ CASES = [
         "q4k_fp8_gemm",
         "fp8-splitk-m16",
         key={"k": 14336, "m_bucket": 16},
+        replace={"fp8": True},
         config={"path": "fp8", "SCALE_FOLD": False, "SPLIT_K": _more_than_one},
         launches=(*Q4K_FP8, "_splitk_reduce_kernel"),
     ),
@@ -234,6 +239,7 @@ CASES = [
         "q4k_fp8_gemm",
         "fp8-fold-m4096",
         key={"k": 14336, "m_bucket": 4096},
+        replace={"fp8": True},
         config={"path": "fp8", "SCALE_FOLD": True, "SWAP_AB": False, "BLOCK_M": _at_least_64},
         launches=Q4K_FOLD,
     ),
@@ -241,6 +247,7 @@ CASES = [
         "q4k_fp8_gemm",
         "fp8-fold-splitk-m1",
         key={"k": 14336, "m_bucket": 1},
+        replace={"fp8": True},
         config={"path": "fp8", "SCALE_FOLD": True, "SWAP_AB": False, "SPLIT_K": _more_than_one},
         launches=(*Q4K_FOLD, "_splitk_reduce_kernel"),
     ),
@@ -248,6 +255,7 @@ CASES = [
         "q4k_fp8_gemm",
         "fp8-fold-swap-m4096-bm256",
         key={"k": 14336, "m_bucket": 4096},
+        replace={"fp8": True},
         config={"path": "fp8", "SWAP_AB": True, "BLOCK_M": _is_256},
         launches=Q4K_FOLD,
     ),
@@ -255,6 +263,7 @@ CASES = [
         "q4k_fp8_gemm",
         "fp8-fold-swap-m256",
         key={"k": 14336, "m_bucket": 256},
+        replace={"fp8": True},
         config={"path": "fp8", "SWAP_AB": True, "BLOCK_M": _at_least_64, "BLOCK_N": 256},
         launches=Q4K_FOLD,
     ),
@@ -262,6 +271,7 @@ CASES = [
         "q4k_fp8_gemm",
         "staged-m4096",
         key={"k": 14336, "m_bucket": 4096},
+        replace={"fp8": True},
         config={"path": "staged", "CHUNK_N": 2048},
         # N=4096 in two chunks; each chunk's GEMM is cuBLASLt's, not a Triton launch.
         launches=Q4K_STAGED,
@@ -284,8 +294,38 @@ CASES = [
         "q4k_fp8_gemm",
         "fp8-fold-swap-splitk-m16",
         key={"k": 14336, "m_bucket": 16},
+        replace={"fp8": True},
         config={"path": "fp8", "SWAP_AB": True, "SPLIT_K": _more_than_one},
         launches=(*Q4K_FOLD, "_splitk_reduce_kernel"),
+    ),
+    Case(
+        "q4k_fp8_gemm",
+        "int8-m4096",
+        key={"k": 14336, "m_bucket": 4096},
+        config={"path": "int8", "SWAP_AB": False, "BLOCK_M": _at_least_64},
+        launches=Q4K_INT8,
+    ),
+    Case(
+        "q4k_fp8_gemm",
+        "int8-swap-m4096-bm256",
+        key={"k": 14336, "m_bucket": 4096},
+        config={"path": "int8", "SWAP_AB": True, "BLOCK_M": _is_256},
+        launches=Q4K_INT8,
+    ),
+    Case(
+        "q4k_fp8_gemm",
+        "int8-swap-splitk-m16",
+        key={"k": 14336, "m_bucket": 16},
+        config={"path": "int8", "SWAP_AB": True, "SPLIT_K": _more_than_one},
+        launches=(*Q4K_INT8, "_splitk_reduce_kernel"),
+    ),
+    Case(
+        "q4k_fp8_gemm",
+        "int8-m512-fp16",
+        key={"k": 4096, "n": 14336, "m_bucket": 512},
+        replace={"dtype": "float16"},
+        config={"path": "int8"},
+        launches=Q4K_INT8,
     ),
 ]
 
@@ -517,3 +557,40 @@ def test_q4k_dequantization_converts_no_codes(tmp_path: Path) -> None:
         conversions = sum(opcodes.get(op, 0) for op in ("I2F", "I2FP"))
         assert conversions <= result["weights_per_thread"] // 8, (config, opcodes)
         assert result["spill_bytes"] == 0, (config, result)
+
+
+def test_q4k_int8_starting_tiles_use_wgmma_without_spilling(tmp_path: Path) -> None:
+    """The int8 kernel's starting tiles on an H200 (``Q4KTuning.starting_configs`` at large M)
+    compile to int8 wgmma (s32 accumulators), the swapped ones with the weight as the register A
+    operand, none spilling and each within the shared memory the space estimates."""
+    reason = _cuda_backend_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    from tritune.kernels.q4k.kernel import KERNEL
+    from tritune.search_spaces.q4k_fp8_gemm import Int8Config, smem_bytes
+
+    keys = [k for k in KERNEL.default_keys(H200) if not k.fp8 and k.m_bucket == 4096 and k.k == 4096]
+    starts = {c for key in keys for c in KERNEL.starting_configs(key, H200) if isinstance(c, Int8Config)}
+    assert len(starts) >= 3, starts
+    starts = sorted(starts, key=lambda c: (c.BLOCK_M, c.SWAP_AB))
+    variants = [
+        (c.BLOCK_M, c.BLOCK_N, c.BLOCK_K, c.num_warps, c.num_stages, "int8-swap" if c.SWAP_AB else "int8")
+        for c in starts
+    ]
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), json.dumps(variants)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    for config, line in zip(starts, run.stdout.splitlines(), strict=True):
+        result = json.loads(line)
+        # wgmma's N side: x's rows when swapped, the weight's otherwise (Triton 3.6 issues int8
+        # wgmma at most 128 wide: a 256-row x tile takes two).
+        n_side = config.BLOCK_M if config.SWAP_AB else config.BLOCK_N
+        (mma,) = result["mma"]
+        shape = re.fullmatch(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.s32\.s8\.s8", mma)
+        assert shape is not None and n_side % int(shape.group(1)) == 0, (config, result)
+        assert result["wgmma_a"] == (["registers"] if config.SWAP_AB else ["shared"]), (config, result)
+        assert result["spill_bytes"] == 0, (config, result)
+        assert result["shared"] <= smem_bytes(config), (config, result)

@@ -64,18 +64,19 @@ def _int8_prepass_kernel(
     """Programs ``0 .. M-1``: one row of x each, as int8 with scale ``amax / 127``. The rest:
     ``SCALE_BLOCK_N`` weight rows each, their scales ``amax / 127`` from the super-blocks' fields."""
     pid = tl.program_id(0)
+    # The two branches bind different names: Triton unifies a name bound in both, shapes included.
     if pid < M:
         row = pid.to(tl.int64)
         x_row = x_ptr + row * stride_xm
         offs_k = tl.arange(0, BLOCK_K)
-        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        x_amax = tl.zeros([BLOCK_K], dtype=tl.float32)
         for i in range(K_TILES):
             x = tl.load(x_row + (i * BLOCK_K + offs_k) * stride_xk).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        row_max = tl.max(amax, axis=0)
-        scale = tl.where(row_max > 0, row_max / 127.0, 1.0)
-        tl.store(x_scale_ptr + row, scale)
-        inv = 1.0 / scale
+            x_amax = tl.maximum(x_amax, tl.abs(x))
+        x_max = tl.max(x_amax, axis=0)
+        x_scale = tl.where(x_max > 0, x_max / 127.0, 1.0)
+        tl.store(x_scale_ptr + row, x_scale)
+        inv = 1.0 / x_scale
         for i in range(K_TILES):
             k0 = i * BLOCK_K
             x = tl.load(x_row + (k0 + offs_k) * stride_xk).to(tl.float32)
@@ -88,7 +89,7 @@ def _int8_prepass_kernel(
         rows = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
         offs_s = tl.arange(0, CHUNK)
         offs_g = tl.arange(0, CHUNK * 8)
-        amax = tl.zeros([SCALE_BLOCK_N], dtype=tl.float32)
+        w_amax = tl.zeros([SCALE_BLOCK_N], dtype=tl.float32)
         for c in range((SUPERS + CHUNK - 1) // CHUNK):
             sb = c * CHUNK + offs_s
             ss_ptrs = ss_ptr + rows[:, None] * stride_ssn + (sb * 2)[None, :]
@@ -101,9 +102,9 @@ def _int8_prepass_kernel(
             s = tl.reshape(sc, (SCALE_BLOCK_N, CHUNK, 8)) * d[:, :, None]
             o = tl.reshape(mn, (SCALE_BLOCK_N, CHUNK, 8)) * dmin[:, :, None]
             top = tl.maximum(tl.abs(15.0 * s - o), tl.abs(o))
-            amax = tl.maximum(amax, tl.max(tl.reshape(top, (SCALE_BLOCK_N, CHUNK * 8)), axis=1))
-        scale = tl.where(amax > 0, amax / 127.0, 1.0)
-        tl.store(w_scale_ptr + offs_n, scale, mask=offs_n < N)
+            w_amax = tl.maximum(w_amax, tl.max(tl.reshape(top, (SCALE_BLOCK_N, CHUNK * 8)), axis=1))
+        w_scale = tl.where(w_amax > 0, w_amax / 127.0, 1.0)
+        tl.store(w_scale_ptr + offs_n, w_scale, mask=offs_n < N)
 
 
 @triton.jit
