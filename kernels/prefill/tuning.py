@@ -11,13 +11,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from tritune.search_spaces.tma_prefill import HEAD_DIMS, TUNED_QUERY_HEADS
+from tritune.search_spaces.tma_prefill import HEAD_DIMS, TUNED_QUERY_HEADS, WS_HEAD_DIMS
 
 from .._sdpa_peer import SdpaCall, bottom_right_causal, bound_arguments, fastest_sdpa
 from ..declare import KernelTuning
 from ..device import DeviceInfo
 from ..spec import Peer, Problem, pow2_bucket
-from .kernel import KERNEL, PrefillKey
+from .kernel import KERNEL, PrefillKey, ws_default
 from .reference import visible_pairs
 
 __all__ = ["TUNING", "PrefillTuning"]
@@ -108,6 +108,24 @@ class PrefillTuning(KernelTuning):
             for a in lqs
             for b in lkvs
         ]
+
+    def starting_configs(self, key: PrefillKey, device: DeviceInfo) -> list[Any]:
+        """On SM90 at head dims 64/128: the ws path's starting config, then its other tile shape.
+
+        128 x 128 tiles with two stages at head dim 128 (three at 64) are FlashAttention-3's
+        choice for Hopper; 64-wide KV tiles with one more stage are the lighter alternative.
+        Only configs the space admits for the key are returned (none off SM90).
+        """
+        if device.is_interpreter or key.arch != "sm90" or key.head_dim not in WS_HEAD_DIMS:
+            return []
+        first = ws_default(key)
+        other = dataclasses.replace(
+            first,
+            BLOCK_N=64 if first.BLOCK_N == 128 else 128,
+            num_stages=first.num_stages + 1 if first.BLOCK_N == 128 else first.num_stages - 1,
+        )
+        limits = KERNEL.limits(device)
+        return [c for c in (first, other) if KERNEL.space.infeasible_reason(c, key, limits) is None]
 
     def valid_key(self, key: PrefillKey) -> bool:
         """A served dtype and head dim, a positive group, and at least as many keys as queries.
