@@ -64,6 +64,9 @@ ENTRY_FIELDS = ("kernel", "kernel_version", "key", "config", "time_ms", "portabl
 OPTIONAL_ENTRY_FIELDS = ("peer_ms", "peer_name")
 #: The longest peer name: what the DB's ``winners.peer_name`` column holds.
 MAX_PEER_NAME_CHARS = 64
+#: A peer name ("SDPA flash, KV heads expanded", "F.linear, dequantized weight"): plain words and
+#: punctuation, none of which console markup (``[bold]``) or a control character is made of.
+PEER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._,:;+()/'-]*")
 #: GPU slugs as :class:`tritune.kernels.device.DeviceInfo` makes them; also keeps paths inside bundles/.
 GPU_SLUG = re.compile(r"[a-z0-9][a-z0-9-]*")
 
@@ -227,9 +230,9 @@ def _entry_problem(entry: Any) -> str | None:
 def peer_problem(peer_ms: object, peer_name: object) -> str | None:
     """Why a winner's peer time and name are unusable, or ``None`` (both ``None``: no peer, which is fine).
 
-    The time is checked as ``time_ms`` is (a finite positive number in range); the name is
-    printable text of 1 to :data:`MAX_PEER_NAME_CHARS` characters, as it reaches logs, terminals
-    and the DB's column. The database's writes apply the same rule.
+    The time is checked as ``time_ms`` is (a finite positive number in range); the name is 1 to
+    :data:`MAX_PEER_NAME_CHARS` characters of :data:`PEER_NAME`, as it reaches logs, terminals and
+    the DB's column. The database's writes and the tuner apply the same rule.
     """
     if peer_ms is None and peer_name is None:
         return None
@@ -242,7 +245,10 @@ def peer_problem(peer_ms: object, peer_name: object) -> str | None:
         return f"peer_name is {describe(peer_name)}, expected a non-empty string"
     if len(peer_name) > MAX_PEER_NAME_CHARS:
         return f"peer_name is {len(peer_name)} characters long, expected at most {MAX_PEER_NAME_CHARS}"
-    return text_problem(peer_name, "peer_name")
+    problem = text_problem(peer_name, "peer_name")
+    if problem is None and not PEER_NAME.fullmatch(peer_name):
+        problem = f"peer_name is '{printable(peer_name)}', expected letters, digits, spaces and . _ , : ; + ( ) / ' -"
+    return problem
 
 
 class BundleError(ValueError):

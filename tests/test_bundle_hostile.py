@@ -114,6 +114,49 @@ ENTRY_CASES: dict[str, tuple[str, str]] = {
         "trials is the integer 9223372036854775808 (outside the 64-bit range), expected a whole number",
     ),
     "2**31-trials": (with_good(entry(256, trials=2**31)), "trials is 2147483648, expected at most 2147483647"),
+    # The peer's time and name (optional) are checked as time_ms and the other strings are.
+    "negative-peer": (
+        with_good(entry(256, peer_ms=-0.5, peer_name="SDPA flash")),
+        "peer_ms is -0.5, expected a positive number",
+    ),
+    "nan-peer": (
+        with_good(entry(256, peer_ms=HUGE, peer_name="SDPA flash"), huge="NaN"),
+        "peer_ms is NaN (not a finite number), expected a number",
+    ),
+    "infinite-peer": (
+        with_good(entry(256, peer_ms=HUGE, peer_name="SDPA flash"), huge="1e999"),
+        "peer_ms is inf, not a finite number",
+    ),
+    "4000-digit-peer": (
+        with_good(entry(256, peer_ms=HUGE, peer_name="SDPA flash"), huge="1" * 4000),
+        "peer_ms is an integer of 4000 digits (outside the 64-bit range)",
+    ),
+    "string-peer": (
+        with_good(entry(256, peer_ms="0.1", peer_name="SDPA flash")),
+        "peer_ms is a string, expected a number",
+    ),
+    "boolean-peer": (
+        with_good(entry(256, peer_ms=True, peer_name="SDPA flash")),
+        "peer_ms is a boolean, expected a number",
+    ),
+    "peer-without-name": (with_good(entry(256, peer_ms=0.1)), "peer_ms and peer_name come together"),
+    "markup-peer-name": (
+        with_good(entry(256, peer_ms=0.1, peer_name="[bold red]SDPA[/]")),
+        "peer_name is '[bold red]SDPA[/]', expected letters, digits, spaces and",
+    ),
+    "forged-peer-name": (
+        with_good(entry(256, peer_ms=0.1, peer_name="SDPA\nWARNING tritune: all good")),
+        "peer_name is 'SDPA\\nWARNING tritune: all good', which holds a control character",
+    ),
+    "ansi-peer-name": (
+        with_good(entry(256, peer_ms=0.1, peer_name="\x1b[2JSDPA")),
+        "peer_name is '\\x1b[2JSDPA', which holds",
+    ),
+    "long-peer-name": (
+        with_good(entry(256, peer_ms=0.1, peer_name="SDPA " * 20)),
+        "peer_name is 100 characters long, expected at most 64",
+    ),
+    "number-peer-name": (with_good(entry(256, peer_ms=0.1, peer_name=7)), "peer_name is a number, expected a"),
 }
 
 
@@ -270,6 +313,17 @@ def test_path_with_markup_and_a_newline_is_printed_escaped(tmp_path: Path) -> No
     assert result.exit_code == 1, result.output
     assert "[bold]x\\n[red]" in result.output
     assert "refused" in result.output and "[red]nope[/red]: unknown kernel" in result.output
+
+
+def test_a_peer_time_and_name_are_imported_and_served_beside_their_entry(tmp_path: Path) -> None:
+    path = tmp_path / "b.json"
+    path.write_text(text(entry(128, peer_ms=0.25, peer_name="SDPA flash"), entry(256)))
+    db = tmp_path / "c.sqlite"
+    result = import_(path, db)
+    assert result.exit_code == 0, result.output
+    assert "imported 2 winner(s)" in result.output
+    stored = {w.key["n_bucket"]: (w.peer_ms, w.peer_name) for w in ConfigStore(f"sqlite:///{db}").winners()}
+    assert stored == {128: (0.25, "SDPA flash"), 256: (None, None)}
 
 
 def test_numbers_past_every_range_are_named_not_raised() -> None:

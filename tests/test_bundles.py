@@ -104,9 +104,31 @@ def test_output_is_deterministic_and_reviewable(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["b.json"], "no temporary file is left behind"
 
 
+def test_round_trip_keeps_the_peer_and_leaves_out_an_unknown_one(tmp_path: Path) -> None:
+    peered = [record(1024, peer_ms=0.1875, peer_name="SDPA flash, KV heads expanded"), record(4096)]
+    path = write_bundle(peered, tmp_path / f"{GPU}.json", GPU, GPU_NAME, PROVENANCE, created=CREATED)
+    entries = {w["key"]["seqlen"]: w for w in json.loads(path.read_text())["winners"]}
+    assert (entries[1024]["peer_ms"], entries[1024]["peer_name"]) == (0.1875, "SDPA flash, KV heads expanded")
+    assert "peer_ms" not in entries[4096] and "peer_name" not in entries[4096]
+    records, rejections = read_bundle(path, expected_gpu=GPU)
+    assert rejections == []
+    assert {r.key["seqlen"]: (r.peer_ms, r.peer_name) for r in records} == {
+        1024: (0.1875, "SDPA flash, KV heads expanded"),
+        4096: (None, None),
+    }
+
+
+def test_an_entry_without_peer_fields_reads_as_no_peer(tmp_path: Path) -> None:
+    path = write_doc(tmp_path / "b.json", document([good_entry(1024)]))
+    (only,), rejections = read_bundle(path)
+    assert rejections == [] and (only.peer_ms, only.peer_name) == (None, None)
+
+
 @pytest.mark.parametrize(
     "records, reason",
     [
+        pytest.param([record(1024, peer_ms=-1.0, peer_name="SDPA flash")], "peer_ms is -1.0", id="negative-peer"),
+        pytest.param([record(1024, peer_ms=0.1)], "both or neither", id="peer-without-name"),
         pytest.param([record(1024, gpu="nvidia-a100-sm80-108sm")], "gpu", id="other-gpu"),
         pytest.param([record(1024, triton_version="3.5.0")], "triton", id="other-triton"),
         pytest.param([record(1024), record(1024, time_ms=0.01)], "two records", id="duplicate-key"),
@@ -256,6 +278,9 @@ ENTRY_CASES = [
     pytest.param({**good_entry(2048), "note": "fast"}, "unknown field(s) note", id="unknown-field"),
     pytest.param("tma_prefill", "is a string, expected an object", id="not-an-object"),
     pytest.param(good_entry(1024), "same kernel, version and key as winners[0]", id="duplicate-entry"),
+    pytest.param({**good_entry(2048), "peer_ms": 0.0, "peer_name": "SDPA flash"}, "peer_ms is 0.0", id="zero-peer"),
+    pytest.param({**good_entry(2048), "peer_name": "SDPA flash"}, "one is missing", id="peer-name-alone"),
+    pytest.param({**good_entry(2048), "peer_ms": 0.1, "peer_name": None}, "both or neither", id="null-peer-name"),
 ]
 
 
