@@ -17,7 +17,9 @@ here, all the way to a cubin with its bundled ptxas; this module does that in tw
   whose programs hand data to each other within a launch depends on.
 
 Script use: ``python tests/sm90_build.py --records FILE`` (records as :func:`specialize` writes
-them), or ``python tests/sm90_build.py '[[BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages], ...]'``
+them), ``python tests/sm90_build.py --prefill-ws '[[HEAD_DIM, CAUSAL, HAS_KV_LEN], ...]'`` (the
+warp-specialized prefill kernel at its starting configs with ptxas' report: :func:`build_prefill_ws`),
+or ``python tests/sm90_build.py '[[BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages], ...]'``
 for the folded fp8 Q4_K kernel with what ptxas made of it (tensor-core instructions, registers,
 spill bytes, shared memory, where wgmma's A operand comes from, asynchronous copies); a sixth
 element ``true`` builds the folded kernel with ``SWAP_AB``, ``"portable"`` the
@@ -385,7 +387,102 @@ def build_q4k(
     return result
 
 
+# ---- the warp-specialized Gluon prefill kernel with ptxas' report (tests/test_prefill_ws.py) ---
+
+
+def _sass_segments(sass: str) -> list[tuple[str, str]]:
+    """``nvdisasm -c`` output cut at each ``USETMAXREG``: ``(that instruction, the code after it)``,
+    the first segment named ``"entry"``. Each warp-specialized partition runs in a segment of its
+    own after its register reallocation."""
+    segments: list[tuple[str, list[str]]] = [("entry", [])]
+    for line in sass.splitlines():
+        instruction = _SASS_INSTRUCTION.match(line)
+        if instruction and instruction.group(1) == "USETMAXREG":
+            segments.append((line.split("*/", 2)[-1].strip().rstrip(" ;"), []))
+        segments[-1][1].append(line)
+    return [(name, "\n".join(lines)) for name, lines in segments]
+
+
+def _sass_opcodes(sass: str) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for line in sass.splitlines():
+        instruction = _SASS_INSTRUCTION.match(line)
+        if instruction:
+            counts[instruction.group(1)] = counts.get(instruction.group(1), 0) + 1
+    return counts
+
+
+def build_prefill_ws(head_dim: int, causal: bool = True, has_kv_len: bool = True) -> dict[str, Any]:
+    """Build the ws prefill kernel at its starting configs for an H200 key (bf16, GQA 8, Lq 4096,
+    Lkv 16384) as ``launch_ws`` specializes it, and report per config what ptxas and the SASS say:
+    registers, spill bytes, shared memory, the ``setmaxnreg`` values in the PTX, the kernel's
+    counts of wgmma (``HGMMA``), register reallocations (``USETMAXREG``), CTA/named barriers
+    (``BAR``) and mbarrier operations (``SYNCS``), and the highest register each partition's code
+    touches (segments of the SASS between reallocations that hold a wgmma or a TMA copy)."""
+    import torch
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    from tritune.kernels.device import DeviceInfo
+    from tritune.kernels.prefill.kernel import PrefillKey
+    from tritune.kernels.prefill.launch import launch_ws
+    from tritune.kernels.prefill.tuning import TUNING
+
+    h200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
+    key = PrefillKey("sm90", 132, "bf16", head_dim, 8, causal, 4096, 16384)
+    meta = torch.device("meta")
+    q = torch.empty(1, 16, 4096, head_dim, dtype=torch.bfloat16, device=meta)
+    k = torch.empty(1, 2, 16384, head_dim, dtype=torch.bfloat16, device=meta)
+    kv_len = torch.empty((), dtype=torch.int32, device=meta) if has_kv_len else None
+    results = []
+    for config in TUNING.starting_configs(key, h200):
+        with record_launches() as recorder:
+            launch_ws(config, q, k, torch.empty_like(k), kv_len, causal, head_dim**-0.5, torch.empty_like(q))
+        (launch,) = recorder.launches
+        compiled = compile_record(specialize(launch))
+        ptx = compiled.asm["ptx"]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "kernel.ptx")
+            with open(path, "w") as f:
+                f.write(ptx)
+            log = subprocess.run(
+                [get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", os.path.join(tmp, "kernel.o")],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stderr
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        registers = re.search(r"Used (\d+) registers", log)
+        sass = _sass(compiled.asm["cubin"])
+        opcodes = _sass_opcodes(sass)
+        partitions = []
+        for name, code in _sass_segments(sass):
+            seg = _sass_opcodes(code)
+            if seg.get("HGMMA", 0) or seg.get("UTMALDG", 0):
+                used = [int(r) for r in re.findall(r"\bR(\d+)\b", code)]
+                partitions.append({"after": name, "max_register": max(used, default=-1), "hgmma": seg.get("HGMMA", 0)})
+        results.append(
+            {
+                "config": {name: getattr(config, name) for name in ("BLOCK_M", "BLOCK_N", "num_stages")}
+                | {"CONSUMER_REGS": config.CONSUMER_REGS, "PRODUCER_REGS": config.PRODUCER_REGS},
+                "registers": int(registers.group(1)) if registers else None,
+                "spill_bytes": int(spills.group(1)) + int(spills.group(2)) if spills else None,
+                "shared": compiled.metadata.shared,
+                "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+                "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+                "sass": {
+                    op: opcodes.get(op, 0) for op in ("HGMMA", "USETMAXREG", "BAR", "SYNCS", "UTMALDG", "UTMASTG")
+                },
+                "partitions": partitions,
+            }
+        )
+    return {"head_dim": head_dim, "causal": causal, "has_kv_len": has_kv_len, "builds": results}
+
+
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["--prefill-ws"]:
+        for head_dim, causal, has_kv_len in json.loads(argv[1]):
+            print(json.dumps(build_prefill_ws(head_dim, causal, has_kv_len)), flush=True)
+        return
     if argv[:1] == ["--records"]:
         with open(argv[1]) as f:
             records = json.load(f)
