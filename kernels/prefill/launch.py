@@ -195,12 +195,22 @@ def launch_ws(
 
 # ---- the nested TMA op -----------------------------------------------------------------------
 
-#: The config fields the TMA op carries by name (its path is always "tma").
+#: The config fields the TMA and ws ops carry by name (the op's name says the path).
 _TMA_FIELDS = tuple(name for name in SPACE.field_types if name != "path")
 _SCHEMA_TYPES = {bool: "bool", int: "int", float: "float", str: "str"}
+#: The fields only the ws path reads default to their neutral values in the schema, so a call
+#: of the TMA op that names the TMA fields alone stays valid.
+_WS_ONLY_DEFAULTS = {"CONSUMER_REGS": PrefillConfig.CONSUMER_REGS, "PRODUCER_REGS": PrefillConfig.PRODUCER_REGS}
+
+
+def _schema_field(name: str) -> str:
+    declared = f"{_SCHEMA_TYPES[SPACE.field_types[name]]} {name}"
+    return f"{declared}={_WS_ONLY_DEFAULTS[name]}" if name in _WS_ONLY_DEFAULTS else declared
+
+
 _TMA_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor? kv_len, bool causal, float softmax_scale, Tensor(a!) out, *, "
-    + ", ".join(f"{_SCHEMA_TYPES[SPACE.field_types[name]]} {name}" for name in _TMA_FIELDS)
+    + ", ".join(_schema_field(name) for name in _TMA_FIELDS)
     + ") -> ()"
 )
 
