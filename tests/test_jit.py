@@ -1,0 +1,333 @@
+"""Online tuning (TRITUNE_JIT) on the toy kernel: sync and background tunes of a missed key, what
+stops them (capture, tracing, budgets, a missing tuner), two processes, a crashing candidate."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import toy_kernel
+
+from tritune.configs_db.store import ConfigStore
+from tritune.kernels import jit, misses, registry, settings
+from tritune.kernels.device import device_info
+from tritune.kernels.dispatcher import DISPATCHER, dispatch_config, reload_configs
+from tritune.search_spaces.base import SearchSpace, choice
+from tritune.tuner import jit as tuner_jit
+from tritune.tuner.candidates import FAILED_RUNTIME
+from tritune.tuner.study import environment_id
+from tritune.tuner.timing import FakeTimer
+
+CPU = device_info("cpu")
+SPEC = toy_kernel.SPEC
+PORTABLE = {"BLOCK": 32, "BROKEN": False, "num_warps": 4}
+TESTS = Path(__file__).resolve().parent
+
+
+class SlowTimer(toy_kernel.CostTimer):
+    """``toy_cost`` after a pause: a tune that takes long enough to be seen not to block."""
+
+    pause_s = 0.3
+
+    def __call__(self, fn, *, config, flush_l2, launch_bound):
+        time.sleep(self.pause_s)
+        return super().__call__(fn, config=config, flush_l2=flush_l2, launch_bound=launch_bound)
+
+
+# ---- a kernel one of whose configs kills the process that runs it -----------------------------
+
+
+@dataclass(frozen=True)
+class CrashConfig:
+    BLOCK: int = choice(32, (32, 64))
+    ACTION: str = choice("none", ("none", "segfault"))
+
+
+class CrashingSpec(toy_kernel.MisbehavingSpec):
+    name = "toy_jit_crash"
+    space = SearchSpace("toy_jit_crash", CrashConfig, feasibility=toy_kernel._misbehaving_feasible)
+
+
+CRASHING = CrashingSpec()
+
+
+@pytest.fixture(autouse=True)
+def online(monkeypatch):
+    monkeypatch.setitem(registry._SPECS, "toy_scale", f"{toy_kernel.__name__}:SPEC")
+    monkeypatch.setitem(registry._SPECS, "toy_jit_crash", f"{__name__}:CRASHING")
+    monkeypatch.setattr(tuner_jit, "TIMER", FakeTimer(toy_kernel.toy_cost))
+    monkeypatch.setattr(tuner_jit, "ISOLATE", False)
+    jit.ONLINE.reset()
+    DISPATCHER.clear()
+    yield
+    jit.ONLINE.reset()
+    tuner_jit.close_benches()
+    DISPATCHER.clear()
+
+
+def _served(n: int, spec=SPEC) -> dict:
+    x = torch.randn(n)
+    return spec.space.to_dict(dispatch_config(spec.name, "cpu", -1, tuple(spec.facts(x))))
+
+
+def _key(n_bucket: int, spec=SPEC):
+    return toy_kernel.ToyKey(CPU.arch, CPU.sm_count, "float32", n_bucket)
+
+
+def _trials(n_bucket: int, spec=SPEC) -> list:
+    with ConfigStore(settings.settings().db_url) as store:
+        env = environment_id(store, CPU)
+        return store.measured_trials(env, spec.name, spec.version, _key(n_bucket, spec).to_dict())
+
+
+def _winner(n_bucket: int, spec=SPEC):
+    with ConfigStore(settings.settings().db_url) as store:
+        found = [w for w in store.winners(gpu=CPU.slug, kernel=spec.name) if w.key == _key(n_bucket, spec).to_dict()]
+    return found[0] if found else None
+
+
+def _environment(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        TRITON_INTERPRET="1",
+        TRITUNE_DB=settings.settings().db_url,
+        TRITUNE_DISABLE_BUNDLES="1",
+        TRITUNE_MISS_LOG="0",
+        PYTHONPATH=os.pathsep.join([str(TESTS), *(p for p in sys.path if p)]),
+    )
+    env.update(extra)
+    return env
+
+
+#: A process that calls the toy kernel at n=200 and prints what served it, as JSON.
+CALLER = textwrap.dedent(
+    """
+    import json, sys, time
+    from tritune.kernels._interpreter import fix_interpreter_index
+    fix_interpreter_index()
+    import torch, toy_kernel
+    from tritune.kernels import registry
+    from tritune.kernels.dispatcher import dispatch_config
+    registry._SPECS["toy_scale"] = "toy_kernel:SPEC"
+    facts = tuple(toy_kernel.SPEC.facts(torch.randn(200)))
+    """
+)
+
+
+def test_sync_tunes_a_missed_key_on_its_first_call_and_a_fresh_process_serves_it():
+    with settings.override(jit="sync", jit_trials=6):
+        served = _served(200)
+        calls = tuner_jit.TIMER.calls
+        assert _served(200) == served and tuner_jit.TIMER.calls == calls, "tuned once, then served"
+    winner = _winner(256)
+    assert winner is not None and winner.config == served != PORTABLE
+    rows = _trials(256)
+    assert len([r for r in rows if r.status != "pruned"]) == 6
+    assert {r.status for r in rows} >= {"ok", "failed-correctness"}, "the broken config met the correctness gate"
+
+    script = CALLER + textwrap.dedent(
+        """
+        config = dispatch_config("toy_scale", "cpu", -1, facts)
+        print(json.dumps({"served": toy_kernel.SPEC.space.to_dict(config),
+                          "imported": sorted(m for m in ("tritune.kernels.jit", "tritune.tuner", "optuna")
+                                             if m in sys.modules)}))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=_environment(TRITUNE_JIT="sync"), capture_output=True, text=True,
+        timeout=120, check=True,
+    )  # fmt: skip
+    fresh = json.loads(out.stdout.strip().splitlines()[-1])
+    assert fresh == {"served": served, "imported": []}, "the stored winner serves; nothing tunes or imports the tuner"
+
+
+def test_background_serves_at_once_and_the_winner_takes_effect_when_the_worker_reports(monkeypatch):
+    monkeypatch.setattr(jit, "WORKER_ARGS", ["--timer", f"{__name__}:SlowTimer", "--no-isolate"])
+    with settings.override(jit="background", jit_trials=6, jit_key_seconds=60.0):
+        started = time.monotonic()
+        first = _served(200)
+        call_s = time.monotonic() - started
+        assert first == PORTABLE
+        # The worker's start-up alone takes seconds, and its tune six pauses of 0.3 s.
+        assert call_s < 1.0
+        deadline = time.monotonic() + 120
+        while (served := _served(200)) == PORTABLE and time.monotonic() < deadline:
+            time.sleep(0.1)
+        tuned_s = time.monotonic() - started
+    winner = _winner(256)
+    assert winner is not None and served == winner.config != PORTABLE
+    assert tuned_s > 6 * SlowTimer.pause_s > call_s
+    assert len([r for r in _trials(256) if r.status != "pruned"]) == 6
+
+
+@pytest.mark.parametrize("context", ["graph capture", "compile tracing"])
+def test_nothing_is_tuned_under_capture_or_tracing_only_the_miss_is_noted(monkeypatch, context):
+    if context == "graph capture":
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    else:
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    misses.MISSES.clear()
+    try:
+        with settings.override(jit="sync", jit_trials=4, miss_log=True):
+            assert _served(200) == PORTABLE
+            noted = [ident for ident in misses.pending() if ident[2] == SPEC.name]
+    finally:
+        misses.MISSES.clear()
+    assert [ident[4] for ident in noted] == [_key(256)]
+    assert tuner_jit.TIMER.calls == 0 and not jit.ONLINE.attempted
+    assert not Path(settings.settings().db_url.removeprefix("sqlite:///")).exists(), "nothing was written"
+    monkeypatch.undo()
+    # The key was not spent: its first eager call tunes it.
+    monkeypatch.setitem(registry._SPECS, "toy_scale", f"{toy_kernel.__name__}:SPEC")
+    monkeypatch.setattr(tuner_jit, "TIMER", FakeTimer(toy_kernel.toy_cost))
+    monkeypatch.setattr(tuner_jit, "ISOLATE", False)
+    with settings.override(jit="sync", jit_trials=4):
+        assert _served(200) != PORTABLE
+
+
+def test_two_processes_missing_one_key_tune_it_once(tmp_path):
+    go = tmp_path / "go"
+    script = CALLER + textwrap.dedent(
+        f"""
+        import os, pathlib
+        from tritune.tuner import jit
+        import test_jit
+        jit.TIMER, jit.ISOLATE = test_jit.SlowTimer(), False
+        pathlib.Path(sys.argv[1]).touch()
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.01)
+        first = toy_kernel.SPEC.space.to_dict(dispatch_config("toy_scale", "cpu", -1, facts))
+        deadline = time.monotonic() + 90
+        while True:
+            served = toy_kernel.SPEC.space.to_dict(dispatch_config("toy_scale", "cpu", -1, facts))
+            if served != first or time.monotonic() > deadline or jit.TIMER.calls:
+                break
+            time.sleep(0.05)
+        print(json.dumps({{"measured": jit.TIMER.calls, "served": served}}))
+        """
+    )
+    env = _environment(TRITUNE_JIT="sync", TRITUNE_JIT_TRIALS="5", TRITUNE_JIT_KEY_SECONDS="60")
+    ready = [tmp_path / f"ready{i}" for i in range(2)]
+    processes = [
+        subprocess.Popen([sys.executable, "-c", script, str(path)], env=env, stdout=subprocess.PIPE, text=True)
+        for path in ready
+    ]
+    deadline = time.monotonic() + 120
+    while not all(path.exists() for path in ready) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    go.touch()
+    results = [json.loads(p.communicate(timeout=180)[0].strip().splitlines()[-1]) for p in processes]
+    winner = _winner(256)
+    assert winner is not None
+    assert sorted(r["measured"] > 0 for r in results) == [False, True], results
+    assert all(r["served"] == winner.config for r in results), "the other process took the stored winner"
+    rows = _trials(256)
+    assert len(rows) == len({tuple(r.config.items()) for r in rows}) <= 5 + 1
+
+
+def test_a_crashing_candidate_is_a_failed_trial_of_its_own(monkeypatch):
+    monkeypatch.setattr(tuner_jit, "TIMER", toy_kernel.CostTimer())
+    monkeypatch.setattr(tuner_jit, "ISOLATE", True)
+    with settings.override(jit="sync", jit_trials=4, jit_key_seconds=60.0):
+        served = _served(200, CRASHING)
+    rows = {r.config["ACTION"]: r for r in _trials(256, CRASHING) if r.config["BLOCK"] == 64}
+    assert rows["segfault"].status == FAILED_RUNTIME
+    assert rows["segfault"].error == "worker died with exit code -11 (SIGSEGV)"
+    assert served == _winner(256, CRASHING).config == {"BLOCK": 64, "ACTION": "none"}
+
+
+def test_the_trial_budget_bounds_a_key():
+    with settings.override(jit="sync", jit_trials=3):
+        _served(200)
+    assert len([r for r in _trials(256) if r.status != "pruned"]) == 3
+
+
+def test_the_seconds_budget_bounds_a_key(monkeypatch):
+    monkeypatch.setattr(tuner_jit, "TIMER", SlowTimer())
+    with settings.override(jit="sync", jit_trials=20, jit_key_seconds=0.5):
+        started = time.monotonic()
+        _served(200)
+        spent = time.monotonic() - started
+    measured = [r for r in _trials(256) if r.status != "pruned"]
+    assert 1 <= len(measured) < 8 and spent < 10
+
+
+def test_the_process_budget_stops_online_tuning(caplog):
+    budget = settings.override(jit="sync", jit_trials=3, jit_total_seconds=0.01)
+    with budget, caplog.at_level(logging.INFO, logger="tritune.jit"):
+        assert _served(200) != PORTABLE
+        # Far from the tuned bucket (no borrowing): the portable default.
+        assert _served(4000) == PORTABLE
+        assert _served(8000) == PORTABLE
+    assert _trials(4096) == [] and _trials(8192) == []
+    assert len([r for r in caplog.records if "budget" in r.getMessage()]) == 1
+
+
+def test_a_key_is_attempted_once_per_process(monkeypatch):
+    attempts = []
+
+    def failing(spec, device, key, **budget):
+        attempts.append(key)
+        return tuner_jit.JitResult(tuner_jit.FAILED, None, 0.1, detail="the portable default failed")
+
+    monkeypatch.setattr(tuner_jit, "tune_one_key", failing)
+    with settings.override(jit="sync"):
+        assert _served(200) == PORTABLE
+        reload_configs()
+        assert _served(200) == PORTABLE
+    assert attempts == [_key(256)]
+
+
+def test_a_missing_tuner_warns_once_and_serves_on(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "tritune.tuner.jit", None)
+    with settings.override(jit="sync"), caplog.at_level(logging.WARNING, logger="tritune.jit"):
+        assert _served(200) == PORTABLE
+        assert _served(1000) == PORTABLE
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "pip install 'tritune[tune]'" in warnings[0]
+
+
+def test_background_without_the_tuner_warns_once_and_starts_no_worker(monkeypatch, caplog):
+    monkeypatch.setattr(jit, "_tuner_missing", lambda: ["optuna"])
+    monkeypatch.setattr(jit, "BackgroundWorker", None)
+    with settings.override(jit="background"), caplog.at_level(logging.WARNING, logger="tritune.jit"):
+        assert _served(200) == PORTABLE
+        assert _served(1000) == PORTABLE
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "pip install 'tritune[tune]'" in warnings[0]
+
+
+def test_off_never_imports_online_tuning():
+    script = CALLER + textwrap.dedent(
+        """
+        dispatch_config("toy_scale", "cpu", -1, facts)
+        print(json.dumps(sorted(m for m in ("tritune.kernels.jit", "tritune.tuner") if m in sys.modules)))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=_environment(TRITUNE_JIT="off"), capture_output=True, text=True,
+        timeout=120, check=True,
+    )  # fmt: skip
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_an_online_winner_is_admitted_for_the_kernels_other_keys_too():
+    """Admitted in memory: the kernel's near buckets borrow it without a reload of the DB."""
+    # Bucket 512 is not tuned itself.
+    jit.ONLINE.attempted.add((SPEC.name, CPU.slug, _key(512)))
+    with settings.override(jit="sync", jit_trials=6):
+        portable_nearby = _served(300)
+        tuned = _served(200)
+        # Bucket 512 resolved before the tune; one bucket away, it now borrows the online winner.
+        assert _served(300) == tuned != portable_nearby == PORTABLE
+        assert DISPATCHER.table(CPU).exact[(SPEC.name, _key(256))].config == SPEC.space.parse(tuned)
