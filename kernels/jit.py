@@ -87,6 +87,13 @@ def _tunable(spec: KernelSpec[Any, Any]) -> bool:
     return getattr(spec, "_tuning", True) is not None
 
 
+def _tuner_missing() -> list[str]:
+    """The ``tune`` extra's modules this interpreter cannot import (found, not imported)."""
+    from tritune.tuner.entry import missing
+
+    return missing()
+
+
 def _device_text(where: torch.device) -> str:
     """``cpu`` or ``cuda:N``: what the tuner and the worker are told."""
     if where.type == "cpu":
@@ -175,6 +182,12 @@ class OnlineTuning:
             seconds = min(current.jit_key_seconds, left)
             if current.jit == "background":
                 if self._worker is None:
+                    absent = _tuner_missing()
+                    if absent:
+                        self.stopped = (f"online tuning (TRITUNE_JIT) needs the tune extra ({', '.join(absent)} not "
+                                        f"installed here): {INSTALL_HINT}; serving without online tuning")  # fmt: skip
+                        log.warning("%s", self.stopped)
+                        return None
                     self._worker = BackgroundWorker(self._report_handler(dispatcher), self._worker_died)
                 self._worker.hand(spec, device, where, key, current, seconds)
                 return None
