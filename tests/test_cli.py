@@ -159,3 +159,47 @@ def test_a_kernel_the_keys_leave_nothing_valid_is_left_out_when_others_are_tuned
     assert [w.kernel for w in ConfigStore(db).winners()] == ["toy_paths"]
     alone = runner.invoke(app, [*common, "--kernel", "toy_scale", "--db", db])
     assert alone.exit_code == 2 and "no key of toy_scale remains valid" in " ".join(alone.output.split())
+
+
+# ---- the peer: timed by tune, stored, shown and benchmarked ----------------------------------------
+
+
+@pytest.fixture
+def peered(monkeypatch):
+    """The toy kernel with ``torch.mul`` as its peer (declared in test_peer_tuner)."""
+    monkeypatch.setitem(registry._SPECS, "toy_peered", "test_peer_tuner:PEERED")
+
+
+def _table_rows(output: str, first: str) -> list[list[str]]:
+    return [[cell.strip() for cell in line.split("│")[1:-1]] for line in output.splitlines() if f"│ {first}" in line]
+
+
+def test_bench_times_ours_and_the_peer_side_by_side(peered, toy):
+    result = _run("bench", "--device", "cpu", "--kernel", "toy_peered", "--kernel", "toy_scale")
+    assert result.exit_code == 0, result.output
+    header = next(line for line in result.output.splitlines() if "served config" in line)
+    columns = [cell.strip() for cell in header.split("┃")[1:-1]]
+    assert columns == ["kernel", "key", "served config", "portable ms", "ours ms", "peer", "peer ms", "vs peer"]
+    rows = _table_rows(result.output, "toy_peered")
+    assert [row[1] for row in rows] == ["dtype=float32 n_bucket=64", "dtype=float32 n_bucket=256"]
+    for row in rows:
+        ours, peer_ms = float(row[4]), float(row[6])
+        assert row[5] == "torch.mul" and peer_ms > 0
+        assert row[7] == f"{peer_ms / ours:.2f}x"
+    # A kernel that names no peer: its cells say so.
+    assert all(row[5:] == ["-", "-", "-"] for row in _table_rows(result.output, "toy_scale"))
+
+
+def test_show_prints_the_stored_peer_time_and_ratio(peered, tmp_path):
+    db = f"sqlite:///{tmp_path / 'p.sqlite'}"
+    result = _run("--device", "cpu", "--kernel", "toy_peered", "--key", "n=100", "--trials", "3", "--db", db)
+    assert result.exit_code == 0, result.output
+    (winner,) = ConfigStore(db).winners(kernel="toy_peered")
+    assert winner.peer_name == "torch.mul" and winner.peer_ms > 0
+    shown = _run("show", "--db", db, "--device", "cpu")
+    assert shown.exit_code == 0, shown.output
+    header = next(line for line in shown.output.splitlines() if "served here" in line)
+    columns = [cell.strip() for cell in header.split("┃")[1:-1]]
+    assert columns[-4:] == ["peer", "peer ms", "vs peer", "served here"]
+    (row,) = _table_rows(shown.output, "cpu-interpreter")
+    assert row[-4:-1] == ["torch.mul", f"{winner.peer_ms:.4g}", f"{winner.peer_ms / winner.time_ms:.2f}x"]

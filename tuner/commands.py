@@ -3,6 +3,7 @@ import and bench. They register on the app of :mod:`tritune.tuner.app`."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -98,31 +99,74 @@ def show(
     records = read_winners(url, gpu, kernel=kernel, timeout_s=READ_TIMEOUT_S)
     _declare_installed({record.kernel for record in records})
     table = Table(title=f"winners in {plain(display_url(url))}")
-    for column in ("gpu", "kernel", "key", "config", "time ms", "portable ms", "speedup", "trials", "served here"):
+    for column in SHOW_COLUMNS:
         table.add_column(column)
     notes = []
     for w in records:
         verdict = serving_verdict(w, here)
-        key = " ".join(f"{k}={v}" for k, v in w.key.items() if k not in ("arch", "sm_count"))
+        key = _key_text(w.key)
         if verdict is not None:
             notes.append(f"not served on {here.slug}: {w.gpu} {w.kernel} {key}: {verdict}")
         under = tuned_under_here(w, here) if verdict is None else ""
         if under:
             notes.append(f"provisional on {here.slug}: {w.gpu} {w.kernel} {key}: tuned under {under}; tune re-tunes it")
-        table.add_row(
-            plain(w.gpu),
-            plain(w.kernel),
-            plain(key),
-            plain(" ".join(f"{k}={v}" for k, v in w.config.items())),
-            f"{w.time_ms:.4g}",
-            f"{w.portable_ms:.4g}",
-            f"{w.speedup:.3f}x",
-            str(w.trials),
-            ("yes (provisional)" if under else "yes") if verdict is None else "[yellow]no[/yellow]",
-        )
+        table.add_row(*show_row(w, verdict, provisional=bool(under)))
     console.print(table)
     for note in notes:
         console.print(f"[yellow]{plain(note)}[/yellow]", soft_wrap=True)
+
+
+#: ``tune show``'s columns, in the order :func:`show_row` fills them.
+SHOW_COLUMNS = (
+    "gpu",
+    "kernel",
+    "key",
+    "config",
+    "time ms",
+    "portable ms",
+    "speedup",
+    "trials",
+    "peer",
+    "peer ms",
+    "vs peer",
+    "served here",
+)
+
+
+def show_row(w: Any, verdict: str | None, *, provisional: bool = False) -> list[str]:
+    """One stored winner as :data:`SHOW_COLUMNS`' cells (markup-safe).
+
+    ``verdict``: why it is not served here (``None``: it is); ``provisional``: it serves here provisionally.
+    """
+    return [
+        plain(w.gpu),
+        plain(w.kernel),
+        plain(_key_text(w.key)),
+        plain(" ".join(f"{k}={v}" for k, v in w.config.items())),
+        f"{w.time_ms:.4g}",
+        f"{w.portable_ms:.4g}",
+        f"{w.speedup:.3f}x",
+        str(w.trials),
+        "-" if w.peer_name is None else plain(w.peer_name),
+        _ms(w.peer_ms),
+        peer_ratio(w.peer_ms, w.time_ms),
+        ("yes (provisional)" if provisional else "yes") if verdict is None else "[yellow]no[/yellow]",
+    ]
+
+
+def peer_ratio(peer_ms: float | None, ours_ms: float | None) -> str:
+    """How many times faster ours is than the peer (``peer_ms / ours_ms``; above 1x: ours is faster)."""
+    if peer_ms is None or ours_ms is None or not ours_ms > 0:
+        return "-"
+    return f"{peer_ms / ours_ms:.2f}x"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def _key_text(key: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in key.items() if k not in ("arch", "sm_count"))
 
 
 def _is_declaration(name: str) -> bool:
@@ -370,44 +414,94 @@ def bench(
     db: Annotated[str | None, typer.Option(help="config DB")] = None,
     seed: Annotated[int, typer.Option()] = 0,
 ) -> None:
-    """Portable vs tuned (as the dispatcher would serve it) at each default key, side by side."""
+    """At each default key: the portable default, the config the dispatcher serves ("ours") and the
+    kernel's peer (the PyTorch call a user would make instead), timed in this run with one timer.
+
+    "vs peer" is the peer's time over ours: above 1x, ours is faster.
+    """
     check_kernel_names(kernel or [])
     torch_device = choose_device(device)
     from tritune.kernels import settings
     from tritune.kernels.device import device_info
-    from tritune.kernels.dispatcher import DISPATCHER
 
     from .timing import timer_for
 
     info = device_info(torch_device)
     timer = timer_for(torch_device)
-    table = Table(title=f"portable vs tuned on {info.slug}")
-    for column in ("kernel", "key", "served config", "portable ms", "tuned ms", "speedup"):
+    table = Table(title=f"portable, ours and the peer on {info.slug}")
+    for column in BENCH_COLUMNS:
         table.add_column(column)
+    notes: list[str] = []
     with settings.override(db_url=db_url(db)):
         for spec in load_kernels(kernel, tunable=True):
-            name = spec.name
             for key in spec.default_keys(info):
-                problem = spec.make_problem(key, torch_device, seed)
-                default = spec.default_config(key)
-                served = DISPATCHER.select(spec, info, key)
-                times = []
-                for config in (default, served):
-                    times.append(
-                        timer(
-                            spec.prepare(config, *problem.args, **problem.kwargs),
-                            config=config,
-                            flush_l2=problem.flush_l2,
-                            launch_bound=problem.launch_bound,
-                        )
-                    )
-                table.add_row(
-                    name,
-                    short_key(key),
-                    " ".join(f"{k}={v}" for k, v in spec.space.to_dict(served).items())
-                    + provisional_mark(DISPATCHER.table(info), spec.name, key, served),
-                    f"{times[0]:.4g}",
-                    f"{times[1]:.4g}",
-                    f"{times[0] / times[1]:.3f}x",
-                )
+                row = bench_key(spec, key, info, torch_device, timer, seed)
+                table.add_row(*bench_cells(row))
+                if row.peer_note is not None:
+                    notes.append(f"{row.kernel} {short_key(row.key)}: {row.peer_note}")
     console.print(table)
+    for note in notes:
+        console.print(f"[yellow]{plain(note)}[/yellow]", soft_wrap=True)
+
+
+#: ``tune bench``'s columns, in the order :func:`bench_cells` fills them.
+BENCH_COLUMNS = ("kernel", "key", "served config", "portable ms", "ours ms", "peer", "peer ms", "vs peer")
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    """One key's live timings: the portable default, the served config (ours) and the peer."""
+
+    kernel: str
+    key: Any
+    served: dict[str, Any]
+    #: Said after the served config: " (provisional)" where a provisional winner serves it, else "".
+    mark: str
+    portable_ms: float
+    ours_ms: float
+    peer_name: str | None
+    peer_ms: float | None
+    #: Why the peer has no time where it failed, for a note under the table.
+    peer_note: str | None
+
+
+def bench_key(spec: Any, key: Any, info: Any, torch_device: Any, timer: Any, seed: int) -> BenchRow:
+    """Time the portable default, the served config and the peer on one problem of ``key``."""
+    from tritune.kernels.dispatcher import DISPATCHER
+
+    from .candidates import describe_exception
+
+    problem = spec.make_problem(key, torch_device, seed)
+    default = spec.default_config(key)
+    served = DISPATCHER.select(spec, info, key)
+    mark = provisional_mark(DISPATCHER.table(info), spec.name, key, served)
+
+    def time(fn: Any, config: Any) -> float:
+        return float(timer(fn, config=config, flush_l2=problem.flush_l2, launch_bound=problem.launch_bound))
+
+    portable_ms, ours_ms = (time(spec.prepare(c, *problem.args, **problem.kwargs), c) for c in (default, served))
+    peer_name: str | None = None
+    peer_ms: float | None = None
+    note: str | None = None
+    try:
+        peer = spec.peer(key, problem)
+        if peer is not None:
+            peer_name = peer.name
+            peer_ms = time(peer.fn, peer)
+    except Exception as exc:
+        peer_ms, note = None, f"the peer failed: {describe_exception(exc)}"
+    return BenchRow(spec.name, key, spec.space.to_dict(served), mark, portable_ms, ours_ms, peer_name, peer_ms, note)
+
+
+def bench_cells(row: BenchRow) -> list[str]:
+    """One :class:`BenchRow` as :data:`BENCH_COLUMNS`' cells (markup-safe)."""
+    return [
+        plain(row.kernel),
+        plain(short_key(row.key)),
+        plain(" ".join(f"{k}={v}" for k, v in row.served.items()) + row.mark),
+        f"{row.portable_ms:.4g}",
+        f"{row.ours_ms:.4g}",
+        "-" if row.peer_name is None else plain(row.peer_name),
+        _ms(row.peer_ms),
+        peer_ratio(row.peer_ms, row.ours_ms),
+    ]
