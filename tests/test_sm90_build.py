@@ -99,6 +99,13 @@ def _tma_default(spec: Any, key: Any) -> Any:
     return tma_default(key)
 
 
+def _ws_default(spec: Any, key: Any) -> Any:
+    """The prefill kernel's warp-specialized (Gluon) starting config at the key's head dim."""
+    from tritune.kernels.prefill.kernel import ws_default
+
+    return ws_default(key)
+
+
 def _fused_default(spec: Any, key: Any) -> Any:
     """The decode kernel's portable default with the merge fused into the split launch."""
     return dataclasses.replace(spec.default_config(key), FUSED_MERGE=True)
@@ -133,6 +140,15 @@ CASES = [
         key={"head_dim": 64, "lq_bucket": 2048},
         config={"path": "tma", "PACK_GQA": True, "SPLIT_KV": 1},
         launches=("_prefill_tma_kernel",),
+    ),
+    Case("tma_prefill", "ws-default-d128", key={"head_dim": 128}, config=_ws_default, launches=("_prefill_ws_kernel",)),
+    Case(
+        "tma_prefill",
+        "ws-default-d64-noncausal",
+        key={"head_dim": 64},
+        replace={"causal": False},
+        config=_ws_default,
+        launches=("_prefill_ws_kernel",),
     ),
     # splitk_decode: the default keys are bf16, GQA 4, one new token, B x 8 KV heads, caches 1K..128K.
     Case(
@@ -302,6 +318,7 @@ CASES = [
         "q4k_fp8_gemm",
         "int8-m4096",
         key={"k": 14336, "m_bucket": 4096},
+        replace={"fp8": True},
         config={"path": "int8", "SWAP_AB": False, "BLOCK_M": _at_least_64},
         launches=Q4K_INT8,
     ),
@@ -309,6 +326,7 @@ CASES = [
         "q4k_fp8_gemm",
         "int8-swap-m4096-bm256",
         key={"k": 14336, "m_bucket": 4096},
+        replace={"fp8": True},
         config={"path": "int8", "SWAP_AB": True, "BLOCK_M": _is_256},
         launches=Q4K_INT8,
     ),
@@ -316,6 +334,7 @@ CASES = [
         "q4k_fp8_gemm",
         "int8-swap-splitk-m16",
         key={"k": 14336, "m_bucket": 16},
+        replace={"fp8": True},
         config={"path": "int8", "SWAP_AB": True, "SPLIT_K": _more_than_one},
         launches=(*Q4K_INT8, "_splitk_reduce_kernel"),
     ),
@@ -323,7 +342,7 @@ CASES = [
         "q4k_fp8_gemm",
         "int8-m512-fp16",
         key={"k": 4096, "n": 14336, "m_bucket": 512},
-        replace={"dtype": "float16"},
+        replace={"dtype": "float16", "fp8": True},
         config={"path": "int8"},
         launches=Q4K_INT8,
     ),
@@ -569,7 +588,7 @@ def test_q4k_int8_starting_tiles_use_wgmma_without_spilling(tmp_path: Path) -> N
     from tritune.kernels.q4k.kernel import KERNEL
     from tritune.search_spaces.q4k_fp8_gemm import Int8Config, smem_bytes
 
-    keys = [k for k in KERNEL.default_keys(H200) if not k.fp8 and k.m_bucket == 4096 and k.k == 4096]
+    keys = [k for k in KERNEL.default_keys(H200) if k.fp8 and k.m_bucket == 4096 and k.k == 4096]
     starts = {c for key in keys for c in KERNEL.starting_configs(key, H200) if isinstance(c, Int8Config)}
     assert len(starts) >= 3, starts
     starts = sorted(starts, key=lambda c: (c.BLOCK_M, c.SWAP_AB))
