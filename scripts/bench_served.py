@@ -3,9 +3,10 @@
     python scripts/bench_served.py --device 0 --json served.json [--kernel K ...] [--db URL]
     python scripts/bench_served.py --compare before.json after.json [--out docs/perf/<record>.md]
 
-The first form times, for each default key of each kernel, the portable default and the config
-the dispatcher serves there (the shipped bundle, then the DB), with the tuner's own timer (medians,
-L2 flushed; graph replays where the kernel's problem says so), and writes one JSON row per key.
+The first form times, for each default key of each kernel, the portable default, the config the
+dispatcher serves there (the shipped bundle, then the DB) and the kernel's peer (the PyTorch call a
+user would make instead), with the tuner's own timer (medians, L2 flushed; graph replays where the
+kernel's problem says so), and writes one JSON row per key.
 The second joins two such files by (kernel, key) and prints a markdown table with each key's
 served time before and after and their ratio, flagging every key whose served time moved by more
 than ``--tolerance`` (3% by default): how a refactor or a re-tune is shown to keep what was served.
@@ -65,6 +66,7 @@ def measure(device_name: str, kernels: list[str], db: str | None, seed: int) -> 
                     times[label] = timer(
                         run, config=config, flush_l2=problem.flush_l2, launch_bound=problem.launch_bound
                     )
+                peer_name, peer_ms = _time_peer(spec, key, problem, timer)
                 rows.append(
                     {
                         "kernel": name,
@@ -73,14 +75,18 @@ def measure(device_name: str, kernels: list[str], db: str | None, seed: int) -> 
                         "served": spec.space.to_dict(served),
                         "portable_ms": times["portable"],
                         "served_ms": times["served"],
+                        "peer_name": peer_name,
+                        "peer_ms": peer_ms,
                     }
                 )
                 log.info(
-                    "%s %s: %.4g ms served, %.4g ms portable",
+                    "%s %s: %.4g ms served, %.4g ms portable, %s ms %s",
                     name,
                     _key_text(rows[-1]["key"]),
                     times["served"],
                     times["portable"],
+                    "-" if peer_ms is None else f"{peer_ms:.4g}",
+                    peer_name or "(no peer)",
                 )
     return {
         "device": info.slug,
@@ -92,6 +98,23 @@ def measure(device_name: str, kernels: list[str], db: str | None, seed: int) -> 
     }
 
 
+def _time_peer(spec: Any, key: Any, problem: Any, timer: Any) -> tuple[str | None, float | None]:
+    """The kernel's peer (the PyTorch call a user would make instead) timed like the configs; ``(None, None)``
+    where it names none (or predates peers), and with the name alone where it failed (logged)."""
+    make = getattr(spec, "peer", None)
+    peer = None
+    try:
+        peer = make(key, problem) if make is not None else None
+        if peer is None:
+            return None, None
+        ms = timer(peer.fn, config=peer, flush_l2=problem.flush_l2, launch_bound=problem.launch_bound)
+    except Exception as exc:
+        name = None if peer is None else peer.name
+        log.warning("%s %s: the peer %s failed: %s", spec.name, _key_text(dataclasses.asdict(key)), name, exc)
+        return name, None
+    return peer.name, float(ms)
+
+
 def compare(before: dict[str, Any], after: dict[str, Any], tolerance: float) -> str:
     def index(run: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
         return {(r["kernel"], json.dumps(r["key"], sort_keys=True)): r for r in run["rows"]}
@@ -99,10 +122,11 @@ def compare(before: dict[str, Any], after: dict[str, Any], tolerance: float) -> 
     old, new = index(before), index(after)
     lines = [
         f"Served config per default key, before and after ({after['device']}, torch {after['torch']}, "
-        f"Triton {after['triton']}). Ratio: before / after served time (above 1: faster after).",
+        f"Triton {after['triton']}). Ratio: before / after served time (above 1: faster after). "
+        "Vs peer: the peer's time after / the served time after (above 1: faster than the peer).",
         "",
-        "| kernel | key | before ms | after ms | ratio | served after | |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| kernel | key | before ms | after ms | ratio | served after | peer after | peer ms | vs peer | |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     moved = 0
     for ident in sorted(set(old) | set(new)):
@@ -111,16 +135,21 @@ def compare(before: dict[str, Any], after: dict[str, Any], tolerance: float) -> 
             row = b or a
             assert row is not None
             lines.append(
-                f"| {row['kernel']} | {_key_text(row['key'])} | | | | | only in {'after' if b else 'before'} |"
+                f"| {row['kernel']} | {_key_text(row['key'])} | | | | | | | | only in {'after' if b else 'before'} |"
             )
             continue
         ratio = a["served_ms"] / b["served_ms"]
         flag = "moved" if abs(ratio - 1) > tolerance else ""
         moved += bool(flag)
         served = " ".join(f"{k}={v}" for k, v in b["served"].items())
+        # Rows written before peers were timed have no peer fields.
+        peer_ms = b.get("peer_ms")
+        peer = f"{b.get('peer_name') or ''} | {'' if peer_ms is None else f'{peer_ms:.4g}'} | " + (
+            "" if peer_ms is None else f"{peer_ms / b['served_ms']:.2f}x"
+        )
         lines.append(
             f"| {b['kernel']} | {_key_text(b['key'])} | {a['served_ms']:.4g} | {b['served_ms']:.4g} | {ratio:.3f} "
-            f"| {served} | {flag} |"
+            f"| {served} | {peer} | {flag} |"
         )
     lines += ["", f"{moved} of {len(set(old) & set(new))} keys moved by more than {tolerance:.0%}."]
     return "\n".join(lines) + "\n"
