@@ -202,6 +202,19 @@ def test_no_ws_starting_configs_off_sm90():
     assert TUNING.starting_configs(_key(arch="cpu-interpreter"), interpreter_device()) == []
 
 
+def test_ws_descriptors_match_the_checked_constructor():
+    """The launch builds its descriptors without the class's checks (the facts made them): the
+    result must be what the checked constructor builds, on a [B, L, H, D] view too."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    q_layout, _ = prefill_launch._ws_layouts(BF16, 64, 128, 128)
+    assert prefill_launch._ws_layouts(BF16, 64, 128, 128)[0] is q_layout
+    for t in (torch.empty(2, 4, 96, 128, dtype=BF16), torch.empty(2, 96, 4, 128, dtype=BF16).transpose(1, 2)):
+        fast = prefill_launch._ws_descriptor(t, [1, 1, 64, 128], q_layout)
+        checked = TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 64, 128], q_layout)
+        assert dataclasses.asdict(fast) == dataclasses.asdict(checked)
+
+
 # ---- the sm_90 build ------------------------------------------------------------------------
 
 
