@@ -7,8 +7,9 @@ register A operand), the staged path (the fold kernel's weights, chunk by chunk,
 fp8 GEMM), the int8 kernel (folded weights and activations as int8 with one scale per row, int8
 tensor-core dots) and the GEMV for decode-sized M (integer dot products on the CUDA cores).
 
-The fp8 and staged paths miss ggml's Q4_K accuracy bound (NMSE <= 5e-4): they are feasible only
-at keys with ``fp8=True`` (the ``TRITUNE_Q4K_FP8`` opt-in); the others meet it. A field keeps
+The fp8, staged and int8 paths miss ggml's Q4_K accuracy bound (NMSE <= 5e-4) on model-like
+activations: they are feasible only at keys with ``fp8=True`` (the ``TRITUNE_Q4K_FP8`` opt-in);
+the portable and GEMV paths meet it. A field keeps
 its name and choices on every path that has it, so the sampler's view (the union of the members'
 fields) and stored configs mean what they meant. Within the fp8 member a field that leaves the
 launch unchanged is pruned as a duplicate (``SWAP_AB`` without ``SCALE_FOLD``), ``BLOCK_M=256``
@@ -123,8 +124,10 @@ class Int8Config:
     """The int8 path (SM80+ int8 tensor cores; wgmma on SM90): the folded weights ``d*sc*q - dmin*m``
     (the fold kernel's values, before its e4m3 rounding) as int8 with one scale per weight row,
     against x as int8 with one scale per row; ``tl.dot`` accumulates int32 over the whole K loop
-    and both scales apply once after it. Accurate: about 37 dB on Gaussian data, above ggml's
-    Q4_K bound (see :mod:`tritune.kernels.q4k._triton_int8`)."""
+    and both scales apply once after it. 37-39 dB on Gaussian activations, but one scale per row
+    of x leaves few levels to the other values of a row with outlier channels or heavy tails
+    (28.5 and 32.8 dB): below ggml's Q4_K bound on model-like activations, so part of the fp8
+    opt-in (see :mod:`tritune.kernels.q4k._triton_int8`)."""
 
     path: str = choice("int8", ("int8",))
     #: 256 only with SWAP_AB, where it is wgmma's widest N (m64n256).
@@ -180,10 +183,10 @@ class Q4KShape(Protocol):
     def fp8(self) -> bool: ...
 
 
-#: Why the fp8 and staged paths cannot serve a key without the opt-in.
+#: Why the fp8, staged and int8 paths cannot serve a key without the opt-in.
 FP8_OPT_IN_REASON = (
-    "the fp8 and staged paths miss ggml's Q4_K accuracy bound (NMSE <= 5e-4); "
-    "they serve only with TRITUNE_Q4K_FP8=1 (keys with fp8=True)"
+    "the fp8, staged and int8 paths miss ggml's Q4_K accuracy bound (NMSE <= 5e-4) on model-like "
+    "activations; they serve only with TRITUNE_Q4K_FP8=1 (keys with fp8=True)"
 )
 
 
@@ -268,6 +271,8 @@ def int8_feasibility(config: Int8Config, key: Q4KShape, limits: TargetLimits) ->
     register and shared-memory rules apply (``tests/test_sm90_build.py`` builds its starting
     tiles for sm_90).
     """
+    if not key.fp8:
+        return FP8_OPT_IN_REASON
     if config.BLOCK_M == 256 and not config.SWAP_AB:
         return "BLOCK_M=256 only for the swapped kernel (SWAP_AB), where it is wgmma's N side"
     return _folded_reason(config, key, limits, folded=True)

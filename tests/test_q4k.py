@@ -3,7 +3,11 @@
 CPU tier: the kernels run on the Triton interpreter at tiny shapes. GPU tier (``gpu`` marker): the
 same checks over larger K and the Llama-3-8B shapes. The weight format is ``test_q4k_format.py``'s,
 the config space, defaults and tuning half ``test_q4k_space.py``'s, the argument checks
-``test_q4k_checks.py``'s.
+``test_q4k_checks.py``'s, each path against ggml's accuracy bound and the fp8 opt-in
+``test_q4k_accuracy.py``'s and ``test_q4k_opt_in.py``'s.
+
+Every test here runs with the fp8 opt-in (``TRITUNE_Q4K_FP8``): they pin every path, the fp8 and
+staged ones included, which serve only with it.
 """
 
 from __future__ import annotations
@@ -13,12 +17,19 @@ import dataclasses
 import pytest
 import torch
 
-from tritune.kernels import Q4KWeight, q4k_linear, use_config
+from tritune.kernels import Q4KWeight, q4k_linear, settings, use_config
 from tritune.kernels.device import device_info
 from tritune.kernels.q4k import launch as q4k_launch
 from tritune.kernels.q4k.kernel import KERNEL, Q4KKey
 from tritune.kernels.q4k.reference import MIN_SQNR_DB, check_path, q4k_linear_reference, sqnr_db
 from tritune.search_spaces.q4k_fp8_gemm import SPACE, Fp8Config, StagedConfig
+
+
+@pytest.fixture(autouse=True)
+def fp8_opt_in():
+    with settings.override(q4k_fp8=True):
+        yield
+
 
 # ---- the GEMM --------------------------------------------------------------------------------
 
@@ -43,6 +54,8 @@ class Case:
     def __str__(self) -> str:
         dt = "bf16" if self.dtype == torch.bfloat16 else "fp16"
         path = ("fp8-fold-swap" if self.swap else "fp8-fold") if self.fold else self.path
+        if self.path == "int8" and self.swap:
+            path = "int8-swap"
         if self.path == "staged":
             path = f"staged-chunk{self.chunk}"
         return (
@@ -96,6 +109,16 @@ CPU_CASES = [
     Case("gemv", 8, 1024, 37, split_k=4),
     Case("gemv", 17, 1024, 65, split_k=2, bias=True, block_k=128),
     Case("gemv", 5, 512, 33, dtype=torch.float16, bias=True, block_k=32),
+    # The int8 path, plain and swapped: bias, splits straddling super-blocks, odd M and N, fp16,
+    # grouped tile order.
+    Case("int8", 1, 256, 37),
+    Case("int8", 3, 768, 37, bias=True, swap=True),
+    Case("int8", 16, 768, 37, split_k=4),
+    Case("int8", 17, 768, 65, split_k=2, block_k=128, bias=True, swap=True),
+    Case("int8", 64, 768, 64, block_k=32),
+    Case("int8", 257, 256, 37, block_k=128, swap=True),
+    Case("int8", 5, 512, 33, dtype=torch.float16, bias=True),
+    Case("int8", 257, 256, 70, group_m=4, swap=True),
 ]
 
 # (path, SCALE_FOLD, SWAP_AB) of each kernel the GEMM can run.
@@ -105,8 +128,10 @@ MODES = [
     ("fp8", True, False),
     ("fp8", True, True),
     ("gemv", False, False),
+    ("int8", False, False),
+    ("int8", False, True),
 ]
-MODE_IDS = ["portable", "fp8", "fp8-fold", "fp8-fold-swap", "gemv"]
+MODE_IDS = ["portable", "fp8", "fp8-fold", "fp8-fold-swap", "gemv", "int8", "int8-swap"]
 
 GPU_CASES = [
     Case(path, m, k, n, split_k=split, block_k=bk, bias=bias, fold=fold, swap=swap)
@@ -209,6 +234,8 @@ class _KernelSpy:
             q4k_launch._splitk_reduce_kernel: "reduce",
             q4k_launch._staged_prepass_kernel: "prepass",
             q4k_launch._q4k_dequant_fp8_kernel: "dequant",
+            q4k_launch._int8_prepass_kernel: "quantize-int8",
+            q4k_launch._q4k_gemm_int8_kernel: "int8",
         }
         assert set(names) == set(q4k_launch.JIT_KERNELS)
 
@@ -227,7 +254,9 @@ class _KernelSpy:
             # The GEMM of each chunk is cuBLASLt's (torch._scaled_mm), not a Triton launch.
             return ["prepass"] + ["dequant"] * chunks
         fp8 = ("fp8-fold-swap" if swap else "fp8-fold") if fold else "fp8"
-        gemm = {"fp8": ["quantize", fp8], "gemv": ["quantize-gemv", "gemv"]}.get(path, ["portable"])
+        int8 = "int8-swap" if swap else "int8"
+        gemm = {"fp8": ["quantize", fp8], "gemv": ["quantize-gemv", "gemv"], "int8": ["quantize-int8", int8]}
+        gemm = gemm.get(path, ["portable"])
         return gemm + (["reduce"] if split_k > 1 else [])
 
 
@@ -290,11 +319,13 @@ def test_gemm_matches_reference_gpu(case, record_property, kernel_spy):
 @pytest.mark.parametrize(("path", "fold", "swap"), MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("m", [1, 16, 256, 4096])
 def test_llama_shapes_gpu(path, fold, swap, m, record_property):
-    """The dispatcher's default (portable), the fp8 path's default and the GEMV (pinned at every M:
-    beyond one row it spills but must stay correct) on the Llama-3-8B MLP shape."""
+    """The dispatcher's default (portable), the fp8 and int8 paths' defaults and the GEMV (pinned at
+    every M: beyond one row it spills but must stay correct) on the Llama-3-8B MLP shape."""
     case = Case(path, m, 4096, 14336, fold=fold, swap=swap)
     x, weight, _ = _problem(case, "cuda")
     config = {"path": path, "SCALE_FOLD": fold, "SWAP_AB": swap} if path == "fp8" else {}
+    if path == "int8":
+        config = {"path": "int8", "SWAP_AB": swap}
     if path == "gemv":
         config = {"path": "gemv", "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 1}
     if config:
@@ -581,8 +612,8 @@ def _activations(kind: str, m: int, k: int, gen: torch.Generator) -> torch.Tenso
 @pytest.mark.parametrize("kind", ["gaussian", "outlier-channels", "silu-gated"])
 @pytest.mark.parametrize(("path", "fold", "swap"), MODES[1:], ids=MODE_IDS[1:])
 def test_quantized_modes_on_realistic_activations(kind, path, fold, swap, device, record_property):
-    """Gaussian Q4_K weights against activations shaped like a model's: every fp8 mode and the
-    GEMV (int8 x) hold their floors."""
+    """Gaussian Q4_K weights against activations shaped like a model's: every fp8 mode, the GEMV
+    (int8 x per sub-block) and the int8 path (int8 x per row) hold their floors."""
     gen = torch.Generator().manual_seed(16)
     m, n, k = 16, 64, 768
     weight = Q4KWeight.quantize(torch.randn(n, k, generator=gen) * 0.02).to(device)

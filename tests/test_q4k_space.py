@@ -325,12 +325,17 @@ def test_serve_falls_back_where_a_path_cannot_run(fp8_opt_in):
     assert KERNEL.serveable(int8, turing, facts).path == "portable"
 
 
-def test_without_the_opt_in_fp8_and_staged_pins_do_not_serve(caplog):
-    """A pinned fp8 or staged config without TRITUNE_Q4K_FP8 is replaced by the portable default,
-    with one warning naming the setting; the accurate paths serve as pinned."""
+def test_without_the_opt_in_8_bit_pins_do_not_serve(caplog):
+    """A pinned fp8, staged or int8 config without TRITUNE_Q4K_FP8 is replaced by the portable
+    default, with one warning naming the setting; the accurate paths serve as pinned."""
     facts = _facts(4096, 14336, 4096)
     default = KERNEL.default_config(key_for(H200, facts))
-    pins = [{"path": "fp8"}, {"path": "fp8", "SCALE_FOLD": True, "SWAP_AB": True}, {"path": "staged"}]
+    pins = [
+        {"path": "fp8"},
+        {"path": "fp8", "SCALE_FOLD": True, "SWAP_AB": True},
+        {"path": "staged"},
+        {"path": "int8", "SWAP_AB": True},
+    ]
     with caplog.at_level("WARNING", logger="tritune"):
         for pin in pins:
             config = KERNEL.pinned_config(pin)
@@ -338,23 +343,22 @@ def test_without_the_opt_in_fp8_and_staged_pins_do_not_serve(caplog):
             assert KERNEL.serveable(config, H200, facts) == default, pin
     warned = [r.getMessage() for r in caplog.records if "TRITUNE_Q4K_FP8=1" in r.getMessage()]
     assert len(warned) == len(pins), warned
-    for accurate in (Int8Config(BLOCK_M=128, BLOCK_N=128), GemvConfig(), PortableConfig(BLOCK_M=128)):
+    for accurate in (GemvConfig(), PortableConfig(BLOCK_M=128)):
         assert KERNEL.serveable(accurate, H200, facts) == accurate
 
 
-def test_fp8_and_staged_are_infeasible_at_accurate_keys():
-    """At a key without the opt-in the tuner never tries the fp8 and staged paths and the
+def test_8_bit_paths_are_infeasible_at_accurate_keys():
+    """At a key without the opt-in the tuner never tries the fp8, staged and int8 paths and the
     dispatcher never admits a stored winner of theirs; the accurate paths keep their configs."""
     limits = KERNEL.limits(H200)
     for m in (1, 16, 512, 4096):
         accurate, opt_in = _key(m, fp8=False), _key(m, fp8=True)
         paths = {c.path for c in SPACE.feasible(accurate, limits)}
-        assert paths.isdisjoint({"fp8", "staged"}), m
-        assert {"portable", "int8"} <= paths, m
+        assert paths == ({"portable", "gemv"} if m == 1 else {"portable"}), m
         opt_in_feasible = set(SPACE.feasible(opt_in, limits))
         assert set(SPACE.feasible(accurate, limits)) <= opt_in_feasible
-        assert "fp8" in {c.path for c in opt_in_feasible}
-    for config in (Fp8Config(), StagedConfig()):
+        assert {"fp8", "int8"} <= {c.path for c in opt_in_feasible}
+    for config in (Fp8Config(), StagedConfig(), Int8Config()):
         assert "TRITUNE_Q4K_FP8=1" in SPACE.infeasible_reason(config, _key(4096, fp8=False), limits)
 
 
@@ -367,7 +371,7 @@ def test_the_opt_in_key_falls_back_to_the_accurate_key():
 def test_int8_rules():
     """The folded kernel's tile rules: BLOCK_M=256 with SWAP_AB only, 64 weight rows per warpgroup
     when swapped, the register estimate of the float32 weight tile; any M, dtype and N."""
-    key = _key(4096, fp8=False)
+    key = _key(4096)
     swapped = Int8Config(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, SWAP_AB=True)
     assert SPACE.infeasible_reason(swapped, key, LIMITS) is None
     assert "BLOCK_M=256" in SPACE.infeasible_reason(dataclasses.replace(swapped, SWAP_AB=False), key, LIMITS)
@@ -376,9 +380,7 @@ def test_int8_rules():
     wide = Int8Config(BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, num_warps=4, SWAP_AB=True)
     assert "weight tile" in SPACE.infeasible_reason(wide, key, LIMITS)
     assert (
-        SPACE.infeasible_reason(
-            Int8Config(BLOCK_M=128, BLOCK_N=128, num_warps=8), _key(4096, dtype="float16", fp8=False), LIMITS
-        )
+        SPACE.infeasible_reason(Int8Config(BLOCK_M=128, BLOCK_N=128, num_warps=8), _key(4096, dtype="float16"), LIMITS)
         is None
     )
     assert "SPLIT_K" in SPACE.infeasible_reason(Int8Config(SPLIT_K=2), key, LIMITS)
@@ -399,12 +401,13 @@ def test_check_holds_each_path_to_its_floor():
     signal = torch.randn(64, 64, dtype=torch.float64)
     noise = torch.randn(64, 64, dtype=torch.float64)
     noise *= (signal.square().sum() / noise.square().sum()).sqrt()
-    for path in ("portable", "gemv", "int8"):
+    for path in ("portable", "gemv"):
         assert MIN_SQNR_DB[path] >= -10 * math.log10(GGML_MAX_NMSE) - 0.02
-    assert KERNEL.check(signal + noise * 10 ** (-35 / 20), signal, problem, Int8Config()) is None
-    too_noisy = KERNEL.check(signal + noise * 10 ** (-32 / 20), signal, problem, Int8Config())
+    assert KERNEL.check(signal + noise * 10 ** (-35 / 20), signal, problem, GemvConfig()) is None
+    too_noisy = KERNEL.check(signal + noise * 10 ** (-32 / 20), signal, problem, GemvConfig())
     assert too_noisy is not None and "33 dB" in too_noisy
-    assert KERNEL.check(signal + noise * 10 ** (-32 / 20), signal, problem, Fp8Config()) is None
+    for opt_in in (Fp8Config(), Int8Config(), StagedConfig()):
+        assert KERNEL.check(signal + noise * 10 ** (-32 / 20), signal, problem, opt_in) is None
 
 
 # ---- the tuner's starting configs ------------------------------------------------------------
@@ -413,8 +416,8 @@ def test_check_holds_each_path_to_its_floor():
 def test_starting_configs_follow_the_rules_the_space_admits():
     """On an H200: one row of x starts from GEMV tiles split toward four programs per SM; every
     opt-in key from swapped folded fp8 tiles (16-row x tiles at small M, 256 and 128 rows at large
-    M); large M from int8 tiles (swapped 256 and 128 rows, one plain 128x128) and, at opt-in keys,
-    the two largest staged chunks the key admits. Accurate keys get no fp8 or staged start. Before
+    M); large M from int8 tiles (swapped 256 and 128 rows, one plain 128x128) and the two largest
+    staged chunks the key admits. Accurate keys get none of these 8-bit tensor-core starts. Before
     Hopper only the GEMV tiles remain; the interpreter gets none."""
     limits = KERNEL.limits(H200)
     keys = [k for k in KERNEL.default_keys(H200) if k.m_bucket in (1, 16, 64, 512, 4096)]
@@ -429,10 +432,10 @@ def test_starting_configs_follow_the_rules_the_space_admits():
         if key.fp8:
             assert max(c.BLOCK_M for c in fold) == {1: 16, 16: 16, 64: 64, 512: 256, 4096: 256}[key.m_bucket]
         else:
-            assert not fold and not any(isinstance(c, StagedConfig) for c in starts), key
+            assert {c.path for c in starts} <= {"gemv"}, key
         int8 = [c for c in starts if isinstance(c, Int8Config)]
         assert {(c.BLOCK_M, c.SWAP_AB) for c in int8} == (
-            {(256, True), (128, True), (128, False)} if key.m_bucket > 64 else set()
+            {(256, True), (128, True), (128, False)} if key.m_bucket > 64 and key.fp8 else set()
         )
         staged = sorted(c.CHUNK_N for c in starts if isinstance(c, StagedConfig))
         # Chunks of at most half the weight rows.

@@ -5,10 +5,11 @@ The declaration (:data:`KERNEL`) gives the call's checks (each error names the a
 key, the portable defaults by M bucket and the last-moment path eligibility.
 
 Accuracy contract: by default only the paths that meet ggml's Q4_K bound (NMSE <= 5e-4 against
-the exactly dequantized product: portable, GEMV, int8) serve. ``TRITUNE_Q4K_FP8=1`` opts in to
-the faster fp8 and staged paths (about 28.5-33 dB); its calls get keys with ``fp8=True``, where
-those paths are feasible, and where such a key has no winner of its own the accurate key's winner
-serves (:func:`accurate_key`, the declaration's ``fallback_key``).
+the exactly dequantized product, on model-like activations too: portable and GEMV) serve.
+``TRITUNE_Q4K_FP8=1`` opts in to the faster 8-bit tensor-core paths (fp8, staged, int8: 28.5-39
+dB by path and activations); its calls get keys with ``fp8=True``, where those paths are
+feasible, and where such a key has no winner of its own the accurate key's winner serves
+(:func:`accurate_key`, the declaration's ``fallback_key``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ log = logging.getLogger("tritune.dispatch")
 #: Key dtype names (stored bundle keys spell them out) of the facts' short dtype names.
 _KEY_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 #: The paths below ggml's accuracy bound, served only with the opt-in.
-_FP8_PATHS = ("fp8", "staged")
+_FP8_PATHS = ("fp8", "staged", "int8")
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,8 @@ class Q4KKey(TuningKey):
     m_bucket: int
     n: int
     k: int
-    #: The fp8 opt-in (``TRITUNE_Q4K_FP8``): True admits the fp8 and staged paths, which miss
-    #: ggml's Q4_K accuracy bound; False admits only the paths that meet it.
+    #: The fp8 opt-in (``TRITUNE_Q4K_FP8``): True admits the fp8, staged and int8 paths, which
+    #: miss ggml's Q4_K accuracy bound; False admits only the paths that meet it.
     fp8: bool
 
     BUCKETS: ClassVar[tuple[str, ...]] = ("m_bucket",)
@@ -109,14 +110,14 @@ def default_config(key: Q4KKey) -> PortableConfig:
     return PortableConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=group_m, num_warps=8, num_stages=3)
 
 
-#: Pinned fp8 and staged configs already warned about: one warning each per process.
+#: Pinned configs of the opt-in paths already warned about: one warning each per process.
 _warned_opt_in: set[Q4KConfig] = set()
 
 
 def serve(config: Q4KConfig, device: DeviceInfo, facts: Any) -> Q4KConfig:
-    """The fp8 and staged paths serve only with the opt-in (``TRITUNE_Q4K_FP8=1``; a stored winner
-    of theirs is infeasible at a key without it, so only a pin gets here, with a warning naming
-    the setting). The fp8 path needs e4m3 tensor cores (SM89+, every built arch) or the
+    """The fp8, staged and int8 paths serve only with the opt-in (``TRITUNE_Q4K_FP8=1``; a stored
+    winner of theirs is infeasible at a key without it, so only a pin gets here, with a warning
+    naming the setting). The fp8 path needs e4m3 tensor cores (SM89+, every built arch) or the
     interpreter; the staged path needs row-wise scaled fp8 GEMMs (SM90+ or the interpreter's CPU
     ``_scaled_mm``), a bf16 x and N, K multiples of 16; the int8 path int8 tensor cores (SM80+) or
     the interpreter. Otherwise the key's portable default serves.
@@ -189,8 +190,8 @@ def q4k_linear(
     """``x @ W^T + bias`` for a Q4_K weight ``W`` ``[N, K]``; ``x`` is ``[..., K]`` bf16 or fp16.
 
     The result is ``[..., N]`` in x's dtype, written to ``out`` when given (contiguous, sharing no
-    memory with x, bias or the weight). The config (portable, int8, GEMV, or with
-    ``TRITUNE_Q4K_FP8=1`` also fp8 or staged path, tiles, split-K) comes from the dispatcher for
+    memory with x, bias or the weight). The config (portable or GEMV path, with
+    ``TRITUNE_Q4K_FP8=1`` also fp8, staged or int8, tiles, split-K) comes from the dispatcher for
     this GPU, M bucket, N, K and the opt-in.
     """
     return KERNEL.call(x, weight, bias, out)  # type: ignore[no-any-return]

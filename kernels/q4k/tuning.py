@@ -116,8 +116,8 @@ class Q4KTuning(KernelTuning):
         - at large M on SM90+, int8 tiles as the swapped fp8 ones (the same loop with int8
           operands, register-A wgmma) and one unswapped 128x128 tile.
 
-        The fp8 and staged starts are dropped at accurate keys (``fp8=False``), where the space
-        makes them infeasible.
+        The fp8, staged and int8 starts are dropped at accurate keys (``fp8=False``), where the
+        space makes them infeasible.
         """
         if device.is_interpreter:
             return []
