@@ -1,5 +1,6 @@
 """Online tuning (TRITUNE_JIT) on the toy kernel: sync and background tunes of a missed key, what
-stops them (capture, tracing, budgets, a missing tuner), two processes, a crashing candidate."""
+stops them (capture, tracing, budgets, a missing tuner), two processes, a crashing candidate; on a
+GPU, a decode key tuned online against the same key tuned offline."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import toy_kernel
 from tritune.configs_db.store import ConfigStore
 from tritune.kernels import jit, misses, registry, settings
 from tritune.kernels.device import device_info
-from tritune.kernels.dispatcher import DISPATCHER, dispatch_config, reload_configs
+from tritune.kernels.dispatcher import DISPATCHER, dispatch_config, reload_configs, use_config
 from tritune.search_spaces.base import SearchSpace, choice
 from tritune.tuner import jit as tuner_jit
 from tritune.tuner.candidates import FAILED_RUNTIME
@@ -123,6 +124,7 @@ CALLER = textwrap.dedent(
 )
 
 
+@pytest.mark.interpreter
 def test_sync_tunes_a_missed_key_on_its_first_call_and_a_fresh_process_serves_it():
     with settings.override(jit="sync", jit_trials=6):
         served = _served(200)
@@ -150,6 +152,7 @@ def test_sync_tunes_a_missed_key_on_its_first_call_and_a_fresh_process_serves_it
     assert fresh == {"served": served, "imported": []}, "the stored winner serves; nothing tunes or imports the tuner"
 
 
+@pytest.mark.interpreter
 def test_background_serves_at_once_and_the_winner_takes_effect_when_the_worker_reports(monkeypatch):
     monkeypatch.setattr(jit, "WORKER_ARGS", ["--timer", f"{__name__}:SlowTimer", "--no-isolate"])
     with settings.override(jit="background", jit_trials=6, jit_key_seconds=60.0):
@@ -169,6 +172,7 @@ def test_background_serves_at_once_and_the_winner_takes_effect_when_the_worker_r
     assert len([r for r in _trials(256) if r.status != "pruned"]) == 6
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("context", ["graph capture", "compile tracing"])
 def test_nothing_is_tuned_under_capture_or_tracing_only_the_miss_is_noted(monkeypatch, context):
     if context == "graph capture":
@@ -195,6 +199,7 @@ def test_nothing_is_tuned_under_capture_or_tracing_only_the_miss_is_noted(monkey
         assert _served(200) != PORTABLE
 
 
+@pytest.mark.interpreter
 def test_two_processes_missing_one_key_tune_it_once(tmp_path):
     go = tmp_path / "go"
     script = CALLER + textwrap.dedent(
@@ -235,6 +240,7 @@ def test_two_processes_missing_one_key_tune_it_once(tmp_path):
     assert len(rows) == len({tuple(r.config.items()) for r in rows}) <= 5 + 1
 
 
+@pytest.mark.interpreter
 def test_a_crashing_candidate_is_a_failed_trial_of_its_own(monkeypatch):
     monkeypatch.setattr(tuner_jit, "TIMER", toy_kernel.CostTimer())
     monkeypatch.setattr(tuner_jit, "ISOLATE", True)
@@ -246,12 +252,14 @@ def test_a_crashing_candidate_is_a_failed_trial_of_its_own(monkeypatch):
     assert served == _winner(256, CRASHING).config == {"BLOCK": 64, "ACTION": "none"}
 
 
+@pytest.mark.interpreter
 def test_the_trial_budget_bounds_a_key():
     with settings.override(jit="sync", jit_trials=3):
         _served(200)
     assert len([r for r in _trials(256) if r.status != "pruned"]) == 3
 
 
+@pytest.mark.interpreter
 def test_the_seconds_budget_bounds_a_key(monkeypatch):
     monkeypatch.setattr(tuner_jit, "TIMER", SlowTimer())
     with settings.override(jit="sync", jit_trials=20, jit_key_seconds=0.5):
@@ -262,6 +270,7 @@ def test_the_seconds_budget_bounds_a_key(monkeypatch):
     assert 1 <= len(measured) < 8 and spent < 10
 
 
+@pytest.mark.interpreter
 def test_the_process_budget_stops_online_tuning(caplog):
     budget = settings.override(jit="sync", jit_trials=3, jit_total_seconds=0.01)
     with budget, caplog.at_level(logging.INFO, logger="tritune.jit"):
@@ -273,6 +282,7 @@ def test_the_process_budget_stops_online_tuning(caplog):
     assert len([r for r in caplog.records if "budget" in r.getMessage()]) == 1
 
 
+@pytest.mark.interpreter
 def test_a_key_is_attempted_once_per_process(monkeypatch):
     attempts = []
 
@@ -288,6 +298,7 @@ def test_a_key_is_attempted_once_per_process(monkeypatch):
     assert attempts == [_key(256)]
 
 
+@pytest.mark.interpreter
 def test_a_missing_tuner_warns_once_and_serves_on(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "tritune.tuner.jit", None)
     with settings.override(jit="sync"), caplog.at_level(logging.WARNING, logger="tritune.jit"):
@@ -297,6 +308,7 @@ def test_a_missing_tuner_warns_once_and_serves_on(monkeypatch, caplog):
     assert len(warnings) == 1 and "pip install 'tritune[tune]'" in warnings[0]
 
 
+@pytest.mark.interpreter
 def test_background_without_the_tuner_warns_once_and_starts_no_worker(monkeypatch, caplog):
     monkeypatch.setattr(jit, "_tuner_missing", lambda: ["optuna"])
     monkeypatch.setattr(jit, "BackgroundWorker", None)
@@ -307,20 +319,41 @@ def test_background_without_the_tuner_warns_once_and_starts_no_worker(monkeypatc
     assert len(warnings) == 1 and "pip install 'tritune[tune]'" in warnings[0]
 
 
-def test_off_never_imports_online_tuning():
-    script = CALLER + textwrap.dedent(
-        """
+@pytest.mark.interpreter
+def test_the_runtime_without_optuna_serves_off_and_warns_once_when_on():
+    """A fresh process where Optuna cannot be imported: off imports nothing of online tuning; sync
+    says once what to install and serves on."""
+    script = (
+        "import sys\nsys.modules['optuna'] = None\n"
+        + CALLER
+        + textwrap.dedent(
+            """
+        import logging
+        from tritune.kernels import settings
         dispatch_config("toy_scale", "cpu", -1, facts)
-        print(json.dumps(sorted(m for m in ("tritune.kernels.jit", "tritune.tuner") if m in sys.modules)))
+        off = sorted(m for m in ("tritune.kernels.jit", "tritune.tuner.jit") if m in sys.modules)
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        logging.getLogger("tritune.jit").addHandler(handler)
+        with settings.override(jit="sync"):
+            for n in (4000, 9000):
+                config = dispatch_config("toy_scale", "cpu", -1, tuple(toy_kernel.SPEC.facts(torch.randn(n))))
+        print(json.dumps({"off": off, "served": toy_kernel.SPEC.space.to_dict(config),
+                          "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING]}))
         """
+        )
     )
     out = subprocess.run(
         [sys.executable, "-c", script], env=_environment(TRITUNE_JIT="off"), capture_output=True, text=True,
         timeout=120, check=True,
     )  # fmt: skip
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["off"] == [] and result["served"] == PORTABLE
+    assert len(result["warnings"]) == 1 and "pip install 'tritune[tune]'" in result["warnings"][0]
 
 
+@pytest.mark.interpreter
 def test_an_online_winner_is_admitted_for_the_kernels_other_keys_too():
     """Admitted in memory: the kernel's near buckets borrow it without a reload of the DB."""
     # Bucket 512 is not tuned itself.
@@ -331,3 +364,99 @@ def test_an_online_winner_is_admitted_for_the_kernels_other_keys_too():
         # Bucket 512 resolved before the tune; one bucket away, it now borrows the online winner.
         assert _served(300) == tuned != portable_nearby == PORTABLE
         assert DISPATCHER.table(CPU).exact[(SPEC.name, _key(256))].config == SPEC.space.parse(tuned)
+
+
+@pytest.mark.interpreter
+def test_online_tunes_of_one_process_share_one_bench(monkeypatch):
+    """The device's own timer and bench are made once: a worker process is started once per process."""
+    monkeypatch.setattr(tuner_jit, "TIMER", None)
+    with settings.override(jit="sync", jit_trials=2):
+        _served(200)
+        _served(2000)
+    assert len(_trials(256)) >= 2 and len(_trials(2048)) >= 2
+    assert len(tuner_jit._benches) == 1
+
+
+# ---- GPU tier ------------------------------------------------------------------------------------
+
+
+def _decode_case(lmax: int, batch: int = 1):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, 32, 1, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(batch, 8, lmax, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(batch, 8, lmax, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return q, k, v, torch.full((batch,), lmax, device="cuda", dtype=torch.int32)
+
+
+def _decode_key(q, k, v, kv_len) -> tuple:
+    from tritune.kernels.decode.kernel import KERNEL
+
+    return KERNEL, KERNEL.key_for(device_info(q.device), tuple(KERNEL.facts(q, k, v, kv_len)))
+
+
+@pytest.mark.gpu
+def test_gpu_capture_never_tunes_and_the_next_eager_call_does(monkeypatch):
+    from tritune.kernels import decode_attention
+
+    monkeypatch.setattr(tuner_jit, "TIMER", None)
+    monkeypatch.setattr(tuner_jit, "ISOLATE", True)
+    q, k, v, kv_len = _decode_case(4096)
+    kernel, key = _decode_key(q, k, v, kv_len)
+    out = torch.empty_like(q)
+    with settings.override(jit="sync", jit_trials=4, jit_key_seconds=30.0):
+        # Compiled outside the capture; pinned, so this call is no miss.
+        with use_config(kernel.name, kernel.space.to_dict(kernel.default_config(key))):
+            decode_attention(q, k, v, kv_len, out=out)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            decode_attention(q, k, v, kv_len, out=out)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not jit.ONLINE.attempted and _winner_of(kernel, key) is None
+        decode_attention(q, k, v, kv_len, out=out)
+    assert (kernel.name, device_info(q.device).slug, key) in jit.ONLINE.attempted
+    assert _winner_of(kernel, key) is not None
+
+
+def _winner_of(spec, key):
+    with ConfigStore(settings.settings().db_url) as store:
+        found = [w for w in store.winners(kernel=spec.name) if w.key == key.to_dict()]
+    return found[0] if found else None
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize(("lmax", "batch"), [(16384, 1), (32768, 8)], ids=["B1-16K", "B8-32K"])
+def test_gpu_online_tune_against_offline_tune(tmp_path, monkeypatch, lmax, batch):
+    """The evidence run: seconds one online tune of a decode key takes with the default budget, and the
+    speedup it reaches against ``tune``'s default 40 trials on the same key (printed; ``-s`` shows it)."""
+    from tritune.kernels import decode_attention
+    from tritune.tuner.study import KeyTuner, TuneOptions
+    from tritune.tuner.timing import GpuTimer
+
+    monkeypatch.setattr(tuner_jit, "TIMER", None)
+    monkeypatch.setattr(tuner_jit, "ISOLATE", True)
+    q, k, v, kv_len = _decode_case(lmax, batch)
+    kernel, key = _decode_key(q, k, v, kv_len)
+    with settings.override(jit="sync"):
+        current = settings.settings()
+        started = time.monotonic()
+        decode_attention(q, k, v, kv_len)
+        online_s = time.monotonic() - started
+        online = _winner_of(kernel, key)
+    assert online is not None
+    offline_url = f"sqlite:///{tmp_path / 'offline.sqlite'}"
+    info = device_info(q.device)
+    with ConfigStore(offline_url) as store:
+        started = time.monotonic()
+        offline = KeyTuner(kernel, key, info, q.device, store, environment_id(store, info), GpuTimer(),
+                           TuneOptions(trials=40, isolate=True)).run()  # fmt: skip
+        offline_s = time.monotonic() - started
+    print(
+        f"\n{kernel.name} B={batch} L={lmax}: online {online.speedup:.3f}x in {online_s:.1f} s "
+        f"({online.trials} trials, budget {current.jit_trials} trials / {current.jit_key_seconds:g} s); "
+        f"offline {offline.speedup:.3f}x in {offline_s:.1f} s ({offline.measured + offline.reused} trials)"
+    )
+    # Both gated and timed the same way: neither may be slower than the portable default.
+    assert online.speedup >= 1.0 and offline.speedup >= 1.0

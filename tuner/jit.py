@@ -135,7 +135,7 @@ def _tune_claimed(
         if stored is not None:
             return JitResult(FOUND, stored, time.monotonic() - started)
         options = TuneOptions(trials=trials, time_budget_s=seconds, seed=seed, isolate=ISOLATE, trial_timeout_s=seconds)
-        timer = TIMER if TIMER is not None else timer_for(torch_device)
+        timer = TIMER if TIMER is not None else _device_timer(torch_device)
         log.info("%s %s: tuning online (%d trials, %g s)", spec.name, _short(key), trials, seconds)
         tuner = KeyTuner(
             spec,
@@ -224,7 +224,17 @@ def _short(key: TuningKey) -> str:
 # ---- one bench per process --------------------------------------------------------------------
 
 _benches: dict[tuple[str, int, bool], Bench] = {}
+#: The device's own timer, one per device: a bench is kept per timer.
+_timers: dict[str, Timer] = {}
 _benches_lock = threading.Lock()
+
+
+def _device_timer(device: torch.device) -> Timer:
+    with _benches_lock:
+        timer = _timers.get(str(device))
+        if timer is None:
+            timer = _timers[str(device)] = timer_for(device)
+        return timer
 
 
 def _bench(device: torch.device, timer: Timer, options: TuneOptions) -> Bench:
