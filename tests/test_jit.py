@@ -460,3 +460,17 @@ def test_gpu_online_tune_against_offline_tune(tmp_path, monkeypatch, lmax, batch
     )
     # Both gated and timed the same way: neither may be slower than the portable default.
     assert online.speedup >= 1.0 and offline.speedup >= 1.0
+
+
+@pytest.mark.interpreter
+def test_a_dead_worker_is_reported_once_and_no_more_keys_are_handed_out(monkeypatch, caplog):
+    monkeypatch.setattr(jit, "WORKER_ARGS", ["--no-such-option"])
+    with settings.override(jit="background"), caplog.at_level(logging.WARNING, logger="tritune.jit"):
+        assert _served(200) == PORTABLE
+        deadline = time.monotonic() + 60
+        while jit.ONLINE.stopped is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _served(4000) == PORTABLE
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "exited with code 2" in warnings[0], warnings
+    assert jit.ONLINE.attempted == {(SPEC.name, CPU.slug, _key(256))}
