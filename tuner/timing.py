@@ -30,7 +30,11 @@ log = logging.getLogger(__name__)
 
 class Timer(Protocol):
     def __call__(self, fn: Callable[[], object], *, config: object, flush_l2: bool, launch_bound: bool) -> float:
-        """Median milliseconds of one call of ``fn`` (which launches ``config``)."""
+        """Median milliseconds of one call of ``fn`` (which launches ``config``).
+
+        The kernel's peer is timed through the same timer with the same flags; its ``config`` is
+        then the :class:`~tritune.kernels.spec.Peer` itself.
+        """
         ...
 
 
