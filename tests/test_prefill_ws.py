@@ -111,6 +111,13 @@ def test_ws_falls_back_with_a_reason(device, facts, reason, stand_in):
     assert SPACE.infeasible_reason(served, key, KERNEL.limits(device)) is None, served
 
 
+def test_ws_falls_back_past_the_grid_limits():
+    f = _facts()._replace(Lq=65536 * 128)
+    assert "M tiles" in ws_fallback_reason(H200, f)
+    assert ws_fallback_reason(H200, f._replace(Lq=65535 * 128)) is None
+    assert "batches" in ws_fallback_reason(H200, f._replace(Lq=512, B=65536))
+
+
 def test_ws_is_off_with_the_tma_setting():
     f = _facts()
     with settings.override(enable_tma_causal_prefill="off"):

@@ -17,7 +17,8 @@ what differs is who does what inside one program (CTA), the FlashAttention-3 sch
 - ``warp_specialize``'s register counts move registers from the producer (``PRODUCER_REGS``) to
   the consumers (``CONSUMER_REGS``; Triton gives the default partition what is left, equal to the
   worker's when ``2 * CONSUMER_REGS + PRODUCER_REGS == 504``: see the search space's rule);
-- programs walk the M tiles last-first (causal: the tiles that see the most keys start first).
+- longest-first tile order: the grid is (query head, batch, M tile) with the M tiles last to
+  first, so the tiles that see the most keys start before any lighter one (causal balance).
 
 Keys past ``kv_len`` but inside the tensor (a KV cache's unused tail) may hold anything: P is 0
 there, and the producer zeroes those rows of the last V tile in shared memory before the consumers
@@ -299,10 +300,12 @@ def _prefill_ws_kernel(
     dtype: gl.constexpr = q_desc.dtype
     # torch.compile may pass Python floats as fp64: keep the softmax in fp32.
     qk_scale = qk_scale.to(gl.float32)
-    # Causal tiles further down see more keys: start the heaviest first to shorten the tail.
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-    pid_h = gl.program_id(1)
-    pid_b = gl.program_id(2)
+    # Longest first: the grid's slowest axis walks the M tiles last to first, so every (head,
+    # batch) starts its causal tile that sees the most keys before any lighter one (the GPU
+    # dispatches x fastest). Neighbouring programs are the query heads of one KV head: shared K/V in L2.
+    pid_h = gl.program_id(0)
+    pid_b = gl.program_id(1)
+    pid_m = gl.num_programs(2) - 1 - gl.program_id(2)
     kv_head = pid_h // GROUP
 
     kv = _valid_kv_len(KV_LEN, stride_kvl, pid_b, seqlen_k, HAS_KV_LEN)

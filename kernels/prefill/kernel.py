@@ -67,6 +67,9 @@ _TMA_INTERPRETER = PrefillConfig(path="tma", BLOCK_M=32, BLOCK_N=32)
 _WS_D128 = PrefillConfig(
     path="ws", BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, CONSUMER_REGS=232, PRODUCER_REGS=40
 )
+#: The ws grid is (query head, batch, M tile): CUDA caps its y and z extents.
+_GRID_YZ = 65535
+_WS_BLOCK_M = 128
 _WS_D64 = PrefillConfig(
     path="ws", BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3, CONSUMER_REGS=240, PRODUCER_REGS=24
 )
@@ -206,6 +209,8 @@ def ws_fallback_reason(device: DeviceInfo, f: Any) -> str | None:
         return f"the ws path covers head dims {WS_HEAD_DIMS}, not {f.D}"
     if not f.tma_layout_ok:
         return "q, k, v or out cannot be covered by tensor descriptors (strides or bases not 16-byte aligned)"
+    if f.B > _GRID_YZ or -(-f.Lq // _WS_BLOCK_M) > _GRID_YZ:
+        return f"the ws grid holds at most {_GRID_YZ} batches and {_GRID_YZ} M tiles of {_WS_BLOCK_M} rows"
     return None
 
 

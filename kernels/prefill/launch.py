@@ -193,7 +193,8 @@ def launch_ws(
     q_layout, kv_layout = _ws_layouts(q.dtype, rows, config.BLOCK_N, head_dim)
     q_box = [1, 1, rows, head_dim]
     kv_box = [1, 1, config.BLOCK_N, head_dim]
-    grid = (triton.cdiv(seqlen_q, config.BLOCK_M), q_heads, batch)
+    # M tiles on the slowest axis (at most 65535: Lq up to 8M rows), walked longest first.
+    grid = (q_heads, batch, triton.cdiv(seqlen_q, config.BLOCK_M))
     _prefill_ws_kernel[grid](
         _ws_descriptor(q, q_box, q_layout), _ws_descriptor(k, kv_box, kv_layout),
         _ws_descriptor(v, kv_box, kv_layout), _ws_descriptor(out, q_box, q_layout),
