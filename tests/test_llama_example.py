@@ -19,6 +19,7 @@ Corrupt files are refused with a ValueError naming the tensor or key.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from collections.abc import Callable, Iterator
@@ -404,3 +405,63 @@ def test_batched_graph_replays_match_eager_steps(model: llama.LlamaModel) -> Non
         server = llama.BatchedServer(model, max_seqs=3, capacity=64, max_step=4, graphs=graphs)
         results.append(llama.serve_greedy(server, prompts, max_new_tokens=8))
     assert results[0] == results[1]
+
+
+@pytest.mark.gpu
+def test_torch_baseline_decode_graph_replays_match_eager_steps(torch_model: llama.TorchLlamaModel) -> None:
+    eager = llama.TorchGenerator(torch_model, max_len=64, graphs=False)
+    graphed = llama.TorchGenerator(torch_model, max_len=64, graphs=True)
+    assert graphed.generate(PROMPT, 6) == eager.generate(PROMPT, 6)
+    assert graphed.captured
+
+
+# ---- the Llama-3-8B shape (GPU tier) -------------------------------------------------------------
+
+#: Llama-3-8B's widths, heads and RoPE with 4 of its 32 layers and a cut vocabulary: what the
+#: end-to-end benchmark runs, small enough to generate in seconds on the GPU.
+L3_8B_SHAPE = dataclasses.replace(
+    maker.PRESETS["llama3-8b"], layers=4, vocab=32768, context=131072, rope_scaling="llama3"
+)
+
+
+@pytest.fixture(scope="module")
+def llama3_8b(tmp_path_factory: pytest.TempPathFactory) -> tuple[llama.LlamaConfig, llama.LlamaWeights]:
+    path = maker.make_llama_gguf(tmp_path_factory.mktemp("l3") / "l3-4l.gguf", L3_8B_SHAPE, seed=1, device="cuda")
+    return llama.load_gguf(path, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["tritune", "torch"])
+def test_llama3_8b_shape_matches_the_reference(
+    llama3_8b: tuple[llama.LlamaConfig, llama.LlamaWeights], impl: str
+) -> None:
+    """Prefill in chunks over a growing cache, then graph-replayed decode steps, at the 8B shape."""
+    import triton.testing
+
+    config, weights = llama3_8b
+    model_type, generator_type = (
+        (llama.LlamaModel, llama.Generator) if impl == "tritune" else (llama.TorchLlamaModel, llama.TorchGenerator)
+    )
+    model = model_type(config, weights, max_positions=128)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, config.vocab, 40).tolist() for _ in range(3)]
+    cache: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
+
+    def reference(tokens: list[int], dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        key = (tuple(tokens), dtype)
+        if key not in cache:
+            cache[key] = llama.reference_logits(config, weights, tokens, dtype=dtype, device="cuda").cpu()
+        return cache[key]
+
+    got, rows = [], []
+    for prompt in prompts:
+        generator = generator_type(model, max_len=64, chunk_size=16, graphs=True)
+        got.append(generator.prefill(prompt[:-3], all_logits=True).clone())
+        if isinstance(generator, llama.TorchGenerator):
+            times = generator.choose_decode_backend(lambda fn: float(triton.testing.do_bench(fn, warmup=5, rep=20)))
+            assert generator.decode_backend in times
+        got += [generator.decode(token).clone() for token in prompt[-3:]]
+        assert generator.captured
+        rows += [(prompt, slice(0, len(prompt) - 3))]
+        rows += [(prompt, slice(i, i + 1)) for i in range(len(prompt) - 3, len(prompt))]
+    _check(f"Llama-3-8B shape, 4 layers, {impl}", got, rows, reference)

@@ -159,8 +159,8 @@ class TorchGenerator(Generator):
 
         ``time_ms(fn)`` returns the median milliseconds of one call. A backend that raises, or
         whose output differs from the math backend's by more than bf16 rounding, is left out.
-        Returns each backend's time or why it was left out. A captured decode graph is dropped
-        when the choice changes (the next step captures again).
+        With graphs on, a backend must also capture. Returns each backend's time or why it was left
+        out. A captured decode graph is dropped when the choice changes (the next step captures again).
         """
         if self.length == 0:
             raise ValueError("choose_decode_backend: the sequence is empty; prefill it first")
@@ -179,6 +179,10 @@ class TorchGenerator(Generator):
                 if not err <= 2e-2:
                     results[name] = f"wrong (max err {err:.2e})"
                     continue
+                if self.graphs:
+                    # The step is replayed from a graph: a backend that cannot be captured is no choice.
+                    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                        self._attend_one(q, k, v, backend)
                 results[name] = time_ms(lambda backend=backend: self._attend_one(q, k, v, backend))
             except RuntimeError as exc:
                 results[name] = "refused: " + " ".join(str(exc).split())[:120]

@@ -1,0 +1,109 @@
+"""``scripts/bench_model.py``, the end-to-end Llama benchmark: its code paths run, and its report says what it must.
+
+The smoke run goes through every phase (file, correctness check, prefill and decode at each length,
+batched serving, profile) on the Triton interpreter with a one-layer tiny model; the GPU run is the
+same code at the Llama-3-8B shape. The report must never show a speedup for a model whose logits
+failed their check.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+for folder in (ROOT / "examples", ROOT / "scripts"):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+import _bench_model_report as rep  # noqa: E402
+import bench_model  # noqa: E402
+from llama.step_profile import _union_us, classify  # noqa: E402
+
+
+@pytest.mark.interpreter
+def test_smoke_run_goes_through_every_phase(tmp_path: Path) -> None:
+    out, js = tmp_path / "model.md", tmp_path / "model.json"
+    argv = [
+        "--smoke", "--layers", "1", "--lengths", "10", "--check-prompts", "1", "--serve-seqs", "2", "--profile",
+        "--gguf", str(tmp_path / "tiny.gguf"), "--out", str(out), "--json", str(js),
+    ]  # fmt: skip
+    assert bench_model.main(argv) == 0
+    text = out.read_text()
+    for section in ("## Correctness", "## Prefill and decode, one sequence", "## GPU memory", "## Batched serving",
+                    "## Profile: tritune", "## Profile: PyTorch bf16"):  # fmt: skip
+        assert section in text, section
+    assert "Command: `python" in text and "torch " in text and "triton " in text
+    assert "| tritune | " in text and "| PyTorch bf16 | " in text and "\n| 10 | " in text
+    record = json.loads(js.read_text())["rows"][0]
+    assert [c["impl"] for c in record["checks"]] == ["tritune", "PyTorch bf16"]
+    assert {(r["impl"], r["length"]) for r in record["lengths"]} == {("tritune", 10), ("PyTorch bf16", 10)}
+    assert record["serving"]["sequences"] == 2 and record["serving"]["same_tokens"] >= 0
+    assert record["config"]["layers"] == 1
+    baseline = next(r for r in record["lengths"] if r["impl"] == "PyTorch bf16")
+    assert baseline["note"].startswith("decode SDPA: ")
+
+
+def _results(ok: bool) -> rep.Results:
+    env = {"gpu": "G", "sm_count": None, "torch": "t", "triton": "tr", "cuda": "c", "cudnn": None, "python": "p",
+           "date_utc": "d", "command": "python x", "smoke": False, "q4k_fp8": False, "db": "default"}  # fmt: skip
+    args = {"chunk_size": 2048, "decode_steps": 32, "run_seconds": 10.0, "check_prompts": 4}
+    results = rep.Results(env=env, args=args)
+    results.config = {"layers": 32, "hidden": 4096, "ffn": 14336, "heads": 32, "kv_heads": 8, "head_dim": 128,
+                      "vocab": 32768}  # fmt: skip
+    results.checks = {
+        "tritune": rep.Check("tritune", 0.012 if ok else 0.5, 0.015, 1.0, 128),
+        "PyTorch bf16": rep.Check("PyTorch bf16", 0.013, 0.015, 1.0, 128),
+    }
+    results.lengths = [
+        rep.LengthRow("tritune", 512, prefill_ms=100.0, decode_ms_per_token=5.0, kv_bytes=1 << 30),
+        rep.LengthRow("PyTorch bf16", 512, prefill_ms=50.0, decode_ms_per_token=10.0, kv_bytes=1 << 30),
+    ]
+    results.weights = {"tritune": 5 << 30, "PyTorch bf16": 15 << 30}
+    return results
+
+
+def test_ratios_are_tritune_over_pytorch_throughput() -> None:
+    text = rep.report(_results(ok=True))
+    # prefill 5120 vs 10240 tokens/s: 0.50x; decode 200 vs 100 tokens/s: 2.00x.
+    assert "| 512 | 5120 | 10240 | 0.50x | 200.0 | 100.0 | 2.00x |" in text
+    assert "| tritune | Q4_K (4.625 bits) | 5.00 GiB | 128.0 KiB |" in text
+
+
+def test_no_ratio_is_reported_when_a_check_failed() -> None:
+    text = rep.report(_results(ok=False))
+    assert "x |" not in text.split("## Prefill and decode")[1].split("## GPU memory")[0]
+    assert "- (check FAILED)" in text and "| tritune | 0.5000 | 0.0150 | 1.000 | 128 | FAILED |" in text
+
+
+@pytest.mark.parametrize("text", ["1", "x,2", ""], ids=["too-short", "not-a-number", "empty"])
+def test_lengths_option_refuses_what_is_not_prompt_lengths(text: str) -> None:
+    with pytest.raises(SystemExit):
+        bench_model.parser().parse_args(["--lengths", text])
+
+
+@pytest.mark.parametrize(
+    ("kernel", "group"),
+    [
+        ("_q4k_gemm_portable_kernel", "q4k_linear"),
+        ("_quantize_rows_fp8_kernel", "q4k_linear"),
+        ("_prefill_tma_kernel", "attention"),
+        ("_decode_split_kernel", "attention"),
+        ("_varlen_fwd_kernel", "attention"),
+        ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", "attention"),
+        ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel)", "attention"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "cuBLAS linear"),
+        ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", "cuBLAS linear"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "norms/rope/other"),
+    ],
+    ids=["q4k", "q4k-quantize", "prefill", "decode", "varlen", "flash", "efficient", "cublas", "nvjet", "elementwise"],
+)
+def test_profile_groups_kernels_by_name(kernel: str, group: str) -> None:
+    assert classify(kernel) == group
+
+
+def test_profile_busy_time_counts_overlaps_once() -> None:
+    assert _union_us([(0.0, 10.0), (5.0, 12.0), (20.0, 25.0), (21.0, 22.0)]) == 17.0
