@@ -42,7 +42,8 @@ class Generator:
     """Greedy generation for one sequence of up to ``max_len`` positions (default: the model's).
 
     ``chunk_size`` bounds the tokens of one prefill launch. ``graphs`` (default: on a CUDA device)
-    captures the decode step in a CUDA graph after its first, eager, run.
+    captures the decode step in a CUDA graph after its first, eager, run. Attention is two methods,
+    :meth:`attend_chunk` and :meth:`attend_step`, which ``torch_model.TorchGenerator`` replaces with SDPA.
     """
 
     def __init__(
