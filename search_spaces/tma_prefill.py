@@ -115,8 +115,8 @@ def ws_feasibility(config: PrefillConfig, key: _PrefillKeyFields, limits: Target
     Fitted to what ptxas makes of the kernel for sm_90 with Triton 3.6 (2026-12-04, 18 builds
     over head dims 64/128, ``BLOCK_N`` 64/128, 2-4 stages and the three register splits): no
     config the rule keeps spills, and its shared memory is the Q tiles plus ``num_stages`` K and
-    V tiles plus under 1 KB of barriers (head dim 128 at 128 x 128 tiles: 164176 bytes at two
-    stages, 229760 at three, 295296 at four).
+    V tiles plus under 1 KB of barriers (head dim 128 at 128 x 128 tiles: 164208 bytes at two
+    stages, 229808 at three, over 295000 at four).
     """
     if config.PACK_GQA or config.SPLIT_KV != 1:
         return "PACK_GQA and SPLIT_KV apply to the tma path only (neutral on the ws path)"

@@ -6,7 +6,8 @@ what differs is who does what inside one program (CTA), the FlashAttention-3 sch
 
 - one **producer** warp (its own partition, few registers) moves tiles with TMA: both consumers'
   Q tiles once, then K and V tiles of ``BLOCK_N`` keys through a ring of ``NUM_STAGES`` buffers,
-  each with a ready barrier (TMA byte count) and an empty barrier both consumers arrive on;
+  each with a ready barrier (TMA byte count) and an empty barrier both consumers arrive on (K's
+  once both QK^T are done, V's once both PV are: K refills while PV still reads V);
 - two **consumer** warpgroups (the default partition and one worker, ``BLOCK_M // 2`` query rows
   each, the same K/V tiles) run the MMAs (async ``warpgroup_mma``) and the softmax. They take
   turns issuing their MMAs (two barriers passed back and forth: ping-pong), so one warpgroup's
@@ -87,7 +88,8 @@ def _producer(
     q_bar,
     k_ready,
     v_ready,
-    kv_empty,
+    k_empty,
+    v_empty,
     v_raw,
     pid_b,
     pid_h,
@@ -111,11 +113,14 @@ def _producer(
     for t in range(n_total):
         stage = t % NUM_STAGES
         # A fresh barrier counts as having completed the phase before its first: round 0 passes.
-        mbarrier.wait(kv_empty.index(stage), ((t // NUM_STAGES) & 1) ^ 1)
+        free_phase = ((t // NUM_STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(stage), free_phase)
         start_n = t * BLOCK_N
         k_dst = k_smem.index(stage)._reinterpret(k_desc.dtype, box_kv, k_desc.layout)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [pid_b, kv_head, start_n, 0], k_ready.index(stage), k_dst)
+        # K is released as soon as both QK^T are done, V only after both PV: separate rings.
+        mbarrier.wait(v_empty.index(stage), free_phase)
         v_tile = v_smem.index(stage)
         v_dst = v_tile._reinterpret(v_desc.dtype, box_kv, v_desc.layout)
         if (start_n + BLOCK_N > kv) & (kv < seqlen_k):
@@ -182,7 +187,8 @@ def _consumer(
     q_bar,
     k_ready,
     v_ready,
-    kv_empty,
+    k_empty,
+    v_empty,
     turn,
     pid_b,
     pid_h,
@@ -229,6 +235,7 @@ def _consumer(
         s_tok = warpgroup_mma(q, k0.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.arrive(turn.index(other))
         s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q, k0))
+        mbarrier.arrive(k_empty.index(0))
         p, alpha, m_i, l_i = _softmax_step(
             s, m_i, l_i, qk_scale, 0, n_full, offs_n, q_pos, kv, p_layout, dtype, BLOCK_N, CAUSAL, NEG_SCALE
         )
@@ -245,11 +252,12 @@ def _consumer(
             mbarrier.arrive(turn.index(other))
             # Groups complete in order: this waits for S_j and leaves P_{j-1} V_{j-1} running.
             s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q, k_j))
+            mbarrier.arrive(k_empty.index(stage))
             p_next, alpha, m_i, l_i = _softmax_step(
                 s, m_i, l_i, qk_scale, j, n_full, offs_n, q_pos, kv, p_layout, dtype, BLOCK_N, CAUSAL, NEG_SCALE
             )
             acc, _, _ = warpgroup_mma_wait(0, deps=(o_tok, p, v_prev))
-            mbarrier.arrive(kv_empty.index(prev))
+            mbarrier.arrive(v_empty.index(prev))
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             p = p_next
         last = (n_total - 1) % NUM_STAGES
@@ -259,7 +267,7 @@ def _consumer(
         o_tok = warpgroup_mma(p, v_last, acc, is_async=True)
         mbarrier.arrive(turn.index(other))
         acc, _, _ = warpgroup_mma_wait(0, deps=(o_tok, p, v_last))
-        mbarrier.arrive(kv_empty.index(last))
+        mbarrier.arrive(v_empty.index(last))
 
     # Rows that saw no key have l = 0 and acc = 0: they store zeros.
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
@@ -332,7 +340,8 @@ def _prefill_ws_kernel(
     v_raw = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(turn.index(i), count=1)
@@ -341,7 +350,8 @@ def _prefill_ws_kernel(
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         # Both consumers release a stage.
-        mbarrier.init(kv_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
     # Consumer 0 takes the first turn.
     mbarrier.arrive(turn.index(0))
     fence_async_shared()
@@ -354,7 +364,7 @@ def _prefill_ws_kernel(
             (
                 _consumer,
                 (
-                    0, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn,
+                    0, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
                     pid_b, pid_h, start_m, q_shift, kv, n_full, n_total, qk_scale,
                     ROWS, BLOCK_N, HEAD_DIM, NUM_STAGES, CAUSAL, NEG_SCALE,
                 ),
@@ -362,7 +372,7 @@ def _prefill_ws_kernel(
             (
                 _consumer,
                 (
-                    1, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn,
+                    1, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
                     pid_b, pid_h, start_m, q_shift, kv, n_full, n_total, qk_scale,
                     ROWS, BLOCK_N, HEAD_DIM, NUM_STAGES, CAUSAL, NEG_SCALE,
                 ),
@@ -370,7 +380,7 @@ def _prefill_ws_kernel(
             (
                 _producer,
                 (
-                    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, v_raw,
+                    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, v_raw,
                     pid_b, pid_h, kv_head, start_m, kv, seqlen_k, n_total,
                     ROWS, BLOCK_N, HEAD_DIM, NUM_STAGES,
                 ),
