@@ -149,3 +149,22 @@ def test_a_kernel_that_names_no_peer_has_none() -> None:
     spec = toy_kernel.SPEC
     key = spec.default_keys(INTERPRETER)[0]
     assert spec.peer(key, spec.make_problem(key, CPU, 0)) is None
+
+
+# ---- the GPU tier: the backend chosen by timing still computes the kernel's function ----------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", BUILTINS)
+def test_peer_on_the_gpu_matches_the_reference_at_the_first_default_key(name: str) -> None:
+    from tritune.kernels.device import device_info
+
+    spec = registry.get_spec(name)
+    key = spec.default_keys(device_info(0))[0]
+    # The check problem: small enough for the dense reference, the same function as the timed one.
+    problem = spec.check_problem(key, torch.device("cuda"), 0)
+    peer = spec.peer(key, problem)
+    _assert_matches_reference(spec, problem, peer)
+    assert peer is not None
+    if name != "q4k_fp8_gemm":
+        assert any(backend in peer.name for backend in ("SDPA flash", "SDPA cuDNN", "SDPA efficient")), peer.name

@@ -190,3 +190,19 @@ def test_the_store_refuses_a_malformed_peer(tmp_path: Any) -> None:
                                 "peer_ms": peer_ms, "peer_name": peer_name})  # fmt: skip
         with pytest.raises(ValueError, match=reason.replace("(", r"\(")):
             store.offer_winner(record, environment_id(store, CPU))
+
+
+@pytest.mark.gpu
+def test_a_gpu_tune_stores_the_sdpa_peer_time(tmp_path: Any) -> None:
+    """One decode key on the GPU, a few trials: the winner is stored with an SDPA backend's time."""
+    from tritune.tuner.timing import GpuTimer
+
+    spec = registry.get_spec("splitk_decode")
+    info = device_info(0)
+    key = spec.default_keys(info)[0]
+    store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    options = TuneOptions(trials=3, seed=0, batch=3, final_rounds=2)
+    KeyTuner(spec, key, info, torch.device("cuda", 0), store, environment_id(store, info), GpuTimer(), options).run()
+    [winner] = store.winners(gpu=info.slug, kernel=spec.name)
+    assert winner.peer_name is not None and winner.peer_name.startswith("SDPA ")
+    assert winner.peer_ms is not None and 0 < winner.peer_ms < 100
