@@ -30,7 +30,7 @@ from .spec import Peer, Problem
 
 __all__ = ["SdpaCall", "bottom_right_causal", "bound_arguments", "fastest_sdpa"]
 
-log = logging.getLogger("tritune.tuner")
+log = logging.getLogger("tritune.peer")
 
 _GPU_BACKENDS = (
     ("flash", SDPBackend.FLASH_ATTENTION),
