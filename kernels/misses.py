@@ -8,7 +8,9 @@ the model called that had no winner of its own is tuned. To get there cheaply:
   CUDA-graph capture or ``torch.compile`` tracing that is all it does; elsewhere it also starts the
   writer (once per process).
 - The writer is a daemon thread that writes what was noted every :data:`FLUSH_INTERVAL_S` seconds,
-  and once more at exit (``atexit``). Each write is one transaction on the ``misses`` table only
+  and once more at exit (``atexit``, registered when this module is imported: a process that only
+  ever resolved keys while tracing or capturing, a ``torch.compile``-only model, gets them written
+  then; with nothing noted the exit does nothing). Each write is one transaction on the ``misses`` table only
   (:func:`tritune.configs_db.misses.write_misses`: an upsert that adds the counts and moves
   ``last_seen``), bounded by ``TRITUNE_DB_READ_TIMEOUT`` seconds, and never raises into the caller.
   What a write could not store stays in memory for the next one.
@@ -186,7 +188,6 @@ class MissLog:
             thread = threading.Thread(target=self._run, name="tritune-miss-log", daemon=True)
             self._thread = thread
         thread.start()
-        atexit.register(self._at_exit)
 
     def _run(self) -> None:
         while not self._wake.wait(FLUSH_INTERVAL_S):
@@ -194,7 +195,8 @@ class MissLog:
 
     def _at_exit(self) -> None:
         self._wake.set()
-        self.flush()
+        if self._pending:
+            self.flush()
 
     def _after_fork(self) -> None:
         # A forked child starts with its own log: the parent writes what it noted, and its thread
@@ -226,8 +228,9 @@ def _row(ident: Ident, seen: Seen) -> Any:
 
 
 MISSES = MissLog()
+atexit.register(lambda: MISSES._at_exit())
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=MISSES._after_fork)
+    os.register_at_fork(after_in_child=lambda: MISSES._after_fork())
 
 
 def note(spec: KernelSpec[Any, Any], device: DeviceInfo, key: TuningKey) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -233,6 +235,28 @@ def test_a_write_that_fails_otherwise_is_retried_later(monkeypatch):
         patched.setattr(miss_store, "write_misses", locked)
         assert misses.flush() == 0
     assert misses.flush() == 1
+
+
+SERVING = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+import toy_kernel
+from tritune.kernels import registry
+from tritune.kernels.dispatcher import dispatch_config
+registry._SPECS["toy_scale"] = "toy_kernel:SPEC"
+# Every key resolved while tracing (a torch.compile-only model): no writer thread ever starts.
+torch.compiler.is_compiling = lambda: True
+for n in (300, 300, 2000):
+    dispatch_config("toy_scale", "cpu", -1, tuple(toy_kernel.SPEC.facts(torch.randn(n))))
+"""
+
+
+def test_a_serving_process_writes_its_misses_at_exit():
+    environment = {**os.environ, "TRITUNE_MISS_LOG": "1", "TRITUNE_DB": str(db_path()), "TRITON_INTERPRET": "1"}
+    code = SERVING.format(tests=str(Path(__file__).parent))
+    done = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert {n: row.count for n, row in logged().items()} == {512: 1, 2048: 1}
 
 
 # ---- tune missed / tune --missed --------------------------------------------------------------
