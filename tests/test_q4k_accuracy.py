@@ -1,0 +1,99 @@
+"""Every ``q4k_fp8_gemm`` path against ggml's Q4_K accuracy bound, on the Triton interpreter.
+
+ggml's bound for a Q4_K mul_mat (llama.cpp's test-backend-ops) is an NMSE of at most 5e-4
+against the product of the exactly dequantized weight (SQNR >= 33 dB); here that product is
+computed in float64. The accurate paths (portable, GEMV) must meet it at every M; the fp8,
+staged and int8 paths (the ``TRITUNE_Q4K_FP8`` opt-in) their own floors. Gaussian data at the
+smallest shape that still averages over enough outputs: K=256 (one super-block), N=32.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tritune.kernels import Q4KWeight, settings
+from tritune.kernels.device import interpreter_device
+from tritune.kernels.q4k.kernel import KERNEL, key_for
+from tritune.kernels.q4k.reference import ACCURATE_PATHS, GGML_MAX_NMSE, MIN_SQNR_DB, nmse, sqnr_db
+from tritune.search_spaces.q4k_fp8_gemm import SPACE
+
+N, K = 32, 256
+MS = (1, 2, 3, 16, 17, 64, 257, 512)
+#: (name, pin) of each kernel the GEMM can run; tiles come from :func:`_config`.
+PATHS = {
+    "portable": {"path": "portable"},
+    "gemv": {"path": "gemv"},
+    "fp8": {"path": "fp8"},
+    "fp8-fold": {"path": "fp8", "SCALE_FOLD": True},
+    "fp8-fold-swap": {"path": "fp8", "SCALE_FOLD": True, "SWAP_AB": True},
+    "staged": {"path": "staged"},
+    "int8": {"path": "int8"},
+    "int8-swap": {"path": "int8", "SWAP_AB": True},
+}
+#: The GEMV multiplies up to 8 rows per program and is tried at one row on a GPU: small M only.
+GEMV_MAX_TESTED_M = 17
+
+
+@pytest.fixture(scope="module")
+def weight() -> Q4KWeight:
+    generator = torch.Generator().manual_seed(0)
+    return Q4KWeight.quantize(torch.randn(N, K, generator=generator) * 0.02)
+
+
+def _config(pin: dict[str, object], m: int) -> object:
+    """The pinned path at tiles the interpreter runs (16 or 32 rows of x, 32 weight rows)."""
+    path = str(pin["path"])
+    tiles: dict[str, object] = {"BLOCK_N": 32, "BLOCK_K": 128}
+    if path == "staged":
+        tiles.update(BLOCK_K=64, CHUNK_N=32)
+    elif path != "gemv":
+        tiles.update(BLOCK_M=16 if m <= 16 else 32, GROUP_M=1, num_stages=1)
+    return SPACE.parse({**pin, **tiles})
+
+
+def _measure(config: object, x: torch.Tensor, weight: Q4KWeight) -> tuple[float, float]:
+    expected = x.double() @ weight.dequantize().double().t()
+    out = KERNEL.launch(config, x, weight)
+    return sqnr_db(out, expected), nmse(out, expected)
+
+
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("name", list(PATHS))
+def test_each_path_against_ggmls_bound(name, m, weight, record_property):
+    """Accurate paths: NMSE <= 5e-4 at every M. The opt-in paths: their own SQNR floors."""
+    if name == "gemv" and m > GEMV_MAX_TESTED_M:
+        pytest.skip("the GEMV serves decode-sized M")
+    pin = PATHS[name]
+    x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    with settings.override(q4k_fp8=True):
+        sqnr, error = _measure(_config(pin, m), x, weight)
+    record_property("sqnr_db", round(sqnr, 2))
+    record_property("nmse", f"{error:.3g}")
+    path = str(pin["path"])
+    if path in ACCURATE_PATHS:
+        assert error <= GGML_MAX_NMSE, f"{name} at M={m}: NMSE {error:.3g} ({sqnr:.1f} dB)"
+    assert sqnr >= MIN_SQNR_DB[path], f"{name} at M={m}: {sqnr:.1f} dB"
+
+
+def test_every_path_feasible_without_the_opt_in_meets_the_bound(weight):
+    """At a key without the opt-in (the interpreter's tuning key) every feasible path is one that
+    meets ggml's bound, measured here: two configs of each, drawn with a fixed seed."""
+    device = interpreter_device()
+    facts = KERNEL.Facts(16, N, K, "bf16")
+    key = key_for(device, facts)
+    assert key.fp8 is False
+    feasible = SPACE.feasible(key, KERNEL.limits(device))
+    by_path: dict[str, list[object]] = {}
+    for config in feasible:
+        by_path.setdefault(config.path, []).append(config)
+    assert set(by_path) == set(ACCURATE_PATHS), sorted(by_path)
+    x = torch.randn(16, K, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    rng = random.Random(0)
+    for _path, configs in sorted(by_path.items()):
+        for config in rng.sample(configs, 2):
+            served = KERNEL.serveable(config, device, tuple(facts))
+            sqnr, error = _measure(served, x, weight)
+            assert error <= GGML_MAX_NMSE, f"{config}: NMSE {error:.3g} ({sqnr:.1f} dB)"
