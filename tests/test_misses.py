@@ -337,3 +337,26 @@ def test_tune_missed_option_refuses_key_overrides():
     result = run("--device", "cpu", "--kernel", "toy_scale", "--missed", "--key", "n=100", "--db", db())
     assert result.exit_code == 2
     assert "--missed tunes the logged keys" in result.output
+
+
+@pytest.mark.gpu
+def test_real_graph_capture_notes_in_memory_only(monkeypatch):
+    """Inside a real CUDA-graph capture a new key is noted and nothing else: no writer, no DB."""
+    fresh = misses.MissLog()
+    started = []
+    monkeypatch.setattr(fresh, "_start", lambda: started.append(True))
+    monkeypatch.setattr(misses, "MISSES", fresh)
+    spec = toy_kernel.SPEC
+    x = torch.randn(3000, device="cuda")
+    out = torch.empty_like(x)
+    # Warm the kernel up outside the capture, on a key of its own.
+    spec.launch(spec.default_config(None), x, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        config = dispatch_config("toy_scale", "cuda", torch.cuda.current_device(), tuple(spec.facts(x)))
+        spec.launch(config, x, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert [ident[4].n_bucket for ident in misses.pending()] == [4096]  # type: ignore[attr-defined]
+    assert started == [] and not db_path().exists()
