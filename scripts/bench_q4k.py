@@ -4,21 +4,27 @@ On the GPU machine, after tuning ``q4k_fp8_gemm`` into a DB:
 
     python scripts/bench_q4k.py --db /tmp/tune.sqlite --out q4k.md --json q4k.json
 
-Llama-3-8B shapes (K, N) in {(4096, 14336), (14336, 4096), (4096, 4096)}, M from 1 (decode) to 8192
-(prefill), bf16 activations. The weight is Gaussian (std 0.02), quantized once per shape with
-``Q4KWeight.quantize``; the reference is the fp32 product with the exactly dequantized weight.
+Llama-3-8B shapes (K, N) in {(4096, 14336), (14336, 4096), (4096, 4096)}, every power of two M from
+1 (decode) to 8192 (prefill), bf16 activations. The weight is Gaussian (std 0.02), quantized once
+per shape with ``Q4KWeight.quantize``; the reference is the float64 product with the exactly
+dequantized weight, and each row reports its SQNR (dB) and NMSE against it (ggml's Q4_K bound is
+NMSE <= 5e-4, 33 dB).
 
-Implementations (every one checked by SQNR against the reference before it is timed; one below its
-floor is reported as FAILED, a peer that cannot run as unavailable with its error):
+Implementations (every one checked against the reference before it is timed; one below its floor
+is reported as FAILED, a peer that cannot run as unavailable with its error):
 
 - bf16 cuBLAS: ``x @ W.T`` with W dequantized to bf16 once, outside timing (floor: the portable 40 dB);
 - FP8 ``torch._scaled_mm``: W quantized once to e4m3 with one scale per output row, x quantized to e4m3
   with one scale per row outside timing (mat2 passed column-major, as cuBLASLt wants): the fp8 GEMM
   alone, a ceiling for a kernel that also dequantizes (floor: the fp8 path's 25 dB);
 - tritune untuned: the portable default for the key, pinned with ``use_config``;
-- tritune portable path and fp8 path, pinned: the fastest tuned trial of that path in ``--db``, or
-  without one the default tiles on that path;
-- tritune tuned: whatever the dispatcher serves (``--db`` on top of the shipped bundles).
+- tritune per path, pinned: the accurate paths (portable; GEMV up to ``GEMV_MAX_BENCH_M`` rows) and,
+  with ``TRITUNE_Q4K_FP8`` on, the opt-in ones (int8, fp8, staged): the fastest tuned trial of that
+  path in ``--db`` at the key it is tuned at (``fp8=False`` for the accurate paths, ``fp8=True`` for
+  the opt-in ones), or without one the default tiles on that path; the accurate paths must also
+  meet ggml's bound;
+- tritune tuned: whatever the dispatcher serves (``--db`` on top of the shipped bundles), by default
+  and with ``TRITUNE_Q4K_FP8`` on.
 
 Each implementation is timed eagerly and as one call captured in a CUDA graph whose ``replay()`` is
 timed the same way; before that, the graph's output is poisoned with NaN, replayed and checked again
@@ -48,9 +54,13 @@ import torch
 log = logging.getLogger("tritune.bench")
 
 SHAPES = ((4096, 14336), (14336, 4096), (4096, 4096))  # (K, N)
-MS = (1, 16, 64, 256, 1024, 4096, 8192)
+MS = tuple(2**i for i in range(14))
 SMOKE_SHAPES = ((256, 64), (512, 96))
 SMOKE_MS = (1, 16, 33)
+#: Most rows the GEMV path is timed at: it is tuned at one row and spills registers beyond a few.
+GEMV_MAX_BENCH_M = 8
+#: The paths the fp8 opt-in admits (pinned with ``TRITUNE_Q4K_FP8`` on).
+OPT_IN_PATHS = ("int8", "fp8", "staged")
 DTYPE = torch.bfloat16
 WEIGHT_STD = 0.02
 E4M3_MAX = 448.0
@@ -67,6 +77,7 @@ class Row(bl.TimedRow):
     n: int
     m: int
     sqnr_db: float | None = None
+    nmse: float | None = None
 
     def tflops(self, us: float | None) -> float | None:
         return bl.tera_per_s(2.0 * self.m * self.n * self.k, us)
@@ -80,13 +91,17 @@ class Impl:
     floor: float
     note: str = ""
     error: str = ""
+    #: Whether ggml's NMSE bound applies too (the accurate paths and the bf16 peer).
+    accurate: bool = False
+    #: Checked and timed with ``TRITUNE_Q4K_FP8`` on.
+    opt_in: bool = False
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     bl.add_common_arguments(parser, flex=False)
     parser.add_argument("--shape", action="append", help="KxN, e.g. 4096x14336 (default: the three Llama-3-8B ones)")
-    parser.add_argument("--m", type=int, action="append", help="rows of x (default 1 16 64 256 1024 4096 8192)")
+    parser.add_argument("--m", type=int, action="append", help="rows of x (default every power of two 1 .. 8192)")
     args = parser.parse_args()
     run = bl.start(args)
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shape] if args.shape else None
@@ -128,6 +143,7 @@ def bench_shape(k: int, n: int, ms: list[int], seed: int, run: bl.BenchRun, best
     gen = torch.Generator(device=device).manual_seed(seed)
     weight = Q4KWeight.quantize(torch.randn(n, k, generator=gen, device=device) * WEIGHT_STD)
     w32 = weight.dequantize()  # [N, K] fp32, exactly gguf's values
+    w64 = w32.double()
     w_bf16 = w32.to(DTYPE)
     w_fp8, w_scale = fp8_rows(w32)
     w_scale_row = w_scale.reshape(1, n).contiguous()  # [1, N]: scale_b of _scaled_mm
@@ -135,9 +151,9 @@ def bench_shape(k: int, n: int, ms: list[int], seed: int, run: bl.BenchRun, best
     rows: list[Row] = []
     for m in ms:
         x = torch.randn(m, k, generator=gen, device=device).to(DTYPE)
-        expected = x.float() @ w32.t()
+        expected = x.double() @ w64.t()
         impls = [
-            Impl(CUBLAS, lambda x=x: x @ w_bf16.t(), floor=_floor("portable"), note="W dequantized to bf16 once"),
+            Impl(CUBLAS, lambda x=x: x @ w_bf16.t(), _floor("portable"), "W dequantized to bf16 once", accurate=True),
             _scaled_mm_impl(x, w_fp8, w_scale_row),
             *_tritune_impls(x, weight, best),
         ]
@@ -151,14 +167,18 @@ def bench_shape(k: int, n: int, ms: list[int], seed: int, run: bl.BenchRun, best
 def _measure(row: Row, impl: Impl, expected: torch.Tensor, run: bl.BenchRun) -> Row:
     """Check ``impl`` against its SQNR floor (recording the SQNR), then time it (``bl.measure``)."""
 
+    from tritune.kernels import settings
+
     def check(out: torch.Tensor) -> str | None:
-        row.sqnr_db, problem = _check(out, expected, impl.floor)
+        row.sqnr_db, row.nmse, problem = _check(out, expected, impl)
         return problem
 
     def recheck(out: torch.Tensor) -> str | None:
-        return _check(out, expected, impl.floor)[1]
+        return _check(out, expected, impl)[2]
 
-    bl.measure(row, impl.fn, check, run.device, run.graphs, error=impl.error, recheck=recheck)
+    # The opt-in is a process-wide setting: entered once around the row's check and timing.
+    with settings.override(q4k_fp8=impl.opt_in):
+        bl.measure(row, impl.fn, check, run.device, run.graphs, error=impl.error, recheck=recheck)
     _log_row(row)
     return row
 
@@ -169,16 +189,19 @@ def _floor(path: str) -> float:
     return MIN_SQNR_DB[path]
 
 
-def _check(out: torch.Tensor, expected: torch.Tensor, floor: float) -> tuple[float, str | None]:
-    """SQNR of ``out`` in dB, and what is wrong when it is below ``floor`` (None when it passes)."""
-    from tritune.kernels.q4k.reference import sqnr_db
+def _check(out: torch.Tensor, expected: torch.Tensor, impl: Impl) -> tuple[float, float, str | None]:
+    """SQNR (dB) and NMSE of ``out``, and what is wrong when it is below ``impl``'s floor or, for an
+    accurate implementation, above ggml's NMSE bound (None when it passes)."""
+    from tritune.kernels.q4k.reference import GGML_MAX_NMSE, nmse, sqnr_db
 
-    sqnr = sqnr_db(out.float(), expected)
-    if sqnr >= floor:
-        return sqnr, None
+    sqnr, error = sqnr_db(out, expected), nmse(out, expected)
     if math.isnan(sqnr):
-        return sqnr, "output holds NaN or inf"
-    return sqnr, f"SQNR {sqnr:.1f} dB is below the {floor:.0f} dB floor"
+        return sqnr, error, "output holds NaN or inf"
+    if sqnr < impl.floor:
+        return sqnr, error, f"SQNR {sqnr:.1f} dB is below the {impl.floor:.0f} dB floor"
+    if impl.accurate and error > GGML_MAX_NMSE:
+        return sqnr, error, f"NMSE {error:.2e} exceeds ggml's Q4_K bound {GGML_MAX_NMSE:g}"
+    return sqnr, error, None
 
 
 def _scaled_mm_impl(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_row: torch.Tensor) -> Impl:
@@ -216,24 +239,41 @@ def _scaled_mm_impl(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_row: torch.Ten
 
 
 def _tritune_impls(x: torch.Tensor, weight, best: dict) -> list[Impl]:
-    from tritune.kernels import q4k_linear
+    from tritune.kernels import q4k_linear, settings
     from tritune.kernels._launch import device_index
     from tritune.kernels.device import device_info
     from tritune.kernels.dispatcher import dispatch_config
     from tritune.kernels.q4k.kernel import KERNEL as Q4K
+    from tritune.kernels.q4k.reference import ACCURATE_PATHS
 
     info = device_info(x.device)
     facts = Q4K.facts(x, weight, None)
-    key = Q4K.key_for(info, facts)
-    key_json = json.dumps(key.to_dict(), sort_keys=True)
-    untuned = Q4K.space.to_dict(Q4K.default_config(key))
-    served = Q4K.space.to_dict(dispatch_config(KERNEL, x.device.type, device_index(x.device), tuple(facts)))
+    keys = {}
+    served = {}
+    for opt_in in (False, True):
+        with settings.override(q4k_fp8=opt_in):
+            keys[opt_in] = Q4K.key_for(info, facts)
+            config = dispatch_config(KERNEL, x.device.type, device_index(x.device), tuple(facts))
+            served[opt_in] = Q4K.space.to_dict(config)
+    untuned = Q4K.space.to_dict(Q4K.default_config(keys[False]))
 
     def pinned(config: dict[str, Any]) -> Callable[[], torch.Tensor]:
         return bl.pinned_call(KERNEL, config, q4k_linear, x, weight)
 
-    impls = [Impl("tritune untuned (portable default)", pinned(untuned), _floor("portable"), bl.config_text(untuned))]
-    for path in ("portable", "fp8", "staged"):
+    impls = [
+        Impl(
+            "tritune untuned (portable default)",
+            pinned(untuned),
+            _floor("portable"),
+            bl.config_text(untuned),
+            accurate=True,
+        )
+    ]
+    paths = ("portable", "gemv", *OPT_IN_PATHS) if x.shape[0] <= GEMV_MAX_BENCH_M else ("portable", *OPT_IN_PATHS)
+    for path in paths:
+        opt_in = path in OPT_IN_PATHS
+        key = keys[opt_in]
+        key_json = json.dumps(key.to_dict(), sort_keys=True)
         config, origin = best.get((key_json, path)), "fastest tuned trial"
         if config is None:
             config, origin = _path_default(untuned, path, key, info), "default tiles, no tuned trial"
@@ -241,18 +281,22 @@ def _tritune_impls(x: torch.Tensor, weight, best: dict) -> list[Impl]:
                 continue  # small M, fp16 or odd N: the staged path is not a candidate there
         if config == untuned:
             continue  # the untuned row already times it
+        name = f"tritune {path} path (pinned{', TRITUNE_Q4K_FP8=1' if opt_in else ''})"
+        note = f"{origin}: {bl.config_text(config)}"
+        impls.append(Impl(name, pinned(config), _floor(path), note, accurate=path in ACCURATE_PATHS, opt_in=opt_in))
+    for opt_in in (False, True):
+        tag = "same as untuned" if served[opt_in] == untuned else "tuned"
+        path = str(served[opt_in]["path"])
         impls.append(
-            Impl(f"tritune {path} path (pinned)", pinned(config), _floor(path), f"{origin}: {bl.config_text(config)}")
+            Impl(
+                "tritune tuned (dispatcher" + (", TRITUNE_Q4K_FP8=1)" if opt_in else ")"),
+                lambda: q4k_linear(x, weight),
+                _floor(path),
+                f"{tag}: {bl.config_text(served[opt_in])}",
+                accurate=path in ACCURATE_PATHS,
+                opt_in=opt_in,
+            )
         )
-    tag = "same as untuned" if served == untuned else "tuned"
-    impls.append(
-        Impl(
-            "tritune tuned (dispatcher)",
-            lambda: q4k_linear(x, weight),
-            _floor(served["path"]),
-            f"{tag}: {bl.config_text(served)}",
-        )
-    )
     return impls
 
 
@@ -270,7 +314,8 @@ def _path_default(untuned: dict[str, Any], path: str, key, info) -> dict[str, An
 
 def _log_row(r: Row) -> None:
     label = f"K={r.k:<5d} N={r.n:<5d} M={r.m:<5d} {r.impl:<36s}"
-    bl.log_row(label, r, r.tflops, "TFLOP/s", f"SQNR={bl.fmt(r.sqnr_db, 1)}")
+    nmse = "-" if r.nmse is None else f"{r.nmse:.2e}"
+    bl.log_row(label, r, r.tflops, "TFLOP/s", f"SQNR={bl.fmt(r.sqnr_db, 1)} NMSE={nmse}")
 
 
 def _report(rows: list[Row], run: bl.BenchRun) -> str:
@@ -285,9 +330,10 @@ def _report(rows: list[Row], run: bl.BenchRun) -> str:
         "launches of each call (cuBLAS and _scaled_mm launch from C++ and pay far less), not kernel time; "
         "the graph columns, which replay the launches without the host, are the kernel comparison.",
         "vs cuBLAS / vs _scaled_mm: that peer's time / this time, eager and graph separately (above 1.00x is faster).",
-        "SQNR: dB against the fp32 product with the exactly dequantized weight; checked before timing against "
-        "the floor of the path that ran: 40 dB (portable path, bf16 cuBLAS), 30 dB (GEMV path) or 25 dB (fp8 and "
-        "staged paths, _scaled_mm); FAILED rows are never timed.",
+        "SQNR (dB) and NMSE: against the float64 product with the exactly dequantized weight; checked before "
+        "timing against the floor of the path that ran: 40 dB (portable path, bf16 cuBLAS), 33 dB (GEMV path) or "
+        "25 dB (int8, fp8 and staged paths, the TRITUNE_Q4K_FP8 opt-in, and _scaled_mm), and for the accurate "
+        "paths and bf16 cuBLAS ggml's Q4_K bound, NMSE <= 5e-4; FAILED rows are never timed.",
         "The _scaled_mm row times the fp8 GEMM alone (weight and activation quantized outside timing): a ceiling, "
         "not a like-for-like peer.",
         f"Tuned configs and trials: {'DB ' + db if db else 'default settings (user DB and shipped bundles)'}; "
@@ -297,9 +343,9 @@ def _report(rows: list[Row], run: bl.BenchRun) -> str:
         notes.append("CUDA graphs: not measured (" + ("CPU smoke run" if env["smoke"] else "--no-graph") + ").")
     text = bl.header_markdown(env, "Q4_K linear (q4k_fp8_gemm)", notes)
     lines = [
-        "| K x N | M | implementation | check | SQNR dB | eager us | eager TFLOP/s | eager vs cuBLAS "
+        "| K x N | M | implementation | check | SQNR dB | NMSE | eager us | eager TFLOP/s | eager vs cuBLAS "
         "| eager vs _scaled_mm | graph us | graph TFLOP/s | graph vs cuBLAS | graph vs _scaled_mm | note |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for shape in dict.fromkeys((r.k, r.n, r.m) for r in rows):
         group = [r for r in rows if (r.k, r.n, r.m) == shape]
@@ -311,8 +357,9 @@ def _report(rows: list[Row], run: bl.BenchRun) -> str:
             graph_cell, note = bl.graph_cells(r)
             eager_vs = " | ".join(bl.ratio(peer, r.eager_us) for peer in peers["eager"])
             graph_vs = " | ".join(bl.ratio(peer, r.graph_us) for peer in peers["graph"])
+            nmse = "-" if r.nmse is None else f"{r.nmse:.2e}"
             lines.append(
-                f"| {r.k} x {r.n} | {r.m} | {r.impl} | {r.status} | {bl.fmt(r.sqnr_db, 1)} "
+                f"| {r.k} x {r.n} | {r.m} | {r.impl} | {r.status} | {bl.fmt(r.sqnr_db, 1)} | {nmse} "
                 f"| {bl.fmt(r.eager_us, 1)} | {bl.fmt(r.tflops(r.eager_us), 1)} | {eager_vs} "
                 f"| {graph_cell} | {bl.fmt(r.tflops(r.graph_us), 1)} | {graph_vs} | {note} |"
             )
