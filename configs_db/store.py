@@ -240,7 +240,7 @@ class ConfigStore:
             peer_ms=None if record.peer_ms is None else float(record.peer_ms),
             peer_name=record.peer_name,
         )
-        return upserts.offer_winner(session, values, environment.triton_version)
+        return upserts.offer_winner(session, values, environment.triton_version, environment.torch_version)
 
     def winners(self, gpu: str | None = None, kernel: str | None = None) -> list[WinnerRecord]:
         """Stored winners, optionally of one GPU and/or kernel."""

@@ -93,12 +93,16 @@ def insert_trial(session: Session, values: dict[str, Any]) -> bool:
     return _wrote_row(session, statement)
 
 
-def offer_winner(session: Session, values: WinnerValues, triton_version: str) -> bool:
-    """Write the winner unless a better, current one is stored; ``True`` if written."""
+def offer_winner(session: Session, values: WinnerValues, triton_version: str, torch_version: str) -> bool:
+    """Write the winner unless a better, current one is stored; ``True`` if written.
+
+    A stored winner measured under another Triton or torch version is not current (it serves only
+    provisionally): a fresh measurement replaces it even where the old time was lower.
+    """
     dialect = session.get_bind().dialect.name
     if dialect not in UPSERT_DIALECTS:
-        return offer_portable(session, values, triton_version)
-    return offer_upsert(session, values, triton_version, dialect)
+        return offer_portable(session, values, triton_version, torch_version)
+    return offer_upsert(session, values, triton_version, torch_version, dialect)
 
 
 def insert_trial_portable(session: Session, values: dict[str, Any]) -> bool:
@@ -122,12 +126,14 @@ def insert_trial_portable(session: Session, values: dict[str, Any]) -> bool:
         return False
 
 
-def _stale_environments(triton_version: str) -> Any:
-    """Environment ids measured under another Triton version than ``triton_version``."""
-    return select(Environment.id).where(Environment.triton_version != triton_version)
+def _stale_environments(triton_version: str, torch_version: str) -> Any:
+    """Environment ids measured under another Triton or torch version than the ones given."""
+    return select(Environment.id).where(
+        (Environment.triton_version != triton_version) | (Environment.torch_version != torch_version)
+    )
 
 
-def offer_upsert(session: Session, values: WinnerValues, triton_version: str, dialect: str) -> bool:
+def offer_upsert(session: Session, values: WinnerValues, triton_version: str, torch_version: str, dialect: str) -> bool:
     """``offer_winner`` as one ``INSERT ... ON CONFLICT DO UPDATE ... WHERE`` statement."""
     table = Winner.__table__
     now = utcnow()
@@ -138,12 +144,13 @@ def offer_upsert(session: Session, values: WinnerValues, triton_version: str, di
     statement = statement.on_conflict_do_update(
         index_elements=["gpu", "kernel", "kernel_version", "key_json"],
         set_=replace,
-        where=(excluded.time_ms < table.c.time_ms) | table.c.environment_id.in_(_stale_environments(triton_version)),
+        where=(excluded.time_ms < table.c.time_ms)
+        | table.c.environment_id.in_(_stale_environments(triton_version, torch_version)),
     )
     return _wrote_row(session, statement)
 
 
-def offer_portable(session: Session, values: WinnerValues, triton_version: str) -> bool:
+def offer_portable(session: Session, values: WinnerValues, triton_version: str, torch_version: str) -> bool:
     """``offer_winner`` for databases without ``ON CONFLICT``: row lock, then insert or update.
 
     An insert that loses a race to another process hits the unique constraint inside a
@@ -165,8 +172,10 @@ def offer_portable(session: Session, values: WinnerValues, triton_version: str) 
                 return True
             except IntegrityError:
                 continue
-        held_triton = session.get(Environment, held.environment_id)
-        stale = held_triton is not None and held_triton.triton_version != triton_version
+        held_env = session.get(Environment, held.environment_id)
+        stale = held_env is not None and (
+            held_env.triton_version != triton_version or held_env.torch_version != torch_version
+        )
         if not (values.time_ms < held.time_ms or stale):
             return False
         for name in _REPLACED:

@@ -209,6 +209,15 @@ def test_a_winner_from_another_triton_is_replaced(store: ConfigStore, env_id: in
     assert (stored.time_ms, stored.triton_version) == (0.9, "3.7.0")
 
 
+def test_a_winner_from_another_torch_is_replaced(store: ConfigStore, env_id: int) -> None:
+    """A winner that serves only provisionally (another torch) does not survive a fresh tune."""
+    store.offer_winner(winner(0.5), env_id)
+    newer = store.environment(**{**ENV, "torch_version": "9.9.0"})
+    assert store.offer_winner(winner(0.9, torch_version="9.9.0"), newer)
+    [stored] = store.winners()
+    assert (stored.time_ms, stored.torch_version) == (0.9, "9.9.0")
+
+
 @pytest.mark.parametrize(
     "changes, reason",
     [
@@ -276,7 +285,9 @@ def test_portable_trial_insert_absorbs_duplicates(store: ConfigStore, env_id: in
 
 
 def test_portable_offer_keeps_the_best(store: ConfigStore, env_id: int) -> None:
-    def offer(time_ms: float, block_m: int, env: int = env_id, triton: str = "3.6.0") -> bool:
+    def offer(
+        time_ms: float, block_m: int, env: int = env_id, triton: str = "3.6.0", torch_: str | None = None
+    ) -> bool:
         values = WinnerValues(
             gpu=GPU,
             kernel="tma_prefill",
@@ -290,7 +301,7 @@ def test_portable_offer_keeps_the_best(store: ConfigStore, env_id: int) -> None:
             environment_id=env,
         )
         with storage.session_scope(store.engine) as session:
-            return offer_portable(session, values, triton)
+            return offer_portable(session, values, triton, torch_ or ENV["torch_version"])
 
     assert offer(1.0, 64)
     assert not offer(1.2, 32)
@@ -299,6 +310,8 @@ def test_portable_offer_keeps_the_best(store: ConfigStore, env_id: int) -> None:
     assert offer(0.9, 128, newer, "3.7.0"), "a winner from another Triton is stale"
     [stored] = store.winners()
     assert (stored.time_ms, stored.config["BLOCK_M"], stored.triton_version) == (0.9, 128, "3.7.0")
+    newest_torch = store.environment(**{**ENV, "triton_version": "3.7.0", "torch_version": "9.9.0"})
+    assert offer(0.95, 64, newest_torch, "3.7.0", "9.9.0"), "a winner from another torch is stale"
 
 
 # ---- durability and misc --------------------------------------------------------------------
