@@ -53,8 +53,9 @@ class Q4KKey(TuningKey):
     n: int
     k: int
     #: The fp8 opt-in (``TRITUNE_Q4K_FP8``): True admits the fp8, staged and int8 paths, which
-    #: miss ggml's Q4_K accuracy bound; False admits only the paths that meet it.
-    fp8: bool
+    #: miss ggml's Q4_K accuracy bound; False (a key built without it: the accurate contract)
+    #: admits only the paths that meet it. A stored key always names it.
+    fp8: bool = False
 
     BUCKETS: ClassVar[tuple[str, ...]] = ("m_bucket",)
 
