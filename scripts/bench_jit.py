@@ -33,6 +33,8 @@ from typing import Any
 import _benchlib as bl
 
 HERE = Path(__file__).resolve().parent
+#: The ``tune`` command as this interpreter runs it (the console script's own entry).
+TUNE = [sys.executable, "-c", "from tritune.tuner.entry import main; main()"]
 PHASES = ("online", "offline", "provisional", "missed")
 #: What the faked newer Triton calls itself in the provisional phase.
 FAKE_TRITON = "99.0.0"
@@ -69,7 +71,7 @@ def _winners(db: Path) -> dict[str, Any]:
 
 def _tune(device: str, kernel: str, key: dict[str, Any], db: Path, extra: list[str]) -> float:
     """``tune`` at exactly ``key`` (every key field given); its wall seconds."""
-    command = [sys.executable, "-m", "tritune.tuner.entry", "--device", device, "--kernel", kernel, "--db", str(db)]
+    command = [*TUNE, "--device", device, "--kernel", kernel, "--db", str(db)]
     for field, value in key.items():
         if field not in ("arch", "sm_count"):
             command += ["--key", f"{field}={value}"]
@@ -113,7 +115,7 @@ def offline_phase(work: Path, device: str, rows: list[dict[str, Any]], smoke: bo
 
 
 def provisional_phase(work: Path, device: str, smoke: bool) -> dict[str, Any]:
-    env = {"TRITUNE_DB": str(work / "none.sqlite")}
+    env = {"TRITUNE_JIT": "off", "TRITUNE_DB": str(work / "none.sqlite")}
     calls, log = _run_workload(work, "provisional", env, device, smoke, ("--fake-triton-version", FAKE_TRITON))
     lines = log.splitlines()
     return {
@@ -126,9 +128,9 @@ def provisional_phase(work: Path, device: str, smoke: bool) -> dict[str, Any]:
 def missed_phase(work: Path, device: str, smoke: bool) -> dict[str, Any]:
     db = work / "missed.sqlite"
     db.unlink(missing_ok=True)
-    env = {"TRITUNE_DISABLE_BUNDLES": "1", "TRITUNE_DB": str(db)}
+    env = {"TRITUNE_JIT": "off", "TRITUNE_DISABLE_BUNDLES": "1", "TRITUNE_DB": str(db), "TRITUNE_MISS_LOG": "1"}
     calls, _ = _run_workload(work, "missed", env, device, smoke)
-    command = [sys.executable, "-m", "tritune.tuner.entry", "--device", device, "--missed", "--db", str(db)]
+    command = [*TUNE, "--device", device, "--missed", "--db", str(db)]
     command += ["--trials", "4"] if smoke else ["--trials", "8"]
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, cwd=HERE)
