@@ -133,8 +133,8 @@ def ws_feasibility(config: PrefillConfig, key: _PrefillKeyFields, limits: Target
     if config.BLOCK_N < 64:
         return "the ws path wants BLOCK_N >= 64 (a narrower tile starves the wgmma)"
     if config.num_stages < 2:
-        # A consumer issues QK^T of tile j before it releases tile j - 1: one stage would deadlock.
-        return "the ws path holds two K/V tiles at once: num_stages >= 2"
+        # With one stage the next tile's load waits for the current tile's MMAs: nothing overlaps.
+        return "the ws path overlaps the next K/V tile's load with the current MMAs: num_stages >= 2"
     if 2 * config.CONSUMER_REGS + config.PRODUCER_REGS != _WS_REGISTER_SUM:
         return (
             f"2 x CONSUMER_REGS + PRODUCER_REGS must be {_WS_REGISTER_SUM} (both consumers then get "

@@ -41,7 +41,8 @@ def test_smoke_run_goes_through_every_phase(tmp_path: Path) -> None:
     record = json.loads(js.read_text())["rows"][0]
     assert [c["impl"] for c in record["checks"]] == ["tritune", "PyTorch bf16"]
     assert {(r["impl"], r["length"]) for r in record["lengths"]} == {("tritune", 10), ("PyTorch bf16", 10)}
-    assert record["serving"]["sequences"] == 2 and record["serving"]["same_tokens"] >= 0
+    # A fraction of the greedy tokens (NaN or a count would fail): bf16 near-ties of random weights may differ.
+    assert record["serving"]["sequences"] == 2 and 0.0 <= record["serving"]["same_tokens"] <= 1.0
     assert record["config"]["layers"] == 1
     baseline = next(r for r in record["lengths"] if r["impl"] == "PyTorch bf16")
     assert baseline["note"].startswith("decode SDPA: ")

@@ -112,7 +112,8 @@ def _producer(
         tma.async_copy_global_to_shared(q_desc, [pid_b, pid_h, start_m + c * ROWS, 0], q_bar.index(c), dst)
     for t in range(n_total):
         stage = t % NUM_STAGES
-        # A fresh barrier counts as having completed the phase before its first: round 0 passes.
+        # A fresh barrier counts as having completed the phase before its first, so the ring's
+        # first pass goes through.
         free_phase = ((t // NUM_STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(stage), free_phase)
         start_n = t * BLOCK_N
