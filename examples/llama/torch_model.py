@@ -187,6 +187,8 @@ class TorchGenerator(Generator):
             except RuntimeError as exc:
                 results[name] = "refused: " + " ".join(str(exc).split())[:120]
         timed = {name: t for name, t in results.items() if isinstance(t, float)}
+        if not timed:
+            raise RuntimeError(f"no SDPA backend serves the decode step here: {results}")
         best = min(timed, key=timed.__getitem__)
         if best != self.decode_backend:
             self.decode_backend, self._graph = best, None
