@@ -25,6 +25,10 @@
 # varlen             150    tune varlen_sdpa (D 128), then scripts/bench_varlen.py         varlen-tune.sqlite, ...
 # q4k                240    tune q4k_fp8_gemm (M 1/16/4096, three shapes), then bench      q4k-tune.sqlite, ...
 # overhead            60    scripts/measure_overhead.py                                    <date>-overhead-<gpu>.md
+# model              480    scripts/bench_model.py --profile: the Llama-3-8B shape end to   <date>-model-llama3-8b-<gpu>.md/.json
+#                           end against plain PyTorch bf16 ($MODEL_ARGS adds arguments)
+# jit                480    scripts/bench_jit.py: online tuning on one workload against    <date>-jit-<gpu>.md
+#                           offline tune, provisional serving, tune --missed ($JIT_ARGS)
 # tuner              200    scripts/bench_tuner.py: injected fault, rank stability,        <date>-tuner-<gpu>.md/.json
 #                           one vs two workers on one shared study
 # multigpu           480    bench_tuner.py multigpu (a host with 2+ GPUs):                 <date>-multigpu-<gpu>.md/.json
@@ -63,7 +67,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 declare -A DEFAULT_BUDGET=(
   [tests]=300 [tune-prefill]=300 [bench-prefill]=200 [decode]=210 [varlen]=150 [q4k]=240 [overhead]=60
   [tuner]=200 [multigpu]=480 [smoke]=1800 [prefill-defaults]=330 [stability]=200 [pytest]=90 [defaults]=540
-  [bench-decode]=150 [bench-varlen]=120 [bench-q4k]=150 [gpu-tests]=300 [sweep]=300
+  [bench-decode]=150 [bench-varlen]=120 [bench-q4k]=150 [gpu-tests]=300 [sweep]=300 [model]=480 [jit]=480
 )
 if (($# == 0)); then
   echo "usage: bash scripts/gpu_suite.sh STAGE[:SECONDS] ... (stages: ${!DEFAULT_BUDGET[*]})" >&2
@@ -350,6 +354,20 @@ run_stage() {
 
     overhead)
       step overhead 300 python scripts/measure_overhead.py --out "$results/$today-overhead-$(gpu_slug).md"
+      ;;
+
+    model)
+      # MODEL_ARGS narrows it (e.g. --lengths 512,2048,8192,32768).
+      # shellcheck disable=SC2086
+      step model $((budget - 10)) python scripts/bench_model.py --profile ${MODEL_ARGS:-} \
+        --out "$results/$today-model-llama3-8b-$(gpu_slug).md" --json "$results/$today-model-llama3-8b-$(gpu_slug).json"
+      ;;
+
+    jit)
+      # JIT_ARGS narrows it (e.g. --phases online provisional missed).
+      # shellcheck disable=SC2086
+      step jit $((budget - 10)) python scripts/bench_jit.py --device 0 --work "$work/jit" ${JIT_ARGS:-} \
+        --out "$results/$today-jit-$(gpu_slug).md"
       ;;
 
     tuner)
