@@ -8,8 +8,9 @@ Lookup order, resolved once per (kernel, key) and then served from a dict:
 3. with no winner at the exact key, the nearest bucket of the same kernel, GPU, dtype and head dim
    (the same key group) whose winner clears the margin;
 4. where the kernel names a fallback key (a key with a stricter numerics contract, see
-   :meth:`~.spec.KernelSpec.fallback_key`), what serves that key;
-5. the portable default, logged once per key.
+   :meth:`~.spec.KernelSpec.fallback_key`), that key's stored winner (exact or nearest, as in 2
+   and 3; never its portable default);
+5. the key's own portable default, logged once per key.
 
 With ``TRITUNE_JIT`` on, a key of an eager call with no winner of its own is tuned online before
 steps 3 to 5 (:mod:`.jit`: in the calling thread, or handed to a worker process while 3 to 5 serve).
@@ -177,58 +178,16 @@ class Dispatcher:
     ) -> Any:
         generation = self.generation
         current = settings_module.settings()
-        threshold = 1.0 + current.margin
-        limits = spec.limits(device)
         config, reason = None, ""
         if current.disable_tuned:
             reason = "tuned configs disabled (TRITUNE_DISABLE_TUNED)"
         else:
-            table = self.table(device)
-            exact = table.exact.get((spec.name, key))
-            if exact is None:
-                misses.note(spec, device, key)
-                if where is not None and current.jit != "off":
-                    from . import jit  # only where online tuning is on: serving alone never imports it
-
-                    exact = jit.ONLINE.on_miss(self, spec, device, where, key)
-            if exact is not None:
-                why = spec.space.infeasible_reason(exact.config, key, limits)
-                if why is not None:
-                    reason = f"stored winner is infeasible here ({why})"
-                elif exact.speedup >= threshold:
-                    config = exact.config
-                else:
-                    reason = f"stored winner is only {exact.speedup:.3f}x the portable default"
-            else:
-                # A neighbour's winner must also be feasible at this key (e.g. a split-K config
-                # tuned for small M must not be borrowed at M=8192), and near it: a config tuned
-                # for a few decode tokens can be several times slower than the portable default
-                # on a mix of thousands.
-                neighbours = [
-                    (distance, e)
-                    for k, e in table.groups.get((spec.name, key.group()), [])
-                    if (distance := k.distance(key)) <= NEAREST_MAX_LOG2
-                ]
-                candidates = [
-                    (distance, -e.speedup, e)
-                    for distance, e in neighbours
-                    if e.speedup >= threshold and spec.space.infeasible_reason(e.config, key, limits) is None
-                ]
-                nearest = min(candidates, key=lambda c: (c[0], c[1])) if candidates else None
-                if nearest is None:
-                    reason = "no tuned config for this key or a bucket near it"
-                elif any(d <= nearest[0] and e.speedup < threshold for d, e in neighbours):
-                    # A bucket as near whose tune found no gain says the portable default is near the best
-                    # here: borrowing the other neighbour's winner can then lose to it.
-                    reason = "a bucket as near as the nearest tuned winner found no gain over the portable default"
-                else:
-                    config = nearest[2].config
-        if config is None and not current.disable_tuned:
-            fallback = spec.fallback_key(key)
+            config, reason = self._stored(spec, device, key, where)
+            fallback = spec.fallback_key(key) if config is None else None
             if fallback is not None and fallback != key:
-                config = self._resolved.get((spec.name, device.slug, fallback))
-                if config is None:
-                    config = self._resolve(spec, device, fallback)
+                # Only a winner stored for the fallback key serves here; its portable default does
+                # not: this key's own default serves then, and says so below.
+                config, _ = self._stored(spec, device, fallback, None)
         if config is None:
             config = spec.default_config(key)
             if (spec.name, key) not in self._logged:
@@ -239,6 +198,54 @@ class Dispatcher:
                 self._resolved[(spec.name, device.slug, key)] = config
         return config
 
+    def _stored(
+        self, spec: KernelSpec[Any, Any], device: DeviceInfo, key: TuningKey, where: torch.device | None
+    ) -> tuple[Any, str]:
+        """The stored winner serving ``key`` (exact, else nearest bucket), or ``None`` and why there is none.
+
+        ``where``: the device of a real call asking for ``key``. Only such a call is noted in the
+        miss log and may tune ``key`` online; a lookup on behalf of another key (its fallback) or
+        of a tool (``tune bench``) is neither.
+        """
+        current = settings_module.settings()
+        threshold = 1.0 + current.margin
+        limits = spec.limits(device)
+        table = self.table(device)
+        exact = table.exact.get((spec.name, key))
+        if exact is None and where is not None:
+            misses.note(spec, device, key)
+            if current.jit != "off":
+                from . import jit  # only where online tuning is on: serving alone never imports it
+
+                exact = jit.ONLINE.on_miss(self, spec, device, where, key)
+        if exact is not None:
+            why = spec.space.infeasible_reason(exact.config, key, limits)
+            if why is not None:
+                return None, f"stored winner is infeasible here ({why})"
+            if exact.speedup >= threshold:
+                return exact.config, ""
+            return None, f"stored winner is only {exact.speedup:.3f}x the portable default"
+        # A neighbour's winner must also be feasible at this key (e.g. a split-K config tuned for
+        # small M must not be borrowed at M=8192), and near it: a config tuned for a few decode
+        # tokens can be several times slower than the portable default on a mix of thousands.
+        neighbours = [
+            (distance, e)
+            for k, e in table.groups.get((spec.name, key.group()), [])
+            if (distance := k.distance(key)) <= NEAREST_MAX_LOG2
+        ]
+        candidates = [
+            (distance, -e.speedup, e)
+            for distance, e in neighbours
+            if e.speedup >= threshold and spec.space.infeasible_reason(e.config, key, limits) is None
+        ]
+        nearest = min(candidates, key=lambda c: (c[0], c[1])) if candidates else None
+        if nearest is None:
+            return None, "no tuned config for this key or a bucket near it"
+        if any(d <= nearest[0] and e.speedup < threshold for d, e in neighbours):
+            # A bucket as near whose tune found no gain says the portable default is near the best
+            # here: borrowing the other neighbour's winner can then lose to it.
+            return None, "a bucket as near as the nearest tuned winner found no gain over the portable default"
+        return nearest[2].config, ""
 
 DISPATCHER = Dispatcher()
 settings_module.on_change(DISPATCHER.clear)

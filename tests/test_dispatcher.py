@@ -170,6 +170,25 @@ def test_a_key_with_its_own_winner_ignores_the_fallback(monkeypatch):
     assert _served(100)["BLOCK"] == 64
 
 
+def test_the_fallback_keys_portable_default_never_serves_for_a_key(monkeypatch, caplog):
+    """With no winner at the fallback key either, the key's own portable default serves, logged for the key."""
+    spec = toy_kernel.SPEC
+    monkeypatch.setattr(
+        spec, "fallback_key", lambda key: dataclasses.replace(key, dtype="float32") if key.dtype != "float32" else None
+    )
+    # A key-dependent portable default: the float32 key's would be BLOCK=64.
+    own_default = spec.default_config
+
+    def default_config(key):
+        return dataclasses.replace(own_default(key), BLOCK=64) if key.dtype == "float32" else own_default(key)
+
+    monkeypatch.setattr(spec, "default_config", default_config)
+    with caplog.at_level(logging.INFO, logger="tritune.dispatch"):
+        assert _served(100, torch.float16)["BLOCK"] == 32
+    half = toy_kernel.ToyKey(CPU.arch, CPU.sm_count, "float16", 128)
+    assert any("portable default serves" in r.getMessage() and str(half) in r.getMessage() for r in caplog.records)
+
+
 def test_pinned_config_wins_and_fills_defaults():
     _store(_winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5))
     with use_config("toy_scale", {"BLOCK": 16}) as pinned:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -95,6 +96,18 @@ def test_keys_without_an_exact_winner_are_noted_once_per_resolution():
     DISPATCHER.clear()  # a reload resolves again
     serve(300)
     assert pending_counts() == {512: 2, 2048: 1}
+
+
+def test_only_a_real_call_is_noted_and_for_the_key_it_asked(monkeypatch):
+    """``tune bench`` and scripts select without a call's device; a fallback key's lookup is on behalf of another."""
+    spec = toy_kernel.SPEC
+    DISPATCHER.select(spec, CPU, toy_kernel.ToyKey(CPU.arch, CPU.sm_count, "float32", 4096))
+    assert pending_counts() == {}, "a select without a call is no miss"
+    monkeypatch.setattr(
+        spec, "fallback_key", lambda key: dataclasses.replace(key, dtype="float32") if key.dtype != "float32" else None
+    )
+    dispatch_config("toy_scale", "cpu", -1, tuple(spec.facts(torch.randn(300, dtype=torch.float16))))
+    assert [(ident[4].dtype, seen.count) for ident, seen in misses.pending().items()] == [("float16", 1)]
 
 
 def test_flush_writes_and_a_second_flush_adds_counts():
