@@ -36,7 +36,7 @@ from .arguments import CheckedCall, Derived, Obj, Output, Rule, Scalar, Tensor, 
 from .device import DeviceInfo
 from .dispatcher import dispatch_config, dispatch_config_eager
 from .fastcheck import FastCheck, build_fast_check
-from .spec import KernelSpec, Peer, Problem, TuningKey
+from .spec import KernelSpec, Peer, Problem, Replaced, TuningKey
 
 __all__ = ["Derived", "Kernel", "KernelTuning", "Obj", "Output", "Rule", "Scalar", "Tensor"]
 
@@ -99,7 +99,9 @@ class Kernel(KernelSpec[Any, Any]):
     kernel on checked arguments (outputs allocated, scalars resolved), launching through
     ``wrap_triton(kernel)[grid](...)``. ``reference(**inputs)`` computes the same in fp32 or better.
     ``default(key)``, ``pin(values)`` and ``serve(config, device, facts)`` are optional hooks for
-    a key-dependent portable default, ``use_config`` parsing and last-moment path eligibility.
+    a key-dependent portable default, ``use_config`` parsing and last-moment path eligibility;
+    ``serve`` returns the config that serves, or a :class:`~.spec.Replaced` naming the stand-in
+    and why the given config cannot serve (the pin warning quotes it).
     ``fallback_key(key)`` names the key whose winner serves where ``key`` has none (see
     :meth:`KernelSpec.fallback_key`). ``dynamic``: dim facts left symbolic under ``torch.compile``
     (0 in the facts) instead of specialising the graph on them. ``protocol`` is bumped by hand
@@ -402,7 +404,15 @@ class Kernel(KernelSpec[Any, Any]):
         return self._fallback_key(key) if self._fallback_key is not None else None
 
     def serveable(self, config: Any, device: DeviceInfo, facts: tuple[Any, ...]) -> Any:
-        return self._serve(config, device, self.Facts(*facts)) if self._serve is not None else config
+        return self.serve_with_reason(config, device, facts)[0]
+
+    def serve_with_reason(self, config: Any, device: DeviceInfo, facts: tuple[Any, ...]) -> tuple[Any, str | None]:
+        if self._serve is None:
+            return config, None
+        served = self._serve(config, device, self.Facts(*facts))
+        if isinstance(served, Replaced):
+            return served.config, served.reason
+        return served, None
 
     def prepare(self, config: Any, *args: Any, **kwargs: Any) -> Callable[[], Any]:
         """The checked launch of ``config`` on these arguments, as a function to call repeatedly.

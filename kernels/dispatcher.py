@@ -270,10 +270,10 @@ def _choose(kernel: str, device_type: str, device_index: int, facts: tuple[Any, 
     device = device_info(where)
     key = spec.key_for(device, facts)
     chosen = DISPATCHER.select(spec, device, key, where)
-    config = spec.serveable(chosen, device, facts)
+    config, why = spec.serve_with_reason(chosen, device, facts)
     pin = memo[4] if len(memo) > 4 else None
     if pin is not None and config != pin:
-        _log_pin_rewrite(kernel, pin, config)
+        _log_pin_rewrite(kernel, pin, config, why)
     DISPATCHER.memo_put(memo, config, generation)
     return config
 
@@ -329,11 +329,13 @@ def dispatch_config_eager(kernel: str, device: torch.device, facts: tuple[Any, .
 _rewritten_pins: set[tuple[str, Any, Any]] = set()
 
 
-def _log_pin_rewrite(kernel: str, pin: Any, served: Any) -> None:
-    """A pinned config that cannot serve this call is replaced; say so once per pair."""
+def _log_pin_rewrite(kernel: str, pin: Any, served: Any, reason: str | None) -> None:
+    """A pinned config that cannot serve this call is replaced; say so, with the kernel's reason
+    where its ``serve`` hook gave one, in one line once per pair."""
     if (kernel, pin, served) not in _rewritten_pins:
         _rewritten_pins.add((kernel, pin, served))
-        log.warning("%s: pinned config %s cannot serve this call; serving %s instead", kernel, pin, served)
+        why = f" ({printable(reason, limit=1000)})" if reason else ""
+        log.warning("%s: pinned config %s cannot serve this call%s; serving %s instead", kernel, pin, why, served)
 
 
 #: (kernel, the pin's items) -> the parsed config: entering ``use_config`` around every call of a

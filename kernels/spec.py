@@ -108,6 +108,16 @@ class Peer:
     fn: Callable[[], Any]
 
 
+@dataclass(frozen=True)
+class Replaced:
+    """What a ``serve`` hook (:meth:`KernelSpec.serve_with_reason`) may return instead of a bare
+    config when it replaces the one it was given: the stand-in, and why the given one cannot serve
+    the call (the one warning a ``use_config`` pin replaced this way gets names it)."""
+
+    config: Any
+    reason: str
+
+
 class KernelSpec(ABC, Generic[C, K]):
     """Everything the dispatcher and the tuner may know about one kernel."""
 
@@ -166,6 +176,10 @@ class KernelSpec(ABC, Generic[C, K]):
         and fall back to their portable config where it is not valid.
         """
         return config
+
+    def serve_with_reason(self, config: C, device: DeviceInfo, facts: tuple[Any, ...]) -> tuple[C, str | None]:
+        """:meth:`serveable`'s config and, where it replaced ``config`` and says why, the reason."""
+        return self.serveable(config, device, facts), None
 
     @abstractmethod
     def launch(self, config: C, *args: Any, **kwargs: Any) -> torch.Tensor:

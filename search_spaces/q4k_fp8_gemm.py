@@ -1,15 +1,16 @@
 """Search space of ``q4k_fp8_gemm``: the Q4_K weight x activation GEMM, one member space per path.
 
-Five paths, each its own config type holding only the fields its launch reads (a
+Six paths, each its own config type holding only the fields its launch reads (a
 :class:`~.base.UnionSpace` on ``path``): the portable kernel, the fp8 kernels (centred, folded
 ``SCALE_FOLD``, and folded with swapped operands ``SWAP_AB``: the dequantized weight as wgmma's
 register A operand), the staged path (the fold kernel's weights, chunk by chunk, into cuBLASLt's
 fp8 GEMM), the int8 kernel (folded weights and activations as int8 with one scale per row, int8
-tensor-core dots) and the GEMV for decode-sized M (integer dot products on the CUDA cores).
+tensor-core dots), the GEMV for decode-sized M (integer dot products on the CUDA cores) and the
+dequant path for large M (the exact weights in x's dtype, chunk by chunk, into cuBLAS's GEMM).
 
 The fp8, staged and int8 paths miss ggml's Q4_K accuracy bound (NMSE <= 5e-4) on model-like
 activations: they are feasible only at keys with ``fp8=True`` (the ``TRITUNE_Q4K_FP8`` opt-in);
-the portable and GEMV paths meet it. A field keeps
+the portable, GEMV and dequant paths meet it. A field keeps
 its name and choices on every path that has it, so the sampler's view (the union of the members'
 fields) and stored configs mean what they meant. Within the fp8 member a field that leaves the
 launch unchanged is pruned as a duplicate (``SWAP_AB`` without ``SCALE_FOLD``), ``BLOCK_M=256``
@@ -49,9 +50,17 @@ SUPER_BLOCK = 256
 #: Smallest chunk the staged path uses on a GPU: below it each chunk's GEMM is too narrow to fill
 #: the GPU (4096 x 1024 tiles of 128 x 256 are 128 programs for 132 SMs).
 MIN_CHUNK_N = 1024
+#: Most bytes the dequant path's scratch may hold (a chunk of the weight in x's dtype): the whole
+#: 14336 x 4096 Llama-3-8B MLP weight in bf16 (117 MB) fits.
+DEQUANT_MAX_SCRATCH_BYTES = 128 * 2**20
+#: Elements of its tile each thread of the dequant kernel makes (float32 in registers before the
+#: cast): past 64 the tile's codes, scales and weights no longer fit beside each other.
+DEQUANT_MAX_PER_THREAD = 64
 
 #: K tiles of the paths whose tile divides a super-block (all but the GEMV).
 _K_TILES = (32, 64, 128, 256)
+#: The dequant path's chunks, ascending.
+_DEQUANT_CHUNKS = (32, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass(frozen=True)
@@ -120,6 +129,23 @@ class StagedConfig:
 
 
 @dataclass(frozen=True)
+class DequantConfig:
+    """The dequant path (any CUDA GPU, large M): ``CHUNK_N`` weight rows at a time dequantized
+    exactly and rounded to x's dtype into one reused scratch, each chunk multiplied by cuBLAS's
+    GEMM into its columns of ``out``; the weights the portable kernel multiplies, so its accuracy.
+    BLOCK_N x BLOCK_K is one dequantization program's tile and ``num_warps`` its warps."""
+
+    path: str = choice("dequant", ("dequant",))
+    BLOCK_N: int = choice(32, (32, 64, 128, 256))
+    BLOCK_K: int = choice(256, _K_TILES)
+    num_warps: int = choice(4, (2, 4, 8))
+    #: Weight rows dequantized per chunk; at or above N the whole weight at once (one GEMM), the
+    #: smallest such choice only. 16384 (the dequant path's alone) holds a 14336-row weight whole.
+    #: Small chunks (below ``MIN_CHUNK_N``) are for the interpreter.
+    CHUNK_N: int = choice(16384, _DEQUANT_CHUNKS)
+
+
+@dataclass(frozen=True)
 class Int8Config:
     """The int8 path (SM80+ int8 tensor cores; wgmma on SM90): the folded weights ``d*sc*q - dmin*m``
     (the fold kernel's values, before its e4m3 rounding) as int8 with one scale per weight row,
@@ -161,7 +187,7 @@ class GemvConfig:
 
 
 #: A config of any path.
-Q4KConfig = PortableConfig | Fp8Config | StagedConfig | GemvConfig | Int8Config
+Q4KConfig = PortableConfig | Fp8Config | StagedConfig | GemvConfig | Int8Config | DequantConfig
 
 
 class Q4KShape(Protocol):
@@ -342,6 +368,43 @@ def staged_feasibility(config: StagedConfig, key: Q4KShape, limits: TargetLimits
     return None
 
 
+def dequant_feasibility(config: DequantConfig, key: Q4KShape, limits: TargetLimits) -> str | None:
+    """Why a dequant ``config`` cannot (or should not) run for ``key``; ``None`` if it may.
+
+    Accurate, so feasible with the opt-in and without it. Small M is left to the in-loop kernels
+    on a GPU: at Llama-3-8B's MLP shape the dense bf16 weight written and read back is 235 MB
+    (about 50 us at an H200's 4.8 TB/s), where the portable and GEMV paths read the 34 MB Q4_K
+    weight once.
+    """
+    chunk, whole = config.CHUNK_N, next((c for c in _DEQUANT_CHUNKS if c >= key.n), None)
+    if whole is not None and chunk > whole:
+        return f"CHUNK_N={chunk} is the same launch as CHUNK_N={whole} (the whole N={key.n} rows at once)"
+    if limits.interpreter:
+        # The CPU tune tries the path at its tiny keys, whatever their M.
+        if config.BLOCK_N > 64 or config.BLOCK_K > 128:
+            return "the interpreter only runs small blocks (BLOCK_N <= 64, BLOCK_K <= 128)"
+        return None
+    if key.m_bucket <= SMALL_M:
+        return f"the dequant path is for M > {SMALL_M} (m_bucket={key.m_bucket})"
+    if chunk < MIN_CHUNK_N:
+        return f"CHUNK_N={chunk} is below {MIN_CHUNK_N}, too narrow a GEMM for a GPU"
+    scratch = min(chunk, key.n) * key.k * 2
+    if scratch > DEQUANT_MAX_SCRATCH_BYTES:
+        return (
+            f"CHUNK_N={chunk} at K={key.k} needs a {scratch / 2**20:.0f} MiB scratch "
+            f"(at most {DEQUANT_MAX_SCRATCH_BYTES // 2**20} MiB)"
+        )
+    threads, tile = 32 * config.num_warps, config.BLOCK_N * config.BLOCK_K
+    if threads * 8 > tile:
+        return f"{config.num_warps} warps for a {config.BLOCK_N}x{config.BLOCK_K} tile leave threads without 8 weights"
+    if tile > DEQUANT_MAX_PER_THREAD * threads:
+        return (
+            f"a {config.BLOCK_N}x{config.BLOCK_K} tile is more than {DEQUANT_MAX_PER_THREAD} weights for each of "
+            f"{threads} threads"
+        )
+    return None
+
+
 def gemv_feasibility(config: GemvConfig, key: Q4KShape, limits: TargetLimits) -> str | None:
     """Why a GEMV ``config`` cannot (or should not) run for ``key``; ``None`` if it may.
 
@@ -376,5 +439,6 @@ SPACE: UnionSpace[Q4KShape] = UnionSpace(
         SearchSpace("q4k_fp8_gemm", StagedConfig, feasibility=staged_feasibility),
         SearchSpace("q4k_fp8_gemm", GemvConfig, feasibility=gemv_feasibility),
         SearchSpace("q4k_fp8_gemm", Int8Config, feasibility=int8_feasibility),
+        SearchSpace("q4k_fp8_gemm", DequantConfig, feasibility=dequant_feasibility),
     ],
 )

@@ -394,3 +394,29 @@ def test_refusals_of_stored_records_are_escaped(caplog):
     assert _served(100)["BLOCK"] == 32
     (message,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert message.isprintable() and "gone\\nCRITICAL \\x1b[31m: unknown kernel" in message
+
+
+# ---- a pin that cannot serve --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reason", [None, "BLOCK=16 needs a feature this device lacks"], ids=["no-reason", "reason"])
+def test_a_replaced_pin_is_one_warning_naming_the_reason(monkeypatch, caplog, reason):
+    """A pin the spec's serve hook replaces gets one warning line per (pin, stand-in), with the
+    hook's reason where it gives one (``KernelSpec.serve_with_reason``), however many calls."""
+    spec = toy_kernel.SPEC
+    stand_in = toy_kernel.ToyConfig(64, False, 2)
+
+    def serve_with_reason(config, device, facts):
+        return (stand_in, reason) if config.BLOCK == 16 else (config, None)
+
+    monkeypatch.setattr(spec, "serve_with_reason", serve_with_reason)
+    monkeypatch.setattr(dispatcher, "_rewritten_pins", set())
+    caplog.set_level(logging.WARNING, logger="tritune")
+    with use_config("toy_scale", {"BLOCK": 16}) as pinned:
+        assert [_served(n)["BLOCK"] for n in (100, 100, 3000)] == [64, 64, 64]
+    with use_config("toy_scale", {"BLOCK": 32}):
+        assert _served(100)["BLOCK"] == 32
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert message.startswith(f"toy_scale: pinned config {pinned} cannot serve this call"), message
+    assert message.endswith(f"; serving {stand_in} instead"), message
+    assert (f"({reason})" in message) == (reason is not None), message

@@ -2,7 +2,7 @@
 
 ggml's bound for a Q4_K mul_mat (llama.cpp's test-backend-ops) is an NMSE of at most 5e-4
 against the product of the exactly dequantized weight (SQNR >= 33 dB); here that product is
-computed in float64. The accurate paths (portable, GEMV) must meet it at every M; the fp8,
+computed in float64. The accurate paths (portable, GEMV, dequant) must meet it at every M; the fp8,
 staged and int8 paths (the ``TRITUNE_Q4K_FP8`` opt-in) their own floors. Gaussian data at the
 smallest shape that still averages over enough outputs: K=256 (one super-block), N=32.
 """
@@ -32,6 +32,7 @@ PATHS = {
     "staged": {"path": "staged"},
     "int8": {"path": "int8"},
     "int8-swap": {"path": "int8", "SWAP_AB": True},
+    "dequant": {"path": "dequant"},
 }
 #: The GEMV multiplies up to 8 rows per program and is tried at one row on a GPU: small M only.
 GEMV_MAX_TESTED_M = 17
@@ -47,7 +48,7 @@ def _config(pin: dict[str, object], m: int) -> object:
     """The pinned path at tiles the interpreter runs (16 or 32 rows of x, 32 weight rows)."""
     path = str(pin["path"])
     tiles: dict[str, object] = {"BLOCK_N": 32, "BLOCK_K": 128}
-    if path == "staged":
+    if path in ("staged", "dequant"):
         tiles.update(BLOCK_K=64, CHUNK_N=32)
     elif path != "gemv":
         tiles.update(BLOCK_M=16 if m <= 16 else 32, GROUP_M=1, num_stages=1)
@@ -97,3 +98,32 @@ def test_every_path_feasible_without_the_opt_in_meets_the_bound(weight):
             served = KERNEL.serveable(config, device, tuple(facts))
             sqnr, error = _measure(served, x, weight)
             assert error <= GGML_MAX_NMSE, f"{config}: NMSE {error:.3g} ({sqnr:.1f} dB)"
+
+
+#: Weight rows of the dequant path's own cases: two chunks of 32 rows, the last one 16 rows short.
+CHUNKED_N = 48
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("m", MS)
+def test_dequant_path_in_chunks_meets_the_bound(m, bias, dtype, record_property):
+    """The dequant path with chunks that do not divide N, a bias and a NaN-poisoned ``out=``, in
+    bf16 and fp16: ggml's bound at every M, and every element of ``out`` written."""
+    generator = torch.Generator().manual_seed(100 + m)
+    weight = Q4KWeight.quantize(torch.randn(CHUNKED_N, K, generator=generator) * 0.02)
+    x = torch.randn(m, K, generator=generator).to(dtype)
+    b = torch.randn(CHUNKED_N, generator=generator) if bias else None
+    out = torch.full((m, CHUNKED_N), float("nan"), dtype=dtype)
+    config = SPACE.parse({"path": "dequant", "BLOCK_N": 32, "BLOCK_K": 64, "CHUNK_N": 32})
+    assert KERNEL.launch(config, x, weight, b, out=out) is out
+    expected = x.double() @ weight.dequantize().double().t() + (b.double() if b is not None else 0.0)
+    sqnr, error = sqnr_db(out, expected), nmse(out, expected)
+    record_property("sqnr_db", round(sqnr, 2))
+    assert not torch.isnan(out).any(), "some outputs were never written"
+    assert error <= GGML_MAX_NMSE, f"M={m}: NMSE {error:.3g} ({sqnr:.1f} dB)"
+    assert sqnr >= MIN_SQNR_DB["dequant"], f"M={m}: {sqnr:.1f} dB"
+    # The dense weight is gguf's float32 weight rounded once to x's dtype: the product of exactly
+    # that weight, as x's dtype holds it, is what the GEMM computes.
+    dense = x.float() @ weight.dequantize().to(dtype).float().t() + (b.to(dtype).float() if b is not None else 0.0)
+    torch.testing.assert_close(out.float(), dense.to(dtype).float(), rtol=2**-7, atol=1e-3)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import subprocess
@@ -19,14 +20,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tritune.kernels import settings
+from tritune.kernels import dispatcher, settings, use_config
 from tritune.kernels.device import DeviceInfo, device_info, interpreter_device
+from tritune.kernels.dispatcher import DISPATCHER, dispatch_config
 from tritune.kernels.q4k.kernel import KERNEL, Q4KKey, accurate_key, default_config, key_for
 from tritune.kernels.q4k.reference import GGML_MAX_NMSE, MIN_SQNR_DB
 from tritune.kernels.q4k.tuning import TUNING
 from tritune.search_spaces.base import ConfigError, TargetLimits
 from tritune.search_spaces.q4k_fp8_gemm import (
+    FP8_OPT_IN_REASON,
     SPACE,
+    DequantConfig,
     Fp8Config,
     GemvConfig,
     Int8Config,
@@ -63,10 +67,11 @@ def test_each_path_holds_only_the_fields_its_launch_reads():
         "staged": ("path", "BLOCK_N", "BLOCK_K", "num_warps", "CHUNK_N", "FAST_ACCUM"),
         "gemv": ("path", "BLOCK_N", "BLOCK_K", "num_warps", "SPLIT_K"),
         "int8": ("path", *tiles, "SWAP_AB"),
+        "dequant": ("path", "BLOCK_N", "BLOCK_K", "num_warps", "CHUNK_N"),
     }
     # What the sampler sees: every field with the choices stored configs have always used.
     assert SPACE.dimensions == {
-        "path": ("portable", "fp8", "staged", "gemv", "int8"),
+        "path": ("portable", "fp8", "staged", "gemv", "int8", "dequant"),
         "BLOCK_M": (16, 32, 64, 128, 256),
         "BLOCK_N": (32, 64, 128, 256),
         "BLOCK_K": (32, 64, 128, 256, 512, 1024),
@@ -76,7 +81,7 @@ def test_each_path_holds_only_the_fields_its_launch_reads():
         "SPLIT_K": (1, 2, 4, 8),
         "SCALE_FOLD": (False, True),
         "SWAP_AB": (False, True),
-        "CHUNK_N": (32, 1024, 2048, 4096, 8192),
+        "CHUNK_N": (32, 1024, 2048, 4096, 8192, 16384),
         "FAST_ACCUM": (False, True),
     }
     # A field keeps its choices on every path that can launch them: 256-row x tiles exist for the
@@ -85,6 +90,9 @@ def test_each_path_holds_only_the_fields_its_launch_reads():
     assert SPACE.members["fp8"].dimensions["BLOCK_M"] == (16, 32, 64, 128, 256)
     assert max(SPACE.members["staged"].dimensions["BLOCK_K"]) == 256
     assert max(SPACE.members["gemv"].dimensions["BLOCK_K"]) == 1024
+    # A whole 14336-row weight in one chunk exists for the dequant path only.
+    assert SPACE.members["staged"].dimensions["CHUNK_N"] == (32, 1024, 2048, 4096, 8192)
+    assert SPACE.members["dequant"].dimensions["CHUNK_N"] == (32, 1024, 2048, 4096, 8192, 16384)
 
 
 def test_pins_and_stored_configs_parse_to_their_paths_defaults():
@@ -115,14 +123,18 @@ def test_the_grid_holds_each_launch_once():
     # The per-path grids, where the old flat product held 2.6 million configs.
     assert SPACE.size() == (
         4 * 4 * 4 * 3 * 3 * 5 * 4 + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 4 + 4 * 4 * 3 * 5 * 2 + 4 * 6 * 3 * 4
-        + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 2
+        + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 2 + 4 * 4 * 3 * 6
     )  # fmt: skip
 
 
 def test_a_proposal_keeps_its_paths_fields():
     proposal = {name: options[-1] for name, options in SPACE.dimensions.items()}
-    staged = SPACE.from_proposal({**proposal, "path": "staged", "BLOCK_K": 128})
+    staged = SPACE.from_proposal({**proposal, "path": "staged", "BLOCK_K": 128, "CHUNK_N": 8192})
     assert staged == StagedConfig(BLOCK_N=256, BLOCK_K=128, num_warps=8, CHUNK_N=8192, FAST_ACCUM=True)
+    with pytest.raises(ConfigError, match="CHUNK_N=16384 is not in the space"):
+        SPACE.from_proposal({**proposal, "path": "staged", "BLOCK_K": 128})
+    dequant = SPACE.from_proposal({**proposal, "path": "dequant", "BLOCK_K": 256})
+    assert dequant == DequantConfig(BLOCK_N=256, BLOCK_K=256, num_warps=8, CHUNK_N=16384)
     with pytest.raises(ConfigError, match="BLOCK_K=1024 is not in the space"):
         SPACE.from_proposal({**proposal, "path": "staged"})
 
@@ -325,9 +337,10 @@ def test_serve_falls_back_where_a_path_cannot_run(fp8_opt_in):
     assert KERNEL.serveable(int8, turing, facts).path == "portable"
 
 
-def test_without_the_opt_in_8_bit_pins_do_not_serve(caplog):
+def test_without_the_opt_in_8_bit_pins_do_not_serve(caplog, monkeypatch):
     """A pinned fp8, staged or int8 config without TRITUNE_Q4K_FP8 is replaced by the portable
-    default, with one warning naming the setting; the accurate paths serve as pinned."""
+    default, with one warning line that names the setting (the dispatcher's, quoting the reason
+    ``serve`` gives); the accurate paths serve as pinned."""
     facts = _facts(4096, 14336, 4096)
     default = KERNEL.default_config(key_for(H200, facts))
     pins = [
@@ -336,15 +349,33 @@ def test_without_the_opt_in_8_bit_pins_do_not_serve(caplog):
         {"path": "staged"},
         {"path": "int8", "SWAP_AB": True},
     ]
+    # Dispatch as on an H200 (the pin is served without reading any winner).
+    monkeypatch.setattr(dispatcher, "_rewritten_pins", set())
+    monkeypatch.setattr(dispatcher, "device_info", lambda where: H200)
     with caplog.at_level("WARNING", logger="tritune"):
         for pin in pins:
             config = KERNEL.pinned_config(pin)
             assert KERNEL.serveable(config, H200, facts) == default, pin
-            assert KERNEL.serveable(config, H200, facts) == default, pin
-    warned = [r.getMessage() for r in caplog.records if "TRITUNE_Q4K_FP8=1" in r.getMessage()]
-    assert len(warned) == len(pins), warned
-    for accurate in (GemvConfig(), PortableConfig(BLOCK_M=128)):
-        assert KERNEL.serveable(accurate, H200, facts) == accurate
+            assert KERNEL.serve_with_reason(config, H200, facts) == (default, FP8_OPT_IN_REASON), pin
+            DISPATCHER.clear()
+            with use_config(KERNEL.name, pin):
+                for _ in range(2):
+                    assert dispatch_config(KERNEL.name, "cuda", 0, facts) == default, pin
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == len(pins), warnings
+    for pin, message in zip(pins, warnings, strict=True):
+        assert message.startswith(f"q4k_fp8_gemm: pinned config {KERNEL.pinned_config(pin)} cannot serve"), message
+        assert f"({FP8_OPT_IN_REASON})" in message and "TRITUNE_Q4K_FP8=1" in message, message
+    for accurate in (GemvConfig(), PortableConfig(BLOCK_M=128), DequantConfig()):
+        assert KERNEL.serve_with_reason(accurate, H200, facts) == (accurate, None)
+
+
+def test_a_narrowed_split_says_why():
+    """serve's other rewrite of a pin, a SPLIT_K that does not divide K's tiles, names its reason too."""
+    config = PortableConfig(BLOCK_K=256, SPLIT_K=8)
+    served, why = KERNEL.serve_with_reason(config, H200, _facts(1, 4096, 768))
+    assert served == PortableConfig(BLOCK_K=256, SPLIT_K=1)
+    assert why == "SPLIT_K=8 does not divide the 3 BLOCK_K=256 tiles of K=768"
 
 
 def test_8_bit_paths_are_infeasible_at_accurate_keys():
@@ -354,7 +385,8 @@ def test_8_bit_paths_are_infeasible_at_accurate_keys():
     for m in (1, 16, 512, 4096):
         accurate, opt_in = _key(m, fp8=False), _key(m, fp8=True)
         paths = {c.path for c in SPACE.feasible(accurate, limits)}
-        assert paths == ({"portable", "gemv"} if m == 1 else {"portable"}), m
+        # The accurate dequant path beyond SMALL_M (its dense weight costs more than it saves below).
+        assert paths == {1: {"portable", "gemv"}, 16: {"portable"}}.get(m, {"portable", "dequant"}), m
         opt_in_feasible = set(SPACE.feasible(opt_in, limits))
         assert set(SPACE.feasible(accurate, limits)) <= opt_in_feasible
         assert {"fp8", "int8"} <= {c.path for c in opt_in_feasible}
@@ -417,8 +449,10 @@ def test_starting_configs_follow_the_rules_the_space_admits():
     """On an H200: one row of x starts from GEMV tiles split toward four programs per SM; every
     opt-in key from swapped folded fp8 tiles (16-row x tiles at small M, 256 and 128 rows at large
     M); large M from int8 tiles (swapped 256 and 128 rows, one plain 128x128) and the two largest
-    staged chunks the key admits. Accurate keys get none of these 8-bit tensor-core starts. Before
-    Hopper only the GEMV tiles remain; the interpreter gets none."""
+    staged chunks the key admits. Accurate keys get none of these 8-bit tensor-core starts. Large M
+    on any GPU, accurate or not, starts from the three largest dequant chunks the key admits, the
+    whole weight first. Before Hopper only the GEMV tiles and dequant chunks remain; the
+    interpreter gets none."""
     limits = KERNEL.limits(H200)
     keys = [k for k in KERNEL.default_keys(H200) if k.m_bucket in (1, 16, 64, 512, 4096)]
     keys += [dataclasses.replace(k, fp8=True) for k in keys if k.m_bucket < 64]
@@ -427,12 +461,14 @@ def test_starting_configs_follow_the_rules_the_space_admits():
         assert len(starts) == len(set(starts)), key
         for config in starts:
             assert SPACE.infeasible_reason(config, key, limits) is None, (key, config)
-            assert (isinstance(config, Fp8Config) and config.SWAP_AB) or config.path in ("staged", "gemv", "int8")
+            assert (isinstance(config, Fp8Config) and config.SWAP_AB) or config.path in (
+                "staged", "gemv", "int8", "dequant"
+            )  # fmt: skip
         fold = [c for c in starts if isinstance(c, Fp8Config)]
         if key.fp8:
             assert max(c.BLOCK_M for c in fold) == {1: 16, 16: 16, 64: 64, 512: 256, 4096: 256}[key.m_bucket]
         else:
-            assert {c.path for c in starts} <= {"gemv"}, key
+            assert {c.path for c in starts} <= {"gemv", "dequant"}, key
         int8 = [c for c in starts if isinstance(c, Int8Config)]
         assert {(c.BLOCK_M, c.SWAP_AB) for c in int8} == (
             {(256, True), (128, True), (128, False)} if key.m_bucket > 64 and key.fp8 else set()
@@ -442,6 +478,10 @@ def test_starting_configs_follow_the_rules_the_space_admits():
         large = key.m_bucket > 64 and key.fp8
         expected = {14336: [2048, 4096], 4096: [1024, 2048]}[key.n] if large else []
         assert staged == expected, key
+        dequant = [c.CHUNK_N for c in starts if isinstance(c, DequantConfig)]
+        # The whole weight (117 MB in bf16 at both MLP shapes) first, then the next two chunks.
+        whole = {14336: [16384, 8192, 4096], 4096: [4096, 2048, 1024]}[key.n]
+        assert dequant == (whole if key.m_bucket > 64 else []), key
         gemv = [c for c in starts if isinstance(c, GemvConfig)]
         assert bool(gemv) == (key.m_bucket == 1), key
         for config in gemv:
@@ -449,7 +489,8 @@ def test_starting_configs_follow_the_rules_the_space_admits():
             assert programs <= 4 * H200.sm_count or config.SPLIT_K == 1, config
     decode = KERNEL.starting_configs(key_for(L40S, _facts(1, 14336, 4096)), L40S)
     assert decode and {c.path for c in decode} == {"gemv"}
-    assert KERNEL.starting_configs(key_for(L40S, _facts(4096, 14336, 4096)), L40S) == []
+    prefill = KERNEL.starting_configs(key_for(L40S, _facts(4096, 14336, 4096)), L40S)
+    assert [(c.path, c.CHUNK_N) for c in prefill] == [("dequant", 16384), ("dequant", 8192), ("dequant", 4096)]
     cpu = device_info("cpu")
     assert KERNEL.starting_configs(KERNEL.default_keys(cpu)[0], cpu) == []
 

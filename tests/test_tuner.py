@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -197,6 +198,36 @@ def test_a_neighbour_winner_equal_to_the_keys_own_takes_no_seed_slot(tmp_path):
     # The nearest bucket's winner is the key's own (seeded already): the next one comes instead.
     next_nearest = {"BLOCK": 64, "BROKEN": False, "num_warps": 4}
     assert tuner.strategy.neighbour_winners(store.winners(kernel=SPEC.name)) == [next_nearest]
+
+
+def test_a_key_is_seeded_with_its_fallback_keys_winner(tmp_path, monkeypatch):
+    """A key whose spec names a fallback key (an opt-in key's accurate twin) is measured from the
+    fallback key's winner, which serves it until it has its own, right after the portable default;
+    a key without a fallback is not."""
+    monkeypatch.setattr(
+        SPEC, "fallback_key", lambda key: dataclasses.replace(key, dtype="float32") if key.dtype != "float32" else None
+    )
+    store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    env = environment_id(store, CPU)
+    exhaustive = TuneOptions(trials=40, seed=1, batch=4, final_rounds=1)
+    accurate = toy_kernel.ToyKey(CPU.arch, CPU.sm_count, "float32", 256)
+    KeyTuner(SPEC, accurate, CPU, torch.device("cpu"), store, env, FakeTimer(_favouring(16, 1)), exhaustive).run()
+    winner = {"BLOCK": 16, "BROKEN": False, "num_warps": 1}
+    assert [w.config for w in store.winners(kernel=SPEC.name)] == [winner]
+
+    seen: list[dict] = []
+    quick = TuneOptions(trials=4, seed=1, batch=4, final_rounds=1)
+    opt_in = toy_kernel.ToyKey(CPU.arch, CPU.sm_count, "float16", 256)
+    KeyTuner(
+        SPEC, opt_in, CPU, torch.device("cpu"), store, env, FakeTimer(cost), quick,
+        on_trial=lambda kernel, config, status, ms: seen.append(config),
+    ).run()  # fmt: skip
+    assert seen[:2] == [SPEC.space.to_dict(SPEC.space.default()), winner]
+    # Another bucket of the accurate key's own group has no fallback: the winner reaches it as a
+    # neighbour's, never as a fallback's.
+    other = KeyTuner(SPEC, dataclasses.replace(accurate, n_bucket=512), CPU, torch.device("cpu"), store, env,
+                     FakeTimer(cost), quick)  # fmt: skip
+    assert other.strategy.fallback_winners(store.winners(kernel=SPEC.name)) == []
 
 
 def test_seeds_leave_the_climb_its_share(tmp_path, monkeypatch):

@@ -5,10 +5,12 @@ before and around its proposals:
 
 - the seeds, enqueued before anything is proposed: the portable default, the key's stored winner
   (in the DB or the bundle shipped for this GPU; one tuned under other Triton or torch versions,
-  which serves provisionally, counts), its winners under earlier kernel versions, the winners of
-  the nearest tuned buckets, the nearest other GPUs' bundled winners at this key where this GPU has
-  no bundle (:mod:`tritune.kernels.prior`), the spec's starting configs, then a seeded sample of
-  feasible configs (all of them when they fit the budget: an exhaustive sweep);
+  which serves provisionally, counts), the winner at the spec's fallback key (an opt-in key's
+  accurate twin, whose winner serves the key until it has its own), its winners under earlier
+  kernel versions, the winners of the nearest tuned buckets, the nearest other GPUs' bundled
+  winners at this key where this GPU has no bundle (:mod:`tritune.kernels.prior`), the spec's
+  starting configs, then a seeded sample of feasible configs (all of them when they fit the
+  budget: an exhaustive sweep);
 - a stand-in for each infeasible proposal: a random unseen feasible config;
 - the climb: the last ``polish`` share of the budget goes to the unseen feasible neighbours of the
   best config so far (one field moved to the next choice). TPE's proposals depend on its seed; two
@@ -148,14 +150,16 @@ class Strategy:
 
     def seeds(self, default: Any, feasible: list[Any], exhaustive: bool, rng: random.Random) -> list[dict[str, Any]]:
         """Configs enqueued before the sampler proposes any: portable default, stored winner (DB or
-        shipped bundle, provisional ones included), the key's winner under an earlier kernel
-        version, the winners of the nearest tuned buckets, other GPUs' winners (the prior) and the
-        spec's starting configs first."""
+        shipped bundle, provisional ones included), the winner at the spec's fallback key (what
+        serves this key until it has its own), the key's winner under an earlier kernel version,
+        the winners of the nearest tuned buckets, other GPUs' winners (the prior) and the spec's
+        starting configs first."""
         seeds = [self.space.to_dict(default)]
         stored = self.store.winners(gpu=self.device.slug, kernel=self.spec.name)
         winners = [w for w in stored if w.kernel_version == self.spec.version]
         seeds.extend(w.config for w in winners if w.key == self.key_dict)
         seeds.extend(self.bundled_winner())
+        seeds.extend(self.fallback_winners(winners))
         seeds.extend(self.earlier_winners(stored))
         seeds.extend(self.neighbour_winners(winners))
         seeds.extend(prior.seed_configs(self.spec, self.key, self.device))
@@ -171,18 +175,43 @@ class Strategy:
         # exploration share of them (the portable default always), the random sample dropped first.
         return seeds[: max(1, self.polish_from(exhaustive))]
 
-    def bundled_winner(self) -> list[dict[str, Any]]:
-        """The winner the bundle shipped for this GPU holds at this key and kernel version, if it parses
-        and is feasible: it serves (provisionally where its Triton or torch differ) until a tune
-        stores one in the DB, so a re-tune starts from it."""
+    def fallback_winners(self, winners: list[WinnerRecord]) -> list[dict[str, Any]]:
+        """The winner stored (DB, then shipped bundle) at the spec's fallback key for this key, if
+        it parses and is feasible here.
+
+        The fallback key's winner is what serves a key without one of its own (an opt-in key's
+        accurate twin: the accurate winner serves under the opt-in too), so a first tune of the
+        key starts from the config it has to beat.
+        """
+        fallback = self.spec.fallback_key(self.key)
+        if fallback is None or fallback == self.key:
+            return []
+        fallback_dict = fallback.to_dict()
+        found: list[dict[str, Any]] = []
+        candidates = [w.config for w in winners if w.key == fallback_dict] + self.bundled_winner(fallback_dict)
+        for values in candidates:
+            try:
+                config = self.space.parse(values)
+            except (TypeError, ValueError):
+                continue
+            values = self.space.to_dict(config)
+            if values not in found and self.space.infeasible_reason(config, self.key, self.limits) is None:
+                found.append(values)
+        return found
+
+    def bundled_winner(self, key_dict: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """The winner the bundle shipped for this GPU holds at this key (or ``key_dict``) and kernel
+        version, if it parses and is feasible here: it serves (provisionally where its Triton or
+        torch differ) until a tune stores one in the DB, so a re-tune starts from it."""
         if settings.settings().disable_bundles:
             return []
+        key_dict = self.key_dict if key_dict is None else key_dict
         records, _rejections = bundles.shipped_records(self.device.slug)
         found: list[dict[str, Any]] = []
         for record in records:
             if record.kernel != self.spec.name or record.kernel_version != self.spec.version:
                 continue
-            if record.key != self.key_dict:
+            if record.key != key_dict:
                 continue
             try:
                 config = self.space.parse(record.config)

@@ -5,7 +5,7 @@ The declaration (:data:`KERNEL`) gives the call's checks (each error names the a
 key, the portable defaults by M bucket and the last-moment path eligibility.
 
 Accuracy contract: by default only the paths that meet ggml's Q4_K bound (NMSE <= 5e-4 against
-the exactly dequantized product, on model-like activations too: portable and GEMV) serve.
+the exactly dequantized product, on model-like activations too: portable, GEMV and dequant) serve.
 ``TRITUNE_Q4K_FP8=1`` opts in to the faster 8-bit tensor-core paths (fp8, staged, int8: 28.5-39
 dB by path and activations); its calls get keys with ``fp8=True``, where those paths are
 feasible, and where such a key has no winner of its own the accurate key's winner serves
@@ -14,7 +14,6 @@ feasible, and where such a key has no winner of its own the accurate key's winne
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -25,6 +24,7 @@ from tritune.search_spaces.q4k_fp8_gemm import (
     FP8_OPT_IN_REASON,
     SMALL_M,
     SPACE,
+    DequantConfig,
     PortableConfig,
     Q4KConfig,
     StagedConfig,
@@ -33,12 +33,10 @@ from tritune.search_spaces.q4k_fp8_gemm import (
 from .. import settings as settings_module
 from ..declare import Kernel, Obj, Output, Rule, Tensor
 from ..device import DeviceInfo, target_supports
-from ..spec import TuningKey, pow2_bucket
+from ..spec import Replaced, TuningKey, pow2_bucket
 from .launch import JIT_KERNELS, launch
 from .reference import q4k_linear_reference
 from .weight import Q4KWeight
-
-log = logging.getLogger("tritune.dispatch")
 
 #: Key dtype names (stored bundle keys spell them out) of the facts' short dtype names.
 _KEY_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -111,39 +109,48 @@ def default_config(key: Q4KKey) -> PortableConfig:
     return PortableConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=group_m, num_warps=8, num_stages=3)
 
 
-#: Pinned configs of the opt-in paths already warned about: one warning each per process.
-_warned_opt_in: set[Q4KConfig] = set()
+def _unservable_reason(config: Q4KConfig, device: DeviceInfo, facts: Any) -> str | None:
+    """Why ``config``'s path cannot serve this call (``None`` where it can)."""
+    if config.path in _FP8_PATHS and not settings_module.settings().q4k_fp8:
+        return FP8_OPT_IN_REASON
+    if config.path == "fp8" and not (device.is_interpreter or target_supports(device, (8, 9))):
+        return f"the fp8 path needs e4m3 tensor cores (SM89+), not {device.arch}"
+    if config.path == "int8" and not (device.is_interpreter or target_supports(device, (8, 0))):
+        return f"the int8 path needs int8 tensor cores (SM80+), not {device.arch}"
+    if isinstance(config, StagedConfig):
+        if not (device.is_interpreter or target_supports(device, (9, 0))):
+            return f"the staged path needs row-wise scaled fp8 GEMMs (SM90+), not {device.arch}"
+        if facts.dtype != "bf16":
+            return f"the staged path's GEMM writes bfloat16 only, not {facts.dtype}"
+        if facts.N % 16 or facts.K % 16:
+            return f"the staged path's GEMM needs N and K multiples of 16 (N={facts.N}, K={facts.K})"
+    return None
 
 
-def serve(config: Q4KConfig, device: DeviceInfo, facts: Any) -> Q4KConfig:
+def serve(config: Q4KConfig, device: DeviceInfo, facts: Any) -> Q4KConfig | Replaced:
     """The fp8, staged and int8 paths serve only with the opt-in (``TRITUNE_Q4K_FP8=1``; a stored
-    winner of theirs is infeasible at a key without it, so only a pin gets here, with a warning
-    naming the setting). The fp8 path needs e4m3 tensor cores (SM89+, every built arch) or the
-    interpreter; the staged path needs row-wise scaled fp8 GEMMs (SM90+ or the interpreter's CPU
-    ``_scaled_mm``), a bf16 x and N, K multiples of 16; the int8 path int8 tensor cores (SM80+) or
-    the interpreter. Otherwise the key's portable default serves.
+    winner of theirs is infeasible at a key without it, so only a pin gets here). The fp8 path
+    needs e4m3 tensor cores (SM89+, every built arch) or the interpreter; the staged path needs
+    row-wise scaled fp8 GEMMs (SM90+ or the interpreter's CPU ``_scaled_mm``), a bf16 x and N, K
+    multiples of 16; the int8 path int8 tensor cores (SM80+) or the interpreter. Otherwise the
+    key's portable default serves, as a :class:`~tritune.kernels.spec.Replaced` naming the reason
+    (a pin's one warning quotes it). The portable, GEMV and dequant paths serve on every device.
 
     A pinned SPLIT_K that does not divide K's tiles is halved until it does.
     """
-    if config.path in _FP8_PATHS and not settings_module.settings().q4k_fp8:
-        if config not in _warned_opt_in:
-            _warned_opt_in.add(config)
-            log.warning("q4k_fp8_gemm: %s cannot serve: %s", config, FP8_OPT_IN_REASON)
-        config = default_config(key_for(device, facts))
-    if config.path == "fp8" and not (device.is_interpreter or target_supports(device, (8, 9))):
-        config = default_config(key_for(device, facts))
-    if config.path == "int8" and not (device.is_interpreter or target_supports(device, (8, 0))):
-        config = default_config(key_for(device, facts))
-    if isinstance(config, StagedConfig):
-        eligible = device.is_interpreter or target_supports(device, (9, 0))
-        if eligible and facts.dtype == "bf16" and facts.N % 16 == 0 and facts.K % 16 == 0:
-            return config
-        config = default_config(key_for(device, facts))
+    reason = _unservable_reason(config, device, facts)
+    if reason is not None:
+        return Replaced(default_config(key_for(device, facts)), reason)
+    if isinstance(config, StagedConfig | DequantConfig):
+        return config
     tiles = facts.K // config.BLOCK_K
     split = config.SPLIT_K
     while split > 1 and tiles % split:
         split //= 2
-    return config if split == config.SPLIT_K else replace(config, SPLIT_K=split)
+    if split == config.SPLIT_K:
+        return config
+    why = f"SPLIT_K={config.SPLIT_K} does not divide the {tiles} BLOCK_K={config.BLOCK_K} tiles of K={facts.K}"
+    return Replaced(replace(config, SPLIT_K=split), why)
 
 
 KERNEL = Kernel(
@@ -191,7 +198,7 @@ def q4k_linear(
     """``x @ W^T + bias`` for a Q4_K weight ``W`` ``[N, K]``; ``x`` is ``[..., K]`` bf16 or fp16.
 
     The result is ``[..., N]`` in x's dtype, written to ``out`` when given (contiguous, sharing no
-    memory with x, bias or the weight). The config (portable or GEMV path, with
+    memory with x, bias or the weight). The config (portable, GEMV or dequant path, with
     ``TRITUNE_Q4K_FP8=1`` also fp8, staged or int8, tiles, split-K) comes from the dispatcher for
     this GPU, M bucket, N, K and the opt-in.
     """

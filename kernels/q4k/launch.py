@@ -16,6 +16,7 @@ import torch
 import triton
 
 from tritune.search_spaces.q4k_fp8_gemm import (
+    DequantConfig,
     Fp8Config,
     GemvConfig,
     Int8Config,
@@ -25,6 +26,7 @@ from tritune.search_spaces.q4k_fp8_gemm import (
 )
 
 from .._oplib import wrap_triton
+from ._triton_dequant import _q4k_dequant_kernel
 from ._triton_fold import _q4k_gemm_fp8_fold_kernel
 from ._triton_fp8 import _q4k_gemm_fp8_kernel
 from ._triton_gemv import _q4k_gemv_kernel, _quantize_rows_gemv_kernel
@@ -48,6 +50,7 @@ JIT_KERNELS = (
     _splitk_reduce_kernel,
     _int8_prepass_kernel,
     _q4k_gemm_int8_kernel,
+    _q4k_dequant_kernel,
 )
 
 _REDUCE_BLOCK_M = 16
@@ -118,6 +121,9 @@ def launch(config: Q4KConfig, x: torch.Tensor, weight: Q4KWeight, bias: torch.Te
     interpreted = x.is_cpu
     if isinstance(config, StagedConfig):
         _run_staged(config, x2d, qs, scales, mins, super_scales, bias, out2d, interpreted)
+        return
+    if isinstance(config, DequantConfig):
+        _run_dequant(config, x2d, qs, scales, mins, super_scales, bias, out2d, interpreted)
         return
     plan = _plan(config, m, n, k, bias is not None)
     bias_arg = bias if bias is not None else out2d
@@ -294,3 +300,46 @@ def _run_staged(
         )
     if bias is not None:
         out.add_(bias)
+
+
+def _run_dequant(
+    config: DequantConfig,
+    x: torch.Tensor,
+    qs: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    super_scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    interpreted: bool,
+) -> None:
+    """The dequant path: per chunk of ``CHUNK_N`` weight rows, their exact values in x's dtype
+    written into one reused scratch, then cuBLAS's GEMM of x with that chunk into the chunk's
+    columns of ``out`` (a strided view that cuBLAS writes with ``ldc = N``, no copy; a chunk of
+    the whole weight is ``out`` itself).
+
+    The bias, in x's dtype, is the GEMM's ``C`` term (``addmm``): where ``out`` is written whole,
+    cuBLASLt adds it in its epilogue, before the one rounding to ``out``'s dtype.
+    """
+    k = x.shape[1]
+    n = qs.shape[0]
+    chunk = min(config.CHUNK_N, n)
+    # Allocated per call from the caching allocator (a captured graph's pool under capture), like
+    # every other workspace here: nothing outlives the call.
+    scratch = torch.empty((chunk, k), dtype=x.dtype, device=x.device)
+    bias_x = None if bias is None else bias.to(x.dtype).contiguous()
+    for row0 in range(0, n, chunk):
+        rows = min(chunk, n - row0)
+        # Weight rows row0 .. row0 + rows - 1 in x's dtype into scratch[:rows].
+        wrap_triton(_q4k_dequant_kernel)[(triton.cdiv(rows, config.BLOCK_N), k // config.BLOCK_K)](
+            qs, scales, mins, super_scales, scratch, row0, rows, k,
+            qs.stride(0), scales.stride(0), super_scales.stride(0),
+            ROUND_BF16_IN_FP32=interpreted and x.dtype == torch.bfloat16, BLOCK_N=config.BLOCK_N,
+            BLOCK_K=config.BLOCK_K, num_warps=config.num_warps,
+        )  # fmt: skip
+        weight_t = scratch[:rows].t()
+        dest = out[:, row0 : row0 + rows]
+        if bias_x is None:
+            torch.mm(x, weight_t, out=dest)
+        else:
+            torch.addmm(bias_x[row0 : row0 + rows], x, weight_t, out=dest)

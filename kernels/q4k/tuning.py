@@ -18,6 +18,7 @@ from tritune.search_spaces.q4k_fp8_gemm import (
     SMALL_M,
     SPACE,
     WGMMA_ROWS,
+    DequantConfig,
     Fp8Config,
     GemvConfig,
     Int8Config,
@@ -39,6 +40,8 @@ _GPU_M_BUCKETS = tuple(2**i for i in range(14))
 #: the GEMV and split-K tiles, and the accurate key's winner serves through the fallback.
 _FP8_MIN_M = 64
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Dequant chunks measured first at a large-M key (the largest the key admits).
+_DEQUANT_STARTS = 3
 #: Rows of x the reference is computed at (see :meth:`Q4KTuning.check_problem`).
 _CHECK_ROWS = 256
 
@@ -106,6 +109,9 @@ class Q4KTuning(KernelTuning):
 
         - one row of x, on any GPU: GEMV tiles of the narrowest and next row counts at each K depth
           from one super-block up, each split along K until about four programs per SM;
+        - at large M, on any GPU: dequant chunks, the three largest the key admits, the largest
+          (the whole weight where it fits the scratch cap) first: one GEMM of the whole N is
+          what cuBLAS runs fastest, smaller chunks may keep the dense chunk in L2 for the GEMM;
         - on SM90+ (wgmma), swapped folded fp8 tiles, which compile to register-A wgmma with the
           dequantization overlapping the MMA (sm_90 ptxas builds, ``tests/sm90_build.py``): one
           warpgroup per 64 weight rows (wgmma's M side); at small M 16-row x tiles with
@@ -122,6 +128,9 @@ class Q4KTuning(KernelTuning):
         if device.is_interpreter:
             return []
         starts: list[Q4KConfig] = list(self._gemv_starts(key, device))
+        if key.m_bucket > SMALL_M:
+            chunks = sorted(SPACE.members["dequant"].dimensions["CHUNK_N"], reverse=True)
+            starts += [DequantConfig(CHUNK_N=chunk) for chunk in chunks]
         if target_supports(device, (9, 0)):
             starts += self._swapped_starts(key, device)
             if key.m_bucket > SMALL_M:
@@ -129,7 +138,9 @@ class Q4KTuning(KernelTuning):
                 chunks = [c for c in SPACE.dimensions["CHUNK_N"] if MIN_CHUNK_N <= c <= key.n // 2]
                 starts += [StagedConfig(CHUNK_N=chunk) for chunk in sorted(chunks, reverse=True)[:2]]
         limits = KERNEL.limits(device)
-        return [c for c in starts if SPACE.infeasible_reason(c, key, limits) is None]
+        feasible = [c for c in starts if SPACE.infeasible_reason(c, key, limits) is None]
+        dequant = [c for c in feasible if isinstance(c, DequantConfig)]
+        return [c for c in feasible if not isinstance(c, DequantConfig) or c in dequant[:_DEQUANT_STARTS]]
 
     @staticmethod
     def _gemv_starts(key: Q4KKey, device: DeviceInfo) -> list[GemvConfig]:
