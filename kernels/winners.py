@@ -139,10 +139,20 @@ def admit(record: WinnerRecord, device: DeviceInfo) -> tuple[str, TuningKey, Ent
     return record.kernel, key, entry
 
 
+def is_current(record: WinnerRecord) -> bool:
+    """Whether ``record`` was measured under the running Triton and torch.
+
+    The one rule for every reader: a record that is not current serves provisionally, does not
+    stop a tune of its key (online or ``tune --missed``), and a fresh measurement replaces it in
+    the DB (``configs_db.upserts`` applies the same rule in SQL).
+    """
+    return record.triton_version == triton.__version__ and record.torch_version == torch.__version__
+
+
 def tuned_under(record: WinnerRecord) -> str:
     """The Triton and torch versions ``record`` was tuned under where they differ from the running ones
     ("Triton 3.5.0, torch 2.11.0"); ``""`` when both match (a current record)."""
-    if record.triton_version == triton.__version__ and record.torch_version == torch.__version__:
+    if is_current(record):
         return ""
     return f"Triton {record.triton_version}, torch {record.torch_version}"
 

@@ -253,6 +253,26 @@ def test_a_crashing_candidate_is_a_failed_trial_of_its_own(monkeypatch):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("other", ["torch_version", "triton_version"])
+def test_a_winner_stored_under_another_torch_or_triton_is_tuned_again(other):
+    """Online tuning follows the rule every reader follows (``winners.is_current``): such a winner
+    serves only provisionally, so it does not stop a tune of its key."""
+    import triton
+
+    versions = {"torch_version": torch.__version__, "triton_version": triton.__version__, "tritune_version": "t"}
+    versions[other] = "0.0.1"
+    with ConfigStore(settings.settings().db_url) as store:
+        env = store.environment(gpu=CPU.slug, **versions)
+        stale = tuner_jit.WinnerRecord(kernel=SPEC.name, kernel_version=SPEC.version, gpu=CPU.slug,
+                                       key=_key(256).to_dict(), config=PORTABLE, time_ms=9.0, portable_ms=9.0,
+                                       speedup=1.0, trials=1, **versions)  # fmt: skip
+        assert store.offer_winner(stale, env)
+    result = tuner_jit.tune_one_key(SPEC, "cpu", _key(256), trials=3, seconds=30.0, db_url=settings.settings().db_url)
+    assert result.outcome == tuner_jit.TUNED and result.measured > 0
+    assert result.winner is not None and result.winner.torch_version == torch.__version__
+
+
+@pytest.mark.interpreter
 def test_the_trial_budget_bounds_a_key():
     with settings.override(jit="sync", jit_trials=3):
         _served(200)

@@ -36,6 +36,7 @@ from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.store import ConfigStore
 from tritune.kernels.device import DeviceInfo, device_info
 from tritune.kernels.spec import KernelSpec, TuningKey
+from tritune.kernels.winners import is_current
 
 from .candidates import Bench, BenchError
 from .options import TuneOptions, TuningError, environment_id
@@ -187,14 +188,11 @@ def await_winner(
 def stored_winner(
     store: ConfigStore, spec: KernelSpec[Any, Any], device: DeviceInfo, key: TuningKey
 ) -> WinnerRecord | None:
-    """The winner ``store`` holds for ``key`` under the running kernel version and Triton, if any."""
+    """The current winner ``store`` holds for ``key`` (the running kernel version, Triton and torch:
+    :func:`~tritune.kernels.winners.is_current`), if any; another one is tuned again."""
     wanted = key.to_dict()
     for record in store.winners(gpu=device.slug, kernel=spec.name):
-        if (
-            record.key == wanted
-            and record.kernel_version == spec.version
-            and record.triton_version == triton.__version__
-        ):
+        if record.key == wanted and record.kernel_version == spec.version and is_current(record):
             return record
     return None
 

@@ -17,8 +17,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-import torch
-import triton
 import typer
 from rich.table import Table
 
@@ -27,6 +25,7 @@ from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.values import canonical_json
 from tritune.kernels.device import DeviceInfo
 from tritune.kernels.spec import KernelSpec, TuningKey
+from tritune.kernels.winners import is_current
 
 from .app import app, check_database_path, console, db_url, load_kernels, plain
 from .failures import CommandError
@@ -66,10 +65,6 @@ def _key_of(spec: KernelSpec[Any, Any], row: MissRecord, device: DeviceInfo) -> 
     return key
 
 
-def _current(record: WinnerRecord) -> bool:
-    return bool(record.triton_version == triton.__version__ and record.torch_version == torch.__version__)
-
-
 def missed_plan(
     specs: Sequence[KernelSpec[Any, Any]],
     device: DeviceInfo,
@@ -80,7 +75,7 @@ def missed_plan(
     module docstring)."""
     by_name = {spec.name: spec for spec in specs}
     tuned = {
-        (w.kernel, w.kernel_version, canonical_json(w.key)) for w in winners if w.gpu == device.slug and _current(w)
+        (w.kernel, w.kernel_version, canonical_json(w.key)) for w in winners if w.gpu == device.slug and is_current(w)
     }
     result = MissedPlan()
     older: dict[str, int] = {}
