@@ -168,7 +168,12 @@ def build_table(record_sets: Iterable[Iterable[WinnerRecord]], device: DeviceInf
     from . import prior
 
     # The nearest other GPUs' winners first: this GPU's own bundle and DB override them.
-    for kernel, key, entry in prior.serving_entries(device):
+    try:
+        lent = prior.serving_entries(device)
+    except Exception as exc:  # a broken prior (another GPU's bundle, the ranking) must not take a call down
+        log.warning("winners of other GPUs not used for %s: %s", device.slug, printable(str(exc), limit=1000))
+        lent = []
+    for kernel, key, entry in lent:
         table.add(kernel, key, entry)
     for records in record_sets:
         for record in records:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,3 +214,14 @@ def test_this_gpus_own_db_beats_the_prior():
     with settings.override(cross_gpu="serve"):
         assert served(A100, 1024) == mine
         assert not DISPATCHER.table(A100).exact[("toy_smem", key(A100, 1024))].provisional
+
+
+def test_a_broken_prior_is_skipped_with_one_warning(monkeypatch, caplog):
+    def broken(device):
+        raise RuntimeError("bundle folder unreadable")
+
+    monkeypatch.setattr(prior, "prior_records", broken)
+    with settings.override(cross_gpu="serve"), caplog.at_level(logging.WARNING, logger="tritune.dispatch"):
+        assert served(A100, 1024) == DEFAULT
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "winners of other GPUs not used" in warning and "bundle folder unreadable" in warning
