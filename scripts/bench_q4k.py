@@ -18,11 +18,13 @@ is reported as FAILED, a peer that cannot run as unavailable with its error):
   with one scale per row outside timing (mat2 passed column-major, as cuBLASLt wants): the fp8 GEMM
   alone, a ceiling for a kernel that also dequantizes (floor: the fp8 path's 25 dB);
 - tritune untuned: the portable default for the key, pinned with ``use_config``;
-- tritune per path, pinned: the accurate paths (portable; GEMV up to ``GEMV_MAX_BENCH_M`` rows) and,
-  with ``TRITUNE_Q4K_FP8`` on, the opt-in ones (int8, fp8, staged): the fastest tuned trial of that
-  path in ``--db`` at the key it is tuned at (``fp8=False`` for the accurate paths, ``fp8=True`` for
-  the opt-in ones), or without one the default tiles on that path; the accurate paths must also
-  meet ggml's bound;
+- tritune per path, pinned: the accurate paths (portable; GEMV up to ``GEMV_MAX_BENCH_M`` rows;
+  dequant, the exact weights in bf16 chunk by chunk into cuBLAS, at every M: it is tuned from M=128
+  up, the rows below show why) and, with ``TRITUNE_Q4K_FP8`` on, the opt-in ones (int8, fp8,
+  staged): the fastest tuned trial of that path in ``--db`` at the key it is tuned at (``fp8=False``
+  for the accurate paths, ``fp8=True`` for the opt-in ones), or without one the untuned tiles on
+  that path, else the tuner's first starting config of it (the dequant path's largest chunk), else
+  its defaults; the accurate paths must also meet ggml's bound;
 - tritune tuned: whatever the dispatcher serves (``--db`` on top of the shipped bundles), by default
   and with ``TRITUNE_Q4K_FP8`` on.
 
@@ -61,6 +63,8 @@ SMOKE_MS = (1, 16, 33)
 GEMV_MAX_BENCH_M = 8
 #: The paths the fp8 opt-in admits (pinned with ``TRITUNE_Q4K_FP8`` on).
 OPT_IN_PATHS = ("int8", "fp8", "staged")
+#: The accurate paths timed at every M (the GEMV only up to ``GEMV_MAX_BENCH_M``).
+ACCURATE_BENCH_PATHS = ("portable", "dequant")
 DTYPE = torch.bfloat16
 WEIGHT_STD = 0.02
 E4M3_MAX = 448.0
@@ -269,7 +273,8 @@ def _tritune_impls(x: torch.Tensor, weight, best: dict) -> list[Impl]:
             accurate=True,
         )
     ]
-    paths = ("portable", "gemv", *OPT_IN_PATHS) if x.shape[0] <= GEMV_MAX_BENCH_M else ("portable", *OPT_IN_PATHS)
+    gemv = ("gemv",) if x.shape[0] <= GEMV_MAX_BENCH_M else ()
+    paths = (*ACCURATE_BENCH_PATHS, *gemv, *OPT_IN_PATHS)
     for path in paths:
         opt_in = path in OPT_IN_PATHS
         key = keys[opt_in]
@@ -301,7 +306,8 @@ def _tritune_impls(x: torch.Tensor, weight, best: dict) -> list[Impl]:
 
 
 def _path_default(untuned: dict[str, Any], path: str, key, info) -> dict[str, Any]:
-    """The untuned tiles on ``path`` where they are feasible there, else that path's own defaults."""
+    """The untuned tiles on ``path`` where they are feasible there, else the tuner's first starting
+    config of that path at the key, else that path's own defaults."""
     from tritune.kernels.q4k.kernel import KERNEL as Q4K
 
     # The untuned tiles the path has; its own defaults for the rest.
@@ -309,6 +315,9 @@ def _path_default(untuned: dict[str, Any], path: str, key, info) -> dict[str, An
     config = Q4K.space.to_dict(Q4K.space.parse({**{k: v for k, v in untuned.items() if k in fields}, "path": path}))
     if Q4K.space.infeasible_reason(Q4K.space.parse(config), key, Q4K.limits(info)) is None:
         return config
+    starts = [c for c in Q4K.starting_configs(key, info) if c.path == path]
+    if starts:
+        return Q4K.space.to_dict(starts[0])
     return Q4K.space.to_dict(Q4K.pinned_config({"path": path}))
 
 
@@ -331,9 +340,9 @@ def _report(rows: list[Row], run: bl.BenchRun) -> str:
         "the graph columns, which replay the launches without the host, are the kernel comparison.",
         "vs cuBLAS / vs _scaled_mm: that peer's time / this time, eager and graph separately (above 1.00x is faster).",
         "SQNR (dB) and NMSE: against the float64 product with the exactly dequantized weight; checked before "
-        "timing against the floor of the path that ran: 40 dB (portable path, bf16 cuBLAS), 33 dB (GEMV path) or "
-        "25 dB (int8, fp8 and staged paths, the TRITUNE_Q4K_FP8 opt-in, and _scaled_mm), and for the accurate "
-        "paths and bf16 cuBLAS ggml's Q4_K bound, NMSE <= 5e-4; FAILED rows are never timed.",
+        "timing against the floor of the path that ran: 40 dB (portable and dequant paths, bf16 cuBLAS), "
+        "33 dB (GEMV path) or 25 dB (int8, fp8 and staged paths, the TRITUNE_Q4K_FP8 opt-in, and _scaled_mm), "
+        "and for the accurate paths and bf16 cuBLAS ggml's Q4_K bound, NMSE <= 5e-4; FAILED rows are never timed.",
         "The _scaled_mm row times the fp8 GEMM alone (weight and activation quantized outside timing): a ceiling, "
         "not a like-for-like peer.",
         f"Tuned configs and trials: {'DB ' + db if db else 'default settings (user DB and shipped bundles)'}; "

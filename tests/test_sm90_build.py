@@ -346,6 +346,23 @@ CASES = [
         config={"path": "int8"},
         launches=Q4K_INT8,
     ),
+    # The dequant path: each chunk's GEMM is cuBLAS's (torch.mm), not a Triton launch.
+    Case(
+        "q4k_fp8_gemm",
+        "dequant-m4096-whole",
+        key={"k": 14336, "m_bucket": 4096},
+        config={"path": "dequant", "CHUNK_N": 4096},
+        launches=("_q4k_dequant_kernel",),
+    ),
+    Case(
+        "q4k_fp8_gemm",
+        "dequant-m512-fp16-chunks",
+        key={"k": 4096, "n": 14336, "m_bucket": 512},
+        replace={"dtype": "float16"},
+        config={"path": "dequant", "CHUNK_N": 4096, "BLOCK_K": 256},
+        # 14336 rows: three chunks of 4096 and one of 2048.
+        launches=("_q4k_dequant_kernel",) * 4,
+    ),
 ]
 
 
