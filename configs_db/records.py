@@ -6,9 +6,25 @@ The dispatcher imports these without importing SQLAlchemy; :mod:`configs_db.stor
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
+
+#: A key's fields that name the GPU; messages and tables leave them out (the GPU slug beside the key says it).
+GPU_KEY_FIELDS = ("arch", "sm_count")
+
+
+class _HasToDict(Protocol):
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+def key_text(key: Mapping[str, Any] | _HasToDict) -> str:
+    """A tuning key (a ``TuningKey`` or its stored fields) for logs and tables: ``name=value`` for
+    each field but the GPU's."""
+    values = key if isinstance(key, Mapping) else key.to_dict()
+    return " ".join(f"{name}={value}" for name, value in values.items() if name not in GPU_KEY_FIELDS)
+
 
 #: What became of one measured config. Only ``ok`` trials carry a time.
 TRIAL_STATUSES = ("ok", "failed-compile", "failed-correctness", "failed-runtime", "pruned")

@@ -34,11 +34,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tritune.configs_db.records import Rejection, WinnerRecord
+from tritune.configs_db.records import Rejection, WinnerRecord, key_text
 from tritune.configs_db.values import check_flat, printable, strict_loads, text_problem, winner_numbers_problem
 
 from . import registry
 from .device import DeviceInfo
+from .misses import in_capture_or_trace
 from .settings import Settings, settings
 from .spec import KernelSpec, TuningKey
 from .winners import Entry, admit
@@ -67,18 +68,10 @@ def claim_wait_s(key_seconds: float) -> float:
 
 
 def eager() -> bool:
-    """Whether the current call runs eagerly, where a tune may run in its stead.
-
-    Not under ``torch.compile`` tracing (the config is baked into the graph), ``torch.jit`` tracing
-    or scripting, FX tracing, a dispatch mode (FakeTensor, ``make_fx``, functionalization, ...), or
-    CUDA-graph capture (a capture must not synchronise or allocate).
-    """
-    if torch.compiler.is_compiling() or torch.jit.is_scripting() or torch.jit.is_tracing():
-        return False
-    if torch._C._len_torch_dispatch_stack() > 0 or torch.fx._symbolic_trace.is_fx_tracing():
-        return False
-    # No capture can run before CUDA is initialised, and the query itself needs CUDA.
-    return not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+    """Whether the current call runs eagerly, where a tune may run in its stead (see
+    :func:`.misses.in_capture_or_trace`: the config of a traced call is baked into its graph, and a
+    capture must not synchronise or allocate)."""
+    return not in_capture_or_trace()
 
 
 def _tunable(spec: KernelSpec[Any, Any]) -> bool:
@@ -100,10 +93,6 @@ def _device_text(where: torch.device) -> str:
         return "cpu"
     index = where.index if where.index is not None else torch.cuda.current_device()
     return f"{where.type}:{index}"
-
-
-def _short(key: TuningKey) -> str:
-    return " ".join(f"{k}={v}" for k, v in key.to_dict().items() if k not in ("arch", "sm_count"))
 
 
 def record_from_plain(values: Any, source: str) -> WinnerRecord:
@@ -145,6 +134,7 @@ class OnlineTuning:
         self.stopped: str | None = None
         self._worker: BackgroundWorker | None = None
         self._budget_logged = False
+        self._failure_logged = False
         #: Set while this thread tunes: what the tuner runs must not start a tune of its own.
         self._local = threading.local()
 
@@ -163,7 +153,26 @@ class OnlineTuning:
         self, dispatcher: Dispatcher, spec: KernelSpec[Any, Any], device: DeviceInfo, where: torch.device,
         key: TuningKey,
     ) -> Entry | None:  # fmt: skip
-        """Tune ``key`` (sync: the winner's entry, admitted; background: handed out, ``None``) where allowed."""
+        """Tune ``key`` (sync: the winner's entry, admitted; background: handed out, ``None``) where allowed.
+
+        Never raises into the call: online tuning only ever improves on what serves, so a failure
+        of its own is logged (a warning the first time, DEBUG after) and the best available config
+        serves.
+        """
+        try:
+            return self._on_miss(dispatcher, spec, device, where, key)
+        except Exception as exc:
+            with self._lock:
+                first, self._failure_logged = not self._failure_logged, True
+            log.log(logging.WARNING if first else logging.DEBUG,
+                    "%s %s: online tuning failed unexpectedly (%s); the best available config serves",
+                    spec.name, key_text(key), printable(f"{type(exc).__name__}: {exc}", limit=1000))  # fmt: skip
+            return None
+
+    def _on_miss(
+        self, dispatcher: Dispatcher, spec: KernelSpec[Any, Any], device: DeviceInfo, where: torch.device,
+        key: TuningKey,
+    ) -> Entry | None:  # fmt: skip
         current = settings()
         if current.jit == "off" or getattr(self._local, "tuning", False) or not eager() or not _tunable(spec):
             return None
@@ -218,7 +227,7 @@ class OnlineTuning:
             )
         except Exception as exc:  # a DB that cannot be written, a bench that cannot start: serve on
             log.warning("%s %s: online tuning failed (%s); the best available config serves",
-                        spec.name, _short(key), printable(str(exc), limit=1000))  # fmt: skip
+                        spec.name, key_text(key), printable(str(exc), limit=1000))  # fmt: skip
             return None
         finally:
             self._local.tuning = False
@@ -235,7 +244,7 @@ class OnlineTuning:
     ) -> None:  # fmt: skip
         """Another process tunes ``key``: admit its winner when its claim ends (a daemon thread)."""
         log.info("%s %s: being tuned by another process; the best available config serves meanwhile",
-                 spec.name, _short(key))  # fmt: skip
+                 spec.name, key_text(key))  # fmt: skip
         tuner = self._tuner()
 
         def wait() -> None:
@@ -243,7 +252,7 @@ class OnlineTuning:
                 record = tuner.await_winner(spec, where, key, db_url=current.db_url, wait_s=claim_wait_s(seconds))
             except Exception as exc:
                 log.warning("%s %s: the winner tuned by another process was not read (%s)",
-                            spec.name, _short(key), printable(str(exc), limit=1000))  # fmt: skip
+                            spec.name, key_text(key), printable(str(exc), limit=1000))  # fmt: skip
                 return
             if record is not None:
                 self._take(dispatcher, device, spec.name, key, "found", record, 0.0, 0, "", current.margin)
@@ -271,11 +280,11 @@ class OnlineTuning:
         """Log what a tune came to and admit its winner into the dispatcher; the winner's entry."""
         if winner is None:
             log.warning("%s %s: online tuning found no winner (%s); the best available config serves",
-                        kernel, _short(key), printable(detail or outcome, limit=1000))  # fmt: skip
+                        kernel, key_text(key), printable(detail or outcome, limit=1000))  # fmt: skip
             return None
         admitted = admit(winner, device)
         if isinstance(admitted, Rejection):
-            log.warning("%s %s: online tuning's winner refused: %s", kernel, _short(key),
+            log.warning("%s %s: online tuning's winner refused: %s", kernel, key_text(key),
                         printable(admitted.reason, limit=1000))  # fmt: skip
             return None
         _, admitted_key, entry = admitted
@@ -283,11 +292,11 @@ class OnlineTuning:
         serves = "" if winner.speedup >= 1.0 + margin else " (below the margin: the portable default serves)"
         if outcome == "tuned":
             log.warning("%s %s: tuned online in %.1f s (%d trials): %s, %.2fx the portable default%s",
-                        kernel, _short(key), seconds, measured, printable(config, limit=1000), winner.speedup,
+                        kernel, key_text(key), seconds, measured, printable(config, limit=1000), winner.speedup,
                         serves)  # fmt: skip
         else:
             log.info("%s %s: took the winner another process stored: %s, %.2fx the portable default%s",
-                     kernel, _short(key), printable(config, limit=1000), winner.speedup, serves)  # fmt: skip
+                     kernel, key_text(key), printable(config, limit=1000), winner.speedup, serves)  # fmt: skip
         dispatcher.admit_online(device, kernel, admitted_key, entry)
         return entry
 

@@ -63,10 +63,27 @@ class Seen:
 
 
 def in_capture_or_trace() -> bool:
-    """Whether this thread is tracing for ``torch.compile`` or capturing a CUDA graph."""
-    if torch.compiler.is_compiling():
+    """Whether this thread traces or captures: ``torch.compile`` tracing, ``torch.jit`` tracing or
+    scripting, FX tracing, a dispatch mode (FakeTensor, ``make_fx``, functionalization, ...) or
+    CUDA-graph capture. Nothing may tune, synchronise or start a thread there.
+
+    Never raises into a call: a private check a torch release drops is skipped, and one that raises
+    counts as tracing (the cautious answer).
+    """
+    try:
+        if torch.compiler.is_compiling() or torch.jit.is_scripting() or torch.jit.is_tracing():
+            return True
+        # Private torch APIs: looked up, never assumed.
+        dispatch_depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
+        if dispatch_depth is not None and dispatch_depth() > 0:
+            return True
+        fx_tracing = getattr(getattr(torch.fx, "_symbolic_trace", None), "is_fx_tracing", None)
+        if fx_tracing is not None and fx_tracing():
+            return True
+        # No capture can run before CUDA is initialised, and the query itself needs CUDA.
+        return bool(torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+    except Exception:
         return True
-    return bool(torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
 
 
 class MissLog:

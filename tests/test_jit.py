@@ -319,6 +319,19 @@ def test_a_key_is_attempted_once_per_process(monkeypatch):
 
 
 @pytest.mark.interpreter
+def test_a_failure_inside_online_tuning_never_reaches_the_call(monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise AttributeError("module 'torch._C' has no attribute '_moved_api'")
+
+    monkeypatch.setattr(jit.ONLINE, "_sync", broken)
+    with settings.override(jit="sync"), caplog.at_level(logging.WARNING, logger="tritune.jit"):
+        assert _served(200) == PORTABLE
+        assert _served(4000) == PORTABLE
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "online tuning failed unexpectedly" in warnings[0] and "_moved_api" in warnings[0]
+
+
+@pytest.mark.interpreter
 def test_a_missing_tuner_warns_once_and_serves_on(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "tritune.tuner.jit", None)
     with settings.override(jit="sync"), caplog.at_level(logging.WARNING, logger="tritune.jit"):

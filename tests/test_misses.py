@@ -164,6 +164,27 @@ def test_only_the_memory_record_while_tracing_or_capturing(where, monkeypatch):
     assert not db_path().exists()
 
 
+def test_a_dispatch_mode_counts_as_tracing_for_the_log_and_online_tuning():
+    """One detector for the miss log and online tuning (``jit.eager``): FakeTensor tracing included."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tritune.kernels import jit
+
+    assert not misses.in_capture_or_trace() and jit.eager()
+    with FakeTensorMode():
+        assert misses.in_capture_or_trace() and not jit.eager()
+
+
+def test_the_detector_survives_torch_dropping_or_breaking_a_private_check(monkeypatch):
+    from tritune.kernels import jit
+
+    monkeypatch.delattr(torch._C, "_len_torch_dispatch_stack")
+    monkeypatch.delattr(torch.fx._symbolic_trace, "is_fx_tracing")
+    assert not misses.in_capture_or_trace() and jit.eager()
+    monkeypatch.setattr(torch.jit, "is_tracing", lambda: 1 / 0)
+    assert misses.in_capture_or_trace() and not jit.eager(), "a check that raises counts as tracing"
+
+
 def test_outside_tracing_the_writer_starts_once(monkeypatch):
     fresh = misses.MissLog()
     started = []

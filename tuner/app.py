@@ -22,6 +22,7 @@ from rich.markup import escape
 from rich.text import Text
 from typer.core import TyperGroup
 
+from tritune.configs_db.records import key_text
 from tritune.configs_db.values import printable
 
 from .failures import CommandError, explain
@@ -203,6 +204,5 @@ def load_kernels(names: list[str] | None, *, tunable: bool = False) -> list[Any]
     return list(specs.values())
 
 
-def short_key(key: Any) -> str:
-    values = key.to_dict()
-    return " ".join(f"{k}={v}" for k, v in values.items() if k not in ("arch", "sm_count"))
+#: The key text every command prints (one helper for the runtime's logs and the tuner's tables).
+short_key = key_text

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
+from tritune.configs_db.records import key_text
 from tritune.configs_db.values import printable
 
 from .app import (
@@ -21,7 +22,6 @@ from .app import (
     db_url,
     load_kernels,
     plain,
-    short_key,
 )
 from .failures import CommandError
 from .provisional import provisional_mark, tuned_under_here
@@ -104,7 +104,7 @@ def show(
     notes = []
     for w in records:
         verdict = serving_verdict(w, here)
-        key = _key_text(w.key)
+        key = key_text(w.key)
         if verdict is not None:
             notes.append(f"not served on {here.slug}: {w.gpu} {w.kernel} {key}: {verdict}")
         under = tuned_under_here(w, here) if verdict is None else ""
@@ -141,7 +141,7 @@ def show_row(w: Any, verdict: str | None, *, provisional: bool = False) -> list[
     return [
         plain(w.gpu),
         plain(w.kernel),
-        plain(_key_text(w.key)),
+        plain(key_text(w.key)),
         plain(" ".join(f"{k}={v}" for k, v in w.config.items())),
         f"{w.time_ms:.4g}",
         f"{w.portable_ms:.4g}",
@@ -163,10 +163,6 @@ def peer_ratio(peer_ms: float | None, ours_ms: float | None) -> str:
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.4g}"
-
-
-def _key_text(key: dict[str, Any]) -> str:
-    return " ".join(f"{k}={v}" for k, v in key.items() if k not in ("arch", "sm_count"))
 
 
 def _is_declaration(name: str) -> bool:
@@ -265,7 +261,7 @@ def print_status(rows: list[StudySummary], *, title: str) -> None:
         table.add_row(
             plain(row.gpu),
             plain(row.kernel),
-            plain(" ".join(f"{k}={v}" for k, v in row.key.items() if k not in ("arch", "sm_count"))),
+            plain(key_text(row.key)),
             *(str(row.counts.get(name, 0)) for name in counts),
             "-" if row.best_ms is None else f"{row.best_ms:.4g}",
             plain(" ".join(f"{k}={v}" for k, v in row.best_params.items())),
@@ -438,7 +434,7 @@ def bench(
                 row = bench_key(spec, key, info, torch_device, timer, seed)
                 table.add_row(*bench_cells(row))
                 if row.peer_note is not None:
-                    notes.append(f"{row.kernel} {short_key(row.key)}: {row.peer_note}")
+                    notes.append(f"{row.kernel} {key_text(row.key)}: {row.peer_note}")
     console.print(table)
     for note in notes:
         console.print(f"[yellow]{plain(note)}[/yellow]", soft_wrap=True)
@@ -497,7 +493,7 @@ def bench_cells(row: BenchRow) -> list[str]:
     """One :class:`BenchRow` as :data:`BENCH_COLUMNS`' cells (markup-safe)."""
     return [
         plain(row.kernel),
-        plain(short_key(row.key)),
+        plain(key_text(row.key)),
         plain(" ".join(f"{k}={v}" for k, v in row.served.items()) + row.mark),
         f"{row.portable_ms:.4g}",
         f"{row.ours_ms:.4g}",

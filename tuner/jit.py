@@ -32,7 +32,7 @@ import torch
 import triton
 
 from tritune.configs_db.errors import StoreError
-from tritune.configs_db.records import WinnerRecord
+from tritune.configs_db.records import WinnerRecord, key_text
 from tritune.configs_db.store import ConfigStore
 from tritune.kernels.device import DeviceInfo, device_info
 from tritune.kernels.spec import KernelSpec, TuningKey
@@ -137,7 +137,7 @@ def _tune_claimed(
             return JitResult(FOUND, stored, time.monotonic() - started)
         options = TuneOptions(trials=trials, time_budget_s=seconds, seed=seed, isolate=ISOLATE, trial_timeout_s=seconds)
         timer = TIMER if TIMER is not None else _device_timer(torch_device)
-        log.info("%s %s: tuning online (%d trials, %g s)", spec.name, _short(key), trials, seconds)
+        log.info("%s %s: tuning online (%d trials, %g s)", spec.name, key_text(key), trials, seconds)
         tuner = KeyTuner(
             spec,
             key,
@@ -150,7 +150,7 @@ def _tune_claimed(
             on_trial=lambda kernel, config, status, ms: log.info(
                 "%s %s: %s %s%s",
                 kernel,
-                _short(key),
+                key_text(key),
                 " ".join(f"{k}={v}" for k, v in config.items()),
                 status,
                 "" if ms is None else f" {ms:.4g} ms",
@@ -213,10 +213,6 @@ def plain_winner(record: WinnerRecord) -> dict[str, Any]:
         "torch_version": record.torch_version,
         "tritune_version": record.tritune_version,
     }
-
-
-def _short(key: TuningKey) -> str:
-    return " ".join(f"{k}={v}" for k, v in key.to_dict().items() if k not in ("arch", "sm_count"))
 
 
 # ---- one bench per process --------------------------------------------------------------------

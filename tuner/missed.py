@@ -21,7 +21,7 @@ import typer
 from rich.table import Table
 
 from tritune.configs_db.misses import MissRecord, read_misses
-from tritune.configs_db.records import WinnerRecord
+from tritune.configs_db.records import WinnerRecord, key_text
 from tritune.configs_db.values import canonical_json
 from tritune.kernels.device import DeviceInfo
 from tritune.kernels.spec import KernelSpec, TuningKey
@@ -45,10 +45,6 @@ class MissedPlan:
     notes: list[str] = field(default_factory=list)
     #: Logged rows of this GPU considered (of the kernels tuned).
     logged: int = 0
-
-
-def _short(values: dict[str, Any]) -> str:
-    return " ".join(f"{k}={v}" for k, v in values.items() if k not in ("arch", "sm_count"))
 
 
 def _key_of(spec: KernelSpec[Any, Any], row: MissRecord, device: DeviceInfo) -> TuningKey | str:
@@ -183,7 +179,7 @@ def missed(
         table.add_column(column)
     for row in rows:
         try:
-            key = _short(row.key())
+            key = key_text(row.key())
         except ValueError:
             key = f"(malformed) {row.key_json}"
         table.add_row(
