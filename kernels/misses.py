@@ -3,8 +3,10 @@
 A user runs their model once with the default settings, then ``tune --missed``, and every shape
 the model called that had no winner of its own is tuned. To get there cheaply:
 
-- :func:`note` runs where the dispatcher resolves a key without an exact winner, which happens once
-  per key per process (never on the per-call memo hit). It only adds to a dict in memory. Inside
+- :func:`note` runs where the dispatcher resolves a key of a real call without an exact winner:
+  once per resolution, never on the per-call memo hit. A process resolves a key again after
+  ``reload_configs()`` or when online tuning admits a winner of the kernel, so a count is how many
+  times the key was resolved, not how often it was called. It only adds to a dict in memory. Inside
   CUDA-graph capture or ``torch.compile`` tracing that is all it does; elsewhere it also starts the
   writer (once per process).
 - The writer is a daemon thread that writes what was noted every :data:`FLUSH_INTERVAL_S` seconds,

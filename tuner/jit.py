@@ -7,10 +7,12 @@ the config DB) with a smaller budget: ``trials`` configs and ``seconds`` of expl
 that runs the candidates (a worker process, so that a crashing candidate costs one trial) is made
 once per process and kept for the next key.
 
-Two processes never tune one key at once: the key is claimed with a lock beside the config DB
-(one byte per key of a lock file; the kernel drops it when the process dies, however it dies). A
-process that finds the key claimed either reports it as being tuned elsewhere (``wait_s=0``) or
-waits for the claim and then takes the winner the other process stored, without measuring.
+Two processes on one host never tune one key at once: the key is claimed with a lock (one byte
+per key of a lock file beside a SQLite DB, or in the user's cache folder for a server DB, where the
+claim therefore holds per host and user; the kernel drops the lock when the process dies, however
+it dies). A process that finds the key claimed either reports it as being tuned elsewhere
+(``wait_s=0``) or waits for the claim and then takes the winner the other process stored, without
+measuring. Hosts sharing a server DB do not see each other's claims; the DB keeps the faster winner.
 """
 
 from __future__ import annotations
