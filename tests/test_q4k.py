@@ -792,19 +792,21 @@ def test_dequant_chunks_agree_with_the_whole_weight(device):
     torch.testing.assert_close(outs[0], outs[1], rtol=2**-7, atol=1e-3)
 
 
-#: cuBLAS on the pre-dequantized bf16 weight over the dequant path's time, at least, at M >= 1024
-#: on the Llama-3-8B shapes (the path adds one dequantization pass, ~25 us of writes on an H200,
-#: to a GEMM of 0.15-0.6 ms).
-DEQUANT_MIN_RATIO = 0.85
+#: Least ratio of cuBLAS on the pre-dequantized bf16 weight to the dequant path (its fastest
+#: starting chunk), by M, on the Llama-3-8B MLP shapes. The path adds one dequantization pass to
+#: the same GEMM: about 150 MB of HBM traffic (the Q4_K weight read, 117 MB of bf16 written), some
+#: 35 us on an H200, to a GEMM of about 0.16 ms at M=1024 and 0.6 ms at M=4096 (estimates from
+#: bandwidth and peak bf16 throughput: guards, not targets).
+DEQUANT_MIN_RATIO = {1024: 0.7, 4096: 0.85}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [256, 1024, 4096])
 @pytest.mark.parametrize(("k", "n"), [(4096, 14336), (14336, 4096)], ids=["up", "down"])
 def test_dequant_llama_shapes_gpu(k, n, m, record_property):
-    """The dequant path at its starting chunks on the Llama-3-8B MLP shapes: ggml's bound; as fast
-    as cuBLAS on the pre-dequantized weight within ``DEQUANT_MIN_RATIO`` from M=1024, and eager
-    and CUDA-graph replay alike (the scratch comes from the graph's pool)."""
+    """The dequant path at its starting chunks on the Llama-3-8B MLP shapes: ggml's bound, eager
+    and in CUDA-graph replay (the scratch comes from the graph's pool); from M=1024 faster than the
+    portable default and within ``DEQUANT_MIN_RATIO`` of cuBLAS on the pre-dequantized weight."""
     import triton
 
     from tritune.kernels.q4k.tuning import TUNING
@@ -812,11 +814,14 @@ def test_dequant_llama_shapes_gpu(k, n, m, record_property):
     x, weight, _ = _problem(Case("dequant", m, k, n), "cuda")
     expected = q4k_linear_reference(x, weight)
     dense = weight.dequantize().to(x.dtype)
-    peer_ms = triton.testing.do_bench(lambda: x @ dense.t())
-
-    key = KERNEL.key_for(device_info("cuda"), tuple(KERNEL.facts(x, weight, None)))
-    starts = [c for c in TUNING.starting_configs(key, device_info("cuda")) if isinstance(c, DequantConfig)]
+    cublas_ms = triton.testing.do_bench(lambda: x @ dense.t())
+    info = device_info("cuda")
+    key = KERNEL.key_for(info, tuple(KERNEL.facts(x, weight, None)))
+    starts = [c for c in TUNING.starting_configs(key, info) if isinstance(c, DequantConfig)]
     assert starts, key
+    out = _nan_out((m, n), x)
+    with use_config("q4k_fp8_gemm", SPACE.to_dict(KERNEL.default_config(key))):
+        portable_ms = triton.testing.do_bench(lambda: q4k_linear(x, weight, out=out))
     best = math.inf
     for config in starts:
         out = _nan_out((m, n), x)
@@ -831,11 +836,14 @@ def test_dequant_llama_shapes_gpu(k, n, m, record_property):
             torch.cuda.synchronize()
             assert check_path(out.float(), expected, "dequant") is None, f"{config}, graph replay"
             ms = triton.testing.do_bench(lambda out=out: q4k_linear(x, weight, out=out))
-        record_property(f"chunk{config.CHUNK_N}_vs_cublas", round(peer_ms / ms, 3))
+        record_property(f"chunk{config.CHUNK_N}_vs_cublas", round(cublas_ms / ms, 3))
         best = min(best, ms)
     record_property("sqnr_db", round(sqnr_db(out.float(), expected), 2))
-    if m >= 1024:
-        assert peer_ms / best >= DEQUANT_MIN_RATIO, f"{peer_ms / best:.2f}x cuBLAS on the dequantized weight"
+    record_property("vs_cublas", round(cublas_ms / best, 3))
+    record_property("vs_portable_default", round(portable_ms / best, 3))
+    if m in DEQUANT_MIN_RATIO:
+        assert best < portable_ms, f"{best * 1e3:.0f} us, the portable default {portable_ms * 1e3:.0f} us"
+        assert cublas_ms / best >= DEQUANT_MIN_RATIO[m], f"{cublas_ms / best:.2f}x cuBLAS on the dequantized weight"
 
 
 # ---- the tuning half -------------------------------------------------------------------------
