@@ -32,6 +32,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -125,14 +126,25 @@ def record_from_plain(values: Any, source: str) -> WinnerRecord:
     )
 
 
+Slot = tuple[str, str, TuningKey]
+
+
 class OnlineTuning:
-    """This process's online tuning: keys attempted, seconds spent, the background worker."""
+    """This process's online tuning: keys attempted, seconds spent, the background worker.
+
+    A key's seconds are reserved when it is handed out (to this thread or the worker) and settled
+    with what it took when it ends: misses of several threads at once never hand out more than
+    ``TRITUNE_JIT_TOTAL_SECONDS`` between them. Once the seconds spent reach it, the bench (sync)
+    and the worker (background) are closed.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         #: (kernel, device slug, key) attempted in this process: each at most once.
-        self.attempted: set[tuple[str, str, TuningKey]] = set()
+        self.attempted: set[Slot] = set()
+        #: Seconds the keys that ended took, and those reserved by keys being tuned.
         self.spent_s = 0.0
+        self._reserved: dict[Slot, float] = {}
         #: Why online tuning stopped in this process (the tuner is not installed, the worker died).
         self.stopped: str | None = None
         self._worker: BackgroundWorker | None = None
@@ -147,10 +159,23 @@ class OnlineTuning:
             worker, self._worker = self._worker, None
             self.attempted.clear()
             self.spent_s = 0.0
+            self._reserved.clear()
             self.stopped = None
             self._budget_logged = False
         if worker is not None:
             worker.close()
+
+    def after_fork(self) -> None:
+        """A forked child starts with nothing of its parent's: a fresh lock (another thread may have
+        held it at the fork), no worker (its process and threads are the parent's: not closed here),
+        no attempts, reservations or spending of its own yet (the budget is per process)."""
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._worker = None
+        self.attempted = set()
+        self._reserved = {}
+        self.spent_s = 0.0
+        self._budget_logged = False
 
     def on_miss(
         self, dispatcher: Dispatcher, spec: KernelSpec[Any, Any], device: DeviceInfo, where: torch.device,
@@ -183,26 +208,37 @@ class OnlineTuning:
         with self._lock:
             if self.stopped is not None or slot in self.attempted:
                 return None
-            left = current.jit_total_seconds - self.spent_s
-            if left <= 0:
-                if not self._budget_logged:
-                    self._budget_logged = True
-                    log.info("online tuning budget of %g s spent (TRITUNE_JIT_TOTAL_SECONDS): no more keys are "
-                             "tuned in this process", current.jit_total_seconds)  # fmt: skip
-                return None
-            self.attempted.add(slot)
-            seconds = min(current.jit_key_seconds, left)
-            if current.jit == "background":
-                if self._worker is None:
-                    absent = _tuner_missing()
-                    if absent:
-                        self.stopped = (f"online tuning (TRITUNE_JIT) needs the tune extra ({', '.join(absent)} not "
-                                        f"installed here): {INSTALL_HINT}; serving without online tuning")  # fmt: skip
-                        log.warning("%s", self.stopped)
-                        return None
-                    self._worker = BackgroundWorker(self._report_handler(dispatcher), self._worker_died)
-                self._worker.hand(spec, device, where, key, current, seconds)
-                return None
+            spent = self.spent_s >= current.jit_total_seconds
+            first = spent and not self._budget_logged
+            if spent:
+                self._budget_logged = True
+            else:
+                # Seconds other keys being tuned hold are not free; once they settle, what is left is.
+                left = current.jit_total_seconds - self.spent_s - sum(self._reserved.values())
+                if left <= 0:
+                    return None
+                seconds = min(current.jit_key_seconds, left)
+                self.attempted.add(slot)
+                self._reserved[slot] = seconds
+                if current.jit == "background":
+                    if self._worker is None:
+                        absent = _tuner_missing()
+                        if absent:
+                            self._reserved.pop(slot)
+                            self.stopped = (f"online tuning (TRITUNE_JIT) needs the tune extra ({', '.join(absent)} "
+                                            f"not installed here): {INSTALL_HINT}; serving without online "
+                                            "tuning")  # fmt: skip
+                            log.warning("%s", self.stopped)
+                            return None
+                        self._worker = BackgroundWorker(self._report_handler(dispatcher), self._worker_ended)
+                    self._worker.hand(spec, device, where, key, current, seconds)
+                    return None
+        if spent:
+            if first:
+                log.info("online tuning budget of %g s spent (TRITUNE_JIT_TOTAL_SECONDS): no more keys are "
+                         "tuned in this process", current.jit_total_seconds)  # fmt: skip
+                self._close_spent()
+            return None
         return self._sync(dispatcher, spec, device, where, key, current, seconds)
 
     # ---- sync -------------------------------------------------------------------------------
@@ -220,21 +256,25 @@ class OnlineTuning:
         self, dispatcher: Dispatcher, spec: KernelSpec[Any, Any], device: DeviceInfo, where: torch.device,
         key: TuningKey, current: Settings, seconds: float,
     ) -> Entry | None:  # fmt: skip
+        slot = (spec.name, device.slug, key)
         tuner = self._tuner()
         if tuner is None:
+            self._settle(slot, 0.0)
             return None
         self._local.tuning = True
+        started = time.monotonic()
         try:
             result = tuner.tune_one_key(
                 spec, where, key, trials=current.jit_trials, seconds=seconds, db_url=current.db_url
             )
         except Exception as exc:  # a DB that cannot be written, a bench that cannot start: serve on
+            self._settle(slot, time.monotonic() - started)
             log.warning("%s %s: online tuning failed (%s); the best available config serves",
                         spec.name, key_text(key), printable(str(exc), limit=1000))  # fmt: skip
             return None
         finally:
             self._local.tuning = False
-        self._spend(result.seconds)
+        self._settle(slot, result.seconds)
         if result.outcome == tuner.BUSY:
             self._await(dispatcher, spec, device, where, key, current, seconds)
             return None
@@ -264,9 +304,29 @@ class OnlineTuning:
 
     # ---- both -------------------------------------------------------------------------------
 
-    def _spend(self, seconds: float) -> None:
+    def _settle(self, slot: Slot, seconds: float) -> None:
+        """``slot``'s tune ended after ``seconds``: its reservation becomes what it spent. Once the
+        budget is spent and no other key is being tuned, the bench and the worker are closed."""
         with self._lock:
+            self._reserved.pop(slot, None)
             self.spent_s += max(0.0, seconds)
+            spent = self.spent_s >= settings().jit_total_seconds and not self._reserved
+        if spent:
+            self._close_spent()
+
+    def _close_spent(self) -> None:
+        """The budget is spent: stop the worker process (it finishes the keys it holds) and close the
+        benches of this process's sync tunes, unless a key is still being tuned here."""
+        with self._lock:
+            if self._reserved:
+                return
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.close()
+        # Imported only if a sync tune imported it: the benches are its.
+        tuner = sys.modules.get("tritune.tuner.jit")
+        if tuner is not None:
+            tuner.close_benches()
 
     def _stop(self, reason: str) -> None:
         """Stop online tuning in this process, saying why once."""
@@ -309,9 +369,9 @@ class OnlineTuning:
         def handle(report: dict[str, Any], device: DeviceInfo, key: TuningKey) -> None:
             seconds = report.get("seconds")
             seconds = float(seconds) if isinstance(seconds, int | float) and not isinstance(seconds, bool) else 0.0
-            self._spend(seconds)
             outcome = str(report.get("outcome"))
             kernel = str(report.get("kernel"))
+            self._settle((kernel, device.slug, key), seconds)
             winner = None
             if report.get("winner") is not None:
                 try:
@@ -327,7 +387,15 @@ class OnlineTuning:
 
         return handle
 
-    def _worker_died(self, reason: str) -> None:
+    def _worker_ended(self, code: int, reason: str) -> None:
+        """The worker exited with keys still handed to it: it died, or (status 0) its budget was spent."""
+        if code == 0:
+            with self._lock:
+                self.stopped = self.stopped or "the online tuning worker's budget is spent"
+                self._reserved.clear()
+            log.info("online tuning worker %s: its budget (TRITUNE_JIT_TOTAL_SECONDS) is spent; no more keys "
+                     "are tuned online in this process", reason)  # fmt: skip
+            return
         self._stop(f"online tuning worker {reason}; no more keys are tuned online in this process")
 
 
@@ -342,7 +410,7 @@ class BackgroundWorker:
     def __init__(
         self,
         on_report: Callable[[dict[str, Any], DeviceInfo, TuningKey], None],
-        on_death: Callable[[str], None],
+        on_death: Callable[[int, str], None],
     ) -> None:
         self._on_report, self._on_death = on_report, on_death
         self._queue: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
@@ -408,7 +476,7 @@ class BackgroundWorker:
                 self._process.stdin.flush()
             except (OSError, ValueError) as exc:
                 if self._process is None:
-                    self._on_death(f"could not be started ({exc})")
+                    self._on_death(-1, f"could not be started ({exc})")
                 # Otherwise the reader sees the worker's end and says why.
                 return
 
@@ -429,8 +497,10 @@ class BackgroundWorker:
                 log.warning("online tuning worker: report not used (%s)", printable(str(exc), limit=1000))
         code = process.wait()
         if code != 0 or not self._queue.empty() or self._pending:
-            self._on_death(f"(pid {process.pid}) exited with code {code}")
+            self._on_death(code, f"(pid {process.pid}) exited with code {code}")
 
 
 #: This process's online tuning.
 ONLINE = OnlineTuning()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: ONLINE.after_fork())

@@ -4,12 +4,14 @@ GPU, a decode key tuned online against the same key tuned offline."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -300,6 +302,117 @@ def test_the_process_budget_stops_online_tuning(caplog):
         assert _served(8000) == PORTABLE
     assert _trials(4096) == [] and _trials(8192) == []
     assert len([r for r in caplog.records if "budget" in r.getMessage()]) == 1
+
+
+@pytest.mark.interpreter
+def test_a_spent_budget_closes_the_bench():
+    with settings.override(jit="sync", jit_trials=3, jit_total_seconds=0.01):
+        assert _served(200) != PORTABLE
+    assert tuner_jit._benches == {}, "nothing more is tuned: the bench is closed"
+
+
+@pytest.mark.interpreter
+def test_concurrent_misses_never_hand_out_more_than_the_total(monkeypatch):
+    """A key's seconds are reserved when it is handed out: a miss while another key is tuned gets
+    what the reservation leaves, and none once it leaves nothing."""
+    entered, release = threading.Event(), threading.Event()
+    attempts = []
+
+    def tune(spec, device, key, *, seconds, **budget):
+        attempts.append((key.n_bucket, seconds))
+        if key.n_bucket == 256:
+            entered.set()
+            release.wait(10)
+        return tuner_jit.JitResult(tuner_jit.FAILED, None, seconds, detail="fake")
+
+    monkeypatch.setattr(tuner_jit, "tune_one_key", tune)
+    with settings.override(jit="sync", jit_key_seconds=1.0, jit_total_seconds=1.5):
+        first = threading.Thread(target=_served, args=(200,))
+        first.start()
+        try:
+            assert entered.wait(10)
+            _served(4000)
+            _served(9000)
+        finally:
+            release.set()
+            first.join(10)
+    assert attempts == [(256, 1.0), (4096, 0.5)]
+
+
+def test_the_worker_returns_once_its_total_is_spent(monkeypatch):
+    from tritune.tuner import jit_worker
+
+    spent = tuner_jit.JitResult(tuner_jit.FAILED, None, 2.0, detail="fake")
+    monkeypatch.setattr(tuner_jit, "tune_one_key", lambda *args, **kwargs: spent)
+    request = {"kernel": SPEC.name, "target": f"{toy_kernel.__name__}:SPEC", "device": "cpu",
+               "key": _key(256).to_dict(), "trials": 2, "seconds": 5.0, "wait_s": 0.0,
+               "db_url": settings.settings().db_url}  # fmt: skip
+
+    def requests():
+        yield json.dumps(request) + "\n"
+        raise AssertionError("a request read after the budget was spent")
+
+    reports = io.StringIO()
+    jit_worker.serve(requests(), reports, total_s=1.0)
+    assert [json.loads(line)["seconds"] for line in reports.getvalue().splitlines()] == [2.0]
+
+
+def test_a_worker_that_ends_on_its_spent_budget_is_no_death(caplog):
+    with caplog.at_level(logging.INFO, logger="tritune.jit"):
+        jit.ONLINE._worker_ended(0, "(pid 1) exited with code 0")
+    assert jit.ONLINE.stopped is not None
+    assert [r.levelno for r in caplog.records] == [logging.INFO] and "budget" in caplog.records[0].getMessage()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_starts_online_tuning_afresh(monkeypatch):
+    """Locks another thread held at the fork, the parent's worker, benches and claim files: none
+    reaches the child, and nothing of the parent's is closed there."""
+    closed = []
+
+    class Closable:
+        def close(self):
+            closed.append(os.getpid())
+
+    monkeypatch.setattr(jit.ONLINE, "_worker", Closable())
+    jit.ONLINE.attempted.add((SPEC.name, CPU.slug, _key(256)))
+    monkeypatch.setitem(tuner_jit._benches, ("cpu", 0, False), Closable())
+    monkeypatch.setitem(tuner_jit._claim_files, Path("/nonexistent.lock"), -1)
+    holding, release = threading.Event(), threading.Event()
+
+    def hold():
+        with jit.ONLINE._lock, tuner_jit._benches_lock, tuner_jit._claim_guard:
+            holding.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert holding.wait(10)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave at once
+        try:
+            locks = (jit.ONLINE._lock, tuner_jit._benches_lock, tuner_jit._claim_guard)
+            state = {
+                "locks": [lock.acquire(timeout=1) for lock in locks],
+                "worker": jit.ONLINE._worker is None,
+                "attempted": len(jit.ONLINE.attempted),
+                "benches": len(tuner_jit._benches),
+                "claims": len(tuner_jit._claim_files),
+                "closed": closed,
+            }
+            os.write(write, json.dumps(state).encode())
+        finally:
+            os._exit(0)
+    release.set()
+    holder.join(10)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read) as pipe:
+        state = json.loads(pipe.read())
+    monkeypatch.setattr(jit.ONLINE, "_worker", None)
+    assert state == {"locks": [True, True, True], "worker": True, "attempted": 0, "benches": 0, "claims": 0,
+                     "closed": []}  # fmt: skip
 
 
 @pytest.mark.interpreter

@@ -303,3 +303,16 @@ def _claim(db_url: str, name: str, wait_s: float) -> Iterator[bool]:
         yield True
     finally:
         fcntl.lockf(fd, fcntl.LOCK_UN, 1, offset)
+
+
+def _after_fork() -> None:
+    """A forked child starts without its parent's benches, timers and claim files: they are dropped,
+    never closed (closing a bench would stop the parent's worker process; the child holds none of the
+    parent's locks), and the locks guarding them are new (another thread may have held one)."""
+    global _benches, _timers, _benches_lock, _claim_files, _claim_guard
+    _benches, _timers, _benches_lock = {}, {}, threading.Lock()
+    _claim_files, _claim_guard = {}, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)

@@ -14,8 +14,8 @@ and reads one JSON report per line on its output, in the same order::
 Each key is :func:`.jit.tune_one_key` within its budgets, and all of them within
 ``--total-seconds``; a key another process is tuning is waited for (``wait_s``) and its stored
 winner reported. Logs go to the standard error (nothing but reports reaches the output: a stray
-print of a library goes to the standard error too). The worker ends when its input ends or its
-parent dies.
+print of a library goes to the standard error too). The worker ends when its input ends, its
+``--total-seconds`` are spent, or its parent dies.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from typing import IO, Any
 
 from tritune.configs_db.values import check_flat, printable, strict_loads
@@ -97,8 +98,12 @@ class Requests:
         return request
 
 
-def serve(requests: IO[str], reports: IO[str], total_s: float) -> None:
-    """Tune each requested key in order and report it, within ``total_s`` seconds in all."""
+def serve(requests: Iterable[str], reports: IO[str], total_s: float) -> None:
+    """Tune each requested key in order and report it, within ``total_s`` seconds in all.
+
+    Returns as soon as ``total_s`` is spent, without reading another request: the serving process
+    sees the worker end (status 0) and tunes nothing more online.
+    """
     from .candidates import resolve_spec
     from .jit import FAILED, close_benches, plain_winner, tune_one_key
 
@@ -142,6 +147,9 @@ def serve(requests: IO[str], reports: IO[str], total_s: float) -> None:
             if "kernel" in report:
                 reports.write(json.dumps(report) + "\n")
                 reports.flush()
+            if spent >= total_s:
+                log.info("online tuning worker: the budget of %g s is spent", total_s)
+                return
     finally:
         close_benches()
 
