@@ -11,11 +11,19 @@ without Alembic :class:`SchemaNeeded` says so and nothing is touched. A DB that 
 :func:`read_misses` is ``tune missed``'s read: read-only, it never creates or upgrades a file, and
 a DB at a revision without the table holds no misses. Both are bounded in time like the runtime's
 read of winners. SQLAlchemy is imported only when a DB is written or read.
+
+Writes never overlap: one that did not end within its bound keeps running on its own thread (a
+driver cannot be interrupted), and the next one waits for it or gives up. Such a write raises
+:class:`WriteTimedOut`: it may still land, so its rows must not be offered again (the counts are
+advisory; counting a key twice would overstate it). The first write to a DB in a process may create
+the file or upgrade its schema, and is given :data:`SETUP_TIMEOUT_S` at least.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -30,7 +38,7 @@ if TYPE_CHECKING:
     from sqlalchemy import Engine
     from sqlalchemy.orm import Session
 
-__all__ = ["MissRecord", "NotWritable", "SchemaNeeded", "read_misses", "write_misses"]
+__all__ = ["MissRecord", "NotWritable", "SchemaNeeded", "WriteTimedOut", "read_misses", "write_misses"]
 
 #: Revisions whose schema has no ``misses`` table (it came with 0003).
 REVISIONS_WITHOUT_MISSES = ("0001", "0002")
@@ -42,6 +50,20 @@ class SchemaNeeded(StoreError):
 
 class NotWritable(StoreError):
     """The DB (its file, folder, mount or the database role) refuses writes."""
+
+
+class WriteTimedOut(StoreError):
+    """A write did not end within its bound; it is left to finish, so its rows may or may not be stored."""
+
+
+#: Seconds the first write to a DB in this process may take at least: creating the file or upgrading
+#: its schema (Alembic) takes longer than a plain upsert.
+SETUP_TIMEOUT_S = 15.0
+
+#: Held by a write from its start to its end, on its own thread: an abandoned write still holds it.
+_writing = threading.Lock()
+#: DB URLs a write of this process succeeded on: at the schema head since, plain writes from then on.
+_ready: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -76,16 +98,41 @@ def _not_writable(exc: BaseException) -> bool:
 
 
 def write_misses(url: str, rows: Iterable[MissRecord], *, timeout_s: float) -> int:
-    """Add ``rows`` to the DB at ``url`` within ``timeout_s`` seconds; how many rows were written.
+    """Add ``rows`` to the DB at ``url`` within ``timeout_s`` seconds (:data:`SETUP_TIMEOUT_S` at least
+    for this process's first write there); how many rows were written.
 
-    Raises :class:`SchemaNeeded`, :class:`NotWritable`, or :class:`StoreError` for anything else
-    (a lock held past the bound, a corrupt file, a newer schema); nothing is half written.
+    Raises :class:`WriteTimedOut` when the write did not end in time (it may still land),
+    :class:`SchemaNeeded`, :class:`NotWritable`, or :class:`StoreError` for anything else (an earlier
+    write still running, a lock held past the bound, a corrupt file, a newer schema); nothing is
+    half written, and only after :class:`WriteTimedOut` may anything be written later.
     """
     batch = list(rows)
     if not batch:
         return 0
-    late = f"no answer from {display_url(url)} within {timeout_s:g} s"
-    return _within(timeout_s + ABANDON_GRACE_S, lambda: _write(url, batch, timeout_s), late)
+    bound = timeout_s if url in _ready else max(timeout_s, SETUP_TIMEOUT_S)
+    deadline = time.monotonic() + bound
+    if not _writing.acquire(timeout=bound):
+        raise StoreError(f"an earlier write of missed keys to {display_url(url)} has not ended")
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["written"] = _write(url, batch, bound)
+        except BaseException as exc:  # re-raised in the caller's thread below
+            outcome["error"] = exc
+        finally:
+            _writing.release()
+
+    thread = threading.Thread(target=run, name="tritune-miss-log-write", daemon=True)
+    thread.start()
+    thread.join(max(0.0, deadline - time.monotonic()) + ABANDON_GRACE_S)
+    if thread.is_alive():
+        raise WriteTimedOut(f"no answer from {display_url(url)} within {bound:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    _ready.add(url)
+    written: int = outcome["written"]
+    return written
 
 
 def _write(url: str, batch: list[MissRecord], timeout_s: float) -> int:

@@ -14,8 +14,11 @@ the model called that had no winner of its own is tuned. To get there cheaply:
   ever resolved keys while tracing or capturing, a ``torch.compile``-only model, gets them written
   then; with nothing noted the exit does nothing). Each write is one transaction on the ``misses`` table only
   (:func:`tritune.configs_db.misses.write_misses`: an upsert that adds the counts and moves
-  ``last_seen``), bounded by ``TRITUNE_DB_READ_TIMEOUT`` seconds, and never raises into the caller.
-  What a write could not store stays in memory for the next one.
+  ``last_seen``), bounded by ``TRITUNE_DB_READ_TIMEOUT`` seconds (the first write to a DB, which may
+  create or upgrade it, longer), and never raises into the caller. Writes never overlap. What a
+  write could not store stays in memory for the next one, except a write that ran past its bound:
+  it may still complete, so its batch is dropped (the counts are advisory; a key counted twice
+  would be overstated).
 - The user DB does not exist yet, or is at an older schema revision: with Alembic importable
   (``pip install 'tritune[tune]'``, which anyone who runs ``tune`` has) it is created or upgraded
   the way ``tune`` does it, then written. Without Alembic the misses stay in memory, one INFO line
@@ -170,6 +173,10 @@ class MissLog:
                         f"config DB {store.display_url(url)} refuses writes ({exc}): missed keys are not logged by "
                         "this process (TRITUNE_MISS_LOG=0 stops noting them)"
                     )
+                except store.WriteTimedOut as exc:
+                    # It may still land: offered again, its counts could be added twice.
+                    self._tell(f"{len(items)} missed key(s) dropped, not retried: {printable(str(exc), limit=1000)} "
+                               "(the write may still complete)")  # fmt: skip
                 except store.SchemaNeeded as exc:
                     self._put_back(items)
                     self._tell(

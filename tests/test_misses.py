@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -263,12 +264,85 @@ def test_a_write_that_fails_otherwise_is_retried_later(monkeypatch):
     serve(300)
 
     def locked(url, rows, *, timeout_s):
-        raise miss_store.StoreError("no answer within 3 s")
+        raise miss_store.StoreError("database is locked")
 
     with monkeypatch.context() as patched:
         patched.setattr(miss_store, "write_misses", locked)
         assert misses.flush() == 0
     assert misses.flush() == 1
+
+
+def _slow_write(monkeypatch, pause_s: float, inside: list[int] | None = None):
+    """``_write`` after a pause; ``inside`` gets the number of writes running at each start."""
+    write = miss_store._write
+    running = [0]
+
+    def slow(url, batch, timeout_s):
+        running[0] += 1
+        if inside is not None:
+            inside.append(running[0])
+        try:
+            time.sleep(pause_s)
+            return write(url, batch, timeout_s)
+        finally:
+            running[0] -= 1
+
+    monkeypatch.setattr(miss_store, "_write", slow)
+
+
+def _wait_for_writes() -> None:
+    # The abandoned write's thread holds the lock to its end.
+    writing = getattr(miss_store, "_writing", None)
+    if writing is None:
+        time.sleep(2.0)
+        return
+    assert writing.acquire(timeout=30)
+    writing.release()
+
+
+def test_a_timed_out_write_is_dropped_not_counted_twice(monkeypatch, caplog):
+    """The write left running past its bound lands later; its batch is not offered again."""
+    caplog.set_level(logging.INFO, logger="tritune.misses")
+    monkeypatch.setattr(miss_store, "SETUP_TIMEOUT_S", 0.05, raising=False)
+    serve(300)
+    with monkeypatch.context() as patched:
+        _slow_write(patched, 1.5)
+        assert misses.flush(timeout_s=0.05) == 0
+        deadline = time.monotonic() + 30
+        while not logged() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _wait_for_writes()
+    assert pending_counts() == {}
+    misses.flush()
+    assert {n: row.count for n, row in logged().items()} == {512: 1}
+    assert "1 missed key(s) dropped, not retried" in caplog.text
+
+
+def test_two_writes_never_overlap(monkeypatch):
+    monkeypatch.setattr(miss_store, "SETUP_TIMEOUT_S", 0.05)
+    inside: list[int] = []
+    now = misses.datetime.now(misses.timezone.utc)
+    key = toy_kernel.ToyKey(CPU.arch, CPU.sm_count, "float32", 8)
+    row = misses._row((db(), CPU.slug, "toy_scale", toy_kernel.SPEC.version, key), misses.Seen(1, now, now))
+    _slow_write(monkeypatch, 1.0, inside)
+    with pytest.raises(miss_store.WriteTimedOut):
+        miss_store.write_misses(db(), [row], timeout_s=0.05)
+    with pytest.raises(miss_store.StoreError, match="an earlier write of missed keys"):
+        miss_store.write_misses(db(), [row], timeout_s=0.05)
+    _wait_for_writes()
+    assert inside == [1]
+
+
+def test_the_first_write_to_a_db_may_take_longer_than_a_plain_one(monkeypatch):
+    """Creating or upgrading the DB is the first write's job: it gets ``SETUP_TIMEOUT_S``."""
+    serve(300)
+    _slow_write(monkeypatch, 0.8)
+    assert misses.flush(timeout_s=0.05) == 1
+    DISPATCHER.clear()
+    serve(300)
+    with pytest.raises(miss_store.WriteTimedOut):
+        miss_store.write_misses(db(), [misses._row(*next(iter(misses.pending().items())))], timeout_s=0.05)
+    _wait_for_writes()
 
 
 SERVING = """
