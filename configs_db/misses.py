@@ -22,6 +22,7 @@ the file or upgrade its schema, and is given :data:`SETUP_TIMEOUT_S` at least.
 from __future__ import annotations
 
 import importlib.util
+import os
 import threading
 import time
 from collections.abc import Iterable
@@ -64,6 +65,16 @@ SETUP_TIMEOUT_S = 15.0
 _writing = threading.Lock()
 #: DB URLs a write of this process succeeded on: at the schema head since, plain writes from then on.
 _ready: set[str] = set()
+
+
+def _after_fork() -> None:
+    # A write running in the parent at the fork holds the lock; its thread does not exist in the child.
+    global _writing
+    _writing = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 @dataclass(frozen=True)

@@ -333,6 +333,18 @@ def test_two_writes_never_overlap(monkeypatch):
     assert inside == [1]
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_is_not_blocked_by_a_write_of_its_parent():
+    assert miss_store._writing.acquire(timeout=5)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if miss_store._writing.acquire(timeout=1) else 1)
+    finally:
+        miss_store._writing.release()
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
 def test_the_first_write_to_a_db_may_take_longer_than_a_plain_one(monkeypatch):
     """Creating or upgrading the DB is the first write's job: it gets ``SETUP_TIMEOUT_S``."""
     serve(300)
