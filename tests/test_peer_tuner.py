@@ -18,6 +18,7 @@ from tritune.configs_db.store import ConfigStore
 from tritune.kernels import registry
 from tritune.kernels.device import device_info
 from tritune.kernels.spec import Peer, Problem
+from tritune.tuner.candidates import LocalBench
 from tritune.tuner.study import KeyTuner, TuneOptions, environment_id
 from tritune.tuner.timing import FakeTimer
 from tritune.tuner.worker import Worker
@@ -190,6 +191,65 @@ def test_the_store_refuses_a_malformed_peer(tmp_path: Any) -> None:
                                 "peer_ms": peer_ms, "peer_name": peer_name})  # fmt: skip
         with pytest.raises(ValueError, match=reason.replace("(", r"\(")):
             store.offer_winner(record, environment_id(store, CPU))
+
+
+class RecordingBench(LocalBench):
+    """A bench whose final rounds fail where ``fails(configs, peer)`` says; it records each call."""
+
+    def __init__(self, fails: Any = lambda configs, peer: False) -> None:
+        super().__init__(torch.device("cpu"), FakeTimer(cost))
+        self.fails, self.calls = fails, []
+
+    def retime(self, configs: list[dict[str, Any]], rounds: int, peer: bool = False) -> Any:
+        self.calls.append((len(configs), peer))
+        return None if self.fails(configs, peer) else super().retime(configs, rounds, peer)
+
+
+def _tune_on(bench: RecordingBench, tmp_path: Any, **options: Any) -> tuple[ConfigStore, Any]:
+    store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    key = PEERED.default_keys(CPU, n=[256])[0]
+    tuning = TuneOptions(trials=6, seed=1, batch=3, final_rounds=2, **options)
+    env = environment_id(store, CPU)
+    return store, KeyTuner(PEERED, key, CPU, torch.device("cpu"), store, env, bench.timer, tuning, bench=bench).run()
+
+
+@pytest.mark.interpreter
+def test_time_peer_off_times_no_peer(tmp_path: Any) -> None:
+    bench = RecordingBench()
+    store, result = _tune_on(bench, tmp_path, time_peer=False)
+    assert [peer for _, peer in bench.calls] == [False]
+    [winner] = store.winners(gpu=CPU.slug, kernel=PEERED.name)
+    assert winner.config == result.config and (winner.peer_ms, winner.peer_name) == (None, None)
+
+
+@pytest.mark.interpreter
+def test_online_tuning_times_no_peer(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    from tritune.tuner import jit as tuner_jit
+
+    monkeypatch.setattr(tuner_jit, "TIMER", FakeTimer(cost))
+    monkeypatch.setattr(tuner_jit, "ISOLATE", False)
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    key = PEERED.default_keys(CPU, n=[256])[0]
+    try:
+        result = tuner_jit.tune_one_key(PEERED, "cpu", key, trials=4, seconds=30.0, db_url=url)
+    finally:
+        tuner_jit.close_benches()
+    assert result.outcome == tuner_jit.TUNED and result.winner is not None
+    assert (result.winner.peer_ms, result.winner.peer_name) == (None, None)
+
+
+@pytest.mark.interpreter
+def test_failed_rounds_are_repeated_without_the_peer_only_when_the_peer_fails_them(tmp_path: Any) -> None:
+    # The contenders fail the rounds: the peer alone does not, so the rounds are not repeated.
+    contenders = RecordingBench(lambda configs, peer: bool(configs))
+    _, result = _tune_on(contenders, tmp_path / "contenders")
+    assert contenders.calls == [(3, True), (0, True)]
+    assert "final re-timing failed; the winner is chosen on the trial times" in result.notes
+    # The peer fails the rounds (alone too): the contenders are re-timed without it.
+    peer = RecordingBench(lambda configs, peer: peer)
+    _, result = _tune_on(peer, tmp_path / "peer")
+    assert peer.calls == [(3, True), (0, True), (3, False)]
+    assert not any("final re-timing failed" in note for note in result.notes)
 
 
 @pytest.mark.gpu

@@ -137,7 +137,9 @@ def _tune_claimed(
         stored = stored_winner(store, spec, info, key)
         if stored is not None:
             return JitResult(FOUND, stored, time.monotonic() - started)
-        options = TuneOptions(trials=trials, time_budget_s=seconds, seed=seed, isolate=ISOLATE, trial_timeout_s=seconds)
+        options = TuneOptions(
+            trials=trials, time_budget_s=seconds, seed=seed, isolate=ISOLATE, trial_timeout_s=seconds, time_peer=False
+        )
         timer = TIMER if TIMER is not None else _device_timer(torch_device)
         log.info("%s %s: tuning online (%d trials, %g s)", spec.name, key_text(key), trials, seconds)
         tuner = KeyTuner(

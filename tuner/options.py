@@ -60,6 +60,9 @@ class TuneOptions:
     #: killed and recorded as failed; ``None`` waits forever.
     trial_timeout_s: float | None = 120.0
     noise: NoisePolicy = field(default_factory=NoisePolicy)
+    #: Time the kernel's peer (the PyTorch call a user would make instead) in the final rounds and
+    #: store it with the winner. Online tuning turns it off: a serving process has no use for it.
+    time_peer: bool = True
 
     @property
     def batch_size(self) -> int:

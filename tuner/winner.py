@@ -27,10 +27,11 @@ def offer_winner(search: KeySearch, bench: Bench, default: Any) -> KeyResult:
     """Re-time the best, the runner-up and the portable default in interleaved rounds; offer the fastest.
 
     The portable default wins unless another config is strictly faster; the DB keeps the faster of
-    concurrent offers. A portable default without a time (it failed) fails the key. The kernel's
-    peer (the PyTorch call a user would make instead) is timed last in each of those rounds, in
-    the same process and with the same timer, and its time is stored with the winner; a peer that
-    is missing, unsupported or fails is logged at INFO and stored as NULL, never failing the key.
+    concurrent offers. A portable default without a time (it failed) fails the key. With
+    ``options.time_peer`` the kernel's peer (the PyTorch call a user would make instead) is timed
+    last in each of those rounds, in the same process and with the same timer, and its time is
+    stored with the winner; a peer that is missing, unsupported or fails is logged at INFO and
+    stored as NULL, never failing the key.
     """
     known = search.known
     default_ident = known.ident(default)
@@ -47,11 +48,18 @@ def offer_winner(search: KeySearch, bench: Bench, default: Any) -> KeyResult:
     rounds = search.options.final_rounds
     interleaved = len(contenders) > 1 and rounds > 0
     configs = [dict(ident) for ident in contenders] if interleaved else []
-    # The peer is timed in the same rounds (alone where no contenders are re-timed).
-    retimed = bench.retime(configs, max(rounds, 1), peer=True)
-    peer_ms, peer_name = _peer_time(search, retimed)
-    if retimed is None and interleaved:
-        # A peer that takes the worker down must not cost the contenders their re-timing.
+    time_peer = search.options.time_peer
+    retimed: RetimeOutcome | None = None
+    peer_ms: float | None = None
+    peer_name: str | None = None
+    if time_peer:
+        # The peer is timed in the same rounds (alone where no contenders are re-timed).
+        retimed = bench.retime(configs, max(rounds, 1), peer=True)
+        peer_ms, peer_name = _peer_time(search, retimed)
+        if retimed is None and interleaved and _peer_at_fault(bench):
+            # A peer that takes the worker down must not cost the contenders their re-timing.
+            retimed = bench.retime(configs, rounds)
+    elif interleaved:
         retimed = bench.retime(configs, rounds)
     if interleaved and retimed is None:
         notes.append("final re-timing failed; the winner is chosen on the trial times")
@@ -95,6 +103,17 @@ def offer_winner(search: KeySearch, bench: Bench, default: Any) -> KeyResult:
         pruned=known.counts["pruned"],
         notes=notes,
     )
+
+
+def _peer_at_fault(bench: Bench) -> bool:
+    """Whether the rounds that timed the peer with the contenders failed because of the peer.
+
+    The contenders all ran as trials on this bench; the peer runs here for the first time. A
+    peer that crashes or hangs the bench does so alone too (a peer that merely raises is reported
+    in the outcome, never fails the rounds): then the contenders are re-timed without it, and
+    otherwise not again.
+    """
+    return bench.retime([], 1, peer=True) is None
 
 
 def _peer_time(search: KeySearch, retimed: RetimeOutcome | None) -> tuple[float | None, str | None]:
