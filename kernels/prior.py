@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -134,6 +135,31 @@ def active(device: DeviceInfo, *, serving: bool = False) -> bool:
     return not os.path.lexists(own)
 
 
+#: GPU slug -> (the file's path, inode, mtime and size when read, what was read): each bundle is parsed
+#: once per version of its file, not once per key that asks (``tune`` seeds every key from them).
+_parsed: dict[str, tuple[tuple[str, int, int, int], tuple[list[WinnerRecord], list[Rejection]]]] = {}
+_parsed_lock = threading.Lock()
+
+
+def shipped_records(slug: str) -> tuple[list[WinnerRecord], list[Rejection]]:
+    """:func:`~tritune.configs_db.bundles.shipped_records`, parsed again only when the file changes
+    (another path, inode, modification time or size); the lists are the caller's own."""
+    try:
+        path = bundles.bundle_path(slug)
+        stat = os.stat(path)
+    except (ValueError, OSError):  # no such bundle, or no slug: nothing to keep, and the read says why
+        return bundles.shipped_records(slug)
+    stamp = (str(path), stat.st_ino, stat.st_mtime_ns, stat.st_size)
+    with _parsed_lock:
+        held = _parsed.get(slug)
+    if held is None or held[0] != stamp:
+        held = (stamp, bundles.shipped_records(slug))
+        with _parsed_lock:
+            _parsed[slug] = held
+    records, rejections = held[1]
+    return list(records), list(rejections)
+
+
 def shipped_slugs() -> list[str]:
     """The GPUs bundles are shipped for."""
     found = []
@@ -161,7 +187,7 @@ def prior_records(device: DeviceInfo) -> list[tuple[str, list[WinnerRecord]]]:
     """
     found = []
     for slug in nearest_gpus(device, shipped_slugs()):
-        records, rejections = bundles.read_bundle(bundles.bundle_path(slug), expected_gpu=slug)
+        records, rejections = shipped_records(slug)
         for rejection in rejections:
             log.debug("prior from %s: %s", slug, rejection.reason)
         found.append((slug, [translate(record, device) for record in records]))

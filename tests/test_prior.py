@@ -225,3 +225,31 @@ def test_a_broken_prior_is_skipped_with_one_warning(monkeypatch, caplog):
         assert served(A100, 1024) == DEFAULT
     [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "winners of other GPUs not used" in warning and "bundle folder unreadable" in warning
+
+
+def test_a_bundle_is_parsed_once_per_version_of_its_file(monkeypatch, shipped, tmp_path):
+    """``tune`` asks the prior and the shipped bundle at every key: the file is parsed once, and again
+    only when it changes."""
+    reads = []
+    read_bundle = bundles.read_bundle
+
+    def counting(path, expected_gpu=None):
+        reads.append(Path(path).name)
+        return read_bundle(path, expected_gpu)
+
+    monkeypatch.setattr(bundles, "read_bundle", counting)
+    for n in (256, 1024, 4096):
+        prior.seed_configs(SMEM, key(A100, n), A100)
+    store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    options = TuneOptions(trials=4, seed=0, batch=2, final_rounds=1)
+    env = environment_id(store, H200)
+    for n in (256, 1024):
+        tuner = KeyTuner(SMEM, key(H200, n), H200, torch.device("cpu"), store, env, FakeTimer(len), options)
+        assert tuner.strategy.bundled_winner() == [H200_WINNERS[n]]
+    assert reads == ["nvidia-h200-sm90-132sm.json"]
+    # A new version of the file is read again.
+    records, _ = bundles.shipped_records("nvidia-h200-sm90-132sm")
+    provenance = {"cuda": "13.0", "driver": "", "torch": "2.11.0", "triton": triton.__version__, "tritune": "t"}
+    only_256 = [record for record in records if record.key["n_bucket"] == 256]
+    write_bundle(only_256, shipped / "nvidia-h200-sm90-132sm.json", "nvidia-h200-sm90-132sm", "h200", provenance)
+    assert prior.seed_configs(SMEM, key(A100, 1024), A100) == []

@@ -26,7 +26,6 @@ from typing import Any
 
 import optuna
 
-from tritune.configs_db import bundles
 from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.store import ConfigStore
 from tritune.kernels import prior, settings
@@ -206,7 +205,7 @@ class Strategy:
         if settings.settings().disable_bundles:
             return []
         key_dict = self.key_dict if key_dict is None else key_dict
-        records, _rejections = bundles.shipped_records(self.device.slug)
+        records, _rejections = prior.shipped_records(self.device.slug)
         found: list[dict[str, Any]] = []
         for record in records:
             if record.kernel != self.spec.name or record.kernel_version != self.spec.version:
