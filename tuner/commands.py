@@ -3,7 +3,6 @@ import and bench. They register on the app of :mod:`tritune.tuner.app`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -24,7 +23,8 @@ from .app import (
     plain,
 )
 from .failures import CommandError
-from .provisional import provisional_mark, tuned_under_here
+from .provisional import tuned_under_here
+from .tables import BENCH_COLUMNS, SHOW_COLUMNS, bench_cells, bench_key, serving_verdict, show_row
 
 if TYPE_CHECKING:
     from .studies import StudyStorage, StudySummary
@@ -116,55 +116,6 @@ def show(
         console.print(f"[yellow]{plain(note)}[/yellow]", soft_wrap=True)
 
 
-#: ``tune show``'s columns, in the order :func:`show_row` fills them.
-SHOW_COLUMNS = (
-    "gpu",
-    "kernel",
-    "key",
-    "config",
-    "time ms",
-    "portable ms",
-    "speedup",
-    "trials",
-    "peer",
-    "peer ms",
-    "vs peer",
-    "served here",
-)
-
-
-def show_row(w: Any, verdict: str | None, *, provisional: bool = False) -> list[str]:
-    """One stored winner as :data:`SHOW_COLUMNS`' cells (markup-safe).
-
-    ``verdict``: why it is not served here (``None``: it is); ``provisional``: it serves here provisionally.
-    """
-    return [
-        plain(w.gpu),
-        plain(w.kernel),
-        plain(key_text(w.key)),
-        plain(" ".join(f"{k}={v}" for k, v in w.config.items())),
-        f"{w.time_ms:.4g}",
-        f"{w.portable_ms:.4g}",
-        f"{w.speedup:.3f}x",
-        str(w.trials),
-        "-" if w.peer_name is None else plain(w.peer_name),
-        _ms(w.peer_ms),
-        peer_ratio(w.peer_ms, w.time_ms),
-        ("yes (provisional)" if provisional else "yes") if verdict is None else "[yellow]no[/yellow]",
-    ]
-
-
-def peer_ratio(peer_ms: float | None, ours_ms: float | None) -> str:
-    """How many times faster ours is than the peer (``peer_ms / ours_ms``; above 1x: ours is faster)."""
-    if peer_ms is None or ours_ms is None or not ours_ms > 0:
-        return "-"
-    return f"{peer_ms / ours_ms:.2f}x"
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4g}"
-
-
 def _is_declaration(name: str) -> bool:
     from tritune.kernels import registry
 
@@ -200,20 +151,6 @@ def runtime_device(device: str) -> Any:
     if not torch.cuda.is_available() or int(wanted) >= torch.cuda.device_count():
         raise typer.BadParameter(f"{device!r}: no such CUDA GPU is visible", param_hint="--device")
     return device_info(int(wanted))
-
-
-def serving_verdict(record: Any, device: Any) -> str | None:
-    """Why the runtime on ``device`` would not serve ``record``; ``None`` when it would."""
-    from tritune.kernels import settings
-    from tritune.kernels.winners import Rejection, admit
-
-    outcome = admit(record, device)
-    if isinstance(outcome, Rejection):
-        return str(outcome.reason).removeprefix(f"{record.source} {record.kernel}: ")
-    threshold: float = 1.0 + settings.settings().margin
-    if record.speedup < threshold:
-        return f"only {record.speedup:.3f}x the portable default (TRITUNE_MARGIN asks {threshold:.3f}x)"
-    return None
 
 
 @app.command()
@@ -438,66 +375,3 @@ def bench(
     console.print(table)
     for note in notes:
         console.print(f"[yellow]{plain(note)}[/yellow]", soft_wrap=True)
-
-
-#: ``tune bench``'s columns, in the order :func:`bench_cells` fills them.
-BENCH_COLUMNS = ("kernel", "key", "served config", "portable ms", "ours ms", "peer", "peer ms", "vs peer")
-
-
-@dataclass(frozen=True)
-class BenchRow:
-    """One key's live timings: the portable default, the served config (ours) and the peer."""
-
-    kernel: str
-    key: Any
-    served: dict[str, Any]
-    #: Said after the served config: " (provisional)" where a provisional winner serves it, else "".
-    mark: str
-    portable_ms: float
-    ours_ms: float
-    peer_name: str | None
-    peer_ms: float | None
-    #: Why the peer has no time where it failed, for a note under the table.
-    peer_note: str | None
-
-
-def bench_key(spec: Any, key: Any, info: Any, torch_device: Any, timer: Any, seed: int) -> BenchRow:
-    """Time the portable default, the served config and the peer on one problem of ``key``."""
-    from tritune.kernels.dispatcher import DISPATCHER
-
-    from .candidates import describe_exception
-
-    problem = spec.make_problem(key, torch_device, seed)
-    default = spec.default_config(key)
-    served = DISPATCHER.select(spec, info, key)
-    mark = provisional_mark(DISPATCHER.table(info), spec.name, key, served)
-
-    def time(fn: Any, config: Any) -> float:
-        return float(timer(fn, config=config, flush_l2=problem.flush_l2, launch_bound=problem.launch_bound))
-
-    portable_ms, ours_ms = (time(spec.prepare(c, *problem.args, **problem.kwargs), c) for c in (default, served))
-    peer_name: str | None = None
-    peer_ms: float | None = None
-    note: str | None = None
-    try:
-        peer = spec.peer(key, problem)
-        if peer is not None:
-            peer_name = peer.name
-            peer_ms = time(peer.fn, peer)
-    except Exception as exc:
-        peer_ms, note = None, f"the peer failed: {describe_exception(exc)}"
-    return BenchRow(spec.name, key, spec.space.to_dict(served), mark, portable_ms, ours_ms, peer_name, peer_ms, note)
-
-
-def bench_cells(row: BenchRow) -> list[str]:
-    """One :class:`BenchRow` as :data:`BENCH_COLUMNS`' cells (markup-safe)."""
-    return [
-        plain(row.kernel),
-        plain(key_text(row.key)),
-        plain(" ".join(f"{k}={v}" for k, v in row.served.items()) + row.mark),
-        f"{row.portable_ms:.4g}",
-        f"{row.ours_ms:.4g}",
-        "-" if row.peer_name is None else plain(row.peer_name),
-        _ms(row.peer_ms),
-        peer_ratio(row.peer_ms, row.ours_ms),
-    ]

@@ -1,0 +1,151 @@
+"""The rows of ``tune show`` and ``tune bench``: their columns, how a stored winner or a live timing
+becomes cells (markup-safe), and whether the runtime would serve a stored winner here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tritune.configs_db.records import key_text
+
+from .app import plain
+from .provisional import provisional_mark
+
+__all__ = [
+    "BENCH_COLUMNS",
+    "SHOW_COLUMNS",
+    "BenchRow",
+    "bench_cells",
+    "bench_key",
+    "ms_text",
+    "peer_ratio",
+    "serving_verdict",
+    "show_row",
+]
+
+
+#: ``tune show``'s columns, in the order :func:`show_row` fills them.
+SHOW_COLUMNS = (
+    "gpu",
+    "kernel",
+    "key",
+    "config",
+    "time ms",
+    "portable ms",
+    "speedup",
+    "trials",
+    "peer",
+    "peer ms",
+    "vs peer",
+    "served here",
+)
+
+
+def show_row(w: Any, verdict: str | None, *, provisional: bool = False) -> list[str]:
+    """One stored winner as :data:`SHOW_COLUMNS`' cells (markup-safe).
+
+    ``verdict``: why it is not served here (``None``: it is); ``provisional``: it serves here provisionally.
+    """
+    return [
+        plain(w.gpu),
+        plain(w.kernel),
+        plain(key_text(w.key)),
+        plain(" ".join(f"{k}={v}" for k, v in w.config.items())),
+        f"{w.time_ms:.4g}",
+        f"{w.portable_ms:.4g}",
+        f"{w.speedup:.3f}x",
+        str(w.trials),
+        "-" if w.peer_name is None else plain(w.peer_name),
+        ms_text(w.peer_ms),
+        peer_ratio(w.peer_ms, w.time_ms),
+        ("yes (provisional)" if provisional else "yes") if verdict is None else "[yellow]no[/yellow]",
+    ]
+
+
+def peer_ratio(peer_ms: float | None, ours_ms: float | None) -> str:
+    """How many times faster ours is than the peer (``peer_ms / ours_ms``; above 1x: ours is faster)."""
+    if peer_ms is None or ours_ms is None or not ours_ms > 0:
+        return "-"
+    return f"{peer_ms / ours_ms:.2f}x"
+
+
+def ms_text(value: float | None) -> str:
+    """A time in milliseconds for a cell; ``-`` where there is none."""
+    return "-" if value is None else f"{value:.4g}"
+
+
+def serving_verdict(record: Any, device: Any) -> str | None:
+    """Why the runtime on ``device`` would not serve ``record``; ``None`` when it would."""
+    from tritune.kernels import settings
+    from tritune.kernels.winners import Rejection, admit
+
+    outcome = admit(record, device)
+    if isinstance(outcome, Rejection):
+        return str(outcome.reason).removeprefix(f"{record.source} {record.kernel}: ")
+    threshold: float = 1.0 + settings.settings().margin
+    if record.speedup < threshold:
+        return f"only {record.speedup:.3f}x the portable default (TRITUNE_MARGIN asks {threshold:.3f}x)"
+    return None
+
+
+#: ``tune bench``'s columns, in the order :func:`bench_cells` fills them.
+BENCH_COLUMNS = ("kernel", "key", "served config", "portable ms", "ours ms", "peer", "peer ms", "vs peer")
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    """One key's live timings: the portable default, the served config (ours) and the peer."""
+
+    kernel: str
+    key: Any
+    served: dict[str, Any]
+    #: Said after the served config: " (provisional)" where a provisional winner serves it, else "".
+    mark: str
+    portable_ms: float
+    ours_ms: float
+    peer_name: str | None
+    peer_ms: float | None
+    #: Why the peer has no time where it failed, for a note under the table.
+    peer_note: str | None
+
+
+def bench_key(spec: Any, key: Any, info: Any, torch_device: Any, timer: Any, seed: int) -> BenchRow:
+    """Time the portable default, the served config and the peer on one problem of ``key``."""
+    from tritune.kernels.dispatcher import DISPATCHER
+
+    from .candidates import describe_exception
+
+    problem = spec.make_problem(key, torch_device, seed)
+    default = spec.default_config(key)
+    served = DISPATCHER.select(spec, info, key)
+    mark = provisional_mark(DISPATCHER.table(info), spec.name, key, served)
+
+    def time(fn: Any, config: Any) -> float:
+        return float(timer(fn, config=config, flush_l2=problem.flush_l2, launch_bound=problem.launch_bound))
+
+    portable_ms, ours_ms = (time(spec.prepare(c, *problem.args, **problem.kwargs), c) for c in (default, served))
+    peer_name: str | None = None
+    peer_ms: float | None = None
+    note: str | None = None
+    try:
+        peer = spec.peer(key, problem)
+        if peer is not None:
+            peer_name = peer.name
+            peer_ms = time(peer.fn, peer)
+    except Exception as exc:
+        peer_ms, note = None, f"the peer failed: {describe_exception(exc)}"
+    return BenchRow(spec.name, key, spec.space.to_dict(served), mark, portable_ms, ours_ms, peer_name, peer_ms, note)
+
+
+def bench_cells(row: BenchRow) -> list[str]:
+    """One :class:`BenchRow` as :data:`BENCH_COLUMNS`' cells (markup-safe)."""
+    return [
+        plain(row.kernel),
+        plain(key_text(row.key)),
+        plain(" ".join(f"{k}={v}" for k, v in row.served.items()) + row.mark),
+        f"{row.portable_ms:.4g}",
+        f"{row.ours_ms:.4g}",
+        "-" if row.peer_name is None else plain(row.peer_name),
+        ms_text(row.peer_ms),
+        peer_ratio(row.peer_ms, row.ours_ms),
+    ]
