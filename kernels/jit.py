@@ -58,6 +58,9 @@ log = logging.getLogger("tritune.jit")
 #: Extra arguments of the background worker's command line (tests pass a fake timer this way).
 WORKER_ARGS: list[str] = []
 
+#: The outcome of a key handed to the worker and never sent to it (its kernel cannot be imported there).
+SKIPPED = "skipped"
+
 #: What installs the tuner, in the one warning given when it is missing.
 INSTALL_HINT = "pip install 'tritune[tune]'"
 
@@ -372,6 +375,8 @@ class OnlineTuning:
             outcome = str(report.get("outcome"))
             kernel = str(report.get("kernel"))
             self._settle((kernel, device.slug, key), seconds)
+            if outcome == SKIPPED:
+                return
             winner = None
             if report.get("winner") is not None:
                 try:
@@ -456,6 +461,8 @@ class BackgroundWorker:
             target = registry.target_of(spec)
             if target is None:
                 log.info("%s: not found in any module, so the online tuning worker cannot import it", spec.name)
+                # Handed out but never sent: its reserved seconds are free again.
+                self._on_report({"kernel": spec.name, "outcome": SKIPPED, "seconds": 0.0}, device, key)
                 continue
             request = {
                 "kernel": spec.name,

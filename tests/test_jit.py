@@ -339,6 +339,17 @@ def test_concurrent_misses_never_hand_out_more_than_the_total(monkeypatch):
     assert attempts == [(256, 1.0), (4096, 0.5)]
 
 
+@pytest.mark.interpreter
+def test_a_key_the_worker_cannot_import_gives_its_seconds_back(monkeypatch):
+    monkeypatch.setattr(registry, "target_of", lambda spec: None)
+    with settings.override(jit="background"):
+        assert _served(200) == PORTABLE
+        deadline = time.monotonic() + 10
+        while jit.ONLINE._reserved and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert jit.ONLINE._reserved == {} and jit.ONLINE.spent_s == 0.0
+
+
 def test_the_worker_returns_once_its_total_is_spent(monkeypatch):
     from tritune.tuner import jit_worker
 
