@@ -145,8 +145,9 @@ class OnlineTuning:
         self._lock = threading.Lock()
         #: (kernel, device slug, key) attempted in this process: each at most once.
         self.attempted: set[Slot] = set()
-        #: Seconds the keys that ended took, and those reserved by keys being tuned.
+        #: Seconds the keys that ended took.
         self.spent_s = 0.0
+        #: Seconds held by each key being tuned (handed out, not ended yet).
         self._reserved: dict[Slot, float] = {}
         #: Why online tuning stopped in this process (the tuner is not installed, the worker died).
         self.stopped: str | None = None
