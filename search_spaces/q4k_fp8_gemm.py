@@ -45,6 +45,9 @@ WGMMA_ROWS = 64
 #: and each row's words are loaded at the products' full shape: two or more rows spill registers
 #: and run far slower than the portable kernel.
 GEMV_MAX_M = 1
+#: x values a GEMV program quantizes per warp with ``FUSE_QUANT`` where one row of x has
+#: ``BLOCK_K`` (4 a thread, as in the pre-pass, which makes the sums bit-identical on sm_90).
+GEMV_FUSED_VALUES = 128
 #: Deepest K tile of the paths that dequantize a tile against one super-block's scales.
 SUPER_BLOCK = 256
 #: Smallest chunk the staged path uses on a GPU: below it each chunk's GEMM is too narrow to fill
@@ -175,7 +178,9 @@ class GemvConfig:
     scale per 32 values) against the exact codes with ``dp4a``, no MMA (any CUDA GPU).
 
     Its loads are issued one iteration ahead by the kernel itself (no dot: Triton's pipeliner
-    leaves them alone), so it has no ``num_stages``.
+    leaves them alone), so it has no ``num_stages``. With ``FUSE_QUANT`` and ``FUSED_REDUCE`` a
+    call is one launch, where otherwise it is two or three (each costs tens of microseconds of
+    host time in an eager decode step); the results are bit-identical either way.
     """
 
     path: str = choice("gemv", ("gemv",))
@@ -184,6 +189,12 @@ class GemvConfig:
     BLOCK_K: int = choice(64, (*_K_TILES, 512, 1024))
     num_warps: int = choice(4, (2, 4, 8))
     SPLIT_K: int = choice(1, (1, 2, 4, 8))
+    #: The GEMV kernel quantizes the x values of its K range itself (every program, each
+    #: iteration), instead of a pre-pass launch writing them for it.
+    FUSE_QUANT: bool = choice(False, (False, True))
+    #: With ``SPLIT_K > 1``: the last program of each output tile to finish sums the tile's
+    #: partials (arrival counters), instead of a reduce launch.
+    FUSED_REDUCE: bool = choice(False, (False, True))
 
 
 #: A config of any path.
@@ -413,12 +424,21 @@ def gemv_feasibility(config: GemvConfig, key: Q4KShape, limits: TargetLimits) ->
     """
     if key.k % config.BLOCK_K or (key.k // config.BLOCK_K) % config.SPLIT_K:
         return f"SPLIT_K={config.SPLIT_K} does not divide K={key.k} into BLOCK_K={config.BLOCK_K} tiles evenly"
+    if config.FUSED_REDUCE and config.SPLIT_K == 1:
+        return "FUSED_REDUCE only changes a launch with SPLIT_K > 1 (the same launch as FUSED_REDUCE=False)"
     if limits.interpreter:
         if config.BLOCK_N > 64 or config.BLOCK_K > 128:
             return "the interpreter only runs small blocks (BLOCK_N <= 64, BLOCK_K <= 128)"
         return None
     if key.m_bucket > GEMV_MAX_M:
         return f"the GEMV path is for M <= {GEMV_MAX_M} (m_bucket={key.m_bucket})"
+    if config.FUSE_QUANT and config.BLOCK_K // config.num_warps > GEMV_FUSED_VALUES:
+        # Deeper, each thread would hold more values of a sub-block than the pre-pass's threads do,
+        # and the float sums of a sub-block would be added in another order (other last bits).
+        return (
+            f"FUSE_QUANT quantizes BLOCK_K={config.BLOCK_K} x values at 4 a thread only with "
+            f"BLOCK_K <= {GEMV_FUSED_VALUES} * num_warps (num_warps={config.num_warps})"
+        )
     words = config.BLOCK_N * config.BLOCK_K // 8  # 32-bit words of codes per tile
     if words < 4 * 32 * config.num_warps:
         return f"{config.num_warps} warps for {words} words of codes leave threads without a sub-block"

@@ -17,7 +17,9 @@ here, all the way to a cubin with its bundled ptxas; this module does that in tw
   whose programs hand data to each other within a launch depends on.
 
 Script use: ``python tests/sm90_build.py --records FILE`` (records as :func:`specialize` writes
-them), ``python tests/sm90_build.py --prefill-ws '[[HEAD_DIM, CAUSAL, HAS_KV_LEN], ...]'`` (the
+them), ``python tests/sm90_build.py --gemv '[{"k": K, "n": N, "config": {...}}, ...]'`` (the launches
+of one Q4_K call with ptxas' report, code digests and reduction layouts: :func:`build_gemv`),
+``python tests/sm90_build.py --prefill-ws '[[HEAD_DIM, CAUSAL, HAS_KV_LEN], ...]'`` (the
 warp-specialized prefill kernel at its starting configs with ptxas' report: :func:`build_prefill_ws`),
 or ``python tests/sm90_build.py '[[BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages], ...]'``
 for the folded fp8 Q4_K kernel with what ptxas made of it (tensor-core instructions, registers,
@@ -387,6 +389,124 @@ def build_q4k(
     return result
 
 
+# ---- the Q4_K GEMV launches with ptxas' report and their reduction layouts ---------------------
+
+#: A blocked layout's fields in TTGIR text.
+_BLOCKED_FIELDS = re.compile(
+    r"sizePerThread = \[([\d, ]*)\], threadsPerWarp = \[([\d, ]*)\], warpsPerCTA = \[([\d, ]*)\], order = \[([\d, ]*)\]"
+)
+_LAYOUT_ALIAS = re.compile(r"^(#\w+) = (.*)$", re.MULTILINE)
+
+
+def normalized_ptx(ptx: str) -> str:
+    """``ptx`` without what moves when only source lines move: ``.loc`` directives, the debug
+    labels (``$L__tmpN:``) and everything from the first ``.file`` on (the DWARF sections)."""
+    body = ptx.split("\t.file", 1)[0]
+    return "\n".join(line for line in body.splitlines() if not re.match(r"\s*(\.loc\b|\$L__tmp\d+:)", line))
+
+
+def _resolve_layout(layout: str, aliases: dict[str, str]) -> str:
+    """``layout`` with every ``#alias`` replaced by its definition (recursively)."""
+    return re.sub(r"#(?!ttg\.)\w+", lambda m: _resolve_layout(aliases.get(m.group(0), m.group(0)), aliases), layout)
+
+
+def reductions(ttgir: str) -> list[dict[str, Any]]:
+    """Every ``tt.reduce`` of a kernel's TTGIR: its axis, operand shape and element type, combine
+    op (``addf``, ``addi``, ``maxnumf`` ...) and operand layout (aliases resolved), with the
+    blocked layout's fields along the axis where the operand's layout is blocked: what fixes the
+    order in which a float sum adds its values."""
+    aliases = dict(_LAYOUT_ALIAS.findall(ttgir))
+    found = []
+    for match in re.finditer(r'"tt\.reduce"\(', ttgir):
+        rest = ttgir[match.end() :]
+        axis = int(re.match(r"[^)]*\) <\{axis = (\d+)", rest).group(1))  # type: ignore[union-attr]
+        body, _, tail = rest.partition("}) : (tensor<")
+        operand = tail.split(") -> ", 1)[0]
+        shape, _, layout = operand.partition(", ")
+        combine = re.search(r"arith\.(\w+)", body)
+        resolved = _resolve_layout(layout[:-1], aliases)
+        entry: dict[str, Any] = {
+            "axis": axis,
+            "shape": [int(d) for d in shape.split("x")[:-1]],
+            "type": shape.split("x")[-1],
+            "combine": combine.group(1) if combine else None,
+            "layout": resolved,
+        }
+        blocked = _BLOCKED_FIELDS.fullmatch(resolved.removeprefix("#ttg.blocked<{").removesuffix("}>"))
+        if blocked:
+            per_thread, lanes, warps, order = ([int(v) for v in f.split(", ")] for f in blocked.groups())
+            entry["along_axis"] = {
+                "per_thread": per_thread[axis],
+                "lanes": lanes[axis],
+                "warps": warps[axis],
+                "lowest_lanes": order[0] == axis,
+            }
+        found.append(entry)
+    return found
+
+
+def build_gemv(k: int, n: int, config: dict[str, Any], m: int = 1, bias: bool = False) -> list[dict[str, Any]]:
+    """The launches of one ``q4k_fp8_gemm`` call (bf16 x ``[m, k]``, a Q4_K weight ``[n, k]``) with
+    ``config``, recorded from the real launch code on meta tensors and built for sm_90 as an H200
+    launch would specialize them; per launch: the kernel, registers, spill bytes, shared memory,
+    atomics, L2-only (``.cg``) loads, digests of the normalized PTX (:func:`normalized_ptx`) and
+    of the SASS, and the kernel's reductions (:func:`reductions`). Run without ``TRITON_INTERPRET``."""
+    import hashlib
+
+    import torch
+    from torch._library.triton import set_wrap_triton_enabled
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    from tritune.kernels import _launch
+    from tritune.kernels.q4k.kernel import KERNEL
+    from tritune.kernels.q4k.launch import launch
+    from tritune.kernels.q4k.weight import Q4KWeight
+
+    meta = torch.device("meta")
+    weight = Q4KWeight(
+        torch.empty((n, k // 2), dtype=torch.uint8, device=meta),
+        torch.empty((n, k // 32), dtype=torch.uint8, device=meta),
+        torch.empty((n, k // 32), dtype=torch.uint8, device=meta),
+        torch.empty((n, k // 256, 2), dtype=torch.float16, device=meta),
+    )
+    x = torch.empty((m, k), dtype=torch.bfloat16, device=meta)
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=meta)
+    bias_t = torch.empty((n,), dtype=torch.bfloat16, device=meta) if bias else None
+    _launch.SM_COUNTS[meta] = 132
+    with record_launches() as recorder, set_wrap_triton_enabled(False):
+        launch(KERNEL.space.parse(config), x, weight, bias_t, out)
+    results = []
+    for recorded in recorder.launches:
+        compiled = compile_record(specialize(recorded))
+        ptx = compiled.asm["ptx"]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "kernel.ptx")
+            with open(path, "w") as f:
+                f.write(ptx)
+            log = subprocess.run(
+                [get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", os.path.join(tmp, "kernel.o")],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stderr
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        registers = re.search(r"Used (\d+) registers", log)
+        results.append(
+            {
+                "kernel": recorded.kernel.fn.__name__,
+                "registers": int(registers.group(1)) if registers else None,
+                "spill_bytes": int(spills.group(1)) + int(spills.group(2)) if spills else None,
+                "shared": compiled.metadata.shared,
+                "atomics": sorted(set(re.findall(r"\batom(?:\.\w+)+", ptx))),
+                "cg_loads": len(re.findall(r"\bld\.global\.cg\b", ptx)),
+                "ptx_sha256": hashlib.sha256(normalized_ptx(ptx).encode()).hexdigest(),
+                "sass_sha256": hashlib.sha256(_sass(compiled.asm["cubin"]).encode()).hexdigest(),
+                "reductions": reductions(compiled.asm["ttgir"]),
+            }
+        )
+    return results
+
+
 # ---- the warp-specialized Gluon prefill kernel with ptxas' report (tests/test_prefill_ws.py) ---
 
 
@@ -479,6 +599,10 @@ def build_prefill_ws(head_dim: int, causal: bool = True, has_kv_len: bool = True
 
 
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["--gemv"]:
+        for case in json.loads(argv[1]):
+            print(json.dumps({"case": case, "launches": build_gemv(**case)}), flush=True)
+        return
     if argv[:1] == ["--prefill-ws"]:
         for head_dim, causal, has_kv_len in json.loads(argv[1]):
             print(json.dumps(build_prefill_ws(head_dim, causal, has_kv_len)), flush=True)

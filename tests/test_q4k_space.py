@@ -65,7 +65,7 @@ def test_each_path_holds_only_the_fields_its_launch_reads():
         "portable": ("path", *tiles),
         "fp8": ("path", *tiles, "SCALE_FOLD", "SWAP_AB"),
         "staged": ("path", "BLOCK_N", "BLOCK_K", "num_warps", "CHUNK_N", "FAST_ACCUM"),
-        "gemv": ("path", "BLOCK_N", "BLOCK_K", "num_warps", "SPLIT_K"),
+        "gemv": ("path", "BLOCK_N", "BLOCK_K", "num_warps", "SPLIT_K", "FUSE_QUANT", "FUSED_REDUCE"),
         "int8": ("path", *tiles, "SWAP_AB"),
         "dequant": ("path", "BLOCK_N", "BLOCK_K", "num_warps", "CHUNK_N"),
     }
@@ -83,6 +83,8 @@ def test_each_path_holds_only_the_fields_its_launch_reads():
         "SWAP_AB": (False, True),
         "CHUNK_N": (32, 1024, 2048, 4096, 8192, 16384),
         "FAST_ACCUM": (False, True),
+        "FUSE_QUANT": (False, True),
+        "FUSED_REDUCE": (False, True),
     }
     # A field keeps its choices on every path that can launch them: 256-row x tiles exist for the
     # swapped fp8 kernel only, K tiles beyond a super-block for the GEMV only.
@@ -122,7 +124,7 @@ def test_the_grid_holds_each_launch_once():
     assert all(SPACE.parse(SPACE.to_dict(c)) == c for c in grid[::97])
     # The per-path grids, where the old flat product held 2.6 million configs.
     assert SPACE.size() == (
-        4 * 4 * 4 * 3 * 3 * 5 * 4 + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 4 + 4 * 4 * 3 * 5 * 2 + 4 * 6 * 3 * 4
+        4 * 4 * 4 * 3 * 3 * 5 * 4 + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 4 + 4 * 4 * 3 * 5 * 2 + 4 * 6 * 3 * 4 * 2 * 2
         + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 2 + 4 * 4 * 3 * 6
     )  # fmt: skip
 
@@ -284,6 +286,24 @@ def test_gemv_rules():
     assert "leave threads" in SPACE.infeasible_reason(GemvConfig(BLOCK_N=32, BLOCK_K=32, num_warps=8), _key(1), LIMITS)
     # The interpreter's tiny keys take it at any M.
     assert SPACE.infeasible_reason(GemvConfig(BLOCK_N=32), _key(16, n=64, k=256), INTERPRETER) is None
+
+
+def test_gemv_one_launch_rules():
+    """FUSED_REDUCE only where there is a split to reduce (else the same launch); FUSE_QUANT only
+    where each thread quantizes 4 values of a sub-block, as the pre-pass's do (the same sums)."""
+    fused = GemvConfig(BLOCK_N=32, BLOCK_K=256, SPLIT_K=4, FUSE_QUANT=True, FUSED_REDUCE=True)
+    assert SPACE.infeasible_reason(fused, _key(1), LIMITS) is None
+    alone = dataclasses.replace(fused, SPLIT_K=1)
+    assert "SPLIT_K > 1" in SPACE.infeasible_reason(alone, _key(1), LIMITS)
+    assert "SPLIT_K > 1" in SPACE.infeasible_reason(alone, _key(16, n=64, k=256), INTERPRETER)
+    assert SPACE.infeasible_reason(dataclasses.replace(alone, FUSED_REDUCE=False), _key(1), LIMITS) is None
+    deep = GemvConfig(BLOCK_N=32, BLOCK_K=1024, SPLIT_K=2, FUSE_QUANT=True)
+    assert "BLOCK_K <= 128 * num_warps" in SPACE.infeasible_reason(deep, _key(1), LIMITS)
+    assert SPACE.infeasible_reason(dataclasses.replace(deep, num_warps=8), _key(1), LIMITS) is None
+    assert SPACE.infeasible_reason(dataclasses.replace(deep, FUSE_QUANT=False), _key(1), LIMITS) is None
+    # Stored configs without the fields (bundles written before them) are today's launches.
+    assert KERNEL.pinned_config({"path": "gemv", "SPLIT_K": 4}) == GemvConfig(SPLIT_K=4)
+    assert GemvConfig().FUSE_QUANT is False and GemvConfig().FUSED_REDUCE is False
 
 
 def test_the_tuner_can_choose_every_fp8_kernel():
@@ -487,8 +507,18 @@ def test_starting_configs_follow_the_rules_the_space_admits():
         for config in gemv:
             programs = -(-key.n // config.BLOCK_N) * config.SPLIT_K
             assert programs <= 4 * H200.sm_count or config.SPLIT_K == 1, config
+        if gemv:
+            # One launch first (fused quantization, and the fused reduce where split), then the
+            # same tiles as two or three launches; each fused tile has its unfused twin.
+            one_launch = [c for c in gemv if c.FUSE_QUANT and (c.FUSED_REDUCE or c.SPLIT_K == 1)]
+            assert one_launch and gemv[: len(one_launch)] == one_launch, key
+            unfused = {c for c in gemv if not c.FUSE_QUANT and not c.FUSED_REDUCE}
+            assert len(one_launch) + len(unfused) == len(gemv), key
+            assert {dataclasses.replace(c, FUSE_QUANT=False, FUSED_REDUCE=False) for c in one_launch} <= unfused
+            assert {c.BLOCK_K for c in one_launch} == {256, 512}, key
     decode = KERNEL.starting_configs(key_for(L40S, _facts(1, 14336, 4096)), L40S)
     assert decode and {c.path for c in decode} == {"gemv"}
+    assert decode[0].FUSE_QUANT, decode[0]
     prefill = KERNEL.starting_configs(key_for(L40S, _facts(4096, 14336, 4096)), L40S)
     assert [(c.path, c.CHUNK_N) for c in prefill] == [("dequant", 16384), ("dequant", 8192), ("dequant", 4096)]
     cpu = device_info("cpu")

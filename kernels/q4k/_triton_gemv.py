@@ -50,6 +50,29 @@ def _dp4a(a, b, c, ASM: tl.constexpr, FIRST: tl.constexpr = False):
 
 
 @triton.jit
+def _round_subblocks(x):
+    """Each 32-wide sub-block (the last axis) of float32 ``x`` as int8 values with the scale
+    ``amax / 127`` (as ggml's Q8_1): the rounded values (as floats) and the scales.
+
+    Shared by the pre-pass and the fused GEMV kernel (``FUSE_QUANT``), as is
+    :func:`_lost_to_rounding`, so that both quantize alike. Divisions are IEEE (``div_rn``), so
+    the rounding is the same on the GPU as on the interpreter and in a PyTorch emulation.
+    """
+    amax = tl.max(tl.abs(x), axis=len(x.shape) - 1)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)), 1.0)
+    # Adding 1.5 * 2**23 leaves no fraction bits: float32 addition rounds to an integer, ties to even.
+    quotient = tl.math.div_rn(x, tl.broadcast_to(tl.expand_dims(scale, len(x.shape) - 1), x.shape))
+    return tl.clamp((quotient + 12582912.0) - 12582912.0, -127.0, 127.0), scale
+
+
+@triton.jit
+def _lost_to_rounding(x, xr, scale):
+    """Per sub-block of :func:`_round_subblocks`: ``sum(x) - scale * sum(xr)``, summed as one float
+    sum of the 32 differences (its order is the reduction's: see :func:`_q4k_gemv_fused_kernel`)."""
+    return tl.sum(x - tl.expand_dims(scale, len(x.shape) - 1) * xr, axis=len(x.shape) - 1)
+
+
+@triton.jit
 def _quantize_rows_gemv_kernel(
     x_ptr,
     xw_ptr,
@@ -69,8 +92,7 @@ def _quantize_rows_gemv_kernel(
     (int32 ``[M, K/4]``) holds first the ``K/8`` words of x's positions ``8i, 8i+2, 8i+4, 8i+6``
     (the low nibbles of code word ``i``), then the ``K/8`` words of ``8i+1, ..., 8i+7`` (the high
     ones). Per sub-block also: the scale, what its sum lost to the rounding
-    (``sum(x) - scale * sum(xi)``) and its exact sum. Divisions are IEEE (``div_rn``), so the
-    rounding is the same on the GPU as on the interpreter and in a PyTorch emulation.
+    (``sum(x) - scale * sum(xi)``) and its exact sum (:func:`_round_subblocks`).
     """
     pid_m = tl.program_id(0).to(tl.int64)
     sub = tl.program_id(1) * TILE + tl.arange(0, TILE)  # [TILE] sub-blocks
@@ -79,14 +101,10 @@ def _quantize_rows_gemv_kernel(
     x = tl.load(
         x_ptr + pid_m * stride_xm + (sub[:, None] * 32 + offs[None, :]) * stride_xk, mask=ok[:, None], other=0.0
     ).to(tl.float32)  # [TILE, 32]
-    amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full([TILE], 127.0, tl.float32)), 1.0)
-    # Adding 1.5 * 2**23 leaves no fraction bits: float32 addition rounds to an integer, ties to even.
-    quotient = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], (TILE, 32)))
-    xr = tl.clamp((quotient + 12582912.0) - 12582912.0, -127.0, 127.0)
+    xr, scale = _round_subblocks(x)
     at = pid_m * SUBS + sub
     tl.store(xs_ptr + at, scale, mask=ok)
-    tl.store(xlost_ptr + at, tl.sum(x - scale[:, None] * xr, axis=1), mask=ok)
+    tl.store(xlost_ptr + at, _lost_to_rounding(x, xr, scale), mask=ok)
     tl.store(xsum_ptr + at, tl.sum(x, axis=1), mask=ok)
     # [TILE, word, byte, parity] -> bytes of each word's even and odd positions, four to an int32.
     even, odd = tl.split(tl.reshape(xr.to(tl.int32) & 0xFF, (TILE, 4, 4, 2)))
@@ -208,3 +226,204 @@ def _q4k_gemv_kernel(
         tl.sum(acc, axis=2), out_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k,
         stride_om, stride_on, stride_ok, stride_bn, HAS_BIAS, SPLIT_K,
     )  # fmt: skip
+
+
+@triton.jit
+def _gemv_weights(q_ptrs, sc_ptrs, mn_ptrs, ss_row, k_start, i, W: tl.constexpr, G: tl.constexpr):
+    """The weight half of :func:`_gemv_tile`: code words (at ``q_ptrs``' shape), ``s`` and ``o`` ``[BLOCK_N, G]``."""
+    qw = tl.load(q_ptrs + i * W)
+    d_ptrs = ss_row + ((k_start // 32 + i * G + tl.arange(0, G)) // 8 * 2)[None, :]
+    s = tl.load(d_ptrs).to(tl.float32) * _small_as_float(tl.load(sc_ptrs + i * G))
+    o = tl.load(d_ptrs + 1).to(tl.float32) * _small_as_float(tl.load(mn_ptrs + i * G))
+    return qw, s, o
+
+
+@triton.jit
+def _gemv_x(
+    x_tile, x_even, xs_ptr, xlost_ptr, xsum_ptr, xg, K, i,
+    FUSE_QUANT: tl.constexpr, BLOCK_K: tl.constexpr, W: tl.constexpr, G: tl.constexpr,
+):  # fmt: skip
+    """The x half of iteration ``i``: with ``FUSE_QUANT`` x's float values ``[ROWS, COPIES, G, 32]``
+    (quantized by :func:`_quantize_tile`); else the pre-pass's even and odd words at the products'
+    shape and its scales, lost sums and exact sums ``[ROWS, G]``."""
+    if FUSE_QUANT:
+        xv = tl.load(x_tile + i * BLOCK_K).to(tl.float32)
+        return xv, xv, xv, xv, xv
+    else:
+        xe = tl.load(x_even + i * W)
+        xo = tl.load(x_even + i * W + K // 8)
+        return xe, xo, tl.load(xs_ptr + xg + i * G), tl.load(xlost_ptr + xg + i * G), tl.load(xsum_ptr + xg + i * G)
+
+
+@triton.jit
+def _quantize_tile(xv, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, COPIES: tl.constexpr):
+    """x's float values ``[ROWS, COPIES, G, 32]`` (``COPIES`` equal copies of a tile's ``G``
+    sub-blocks) -> what the pre-pass would give the GEMV loop for them: the even and odd words at
+    the products' shape ``[ROWS, BLOCK_N, G, 4]``, and per sub-block ``[ROWS, G]`` the scale, the
+    lost sum and the exact sum.
+
+    No ``tl.reshape``: Triton 3.6 keeps a reshape's layout, and it would reach the products (the
+    codes would be converted to it every iteration, and the final sum would take another order
+    than :func:`_q4k_gemv_kernel`'s). The words are sums of shifted bytes (exact), the copies
+    reduced by a maximum (exact: they are equal).
+    """
+    xr, scale = _round_subblocks(xv)
+    lost = _lost_to_rounding(xv, xr, scale)
+    sums = tl.sum(xv, axis=3)
+    # Position j of a sub-block is byte (j % 8) // 2 of word j // 8, in the even words for even j.
+    j = tl.arange(0, 32)
+    shifted = (xr.to(tl.int32) & 0xFF) << (8 * ((j % 8) // 2))[None, None, None, :]
+    in_word = (j // 8)[None, :] == tl.arange(0, 4)[:, None]  # [word, j]
+    even = (in_word & (j % 2 == 0)[None, :])[None, None, None, :, :]
+    odd = (in_word & (j % 2 == 1)[None, :])[None, None, None, :, :]
+    spread = tl.broadcast_to(shifted[:, :, :, None, :], (ROWS, COPIES, G, 4, 32))
+    words_even = tl.max(tl.sum(tl.where(even, spread, 0), axis=4), axis=1)  # [ROWS, G, 4]
+    words_odd = tl.max(tl.sum(tl.where(odd, spread, 0), axis=4), axis=1)
+    shape: tl.constexpr = (ROWS, BLOCK_N, G, 4)
+    xe = tl.broadcast_to(words_even[:, None, :, :], shape)
+    xo = tl.broadcast_to(words_odd[:, None, :, :], shape)
+    return xe, xo, tl.max(scale, axis=1), tl.max(lost, axis=1), tl.max(sums, axis=1)
+
+
+@triton.jit
+def _q4k_gemv_fused_kernel(
+    x_ptr,
+    xw_ptr,
+    xs_ptr,
+    xlost_ptr,
+    xsum_ptr,
+    qs_ptr,
+    sc_ptr,
+    mn_ptr,
+    ss_ptr,
+    bias_ptr,
+    out_ptr,
+    part_ptr,
+    counters_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_qn,
+    stride_sn,
+    stride_ssn,
+    stride_om,
+    stride_on,
+    stride_pk,
+    stride_pm,
+    stride_bn,
+    HAS_BIAS: tl.constexpr,
+    ASM: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    K_TILES: tl.constexpr,
+    FUSE_QUANT: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr,
+    COPIES: tl.constexpr,
+):
+    """:func:`_q4k_gemv_kernel`'s products with the pre-pass (``FUSE_QUANT``) and the split-K reduce
+    (``FUSED_REDUCE``) in the same launch: with both, a decode step's GEMV is one launch.
+
+    ``FUSE_QUANT``: each program quantizes the x values of its K range itself, every iteration
+    (``x_ptr``, K contiguous; one row of x is a few KB and stays in L2), with the pre-pass's
+    helpers. The two float sums per sub-block follow the reduction's order, which is the
+    layout's: loaded ``QUANT_SUBS`` sub-blocks at a time (``4 * num_warps / ROWS``, the tile's
+    ``G`` sub-blocks repeated where that is more), each thread holds four consecutive values of a
+    sub-block and eight lanes share it, as in the pre-pass's ``[16, 32]`` tile at 4 warps; so the
+    results are bit-identical to the pre-pass path (``tests/test_sm90_build.py`` checks the
+    layouts on sm_90, where ``ROWS * BLOCK_K <= 128 * num_warps``: the search space's rule).
+
+    ``FUSED_REDUCE`` (``SPLIT_K > 1``): each program writes its float32 partial to ``part_ptr``
+    (``[SPLIT_K, M, N]``), then counts itself on its output tile's arrival counter; the last to
+    arrive sums the tile's partials in split order (as :func:`_splitk_reduce_kernel`, so the result
+    does not depend on the arrival order), adds the bias, writes ``out`` and puts the counter back
+    to 0 for the next launch or graph replay (counters from :func:`tritune.kernels._launch.arrival_counters`).
+    """
+    W: tl.constexpr = BLOCK_K // 8
+    G: tl.constexpr = BLOCK_K // 32
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_start = pid_k * (K_TILES * BLOCK_K)
+    offs_m = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    rows_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    offs_g = tl.arange(0, G)
+    offs_w = (offs_g * 4)[:, None] + tl.arange(0, 4)[None, :]  # [G, 4]
+
+    if FUSE_QUANT:
+        # [ROWS, COPIES, G, 32]: the tile's sub-blocks, COPIES times (the copies' pointers are equal).
+        x_tile = (
+            x_ptr + rows_m[:, None, None, None] * stride_xm + tl.zeros((COPIES,), tl.int32)[None, :, None, None]
+            + (k_start + offs_g * 32)[None, None, :, None] + tl.arange(0, 32)[None, None, None, :]
+        )  # fmt: skip
+        x_even = x_tile
+        xg = rows_m
+    else:
+        x_tile = x_ptr
+        x_even = tl.broadcast_to(
+            (xw_ptr + rows_m[:, None, None, None] * (K // 4) + (k_start // 8 + offs_w)[None, None, :, :]),
+            (ROWS, BLOCK_N, G, 4),
+        )
+        xg = rows_m[:, None] * (K // 32) + (k_start // 32 + offs_g)[None, :]  # [ROWS, G]
+    q_row = (qs_ptr + rows_n * stride_qn + k_start // 2).to(tl.pointer_type(tl.int32))
+    # The codes are read at the products' rank, [1, BLOCK_N, G, 4]: that load's layout is then the
+    # one _q4k_gemv_kernel's x load gives its products (and so the order of its final sum), and
+    # the small x words are what Triton converts, not the codes.
+    q_ptrs = q_row[None, :, None, None] + offs_w[None, None, :, :]
+    sc_ptrs = sc_ptr + rows_n[:, None] * stride_sn + (k_start // 32 + offs_g)[None, :]  # [BLOCK_N, G]
+    mn_ptrs = mn_ptr + rows_n[:, None] * stride_sn + (k_start // 32 + offs_g)[None, :]
+    ss_row = ss_ptr + rows_n[:, None] * stride_ssn
+
+    acc = tl.zeros((ROWS, BLOCK_N, G), dtype=tl.float32)
+    # As in _q4k_gemv_kernel, every load of an iteration is issued one iteration ahead. x's loads
+    # come first: Triton 3.6 propagates the layout of the last load in program order first, and
+    # the products, the accumulator and its final sum must take the codes' (as in _q4k_gemv_kernel).
+    xa, xb, xc, xd, xf = _gemv_x(x_tile, x_even, xs_ptr, xlost_ptr, xsum_ptr, xg, K, 0, FUSE_QUANT, BLOCK_K, W, G)
+    qw, s, o = _gemv_weights(q_ptrs, sc_ptrs, mn_ptrs, ss_row, k_start, 0, W, G)
+    for i in range(K_TILES):
+        ahead = tl.minimum(i + 1, K_TILES - 1)
+        next_xa, next_xb, next_xc, next_xd, next_xf = _gemv_x(
+            x_tile, x_even, xs_ptr, xlost_ptr, xsum_ptr, xg, K, ahead, FUSE_QUANT, BLOCK_K, W, G
+        )
+        next_qw, next_s, next_o = _gemv_weights(q_ptrs, sc_ptrs, mn_ptrs, ss_row, k_start, ahead, W, G)
+        if FUSE_QUANT:
+            xe, xo, xs, lost, xsum = _quantize_tile(xa, ROWS, BLOCK_N, G, COPIES)
+        else:
+            xe, xo, xs, lost, xsum = xa, xb, xc, xd, xf
+        shape: tl.constexpr = (ROWS, BLOCK_N, G, 4)
+        lo = tl.broadcast_to(qw & 0x0F0F0F0F, shape)
+        hi = tl.broadcast_to((qw >> 4) & 0x0F0F0F0F, shape)
+        isum = tl.sum(_dp4a(lo, xe, _dp4a(hi, xo, hi, ASM, True), ASM), axis=3)  # [ROWS, BLOCK_N, G]
+        centred = xs[:, None, :] * isum.to(tl.float32) + 8.0 * lost[:, None, :]
+        acc += s[None, :, :] * centred - o[None, :, :] * xsum[:, None, :]
+        qw, s, o = next_qw, next_s, next_o
+        xa, xb, xc, xd, xf = next_xa, next_xb, next_xc, next_xd, next_xf
+    total = tl.sum(acc, axis=2)
+    if SPLIT_K == 1:
+        _store_tile(total, out_ptr, bias_ptr, offs_m, offs_n, M, N, 0, stride_om, stride_on, 0, stride_bn, HAS_BIAS, 1)
+    else:
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        part = part_ptr + offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]
+        tl.store(part + pid_k * stride_pk, total, mask=mask)
+        if FUSED_REDUCE:
+            # Publish, then count, as the decode kernel's fused merge: bar.sync orders every thread's
+            # stores above before the atomic (one thread runs it), whose release at gpu scope makes
+            # them visible GPU-wide before the count moves.
+            tl.debug_barrier()
+            counter = counters_ptr + tl.program_id(2) * tl.num_programs(0) + pid_n
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            # The last arrival has acquired every earlier release (a chain of acq_rel atomics); its
+            # reads go to L2 (.cg), where the stores went, never to a stale L1 line.
+            if arrived == SPLIT_K - 1:
+                reduced = tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+                for split in tl.static_range(1, SPLIT_K):
+                    reduced += tl.load(part + split * stride_pk, mask=mask, other=0.0, cache_modifier=".cg")
+                _store_tile(
+                    reduced, out_ptr, bias_ptr, offs_m, offs_n, M, N, 0, stride_om, stride_on, 0, stride_bn,
+                    HAS_BIAS, 1,
+                )  # fmt: skip
+                # Every split of the tile has counted: the next launch (or replay) finds it zero.
+                tl.store(counter, 0)

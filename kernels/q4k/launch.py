@@ -25,11 +25,12 @@ from tritune.search_spaces.q4k_fp8_gemm import (
     StagedConfig,
 )
 
+from .._launch import arrival_counters, traced
 from .._oplib import wrap_triton
 from ._triton_dequant import _q4k_dequant_kernel
 from ._triton_fold import _q4k_gemm_fp8_fold_kernel
 from ._triton_fp8 import _q4k_gemm_fp8_kernel
-from ._triton_gemv import _q4k_gemv_kernel, _quantize_rows_gemv_kernel
+from ._triton_gemv import _q4k_gemv_fused_kernel, _q4k_gemv_kernel, _quantize_rows_gemv_kernel
 from ._triton_int8 import _int8_prepass_kernel, _q4k_gemm_int8_kernel
 from ._triton_portable import _q4k_gemm_portable_kernel
 from ._triton_quantize import _quantize_rows_fp8_kernel
@@ -47,6 +48,7 @@ JIT_KERNELS = (
     _q4k_dequant_fp8_kernel,
     _quantize_rows_gemv_kernel,
     _q4k_gemv_kernel,
+    _q4k_gemv_fused_kernel,
     _splitk_reduce_kernel,
     _int8_prepass_kernel,
     _q4k_gemm_int8_kernel,
@@ -62,6 +64,9 @@ _INT8_SCALE_BLOCK_N = 32
 _GEMV_PREPASS_TILE = 16
 #: Most rows of x one GEMV program multiplies (more rows take more programs).
 _GEMV_MAX_ROWS = 8
+#: Values of a 32-wide sub-block each thread of the GEMV pre-pass holds (its [16, 32] tile at 4
+#: warps): the fused GEMV kernel quantizes its tiles at the same count, so its sums match.
+_GEMV_VALUES_PER_THREAD = 4
 
 
 class _Plan(NamedTuple):
@@ -71,6 +76,10 @@ class _Plan(NamedTuple):
     #: The kernel's constexpr arguments and launch options.
     constants: dict[str, Any]
     reduce_grid: tuple[int, int] | None
+    #: GEMV only: the fused kernel runs (``FUSE_QUANT``, or ``FUSED_REDUCE`` with a split).
+    gemv_fused: bool = False
+    #: Arrival counters a fused reduce needs (one per output tile); 0: no fused reduce.
+    counters: int = 0
 
 
 @functools.lru_cache(maxsize=1024)
@@ -92,17 +101,28 @@ def _plan(
         "K_TILES": k // config.BLOCK_K // split,
         "num_warps": config.num_warps,
     }
+    fused_reduce = False
+    gemv_fused = False
     if isinstance(config, GemvConfig):
         rows = min(triton.next_power_of_2(m), _GEMV_MAX_ROWS)
         grid: tuple[int, ...] = (triton.cdiv(n, config.BLOCK_N), split, triton.cdiv(m, rows))
         constants["ROWS"] = rows
+        fused_reduce = config.FUSED_REDUCE and split > 1
+        gemv_fused = config.FUSE_QUANT or fused_reduce
+        if gemv_fused:
+            # Copies of the tile's x values quantized at once: enough to give each thread
+            # _GEMV_VALUES_PER_THREAD of them where the tile alone has fewer.
+            copies = max(1, 32 * config.num_warps * _GEMV_VALUES_PER_THREAD // (rows * config.BLOCK_K))
+            constants.update(FUSE_QUANT=config.FUSE_QUANT, FUSED_REDUCE=fused_reduce, COPIES=copies)
     else:
         grid = (triton.cdiv(m, config.BLOCK_M) * triton.cdiv(n, config.BLOCK_N), split)
         constants.update(
             BLOCK_M=config.BLOCK_M, GROUP_M=config.GROUP_M, num_stages=config.num_stages
         )  # fmt: skip
     reduce_grid = (triton.cdiv(m, _REDUCE_BLOCK_M), triton.cdiv(n, _REDUCE_BLOCK_N)) if split > 1 else None
-    return _Plan(grid, constants, reduce_grid)
+    if fused_reduce:
+        return _Plan(grid, constants, None, gemv_fused, grid[0] * grid[2])
+    return _Plan(grid, constants, reduce_grid, gemv_fused)
 
 
 def launch(config: Q4KConfig, x: torch.Tensor, weight: Q4KWeight, bias: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -129,6 +149,9 @@ def launch(config: Q4KConfig, x: torch.Tensor, weight: Q4KWeight, bias: torch.Te
     bias_arg = bias if bias is not None else out2d
     # A bias view such as b[::2] is read through its stride.
     stride_bn = bias.stride(0) if bias is not None else 0
+    if plan.gemv_fused:
+        _run_gemv_fused(plan, x2d, weight, bias_arg, stride_bn, out2d, interpreted)
+        return
     if plan.reduce_grid is not None:
         target = torch.empty((config.SPLIT_K, m, n), dtype=torch.float32, device=out2d.device)
         stride_ok, stride_om, stride_on = target.stride()
@@ -176,6 +199,53 @@ def launch(config: Q4KConfig, x: torch.Tensor, weight: Q4KWeight, bias: torch.Te
             target, bias_arg, out2d, m, n, target.stride(0), target.stride(1), out2d.stride(0), out2d.stride(1),
             stride_bn, HAS_BIAS=bias is not None, SPLIT_K=config.SPLIT_K, BLOCK_M=_REDUCE_BLOCK_M,
             BLOCK_N=_REDUCE_BLOCK_N, num_warps=4,
+        )  # fmt: skip
+
+
+def _run_gemv_fused(
+    plan: _Plan,
+    x: torch.Tensor,
+    weight: Q4KWeight,
+    bias: torch.Tensor,
+    stride_bn: int,
+    out: torch.Tensor,
+    interpreted: bool,
+) -> None:
+    """The GEMV path with ``FUSE_QUANT`` and/or ``FUSED_REDUCE``: the fused kernel, plus the launches
+    that are not fused (the pre-pass without ``FUSE_QUANT``, the reduce with a split and without
+    ``FUSED_REDUCE``). ``bias`` is ``out`` where the call has none (``HAS_BIAS`` is in the plan)."""
+    m, n = out.shape
+    constants = plan.constants
+    split = constants["SPLIT_K"]
+    if constants["FUSE_QUANT"]:
+        # The kernel reads x itself (K contiguous: launch made it so); no pre-pass, nothing allocated.
+        quantized: tuple[torch.Tensor | None, ...] = (None, None, None, None)
+        x_arg: torch.Tensor | None = x
+    else:
+        quantized, x_arg = quantize_rows_gemv(x), None
+    # The partials of a split; allocated per call, as the decode kernel's (stream-ordered, so a
+    # captured graph gets its own from its pool).
+    part = torch.empty((split, m, n), dtype=torch.float32, device=out.device) if split > 1 else out
+    counters = arrival_counters(plan.counters, out.device, fresh=traced(x)) if plan.counters else None
+    qs, scales, mins, super_scales = weight.qs, weight.scales, weight.mins, weight.super_scales
+    try:
+        wrap_triton(_q4k_gemv_fused_kernel)[plan.grid](
+            x_arg, *quantized, qs, scales, mins, super_scales, bias, out, part, counters, m, n, weight.shape[1],
+            x.stride(0), qs.stride(0), scales.stride(0), super_scales.stride(0), out.stride(0), out.stride(1),
+            part.stride(0) if split > 1 else 0, part.stride(1) if split > 1 else 0, stride_bn,
+            ASM=not interpreted, **constants,
+        )  # fmt: skip
+    except BaseException:
+        # The interpreter runs the programs one by one: a launch that raised part-way has left
+        # tiles counted, which would keep their last split from reducing in every later launch.
+        if counters is not None and not counters.is_cuda:
+            counters.zero_()
+        raise
+    if split > 1 and not constants["FUSED_REDUCE"]:
+        wrap_triton(_splitk_reduce_kernel)[plan.reduce_grid](
+            part, bias, out, m, n, part.stride(0), part.stride(1), out.stride(0), out.stride(1), stride_bn,
+            HAS_BIAS=constants["HAS_BIAS"], SPLIT_K=split, BLOCK_M=_REDUCE_BLOCK_M, BLOCK_N=_REDUCE_BLOCK_N,
+            num_warps=4,
         )  # fmt: skip
 
 

@@ -108,7 +108,9 @@ class Q4KTuning(KernelTuning):
         """Rules for where the good tiles lie, measured first (the admitted ones only):
 
         - one row of x, on any GPU: GEMV tiles of the narrowest and next row counts at each K depth
-          from one super-block up, each split along K until about four programs per SM;
+          from one super-block up, each split along K until about four programs per SM; first
+          each as one launch (``FUSE_QUANT``, and ``FUSED_REDUCE`` where split), then as today's
+          two or three;
         - at large M, on any GPU: dequant chunks, the three largest the key admits, the largest
           (the whole weight where it fits the scratch cap) first: one GEMM of the whole N is
           what cuBLAS runs fastest, smaller chunks may keep the dense chunk in L2 for the GEMM;
@@ -154,7 +156,10 @@ class Q4KTuning(KernelTuning):
                 while split < 8 and tiles * split * 2 <= 4 * device.sm_count and (key.k // block_k) % (2 * split) == 0:
                     split *= 2
                 starts.append(GemvConfig(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, SPLIT_K=split))
-        return starts
+        # The same tiles in one launch first (where the space admits them: FUSE_QUANT needs
+        # BLOCK_K <= 128 * num_warps): an eager decode step pays each launch's host time.
+        fused = [dataclasses.replace(c, FUSE_QUANT=True, FUSED_REDUCE=c.SPLIT_K > 1) for c in starts]
+        return fused + starts
 
     @staticmethod
     def _int8_starts(key: Q4KKey) -> list[Int8Config]:
