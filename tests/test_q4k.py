@@ -240,6 +240,7 @@ class _KernelSpy:
             q4k_launch._quantize_rows_fp8_kernel: "quantize",
             q4k_launch._quantize_rows_gemv_kernel: "quantize-gemv",
             q4k_launch._q4k_gemv_kernel: "gemv",
+            q4k_launch._q4k_gemv_fused_kernel: "gemv-fused",
             q4k_launch._q4k_gemm_fp8_kernel: "fp8",
             q4k_launch._q4k_gemm_fp8_fold_kernel: "fp8-fold",
             q4k_launch._q4k_gemm_portable_kernel: "portable",

@@ -89,6 +89,7 @@ Q4K_FP8 = ("_quantize_rows_fp8_kernel", "_q4k_gemm_fp8_kernel")
 Q4K_FOLD = ("_quantize_rows_fp8_kernel", "_q4k_gemm_fp8_fold_kernel")
 Q4K_STAGED = ("_staged_prepass_kernel", "_q4k_dequant_fp8_kernel", "_q4k_dequant_fp8_kernel")
 Q4K_GEMV = ("_quantize_rows_gemv_kernel", "_q4k_gemv_kernel")
+Q4K_GEMV_FUSED = "_q4k_gemv_fused_kernel"
 Q4K_INT8 = ("_int8_prepass_kernel", "_q4k_gemm_int8_kernel")
 
 
@@ -296,15 +297,37 @@ CASES = [
         "q4k_fp8_gemm",
         "gemv-m1",
         key={"k": 14336, "m_bucket": 1},
-        config={"path": "gemv", "SPLIT_K": 1},
+        config={"path": "gemv", "SPLIT_K": 1, "FUSE_QUANT": False, "FUSED_REDUCE": False},
         launches=Q4K_GEMV,
     ),
     Case(
         "q4k_fp8_gemm",
         "gemv-splitk-m1",
         key={"k": 14336, "m_bucket": 1},
-        config={"path": "gemv", "SPLIT_K": _more_than_one},
+        config={"path": "gemv", "SPLIT_K": _more_than_one, "FUSE_QUANT": False, "FUSED_REDUCE": False},
         launches=(*Q4K_GEMV, "_splitk_reduce_kernel"),
+    ),
+    # The GEMV in fewer launches: quantizing x itself, reducing its splits itself, and both.
+    Case(
+        "q4k_fp8_gemm",
+        "gemv-fuse-quant-m1",
+        key={"k": 4096, "n": 14336, "m_bucket": 1},
+        config={"path": "gemv", "SPLIT_K": 1, "FUSE_QUANT": True},
+        launches=(Q4K_GEMV_FUSED,),
+    ),
+    Case(
+        "q4k_fp8_gemm",
+        "gemv-fused-reduce-m1",
+        key={"k": 14336, "m_bucket": 1},
+        config={"path": "gemv", "SPLIT_K": _more_than_one, "FUSE_QUANT": False, "FUSED_REDUCE": True},
+        launches=("_quantize_rows_gemv_kernel", Q4K_GEMV_FUSED),
+    ),
+    Case(
+        "q4k_fp8_gemm",
+        "gemv-one-launch-splitk-m1",
+        key={"k": 14336, "m_bucket": 1},
+        config={"path": "gemv", "SPLIT_K": _more_than_one, "FUSE_QUANT": True, "FUSED_REDUCE": True},
+        launches=(Q4K_GEMV_FUSED,),
     ),
     Case(
         "q4k_fp8_gemm",
@@ -565,6 +588,77 @@ def test_fused_decode_merge_synchronises_through_memory(builds: Builds) -> None:
     # Without the fused merge the split kernel synchronises with nothing.
     split, merge = builds["splitk_decode/default-d128-merged"].launches
     assert split[1]["atomics"] == [] and merge[1]["atomics"] == []
+
+
+def test_fused_gemv_reduce_synchronises_through_memory(builds: Builds) -> None:
+    """The GEMV's fused reduce counts arrivals as the decode kernel's fused merge does (one acq_rel
+    atomic at gpu scope) and reads the partials through L2 only; without it the kernel
+    synchronises with nothing."""
+    for case_id in ("q4k_fp8_gemm/gemv-one-launch-splitk-m1", "q4k_fp8_gemm/gemv-fused-reduce-m1"):
+        _record, result = builds[case_id].launches[-1]
+        assert result["atomics"] == ["atom.global.gpu.acq_rel.add.u32"], (case_id, result["atomics"])
+        assert result["cg_loads"] > 0, case_id
+    ((_record, quant_only),) = builds["q4k_fp8_gemm/gemv-fuse-quant-m1"].launches
+    assert quant_only["atomics"] == [] and quant_only["cg_loads"] == 0
+
+
+#: (K, N, SPLIT_K) of the shipped H200 bundle's GEMV winners (BLOCK_N 32, BLOCK_K 256, 4 warps).
+GEMV_WINNERS = [(14336, 4096, 4), (4096, 14336, 1), (4096, 4096, 4)]
+#: sha256 of the SASS (``nvdisasm -c``) of ``_q4k_gemv_kernel`` at each winner, as the bundle's
+#: timings measured it: another digest means those timings describe other code.
+GEMV_WINNER_SASS = {
+    (14336, 4096, 4): "271aea68d48e38b5c25cffd40d79e9c79d4c7153b0b481b6f26a684793f8cd39",
+    (4096, 14336, 1): "5368decdcb820ac09fbb5b21c8a5f9f40a091bb9114a77157b0c38354e91363c",
+    (4096, 4096, 4): "c7453db31907474553e6f4f302a9e907150423cea497e29f2ddea9e0dc635616",
+}
+
+
+def _float_sums(launch: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in launch["reductions"] if r["type"] == "f32" and r["combine"] == "addf"]
+
+
+def test_gemv_one_launch_builds_as_the_unfused_launches_add(tmp_path: Path) -> None:
+    """At the bundle's three GEMV winners: today's kernel builds to the SASS the bundle measured,
+    and the one-launch kernel (``FUSE_QUANT``, ``FUSED_REDUCE`` where split) builds without
+    spilling, with the acq_rel arrival where split, and with its float sums in the unfused
+    launches' order: each sub-block's sum and lost sum over 4 values a thread and 8 lanes (the
+    lowest), as the pre-pass's, and the final sum over the K tile in the unfused kernel's
+    layout. So the results are the same bits on sm_90 (the GPU tier checks them)."""
+    reason = _cuda_backend_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    tile = {"path": "gemv", "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}
+    cases = []
+    for k, n, split in GEMV_WINNERS:
+        cases.append({"k": k, "n": n, "config": {**tile, "SPLIT_K": split}})
+        fused = {**tile, "SPLIT_K": split, "FUSE_QUANT": True, "FUSED_REDUCE": split > 1}
+        cases.append({"k": k, "n": n, "config": fused})
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--gemv", json.dumps(cases)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [json.loads(line)["launches"] for line in run.stdout.splitlines()]
+    assert len(lines) == 2 * len(GEMV_WINNERS)
+    for (k, n, split), unfused, (fused,) in zip(GEMV_WINNERS, lines[::2], lines[1::2], strict=True):
+        where = f"K={k} N={n} SPLIT_K={split}"
+        prepass, gemv = unfused[0], unfused[1]
+        assert (prepass["kernel"], gemv["kernel"]) == Q4K_GEMV, where
+        assert gemv["sass_sha256"] == GEMV_WINNER_SASS[(k, n, split)], f"{where}: _q4k_gemv_kernel's code changed"
+        assert fused["kernel"] == Q4K_GEMV_FUSED, where
+        assert fused["spill_bytes"] == 0, (where, fused)
+        assert fused["atomics"] == (["atom.global.gpu.acq_rel.add.u32"] if split > 1 else []), (where, fused)
+        # The pre-pass's two sums per sub-block, and the fused kernel's, over a 32-wide last axis.
+        pre_sums = [r["along_axis"] for r in _float_sums(prepass) if r["shape"][-1] == 32]
+        fused_sums = [r["along_axis"] for r in _float_sums(fused) if r["shape"][-1] == 32]
+        assert len(pre_sums) == len(fused_sums) == 2, (where, pre_sums, fused_sums)
+        expected = {"per_thread": 4, "lanes": 8, "warps": 1, "lowest_lanes": True}
+        assert pre_sums == fused_sums == [expected, expected], (where, pre_sums, fused_sums)
+        # The final sum over the K tile's sub-blocks: [1, BLOCK_N, G] along axis 2.
+        (gemv_final,) = [r["layout"] for r in _float_sums(gemv) if r["shape"] == [1, 32, 8]]
+        (fused_final,) = [r["layout"] for r in _float_sums(fused) if r["shape"] == [1, 32, 8]]
+        assert fused_final == gemv_final, where
 
 
 def test_q4k_dequantization_converts_no_codes(tmp_path: Path) -> None:

@@ -1,0 +1,192 @@
+"""The Q4_K GEMV in fewer launches (``FUSE_QUANT``, ``FUSED_REDUCE``): the same bits as the
+pre-pass, GEMV and reduce launches it replaces.
+
+CPU tier: the kernels on the Triton interpreter at N=64, K=512 (bias, ``out=`` poisoned with NaN,
+bf16 and fp16 x, one, two and four splits), repeated calls (the arrival counters go back to zero)
+and the launches each variant makes. GPU tier (``gpu``): the Llama-3-8B shapes of the shipped
+GEMV winners eagerly, and a captured CUDA graph replayed with new x. The sm_90 builds (no spills,
+the atomics, the reductions' layouts) are ``test_sm90_build.py``'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import sm90_build
+import torch
+
+from tritune.kernels import Q4KWeight, _launch
+from tritune.kernels.q4k.kernel import KERNEL
+from tritune.kernels.q4k.reference import check_path, q4k_linear_reference
+from tritune.search_spaces.q4k_fp8_gemm import GemvConfig
+
+N, K = 64, 512
+#: (name, FUSE_QUANT, FUSED_REDUCE) of each variant that saves a launch.
+VARIANTS = [("fuse-quant", True, False), ("fused-reduce", False, True), ("one-launch", True, True)]
+CASES = [
+    (name, quant, reduce, split)
+    for name, quant, reduce in VARIANTS
+    for split in (1, 2, 4)
+    # FUSED_REDUCE alone without a split is the unfused launch (the space prunes it).
+    if not (split == 1 and quant is False)
+]
+
+
+def _ids(case: tuple[str, bool, bool, int]) -> str:
+    return f"{case[0]}-split{case[3]}"
+
+
+def _unfused(config: GemvConfig) -> GemvConfig:
+    return dataclasses.replace(config, FUSE_QUANT=False, FUSED_REDUCE=False)
+
+
+def _problem(device: str, dtype: torch.dtype, seed: int, m: int = 1, n: int = N, k: int = K):
+    gen = torch.Generator().manual_seed(seed)
+    weight = Q4KWeight.quantize((torch.randn(n, k, generator=gen) * 0.05).to(device))
+    x = (torch.randn(m, k, generator=gen) * 2.0).to(dtype).to(device)
+    bias = torch.randn(n, generator=gen).to(device)
+    return x, weight, bias
+
+
+def _run(config: GemvConfig, x: torch.Tensor, weight: Q4KWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    out = torch.full((x.shape[0], weight.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
+    assert KERNEL.launch(config, x, weight, bias, out=out) is out
+    return out
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def _counters_are_zero(device: torch.device) -> bool:
+    return all(not buffer.any() for (where, _), buffer in _launch.COUNTERS.items() if where == device)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_fused_variants_give_the_unfused_bits(case, dtype, device):
+    """Each variant writes every element of a NaN-poisoned ``out=`` with exactly the bits of the
+    pre-pass, GEMV and reduce launches (with a bias, which the reduce or the last split adds)."""
+    _name, quant, reduce, split = case
+    x, weight, bias = _problem(device, dtype, seed=split)
+    config = GemvConfig(BLOCK_N=32, BLOCK_K=128, SPLIT_K=split, FUSE_QUANT=quant, FUSED_REDUCE=reduce)
+    expected = _run(_unfused(config), x, weight, bias)
+    out = _run(config, x, weight, bias)
+    assert not torch.isnan(out).any(), "some outputs were never written"
+    assert _same_bits(out, expected), (out - expected).abs().max()
+    assert check_path(out.float(), q4k_linear_reference(x, weight, bias), "gemv") is None
+
+
+def test_fuse_quant_gives_the_unfused_bits_with_several_rows(device):
+    """Three rows of x in one program (4 rows of the tile, one masked) and no bias."""
+    x, weight, _ = _problem(device, torch.bfloat16, seed=5, m=3)
+    config = GemvConfig(BLOCK_N=32, BLOCK_K=64, SPLIT_K=2, FUSE_QUANT=True, FUSED_REDUCE=True)
+    assert _same_bits(_run(config, x, weight, None), _run(_unfused(config), x, weight, None))
+
+
+@pytest.mark.parametrize("quant", [False, True], ids=["fused-reduce", "one-launch"])
+def test_fused_reduce_adds_the_splits_in_split_order(quant, device):
+    """Partials that cancel: splits 0 and 1 are exact opposites 2**20 times larger than splits 2
+    and 3 (the same codes against x and -x), so ``((p0 + p1) + p2) + p3`` keeps the small splits
+    and any other order loses their low bits; whichever program arrives last, the reduce adds in
+    split order, as the reduce launch does."""
+    gen = torch.Generator().manual_seed(21)
+    w = torch.randn(N, K, generator=gen) * 0.05
+    w[:, 128:256] = w[:, :128]
+    weight = Q4KWeight.quantize(w.to(device))
+    assert torch.equal(weight.qs[:, 64:128], weight.qs[:, :64])
+    x = torch.randn(1, K, generator=gen)
+    x[:, :128] *= 2.0**20
+    x[:, 128:256] = -x[:, :128]
+    x = x.to(torch.bfloat16).to(device)
+    config = GemvConfig(BLOCK_N=32, BLOCK_K=128, SPLIT_K=4, FUSE_QUANT=quant, FUSED_REDUCE=True)
+    out = _run(config, x, weight, None)
+    assert _same_bits(out, _run(_unfused(config), x, weight, None))
+    # The large splits cancel exactly: what is left is the small splits' product.
+    small = x.float().clone()
+    small[:, :256] = 0
+    assert check_path(out.float(), q4k_linear_reference(small.to(x.dtype), weight, None), "gemv") is None
+
+
+@pytest.mark.parametrize(("split", "quant"), [(4, True), (2, False)], ids=["one-launch-split4", "fused-reduce-split2"])
+def test_repeated_calls_reset_the_arrival_counters(split, quant, device):
+    """Three calls in a row with new x: each reduces once all its splits have counted, so each
+    gives the unfused bits, and the counters are back at zero after every call."""
+    x, weight, bias = _problem(device, torch.bfloat16, seed=9)
+    config = GemvConfig(BLOCK_N=32, BLOCK_K=128, SPLIT_K=split, FUSE_QUANT=quant, FUSED_REDUCE=True)
+    for call in range(3):
+        x = (x.float().roll(7 * call + 1, dims=1) * (1.5 - call)).to(x.dtype)
+        out = _run(config, x, weight, bias)
+        assert _same_bits(out, _run(_unfused(config), x, weight, bias)), f"call {call}"
+        assert _counters_are_zero(x.device), f"call {call} left counters set"
+
+
+@pytest.mark.parametrize(
+    ("quant", "reduce", "split", "launched"),
+    [
+        (False, False, 2, ["_quantize_rows_gemv_kernel", "_q4k_gemv_kernel", "_splitk_reduce_kernel"]),
+        (True, False, 2, ["_q4k_gemv_fused_kernel", "_splitk_reduce_kernel"]),
+        (False, True, 2, ["_quantize_rows_gemv_kernel", "_q4k_gemv_fused_kernel"]),
+        (True, True, 2, ["_q4k_gemv_fused_kernel"]),
+        (True, False, 1, ["_q4k_gemv_fused_kernel"]),
+        (False, False, 1, ["_quantize_rows_gemv_kernel", "_q4k_gemv_kernel"]),
+    ],
+    ids=["unfused-split", "fuse-quant-split", "fused-reduce", "one-launch-split", "fuse-quant", "unfused"],
+)
+def test_each_variant_launches_what_it_does_not_fuse(quant, reduce, split, launched, device):
+    """With both fields (or FUSE_QUANT without a split) a call is one kernel launch."""
+    x, weight, bias = _problem(device, torch.bfloat16, seed=3)
+    config = GemvConfig(BLOCK_N=32, BLOCK_K=128, SPLIT_K=split, FUSE_QUANT=quant, FUSED_REDUCE=reduce)
+    out = torch.empty((1, N), dtype=x.dtype, device=x.device)
+    with sm90_build.record_launches() as recorder:
+        KERNEL.launch(config, x, weight, bias, out=out)
+    assert [launch.kernel.fn.__name__ for launch in recorder.launches] == launched
+
+
+# ---- GPU tier ------------------------------------------------------------------------------------
+
+#: (K, N, SPLIT_K) of the shipped H200 GEMV winners (BLOCK_N 32, BLOCK_K 256, 4 warps).
+WINNER_SHAPES = [(14336, 4096, 4), (4096, 14336, 1), (4096, 4096, 4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("k", "n", "split"), WINNER_SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_one_launch_gives_the_unfused_bits(k, n, split, dtype):
+    """On sm_90 too the sub-block sums and the final sum add in the unfused kernels' order (the
+    layouts ``test_sm90_build.py`` checks): the same bits, three calls in a row."""
+    x, weight, bias = _problem("cuda", dtype, seed=k + n, n=n, k=k)
+    config = GemvConfig(BLOCK_N=32, BLOCK_K=256, SPLIT_K=split, FUSE_QUANT=True, FUSED_REDUCE=split > 1)
+    for call in range(3):
+        x = (x.float().roll(call + 1, dims=1) * 0.5 * (call + 1)).to(dtype)
+        for with_bias in (bias, None):
+            out = _run(config, x, weight, with_bias)
+            expected = _run(_unfused(config), x, weight, with_bias)
+            assert _same_bits(out, expected), (call, with_bias is not None, (out - expected).abs().max())
+    assert check_path(out.float(), q4k_linear_reference(x, weight, None), "gemv") is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("k", "n", "split"), WINNER_SHAPES, ids=lambda v: str(v))
+def test_gpu_graph_replays_of_the_one_launch_gemv(k, n, split):
+    """A captured one-launch call replayed three times with new x: each replay gives the unfused
+    bits and meets the GEMV's floor against the reference."""
+    x, weight, bias = _problem("cuda", torch.bfloat16, seed=k, n=n, k=k)
+    config = GemvConfig(BLOCK_N=32, BLOCK_K=256, SPLIT_K=split, FUSE_QUANT=True, FUSED_REDUCE=split > 1)
+    out = torch.empty((1, n), dtype=x.dtype, device="cuda")
+    # Compiles, and sizes the counters a capture uses, outside the capture.
+    KERNEL.launch(config, x, weight, bias, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        KERNEL.launch(config, x, weight, bias, out=out)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for replay in range(3):
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda") * (replay + 1))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = _run(_unfused(config), x, weight, bias)
+        assert _same_bits(out, expected), (replay, (out - expected).abs().max())
+        assert check_path(out.float(), q4k_linear_reference(x, weight, bias), "gemv") is None, replay
