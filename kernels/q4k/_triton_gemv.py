@@ -2,7 +2,9 @@
 
 For decode-sized M on the CUDA cores, no MMA: :func:`_quantize_rows_gemv_kernel` packs x's int8
 values four to a word in the order the code words hold their nibbles, and :func:`_q4k_gemv_kernel`
-multiplies a code word's low and high nibbles with one ``dp4a`` each.
+multiplies a code word's low and high nibbles with one ``dp4a`` each. :func:`_q4k_gemv_fused_kernel`
+computes the same bits with the pre-pass and the split-K reduce in its own launch (the config's
+``FUSE_QUANT`` and ``FUSED_REDUCE``): one launch a call instead of two or three.
 
 The weight arrives in :class:`~tritune.kernels.q4k.weight.Q4KWeight`'s layout: nibbles ``qs``
 ``[N, K/2]`` in natural order, 6-bit ``scales``/``mins`` ``[N, K/32]``, and ``(d, dmin)`` fp16
@@ -326,14 +328,16 @@ def _q4k_gemv_fused_kernel(
     """:func:`_q4k_gemv_kernel`'s products with the pre-pass (``FUSE_QUANT``) and the split-K reduce
     (``FUSED_REDUCE``) in the same launch: with both, a decode step's GEMV is one launch.
 
-    ``FUSE_QUANT``: each program quantizes the x values of its K range itself, every iteration
-    (``x_ptr``, K contiguous; one row of x is a few KB and stays in L2), with the pre-pass's
-    helpers. The two float sums per sub-block follow the reduction's order, which is the
-    layout's: loaded ``QUANT_SUBS`` sub-blocks at a time (``4 * num_warps / ROWS``, the tile's
-    ``G`` sub-blocks repeated where that is more), each thread holds four consecutive values of a
-    sub-block and eight lanes share it, as in the pre-pass's ``[16, 32]`` tile at 4 warps; so the
-    results are bit-identical to the pre-pass path (``tests/test_sm90_build.py`` checks the
-    layouts on sm_90, where ``ROWS * BLOCK_K <= 128 * num_warps``: the search space's rule).
+    ``FUSE_QUANT``: each program quantizes the x values of its K range itself, a tile per
+    iteration (``x_ptr``, K contiguous; one row of x is a few KB and stays in L2), with the
+    pre-pass's helpers. The two float sums per sub-block add in the order of the reduction's
+    layout: the tile is loaded ``COPIES`` times over (``[ROWS, COPIES, G, 32]``, as many copies as
+    make ``4 * 32 * num_warps`` values) so that each thread holds four consecutive values of a
+    sub-block and the eight lowest lanes share it, as in the pre-pass's ``[16, 32]`` tile at 4
+    warps. The products, the accumulator and its final sum take the layout of the codes' load,
+    which is the one :func:`_q4k_gemv_kernel` gives them. So the results are bit-identical to
+    the pre-pass path (``tests/test_sm90_build.py`` checks both layouts on sm_90, where
+    ``ROWS * BLOCK_K <= 128 * num_warps``: the search space's rule at one row).
 
     ``FUSED_REDUCE`` (``SPLIT_K > 1``): each program writes its float32 partial to ``part_ptr``
     (``[SPLIT_K, M, N]``), then counts itself on its output tile's arrival counter; the last to
