@@ -264,23 +264,17 @@ def _quantize_tile(xv, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexp
     the products' shape ``[ROWS, BLOCK_N, G, 4]``, and per sub-block ``[ROWS, G]`` the scale, the
     lost sum and the exact sum.
 
-    No ``tl.reshape``: Triton 3.6 keeps a reshape's layout, and it would reach the products (the
-    codes would be converted to it every iteration, and the final sum would take another order
-    than :func:`_q4k_gemv_kernel`'s). The words are sums of shifted bytes (exact), the copies
+    The words are packed as the pre-pass packs them (sums of shifted bytes: exact), the copies
     reduced by a maximum (exact: they are equal).
     """
     xr, scale = _round_subblocks(xv)
     lost = _lost_to_rounding(xv, xr, scale)
     sums = tl.sum(xv, axis=3)
-    # Position j of a sub-block is byte (j % 8) // 2 of word j // 8, in the even words for even j.
-    j = tl.arange(0, 32)
-    shifted = (xr.to(tl.int32) & 0xFF) << (8 * ((j % 8) // 2))[None, None, None, :]
-    in_word = (j // 8)[None, :] == tl.arange(0, 4)[:, None]  # [word, j]
-    even = (in_word & (j % 2 == 0)[None, :])[None, None, None, :, :]
-    odd = (in_word & (j % 2 == 1)[None, :])[None, None, None, :, :]
-    spread = tl.broadcast_to(shifted[:, :, :, None, :], (ROWS, COPIES, G, 4, 32))
-    words_even = tl.max(tl.sum(tl.where(even, spread, 0), axis=4), axis=1)  # [ROWS, G, 4]
-    words_odd = tl.max(tl.sum(tl.where(odd, spread, 0), axis=4), axis=1)
+    # [ROWS, COPIES, G, word, byte, parity] -> the bytes of each word's even and odd positions.
+    even, odd = tl.split(tl.reshape(xr.to(tl.int32) & 0xFF, (ROWS, COPIES, G, 4, 4, 2)))
+    shifts = (8 * tl.arange(0, 4))[None, None, None, None, :]
+    words_even = tl.max(tl.sum(even << shifts, axis=4), axis=1)  # [ROWS, G, 4]
+    words_odd = tl.max(tl.sum(odd << shifts, axis=4), axis=1)
     shape: tl.constexpr = (ROWS, BLOCK_N, G, 4)
     xe = tl.broadcast_to(words_even[:, None, :, :], shape)
     xo = tl.broadcast_to(words_odd[:, None, :, :], shape)
@@ -382,9 +376,10 @@ def _q4k_gemv_fused_kernel(
     ss_row = ss_ptr + rows_n[:, None] * stride_ssn
 
     acc = tl.zeros((ROWS, BLOCK_N, G), dtype=tl.float32)
-    # As in _q4k_gemv_kernel, every load of an iteration is issued one iteration ahead. x's loads
-    # come first: Triton 3.6 propagates the layout of the last load in program order first, and
-    # the products, the accumulator and its final sum must take the codes' (as in _q4k_gemv_kernel).
+    # As in _q4k_gemv_kernel, every load of an iteration is issued one iteration ahead. The codes'
+    # loads come last, after x's and after the quantization's reshape: Triton 3.6 propagates the
+    # layout of the last of those in program order first, and the products, the accumulator and
+    # its final sum must take the codes' (as in _q4k_gemv_kernel, so the final sum's order is its).
     xa, xb, xc, xd, xf = _gemv_x(x_tile, x_even, xs_ptr, xlost_ptr, xsum_ptr, xg, K, 0, FUSE_QUANT, BLOCK_K, W, G)
     qw, s, o = _gemv_weights(q_ptrs, sc_ptrs, mn_ptrs, ss_row, k_start, 0, W, G)
     for i in range(K_TILES):
@@ -392,11 +387,11 @@ def _q4k_gemv_fused_kernel(
         next_xa, next_xb, next_xc, next_xd, next_xf = _gemv_x(
             x_tile, x_even, xs_ptr, xlost_ptr, xsum_ptr, xg, K, ahead, FUSE_QUANT, BLOCK_K, W, G
         )
-        next_qw, next_s, next_o = _gemv_weights(q_ptrs, sc_ptrs, mn_ptrs, ss_row, k_start, ahead, W, G)
         if FUSE_QUANT:
             xe, xo, xs, lost, xsum = _quantize_tile(xa, ROWS, BLOCK_N, G, COPIES)
         else:
             xe, xo, xs, lost, xsum = xa, xb, xc, xd, xf
+        next_qw, next_s, next_o = _gemv_weights(q_ptrs, sc_ptrs, mn_ptrs, ss_row, k_start, ahead, W, G)
         shape: tl.constexpr = (ROWS, BLOCK_N, G, 4)
         lo = tl.broadcast_to(qw & 0x0F0F0F0F, shape)
         hi = tl.broadcast_to((qw >> 4) & 0x0F0F0F0F, shape)
