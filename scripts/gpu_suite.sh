@@ -428,7 +428,7 @@ run_stage() {
       # Many configs of one key each, through the tuner's own bench (sweep_configs.py), to see what the
       # tuner's sampling missed. SWEEPS: "kernel|name|key json|where filters|limit" entries joined by ";".
       local sweeps entry kernel name key where limit filters f
-      sweeps=${SWEEPS:-'q4k_fp8_gemm|q4k-staged-m4096|{"dtype":"bfloat16","m_bucket":4096,"n":14336,"k":4096}|path=staged|40;q4k_fp8_gemm|q4k-portable-m16|{"dtype":"bfloat16","m_bucket":16,"n":14336,"k":4096}|path=portable|60'}
+      sweeps=${SWEEPS:-'q4k_fp8_gemm|q4k-staged-m4096|{"dtype":"bfloat16","m_bucket":4096,"n":14336,"k":4096,"fp8":true}|path=staged|40;q4k_fp8_gemm|q4k-portable-m16|{"dtype":"bfloat16","m_bucket":16,"n":14336,"k":4096}|path=portable|60'}
       IFS=';' read -r -a entries <<<"$sweeps"
       for entry in "${entries[@]}"; do
         IFS='|' read -r kernel name key where limit <<<"$entry"

@@ -28,6 +28,10 @@ from .base import SearchSpace, TargetLimits, UnionSpace, choice, smem_reason
 #: Largest M bucket for which splitting K may pay: up to here a few M tiles cannot fill the GPU
 #: (N=4096 at BLOCK_N=64 is 64 programs, fewer than a large GPU's SMs).
 SMALL_M = 64
+#: Smallest M bucket a GPU call's key takes the fp8 opt-in at: below it the 8-bit paths gain little
+#: over the GEMV and split-K tiles, so a call there keeps the accurate key (and its winner) even
+#: with ``TRITUNE_Q4K_FP8=1``, and ``tune`` makes no opt-in key there.
+OPT_IN_MIN_M = 64
 #: Registers per thread the folded fp8 kernel may spend on its accumulator plus half its float32
 #: weight tile (ptxas keeps about half of that tile live). Fitted to ptxas for sm_90 with Triton 3.6
 #: over 51 tiles: above it, 4-warp tiles with BLOCK_K=256 spill; at or below it, none spills more

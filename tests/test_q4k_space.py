@@ -189,7 +189,20 @@ def test_gpu_keys_and_feasible_defaults():
     assert key_for(H200, _facts(3, 14336, 4096)) == _key(4, fp8=False)
     assert key_for(H200, _facts(3, 14336, 4096, "fp16")).dtype == "float16"
     with settings.override(q4k_fp8=True):
-        assert key_for(H200, _facts(3, 14336, 4096)) == _key(4, fp8=True)
+        # Below OPT_IN_MIN_M rows a GPU call keeps the accurate key: no opt-in neighbour is borrowed.
+        assert key_for(H200, _facts(3, 14336, 4096)) == _key(4, fp8=False)
+        assert key_for(H200, _facts(63, 14336, 4096)) == _key(64, fp8=True)
+        assert key_for(H200, _facts(500, 14336, 4096)) == _key(512, fp8=True)
+
+
+def test_no_opt_in_key_below_its_smallest_m_on_a_gpu():
+    """`tune --m 1 --m 16` must not make opt-in keys whose winners nothing serves."""
+    assert not TUNING.valid_key(_key(16, fp8=True))
+    assert TUNING.valid_key(_key(16, fp8=False)) and TUNING.valid_key(_key(64, fp8=True))
+    a100 = dataclasses.replace(H200, capability=(8, 0), arch="sm80")
+    assert {k.m_bucket for k in KERNEL.default_keys(a100) if k.fp8} == {2**i for i in range(6, 14)}
+    t4 = dataclasses.replace(H200, capability=(7, 5), arch="sm75")
+    assert not any(k.fp8 for k in KERNEL.default_keys(t4))
 
 
 def test_tuning_keys_aliases_and_validity():
@@ -197,8 +210,8 @@ def test_tuning_keys_aliases_and_validity():
     assert (key.m_bucket, key.n, key.k, key.dtype, key.fp8) == (16, 64, 256, "bfloat16", False)
     field, transform = TUNING.key_aliases["m"]
     assert field == "m_bucket" and [transform(m) for m in (1, 3, 4, 100)] == [1, 4, 4, 128]
-    assert TUNING.valid_key(_key(16))
-    for bad in (_key(16, k=300), _key(16, dtype="float32"), _key(3), _key(16, n=0)):
+    assert TUNING.valid_key(_key(16, fp8=False)) and TUNING.valid_key(_key(128))
+    for bad in (_key(16, k=300, fp8=False), _key(16, dtype="float32", fp8=False), _key(3, fp8=False), _key(16, n=0)):
         assert not TUNING.valid_key(bad), bad
 
 

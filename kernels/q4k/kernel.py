@@ -22,6 +22,7 @@ import triton
 
 from tritune.search_spaces.q4k_fp8_gemm import (
     FP8_OPT_IN_REASON,
+    OPT_IN_MIN_M,
     SMALL_M,
     SPACE,
     DequantConfig,
@@ -60,15 +61,18 @@ class Q4KKey(TuningKey):
 
 def key_for(device: DeviceInfo, facts: Any) -> Q4KKey:
     """The key of a call: its GPU, dtype, M rounded up to a power of two, the weight's N and K,
-    and whether the fp8 paths may serve it (``TRITUNE_Q4K_FP8``)."""
+    and whether the fp8 paths may serve it (``TRITUNE_Q4K_FP8``; on a GPU from ``OPT_IN_MIN_M``
+    rows up: a smaller call keeps the accurate key, so no opt-in neighbour is borrowed there)."""
+    m_bucket = pow2_bucket(facts.M, minimum=1)
+    opt_in = settings_module.settings().q4k_fp8 and (device.is_interpreter or m_bucket >= OPT_IN_MIN_M)
     return Q4KKey(
         arch=device.arch,
         sm_count=device.sm_count,
         dtype=_KEY_DTYPES[facts.dtype],
-        m_bucket=pow2_bucket(facts.M, minimum=1),
+        m_bucket=m_bucket,
         n=facts.N,
         k=facts.K,
-        fp8=settings_module.settings().q4k_fp8,
+        fp8=opt_in,
     )
 
 

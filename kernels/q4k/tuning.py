@@ -15,6 +15,7 @@ import triton
 from tritune.search_spaces.q4k_fp8_gemm import (
     GEMV_MAX_M,
     MIN_CHUNK_N,
+    OPT_IN_MIN_M,
     SMALL_M,
     SPACE,
     WGMMA_ROWS,
@@ -36,9 +37,6 @@ from .weight import Q4KWeight
 _GPU_SHAPES = ((4096, 14336), (14336, 4096), (4096, 4096))  # (K, N)
 #: Every power of two a call's M rounds up to, from decode (1) to long prefill chunks (8192).
 _GPU_M_BUCKETS = tuple(2**i for i in range(14))
-#: Smallest M bucket with an opt-in (fp8=True) default key: below it the fp8 paths gain little over
-#: the GEMV and split-K tiles, and the accurate key's winner serves through the fallback.
-_FP8_MIN_M = 64
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 #: Dequant chunks measured first at a large-M key (the largest the key admits).
 _DEQUANT_STARTS = 3
@@ -90,7 +88,10 @@ class Q4KTuning(KernelTuning):
             buckets: tuple[int, ...] = (16,)
             opt_in_from = 2**31
         else:
-            shapes, buckets, opt_in_from = _GPU_SHAPES, _GPU_M_BUCKETS, _FP8_MIN_M
+            shapes, buckets, opt_in_from = _GPU_SHAPES, _GPU_M_BUCKETS, OPT_IN_MIN_M
+            if not target_supports(device, (8, 0)):
+                # No 8-bit tensor-core path runs below SM80 (int8 MMA; fp8 needs SM89).
+                opt_in_from = 2**31
         return [
             Q4KKey(arch=device.arch, sm_count=device.sm_count, dtype="bfloat16", m_bucket=mb, n=n, k=k, fp8=fp8)
             for fp8 in (False, True)
@@ -100,9 +101,12 @@ class Q4KTuning(KernelTuning):
         ]
 
     def valid_key(self, key: Q4KKey) -> bool:
-        """A served dtype, a weight Q4_K can hold (K a multiple of 256), and a power-of-two M bucket."""
+        """A served dtype, a weight Q4_K can hold (K a multiple of 256), a power-of-two M bucket, and
+        on a GPU no opt-in key below ``OPT_IN_MIN_M`` (calls there keep the accurate key)."""
         m = key.m_bucket
-        return key.dtype in _DTYPES and key.k > 0 and key.k % 256 == 0 and key.n > 0 and m > 0 and m & (m - 1) == 0
+        small_opt_in = key.fp8 and m < OPT_IN_MIN_M and key.arch != "cpu-interpreter"
+        shape_ok = key.k > 0 and key.k % 256 == 0 and key.n > 0 and m > 0 and m & (m - 1) == 0
+        return key.dtype in _DTYPES and shape_ok and not small_opt_in
 
     def starting_configs(self, key: Q4KKey, device: DeviceInfo) -> list[Q4KConfig]:
         """Rules for where the good tiles lie, measured first (the admitted ones only):
