@@ -32,6 +32,8 @@ SMALL_M = 64
 #: over the GEMV and split-K tiles, so a call there keeps the accurate key (and its winner) even
 #: with ``TRITUNE_Q4K_FP8=1``, and ``tune`` makes no opt-in key there.
 OPT_IN_MIN_M = 64
+#: Most K values one int8 split may sum exactly in int32: each product is at most 127 * 127.
+INT8_MAX_K = (2**31 - 1) // (127 * 127)
 #: Registers per thread the folded fp8 kernel may spend on its accumulator plus half its float32
 #: weight tile (ptxas keeps about half of that tile live). Fitted to ptxas for sm_90 with Triton 3.6
 #: over 51 tiles: above it, 4-warp tiles with BLOCK_K=256 spill; at or below it, none spills more
@@ -314,6 +316,8 @@ def int8_feasibility(config: Int8Config, key: Q4KShape, limits: TargetLimits) ->
     """
     if not key.fp8:
         return FP8_OPT_IN_REASON
+    if key.k // config.SPLIT_K > INT8_MAX_K:
+        return f"int32 sums of {key.k // config.SPLIT_K} int8 products per split can overflow (at most {INT8_MAX_K})"
     if config.BLOCK_M == 256 and not config.SWAP_AB:
         return "BLOCK_M=256 only for the swapped kernel (SWAP_AB), where it is wgmma's N side"
     return _folded_reason(config, key, limits, folded=True)

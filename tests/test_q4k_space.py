@@ -411,6 +411,20 @@ def test_a_narrowed_split_says_why():
     assert why == "SPLIT_K=8 does not divide the 3 BLOCK_K=256 tiles of K=768"
 
 
+def test_int8_refuses_a_split_whose_int32_sums_could_overflow():
+    limits = KERNEL.limits(H200)
+    key = dataclasses.replace(_key(4096), k=256 * 600)  # 153600 K values
+    assert "overflow" in SPACE.infeasible_reason(Int8Config(SPLIT_K=1), key, limits)
+    assert "overflow" not in (SPACE.infeasible_reason(Int8Config(SPLIT_K=2), key, limits) or "")
+
+
+def test_a_pinned_gemv_tile_deeper_than_k_divides_gives_way_with_its_reason():
+    config = GemvConfig(BLOCK_N=32, BLOCK_K=512, num_warps=4, SPLIT_K=1)
+    served, why = KERNEL.serve_with_reason(config, H200, _facts(1, 4096, 768))
+    assert why == "BLOCK_K=512 does not divide K=768"
+    assert served == default_config(key_for(H200, _facts(1, 4096, 768)))
+
+
 def test_8_bit_paths_are_infeasible_at_accurate_keys():
     """At a key without the opt-in the tuner never tries the fp8, staged and int8 paths and the
     dispatcher never admits a stored winner of theirs; the accurate paths keep their configs."""

@@ -140,13 +140,18 @@ def serve(config: Q4KConfig, device: DeviceInfo, facts: Any) -> Q4KConfig | Repl
     key's portable default serves, as a :class:`~tritune.kernels.spec.Replaced` naming the reason
     (a pin's one warning quotes it). The portable, GEMV and dequant paths serve on every device.
 
-    A pinned SPLIT_K that does not divide K's tiles is halved until it does.
+    A pinned SPLIT_K that does not divide K's tiles is halved until it does; a pinned BLOCK_K that
+    does not divide K gives way to the portable default.
     """
     reason = _unservable_reason(config, device, facts)
     if reason is not None:
         return Replaced(default_config(key_for(device, facts)), reason)
     if isinstance(config, StagedConfig | DequantConfig):
         return config
+    if facts.K % config.BLOCK_K:
+        # A deep GEMV tile (512, 1024) need not divide a K of a few super-blocks.
+        why = f"BLOCK_K={config.BLOCK_K} does not divide K={facts.K}"
+        return Replaced(default_config(key_for(device, facts)), why)
     tiles = facts.K // config.BLOCK_K
     split = config.SPLIT_K
     while split > 1 and tiles % split:
