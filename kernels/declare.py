@@ -24,7 +24,7 @@ import collections
 import importlib
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from triton.runtime.interpreter import InterpretedFunction
@@ -37,55 +37,11 @@ from .device import DeviceInfo
 from .dispatcher import dispatch_config, dispatch_config_eager
 from .fastcheck import FastCheck, build_fast_check
 from .spec import KernelSpec, Peer, Problem, Replaced, TuningKey
+from .tuning_half import KernelTuning
 
 __all__ = ["Derived", "Kernel", "KernelTuning", "Obj", "Output", "Rule", "Scalar", "Tensor"]
 
 _SCHEMA_TYPES = {bool: "bool", int: "int", float: "float", str: "str"}
-
-
-class KernelTuning:
-    """The tuning half of a kernel: how the tuner makes problems, checks results and picks keys.
-
-    Subclass it next to the declaration (``kernels/<family>/tuning.py`` for the built-ins) and
-    name it in ``Kernel(tuning="module:attribute")``; only the tuner imports it.
-    """
-
-    #: ``tune --key NAME=VALUES`` names besides the key's own fields: NAME -> (field, transform of
-    #: each value), for example ``{"lq": ("lq_bucket", pow2_bucket)}`` so that ``--key lq=4096`` works.
-    key_aliases: ClassVar[dict[str, tuple[str, Callable[[int], int]]]] = {}
-
-    def make_problem(self, key: Any, device: torch.device, seed: int) -> Problem:
-        """Fresh random inputs representative of ``key`` (tiny shapes on the interpreter)."""
-        raise NotImplementedError
-
-    def check_problem(self, key: Any, device: torch.device, seed: int) -> Problem:
-        """The problem the correctness gate compares with the reference (default: a fresh one)."""
-        return self.make_problem(key, device, seed)
-
-    def check(self, out: torch.Tensor, expected: torch.Tensor, problem: Problem, config: Any = None) -> str | None:
-        """``None`` if ``out`` is close enough to ``expected`` (the reference), else why not."""
-        raise NotImplementedError
-
-    def default_keys(self, device: DeviceInfo) -> list[Any]:
-        """Keys ``tune`` sweeps when the user names none (``--key field=values`` replaces fields)."""
-        raise NotImplementedError
-
-    def starting_configs(self, key: Any, device: DeviceInfo) -> list[Any]:
-        """Rules for configs to measure first at ``key``, after the portable default and stored winners."""
-        return []
-
-    def valid_key(self, key: Any) -> bool:
-        """Whether a key built from ``--key`` overrides is one this kernel can be tuned at."""
-        return True
-
-    def peer(self, key: Any, problem: Problem) -> Peer | None:
-        """The PyTorch call a user would make instead of the kernel, on ``problem``'s inputs; ``None`` if none.
-
-        It computes the same function as the kernel's launch on ``problem`` (its ``fn`` returns that
-        result) with any setup done before ``fn``; the tuner times it beside the winner at every
-        key and stores its time with the winner, and ``tune bench`` prints it beside ours.
-        """
-        return None
 
 
 class Kernel(KernelSpec[Any, Any]):
