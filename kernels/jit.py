@@ -10,7 +10,8 @@ with no admitted winner of its own. Nothing here imports Optuna; the tuner (``tr
   margin like any stored winner.
 - ``background``: the call is served at once (nearest bucket, fallback key or portable default) and
   the key is handed to one worker process (``python -m tritune.tuner.jit_worker``, JSON lines over
-  pipes); a daemon thread admits each winner it reports. Calls never wait for it.
+  pipes, :mod:`.jit_background`); a daemon thread admits each winner it reports. Calls never wait
+  for it.
 
 A key is attempted at most once per process, and no more than ``TRITUNE_JIT_TOTAL_SECONDS`` are
 spent in all. Nothing is tuned under CUDA-graph capture, ``torch.compile`` or ``torch.jit``
@@ -25,11 +26,8 @@ winner.
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import os
-import queue
-import subprocess
 import sys
 import threading
 import time
@@ -39,10 +37,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tritune.configs_db.records import Rejection, WinnerRecord, key_text
-from tritune.configs_db.values import check_flat, printable, strict_loads, text_problem, winner_numbers_problem
+from tritune.configs_db.values import printable
 
-from . import registry
 from .device import DeviceInfo
+from .jit_background import SKIPPED, BackgroundWorker, record_from_plain
 from .misses import in_capture_or_trace
 from .settings import Settings, settings
 from .spec import KernelSpec, TuningKey
@@ -54,12 +52,6 @@ if TYPE_CHECKING:
 __all__ = ["ONLINE", "OnlineTuning", "eager", "record_from_plain"]
 
 log = logging.getLogger("tritune.jit")
-
-#: Extra arguments of the background worker's command line (tests pass a fake timer this way).
-WORKER_ARGS: list[str] = []
-
-#: The outcome of a key handed to the worker and never sent to it (its kernel cannot be imported there).
-SKIPPED = "skipped"
 
 #: What installs the tuner, in the one warning given when it is missing.
 INSTALL_HINT = "pip install 'tritune[tune]'"
@@ -92,41 +84,6 @@ def _tuner_missing() -> list[str]:
     from tritune.tuner.entry import missing
 
     return missing()
-
-
-def _device_text(where: torch.device) -> str:
-    """``cpu`` or ``cuda:N``: what the tuner and the worker are told."""
-    if where.type == "cpu":
-        return "cpu"
-    index = where.index if where.index is not None else torch.cuda.current_device()
-    return f"{where.type}:{index}"
-
-
-def record_from_plain(values: Any, source: str) -> WinnerRecord:
-    """A winner from the plain JSON values the background worker reports; ``ValueError`` names what is off."""
-    if not isinstance(values, dict):
-        raise ValueError(f"winner is {type(values).__name__}, expected an object")
-    texts = ("kernel", "kernel_version", "gpu", "triton_version", "torch_version", "tritune_version")
-    for name in texts:
-        if not isinstance(values.get(name), str):
-            raise ValueError(f"winner.{name} is missing or not a string")
-        problem = text_problem(values[name], f"winner.{name}")
-        if problem is not None:
-            raise ValueError(problem)
-    problem = winner_numbers_problem(values.get("time_ms"), values.get("portable_ms"), values.get("speedup"),
-                                     values.get("trials"))  # fmt: skip
-    if problem is not None:
-        raise ValueError(f"winner: {problem}")
-    return WinnerRecord(
-        **{name: values[name] for name in texts},
-        key=check_flat(values.get("key"), "winner.key"),
-        config=check_flat(values.get("config"), "winner.config"),
-        time_ms=float(values["time_ms"]),
-        portable_ms=float(values["portable_ms"]),
-        speedup=float(values["speedup"]),
-        trials=int(values["trials"]),
-        source=source,
-    )
 
 
 Slot = tuple[str, str, TuningKey]
@@ -235,7 +192,7 @@ class OnlineTuning:
                             log.warning("%s", self.stopped)
                             return None
                         self._worker = BackgroundWorker(self._report_handler(dispatcher), self._worker_ended)
-                    self._worker.hand(spec, device, where, key, current, seconds)
+                    self._worker.hand(spec, device, where, key, current, seconds, claim_wait_s(seconds))
                     return None
         if spent:
             if first:
@@ -403,109 +360,6 @@ class OnlineTuning:
                      "are tuned online in this process", reason)  # fmt: skip
             return
         self._stop(f"online tuning worker {reason}; no more keys are tuned online in this process")
-
-
-class BackgroundWorker:
-    """The one worker process of ``TRITUNE_JIT=background``, fed and read by two daemon threads.
-
-    A call only puts the key on a queue: the process is started, and each request built and
-    written, by the writer thread; the reader thread hands each report to ``on_report``. Neither
-    ever holds up a call, whatever the worker does.
-    """
-
-    def __init__(
-        self,
-        on_report: Callable[[dict[str, Any], DeviceInfo, TuningKey], None],
-        on_death: Callable[[int, str], None],
-    ) -> None:
-        self._on_report, self._on_death = on_report, on_death
-        self._queue: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
-        #: (kernel, device, key as JSON) -> what the report is about.
-        self._pending: dict[tuple[str, str, str], tuple[DeviceInfo, TuningKey]] = {}
-        self._process: subprocess.Popen[str] | None = None
-        threading.Thread(target=self._write, name="tritune-jit-writer", daemon=True).start()
-
-    def hand(
-        self, spec: KernelSpec[Any, Any], device: DeviceInfo, where: torch.device, key: TuningKey,
-        current: Settings, seconds: float,
-    ) -> None:  # fmt: skip
-        self._queue.put((spec, device, where, key, current, seconds))
-
-    def close(self) -> None:
-        """Let the worker finish its key and exit (its input ends)."""
-        self._queue.put(None)
-
-    def _command(self, current: Settings) -> list[str]:
-        total = f"{current.jit_total_seconds:g}"
-        return [sys.executable, "-m", "tritune.tuner.jit_worker", "--total-seconds", total, *WORKER_ARGS]
-
-    def _start(self, current: Settings) -> subprocess.Popen[str]:
-        env = dict(os.environ)
-        env["TRITUNE_JIT"] = "off"
-        # The serving process's import path: a user's kernel module resolves in the worker too.
-        env["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path)
-        process = subprocess.Popen(
-            self._command(current), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1
-        )
-        log.info("online tuning worker started (pid %d)", process.pid)
-        threading.Thread(target=self._read, args=(process,), name="tritune-jit-reader", daemon=True).start()
-        return process
-
-    def _write(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                if self._process is not None and self._process.stdin is not None:
-                    self._process.stdin.close()
-                return
-            spec, device, where, key, current, seconds = item
-            target = registry.target_of(spec)
-            if target is None:
-                log.info("%s: not found in any module, so the online tuning worker cannot import it", spec.name)
-                # Handed out but never sent: its reserved seconds are free again.
-                self._on_report({"kernel": spec.name, "outcome": SKIPPED, "seconds": 0.0}, device, key)
-                continue
-            request = {
-                "kernel": spec.name,
-                "target": target,
-                "device": _device_text(where),
-                "key": key.to_dict(),
-                "trials": current.jit_trials,
-                "seconds": seconds,
-                "wait_s": claim_wait_s(seconds),
-                "db_url": current.db_url,
-            }
-            self._pending[(spec.name, request["device"], json.dumps(request["key"], sort_keys=True))] = (device, key)
-            try:
-                if self._process is None:
-                    self._process = self._start(current)
-                assert self._process.stdin is not None
-                self._process.stdin.write(json.dumps(request) + "\n")
-                self._process.stdin.flush()
-            except (OSError, ValueError) as exc:
-                if self._process is None:
-                    self._on_death(-1, f"could not be started ({exc})")
-                # Otherwise the reader sees the worker's end and says why.
-                return
-
-    def _read(self, process: subprocess.Popen[str]) -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            try:
-                report = strict_loads(line)
-                if not isinstance(report, dict):
-                    raise ValueError("a report is not an object")
-                about = (str(report.get("kernel")), str(report.get("device")),
-                         json.dumps(check_flat(report.get("key"), "key"), sort_keys=True))  # fmt: skip
-                pending = self._pending.pop(about, None)
-                if pending is None:
-                    raise ValueError(f"a report about a key not handed out: {about}")
-                self._on_report(report, *pending)
-            except Exception as exc:  # a report must never take the reader down
-                log.warning("online tuning worker: report not used (%s)", printable(str(exc), limit=1000))
-        code = process.wait()
-        if code != 0 or not self._queue.empty() or self._pending:
-            self._on_death(code, f"(pid {process.pid}) exited with code {code}")
 
 
 #: This process's online tuning.

@@ -21,7 +21,7 @@ import torch
 import toy_kernel
 
 from tritune.configs_db.store import ConfigStore
-from tritune.kernels import jit, misses, registry, settings
+from tritune.kernels import jit, jit_background, misses, registry, settings
 from tritune.kernels.device import device_info
 from tritune.kernels.dispatcher import DISPATCHER, dispatch_config, reload_configs, use_config
 from tritune.search_spaces.base import SearchSpace, choice
@@ -142,8 +142,8 @@ def test_sync_tunes_a_missed_key_on_its_first_call_and_a_fresh_process_serves_it
         """
         config = dispatch_config("toy_scale", "cpu", -1, facts)
         print(json.dumps({"served": toy_kernel.SPEC.space.to_dict(config),
-                          "imported": sorted(m for m in ("tritune.kernels.jit", "tritune.tuner", "optuna")
-                                             if m in sys.modules)}))
+                          "imported": sorted(m for m in ("tritune.kernels.jit", "tritune.kernels.jit_background",
+                                                         "tritune.tuner", "optuna") if m in sys.modules)}))
         """
     )
     out = subprocess.run(
@@ -156,7 +156,7 @@ def test_sync_tunes_a_missed_key_on_its_first_call_and_a_fresh_process_serves_it
 
 @pytest.mark.interpreter
 def test_background_serves_at_once_and_the_winner_takes_effect_when_the_worker_reports(monkeypatch):
-    monkeypatch.setattr(jit, "WORKER_ARGS", ["--timer", f"{__name__}:SlowTimer", "--no-isolate"])
+    monkeypatch.setattr(jit_background, "WORKER_ARGS", ["--timer", f"{__name__}:SlowTimer", "--no-isolate"])
     with settings.override(jit="background", jit_trials=6, jit_key_seconds=60.0):
         started = time.monotonic()
         first = _served(200)
@@ -488,7 +488,8 @@ def test_the_runtime_without_optuna_serves_off_and_warns_once_when_on():
         import logging
         from tritune.kernels import settings
         dispatch_config("toy_scale", "cpu", -1, facts)
-        off = sorted(m for m in ("tritune.kernels.jit", "tritune.tuner.jit") if m in sys.modules)
+        online = ("tritune.kernels.jit", "tritune.kernels.jit_background", "tritune.tuner.jit")
+        off = sorted(m for m in online if m in sys.modules)
         records = []
         handler = logging.Handler()
         handler.emit = records.append
@@ -621,7 +622,7 @@ def test_gpu_online_tune_against_offline_tune(tmp_path, monkeypatch, lmax, batch
 
 @pytest.mark.interpreter
 def test_a_dead_worker_is_reported_once_and_no_more_keys_are_handed_out(monkeypatch, caplog):
-    monkeypatch.setattr(jit, "WORKER_ARGS", ["--no-such-option"])
+    monkeypatch.setattr(jit_background, "WORKER_ARGS", ["--no-such-option"])
     with settings.override(jit="background"), caplog.at_level(logging.WARNING, logger="tritune.jit"):
         assert _served(200) == PORTABLE
         deadline = time.monotonic() + 60
