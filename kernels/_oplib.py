@@ -26,7 +26,10 @@ from typing import Any
 import torch
 import torch._library.triton as _torch_triton
 from torch._library.triton import is_wrap_triton_enabled, set_wrap_triton_enabled
-from torch.library import custom_op, triton_op, wrap_triton
+from torch.library import custom_op, triton_op
+from torch.library import wrap_triton as _traceable
+
+from ._fastlaunch import bound
 
 __all__ = ["in_direct_body", "no_modes", "register_schema_op", "run_unwrapped", "wrap_triton"]
 
@@ -34,6 +37,15 @@ __all__ = ["in_direct_body", "no_modes", "register_schema_op", "run_unwrapped", 
 #: ``set_wrap_triton_enabled`` context manager does (a generator per call); where a torch release
 #: lacks it, the context manager serves.
 _WRAP_SWITCH = getattr(_torch_triton, "wrap_triton_enabled", None)
+
+
+def wrap_triton(kernel: Any) -> Any:
+    """What an op body launches ``kernel`` through: torch's ``wrap_triton`` while a tracer runs the
+    body, else the kernel's bound launcher (:func:`~._fastlaunch.bound`), which skips the per-call
+    work of torch's wrapper and of ``JITFunction.run`` once the kernel is compiled."""
+    if is_wrap_triton_enabled():
+        return _traceable(kernel)
+    return bound(kernel)
 
 
 def in_direct_body() -> bool:

@@ -55,6 +55,8 @@ class Settings:
     miss_log: bool = True
     #: Bundles of other GPUs: ignored, seeds for tuning on this GPU, or also served provisionally.
     cross_gpu: CrossGpuMode = "seed"
+    #: Launch compiled Triton kernels directly after their first launch (``kernels/_fastlaunch.py``).
+    fast_launch: bool = True
 
 
 def default_db_url() -> str:
@@ -205,6 +207,12 @@ ENVIRONMENT: dict[str, Variable] = {
         "seed",
         "off | seed | serve: other GPUs' bundles seed tuning here (seed), or also serve provisionally (serve)",
         _choice("off", "seed", "serve"),
+    ),
+    "TRITUNE_FAST_LAUNCH": Variable(
+        "fast_launch",
+        "1",
+        "0 launches every Triton kernel through JITFunction.run (1: directly once compiled, less host time)",
+        _flag,
     ),
 }
 

@@ -1,0 +1,166 @@
+"""Launching a compiled Triton kernel again without ``JITFunction.run``'s per-call Python.
+
+Each launch through ``kernel[grid](...)`` runs Triton's ``JITFunction.run``: it asks the driver
+for the device and stream, binds and specializes the arguments, formats the options into a
+string for its cache key, checks the kernel's globals, builds launch metadata for the launch
+hooks (Triton 3.6 builds it even when no hook is set, and the launcher then calls both empty
+hook chains from C). torch's ``wrap_triton`` adds two wrapper objects per launch on top. With
+the driver stubbed that is about 12.6 us of Python per launch on the development CPU, before the
+launcher's own C code; :class:`BoundKernel` needs about half of it.
+
+A :class:`BoundKernel` runs the first launch of each specialization through ``JITFunction.run``
+(which compiles, caches and launches) and keeps the compiled kernel it returns. Later launches
+bind the arguments with Triton's own binder, so a pointer's alignment or an integer's
+divisibility selects the same compiled kernel Triton would, and call that kernel's launcher
+directly, with the arguments ``JITFunction.run`` would pass.
+
+What it does not mirror goes through ``JITFunction.run``: a launch hook set (profilers), a
+``pre_run_hook``, a callable grid, a constexpr value that cannot be a dict key, a Triton whose
+internals are not the ones mirrored here (:data:`MIRRORED_TRITON`), or
+``TRITUNE_FAST_LAUNCH=0``. Interpreted kernels are launched as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+from triton import knobs
+from triton.runtime.jit import JITFunction
+
+from .settings import on_change, settings
+
+__all__ = ["MIRRORED_TRITON", "BoundKernel", "bound", "forget"]
+
+log = logging.getLogger("tritune.launch")
+
+#: Triton releases (major.minor) whose ``JITFunction.run`` this module mirrors: the device
+#: caches' layout (binder last), the compiled kernel's ``run``/``function``/``packed_metadata``
+#: and the launcher's leading arguments. Any other release launches through ``JITFunction.run``.
+MIRRORED_TRITON = ("3.6",)
+
+_TRITON_MIRRORED = ".".join(triton.__version__.split(".")[:2]) in MIRRORED_TRITON
+#: The current CUDA device and its current raw stream, as Triton's CUDA driver gets them from
+#: torch (without the Python wrapper's lazy-init check: the first launch of a kernel initialised CUDA).
+_current_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice", lambda: torch.cuda.current_device())
+_current_stream: Callable[[int], int] = getattr(
+    torch._C, "_cuda_getCurrentRawStream", lambda index: torch.cuda.current_stream(index).cuda_stream
+)
+
+#: Whether bound launches are on (``TRITUNE_FAST_LAUNCH``), kept current by the settings' listener.
+_enabled: bool | None = None
+
+
+def _refresh() -> None:
+    global _enabled
+    _enabled = None
+
+
+on_change(_refresh)
+
+
+def _fast_launch_on() -> bool:
+    global _enabled
+    if _enabled is None:
+        _enabled = _TRITON_MIRRORED and settings().fast_launch
+    return _enabled
+
+
+def _launch_hooks_set() -> bool:
+    """Whether a launch hook is set: a non-empty hook chain, or a callable assigned in its place."""
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
+
+
+class BoundKernel:
+    """A ``JITFunction`` whose compiled kernels are launched directly once compiled.
+
+    Used as the kernel itself is: ``bound(kernel)[grid](*args, **kwargs)``. One instance per
+    kernel (:func:`bound`); its cache holds, per (device, specialization, options), the compiled
+    kernel's launcher, function handle and packed metadata.
+    """
+
+    __slots__ = ("_compiled", "_disabled", "fn")
+
+    def __init__(self, fn: JITFunction[Any]) -> None:
+        self.fn = fn
+        self._compiled: dict[Any, tuple[Any, Any, Any]] = {}
+        #: Set when this kernel's compiled objects do not look like the mirrored release's.
+        self._disabled = False
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch(self, grid: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Launch on ``grid``; the compiled kernel's first launch goes through ``JITFunction.run``."""
+        fn = self.fn
+        if (
+            self._disabled
+            or not _fast_launch_on()
+            or type(grid) is not tuple
+            or fn.pre_run_hooks
+            or _launch_hooks_set()
+        ):
+            return fn.run(*args, grid=grid, warmup=False, **kwargs)
+        device = _current_device()
+        caches = fn.device_caches.get(device)
+        if caches is None:  # this device's first launch of the kernel builds its binder
+            return fn.run(*args, grid=grid, warmup=False, **kwargs)
+        bound_args, specialization, options = caches[-1](*args, **kwargs)
+        try:
+            key = (device, knobs.runtime.debug, *specialization, *options.items())
+            entry = self._compiled.get(key)
+        except TypeError:  # an unhashable constexpr: Triton keys it by its text
+            return fn.run(*args, grid=grid, warmup=False, **kwargs)
+        if entry is None:
+            return self._first_launch(key, grid, args, kwargs)
+        launcher, function, packed_metadata = entry
+        grid_size = len(grid)
+        launcher(
+            grid[0],
+            grid[1] if grid_size > 1 else 1,
+            grid[2] if grid_size > 2 else 1,
+            _current_stream(device),
+            function,
+            packed_metadata,
+            None,  # launch metadata: only launch hooks read it, and none is set
+            None,
+            None,
+            *bound_args.values(),
+        )
+        return None
+
+    def _first_launch(self, key: Any, grid: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        kernel = self.fn.run(*args, grid=grid, warmup=False, **kwargs)
+        if kernel is None or hasattr(kernel, "result"):
+            return kernel  # not compiled yet (or compiled asynchronously): nothing to keep
+        parts = tuple(getattr(kernel, name, None) for name in ("run", "function", "packed_metadata"))
+        if not callable(parts[0]) or parts[1] is None:
+            self._disabled = True
+            log.info("%s: the compiled kernel is not laid out as Triton 3.6's; launching through Triton", self.fn)
+            return kernel
+        self._compiled[key] = parts  # type: ignore[assignment]
+        return kernel
+
+
+_BOUND: dict[int, BoundKernel] = {}
+
+
+def bound(kernel: Any) -> Any:
+    """What a direct op body launches ``kernel`` through: its :class:`BoundKernel` for a
+    ``JITFunction`` (not for subclasses, such as Gluon's), else ``kernel`` itself."""
+    if type(kernel) is not JITFunction:
+        return kernel
+    wrapper = _BOUND.get(id(kernel))
+    if wrapper is None or wrapper.fn is not kernel:
+        wrapper = _BOUND[id(kernel)] = BoundKernel(kernel)
+    return wrapper
+
+
+def forget() -> None:
+    """Drop every bound kernel's cache (tests; Triton's own caches are untouched)."""
+    _BOUND.clear()
+    _refresh()
