@@ -160,10 +160,6 @@ def short(config: dict[str, Any] | None) -> str:
     return "-" if config is None else " ".join(f"{k}={v}" for k, v in config.items())
 
 
-def key_text(key: dict[str, Any]) -> str:
-    return " ".join(f"{k}={v}" for k, v in key.items() if k not in ("arch", "sm_count"))
-
-
 def fmt_ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.4g}"
 

@@ -23,7 +23,6 @@ from _tuner_common import (
     fmt_ms,
     fresh_sqlite,
     integrity,
-    key_text,
     log,
     make_worker,
     on_trial,
@@ -32,6 +31,8 @@ from _tuner_common import (
     short,
     tune_options,
 )
+
+from tritune.configs_db.records import key_text
 
 TITLE = "Fault isolation: real faults in the worker process"
 

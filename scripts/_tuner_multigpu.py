@@ -43,7 +43,6 @@ from _tuner_common import (
     check,
     fmt_ms,
     fresh_sqlite,
-    key_text,
     keys_of,
     log,
     make_worker,
@@ -53,6 +52,8 @@ from _tuner_common import (
     tune_options,
 )
 from _tuner_workers import cold_triton_cache, study_facts
+
+from tritune.configs_db.records import key_text
 
 TITLE = "One GPU or all of them, one worker per GPU over shared studies"
 #: The ``tune`` CLI through this interpreter (the console script may not be on PATH after an editable install).

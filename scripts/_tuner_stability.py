@@ -18,7 +18,6 @@ from _tuner_common import (
     check,
     fmt_ms,
     fresh_sqlite,
-    key_text,
     keys_of,
     log,
     make_worker,
@@ -30,6 +29,8 @@ from _tuner_common import (
     tune_options,
     verdict_word,
 )
+
+from tritune.configs_db.records import key_text
 
 TITLE = "Stability: two seeds, two DBs, the picks re-timed together"
 #: The key of each kernel on a GPU, as ``tune --key`` fields or aliases (q4k: N = K = 4096 of its

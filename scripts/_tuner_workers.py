@@ -28,7 +28,6 @@ from _tuner_common import (
     fmt_counts,
     fmt_ms,
     fresh_sqlite,
-    key_text,
     keys_of,
     log,
     make_worker,
@@ -37,6 +36,8 @@ from _tuner_common import (
     short,
     tune_options,
 )
+
+from tritune.configs_db.records import key_text
 
 TITLE = "One worker or two on one GPU, sharing the studies"
 #: The kernel this part tunes: on a GPU at B 8, D 128 and the ``--workers-lkv`` cache lengths.

@@ -32,6 +32,8 @@ from typing import Any
 
 import _benchlib as bl
 
+from tritune.configs_db.records import key_text
+
 HERE = Path(__file__).resolve().parent
 #: The ``tune`` command as this interpreter runs it (the console script's own entry).
 TUNE = [sys.executable, "-c", "from tritune.tuner.entry import main; main()"]
@@ -161,7 +163,7 @@ def report(env: dict[str, Any], rows: list[dict[str, Any]], provisional: dict | 
             fractions.append(fraction)
         if share is not None:
             time_shares.append(share)
-        key = " ".join(f"{k}={v}" for k, v in r["key"].items() if k not in ("arch", "sm_count"))
+        key = key_text(r["key"])
         lines.append(
             f"| {r['kernel']} | {r['label']} | {key} | {r['tune_s']:.1f} | {r.get('online_trials') or '-'} "
             f"| {bl.fmt(online, 3)} | {bl.fmt(r.get('offline_s'), 1)} | {bl.fmt(offline, 3)} "

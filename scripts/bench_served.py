@@ -25,11 +25,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tritune.configs_db.records import key_text
+
 log = logging.getLogger("bench_served")
-
-
-def _key_text(key: dict[str, Any]) -> str:
-    return " ".join(f"{k}={v}" for k, v in key.items() if k not in ("arch", "sm_count"))
 
 
 def measure(device_name: str, kernels: list[str], db: str | None, seed: int) -> dict[str, Any]:
@@ -82,7 +80,7 @@ def measure(device_name: str, kernels: list[str], db: str | None, seed: int) -> 
                 log.info(
                     "%s %s: %.4g ms served, %.4g ms portable, %s ms %s",
                     name,
-                    _key_text(rows[-1]["key"]),
+                    key_text(rows[-1]["key"]),
                     times["served"],
                     times["portable"],
                     "-" if peer_ms is None else f"{peer_ms:.4g}",
@@ -110,7 +108,7 @@ def _time_peer(spec: Any, key: Any, problem: Any, timer: Any) -> tuple[str | Non
         ms = timer(peer.fn, config=peer, flush_l2=problem.flush_l2, launch_bound=problem.launch_bound)
     except Exception as exc:
         name = None if peer is None else peer.name
-        log.warning("%s %s: the peer %s failed: %s", spec.name, _key_text(dataclasses.asdict(key)), name, exc)
+        log.warning("%s %s: the peer %s failed: %s", spec.name, key_text(key), name, exc)
         return name, None
     return peer.name, float(ms)
 
@@ -135,7 +133,7 @@ def compare(before: dict[str, Any], after: dict[str, Any], tolerance: float) -> 
             row = b or a
             assert row is not None
             lines.append(
-                f"| {row['kernel']} | {_key_text(row['key'])} | | | | | | | | only in {'after' if b else 'before'} |"
+                f"| {row['kernel']} | {key_text(row['key'])} | | | | | | | | only in {'after' if b else 'before'} |"
             )
             continue
         ratio = a["served_ms"] / b["served_ms"]
@@ -148,7 +146,7 @@ def compare(before: dict[str, Any], after: dict[str, Any], tolerance: float) -> 
             "" if peer_ms is None else f"{peer_ms / b['served_ms']:.2f}x"
         )
         lines.append(
-            f"| {b['kernel']} | {_key_text(b['key'])} | {a['served_ms']:.4g} | {b['served_ms']:.4g} | {ratio:.3f} "
+            f"| {b['kernel']} | {key_text(b['key'])} | {a['served_ms']:.4g} | {b['served_ms']:.4g} | {ratio:.3f} "
             f"| {served} | {peer} | {flag} |"
         )
     lines += ["", f"{moved} of {len(set(old) & set(new))} keys moved by more than {tolerance:.0%}."]

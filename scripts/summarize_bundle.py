@@ -16,14 +16,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from tritune.configs_db.records import key_text
 from tritune.kernels.settings import settings
-
-#: Key fields every entry of one GPU shares: left out of the table.
-_COMMON = ("arch", "sm_count")
-
-
-def _key_text(key: dict[str, Any]) -> str:
-    return " ".join(f"{name}={value}" for name, value in sorted(key.items()) if name not in _COMMON)
 
 
 def _config_text(config: dict[str, Any]) -> str:
@@ -59,7 +53,7 @@ def summarize(bundle: dict[str, Any], kernel: str, margin: float) -> str:
     for e in entries:
         serves = "tuned" if float(e["speedup"]) >= threshold else "portable"
         lines.append(
-            f"| {_key_text(e['key'])} | {_config_text(e['config'])} | {e['trials']} | {e['time_ms']:.4f} | "
+            f"| {key_text(e['key'])} | {_config_text(e['config'])} | {e['trials']} | {e['time_ms']:.4f} | "
             f"{e['portable_ms']:.4f} | {e['speedup']:.3f}x | {serves} |"
         )
     return "\n".join(lines) + "\n"

@@ -44,6 +44,8 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+from tritune.configs_db.records import key_text
+
 from .shared import worker_name
 from .studies import StudyStorage
 from .study import TuneOptions
@@ -177,7 +179,7 @@ def worker_process_main(job: WorkerJob) -> None:
     tag = escape(f"[{job.label}]")
 
     def done(tuner: SharedKeyTuner, visit: Visit) -> None:
-        key = " ".join(f"{k}={v}" for k, v in tuner.key_dict.items() if k not in ("arch", "sm_count"))
+        key = key_text(tuner.key_dict)
         if visit.result is not None:
             config = " ".join(f"{k}={v}" for k, v in visit.result.config.items())
             console.print(
