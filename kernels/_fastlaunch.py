@@ -33,7 +33,7 @@ from triton.runtime.jit import JITFunction
 
 from .settings import on_change, settings
 
-__all__ = ["MIRRORED_TRITON", "BoundKernel", "bound", "forget"]
+__all__ = ["MIRRORED_TRITON", "BoundKernel", "bound", "forget", "set_enabled"]
 
 log = logging.getLogger("tritune.launch")
 
@@ -60,6 +60,12 @@ def _refresh() -> None:
 
 
 on_change(_refresh)
+
+
+def set_enabled(on: bool | None) -> None:
+    """Turn bound launches on or off for the process (benchmarks); None follows ``TRITUNE_FAST_LAUNCH``."""
+    global _enabled
+    _enabled = None if on is None else on and _TRITON_MIRRORED
 
 
 def _fast_launch_on() -> bool:

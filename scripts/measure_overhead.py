@@ -1,6 +1,6 @@
 """Host-side cost of tritune's public entry points per call, against the bare kernel launch.
 
-    python scripts/measure_overhead.py [--out FILE]
+    python scripts/measure_overhead.py [--out FILE] [--profile]
 
 Two tables. The first runs on any machine (on one without a CUDA GPU, on CPU tensors under the
 Triton interpreter, which it switches on itself): for each public entry point, the host work of a
@@ -18,7 +18,8 @@ variant is called N times back to back and timed on the host, the GPU synchronis
 - through torch.library: the same call with the registered op forced (what ``torch.compile``,
   dispatch modes and autograd see);
 - launch: the kernel's own launch of the same config (the Triton launch plus its host-side
-  set-up, no checks, no dispatch);
+  set-up, no checks, no dispatch), with bound launches (``kernels/_fastlaunch.py``) and without
+  them (through ``JITFunction.run``);
 - lookup: the generated one-pass check + the dispatch lookup alone (what a call pays before it
   launches);
 - the public call captured in a CUDA graph and replayed, and eager time over replay time: what an
@@ -28,13 +29,18 @@ In every table the variants take turns in every round (interleaved, so clock or 
 all alike) and the median round counts. Each GPU time per call (CUDA events over the same loop)
 is printed beside the host time: where it is larger, the loop was GPU-bound and the host number
 is an upper bound. Also verifies that importing tritune.kernels created no CUDA context.
+
+``--profile`` adds, per GPU table, the functions where the public call's host time goes (cProfile
+over the same call, own time per call), to find what the host table's stubbed calls leave out.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import platform
+import pstats
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -84,6 +90,20 @@ def bare_launch(kernel: object, config: object, *args: object) -> Callable[[], N
 
     launch = kernel._launch  # type: ignore[attr-defined]
     return lambda: run_unwrapped(launch, (config, *args), ())
+
+
+def launch_through_triton(launch: Callable[[], None]) -> Callable[[], None]:
+    """``launch`` with bound launches off: every Triton launch goes through ``JITFunction.run``."""
+    from tritune.kernels._fastlaunch import set_enabled
+
+    def run() -> None:
+        set_enabled(False)
+        try:
+            launch()
+        finally:
+            set_enabled(None)
+
+    return run
 
 
 def lookup(kernel: object, *args: object) -> Callable[[], object]:
@@ -236,10 +256,12 @@ def _gpu_variants(
         with forced_op():
             public()
 
+    bare = bare_launch(kernel, config, *checked)
     return {
         "public call": public,
         "public, through torch.library": through_op,
-        "the kernel's launch alone (same config)": bare_launch(kernel, config, *checked),
+        "the kernel's launch alone (same config)": bare,
+        "the same launch through JITFunction.run (TRITUNE_FAST_LAUNCH=0)": launch_through_triton(bare),
         "fast check + dispatch lookup": lookup(kernel, *args),
     }
 
@@ -320,9 +342,28 @@ def graph_us(fn: Callable[[], object]) -> float:
     return statistics.median(samples)
 
 
+def profile_lines(fn: Callable[[], object], top: int = 15) -> list[str]:
+    """The ``top`` functions by own time in ``CALLS`` calls of ``fn``, in us per call (cProfile inflates all)."""
+    for _ in range(50):
+        fn()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(CALLS):
+        fn()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    rows = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:top]
+    lines = ["| function (file:line) | own us per call | calls per call |", "| --- | --- | --- |"]
+    for (file, line, name), (_, calls, own, _, _) in rows:
+        where = f"{file.rsplit('site-packages/', 1)[-1].rsplit('/work/', 1)[-1]}:{line}"
+        lines.append(f"| `{name}` ({where}) | {own / CALLS * 1e6:.2f} | {calls / CALLS:g} |")
+    return [*lines, ""]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", action="store_true", help="add where each public call's host time goes")
     args = parser.parse_args()
     gpu = torch.cuda.is_available()
     if not gpu:
@@ -351,6 +392,9 @@ def main() -> int:
             f"| eager / graph time per call | {max(public_host, public_gpu) / replay:.2f}x | |",
             "",
         ]
+        if args.profile:
+            lines += [f"Where the public call's host time goes (cProfile, {shape}):", ""]
+            lines += profile_lines(variants["public call"])
     lines.append(f"torch.cuda.is_initialized() right after `import tritune.kernels`: {CUDA_INITIALISED_AFTER_IMPORT}")
     text = "\n".join(lines) + "\n"
     print(text)

@@ -136,7 +136,6 @@ def test_what_is_not_mirrored_goes_through_jitfunction_run(toy, monkeypatch, rea
         monkeypatch.setenv("TRITUNE_FAST_LAUNCH", "0")
         settings.reload()
     elif reason == "launch-hook":
-        knobs.runtime.launch_enter_hook.add(seen.append)
         monkeypatch.setattr(knobs.runtime.launch_enter_hook, "calls", [seen.append])
     else:
         grid = lambda meta: (4, 2)  # noqa: E731
@@ -144,6 +143,17 @@ def test_what_is_not_mirrored_goes_through_jitfunction_run(toy, monkeypatch, rea
         _launch_bound(kernel, _args(), grid, BLOCK=32)
     assert len(launches) == 3
     assert all(launch[6] == "metadata" for launch in launches), "every launch went through JITFunction.run"
+
+
+def test_set_enabled_turns_bound_launches_off_and_back(toy) -> None:
+    kernel, _, launches = toy
+    _fastlaunch.set_enabled(False)
+    for _ in range(2):
+        _launch_bound(kernel, _args(), BLOCK=32)
+    _fastlaunch.set_enabled(None)
+    for _ in range(2):
+        _launch_bound(kernel, _args(), BLOCK=32)
+    assert [launch[6] for launch in launches] == ["metadata", "metadata", "metadata", None]
 
 
 def test_op_bodies_launch_bound_kernels_and_tracers_get_torchs_wrapper() -> None:
