@@ -24,7 +24,7 @@
 #                           then scripts/bench_decode.py                                   <date>-splitk_decode-<gpu>.md/.json
 # varlen             150    tune varlen_sdpa (D 128), then scripts/bench_varlen.py         varlen-tune.sqlite, ...
 # q4k                240    tune q4k_fp8_gemm (M 1/16/4096, three shapes), then bench      q4k-tune.sqlite, ...
-# overhead            60    scripts/measure_overhead.py                                    <date>-overhead-<gpu>.md
+# overhead            60    scripts/measure_overhead.py --profile                          <date>-overhead-<gpu>.md
 # model              480    scripts/bench_model.py --profile: the Llama-3-8B shape end to   <date>-model-llama3-8b-<gpu>.md/.json
 #                           end against plain PyTorch bf16 ($MODEL_ARGS adds arguments)
 # jit                480    scripts/bench_jit.py: online tuning on one workload against    <date>-jit-<gpu>.md
@@ -353,7 +353,7 @@ run_stage() {
       ;;
 
     overhead)
-      step overhead 300 python scripts/measure_overhead.py --out "$results/$today-overhead-$(gpu_slug).md"
+      step overhead 300 python scripts/measure_overhead.py --profile --out "$results/$today-overhead-$(gpu_slug).md"
       ;;
 
     model)
