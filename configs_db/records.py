@@ -31,6 +31,24 @@ TRIAL_STATUSES = ("ok", "failed-compile", "failed-correctness", "failed-runtime"
 
 
 @dataclass(frozen=True)
+class EagerAlternative:
+    """The config that serves a key's eager calls where it beats the winner there.
+
+    The winner is chosen by its GPU time (a CUDA-graph replay at launch-bound keys), which leaves
+    out the host's cost of launching it. A plain eager call pays both, about ``max(GPU time, host
+    time)`` per call when calls follow each other, so at a small key a config with fewer launches
+    can serve eager calls faster than the winner. The tuner stores one only when it is faster
+    eagerly by more than its margin; the dispatcher serves it to eager calls outside CUDA-graph
+    capture and the winner everywhere else.
+    """
+
+    config: dict[str, Any]
+    #: Estimated eager milliseconds per call of ``config`` and of the winner, ``max(GPU, host)``.
+    ms: float
+    winner_ms: float
+
+
+@dataclass(frozen=True)
 class WinnerRecord:
     """One stored winner: the best measured config of a kernel at one tuning key on one GPU."""
 
@@ -52,6 +70,8 @@ class WinnerRecord:
     #: and its name; ``None`` where the kernel names no peer or the record predates peer timing.
     peer_ms: float | None = None
     peer_name: str | None = None
+    #: The config serving eager calls where it beats ``config`` there (``None``: the winner serves all).
+    eager: EagerAlternative | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
