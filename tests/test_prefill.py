@@ -364,14 +364,19 @@ def test_each_setting_serves_its_path(mode, pinned, expected, spy):
     ids=["portable", "tma-pack-split"],
 )
 def test_opcheck(pinned):
+    """The op carries every field of the union (fillers for those the path lacks); the nested TMA
+    op carries the TMA member's fields alone."""
     case = Case(1, 4, 2, 7, 33, 64, kv_len=20)
     q, k, v, kv_len = _inputs(case, seed=6)
     out = torch.empty_like(q)
     args = (q, k, v, kv_len, True, 0.125, out)
-    fields = SPEC.space.field_values(SPEC.pinned_config(pinned))
+    config = SPEC.pinned_config(pinned)
+    fields = SPEC.space.field_values(config)
+    assert set(fields) == set(SPEC.space.field_types)
     torch.library.opcheck(torch.ops.tritune.prefill_attention.default, args, fields)
-    if fields.pop("path") == "tma":
-        torch.library.opcheck(torch.ops.tritune.prefill_attention_tma.default, args, fields)
+    own = SPEC.space.to_dict(config)
+    if own.pop("path") == "tma":
+        torch.library.opcheck(torch.ops.tritune.prefill_attention_tma.default, args, own)
 
 
 @pytest.mark.parametrize(

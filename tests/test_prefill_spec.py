@@ -14,8 +14,8 @@ from tritune.kernels.prefill.kernel import KERNEL as SPEC
 from tritune.kernels.prefill.kernel import PrefillKey, tma_default
 from tritune.kernels.prefill.reference import visible_keys, visible_pairs
 from tritune.kernels.prefill.tuning import TUNING
-from tritune.search_spaces.base import TargetLimits
-from tritune.search_spaces.tma_prefill import SPACE, PrefillConfig
+from tritune.search_spaces.base import ConfigError, TargetLimits
+from tritune.search_spaces.tma_prefill import SPACE, PortableConfig, TmaConfig
 
 #: The GPU when there is one, else CPU tensors on the interpreter.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -24,9 +24,9 @@ INTERPRETER = interpreter_device()
 GPU_LIMITS = TargetLimits(smem_bytes=227 * 1024)
 CPU_LIMITS = TargetLimits(interpreter=True)
 
-PORTABLE = PrefillConfig()
-TMA = PrefillConfig(path="tma", BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
-PORTABLE_TMA_TILES = dataclasses.replace(TMA, path="portable")
+PORTABLE = PortableConfig()
+TMA = TmaConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+PORTABLE_TMA_TILES = PortableConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
 
 
 def _facts(**changes):
@@ -133,7 +133,7 @@ def test_make_problem_on_the_interpreter_uses_the_key_shapes():
 
 def test_space_default_is_the_portable_default_and_in_the_space():
     assert SPACE.contains(SPACE.default())
-    assert SPACE.default() == PrefillConfig("portable", 64, 64, 4, 2, False, 1)
+    assert SPACE.default() == PortableConfig("portable", 64, 64, 4, 2)
     assert SPACE.default().path == "portable" and TMA.path == "tma"
 
 
@@ -153,8 +153,6 @@ def test_interpreter_defaults_are_feasible():
 @pytest.mark.parametrize(
     "config, key, limits, reason",
     [
-        (PrefillConfig(PACK_GQA=True), _key(), GPU_LIMITS, "tma path only"),
-        (PrefillConfig(SPLIT_KV=2), _key(), GPU_LIMITS, "tma path only"),
         (TMA, _key(causal=False), GPU_LIMITS, "causal"),
         (TMA, _key(head_dim=96), GPU_LIMITS, "head dims"),
         (TMA, _key(arch="sm80"), GPU_LIMITS, "SM90"),
@@ -162,17 +160,20 @@ def test_interpreter_defaults_are_feasible():
         (dataclasses.replace(TMA, PACK_GQA=True), _key(gqa_group=6), GPU_LIMITS, "PACK_GQA"),
         (dataclasses.replace(TMA, SPLIT_KV=8), _key(lq_bucket=4096), GPU_LIMITS, "fill"),
         (dataclasses.replace(TMA, SPLIT_KV=8, BLOCK_N=128), _key(lkv_bucket=1024), GPU_LIMITS, "two KV tiles"),
-        (PrefillConfig(BLOCK_N=128), _key(head_dim=256), GPU_LIMITS, "256"),
-        (PrefillConfig(BLOCK_M=32, num_warps=8), _key(), GPU_LIMITS, "8 warps"),
-        (PrefillConfig(BLOCK_M=128, BLOCK_N=128), _key(), GPU_LIMITS, "registers"),
-        (PrefillConfig(BLOCK_M=64, BLOCK_N=128, num_stages=4), _key(), TargetLimits(smem_bytes=99 * 1024), "shared"),
+        (PortableConfig(BLOCK_N=128), _key(head_dim=256), GPU_LIMITS, "256"),
+        (PortableConfig(BLOCK_M=32, num_warps=8), _key(), GPU_LIMITS, "8 warps"),
+        (PortableConfig(BLOCK_M=128, BLOCK_N=128), _key(), GPU_LIMITS, "registers"),
+        (PortableConfig(BLOCK_M=64, BLOCK_N=128, num_stages=4), _key(), TargetLimits(smem_bytes=99 * 1024), "shared"),
         (dataclasses.replace(TMA, BLOCK_M=32), _key(), GPU_LIMITS, "BLOCK_M >= 64"),
-        (PrefillConfig(), _key(arch="cpu-interpreter"), CPU_LIMITS, "at most 32"),
-        (PrefillConfig(BLOCK_M=32, BLOCK_N=32, num_stages=3), _key(arch="cpu-interpreter"), CPU_LIMITS, "mean nothing"),
+        (PortableConfig(), _key(arch="cpu-interpreter"), CPU_LIMITS, "at most 32"),
+        (
+            PortableConfig(BLOCK_M=32, BLOCK_N=32, num_stages=3),
+            _key(arch="cpu-interpreter"),
+            CPU_LIMITS,
+            "mean nothing",
+        ),
     ],
     ids=[
-        "pack-on-portable",
-        "split-on-portable",
         "tma-non-causal",
         "tma-d96",
         "tma-sm80",
@@ -194,17 +195,22 @@ def test_feasibility_prunes(config, key, limits, reason):
     assert why is not None and reason in why
 
 
-def test_feasible_grid_has_no_portable_duplicates_and_keeps_tma_extras():
+@pytest.mark.parametrize("fields", [{"PACK_GQA": True}, {"SPLIT_KV": 2}, {"CONSUMER_REGS": 232}], ids=str)
+def test_portable_configs_have_no_fields_of_other_paths(fields):
+    with pytest.raises(ConfigError, match="path='portable' has no field"):
+        SPACE.parse(fields)
+
+
+def test_feasible_grid_keeps_tma_extras():
     feasible = SPACE.feasible(_key(lq_bucket=512), GPU_LIMITS)
-    portable = [c for c in feasible if c.path == "portable"]
-    assert all(not c.PACK_GQA and c.SPLIT_KV == 1 for c in portable)
-    assert any(c.PACK_GQA for c in feasible) and any(c.SPLIT_KV == 8 for c in feasible)
+    tma = [c for c in feasible if isinstance(c, TmaConfig)]
+    assert any(c.PACK_GQA for c in tma) and any(c.SPLIT_KV == 8 for c in tma)
     tiny = SPACE.feasible(SPEC.default_keys(INTERPRETER)[0], CPU_LIMITS)
     assert 0 < len(tiny) < 40
 
 
 def test_pinned_config_takes_the_named_paths_defaults():
-    assert SPEC.pinned_config({"BLOCK_N": 32}) == PrefillConfig(BLOCK_N=32)
+    assert SPEC.pinned_config({"BLOCK_N": 32}) == PortableConfig(BLOCK_N=32)
     pinned = SPEC.pinned_config({"path": "tma", "SPLIT_KV": 2})
     assert pinned == dataclasses.replace(tma_default(_key()), SPLIT_KV=2)
     with pytest.raises(ValueError, match="BLOCK_M"):
@@ -219,9 +225,9 @@ def test_pinned_config_takes_the_named_paths_defaults():
     [
         ("auto", PORTABLE, _facts(), PORTABLE),
         ("auto", TMA, _facts(), TMA),
-        ("auto", TMA, _facts(causal=False), dataclasses.replace(TMA, path="portable")),
-        ("auto", TMA, _facts(tma_layout_ok=False), dataclasses.replace(TMA, path="portable")),
-        ("auto", TMA, _facts(D=96), dataclasses.replace(TMA, path="portable")),
+        ("auto", TMA, _facts(causal=False), PORTABLE_TMA_TILES),
+        ("auto", TMA, _facts(tma_layout_ok=False), PORTABLE_TMA_TILES),
+        ("auto", TMA, _facts(D=96), PORTABLE_TMA_TILES),
         ("auto", dataclasses.replace(TMA, PACK_GQA=True), _facts(Hkv=16), TMA),
         (
             "auto",
@@ -232,7 +238,7 @@ def test_pinned_config_takes_the_named_paths_defaults():
         ("auto", dataclasses.replace(TMA, SPLIT_KV=4), _facts(Lq=4096, B=8), TMA),
         ("on", PORTABLE, _facts(), tma_default(_key())),
         ("on", PORTABLE, _facts(causal=False), PORTABLE),
-        ("off", TMA, _facts(), dataclasses.replace(TMA, path="portable")),
+        ("off", TMA, _facts(), PORTABLE_TMA_TILES),
         ("off", dataclasses.replace(TMA, SPLIT_KV=4, PACK_GQA=True), _facts(), PORTABLE_TMA_TILES),
         ("off", dataclasses.replace(TMA, BLOCK_N=128), _facts(D=256), SPEC.default_config(_key(head_dim=256))),
     ],
@@ -268,7 +274,7 @@ def test_on_warns_once_on_an_unsupported_target(caplog):
     with settings.override(enable_tma_causal_prefill="on"), caplog.at_level(logging.WARNING, "tritune.prefill"):
         first = SPEC.serveable(PORTABLE, a100, tuple(_facts()))
         second = SPEC.serveable(TMA, a100, tuple(_facts()))
-    assert first == PORTABLE and second == dataclasses.replace(TMA, path="portable")
+    assert first == PORTABLE and second == PORTABLE_TMA_TILES
     warnings = [r for r in caplog.records if r.name == "tritune.prefill"]
     assert len(warnings) == 1 and "portable" in warnings[0].getMessage()
 

@@ -38,7 +38,7 @@ from tritune.kernels.prefill.kernel import (
 )
 from tritune.kernels.prefill.reference import prefill_reference
 from tritune.kernels.prefill.tuning import TUNING
-from tritune.search_spaces.base import TargetLimits
+from tritune.search_spaces.base import ConfigError, TargetLimits
 from tritune.search_spaces.tma_prefill import SPACE
 
 H200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
@@ -130,26 +130,33 @@ def test_ws_is_off_with_the_tma_setting():
 
 def test_ws_pins_take_the_ws_defaults():
     config = pinned_config({"path": "ws", "BLOCK_N": 64})
-    assert (config.path, config.BLOCK_N, config.num_warps) == ("ws", 64, 4)
+    assert (config.path, config.BLOCK_M, config.BLOCK_N) == ("ws", 128, 64)
     assert 2 * config.CONSUMER_REGS + config.PRODUCER_REGS == 504
 
 
 # ---- the space --------------------------------------------------------------------------------
 
 
-def test_stored_configs_without_the_ws_fields_still_parse():
-    """Configs stored before the ws path existed name no register fields: they take the neutral ones."""
-    stored = {"path": "tma", "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
-    config = SPACE.parse(stored)
-    assert (config.CONSUMER_REGS, config.PRODUCER_REGS) == (240, 24)
-    assert SPACE.infeasible_reason(config, _key(), H200_LIMITS) is None
+def test_ws_configs_hold_only_the_fields_the_ws_launch_reads():
+    """The ws launch takes its warps from the kernel (one consumer warpgroup), never from the config."""
+    assert set(SPACE.to_dict(WS)) == {"path", "BLOCK_M", "BLOCK_N", "num_stages", "CONSUMER_REGS", "PRODUCER_REGS"}
+    assert SPACE.members["ws"].default() == ws_default(_key(128))
 
 
-def test_register_fields_are_neutral_off_the_ws_path():
-    tma = SPACE.parse({"path": "tma", "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3})
-    for changes in ({"CONSUMER_REGS": 232}, {"PRODUCER_REGS": 40}):
-        reason = SPACE.infeasible_reason(dataclasses.replace(tma, **changes), _key(), H200_LIMITS)
-        assert reason is not None and "ws path only" in reason
+@pytest.mark.parametrize(
+    "path, fields",
+    [
+        ("tma", {"CONSUMER_REGS": 232}),
+        ("tma", {"PRODUCER_REGS": 40}),
+        ("ws", {"PACK_GQA": True}),
+        ("ws", {"SPLIT_KV": 2}),
+        ("ws", {"num_warps": 4}),
+    ],
+    ids=str,
+)
+def test_fields_of_other_paths_are_refused(path, fields):
+    with pytest.raises(ConfigError, match=f"path='{path}' has no field"):
+        SPACE.parse({"path": path, **fields})
 
 
 WS = ws_default(_key(128))
@@ -159,7 +166,6 @@ INFEASIBLE = {
     "sm100": (WS, _key(arch="sm100"), H200_LIMITS, "needs SM90"),
     "d80": (WS, _key(80), H200_LIMITS, "head dims"),
     "d256": (WS, _key(256), H200_LIMITS, "head dims"),
-    "8-warps": (dataclasses.replace(WS, num_warps=8), _key(), H200_LIMITS, "num_warps"),
     "block-m-64": (dataclasses.replace(WS, BLOCK_M=64), _key(), H200_LIMITS, "BLOCK_M = 128"),
     "block-n-32": (dataclasses.replace(WS, BLOCK_N=32), _key(), H200_LIMITS, "BLOCK_N >= 64"),
     "one-stage": (dataclasses.replace(WS, num_stages=1), _key(), H200_LIMITS, "num_stages >= 2"),
@@ -171,8 +177,6 @@ INFEASIBLE = {
         "producer spills",
     ),
     "four-stages-d128": (dataclasses.replace(WS, num_stages=4), _key(), H200_LIMITS, "shared memory"),
-    "pack-gqa": (dataclasses.replace(WS, PACK_GQA=True), _key(), H200_LIMITS, "tma path only"),
-    "split-kv": (dataclasses.replace(WS, SPLIT_KV=2), _key(), H200_LIMITS, "tma path only"),
 }
 
 
@@ -192,7 +196,7 @@ def test_ws_feasible_configs_fit_what_ptxas_made_of_them():
     assert all(producer >= 40 for _, _, producer in d128)
     d64 = [c for c in SPACE.feasible(_key(64), H200_LIMITS) if c.path == "ws"]
     assert any(c.PRODUCER_REGS == 24 for c in d64)
-    assert all(c.num_stages >= 2 and c.num_warps == 4 and c.BLOCK_M == 128 for c in d64)
+    assert all(c.num_stages >= 2 and c.BLOCK_M == 128 for c in d64)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -25,7 +25,10 @@ from tritune.search_spaces.tma_prefill import (
     SPACE,
     TMA_HEAD_DIMS,
     WS_HEAD_DIMS,
+    PortableConfig,
     PrefillConfig,
+    TmaConfig,
+    WsConfig,
     grid_programs,
     pack_gqa_applies,
 )
@@ -35,7 +38,7 @@ from .._launch import SOFTMAX_SCALE, gqa_rule
 from ..declare import Derived, Kernel, Output, Rule, Scalar, Tensor
 from ..device import DeviceInfo, device_info, target_supports
 from ..spec import TuningKey, pow2_bucket
-from ._gluon_ws import _prefill_ws_kernel
+from ._gluon_ws import CONSUMER_WARPS, _prefill_ws_kernel
 from ._triton_portable import _prefill_fwd_kernel
 from ._triton_tma import _merge_splits_kernel, _prefill_tma_kernel
 from .launch import launch
@@ -57,22 +60,18 @@ __all__ = [
 log = logging.getLogger("tritune.prefill")
 
 #: The portable default for head dim 256 (64 x 64 tiles of that width crowd 99 KiB parts).
-_PORTABLE_D256 = PrefillConfig(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)
-_PORTABLE_INTERPRETER = PrefillConfig(BLOCK_M=32, BLOCK_N=32)
-_TMA_DEFAULT = PrefillConfig(path="tma", BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
-_TMA_D256 = PrefillConfig(path="tma", BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
-_TMA_INTERPRETER = PrefillConfig(path="tma", BLOCK_M=32, BLOCK_N=32)
+_PORTABLE_D256 = PortableConfig(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)
+_PORTABLE_INTERPRETER = PortableConfig(BLOCK_M=32, BLOCK_N=32)
+_TMA_DEFAULT = TmaConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+_TMA_D256 = TmaConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+_TMA_INTERPRETER = TmaConfig(BLOCK_M=32, BLOCK_N=32)
 # The ws path at head dim 128: 128 x 128 tiles, two stages (three fit 227 KB but leave no room to
 # grow), and 40 producer registers (24 spill zeroing V's tail). At 64: three stages and 24 suffice.
-_WS_D128 = PrefillConfig(
-    path="ws", BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, CONSUMER_REGS=232, PRODUCER_REGS=40
-)
+_WS_D128 = WsConfig(BLOCK_M=128, BLOCK_N=128, num_stages=2, CONSUMER_REGS=232, PRODUCER_REGS=40)
 #: The ws grid is (query head, batch, M tile): CUDA caps its y and z extents.
 _GRID_YZ = 65535
 _WS_BLOCK_M = 128
-_WS_D64 = PrefillConfig(
-    path="ws", BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3, CONSUMER_REGS=240, PRODUCER_REGS=24
-)
+_WS_D64 = WsConfig(BLOCK_M=128, BLOCK_N=128, num_stages=3, CONSUMER_REGS=240, PRODUCER_REGS=24)
 
 _warned_targets: set[str] = set()
 _is_compiling = torch.compiler.is_compiling
@@ -132,23 +131,23 @@ def _key(device: DeviceInfo, f: Any) -> PrefillKey:
 # ---- defaults, pins and the path a call is served by -------------------------------------------
 
 
-def default_config(key: PrefillKey) -> PrefillConfig:
+def default_config(key: PrefillKey) -> PortableConfig:
     """The portable default: 64 x 64 tiles, 4 warps, 2 stages (smaller where it must be)."""
     if key.arch == "cpu-interpreter":
         return _PORTABLE_INTERPRETER
     if key.head_dim > 128:
         return _PORTABLE_D256
-    return SPACE.default()
+    return PortableConfig()
 
 
-def tma_default(key: PrefillKey) -> PrefillConfig:
+def tma_default(key: PrefillKey) -> TmaConfig:
     """The TMA path's default for ``key`` (served by ``enable_tma_causal_prefill=on``)."""
     if key.arch == "cpu-interpreter":
         return _TMA_INTERPRETER
     return _TMA_D256 if key.head_dim > 128 else _TMA_DEFAULT
 
 
-def ws_default(key: PrefillKey) -> PrefillConfig:
+def ws_default(key: PrefillKey) -> WsConfig:
     """The ws path's starting config for ``key`` (head dim 64 or 128; SM90 only)."""
     return _WS_D64 if key.head_dim <= 64 else _WS_D128
 
@@ -162,21 +161,23 @@ def pinned_config(values: Mapping[str, Any]) -> PrefillConfig:
     return SPACE.parse(values)
 
 
-#: The fields only the ws path reads, at the neutral values every other path holds.
-_WS_NEUTRAL = {"CONSUMER_REGS": PrefillConfig.CONSUMER_REGS, "PRODUCER_REGS": PrefillConfig.PRODUCER_REGS}
-
-
 @functools.lru_cache(maxsize=256)
-def portable_for(config: PrefillConfig, key: PrefillKey, limits: TargetLimits) -> PrefillConfig:
-    """The portable config standing in for a TMA or ws one: same tiles if they fit, else the default."""
-    candidate = dataclasses.replace(config, path="portable", PACK_GQA=False, SPLIT_KV=1, **_WS_NEUTRAL)
+def portable_for(config: TmaConfig | WsConfig, key: PrefillKey, limits: TargetLimits) -> PortableConfig:
+    """The portable config standing in for a TMA or ws one: same tiles if they fit, else the default.
+
+    A ws config's stand-in takes the warps of one of its consumer warpgroups.
+    """
+    num_warps = CONSUMER_WARPS.value if isinstance(config, WsConfig) else config.num_warps
+    candidate = PortableConfig(
+        BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, num_warps=num_warps, num_stages=config.num_stages
+    )
     if SPACE.infeasible_reason(candidate, key, limits) is None:
         return candidate
     return default_config(key)
 
 
 def portable_stand_in(
-    config: PrefillConfig,
+    config: TmaConfig | WsConfig,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -184,8 +185,8 @@ def portable_stand_in(
     causal: bool,
     softmax_scale: float,
     out: torch.Tensor,
-) -> PrefillConfig:
-    """:func:`portable_for` a TMA config at a call's key (the TMA op's body, on a misaligned base)."""
+) -> PortableConfig:
+    """:func:`portable_for` a TMA or ws config at a call's key (the TMA op's body, on a misaligned base)."""
     device = device_info(q.device)
     facts = KERNEL.facts(q, k, v, kv_len, causal, softmax_scale, out)
     return portable_for(config, KERNEL.key_for(device, facts), KERNEL.limits(device))
@@ -214,7 +215,7 @@ def ws_fallback_reason(device: DeviceInfo, f: Any) -> str | None:
     return None
 
 
-def _ws_stand_in(device: DeviceInfo, f: Any) -> PrefillConfig:
+def _ws_stand_in(device: DeviceInfo, f: Any) -> TmaConfig | PortableConfig:
     """What serves a call a ws config may not: the TMA default where it fits the key, else the portable default."""
     key = _key(device, f)
     forced = tma_default(key)

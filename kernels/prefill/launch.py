@@ -21,7 +21,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from tritune.search_spaces.tma_prefill import SPACE, PrefillConfig
+from tritune.search_spaces.tma_prefill import SPACE, PortableConfig, PrefillConfig, TmaConfig, WsConfig
 
 from .._launch import LOG2E, prepare_interpreter, runs_on_interpreter
 from .._oplib import in_direct_body, register_schema_op, wrap_triton
@@ -66,7 +66,7 @@ def _kv_len_stride(kv_len: torch.Tensor | None) -> int:
 
 
 def launch_portable(
-    config: PrefillConfig,
+    config: PortableConfig,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -93,7 +93,7 @@ def launch_portable(
 
 
 def launch_tma(
-    config: PrefillConfig,
+    config: TmaConfig,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -171,7 +171,7 @@ def _ws_descriptor(t: torch.Tensor, box: list[int], layout: Any) -> GluonTensorD
 
 
 def launch_ws(
-    config: PrefillConfig,
+    config: WsConfig,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -206,32 +206,33 @@ def launch_ws(
     )  # fmt: skip
 
 
-# ---- the nested TMA op -----------------------------------------------------------------------
+# ---- the nested TMA and ws ops ---------------------------------------------------------------
 
-#: The config fields the TMA and ws ops carry by name (the op's name says the path).
-_TMA_FIELDS = tuple(name for name in SPACE.field_types if name != "path")
 _SCHEMA_TYPES = {bool: "bool", int: "int", float: "float", str: "str"}
-#: The fields only the ws path reads default to their neutral values in the schema, so a call
-#: of the TMA op that names the TMA fields alone stays valid.
-_WS_ONLY_DEFAULTS = {"CONSUMER_REGS": PrefillConfig.CONSUMER_REGS, "PRODUCER_REGS": PrefillConfig.PRODUCER_REGS}
+_SCHEMA_ARGUMENTS = "Tensor q, Tensor k, Tensor v, Tensor? kv_len, bool causal, float softmax_scale, Tensor(a!) out"
 
 
-def _schema_field(name: str) -> str:
-    declared = f"{_SCHEMA_TYPES[SPACE.field_types[name]]} {name}"
-    return f"{declared}={_WS_ONLY_DEFAULTS[name]}" if name in _WS_ONLY_DEFAULTS else declared
+def _op_fields(path: str) -> tuple[str, ...]:
+    """The config fields the nested op of ``path`` carries by name: its member's, less ``path``
+    (the op's name says the path)."""
+    return tuple(name for name in SPACE.members[path].dimensions if name != "path")
 
 
-_TMA_SCHEMA = (
-    "(Tensor q, Tensor k, Tensor v, Tensor? kv_len, bool causal, float softmax_scale, Tensor(a!) out, *, "
-    + ", ".join(_schema_field(name) for name in _TMA_FIELDS)
-    + ") -> ()"
-)
+#: The fields each nested op carries, by path.
+_OP_FIELDS = {path: _op_fields(path) for path in ("tma", "ws")}
+
+
+def _schema(path: str) -> str:
+    types = SPACE.members[path].field_types
+    fields = ", ".join(f"{_SCHEMA_TYPES[types[name]]} {name}" for name in _OP_FIELDS[path])
+    return f"({_SCHEMA_ARGUMENTS}, *, {fields}) -> ()"
 
 
 @functools.lru_cache(maxsize=256)
-def _tma_config(fields: tuple[tuple[str, Any], ...], path: str = "tma") -> PrefillConfig:
+def _op_config(fields: tuple[tuple[str, Any], ...], path: str) -> TmaConfig | WsConfig:
     """The TMA (or ws) config an op call's fields stand for (built once per distinct config)."""
-    return SPACE.from_fields({"path": path, **dict(fields)})
+    config: TmaConfig | WsConfig = SPACE.from_fields({"path": path, **dict(fields)})
+    return config
 
 
 def _tma_body(
@@ -244,10 +245,10 @@ def _tma_body(
     out: torch.Tensor,
     **fields: Any,
 ) -> None:
-    _run_tma(_tma_config(tuple(fields.items())), q, k, v, kv_len, causal, softmax_scale, out)
+    _run_tma(_op_config(tuple(fields.items()), "tma"), q, k, v, kv_len, causal, softmax_scale, out)
 
 
-_TMA_OP = register_schema_op("tritune::prefill_attention_tma", _tma_body, _TMA_SCHEMA, mutated=(6,), opaque=True)
+_TMA_OP = register_schema_op("tritune::prefill_attention_tma", _tma_body, _schema("tma"), mutated=(6,), opaque=True)
 
 
 def _ws_body(
@@ -260,20 +261,20 @@ def _ws_body(
     out: torch.Tensor,
     **fields: Any,
 ) -> None:
-    _run_tma(_tma_config(tuple(fields.items()), "ws"), q, k, v, kv_len, causal, softmax_scale, out)
+    _run_tma(_op_config(tuple(fields.items()), "ws"), q, k, v, kv_len, causal, softmax_scale, out)
 
 
-#: The ws path's Gluon descriptors are host objects too: its launch runs in an opaque op of its own
-#: (same schema as the TMA op; the op name carries the path).
-_WS_OP = register_schema_op("tritune::prefill_attention_ws", _ws_body, _TMA_SCHEMA, mutated=(6,), opaque=True)
+#: The ws path's Gluon descriptors are host objects too: its launch runs in an opaque op of its own,
+#: carrying the ws member's fields.
+_WS_OP = register_schema_op("tritune::prefill_attention_ws", _ws_body, _schema("ws"), mutated=(6,), opaque=True)
 
 
-def _tma_fields(config: PrefillConfig) -> Mapping[str, Any]:
-    return {name: getattr(config, name) for name in _TMA_FIELDS}
+def _op_field_values(config: TmaConfig | WsConfig) -> Mapping[str, Any]:
+    return {name: getattr(config, name) for name in _OP_FIELDS[config.path]}
 
 
 def _run_tma(
-    config: PrefillConfig,
+    config: TmaConfig | WsConfig,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -291,7 +292,7 @@ def _run_tma(
         stand_in = portable_stand_in(config, q, k, v, kv_len, causal, softmax_scale, out)
         launch_portable(stand_in, q, k, v, kv_len, causal, softmax_scale, out)
         return
-    if config.path == "ws":
+    if isinstance(config, WsConfig):
         launch_ws(config, q, k, v, kv_len, causal, softmax_scale, out)
     else:
         launch_tma(config, q, k, v, kv_len, causal, softmax_scale, out)
@@ -313,11 +314,11 @@ def launch(
     """Run ``config``'s path on checked arguments (outputs allocated, the scale resolved)."""
     if _INTERPRETED:
         prepare_interpreter()
-    if config.path not in ("tma", "ws"):
+    if isinstance(config, PortableConfig):
         launch_portable(config, q, k, v, kv_len, causal, softmax_scale, out)
     elif in_direct_body():
         # Plain tensors already: the TMA op's own dispatch would be a second toll.
         _run_tma(config, q, k, v, kv_len, causal, softmax_scale, out)
     else:
         op = _WS_OP if config.path == "ws" else _TMA_OP
-        op(q, k, v, kv_len, causal, softmax_scale, out, **_tma_fields(config))
+        op(q, k, v, kv_len, causal, softmax_scale, out, **_op_field_values(config))
