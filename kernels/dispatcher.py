@@ -12,6 +12,12 @@ Lookup order, resolved once per (kernel, key) and then served from a dict:
    and 3; never its portable default);
 5. the key's own portable default, logged once per key.
 
+A stored winner (2 to 4) may come with an eager alternative
+(:class:`~tritune.configs_db.records.EagerAlternative`): the config the tuner found faster for
+plain eager calls, whose host launch cost the winner's CUDA-graph timing leaves out. Eager calls
+outside CUDA-graph capture are served that config; captures, ``torch.compile`` and every other
+lookup get the winner (:class:`EagerChoice`).
+
 With ``TRITUNE_JIT`` on, a key of an eager call with no winner of its own is tuned online before
 steps 3 to 5 (:mod:`.jit`: in the calling thread, or handed to a worker process while 3 to 5 serve).
 
@@ -44,6 +50,43 @@ from .spec import KernelSpec, TuningKey
 from .winners import Entry, WinnerTable, build_table
 
 log = logging.getLogger("tritune.dispatch")
+
+#: Whether the current CUDA stream is capturing a graph (False on builds without CUDA, whose
+#: ``torch._C`` holds a stand-in that raises).
+_capturing: Any = torch._C._cuda_isCurrentStreamCapturing if torch.cuda._is_compiled() else (lambda: False)
+
+
+class EagerChoice:
+    """A key's winner (``graph``) and the config serving its eager calls outside capture (``eager``).
+
+    A capture can only replay configs whose kernels were loaded before it began (loading a module
+    is not allowed while a stream captures), and a model usually warms up eagerly before it
+    captures: so the first eager call of each key launches the winner once too (:meth:`for_call`).
+    """
+
+    __slots__ = ("eager", "graph", "graph_loaded")
+
+    def __init__(self, graph: Any, eager: Any) -> None:
+        self.graph, self.eager = graph, eager
+        self.graph_loaded = False
+
+    def for_call(self) -> tuple[Any, Any]:
+        """``(config to launch, config to launch once before it or None)`` for an eager call now."""
+        if _capturing():
+            return self.graph, None
+        if self.graph_loaded:
+            return self.eager, None
+        self.graph_loaded = True
+        return self.eager, self.graph
+
+    def __repr__(self) -> str:
+        return f"EagerChoice(graph={self.graph!r}, eager={self.eager!r})"
+
+
+def graph_config(choice: Any) -> Any:
+    """The config of a dispatch result that serves everything but eager calls (captures, compiled graphs)."""
+    return choice.graph if type(choice) is EagerChoice else choice
+
 
 _pinned: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar("tritune_pinned", default=None)
 
@@ -103,7 +146,13 @@ class Dispatcher:
     def select(
         self, spec: KernelSpec[Any, Any], device: DeviceInfo, key: TuningKey, where: torch.device | None = None
     ) -> Any:
-        """The config serving ``key``; ``where``: the call's device, for a call (online tuning may run)."""
+        """The config serving ``key`` (its winner); ``where``: the call's device, for a call (online tuning may run)."""
+        return graph_config(self.choose(spec, device, key, where))
+
+    def choose(
+        self, spec: KernelSpec[Any, Any], device: DeviceInfo, key: TuningKey, where: torch.device | None = None
+    ) -> Any:
+        """:meth:`select`, or an :class:`EagerChoice` where the winner has an eager alternative."""
         pinned = _pinned.get()
         if pinned is not None and spec.name in pinned:
             return pinned[spec.name]
@@ -188,6 +237,7 @@ class Dispatcher:
                 # Only a winner stored for the fallback key serves here; its portable default does
                 # not: this key's own default serves then, and says so below.
                 config, _ = self._stored(spec, device, fallback, None)
+                config = graph_config(config)  # a fallback key's eager alternative was timed on its own numerics
         if config is None:
             config = spec.default_config(key)
             if (spec.name, key) not in self._logged:
@@ -223,7 +273,7 @@ class Dispatcher:
             if why is not None:
                 return None, f"stored winner is infeasible here ({why})"
             if exact.speedup >= threshold:
-                return exact.config, ""
+                return _with_eager(exact, key, spec, limits), ""
             return None, f"stored winner is only {exact.speedup:.3f}x the portable default"
         # A neighbour's winner must also be feasible at this key (e.g. a split-K config tuned for
         # small M must not be borrowed at M=8192), and near it: a config tuned for a few decode
@@ -245,7 +295,16 @@ class Dispatcher:
             # A bucket as near whose tune found no gain says the portable default is near the best
             # here: borrowing the other neighbour's winner can then lose to it.
             return None, "a bucket as near as the nearest tuned winner found no gain over the portable default"
-        return nearest[2].config, ""
+        return _with_eager(nearest[2], key, spec, limits), ""
+
+
+def _with_eager(entry: Entry, key: TuningKey, spec: KernelSpec[Any, Any], limits: Any) -> Any:
+    """``entry``'s config, or an :class:`EagerChoice` where its eager alternative differs and is feasible at ``key``."""
+    eager = entry.eager_config
+    if eager is None or eager == entry.config or spec.space.infeasible_reason(eager, key, limits) is not None:
+        return entry.config
+    return EagerChoice(entry.config, eager)
+
 
 DISPATCHER = Dispatcher()
 settings_module.on_change(DISPATCHER.clear)
@@ -269,11 +328,18 @@ def _choose(kernel: str, device_type: str, device_index: int, facts: tuple[Any, 
     where = torch.device(device_type, device_index) if device_type != "cpu" else torch.device("cpu")
     device = device_info(where)
     key = spec.key_for(device, facts)
-    chosen = DISPATCHER.select(spec, device, key, where)
+    chosen = DISPATCHER.choose(spec, device, key, where)
+    eager = None
+    if type(chosen) is EagerChoice:
+        chosen, eager = chosen.graph, chosen.eager
     config, why = spec.serve_with_reason(chosen, device, facts)
     pin = memo[4] if len(memo) > 4 else None
     if pin is not None and config != pin:
         _log_pin_rewrite(kernel, pin, config, why)
+    if eager is not None and config == chosen:
+        served_eager, _ = spec.serve_with_reason(eager, device, facts)
+        if served_eager == eager:  # both serve this call as stored: keep the pair
+            config = EagerChoice(config, eager)
     DISPATCHER.memo_put(memo, config, generation)
     return config
 
@@ -298,7 +364,7 @@ def dispatch_config(kernel: str, device_type: str, device_index: int, facts: tup
     config = DISPATCHER.memo_get(memo)
     if config is None:
         config = _choose(kernel, device_type, device_index, facts, memo)
-    return config
+    return graph_config(config)
 
 
 #: Device -> its ``(type, index)`` as :func:`dispatch_config` takes them (one entry per device a process uses).
@@ -306,7 +372,18 @@ _DEVICE_ARGS: dict[torch.device, tuple[str, int]] = {}
 
 
 def dispatch_config_eager(kernel: str, device: torch.device, facts: tuple[Any, ...]) -> Any:
-    """:func:`dispatch_config` for a plain eager call: the same config, from the tensor's device object.
+    """The config serving a plain eager call now: a key's eager alternative outside CUDA-graph
+    capture, else what :func:`dispatch_config` serves. (A call launches through
+    :func:`dispatch_choice_eager`, which also loads the winner before any capture needs it.)"""
+    choice = dispatch_choice_eager(kernel, device, facts)
+    if type(choice) is EagerChoice:
+        return choice.graph if _capturing() else choice.eager
+    return choice
+
+
+def dispatch_choice_eager(kernel: str, device: torch.device, facts: tuple[Any, ...]) -> Any:
+    """:func:`dispatch_config` for a plain eager call, from the tensor's device object: the config,
+    or an :class:`EagerChoice` where the key's winner has an eager alternative.
 
     Reading ``device.type`` builds a string per read and costs as much as the memo hit itself;
     a dict keyed by the device costs a fraction of that. Only for eager calls: under

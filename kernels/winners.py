@@ -51,6 +51,9 @@ class Entry:
     provisional: bool = False
     #: Where a provisional entry was measured, for messages: "Triton 3.5.0, torch 2.11.0".
     tuned_under: str = ""
+    #: The config serving eager calls outside CUDA-graph capture, where the tuner found one faster
+    #: there than ``config`` (:class:`~tritune.configs_db.records.EagerAlternative`); else None.
+    eager_config: Any = None
 
 
 class WinnerTable:
@@ -127,16 +130,45 @@ def admit(record: WinnerRecord, device: DeviceInfo) -> tuple[str, TuningKey, Ent
         config = spec.space.parse(record.config)
     except ValueError as exc:
         return Rejection(record.source, f"{where}: config outside the search space ({exc})")
-    why = spec.space.infeasible_reason(config, key, spec.limits(device))
+    limits = spec.limits(device)
+    why = spec.space.infeasible_reason(config, key, limits)
     if why is not None:
         return Rejection(record.source, f"{where}: config infeasible on this GPU ({why})")
     if not (record.speedup > 0 and record.speedup < 1e3):
         return Rejection(record.source, f"{where}: absurd speedup {record.speedup!r}")
-    entry = Entry(config=config, speedup=record.speedup, source=record.source)
+    entry = Entry(
+        config=config, speedup=record.speedup, source=record.source, eager_config=_eager(record, key, spec, limits)
+    )
     under = tuned_under(record)
     if under:
         entry = replace(entry, provisional=True, tuned_under=under)
     return record.kernel, key, entry
+
+
+#: Eager alternatives refused, each reason logged once per process (the winner still serves).
+_refused_eager: set[str] = set()
+
+
+def _eager(record: WinnerRecord, key: TuningKey, spec: Any, limits: Any) -> Any:
+    """``record``'s eager alternative parsed and feasible at ``key``; None where it has none or it is
+    refused (logged once; its winner is admitted all the same, and serves eager calls too)."""
+    if record.eager is None:
+        return None
+    where = f"{record.source} {record.kernel}"
+    try:
+        eager = spec.space.parse(record.eager.config)
+    except ValueError as exc:
+        eager, why = None, f"outside the search space ({exc})"
+    else:
+        infeasible = spec.space.infeasible_reason(eager, key, limits)
+        why = None if infeasible is None else f"infeasible on this GPU ({infeasible})"
+    if why is not None:
+        reason = f"{where}: eager config {why}"
+        if reason not in _refused_eager:
+            _refused_eager.add(reason)
+            log.warning("refused stored eager config: %s", printable(reason, limit=1000))
+        return None
+    return eager
 
 
 def is_current(record: WinnerRecord) -> bool:

@@ -300,8 +300,8 @@ def test_pinned_choice_is_memoised_under_its_pin(monkeypatch):
     and the pinned and unpinned choices of the same facts are kept apart."""
     _store(_winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5))
     resolved, parsed = [], []
-    select, parse = DISPATCHER.select, toy_kernel.SPEC.pinned_config
-    monkeypatch.setattr(DISPATCHER, "select", lambda *args: resolved.append(args) or select(*args))
+    choose, parse = DISPATCHER.choose, toy_kernel.SPEC.pinned_config
+    monkeypatch.setattr(DISPATCHER, "choose", lambda *args: resolved.append(args) or choose(*args))
     monkeypatch.setattr(toy_kernel.SPEC, "pinned_config", lambda values: parsed.append(values) or parse(values))
     monkeypatch.setattr(dispatcher, "_parsed_pins", {})
     for _ in range(2):  # a pin entered around every call: parsed once, resolved once

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypedDict
@@ -37,6 +38,11 @@ OK, FAILED_COMPILE, FAILED_CORRECTNESS, FAILED_RUNTIME, PRUNED = (
 )
 #: A failure message beyond this says nothing more (the DB cuts at 8 KB anyway).
 MAX_ERROR_CHARS = 2000
+#: Back-to-back launches per round of :meth:`CandidateBench.host_times` on a GPU: few enough that
+#: the launch queue never fills (the host then never waits for the GPU), enough to average.
+HOST_CALLS = 50
+#: Rounds of :meth:`CandidateBench.host_times` (the median counts).
+HOST_ROUNDS = 3
 
 
 class TrialOutcome(TypedDict):
@@ -85,6 +91,10 @@ class Bench(Protocol):
     def retime(self, configs: list[dict[str, Any]], rounds: int, peer: bool = False) -> RetimeOutcome | None:
         """Time ``configs`` in interleaved rounds (with the kernel's peer last in each round when
         ``peer``); ``None`` if that failed."""
+        ...
+
+    def host_times(self, configs: list[dict[str, Any]]) -> list[float] | None:
+        """Host milliseconds per launch of each config, called back to back; ``None`` if that failed."""
         ...
 
     def close(self) -> None: ...
@@ -338,6 +348,29 @@ class CandidateBench:
             "peer_error": peer_error,
         }
 
+    def host_times(self, configs: list[dict[str, Any]]) -> list[float]:
+        """Host milliseconds per launch of each config (the checked launch :meth:`_measure` times),
+        called back to back on an idle GPU: what an eager caller pays per call where the GPU keeps
+        up. Interleaved rounds, the median of each counts."""
+        runs = []
+        for values in configs:
+            target = torch.empty_like(self.portable_out)
+            config = self.spec.space.parse(values)
+            runs.append(self.spec.prepare(config, *self.problem.args, **{**self.problem.kwargs, "out": target}))
+        calls = HOST_CALLS if self.device.type == "cuda" else 2
+        samples: list[list[float]] = [[] for _ in runs]
+        for run in runs:
+            run()
+        for _ in range(HOST_ROUNDS):
+            for index, run in enumerate(runs):
+                self._sync()
+                start = time.perf_counter()
+                for _ in range(calls):
+                    run()
+                samples[index].append((time.perf_counter() - start) / calls * 1e3)
+        self._sync()
+        return [_median(s) for s in samples]
+
     def _peer(self) -> tuple[Peer | None, str | None]:
         """The kernel's peer on the timed problem, run once and cross-checked; else ``None`` and why."""
         try:
@@ -438,6 +471,13 @@ class LocalBench:
             return self._current().retime(configs, rounds, peer)
         except Exception as exc:
             log.warning("final re-timing failed: %s", describe_exception(exc))
+            return None
+
+    def host_times(self, configs: list[dict[str, Any]]) -> list[float] | None:
+        try:
+            return self._current().host_times(configs)
+        except Exception as exc:
+            log.warning("timing the launches' host cost failed: %s", describe_exception(exc))
             return None
 
     def close(self) -> None:

@@ -39,6 +39,11 @@ def _usable_cpus() -> int:
     return max(1, min(16, count))
 
 
+#: Winners at or above this many milliseconds need no eager alternative: a launch's host cost
+#: (tens of microseconds) is then hidden behind the GPU's work in an eager caller too.
+EAGER_MAX_MS = 0.5
+
+
 @dataclass
 class TuneOptions:
     trials: int = 40
@@ -63,6 +68,11 @@ class TuneOptions:
     #: Time the kernel's peer (the PyTorch call a user would make instead) in the final rounds and
     #: store it with the winner. Online tuning turns it off: a serving process has no use for it.
     time_peer: bool = True
+    #: At keys whose winner runs under :data:`EAGER_MAX_MS`, time the launch host cost of the best
+    #: configs too and store an eager alternative where one serves eager calls faster
+    #: (:class:`~tritune.configs_db.records.EagerAlternative`). ``None``: on CUDA devices only (on
+    #: the interpreter every launch is host work, so its times say nothing about eager calls).
+    time_eager: bool | None = None
 
     @property
     def batch_size(self) -> int:

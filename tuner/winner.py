@@ -9,18 +9,24 @@ import torch
 import triton
 
 from tritune.configs_db.bundles import peer_problem
-from tritune.configs_db.records import WinnerRecord
+from tritune.configs_db.records import EagerAlternative, WinnerRecord
 from tritune.configs_db.values import printable
 
 from .candidates import Bench, RetimeOutcome
-from .options import KeyResult, TuningError, pick_winner, tritune_version
+from .options import EAGER_MAX_MS, KeyResult, TuningError, pick_winner, tritune_version
 
 if TYPE_CHECKING:
     from .search import KeySearch
 
-__all__ = ["offer_winner"]
+__all__ = ["EAGER_CONTENDERS", "EAGER_MARGIN", "eager_alternative", "offer_winner"]
 
 log = logging.getLogger("tritune.tuner")
+
+#: Most configs besides the winner whose launches' host cost is timed for the eager choice.
+EAGER_CONTENDERS = 8
+#: How much faster eagerly an alternative must be than the winner to be stored (host timings of
+#: back-to-back launches vary by a few percent between rounds).
+EAGER_MARGIN = 0.05
 
 
 def offer_winner(search: KeySearch, bench: Bench, default: Any) -> KeyResult:
@@ -74,6 +80,12 @@ def offer_winner(search: KeySearch, bench: Bench, default: Any) -> KeyResult:
         notes.append("re-timing put the runner-up of the trials ahead")
     best = search.space.to_dict(known.config(winner))
     best_ms, portable_ms = timed[winner], timed[default_ident]
+    eager = None
+    time_eager = search.options.time_eager
+    if time_eager is None:
+        time_eager = search.torch_device.type == "cuda"
+    if time_eager and best_ms < EAGER_MAX_MS:
+        eager = eager_alternative(search, bench, timed, winner, default_ident, notes)
     record = WinnerRecord(
         kernel=search.spec.name,
         kernel_version=search.spec.version,
@@ -89,6 +101,7 @@ def offer_winner(search: KeySearch, bench: Bench, default: Any) -> KeyResult:
         tritune_version=tritune_version(),
         peer_ms=peer_ms,
         peer_name=peer_name,
+        eager=eager,
     )
     search.store.offer_winner(record, search.env_id)
     return KeyResult(
@@ -103,6 +116,46 @@ def offer_winner(search: KeySearch, bench: Bench, default: Any) -> KeyResult:
         pruned=known.counts["pruned"],
         notes=notes,
     )
+
+
+def eager_alternative(
+    search: KeySearch, bench: Bench, timed: dict[Any, float], winner: Any, default: Any, notes: list[str]
+) -> EagerAlternative | None:
+    """The config serving eager calls of this key faster than the winner, or None.
+
+    An eager caller pays about ``max(GPU time, host time)`` per call when calls follow each other
+    (the host queues the next launch while the GPU runs this one). The GPU times are the trials'
+    (or the final rounds', where re-timed); host times are measured here. First the winner's, which
+    bounds the rest: only a config whose GPU time is below the winner's eager time can beat it.
+    Then the fastest such configs (at most :data:`EAGER_CONTENDERS`, the portable default among
+    them where it qualifies); one beating the winner by :data:`EAGER_MARGIN` is returned.
+    """
+    known = search.known
+    gpu_ms = {**known.times, **timed}
+    first = bench.host_times([dict(winner)])
+    if not first:
+        notes.append("the launches' host cost could not be timed: no eager alternative")
+        return None
+    winner_eager = max(gpu_ms[winner], first[0])
+    bound = winner_eager / (1 + EAGER_MARGIN)
+    fastest = sorted((i for i in gpu_ms if i != winner and gpu_ms[i] < bound), key=lambda i: gpu_ms[i])
+    contenders = list(dict.fromkeys([*fastest[:EAGER_CONTENDERS], *([default] if default in fastest else [])]))
+    if not contenders:
+        return None  # nothing runs on the GPU faster than the winner's eager call
+    host = bench.host_times([dict(ident) for ident in contenders])
+    if host is None or len(host) != len(contenders):
+        notes.append("the launches' host cost could not be timed: no eager alternative")
+        return None
+    eager_ms = {ident: max(gpu_ms[ident], ms) for ident, ms in zip(contenders, host, strict=True)}
+    best = min(eager_ms, key=lambda ident: eager_ms[ident])
+    if eager_ms[best] >= bound:
+        return None
+    config = search.space.to_dict(known.config(best))
+    notes.append(
+        f"eager calls: {config} (about {eager_ms[best] * 1e3:.1f} us a call against the winner's "
+        f"{winner_eager * 1e3:.1f} us, {first[0] * 1e3:.1f} us of it host work)"
+    )
+    return EagerAlternative(config=config, ms=eager_ms[best], winner_ms=winner_eager)
 
 
 def _peer_at_fault(bench: Bench) -> bool:

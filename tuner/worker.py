@@ -286,6 +286,19 @@ class Worker:
         result: RetimeOutcome = reply["result"]
         return result
 
+    def host_times(self, configs: list[dict[str, Any]]) -> list[float] | None:
+        timeout = None if self.trial_timeout_s is None else self.trial_timeout_s * max(1, len(configs))
+        try:
+            reply = self._request({"op": "host_times", "configs": configs}, timeout)
+        except WorkerFailure as exc:
+            log.warning("timing the launches' host cost failed: %s", exc)
+            return None
+        if not reply["ok"]:
+            log.warning("timing the launches' host cost failed: %s", reply["error"])
+            return None
+        times: list[float] = reply["result"]
+        return times
+
     def close(self) -> None:
         """Stop the worker (asked first, killed if it does not go)."""
         if self._alive() and self._conn is not None:
@@ -391,6 +404,8 @@ def serve(conn: Connection, device: str) -> None:
                 exiting = result["fatal"]
             elif op == "retime":
                 result = bench.retime(message["configs"], message["rounds"], message.get("peer", False))
+            elif op == "host_times":
+                result = bench.host_times(message["configs"])
             else:
                 raise ValueError(f"unknown request {op!r}")
             reply = {"ok": True, "result": result, "exiting": exiting}

@@ -1,0 +1,97 @@
+"""The tuner stores an eager alternative where a config serves eager calls faster than the winner.
+
+The toy kernel's fake GPU times make BLOCK=128 with two warps the winner; a fake host cost per
+launch decides what an eager caller pays, ``max(GPU, host)`` per call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import toy_kernel
+
+from tritune.configs_db.records import WinnerRecord
+from tritune.configs_db.store import ConfigStore
+from tritune.kernels.device import device_info
+from tritune.tuner.candidates import LocalBench
+from tritune.tuner.study import KeyTuner, TuneOptions, environment_id
+from tritune.tuner.timing import FakeTimer
+
+pytestmark = pytest.mark.interpreter
+
+CPU = device_info("cpu")
+
+
+class HostCostBench(LocalBench):
+    """A bench whose launches' host cost is ``host(config)`` ms; it records what it was asked to time."""
+
+    def __init__(self, host: Any) -> None:
+        super().__init__(torch.device("cpu"), FakeTimer(toy_kernel.toy_cost))
+        self.host, self.asked = host, []
+
+    def host_times(self, configs: list[dict[str, Any]]) -> list[float] | None:
+        self.asked.append(configs)
+        return [self.host(c) for c in configs]
+
+
+def _tune(bench: HostCostBench, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, **options: Any) -> WinnerRecord:
+    offered: list[WinnerRecord] = []
+    original = ConfigStore.offer_winner
+    monkeypatch.setattr(ConfigStore, "offer_winner", lambda self, r, e: offered.append(r) or original(self, r, e))
+    store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    key = toy_kernel.SPEC.default_keys(CPU, n=[256])[0]
+    tuning = TuneOptions(trials=24, seed=3, batch=6, final_rounds=1, time_peer=False, **options)
+    KeyTuner(toy_kernel.SPEC, key, CPU, torch.device("cpu"), store, environment_id(store, CPU), bench.timer,
+             tuning, bench=bench).run()  # fmt: skip
+    [record] = offered
+    return record
+
+
+def test_a_config_faster_for_eager_calls_is_stored_beside_the_winner(tmp_path, monkeypatch) -> None:
+    # The winner takes 0.078 ms on the GPU but 0.5 ms of host work a launch (two launches, say).
+    bench = HostCostBench(lambda c: 0.5 if c["BLOCK"] == 128 else 0.1)
+    record = _tune(bench, tmp_path, monkeypatch, time_eager=True)
+    assert record.config == {"BLOCK": 128, "BROKEN": False, "num_warps": 2}
+    assert record.eager is not None
+    assert record.eager.config == {"BLOCK": 64, "BROKEN": False, "num_warps": 2}
+    assert record.eager.ms == pytest.approx(toy_kernel.toy_cost(toy_kernel.ToyConfig(64, False, 2)))
+    assert record.eager.winner_ms == pytest.approx(0.5)
+    # The winner was timed first, then only configs faster on the GPU than its 0.5 ms eager call.
+    assert bench.asked[0] == [record.config]
+    assert all(toy_kernel.toy_cost(toy_kernel.ToyConfig(**c)) < 0.5 for c in bench.asked[1])
+
+
+def test_no_alternative_where_the_winner_is_also_fastest_eagerly(tmp_path, monkeypatch) -> None:
+    bench = HostCostBench(lambda c: 0.01)
+    record = _tune(bench, tmp_path, monkeypatch, time_eager=True)
+    assert record.eager is None
+    assert len(bench.asked) == 1, "nothing is faster on the GPU than the winner's eager call: no more timing"
+
+
+def test_an_alternative_within_the_margin_is_not_stored(tmp_path, monkeypatch) -> None:
+    # BLOCK=64 would take 0.156 ms eagerly, the winner 0.16: less than 5% apart.
+    bench = HostCostBench(lambda c: 0.16 if c["BLOCK"] == 128 else 0.1)
+    assert _tune(bench, tmp_path, monkeypatch, time_eager=True).eager is None
+
+
+def test_host_costs_are_not_timed_on_the_interpreter_unless_asked(tmp_path, monkeypatch) -> None:
+    bench = HostCostBench(lambda c: 0.5)
+    assert _tune(bench, tmp_path, monkeypatch).eager is None
+    assert bench.asked == []
+
+
+def test_a_failed_host_timing_leaves_the_winner_alone(tmp_path, monkeypatch) -> None:
+    bench = HostCostBench(lambda c: 0.5)
+    bench.host_times = lambda configs: None  # type: ignore[method-assign]
+    record = _tune(bench, tmp_path, monkeypatch, time_eager=True)
+    assert record.eager is None and record.config["BLOCK"] == 128
+
+
+def test_the_bench_times_host_cost_per_launch_on_real_launches() -> None:
+    bench = LocalBench(torch.device("cpu"), FakeTimer(toy_kernel.toy_cost))
+    key = toy_kernel.SPEC.default_keys(CPU, n=[256])[0]
+    bench.open(toy_kernel.SPEC, key, 0, {"BLOCK": 32, "BROKEN": False, "num_warps": 4})
+    times = bench.host_times([{"BLOCK": 16}, {"BLOCK": 128}])
+    assert times is not None and len(times) == 2 and all(t > 0 for t in times)
