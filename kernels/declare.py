@@ -208,15 +208,23 @@ class Kernel(KernelSpec[Any, Any]):
             # Reading device.type builds a string per call; only interpreted kernels run on the CPU.
             if self.cpu_allowed:
                 prepare_interpreter()
-            outputs = [args[i] for i in self._output_positions]
-            if first is not None:  # the winner, once: a later CUDA-graph capture finds it loaded
-                run_unwrapped(self._launch, (first, *args), outputs)
-            run_unwrapped(self._launch, (config, *args), outputs)
+            if first is not None:
+                run_unwrapped(self._launch, (first, *self._scratch_outputs(args)), ())
+            run_unwrapped(self._launch, (config, *args), [args[i] for i in self._output_positions])
         else:
             if first is not None:
-                self._call_op(first, args)
+                self._call_op(first, self._scratch_outputs(args))
             self._call_op(config, args)
         return self._result(args)
+
+    def _scratch_outputs(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``args`` with each output replaced by a fresh tensor like it: the winner's one launch at a
+        key's first eager call (so that a CUDA-graph capture finds its kernel loaded) must leave the
+        caller's outputs to the config that serves the call, whatever the kernel does with them."""
+        scratch = list(args)
+        for i in self._output_positions:
+            scratch[i] = torch.empty_like(args[i])
+        return tuple(scratch)
 
     def _call_checked(self, args: tuple[Any, ...], names: dict[str, str] | None = None) -> Any:
         """The detailed path: checks that name the argument, then dispatch through the op."""

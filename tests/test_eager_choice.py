@@ -44,12 +44,14 @@ class DoubleKey(TuningKey):
     BUCKETS: ClassVar[tuple[str, ...]] = ("n_bucket",)
 
 
-#: BLOCKs launched, in order, by every call of the kernel below.
+#: BLOCKs launched, in order, by every call of the kernel below, and the outputs they wrote.
 LAUNCHED: list[int] = []
+WRITTEN: list[torch.Tensor] = []
 
 
 def _launch(config: DoubleConfig, x: torch.Tensor, out: torch.Tensor) -> None:
     LAUNCHED.append(config.BLOCK)
+    WRITTEN.append(out)
     n = x.numel()
     _double_kernel[(triton.cdiv(n, config.BLOCK),)](x, out, n, BLOCK=config.BLOCK)
 
@@ -100,6 +102,7 @@ def stored(monkeypatch):
         DISPATCHER._tables[CPU.slug] = build_table([[_record(winner, eager)]], CPU)
 
     LAUNCHED.clear()
+    WRITTEN.clear()
     yield serve
     DISPATCHER.clear()
 
@@ -133,6 +136,8 @@ def test_the_first_eager_call_also_launches_the_winner_once(stored, monkeypatch)
         torch.testing.assert_close(out, x * 2)
     # The winner once (so that a capture after an eager warm-up finds it loaded), then the eager config.
     assert LAUNCHED == [32, 64, 64, 64]
+    # The winner's launch wrote a scratch tensor: the caller's output is the eager config's alone.
+    assert WRITTEN[0] is not WRITTEN[1] and WRITTEN[0].shape == WRITTEN[1].shape
     LAUNCHED.clear()
     monkeypatch.setattr(dispatcher, "_capturing", lambda: True)
     KERNEL(x)
