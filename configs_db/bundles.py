@@ -12,12 +12,19 @@ A bundle lives at ``configs_db/bundles/<gpu-slug>.json`` and looks like::
       "winners": [
         {"kernel": "...", "kernel_version": "...", "key": {...}, "config": {...},
          "time_ms": 0.1, "portable_ms": 0.2, "speedup": 2.0, "trials": 40,
-         "peer_ms": 0.15, "peer_name": "SDPA flash"}
+         "peer_ms": 0.15, "peer_name": "SDPA flash",
+         "eager": {"config": {...}, "ms": 0.05, "winner_ms": 0.08}}
       ]
     }
 
 ``peer_ms`` and ``peer_name`` (the PyTorch call a user would make instead, timed beside the winner
 in the same run) come together or not at all: an entry without them has no peer time.
+
+``eager`` (optional) is the config that serves the key's eager calls, where it beats the winner
+there: ``config`` a non-empty flat object like ``config``, ``ms`` and ``winner_ms`` the estimated
+eager milliseconds per call of it and of the winner (finite, positive, ``ms`` below ``winner_ms``).
+An entry without it, or with ``null``, has none: the winner serves every call. A malformed one
+refuses its entry, as any other malformed field does.
 
 Checks here are structural only: a file that is not a regular file (a FIFO, device, directory or
 dangling link), too big, not JSON, not a bundle, of an unknown schema version or for another GPU is
@@ -41,7 +48,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .records import Rejection, WinnerRecord
+from .records import EagerAlternative, Rejection, WinnerRecord
 from .values import (
     canonical_json,
     check_flat,
@@ -60,8 +67,10 @@ MAX_BUNDLE_BYTES = 8 * 1024 * 1024
 PROVENANCE_FIELDS = ("cuda", "driver", "torch", "triton", "tritune")
 TOP_LEVEL_FIELDS = ("schema", "schema_version", "gpu", "gpu_name", "created", "provenance", "winners")
 ENTRY_FIELDS = ("kernel", "kernel_version", "key", "config", "time_ms", "portable_ms", "speedup", "trials")
-#: Entry fields that may be left out (an entry without a peer time, or written before peers were timed).
-OPTIONAL_ENTRY_FIELDS = ("peer_ms", "peer_name")
+#: Entry fields that may be left out (no peer time or eager alternative, or written before either existed).
+OPTIONAL_ENTRY_FIELDS = ("peer_ms", "peer_name", "eager")
+#: The fields of an entry's ``eager`` object (and of the DB's ``winners.eager_json``).
+EAGER_FIELDS = ("config", "ms", "winner_ms")
 #: The longest peer name: what the DB's ``winners.peer_name`` column holds.
 MAX_PEER_NAME_CHARS = 64
 #: A peer name ("SDPA flash, KV heads expanded", "F.linear, dequantized weight"): plain words and
@@ -209,6 +218,9 @@ def _entry_problem(entry: Any) -> str | None:
         problem = peer_problem(entry["peer_ms"], entry["peer_name"])
         if problem is not None:
             return problem
+    problem = eager_problem(entry.get("eager"))
+    if problem is not None:
+        return problem
     for name in ("kernel", "kernel_version"):
         if not isinstance(entry[name], str) or not entry[name]:
             return f"{name} is {describe(entry[name])}, expected a non-empty string"
@@ -249,6 +261,63 @@ def peer_problem(peer_ms: object, peer_name: object) -> str | None:
     if problem is None and not PEER_NAME.fullmatch(peer_name):
         problem = f"peer_name is '{printable(peer_name)}', expected letters, digits, spaces and . _ , : ; + ( ) / ' -"
     return problem
+
+
+def eager_problem(value: object) -> str | None:
+    """Why an eager alternative in its JSON form (:func:`eager_fields`) is unusable, or ``None``
+    (``None`` itself: no alternative, which is fine).
+
+    Only its shape is checked here: whether its config is in the kernel's space is decided where
+    the winner's is. The database's writes and reads and the bundle export apply the same rule.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        return f"eager is {describe(value)}, expected an object with the fields {', '.join(EAGER_FIELDS)}"
+    missing = [name for name in EAGER_FIELDS if name not in value]
+    if missing:
+        return f"eager is missing field(s) {', '.join(missing)}"
+    unknown = sorted(str(name) for name in set(value) - set(EAGER_FIELDS))
+    if unknown:
+        return f"eager has unknown field(s) {', '.join(unknown)}, expected only {', '.join(EAGER_FIELDS)}"
+    try:
+        config = check_flat(value["config"], "eager.config")
+    except ValueError as exc:
+        return str(exc)
+    if not config:
+        return "eager.config is an empty object, expected a config's fields"
+    for field, item in config.items():
+        problem = text_problem(field, "an eager.config field name") or text_problem(item, f"eager.config.{field}")
+        if problem is not None:
+            return problem
+    for name in ("ms", "winner_ms"):
+        problem = number_problem(value[name], f"eager.{name}")
+        if problem is not None:
+            return problem
+    if not value["ms"] < value["winner_ms"]:
+        return (
+            f"eager.ms {value['ms']!r} is not below eager.winner_ms {value['winner_ms']!r}: an eager alternative "
+            "is kept only where it beats the winner"
+        )
+    return None
+
+
+def eager_fields(eager: EagerAlternative) -> dict[str, Any]:
+    """``eager`` in its JSON form, unchecked: what a bundle entry's ``eager`` and ``winners.eager_json`` hold."""
+    return {"config": eager.config, "ms": eager.ms, "winner_ms": eager.winner_ms}
+
+
+def eager_alternative(value: object) -> EagerAlternative | None:
+    """The alternative that a JSON form holds (``None`` for ``None``); ``ValueError`` with
+    :func:`eager_problem`'s reason for a malformed one."""
+    problem = eager_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    if not isinstance(value, dict):
+        return None
+    return EagerAlternative(
+        config=check_flat(value["config"], "eager.config"), ms=float(value["ms"]), winner_ms=float(value["winner_ms"])
+    )
 
 
 class BundleError(ValueError):
@@ -316,8 +385,10 @@ def load_bundle(path: Path | str, expected_gpu: str | None = None) -> tuple[list
                 portable_ms=float(entry["portable_ms"]),
                 speedup=float(entry["speedup"]),
                 trials=int(entry["trials"]),
-                peer_ms=float(entry["peer_ms"]) if "peer_ms" in entry else None,
+                # null stands for "none" as a left-out field does (peer_problem and eager_problem say so).
+                peer_ms=None if entry.get("peer_ms") is None else float(entry["peer_ms"]),
                 peer_name=entry.get("peer_name"),
+                eager=eager_alternative(entry.get("eager")),
                 triton_version=provenance["triton"],
                 torch_version=provenance["torch"],
                 tritune_version=provenance["tritune"],
@@ -331,9 +402,16 @@ def load_bundle(path: Path | str, expected_gpu: str | None = None) -> tuple[list
 def _entry(record: WinnerRecord) -> dict[str, Any]:
     problem = winner_numbers_problem(record.time_ms, record.portable_ms, record.speedup, record.trials)
     problem = problem or peer_problem(record.peer_ms, record.peer_name)
+    fields = None if record.eager is None else eager_fields(record.eager)
+    problem = problem or eager_problem(fields)
     if problem is not None:
         raise ValueError(f"{record.kernel} at {record.key}: {problem}")
-    peer = {} if record.peer_ms is None else {"peer_ms": float(record.peer_ms), "peer_name": record.peer_name}
+    optional: dict[str, Any] = {}
+    if record.peer_ms is not None:
+        optional.update(peer_ms=float(record.peer_ms), peer_name=record.peer_name)
+    eager = eager_alternative(fields)
+    if eager is not None:
+        optional["eager"] = eager_fields(eager)
     return {
         "kernel": record.kernel,
         "kernel_version": record.kernel_version,
@@ -343,7 +421,7 @@ def _entry(record: WinnerRecord) -> dict[str, Any]:
         "portable_ms": float(record.portable_ms),
         "speedup": float(record.speedup),
         "trials": int(record.trials),
-        **peer,
+        **optional,
     }
 
 
@@ -428,6 +506,9 @@ __all__ = [
     "BundleError",
     "bundle_path",
     "bundle_text",
+    "eager_alternative",
+    "eager_fields",
+    "eager_problem",
     "load_bundle",
     "peer_problem",
     "read_bundle",

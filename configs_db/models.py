@@ -207,6 +207,10 @@ class Winner(Base):
     #: The peer (the PyTorch call a user would make instead) timed at this key in the same run.
     peer_ms: Mapped[float | None] = mapped_column(Float)
     peer_name: Mapped[str | None] = mapped_column(String(64))
+    #: The config serving eager calls where it beats the winner there, with both configs' estimated
+    #: eager ms per call: ``{"config": {...}, "ms": ..., "winner_ms": ...}`` as canonical JSON, or
+    #: NULL (the winner serves every call). Checked on write and on read, not by a constraint.
+    eager_json: Mapped[str | None] = mapped_column(Text)
     environment_id: Mapped[int] = mapped_column(ForeignKey("environments.id"))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

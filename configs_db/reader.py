@@ -20,10 +20,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .bundles import eager_alternative
 from .errors import StoreError
-from .records import WinnerRecord
+from .records import EagerAlternative, WinnerRecord
 from .urls import is_sqlite, sqlite_file
-from .values import parse_canonical_json, printable
+from .values import parse_canonical_json, printable, strict_loads
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -77,11 +78,38 @@ def reason_of(exc: BaseException) -> str:
 
 #: Older schema revisions the runtime still reads (without the columns they lack); reading never
 #: upgrades a DB, and a tuner opening it for writing does.
-READABLE_REVISIONS = ("0002",)
+READABLE_REVISIONS = ("0002", "0003")
+#: The revision that added each optional winners column group: a DB before it reads them as ``None``.
+PEER_REVISION = "0003"
+EAGER_REVISION = "0004"
 
 
-def _record_from_row(winner: Winner, environment: Environment, source: str, *, with_peer: bool) -> WinnerRecord:
-    """A :class:`WinnerRecord` from one winners row; ``ValueError`` if its stored JSON is malformed."""
+def _eager_from_row(winner: Winner, source: str) -> EagerAlternative | None:
+    """The row's eager alternative, or ``None``; a malformed ``eager_json`` is ignored with one warning.
+
+    The winner stays served without it: the alternative only ever serves eager calls faster, and
+    the winner serves every call correctly on its own.
+    """
+    if winner.eager_json is None:
+        return None
+    try:
+        return eager_alternative(strict_loads(winner.eager_json))
+    except ValueError as exc:
+        log.warning(
+            "%s: winners row %d (%s %s): ignoring its eager alternative, the winner serves every call: %s",
+            source,
+            winner.id,
+            printable(winner.gpu),
+            printable(winner.kernel),
+            printable(str(exc)),
+        )
+        return None
+
+
+def _record_from_row(
+    winner: Winner, environment: Environment, source: str, *, with_peer: bool, with_eager: bool
+) -> WinnerRecord:
+    """A :class:`WinnerRecord` from one winners row; ``ValueError`` if its key or config JSON is malformed."""
     return WinnerRecord(
         kernel=winner.kernel,
         kernel_version=winner.kernel_version,
@@ -98,6 +126,7 @@ def _record_from_row(winner: Winner, environment: Environment, source: str, *, w
         source=source,
         peer_ms=(None if winner.peer_ms is None else float(winner.peer_ms)) if with_peer else None,
         peer_name=winner.peer_name if with_peer else None,
+        eager=_eager_from_row(winner, source) if with_eager else None,
         extra={
             "gpu_name": environment.gpu_name,
             "capability": environment.capability,
@@ -109,11 +138,18 @@ def _record_from_row(winner: Winner, environment: Environment, source: str, *, w
 
 
 def winner_records(
-    session: Session, gpu: str | None, kernel: str | None, source: str, *, with_peer: bool = True
+    session: Session,
+    gpu: str | None,
+    kernel: str | None,
+    source: str,
+    *,
+    with_peer: bool = True,
+    with_eager: bool = True,
 ) -> list[WinnerRecord]:
-    """Winner records from the database; a row with malformed JSON is skipped with one warning.
+    """Winner records from the database; a row with a malformed key or config is skipped with one
+    warning, and a malformed eager alternative is left out of its record with one warning.
 
-    ``with_peer=False`` reads a DB at a revision before the peer columns existed.
+    ``with_peer=False`` and ``with_eager=False`` read a DB at a revision before those columns existed.
     """
     from sqlalchemy import select
     from sqlalchemy.orm import defer
@@ -123,6 +159,8 @@ def winner_records(
     query = select(Winner, Environment).join(Environment, Winner.environment_id == Environment.id)
     if not with_peer:
         query = query.options(defer(Winner.peer_ms, raiseload=True), defer(Winner.peer_name, raiseload=True))
+    if not with_eager:
+        query = query.options(defer(Winner.eager_json, raiseload=True))
     if gpu is not None:
         query = query.where(Winner.gpu == gpu)
     if kernel is not None:
@@ -131,7 +169,7 @@ def winner_records(
     records = []
     for winner, environment in session.execute(query):
         try:
-            records.append(_record_from_row(winner, environment, source, with_peer=with_peer))
+            records.append(_record_from_row(winner, environment, source, with_peer=with_peer, with_eager=with_eager))
         except ValueError as exc:
             log.warning(
                 "%s: skipping winners row %d (%s %s): %s",
@@ -273,6 +311,14 @@ def _read_engine(
                     f"schema revision {revision} is older than this tritune's {storage.SCHEMA_HEAD}, and reading "
                     "never upgrades a DB; a tuner opening it for writing (tune, tune import) upgrades it"
                 )
-            return winner_records(session, gpu, kernel, source, with_peer=revision == storage.SCHEMA_HEAD)
+            order = storage.SCHEMA_REVISIONS.index
+            return winner_records(
+                session,
+                gpu,
+                kernel,
+                source,
+                with_peer=order(revision) >= order(PEER_REVISION),
+                with_eager=order(revision) >= order(EAGER_REVISION),
+            )
     finally:
         engine.dispose()

@@ -44,9 +44,9 @@ from .errors import StoreError
 from .urls import sqlite_file
 
 #: The Alembic revision this code writes and reads; older known revisions can be upgraded.
-SCHEMA_HEAD = "0003"
+SCHEMA_HEAD = "0004"
 #: Every revision this code knows, oldest first (a test checks them against ``migrations/``).
-SCHEMA_REVISIONS = ("0001", "0002", "0003")
+SCHEMA_REVISIONS = ("0001", "0002", "0003", "0004")
 MIGRATIONS_DIR = Path(__file__).resolve().with_name("migrations")
 #: How long a tuner's connection waits for another process's write lock before giving up.
 BUSY_TIMEOUT_MS = 30_000

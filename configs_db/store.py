@@ -11,16 +11,17 @@ how offers interleave.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable
 from datetime import timezone
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from .bundles import peer_problem
+from .bundles import eager_alternative, eager_fields, eager_problem, peer_problem
 from .errors import StoreError
 from .reader import database_error_types, display_url, read_winners, reason_of, winner_records
-from .records import TRIAL_STATUSES, TrialRow, WinnerRecord
+from .records import TRIAL_STATUSES, EagerAlternative, TrialRow, WinnerRecord
 from .values import canonical_json, number_problem, parse_canonical_json, printable, winner_numbers_problem
 
 if TYPE_CHECKING:
@@ -37,6 +38,11 @@ log = logging.getLogger("tritune.configs_db")
 
 #: Failure messages beyond this are cut: a compiler dump says nothing more after 8 KB.
 MAX_ERROR_CHARS = 8000
+
+
+def eager_json(eager: EagerAlternative) -> str:
+    """``winners.eager_json`` for a checked alternative: its JSON form with sorted keys, no spaces, ASCII."""
+    return json.dumps(eager_fields(eager), sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
 
 def _trial_row(trial: Trial) -> TrialRow | None:
@@ -205,8 +211,9 @@ class ConfigStore:
         The stored winner is replaced when the offer is faster, or when the stored one was
         measured under another Triton version (the runtime refuses those, so they must not
         block a fresh measurement). One conditional upsert decides, so concurrent offers leave
-        exactly one row holding the best time. The record's peer time and name travel with it:
-        they are stored when the offer is, and left as they are when it is not.
+        exactly one row holding the best time. The record's peer time and name and its eager
+        alternative travel with it: they are stored when the offer is (``None`` clears what the
+        replaced winner had), and left as they are when it is not.
         """
         with self._session() as session:
             return self._offer(session, record, env_id)
@@ -215,8 +222,10 @@ class ConfigStore:
         """:meth:`offer_winner` inside the caller's transaction; ``ValueError`` before anything is written."""
         problem = winner_numbers_problem(record.time_ms, record.portable_ms, record.speedup, record.trials)
         problem = problem or peer_problem(record.peer_ms, record.peer_name)
+        problem = problem or eager_problem(None if record.eager is None else eager_fields(record.eager))
         if problem is not None:
             raise ValueError(f"winner for {record.kernel}: {problem}")
+        eager = None if record.eager is None else eager_alternative(eager_fields(record.eager))
         from . import upserts
         from .models import Environment
 
@@ -239,6 +248,7 @@ class ConfigStore:
             environment_id=env_id,
             peer_ms=None if record.peer_ms is None else float(record.peer_ms),
             peer_name=record.peer_name,
+            eager_json=None if eager is None else eager_json(eager),
         )
         return upserts.offer_winner(session, values, environment.triton_version, environment.torch_version)
 

@@ -22,7 +22,8 @@ from .models import Environment, Trial, Winner, utcnow
 
 #: Dialects whose INSERT supports ON CONFLICT through SQLAlchemy.
 UPSERT_DIALECTS = ("sqlite", "postgresql")
-#: The columns a better offer replaces in the stored winner (the peer's time goes with its run's winner).
+#: The columns a better offer replaces in the stored winner (the peer's time and the eager alternative
+#: were measured in the winner's run and go with it: an offer without them clears the stored ones).
 _REPLACED = (
     "config_json",
     "time_ms",
@@ -32,6 +33,7 @@ _REPLACED = (
     "environment_id",
     "peer_ms",
     "peer_name",
+    "eager_json",
 )
 
 
@@ -52,6 +54,8 @@ class WinnerValues:
     #: The peer timed beside the winner in the same run (``None``: none was).
     peer_ms: float | None = None
     peer_name: str | None = None
+    #: The eager alternative measured in the same run, as canonical JSON (``None``: the winner serves all).
+    eager_json: str | None = None
 
     def columns(self, now: datetime) -> dict[str, Any]:
         values = dict(self.__dict__)

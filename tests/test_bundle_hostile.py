@@ -157,6 +157,15 @@ ENTRY_CASES: dict[str, tuple[str, str]] = {
         "peer_name is 100 characters long, expected at most 64",
     ),
     "number-peer-name": (with_good(entry(256, peer_ms=0.1, peer_name=7)), "peer_name is a number, expected a"),
+    # The eager alternative (optional) is checked for shape; a malformed one refuses its entry.
+    "nan-eager": (
+        with_good(entry(256, eager={"config": dict(TUNED), "ms": HUGE, "winner_ms": 0.1}), huge="NaN"),
+        "eager.ms is NaN (not a finite number), expected a number",
+    ),
+    "forged-eager-config": (
+        with_good(entry(256, eager={"config": {**TUNED, "BLOCK": "\x1b[2J"}, "ms": 0.05, "winner_ms": 0.1})),
+        "eager.config.BLOCK is '\\x1b[2J', which holds a control character",
+    ),
 }
 
 

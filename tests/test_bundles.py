@@ -124,6 +124,12 @@ def test_an_entry_without_peer_fields_reads_as_no_peer(tmp_path: Path) -> None:
     assert rejections == [] and (only.peer_ms, only.peer_name) == (None, None)
 
 
+def test_an_entry_with_null_peer_fields_reads_as_no_peer(tmp_path: Path) -> None:
+    path = write_doc(tmp_path / "b.json", document([{**good_entry(1024), "peer_ms": None, "peer_name": None}]))
+    (only,), rejections = read_bundle(path)
+    assert rejections == [] and (only.peer_ms, only.peer_name) == (None, None)
+
+
 @pytest.mark.parametrize(
     "records, reason",
     [
@@ -281,6 +287,16 @@ ENTRY_CASES = [
     pytest.param({**good_entry(2048), "peer_ms": 0.0, "peer_name": "SDPA flash"}, "peer_ms is 0.0", id="zero-peer"),
     pytest.param({**good_entry(2048), "peer_name": "SDPA flash"}, "one is missing", id="peer-name-alone"),
     pytest.param({**good_entry(2048), "peer_ms": 0.1, "peer_name": None}, "both or neither", id="null-peer-name"),
+    pytest.param(
+        {**good_entry(2048), "eager": {"config": {"BLOCK_M": 32}, "ms": 0.1}},
+        "missing field(s) winner_ms",
+        id="eager-without-winner-ms",
+    ),
+    pytest.param(
+        {**good_entry(2048), "eager": {"config": [], "ms": 0.1, "winner_ms": 0.2}},
+        "eager.config is a list",
+        id="eager-config-a-list",
+    ),
 ]
 
 

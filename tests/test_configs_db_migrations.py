@@ -221,3 +221,48 @@ def test_upgrade_to_head_adds_peer_columns_and_the_miss_log(old_db: Path) -> Non
     assert {"peer_ms", "peer_name"} <= winner_columns
     assert {"gpu", "kernel", "kernel_version", "key_json", "count", "first_seen", "last_seen"} <= miss_columns
     assert all(w.peer_ms is None for w in read_winners(f"sqlite:///{old_db}", GPU))
+
+
+def test_runtime_reads_a_revision_0003_db_without_eager_alternatives(old_db: Path) -> None:
+    """A DB one revision behind (no eager_json) serves its winners and peer times; only a tuner upgrades it."""
+    storage.upgrade(f"sqlite:///{old_db}", revision="0003")
+    with _sqlite(old_db) as db:
+        db.execute("UPDATE winners SET peer_ms = 0.4, peer_name = 'SDPA flash' WHERE key_json = ?", (KEY_A,))
+    before = old_db.read_bytes()
+    winners = {w.key["seqlen"]: w for w in read_winners(f"sqlite:///{old_db}", GPU)}
+    assert {seqlen: (w.peer_ms, w.eager) for seqlen, w in winners.items()} == {1024: (0.4, None), 4096: (None, None)}
+    assert _revision(old_db) == "0003"
+    assert old_db.read_bytes() == before
+    with ConfigStore(f"sqlite:///{old_db}") as store:
+        upgraded = {w.key["seqlen"]: (w.peer_ms, w.eager) for w in store.winners()}
+    assert _revision(old_db) == "0004"
+    assert upgraded == {1024: (0.4, None), 4096: (None, None)}
+
+
+def test_revision_0004_adds_eager_json_and_downgrades_without_it(old_db: Path) -> None:
+    from alembic import command
+
+    url = f"sqlite:///{old_db}"
+    storage.upgrade(url)
+    with _sqlite(old_db) as db:
+        assert "eager_json" in {row[1] for row in db.execute("PRAGMA table_info(winners)")}
+        assert [row[0] for row in db.execute("SELECT eager_json FROM winners")] == [None, None]
+        eager = '{"config":{"BLOCK_M":64},"ms":0.1,"winner_ms":0.2}'
+        db.execute("UPDATE winners SET eager_json = ?, peer_ms = 0.4, peer_name = 'SDPA' WHERE key_json = ?",
+                   (eager, KEY_A))  # fmt: skip
+    assert {w.key["seqlen"]: w.eager is not None for w in read_winners(url, GPU)} == {1024: True, 4096: False}
+    engine = storage.make_engine(url)
+    try:
+        with engine.begin() as connection:
+            config = storage.alembic_config()
+            config.attributes["connection"] = connection
+            command.downgrade(config, "0003")
+    finally:
+        engine.dispose()
+    assert _revision(old_db) == "0003"
+    with _sqlite(old_db) as db:
+        assert "eager_json" not in {row[1] for row in db.execute("PRAGMA table_info(winners)")}
+    winners = {w.key["seqlen"]: (w.time_ms, w.peer_ms, w.eager) for w in read_winners(url, GPU)}
+    assert winners == {1024: (0.21, 0.4, None), 4096: (0.5, None, None)}
+    assert storage.upgrade(url) == "0004"
+    assert _schema_diff(url) == []
