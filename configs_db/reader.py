@@ -188,10 +188,12 @@ def read_winners(
     """The winners stored in the database at ``url`` (of one GPU and/or kernel when given).
 
     A SQLite file that does not exist, and a database with no tables at all, hold no winners:
-    ``[]``, and nothing is created. Nothing is ever written: a database at an older schema
-    revision is refused, not upgraded. Anything that cannot be read as a tritune DB at this
-    code's schema (corrupt file, somebody else's database, another schema revision, no answer
-    or a lock still held after ``timeout_s`` seconds) raises :class:`StoreError` saying why.
+    ``[]``, and nothing is created. Nothing is ever written: a database at one of
+    :data:`READABLE_REVISIONS` is read as it is (the columns it lacks read as ``None``), and one
+    at an older revision is refused, not upgraded. Anything that cannot be read as a tritune DB
+    at this code's schema (corrupt file, somebody else's database, an unknown or too old schema
+    revision, no answer or a lock still held after ``timeout_s`` seconds) raises
+    :class:`StoreError` saying why.
     """
     path = sqlite_file(url)
     if path is not None:
