@@ -18,7 +18,7 @@ A bundle lives at ``configs_db/bundles/<gpu-slug>.json`` and looks like::
     }
 
 ``peer_ms`` and ``peer_name`` (the PyTorch call a user would make instead, timed beside the winner
-in the same run) come together or not at all: an entry without them has no peer time.
+in the same run) come together or not at all: an entry without them, or with both null, has no peer time.
 
 ``eager`` (optional) is the config that serves the key's eager calls, where it beats the winner
 there: ``config`` a non-empty flat object like ``config``, ``ms`` and ``winner_ms`` the estimated
