@@ -292,3 +292,20 @@ def test_decode_reference_agrees_with_the_prefill_reference():
     args = _inputs()
     decode = decode_reference(args["q"], args["k"], args["v"], args["kv_len"])
     assert compare(decode, _reference(args), torch.float32) is None
+
+
+@pytest.mark.parametrize(
+    ("shape", "box", "view"),
+    [
+        ((2, 4, 64, 128), [1, 2, 32, 128], lambda t: t),
+        ((2, 4, 64, 128), [1, 1, 64, 128], lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)),
+        ((96, 8, 2, 64), [32, 1, 1, 64], lambda t: t[16:80]),
+    ],
+)
+def test_an_unchecked_descriptor_has_the_fields_from_tensor_gives(shape, box, view) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from tritune.kernels._launch import unchecked_descriptor
+
+    t = view(torch.randn(shape).to(torch.bfloat16))
+    assert unchecked_descriptor(t, box) == TensorDescriptor.from_tensor(t, box)

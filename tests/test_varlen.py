@@ -448,10 +448,8 @@ def test_kv_tma_matches_reference(many_sms, monkeypatch, mix):
     """K/V through tensor descriptors (the interpreter runs them) where the layout allows, pointer
     loads elsewhere (ring stores, head dims that are not powers of two); NaN past kv_end as always."""
     built = []
-    real = varlen_launch.TensorDescriptor.from_tensor
-    monkeypatch.setattr(
-        varlen_launch.TensorDescriptor, "from_tensor", lambda t, box: built.append(box) or real(t, box)
-    )
+    real = varlen_launch.unchecked_descriptor
+    monkeypatch.setattr(varlen_launch, "unchecked_descriptor", lambda t, box: built.append(box) or real(t, box))
     run_and_compare(mix, {**SHORT, "KV_TMA": True})
     flat_pow2 = not mix.ring and mix.head_dim in (64, 128)
     assert bool(built) == flat_pow2
@@ -470,10 +468,8 @@ def test_kv_tma_garbage_past_kv_end_is_never_read(many_sms, tail):
 def test_kv_tma_reads_each_kv_heads_column(many_sms, monkeypatch):
     """Several KV heads with GQA: the descriptor coordinate [pos, col, head, 0] picks the right head."""
     built = []
-    real = varlen_launch.TensorDescriptor.from_tensor
-    monkeypatch.setattr(
-        varlen_launch.TensorDescriptor, "from_tensor", lambda t, box: built.append(box) or real(t, box)
-    )
+    real = varlen_launch.unchecked_descriptor
+    monkeypatch.setattr(varlen_launch, "unchecked_descriptor", lambda t, box: built.append(box) or real(t, box))
     mix = Mix(((0, 1, 2, 30), (1, 6, 0, 37), (7, 2, 1, 9)), tokens=10, rows=40, cols=3, kv_heads=4, group=2)
     run_and_compare(mix, {**SHORT, "KV_TMA": True})
     assert built, "the flat store should have taken descriptors"
@@ -483,10 +479,8 @@ def test_kv_tma_misaligned_store_keeps_pointer_loads(many_sms, monkeypatch):
     """A store whose data starts 8 bytes past a 16-byte boundary cannot be a descriptor's base: the
     launch keeps pointer loads (no TensorDescriptor assert) and the result is still right."""
     built = []
-    real = varlen_launch.TensorDescriptor.from_tensor
-    monkeypatch.setattr(
-        varlen_launch.TensorDescriptor, "from_tensor", lambda t, box: built.append(box) or real(t, box)
-    )
+    real = varlen_launch.unchecked_descriptor
+    monkeypatch.setattr(varlen_launch, "unchecked_descriptor", lambda t, box: built.append(box) or real(t, box))
     mix = Mix(((0, 1, 1, 20), (1, 4, 0, 31)), tokens=5, rows=32, cols=2, group=2)
     q, k, v, seq_info = make_inputs(mix)
 

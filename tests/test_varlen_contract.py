@@ -216,8 +216,8 @@ def test_torch_compile_with_kv_tma_pinned_keeps_pointer_loads(monkeypatch):
     from tritune.kernels.dispatcher import use_config
 
     built = []
-    real = varlen_launch.TensorDescriptor.from_tensor
-    monkeypatch.setattr(varlen_launch.TensorDescriptor, "from_tensor", lambda t, box: built.append(box) or real(t, box))
+    real = varlen_launch.unchecked_descriptor
+    monkeypatch.setattr(varlen_launch, "unchecked_descriptor", lambda t, box: built.append(box) or real(t, box))
     mix = Mix(((0, 1, 0, 300), (1, 40, 2, 200), (41, 3, 1, 257)), tokens=48, rows=320, cols=3, kv_heads=2, group=4,
               head_dim=128, dtype=torch.bfloat16)  # fmt: skip
     q, k, v, seq_info = make_inputs(mix, tail=0.0)

@@ -19,11 +19,10 @@ import torch
 import triton
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tritune.search_spaces.tma_prefill import SPACE, PortableConfig, PrefillConfig, TmaConfig, WsConfig
 
-from .._launch import LOG2E, prepare_interpreter, runs_on_interpreter
+from .._launch import LOG2E, prepare_interpreter, runs_on_interpreter, unchecked_descriptor
 from .._oplib import in_direct_body, register_schema_op, wrap_triton
 from ._gluon_ws import CONSUMER_WARPS, _prefill_ws_kernel
 from ._triton_portable import _prefill_fwd_kernel
@@ -110,10 +109,11 @@ def launch_tma(
     heads = group if config.PACK_GQA else 1
     rows = config.BLOCK_M // heads
     split = config.SPLIT_KV
-    q_desc = TensorDescriptor.from_tensor(q, [1, heads, rows, head_dim])
-    k_desc = TensorDescriptor.from_tensor(k, [1, 1, config.BLOCK_N, head_dim])
-    v_desc = TensorDescriptor.from_tensor(v, [1, 1, config.BLOCK_N, head_dim])
-    o_desc = TensorDescriptor.from_tensor(out, [1, heads, rows, head_dim])
+    # tma_layout_ok and the op body's base check established what the descriptors assert.
+    q_desc = unchecked_descriptor(q, [1, heads, rows, head_dim])
+    k_desc = unchecked_descriptor(k, [1, 1, config.BLOCK_N, head_dim])
+    v_desc = unchecked_descriptor(v, [1, 1, config.BLOCK_N, head_dim])
+    o_desc = unchecked_descriptor(out, [1, heads, rows, head_dim])
     if split > 1:
         part_o = torch.empty((split, batch, q_heads, seqlen_q, head_dim), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((2, split, batch, q_heads, seqlen_q), dtype=torch.float32, device=q.device)

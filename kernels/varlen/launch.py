@@ -14,7 +14,6 @@ import operator
 from typing import NamedTuple
 
 import torch
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tritune.search_spaces.varlen_sdpa import (
     VarlenConfig,
@@ -24,7 +23,15 @@ from tritune.search_spaces.varlen_sdpa import (
     split_budget,
 )
 
-from .._launch import LOG2E, MERGE_TILE, prepare_interpreter, runs_on_interpreter, sm_count, workspace
+from .._launch import (
+    LOG2E,
+    MERGE_TILE,
+    prepare_interpreter,
+    runs_on_interpreter,
+    sm_count,
+    unchecked_descriptor,
+    workspace,
+)
 from .._oplib import in_direct_body, wrap_triton
 from ._triton_varlen import _varlen_fwd_kernel, _varlen_merge_kernel
 
@@ -144,7 +151,7 @@ def launch(
     kv_tma = config.KV_TMA and _descriptors_allowed(k_store, v_store, ring, head_dim)
     if kv_tma:
         box = [block_n, 1, 1, head_dim]
-        k_desc, v_desc = TensorDescriptor.from_tensor(k_store, box), TensorDescriptor.from_tensor(v_store, box)
+        k_desc, v_desc = unchecked_descriptor(k_store, box), unchecked_descriptor(v_store, box)
     else:
         # Unread (the kernel's pointer branch compiles without them): any argument serves.
         k_desc, v_desc = k_store, v_store
