@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from tritune.configs_db.bundles import eager_alternative
 from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.values import check_flat, printable, strict_loads, text_problem, winner_numbers_problem
 
@@ -74,6 +75,7 @@ def record_from_plain(values: Any, source: str) -> WinnerRecord:
         speedup=float(values["speedup"]),
         trials=int(values["trials"]),
         source=source,
+        eager=eager_alternative(values.get("eager")),
     )
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import triton
 
+from tritune.configs_db.bundles import eager_fields
 from tritune.configs_db.errors import StoreError
 from tritune.configs_db.records import WinnerRecord, key_text
 from tritune.configs_db.store import ConfigStore
@@ -216,6 +217,7 @@ def plain_winner(record: WinnerRecord) -> dict[str, Any]:
         "triton_version": record.triton_version,
         "torch_version": record.torch_version,
         "tritune_version": record.tritune_version,
+        "eager": None if record.eager is None else eager_fields(record.eager),
     }
 
 

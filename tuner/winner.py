@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import triton
 
-from tritune.configs_db.bundles import peer_problem
+from tritune.configs_db.bundles import eager_fields, eager_problem, peer_problem
 from tritune.configs_db.records import EagerAlternative, WinnerRecord
 from tritune.configs_db.values import printable
 
@@ -86,6 +86,10 @@ def offer_winner(search: KeySearch, bench: Bench, default: Any) -> KeyResult:
         time_eager = search.torch_device.type == "cuda"
     if time_eager and best_ms < EAGER_MAX_MS:
         eager = eager_alternative(search, bench, timed, winner, default_ident, notes)
+        problem = None if eager is None else eager_problem(eager_fields(eager))
+        if problem is not None:  # the store would refuse the winner with it: keep the winner alone
+            notes.append(f"eager alternative dropped: {problem}")
+            eager = None
     record = WinnerRecord(
         kernel=search.spec.name,
         kernel_version=search.spec.version,
