@@ -24,7 +24,7 @@ from .app import (
 )
 from .failures import CommandError
 from .provisional import tuned_under_here
-from .tables import BENCH_COLUMNS, SHOW_COLUMNS, bench_cells, bench_key, serving_verdict, show_row
+from .tables import BENCH_COLUMNS, SHOW_COLUMNS, bench_cells, bench_key, eager_text, serving_verdict, show_row
 
 if TYPE_CHECKING:
     from .studies import StudyStorage, StudySummary
@@ -110,6 +110,8 @@ def show(
         under = tuned_under_here(w, here) if verdict is None else ""
         if under:
             notes.append(f"provisional on {here.slug}: {w.gpu} {w.kernel} {key}: tuned under {under}; tune re-tunes it")
+        if w.eager is not None:
+            notes.append(f"eager calls outside CUDA graphs: {w.gpu} {w.kernel} {key}: {eager_text(w.eager)}")
         table.add_row(*show_row(w, verdict, provisional=bool(under)))
     console.print(table)
     for note in notes:

@@ -17,6 +17,7 @@ __all__ = [
     "BenchRow",
     "bench_cells",
     "bench_key",
+    "eager_text",
     "ms_text",
     "peer_ratio",
     "serving_verdict",
@@ -60,6 +61,12 @@ def show_row(w: Any, verdict: str | None, *, provisional: bool = False) -> list[
         peer_ratio(w.peer_ms, w.time_ms),
         ("yes (provisional)" if provisional else "yes") if verdict is None else "[yellow]no[/yellow]",
     ]
+
+
+def eager_text(eager: Any) -> str:
+    """A winner's eager alternative (not None): its config and both estimated eager times per call."""
+    config = " ".join(f"{k}={v}" for k, v in eager.config.items())
+    return f"{config} (about {eager.ms * 1e3:.1f} us a call; the winner {eager.winner_ms * 1e3:.1f} us)"
 
 
 def peer_ratio(peer_ms: float | None, ours_ms: float | None) -> str:
