@@ -15,7 +15,7 @@ divisibility selects the same compiled kernel Triton would, and call that kernel
 directly, with the arguments ``JITFunction.run`` would pass.
 
 What it does not mirror goes through ``JITFunction.run``: a launch hook set (profilers), a
-``pre_run_hook``, a callable grid, a constexpr value that cannot be a dict key, a Triton whose
+``pre_run_hook``, a callable grid, a Triton whose
 internals are not the ones mirrored here (:data:`MIRRORED_TRITON`), or
 ``TRITUNE_FAST_LAUNCH=0``. Interpreted kernels are launched as they are.
 """
@@ -26,9 +26,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import triton
 from triton import knobs
+from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
 from .settings import on_change, settings
@@ -43,13 +43,6 @@ log = logging.getLogger("tritune.launch")
 MIRRORED_TRITON = ("3.6",)
 
 _TRITON_MIRRORED = ".".join(triton.__version__.split(".")[:2]) in MIRRORED_TRITON
-#: The current CUDA device and its current raw stream, as Triton's CUDA driver gets them from
-#: torch (without the Python wrapper's lazy-init check: the first launch of a kernel initialised CUDA).
-_current_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice", lambda: torch.cuda.current_device())
-_current_stream: Callable[[int], int] = getattr(
-    torch._C, "_cuda_getCurrentRawStream", lambda index: torch.cuda.current_stream(index).cuda_stream
-)
-
 #: Whether bound launches are on (``TRITUNE_FAST_LAUNCH``), kept current by the settings' listener.
 _enabled: bool | None = None
 
@@ -111,25 +104,27 @@ class BoundKernel:
             or _launch_hooks_set()
         ):
             return fn.run(*args, grid=grid, warmup=False, **kwargs)
-        device = _current_device()
+        if not self._compiled:
+            # Nothing kept yet: Triton compiles and launches, and its kernel is kept afterwards.
+            return self._through_triton(None, grid, args, kwargs)
+        # The device and stream as JITFunction.run asks them (Triton's driver, which a test may replace).
+        active = driver.active
+        device = active.get_current_device()
         caches = fn.device_caches.get(device)
         if caches is None:  # this device's first launch of the kernel builds its binder
-            return fn.run(*args, grid=grid, warmup=False, **kwargs)
+            return self._through_triton(None, grid, args, kwargs)
         bound_args, specialization, options = caches[-1](*args, **kwargs)
-        try:
-            key = (device, knobs.runtime.debug, *specialization, *options.items())
-            entry = self._compiled.get(key)
-        except TypeError:  # an unhashable constexpr: Triton keys it by its text
-            return fn.run(*args, grid=grid, warmup=False, **kwargs)
+        key = (device, knobs.runtime.debug, *specialization, *options.items())
+        entry = self._compiled.get(key)  # an unhashable constexpr raises here as in JITFunction.run
         if entry is None:
-            return self._first_launch(key, grid, args, kwargs)
+            return self._through_triton(key, grid, args, kwargs)
         launcher, function, packed_metadata = entry
         grid_size = len(grid)
         launcher(
             grid[0],
             grid[1] if grid_size > 1 else 1,
             grid[2] if grid_size > 2 else 1,
-            _current_stream(device),
+            active.get_current_stream(device),
             function,
             packed_metadata,
             None,  # launch metadata: only launch hooks read it, and none is set
@@ -139,15 +134,23 @@ class BoundKernel:
         )
         return None
 
-    def _first_launch(self, key: Any, grid: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _through_triton(self, key: Any, grid: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``JITFunction.run``, keeping the compiled kernel it returns under ``key`` (found now when None)."""
         kernel = self.fn.run(*args, grid=grid, warmup=False, **kwargs)
         if kernel is None or hasattr(kernel, "result"):
-            return kernel  # not compiled yet (or compiled asynchronously): nothing to keep
+            return kernel  # not compiled yet (or compiled asynchronously), or a recorder stands in: nothing to keep
         parts = tuple(getattr(kernel, name, None) for name in ("run", "function", "packed_metadata"))
         if not callable(parts[0]) or parts[1] is None:
             self._disabled = True
             log.info("%s: the compiled kernel is not laid out as Triton 3.6's; launching through Triton", self.fn)
             return kernel
+        if key is None:
+            device = driver.active.get_current_device()
+            caches = self.fn.device_caches.get(device)
+            if caches is None:
+                return kernel
+            _, specialization, options = caches[-1](*args, **kwargs)
+            key = (device, knobs.runtime.debug, *specialization, *options.items())
         self._compiled[key] = parts  # type: ignore[assignment]
         return kernel
 

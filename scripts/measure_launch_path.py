@@ -74,22 +74,21 @@ class StubCompiled:
 
 @contextmanager
 def stubbed_triton() -> Iterator[None]:
-    """Triton's driver and compiler stubbed for the block; the bound launchers pointed at device 0."""
+    """Triton's driver and compiler stubbed for the block."""
     from tritune.kernels import _fastlaunch
 
     def compile_stub(self: JITFunction[Any], key: Any, *args: Any, **kwargs: Any) -> StubCompiled:
         made = self.device_caches[0][0][key] = StubCompiled()
         return made
 
-    saved = (driver._active, JITFunction._do_compile, _fastlaunch._current_device, _fastlaunch._current_stream)
+    saved = (driver._active, JITFunction._do_compile)
     driver._active = StubDriver()
     JITFunction._do_compile = compile_stub  # type: ignore[method-assign]
-    _fastlaunch._current_device = lambda: 0
-    _fastlaunch._current_stream = lambda index: 0
     try:
         yield
     finally:
-        driver._active, JITFunction._do_compile, _fastlaunch._current_device, _fastlaunch._current_stream = saved
+        driver._active, JITFunction._do_compile = saved
+        _fastlaunch.forget()
 
 
 def bare_launches() -> dict[str, Callable[[], None]]:

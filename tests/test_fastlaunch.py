@@ -63,8 +63,6 @@ def toy(monkeypatch):
         return made
 
     monkeypatch.setattr(kernel, "_do_compile", compile_stub)
-    monkeypatch.setattr(_fastlaunch, "_current_device", lambda: 0)
-    monkeypatch.setattr(_fastlaunch, "_current_stream", lambda index: 7)
     monkeypatch.setattr(driver, "_active", _FakeDriver())
     _fastlaunch.forget()
     yield kernel, compiled, launches
@@ -172,3 +170,15 @@ def test_interpreted_and_gluon_kernels_are_launched_as_they_are() -> None:
     assert _fastlaunch.bound(interpreted) is interpreted
     kernel = JITFunction(_toy)
     assert _fastlaunch.bound(kernel) is _fastlaunch.bound(kernel)
+
+
+def test_a_stand_in_for_jitfunction_run_sees_every_launch(toy, monkeypatch) -> None:
+    """A recorder replacing ``JITFunction.run`` (as the sm_90 build tests do) returns no compiled
+    kernel: nothing is kept, so every launch reaches it, and Triton's driver is never asked."""
+    kernel, _, _ = toy
+    seen: list[Any] = []
+    monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid, warmup, **kwargs: seen.append(grid))
+    monkeypatch.setattr(driver, "_active", None)
+    for _ in range(3):
+        _launch_bound(kernel, _args(), BLOCK=32)
+    assert seen == [(4, 2)] * 3
