@@ -354,3 +354,40 @@ def test_export_and_import_carry_the_eager_alternative(toy: None, tmp_path: Path
     assert "imported 2 winner(s)" in imported.output
     with ConfigStore(f"sqlite:///{target}") as store:
         assert {w.key["n_bucket"]: w.eager for w in store.winners()} == {64: eager, 256: None}
+
+
+def test_import_refuses_an_eager_config_outside_the_space(toy: None, tmp_path: Path) -> None:
+    versions = {"triton_version": triton.__version__, "torch_version": torch.__version__, "tritune_version": "0"}
+    doc = {
+        "schema": "tritune-bundle",
+        "schema_version": 1,
+        "gpu": "cpu-interpreter",
+        "gpu_name": "cpu",
+        "created": "2026-12-05T00:00:00+00:00",
+        "provenance": {
+            "cuda": "",
+            "driver": "",
+            "torch": versions["torch_version"],
+            "triton": versions["triton_version"],
+            "tritune": "0",
+        },
+        "winners": [
+            {
+                "kernel": "toy_scale",
+                "kernel_version": toy_kernel.SPEC.version,
+                "key": {"arch": "cpu-interpreter", "sm_count": 1, "dtype": "float32", "n_bucket": 64},
+                "config": {"BLOCK": 128, "BROKEN": False, "num_warps": 2},
+                "time_ms": 0.005,
+                "portable_ms": 0.01,
+                "speedup": 2.0,
+                "trials": 8,
+                "eager": {"config": {"BLOCK": 48}, "ms": 0.004, "winner_ms": 0.006},
+            }
+        ],
+    }
+    path = tmp_path / "cpu-interpreter.json"
+    path.write_text(json.dumps(doc))
+    target = tmp_path / "b.sqlite"
+    imported = CliRunner().invoke(app, ["import", str(path), "--db", str(target)])
+    assert imported.exit_code != 0
+    assert "eager config outside the search space" in imported.output

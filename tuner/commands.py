@@ -337,6 +337,11 @@ def _import_refusal(record: Any) -> str | None:
         spec.space.parse(record.config)
     except ValueError as exc:
         return f"config outside the search space ({exc})"
+    if record.eager is not None:
+        try:
+            spec.space.parse(record.eager.config)
+        except ValueError as exc:
+            return f"eager config outside the search space ({exc})"
     return None
 
 
