@@ -35,7 +35,7 @@ class Subclass(torch.Tensor):
 def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, tuple[Any, ...]]]]:
     """Records ``(route, facts)`` of each dispatch; nothing launches."""
     seen: list[tuple[str, tuple[Any, ...]]] = []
-    eager, detailed = dispatcher.dispatch_config_eager, dispatcher.dispatch_config
+    eager, detailed = dispatcher.dispatch_choice_eager, dispatcher.dispatch_config
 
     def record_eager(kernel: str, device: torch.device, facts: tuple[Any, ...]) -> Any:
         seen.append(("eager", tuple(facts)))
@@ -46,7 +46,7 @@ def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, tuple[An
         return detailed(kernel, device_type, device_index, facts)
 
     # Where declared calls look them up.
-    monkeypatch.setattr(declare, "dispatch_config_eager", record_eager)
+    monkeypatch.setattr(declare, "dispatch_choice_eager", record_eager)
     monkeypatch.setattr(declare, "dispatch_config", record_detailed)
     monkeypatch.setattr(KERNEL, "_launch", lambda config, *args: None)
     yield seen
