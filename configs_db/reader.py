@@ -20,11 +20,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .bundles import eager_alternative
 from .errors import StoreError
 from .records import EagerAlternative, WinnerRecord
 from .urls import is_sqlite, sqlite_file
 from .values import parse_canonical_json, printable, strict_loads
+from .winner_fields import eager_alternative
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine

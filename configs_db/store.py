@@ -18,11 +18,11 @@ from datetime import timezone
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from .bundles import eager_alternative, eager_fields, eager_problem, peer_problem
 from .errors import StoreError
 from .reader import database_error_types, display_url, read_winners, reason_of, winner_records
 from .records import TRIAL_STATUSES, EagerAlternative, TrialRow, WinnerRecord
 from .values import canonical_json, number_problem, parse_canonical_json, printable, winner_numbers_problem
+from .winner_fields import eager_alternative, eager_fields, eager_problem, peer_problem
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager

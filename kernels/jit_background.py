@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from tritune.configs_db.bundles import eager_alternative
 from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.values import check_flat, printable, strict_loads, text_problem, winner_numbers_problem
+from tritune.configs_db.winner_fields import eager_alternative
 
 from . import registry
 from .device import DeviceInfo

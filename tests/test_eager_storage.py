@@ -24,11 +24,12 @@ import triton
 from typer.testing import CliRunner
 
 from tritune.configs_db import storage
-from tritune.configs_db.bundles import eager_problem, read_bundle, write_bundle
+from tritune.configs_db.bundles import read_bundle, write_bundle
 from tritune.configs_db.records import EagerAlternative, WinnerRecord
 from tritune.configs_db.store import ConfigStore, eager_json, read_winners
 from tritune.configs_db.upserts import WinnerValues, offer_portable
 from tritune.configs_db.values import canonical_json
+from tritune.configs_db.winner_fields import eager_problem
 from tritune.kernels import registry
 from tritune.tuner.cli import app
 

@@ -21,7 +21,7 @@ from typing import Any, Protocol, TypedDict
 
 import torch
 
-from tritune.configs_db.bundles import peer_problem
+from tritune.configs_db.winner_fields import peer_problem
 from tritune.kernels.spec import KernelSpec, Peer, Problem, TuningKey
 
 from .noise import ClockMonitor, NoisePolicy, monitor_for, stable_measurement

@@ -33,10 +33,10 @@ from typing import Any
 import torch
 import triton
 
-from tritune.configs_db.bundles import eager_fields
 from tritune.configs_db.errors import StoreError
 from tritune.configs_db.records import WinnerRecord, key_text
 from tritune.configs_db.store import ConfigStore
+from tritune.configs_db.winner_fields import eager_fields
 from tritune.kernels.device import DeviceInfo, device_info
 from tritune.kernels.spec import KernelSpec, TuningKey
 from tritune.kernels.winners import is_current

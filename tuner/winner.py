@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import triton
 
-from tritune.configs_db.bundles import eager_fields, eager_problem, peer_problem
 from tritune.configs_db.records import EagerAlternative, WinnerRecord
 from tritune.configs_db.values import printable
+from tritune.configs_db.winner_fields import eager_fields, eager_problem, peer_problem
 
 from .candidates import Bench, RetimeOutcome
 from .options import EAGER_MAX_MS, KeyResult, TuningError, pick_winner, tritune_version
