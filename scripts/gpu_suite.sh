@@ -44,8 +44,8 @@
 # stability          200    bench_tuner.py stability only, 40 trials (tune's default),     <date>-stability-<gpu>.md/.json
 #                           for $STABILITY_KERNELS (default: tma_prefill varlen_sdpa)
 # pytest              90    pytest on $PYTEST_GPU_ARGS (a selection: files, -k ...)        tests/pytest.log, .xml
-# gpu-tests          300    the GPU tier (-m gpu): attention files + 3 Q4_K shards at      tests/gpu-*.log, .xml
-#                           once
+# gpu-tests          300    the GPU tier (-m gpu): attention files, every other file, and  tests/gpu-*.log, .xml
+#                           3 Q4_K shards, all at once
 # sweep              300    scripts/sweep_configs.py over the $SWEEPS entries              <date>-sweep-<name>-<gpu>.md/.json
 #                           ("kernel|name|key json|where filters|limit", joined by ";";
 #                           default: two Q4_K keys, staged at M=4096 and portable at M=16)
@@ -402,6 +402,12 @@ run_stage() {
       step "pytest -m gpu attention" $((budget - 10)) python -m pytest -q -p no:cacheprovider -m gpu \
         --junitxml="$results/tests/gpu-attention.xml" tests/test_prefill.py tests/test_decode.py \
         tests/test_decode_spec.py tests/test_varlen.py >"$results/tests/gpu-attention.log" 2>&1 &
+      pids+=($!)
+      # Every other GPU test (ws prefill, online tuning, the model, eager alternatives under capture, ...).
+      step "pytest -m gpu rest" $((budget - 10)) python -m pytest -q -p no:cacheprovider -m gpu \
+        --junitxml="$results/tests/gpu-rest.xml" tests --ignore=tests/test_prefill.py \
+        --ignore=tests/test_decode.py --ignore=tests/test_decode_spec.py --ignore=tests/test_varlen.py \
+        --ignore=tests/test_q4k.py >"$results/tests/gpu-rest.log" 2>&1 &
       pids+=($!)
       python -m pytest --collect-only -q -p no:cacheprovider -m gpu tests/test_q4k.py 2>/dev/null | grep '::' \
         >"$work/q4k-gpu-tests.txt"
