@@ -10,8 +10,12 @@ otherwise), with unchanged values, and its ``kernel_version`` becomes the one th
 (``KernelSpec.version``, :mod:`tritune.kernels.versioning`). Fields the new space lacks are
 dropped and listed, so the reviewer can check each held a value that launched nothing different
 (a neutral value). An entry missing a field of its member is refused: the member's default might
-not be what the entry ran. Whether the code really is unchanged is the caller's claim to check
-(``git diff`` of the JIT kernels, ``tests/test_sm90_build.py``); this tool does not re-measure.
+not be what the entry ran. A field the space has gained is filled only where the caller names
+its value with ``--add FIELD=VALUE`` (a JSON value, e.g. ``--add KV_TMA=false``): the value whose
+launches build the code the entries measured. Whether the code really is unchanged is the
+caller's claim to check (``git diff`` of the JIT kernels, ``tests/test_sm90_build.py``, and for
+a new field the SASS of the winners with that value before and after: ``tests/sm90_build.py
+--bundle-winners``); this tool does not re-measure.
 
 Every re-stamped entry must then be admitted by the runtime loader on the bundle's GPU
 (:func:`tritune.kernels.winners.admit`: current version, key and config in the space, feasible);
@@ -67,14 +71,37 @@ def member_fields(space: Any, config: dict[str, Any]) -> tuple[str, ...]:
     return tuple(space.dimensions)
 
 
-def restamp(doc: dict[str, Any], kernel: str) -> list[str]:
-    """Rewrite ``kernel``'s entries of ``doc`` in place; one line per entry saying what changed."""
+def parse_additions(items: list[str]) -> dict[str, Any]:
+    """``FIELD=VALUE`` items (VALUE in JSON) as a mapping; a malformed item names itself."""
+    additions = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--add {item!r}: expected FIELD=VALUE, e.g. KV_TMA=false")
+        try:
+            additions[name] = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"--add {item!r}: VALUE must be JSON (false, 64, ...): {exc}") from None
+    return additions
+
+
+def restamp(doc: dict[str, Any], kernel: str, additions: dict[str, Any] | None = None) -> list[str]:
+    """Rewrite ``kernel``'s entries of ``doc`` in place; one line per entry saying what changed.
+
+    ``additions``: values for fields the space has gained, set in the entries whose member has the
+    field and whose config lacks it (a field no entry's member has is refused).
+    """
     spec = get_spec(kernel)
+    additions = additions or {}
     notes = []
+    used: set[str] = set()
     for index, entry in enumerate(doc["winners"]):
         if entry["kernel"] != kernel:
             continue
         fields = member_fields(spec.space, entry["config"])
+        added = {name: value for name, value in additions.items() if name in fields and name not in entry["config"]}
+        used.update(name for name in additions if name in fields)
+        entry["config"] = {**entry["config"], **added}
         missing = [name for name in fields if name not in entry["config"]]
         if missing:
             raise SystemExit(f"winners[{index}] ({kernel}): config lacks {missing}; re-tune it instead")
@@ -84,11 +111,18 @@ def restamp(doc: dict[str, Any], kernel: str) -> list[str]:
         spec.space.parse(config)
         old = entry["kernel_version"]
         change = "current" if old == spec.version else f"{old} -> {spec.version}"
-        notes.append(f"winners[{index}]: {change}" + (f", dropped {dropped}" if dropped else ""))
+        notes.append(
+            f"winners[{index}]: {change}"
+            + (f", added {added}" if added else "")
+            + (f", dropped {dropped}" if dropped else "")
+        )
         entry["config"] = config
         entry["kernel_version"] = spec.version
     if not notes:
         raise SystemExit(f"--kernel: the bundle has no {kernel} entries")
+    unused = sorted(set(additions) - used)
+    if unused:
+        raise SystemExit(f"--add: {kernel}'s entries have no field {unused}")
     return notes
 
 
@@ -115,11 +149,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("bundle", type=Path, help="the bundle file to rewrite")
     parser.add_argument("--kernel", required=True, help="the kernel whose entries to re-stamp")
+    parser.add_argument(
+        "--add",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a field the space has gained, set (JSON value) where an entry lacks it",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the changes, write nothing")
     args = parser.parse_args(argv)
 
+    additions = parse_additions(args.add)
     doc = strict_loads(args.bundle.read_text(encoding="utf-8"))
-    for line in restamp(doc, args.kernel):
+    for line in restamp(doc, args.kernel, additions):
         print(line)
     # Check the rewritten document as the loader would read it, before it replaces the bundle.
     fd, scratch = tempfile.mkstemp(prefix=f".{args.bundle.name}.", suffix=".tmp", dir=args.bundle.parent)

@@ -1,7 +1,7 @@
 """Search space of the ``splitk_decode`` kernel: the split policy, the KV tile and the launch options.
 
-The kernel has one path (plain pointer loads, any CUDA GPU). Its grid is sized from static facts
-and each program decides on the device, from the runtime ``kv_len``, whether its split has work:
+The kernel has one path (any CUDA GPU). Its grid is sized from static facts and each program
+decides on the device, from the runtime ``kv_len``, whether its split has work:
 
 - ``TARGET_WAVES``: how many programs per SM the split count aims for,
   ``splits_target = max(1, sm_count * TARGET_WAVES // (batch * kv_heads * row_blocks))``;
@@ -13,7 +13,12 @@ and each program decides on the device, from the runtime ``kv_len``, whether its
   block to finish merges them, found through an arrival counter) instead of in a second launch.
   One launch saves the second kernel's launch gap and its own read of ``kv_len``; the merge then
   runs in one program per row block rather than one per (row, head-dim block), so which wins
-  depends on the key.
+  depends on the key;
+- ``KV_TMA``: load the K/V tiles through host-side tensor descriptors over the caches (TMA, SM90
+  or newer, power-of-two head dims: the box spans the whole head dim) instead of masked pointer
+  loads, as the ``varlen_sdpa`` kernel does. A call whose caches a descriptor cannot describe
+  (a base or an outer stride not 16-byte aligned) or that ``torch.compile`` traces keeps pointer
+  loads, so the option never refuses a call.
 
 The geometry helpers below are shared with the kernel wrapper so that the feasibility rule and
 the launch agree on the tile shapes.
@@ -61,6 +66,7 @@ class DecodeConfig:
     num_warps: int = choice(4, (2, 4, 8))
     num_stages: int = choice(3, (1, 2, 3, 4))
     FUSED_MERGE: bool = choice(False, (False, True))
+    KV_TMA: bool = choice(False, (False, True))
 
 
 _OPTIONS = {f.name: f.metadata["choices"] for f in dataclasses.fields(DecodeConfig)}
@@ -101,6 +107,12 @@ def max_splits(config: DecodeConfig, sm_count: int, batch_kv_heads: int, rows: i
     ``cdiv(lmax, MIN_CHUNK)`` splits, nor more than the target.
     """
     return max(1, min(splits_target(config, sm_count, batch_kv_heads, rows), -(-lmax // config.MIN_CHUNK)))
+
+
+def _hopper_or_newer(arch: str) -> bool:
+    """Whether a key's ``arch`` ("sm90", "sm100", ...; "rocm..." never) has tensor-memory loads."""
+    number = arch.removeprefix("sm")
+    return arch.startswith("sm") and number.isdigit() and int(number) >= 90
 
 
 def _representative(value: int, field: str, same: Callable[[int], bool]) -> int:
@@ -146,6 +158,12 @@ def feasibility(config: DecodeConfig, key: _DecodeKeyFields, limits: TargetLimit
     duplicate = duplicate_reason(config, key)
     if duplicate is not None:
         return duplicate
+    if config.KV_TMA:
+        if padded_head_dim(key.head_dim) != key.head_dim:
+            return f"KV_TMA needs a power-of-two head dim, not {key.head_dim}"
+        # The interpreter runs host-side descriptors on the CPU.
+        if not limits.interpreter and not _hopper_or_newer(key.arch):
+            return f"KV_TMA needs SM90 or newer, not {key.arch}"
 
     if limits.interpreter:
         if (

@@ -16,8 +16,12 @@ here, all the way to a cubin with its bundled ptxas; this module does that in tw
   failed, else its shared memory and the PTX's atomics and L2-only (``.cg``) loads, what a kernel
   whose programs hand data to each other within a launch depends on.
 
-Script use: ``python tests/sm90_build.py --records FILE`` (records as :func:`specialize` writes
-them), ``python tests/sm90_build.py --gemv '[{"k": K, "n": N, "config": {...}}, ...]'`` (the launches
+Script use: ``python tests/sm90_build.py --records FILE [--detail]`` (records as :func:`specialize` writes
+them; ``--detail`` adds :func:`code_report`'s digests, registers and spills),
+``python tests/sm90_build.py --bundle-winners BUNDLE KERNEL JIT_KERNEL`` (the distinct launches of
+``JIT_KERNEL`` at ``KERNEL``'s winners in a bundle, with :func:`code_report`: whether the code a
+bundle's timings measured is still what its configs build, :func:`build_bundle_winners`),
+``python tests/sm90_build.py --gemv '[{"k": K, "n": N, "config": {...}}, ...]'`` (the launches
 of one Q4_K call with ptxas' report, code digests and reduction layouts: :func:`build_gemv`),
 ``python tests/sm90_build.py --prefill-ws '[[HEAD_DIM, CAUSAL, HAS_KV_LEN], ...]'`` (the
 warp-specialized prefill kernel at its starting configs with ptxas' report: :func:`build_prefill_ws`),
@@ -166,28 +170,147 @@ def compile_record(record: dict[str, Any]) -> Any:
     return triton.compile(source, target=TARGET, options=record["options"])
 
 
-def _build_one(record: dict[str, Any]) -> dict[str, Any]:
+def _build_one(record: dict[str, Any], detail: bool = False) -> dict[str, Any]:
     try:
         compiled = compile_record(record)
     except Exception as exc:
         return {"id": record.get("id"), "error": f"{type(exc).__name__}: {exc}"}
     ptx = compiled.asm["ptx"]
-    return {
+    result = {
         "id": record.get("id"),
         "error": None,
         "shared": compiled.metadata.shared,
         "atomics": sorted(set(re.findall(r"\batom(?:\.\w+)+", ptx))),
         "cg_loads": len(re.findall(r"\bld\.global\.cg\b", ptx)),
     }
+    if detail:
+        result.update(code_report(compiled))
+    return result
 
 
-def build_records(records: list[dict[str, Any]], workers: int) -> Iterator[dict[str, Any]]:
-    """Compile ``records`` in ``workers`` processes; results in the records' order."""
+def _build_detailed(record: dict[str, Any]) -> dict[str, Any]:
+    return _build_one(record, detail=True)
+
+
+def build_records(records: list[dict[str, Any]], workers: int, detail: bool = False) -> Iterator[dict[str, Any]]:
+    """Compile ``records`` in ``workers`` processes; results in the records' order (``detail``:
+    with :func:`code_report`'s fields)."""
+    build = _build_detailed if detail else _build_one
     if workers <= 1:
-        yield from map(_build_one, records)
+        yield from map(build, records)
         return
     with concurrent.futures.ProcessPoolExecutor(workers) as pool:
-        yield from pool.map(_build_one, records)
+        yield from pool.map(build, records)
+
+
+def ptxas_report(ptx: str) -> dict[str, int | None]:
+    """Registers and spill bytes (stores + loads) ptxas reports for ``ptx`` built for sm_90a."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        log = subprocess.run(
+            [get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", os.path.join(tmp, "kernel.o")],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    registers = re.search(r"Used (\d+) registers", log)
+    return {
+        "registers": int(registers.group(1)) if registers else None,
+        "spill_bytes": int(spills.group(1)) + int(spills.group(2)) if spills else None,
+    }
+
+
+def code_report(compiled: Any) -> dict[str, Any]:
+    """What identifies a build's code and its cost: digests of the normalized PTX
+    (:func:`normalized_ptx`) and of the SASS (``nvdisasm -c``), ptxas' registers and spills, and
+    the TMA loads (``cp.async.bulk.tensor``) in the PTX."""
+    import hashlib
+
+    ptx = compiled.asm["ptx"]
+    return {
+        "ptx_sha256": hashlib.sha256(normalized_ptx(ptx).encode()).hexdigest(),
+        "sass_sha256": hashlib.sha256(_sass(compiled.asm["cubin"]).encode()).hexdigest(),
+        "tma_loads": len(re.findall(r"\bcp\.async\.bulk\.tensor\.", ptx)),
+        **ptxas_report(ptx),
+    }
+
+
+# ---- a bundle's winners as an H200 launches them (the code its timings measured) ---------------
+
+
+def meta_problem(spec: Any, key: Any) -> Any:
+    """``spec``'s GPU problem at ``key`` on meta tensors: GPU shapes, nothing allocated or computed.
+
+    ``make_problem`` seeds ``torch.Generator(device=...)``, which has no meta form: a CPU generator
+    stands in while it runs (random draws accept one for meta tensors).
+    """
+    import torch
+
+    generator = torch.Generator
+
+    class MetaGenerator(generator):  # type: ignore[misc, valid-type]
+        def __new__(cls, device: Any = "cpu") -> torch.Generator:
+            return generator() if torch.device(device).type == "meta" else generator(device)
+
+    torch.Generator = MetaGenerator  # type: ignore[misc]
+    try:
+        return spec.make_problem(key, torch.device("meta"), 0)
+    finally:
+        torch.Generator = generator  # type: ignore[misc]
+
+
+def record_bundle_winners(bundle: str, kernel: str, jit_kernel: str) -> list[dict[str, Any]]:
+    """The distinct specializations of ``jit_kernel`` that ``kernel``'s winners in ``bundle``
+    launch, each recorded from the real launch code at its key's GPU problem on meta tensors; per
+    specialization the record and the winners' indices in the bundle (``entries``)."""
+    import torch
+
+    from tritune.configs_db.values import strict_loads
+    from tritune.kernels import _launch
+    from tritune.kernels.registry import get_spec
+
+    with open(bundle, encoding="utf-8") as f:
+        doc = strict_loads(f.read())
+    spec = get_spec(kernel)
+    meta = torch.device("meta")
+    distinct: dict[str, dict[str, Any]] = {}
+    saved = _launch.SM_COUNTS.get(meta)
+    try:
+        for index, entry in enumerate(doc["winners"]):
+            if entry["kernel"] != kernel:
+                continue
+            key = spec.key_type(**entry["key"])
+            # Launch plans read the SM count of the tensors' device: the bundle's GPU's.
+            _launch.SM_COUNTS[meta] = key.sm_count
+            problem = meta_problem(spec, key)
+            with record_launches() as recorder:
+                spec.launch(spec.space.parse(entry["config"]), *problem.args, **problem.kwargs)
+            for launch in recorder.launches:
+                if launch.kernel.fn.__name__ != jit_kernel:
+                    continue
+                record = specialize(launch)
+                identity = json.dumps(record, sort_keys=True)
+                distinct.setdefault(identity, {"record": record, "entries": []})["entries"].append(index)
+    finally:
+        if saved is None:
+            _launch.SM_COUNTS.pop(meta, None)
+        else:
+            _launch.SM_COUNTS[meta] = saved
+    return list(distinct.values())
+
+
+def build_bundle_winners(bundle: str, kernel: str, jit_kernel: str) -> Iterator[dict[str, Any]]:
+    """:func:`record_bundle_winners`, each built for sm_90 with :func:`code_report`'s fields; one
+    result per distinct specialization, in the bundle's order. Run without ``TRITON_INTERPRET``."""
+    found = record_bundle_winners(bundle, kernel, jit_kernel)
+    records = [{**item["record"], "id": i} for i, item in enumerate(found)]
+    for item, result in zip(found, build_records(records, len(os.sched_getaffinity(0)), detail=True), strict=True):
+        yield {"entries": item["entries"], **result}
 
 
 # ---- the folded fp8 Q4_K kernel with ptxas' report (tests/test_q4k.py) -----------------------
@@ -608,10 +731,16 @@ def main(argv: list[str]) -> None:
             print(json.dumps(build_prefill_ws(head_dim, causal, has_kv_len)), flush=True)
         return
     if argv[:1] == ["--records"]:
+        detail = "--detail" in argv
+        rest = [arg for arg in argv[2:] if arg != "--detail"]
         with open(argv[1]) as f:
             records = json.load(f)
-        workers = int(argv[2]) if len(argv) > 2 else len(os.sched_getaffinity(0))
-        for result in build_records(records, workers):
+        workers = int(rest[0]) if rest else len(os.sched_getaffinity(0))
+        for result in build_records(records, workers, detail):
+            print(json.dumps(result), flush=True)
+        return
+    if argv[:1] == ["--bundle-winners"]:
+        for result in build_bundle_winners(argv[1], argv[2], argv[3]):
             print(json.dumps(result), flush=True)
         return
     sass = argv[:1] == ["--sass"]

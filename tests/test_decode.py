@@ -437,7 +437,8 @@ def test_opcheck(device, many_sms, fused):
     q, k, v, kv_len = make_case(device, batch=2, kv_heads=1, group=2, lq=2, head_dim=64, lmax=140, lengths=[140, 3],
                                 tail=None)  # fmt: skip
     out = torch.empty_like(q)
-    fields = {"TARGET_WAVES": 4, "MIN_CHUNK": 64, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "FUSED_MERGE": fused}
+    config = DecodeConfig(TARGET_WAVES=4, MIN_CHUNK=64, BLOCK_N=16, num_warps=4, num_stages=2, FUSED_MERGE=fused)
+    fields = KERNEL.space.field_values(config)
     torch.library.opcheck(torch.ops.tritune.decode_attention.default, (q, k, v, kv_len, 0.125, out), fields)
 
 

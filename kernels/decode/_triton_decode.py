@@ -15,6 +15,9 @@ With ``FUSED_MERGE`` there is no merge launch: each split program, once its part
 counts itself on its row block's arrival counter, and the program that arrives last merges the
 row block's partials (through the same :func:`_merge_row` as the merge kernel) and puts the
 counter back to 0, so that the next launch or graph replay starts from zero.
+
+With ``KV_TMA`` the split kernel loads its K/V tiles through host-side tensor descriptors (TMA on
+SM90) instead of masked pointer loads; the pointer path's code is the same either way.
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ def _decode_split_kernel(
     stride_ob, stride_oh, stride_om,
     stride_kvl,
     num_kv_heads, lmax, qk_scale, splits_target, min_chunk, num_splits_max, lse_offset,
+    K_DESC, V_DESC,
     GROUP: tl.constexpr,
     LQ: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -92,6 +96,7 @@ def _decode_split_kernel(
     FUSED_MERGE: tl.constexpr,
     SPLIT_BLOCK: tl.constexpr,
     MERGE_BLOCK_D: tl.constexpr,
+    KV_TMA: tl.constexpr,
 ):
     # fmt: on
     ROWS: tl.constexpr = GROUP * LQ
@@ -143,10 +148,20 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
-        # Keys past kv_len are never loaded, so whatever the cache holds there cannot leak in.
-        kv_mask = (cols < end)[:, None] & d_ok[None, :]
-        k = tl.load(k_base + k_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
-        v = tl.load(v_base + v_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+        if KV_TMA:
+            # Boxes [1, 1, BLOCK_N, D] of the [B, Hkv, Lmax, D] caches (D_PAD == HEAD_DIM). Rows past
+            # the cache arrive as zeros, rows past this split's end as what the cache holds there
+            # (another split's keys, or anything past kv_len, NaN included). K's are dropped by the
+            # score mask below (tl.where replaces a NaN score too); V's are zeroed, since P's zero
+            # weight times a NaN or inf value would still poison the sum.
+            k = K_DESC.load([pid_b, pid_h, n0, 0]).reshape(BLOCK_N, D_PAD)
+            v = V_DESC.load([pid_b, pid_h, n0, 0]).reshape(BLOCK_N, D_PAD)
+            v = tl.where((cols < end)[:, None], v, 0.0)
+        else:
+            # Keys past kv_len are never loaded, so whatever the cache holds there cannot leak in.
+            kv_mask = (cols < end)[:, None] & d_ok[None, :]
+            k = tl.load(k_base + k_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+            v = tl.load(v_base + v_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
         if DOT_IN_FP32:
             k = k.to(tl.float32)
         # fp32 whatever type a caller's float takes (inductor passes a float64 scalar).

@@ -30,12 +30,13 @@ from .._launch import (
     runs_on_interpreter,
     sm_count,
     traced,
+    unchecked_descriptor,
     workspace,
 )
-from .._oplib import wrap_triton
+from .._oplib import in_direct_body, wrap_triton
 from ._triton_decode import _decode_merge_kernel, _decode_split_kernel
 
-__all__ = ["Plan", "launch", "plan"]
+__all__ = ["Plan", "descriptors_allowed", "launch", "plan"]
 
 #: Whether the kernels were decorated for the interpreter, which launches then prepare first.
 _INTERPRETED = runs_on_interpreter(_decode_split_kernel)
@@ -88,6 +89,27 @@ def plan(config: DecodeConfig, sm_count: int, batch: int, kv_heads: int, rows: i
     )
 
 
+def descriptors_allowed(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> bool:
+    """Whether ``KV_TMA`` may load these caches through host-side descriptors in this call.
+
+    Not for a head dim that is not a power of two (the box spans the whole head dim, unpadded),
+    nor while a tracer runs the launch: torch cannot yet trace a ``triton_op`` whose kernel takes
+    host-side descriptors, so ``torch.compile`` keeps pointer loads. A descriptor also needs a
+    16-byte aligned base and outer strides of whole 16 bytes (the inner stride of 1 is the op's
+    contract, checked again here since the descriptor is built unchecked): a cache view that
+    breaks either (an odd offset into a buffer, an odd row pitch) keeps pointer loads.
+    """
+    if padded_head_dim(head_dim) != head_dim or not in_direct_body():
+        return False
+    for cache in (k_cache, v_cache):
+        strides = cache.stride()
+        if strides[3] != 1 or cache.data_ptr() % 16:
+            return False
+        if any(stride * cache.element_size() % 16 for stride in strides[:3]):
+            return False
+    return True
+
+
 def launch(
     config: DecodeConfig,
     q: torch.Tensor,
@@ -115,13 +137,21 @@ def launch(
     stride_kvl = int(kv_len.stride(0))
     # Only the interpreter runs CPU tensors; its bf16 dot is broken, so its MMAs take fp32 operands.
     dot_in_fp32 = q.device.type == "cpu"
+    kv_tma = config.KV_TMA and descriptors_allowed(k_cache, v_cache, head_dim)
+    if kv_tma:
+        box = [1, 1, config.BLOCK_N, head_dim]
+        k_desc, v_desc = unchecked_descriptor(k_cache, box), unchecked_descriptor(v_cache, box)
+    else:
+        # Unread (the kernel's pointer branch compiles without them): any argument serves.
+        k_desc, v_desc = k_cache, v_cache
     try:
         wrap_triton(_decode_split_kernel)[(p.num_splits, p.row_blocks * kv_heads, batch)](
             q, k_cache, v_cache, kv_len, out, ws, counters, *sq, *sk, *sv, *so, stride_kvl,
             kv_heads, lmax, softmax_scale * LOG2E, p.splits_target, config.MIN_CHUNK, p.num_splits, p.lse_offset,
+            k_desc, v_desc,
             GROUP=group, LQ=lq, BLOCK_M=p.block_m, HEAD_DIM=head_dim, D_PAD=p.d_pad, BLOCK_N=config.BLOCK_N,
             DOT_IN_FP32=dot_in_fp32, FUSED_MERGE=fused, SPLIT_BLOCK=p.split_block,
-            MERGE_BLOCK_D=p.merge_block_d, num_warps=config.num_warps, num_stages=config.num_stages,
+            MERGE_BLOCK_D=p.merge_block_d, KV_TMA=kv_tma, num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
     except BaseException:
         # The interpreter runs the programs one by one: a launch that raised part-way has left row
