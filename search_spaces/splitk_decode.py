@@ -31,7 +31,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .base import HEAD_DIMS, SearchSpace, TargetLimits, choice, padded_head_dim, pointer_attention_reason
+from .base import (
+    HEAD_DIMS,
+    SearchSpace,
+    TargetLimits,
+    choice,
+    padded_head_dim,
+    pointer_attention_reason,
+    smem_reason,
+    tile_smem_bytes,
+)
 
 __all__ = [
     "HEAD_DIMS",
@@ -41,6 +50,7 @@ __all__ = [
     "block_m_for",
     "duplicate_reason",
     "feasibility",
+    "kv_tma_smem_bytes",
     "max_splits",
     "padded_head_dim",
     "portable_config",
@@ -107,6 +117,26 @@ def max_splits(config: DecodeConfig, sm_count: int, batch_kv_heads: int, rows: i
     ``cdiv(lmax, MIN_CHUNK)`` splits, nor more than the target.
     """
     return max(1, min(splits_target(config, sm_count, batch_kv_heads, rows), -(-lmax // config.MIN_CHUNK)))
+
+
+def kv_tma_smem_bytes(block_m: int, block_n: int, head_dim_pad: int, num_stages: int) -> int:
+    """Shared memory of the split kernel with ``KV_TMA``: the pointer rule's estimate (Q, K and V
+    once per buffered stage, P), one more K/V tile where the loop is pipelined, and mbarriers.
+
+    Within 64 bytes above Triton 3.6's sm90 builds with 16-row M tiles (the default keys: GQA 4,
+    one new token) at head dims 64 and 128, BLOCK_N 32-128, 2-4 stages: BLOCK_N 128 with 4 stages
+    at head dim 128 needs 237,624 bytes, past an H200 block's 232,448, where the pointer loads
+    need 204,800. (With 64-row tiles the TMA build needs only about 48 bytes more than the
+    pointer build, but both need more than the pointer rule estimates.)
+    """
+    buffers = max(num_stages - 1, 1)
+    extra = block_n if num_stages > 1 else 0
+    tiles = tile_smem_bytes(
+        (block_m, head_dim_pad, 2),  # Q
+        (2 * buffers * block_n + extra, head_dim_pad, 2),  # K and V
+        (block_m, block_n, 2),  # P staged for the second MMA
+    )
+    return tiles + 16 * num_stages
 
 
 def _hopper_or_newer(arch: str) -> bool:
@@ -176,15 +206,13 @@ def feasibility(config: DecodeConfig, key: _DecodeKeyFields, limits: TargetLimit
             return "num_warps and num_stages mean nothing to the interpreter"
         return None
 
-    return pointer_attention_reason(
-        block_m_for(key.gqa_group * key.lq),
-        config.BLOCK_N,
-        padded_head_dim(key.head_dim),
-        config.num_warps,
-        config.num_stages,
-        limits,
-        max_registers=_MAX_TILE_REGISTERS,
+    block_m, d = block_m_for(key.gqa_group * key.lq), padded_head_dim(key.head_dim)
+    reason = pointer_attention_reason(
+        block_m, config.BLOCK_N, d, config.num_warps, config.num_stages, limits, max_registers=_MAX_TILE_REGISTERS
     )
+    if reason is None and config.KV_TMA:
+        reason = smem_reason(kv_tma_smem_bytes(block_m, config.BLOCK_N, d, config.num_stages), limits)
+    return reason
 
 
 #: Shared memory every CUDA GPU the portable default must run on offers a block (Ampere consumer parts: 99 KiB).

@@ -264,32 +264,32 @@ def meta_problem(spec: Any, key: Any) -> Any:
         torch.Generator = generator  # type: ignore[misc]
 
 
-def record_bundle_winners(bundle: str, kernel: str, jit_kernel: str) -> list[dict[str, Any]]:
-    """The distinct specializations of ``jit_kernel`` that ``kernel``'s winners in ``bundle``
-    launch, each recorded from the real launch code at its key's GPU problem on meta tensors; per
-    specialization the record and the winners' indices in the bundle (``entries``)."""
+def record_winners(
+    kernel: str, entries: list[tuple[dict[str, Any], dict[str, Any]]], jit_kernel: str, *, direct_body: bool = True
+) -> list[dict[str, Any]]:
+    """The distinct specializations of ``jit_kernel`` that ``kernel`` launches at each ``(key,
+    config)`` of ``entries`` (plain dicts, as a bundle holds them), recorded from the real launch
+    code at the key's GPU problem on meta tensors; per specialization the record and the indices of
+    the entries that launch it (``entries``). ``direct_body``: launch as an op body called directly
+    (``wrap_triton`` off), where host-side descriptors are allowed."""
     import torch
+    from torch._library.triton import set_wrap_triton_enabled
 
-    from tritune.configs_db.values import strict_loads
     from tritune.kernels import _launch
     from tritune.kernels.registry import get_spec
 
-    with open(bundle, encoding="utf-8") as f:
-        doc = strict_loads(f.read())
     spec = get_spec(kernel)
     meta = torch.device("meta")
     distinct: dict[str, dict[str, Any]] = {}
     saved = _launch.SM_COUNTS.get(meta)
     try:
-        for index, entry in enumerate(doc["winners"]):
-            if entry["kernel"] != kernel:
-                continue
-            key = spec.key_type(**entry["key"])
-            # Launch plans read the SM count of the tensors' device: the bundle's GPU's.
+        for index, (key_fields, config) in enumerate(entries):
+            key = spec.key_type(**key_fields)
+            # Launch plans read the SM count of the tensors' device: the key's GPU's.
             _launch.SM_COUNTS[meta] = key.sm_count
             problem = meta_problem(spec, key)
-            with record_launches() as recorder:
-                spec.launch(spec.space.parse(entry["config"]), *problem.args, **problem.kwargs)
+            with record_launches() as recorder, set_wrap_triton_enabled(not direct_body):
+                spec.launch(spec.space.parse(config), *problem.args, **problem.kwargs)
             for launch in recorder.launches:
                 if launch.kernel.fn.__name__ != jit_kernel:
                     continue
@@ -302,6 +302,19 @@ def record_bundle_winners(bundle: str, kernel: str, jit_kernel: str) -> list[dic
         else:
             _launch.SM_COUNTS[meta] = saved
     return list(distinct.values())
+
+
+def record_bundle_winners(bundle: str, kernel: str, jit_kernel: str) -> list[dict[str, Any]]:
+    """:func:`record_winners` at ``kernel``'s winners in ``bundle``; ``entries`` index the bundle's winners."""
+    from tritune.configs_db.values import strict_loads
+
+    with open(bundle, encoding="utf-8") as f:
+        winners = strict_loads(f.read())["winners"]
+    indices = [i for i, entry in enumerate(winners) if entry["kernel"] == kernel]
+    found = record_winners(kernel, [(winners[i]["key"], winners[i]["config"]) for i in indices], jit_kernel)
+    for item in found:
+        item["entries"] = [indices[i] for i in item["entries"]]
+    return found
 
 
 def build_bundle_winners(bundle: str, kernel: str, jit_kernel: str) -> Iterator[dict[str, Any]]:
