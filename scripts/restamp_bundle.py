@@ -89,18 +89,19 @@ def restamp(doc: dict[str, Any], kernel: str, additions: dict[str, Any] | None =
     """Rewrite ``kernel``'s entries of ``doc`` in place; one line per entry saying what changed.
 
     ``additions``: values for fields the space has gained, set in the entries whose member has the
-    field and whose config lacks it (a field no entry's member has is refused).
+    field and whose config lacks it (a field the space lacks is refused).
     """
     spec = get_spec(kernel)
     additions = additions or {}
+    unknown = sorted(set(additions) - set(spec.space.dimensions))
+    if unknown:
+        raise SystemExit(f"--add: {kernel}'s space has no field {unknown}")
     notes = []
-    used: set[str] = set()
     for index, entry in enumerate(doc["winners"]):
         if entry["kernel"] != kernel:
             continue
         fields = member_fields(spec.space, entry["config"])
         added = {name: value for name, value in additions.items() if name in fields and name not in entry["config"]}
-        used.update(name for name in additions if name in fields)
         entry["config"] = {**entry["config"], **added}
         missing = [name for name in fields if name not in entry["config"]]
         if missing:
@@ -120,9 +121,6 @@ def restamp(doc: dict[str, Any], kernel: str, additions: dict[str, Any] | None =
         entry["kernel_version"] = spec.version
     if not notes:
         raise SystemExit(f"--kernel: the bundle has no {kernel} entries")
-    unused = sorted(set(additions) - used)
-    if unused:
-        raise SystemExit(f"--add: {kernel}'s entries have no field {unused}")
     return notes
 
 
