@@ -438,6 +438,9 @@ class Kernel(KernelSpec[Any, Any]):
     def starting_configs(self, key: Any, device: DeviceInfo) -> list[Any]:
         return self.tuning.starting_configs(key, device)
 
+    def winner_variants(self, config: Any, key: Any, device: DeviceInfo) -> list[Any]:
+        return self.tuning.winner_variants(config, key, device)
+
     def default_keys(self, device: DeviceInfo, **options: Any) -> list[Any]:
         return self.tuning.default_keys(device)
 

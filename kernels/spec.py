@@ -233,6 +233,11 @@ class KernelSpec(ABC, Generic[C, K]):
         """
         return []
 
+    def winner_variants(self, config: C, key: K, device: DeviceInfo) -> list[C]:
+        """Configs the tuner measures right after a stored winner ``config`` (none by default): see
+        :meth:`~.tuning_half.KernelTuning.winner_variants`."""
+        return []
+
     def peer(self, key: K, problem: Problem) -> Peer | None:
         """The PyTorch call users judge the kernel against, on ``problem`` (built for ``key``); none by default.
 

@@ -49,6 +49,12 @@ class KernelTuning:
         """Rules for configs to measure first at ``key``, after the portable default and stored winners."""
         return []
 
+    def winner_variants(self, config: Any, key: Any, device: DeviceInfo) -> list[Any]:
+        """Configs to measure right after a stored winner ``config`` at ``key``: its twins along a
+        choice it may never have had (an option added to the space since it was tuned), so that a
+        short re-tune seeded from the winners tries them. Infeasible ones are dropped by the tuner."""
+        return []
+
     def valid_key(self, key: Any) -> bool:
         """Whether a key built from ``--key`` overrides is one this kernel can be tuned at."""
         return True

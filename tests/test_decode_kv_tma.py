@@ -301,3 +301,15 @@ def test_gpu_torch_compile_with_kv_tma_pinned_keeps_pointer_loads(descriptors):
     would bake it into the graph), and the result is still right."""
     _compiled_step("cuda", batch=4, kv_heads=8, group=4, lq=1, head_dim=128, lmax=8192, lengths=[8192, 1, 5000, 0])
     assert not descriptors
+
+
+def test_a_stored_winner_is_followed_by_its_kv_tma_twin() -> None:
+    """A re-tune seeded from the shipped winners (all tuned before ``KV_TMA`` existed) measures
+    each one's descriptor twin right after it."""
+    from tritune.kernels.decode.tuning import TUNING
+    from tritune.search_spaces.splitk_decode import DecodeConfig
+
+    pointer = DecodeConfig(BLOCK_N=64, num_stages=3)
+    [twin] = TUNING.winner_variants(pointer, None, None)
+    assert twin == dataclasses.replace(pointer, KV_TMA=True)
+    assert TUNING.winner_variants(twin, None, None) == []

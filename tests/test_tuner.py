@@ -230,6 +230,34 @@ def test_a_key_is_seeded_with_its_fallback_keys_winner(tmp_path, monkeypatch):
     assert other.strategy.fallback_winners(store.winners(kernel=SPEC.name)) == []
 
 
+def test_a_stored_winners_variants_are_seeded_right_after_it(tmp_path, monkeypatch):
+    """A re-tune seeded from the stored winner measures the kernel's variants of it (a new option's
+    twin) next, before any sample; infeasible variants and the winner itself are not repeated."""
+    store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    env = environment_id(store, CPU)
+    key = toy_kernel.ToyKey(CPU.arch, CPU.sm_count, "float32", 256)
+    exhaustive = TuneOptions(trials=40, seed=1, batch=4, final_rounds=1)
+    KeyTuner(SPEC, key, CPU, torch.device("cpu"), store, env, FakeTimer(_favouring(16, 1)), exhaustive).run()
+    winner = toy_kernel.ToyConfig(BLOCK=16, BROKEN=False, num_warps=1)
+    monkeypatch.setattr(
+        SPEC,
+        "winner_variants",
+        lambda config, key, device: [
+            dataclasses.replace(config, num_warps=4),
+            dataclasses.replace(config, BLOCK=256),  # infeasible here: never seeded
+            config,
+        ],
+        raising=False,
+    )
+    monkeypatch.setattr(SPEC.space, "infeasible_reason", lambda c, k, lim: "too big" if c.BLOCK > 128 else None)
+    tuner = KeyTuner(SPEC, key, CPU, torch.device("cpu"), store, env, FakeTimer(cost), TuneOptions(trials=12, seed=1))
+    default = SPEC.space.default()
+    seeds = tuner.strategy.seeds(default, [default], exhaustive=False, rng=random.Random(0))
+    as_dict = SPEC.space.to_dict
+    assert seeds[:3] == [as_dict(default), as_dict(winner), {"BLOCK": 16, "BROKEN": False, "num_warps": 4}]
+    assert {"BLOCK": 256, "BROKEN": False, "num_warps": 1} not in seeds
+
+
 def test_seeds_leave_the_climb_its_share(tmp_path, monkeypatch):
     """Queued seeds are asked before the climb's configs: at most the exploration share of the budget,
     however many starting configs and neighbour winners there are (the portable default first)."""

@@ -149,15 +149,17 @@ class Strategy:
 
     def seeds(self, default: Any, feasible: list[Any], exhaustive: bool, rng: random.Random) -> list[dict[str, Any]]:
         """Configs enqueued before the sampler proposes any: portable default, stored winner (DB or
-        shipped bundle, provisional ones included), the winner at the spec's fallback key (what
-        serves this key until it has its own), the key's winner under an earlier kernel version,
+        shipped bundle, provisional ones included) and the kernel's variants of it, the winner at
+        the spec's fallback key (what serves this key until it has its own), the key's winner under
+        an earlier kernel version,
         the winners of the nearest tuned buckets, other GPUs' winners (the prior) and the spec's
         starting configs first."""
         seeds = [self.space.to_dict(default)]
         stored = self.store.winners(gpu=self.device.slug, kernel=self.spec.name)
         winners = [w for w in stored if w.kernel_version == self.spec.version]
-        seeds.extend(w.config for w in winners if w.key == self.key_dict)
-        seeds.extend(self.bundled_winner())
+        own = [w.config for w in winners if w.key == self.key_dict] + self.bundled_winner()
+        seeds.extend(own)
+        seeds.extend(self.winner_variants(own))
         seeds.extend(self.fallback_winners(winners))
         seeds.extend(self.earlier_winners(stored))
         seeds.extend(self.neighbour_winners(winners))
@@ -173,6 +175,22 @@ class Strategy:
         # Queued seeds are asked before anything else, the climb's configs included: at most the
         # exploration share of them (the portable default always), the random sample dropped first.
         return seeds[: max(1, self.polish_from(exhaustive))]
+
+    def winner_variants(self, own: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The kernel's variants of this key's stored winners (:meth:`KernelSpec.winner_variants`),
+        feasible here: a re-tune seeded from the winners measures them before any sample."""
+        found: list[dict[str, Any]] = []
+        for values in own:
+            try:
+                config = self.space.parse(values)
+            except (TypeError, ValueError):
+                continue
+            for variant in self.spec.winner_variants(config, self.key, self.device):
+                if self.space.infeasible_reason(variant, self.key, self.limits) is None:
+                    variant_values = self.space.to_dict(variant)
+                    if variant_values not in found and variant_values not in own:
+                        found.append(variant_values)
+        return found
 
     def fallback_winners(self, winners: list[WinnerRecord]) -> list[dict[str, Any]]:
         """The winner stored (DB, then shipped bundle) at the spec's fallback key for this key, if

@@ -5,6 +5,7 @@ Imported by the tuner only (``Kernel(tuning=...)``), never by serving code.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -111,6 +112,11 @@ class DecodeTuning(KernelTuning):
             for bh in bhs
             for n in lengths
         ]
+
+    def winner_variants(self, config: Any, key: DecodeKey, device: DeviceInfo) -> list[Any]:
+        """A stored winner's K/V-through-descriptors twin (``KV_TMA``), where the target allows it:
+        the option came after the shipped winners were tuned."""
+        return [] if config.KV_TMA else [dataclasses.replace(config, KV_TMA=True)]
 
     def valid_key(self, key: DecodeKey) -> bool:
         """A served dtype and head dim, 1 to 8 new tokens (bucketed), a positive group and sizes."""
