@@ -89,9 +89,13 @@ def test_gpu_tests_stage_runs_the_gpu_tier_with_q4k_sharded(tmp_path):
     ids = "".join(f"tests/test_q4k.py::test_gpu_{i}\n" for i in range(5))
     calls = _run_stage(tmp_path, "gpu-tests:60", ids, check=True)
     runs = [r for r in calls if "-m pytest" in r and "--collect-only" not in r]
-    attention = [r for r in runs if "tests/test_prefill.py" in r]
+    attention = [r for r in runs if " tests/test_prefill.py" in r]
     assert len(attention) == 1 and "-m gpu" in attention[0]
-    q4k = [r for r in runs if "tests/test_q4k.py" in r]
+    # Every other GPU test: the whole folder less the files the other runs take.
+    rest = [r for r in runs if "--ignore=tests/test_q4k.py" in r]
+    assert len(rest) == 1 and "-m gpu" in rest[0] and " tests " in rest[0]
+    assert all(f"--ignore=tests/{name}" in rest[0] for name in ("test_prefill.py", "test_decode.py", "test_varlen.py"))
+    q4k = [r for r in runs if " tests/test_q4k.py::" in r]
     assert sorted(r.count("::") for r in q4k) == [1, 2, 2]
 
 
@@ -100,8 +104,9 @@ def test_gpu_tests_stage_fails_when_q4k_collects_nothing(tmp_path):
         _run_stage(tmp_path, "gpu-tests:60", "", check=True)
     calls = (tmp_path / "calls.txt").read_text().splitlines()
     runs = [r for r in calls if "-m pytest" in r and "--collect-only" not in r]
-    # The attention files still ran; no pytest ran without a file or a test id.
-    assert len(runs) == 1 and runs[0].split()[-1] == "tests/test_varlen.py"
+    # The attention files and the rest still ran; no Q4_K shard ran without a test id.
+    assert len(runs) == 2 and not any("::" in r for r in runs)
+    assert sorted(r.split()[-1] for r in runs) == ["--ignore=tests/test_q4k.py", "tests/test_varlen.py"]
 
 
 def test_defaults_stage_tunes_each_kernel_over_its_default_keys(tmp_path):
