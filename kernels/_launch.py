@@ -36,6 +36,7 @@ __all__ = [
     "overlaps_itself",
     "prepare_interpreter",
     "runs_on_interpreter",
+    "same_layout",
     "sm_count",
     "traced",
     "unchecked_descriptor",
@@ -209,6 +210,18 @@ def sm_count(device: torch.device) -> int:
     if count is None:
         count = SM_COUNTS[device] = device_info(device).sm_count
     return count
+
+
+def same_layout(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor with ``t``'s dtype, device, shape and strides whose address has the
+    same remainder modulo 16 bytes: a kernel launched on it is specialized as on ``t`` (Triton
+    specializes pointers on 16-byte alignment and integers on divisibility by 16)."""
+    if t.numel() == 0:
+        return torch.empty_like(t)
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    offset = (t.data_ptr() % 16) // t.element_size()
+    storage = torch.empty(span + offset, dtype=t.dtype, device=t.device)
+    return storage.as_strided(t.shape, t.stride(), offset)
 
 
 def unchecked_descriptor(t: torch.Tensor, box: list[int]) -> TensorDescriptor:

@@ -30,7 +30,7 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 
 from . import registry
-from ._launch import prepare_interpreter
+from ._launch import prepare_interpreter, same_layout
 from ._oplib import no_modes, register_schema_op, run_unwrapped
 from .arguments import CheckedCall, Derived, Obj, Output, Rule, Scalar, Tensor, dim_names, dtype_name, static_dim
 from .device import DeviceInfo
@@ -201,29 +201,35 @@ class Kernel(KernelSpec[Any, Any]):
         if _empty(args, self._output_positions):
             return self._result(args)
         config = dispatch_choice_eager(self.name, device, facts)
-        first = None
+        choice = first = None
         if type(config) is EagerChoice:
-            config, first = config.for_call()
-        if no_modes() and not _needs_grad(args, self._tensor_positions):
+            choice, (config, first) = config, config.for_call()
+        direct = no_modes() and not _needs_grad(args, self._tensor_positions)
+        if direct and self.cpu_allowed:
             # Reading device.type builds a string per call; only interpreted kernels run on the CPU.
-            if self.cpu_allowed:
-                prepare_interpreter()
-            if first is not None:
-                run_unwrapped(self._launch, (first, *self._scratch_outputs(args)), ())
+            prepare_interpreter()
+        if choice is not None and first is not None:
+            # The winner, once, on outputs laid out as the caller's: a later capture finds it loaded.
+            scratch = self._scratch_outputs(args)
+            if direct:
+                run_unwrapped(self._launch, (first, *scratch), ())
+            else:
+                self._call_op(first, scratch)
+            choice.graph_loaded = True
+        if direct:
             run_unwrapped(self._launch, (config, *args), [args[i] for i in self._output_positions])
         else:
-            if first is not None:
-                self._call_op(first, self._scratch_outputs(args))
             self._call_op(config, args)
         return self._result(args)
 
     def _scratch_outputs(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        """``args`` with each output replaced by a fresh tensor like it: the winner's one launch at a
-        key's first eager call (so that a CUDA-graph capture finds its kernel loaded) must leave the
-        caller's outputs to the config that serves the call, whatever the kernel does with them."""
+        """``args`` with each output replaced by a fresh tensor of its dtype, shape, strides and base
+        alignment (what Triton specializes on): the winner's one launch for a call's facts (so that a
+        CUDA-graph capture finds the kernel it will launch loaded) must leave the caller's outputs to
+        the config that serves the call, whatever the kernel does with them."""
         scratch = list(args)
         for i in self._output_positions:
-            scratch[i] = torch.empty_like(args[i])
+            scratch[i] = same_layout(args[i])
         return tuple(scratch)
 
     def _call_checked(self, args: tuple[Any, ...], names: dict[str, str] | None = None) -> Any:

@@ -61,7 +61,10 @@ class EagerChoice:
 
     A capture can only replay configs whose kernels were loaded before it began (loading a module
     is not allowed while a stream captures), and a model usually warms up eagerly before it
-    captures: so the first eager call of each key launches the winner once too (:meth:`for_call`).
+    captures: so the first eager call of each set of facts launches the winner once too
+    (:meth:`for_call`; the caller sets ``graph_loaded`` once that launch has run). A pair lives in
+    the dispatcher's memo, per call facts: each new set of facts (a new length, say) pays that one
+    extra launch, once, which is what keeps the winner's specialization for those facts loaded.
     """
 
     __slots__ = ("eager", "graph", "graph_loaded")
@@ -76,7 +79,6 @@ class EagerChoice:
             return self.graph, None
         if self.graph_loaded:
             return self.eager, None
-        self.graph_loaded = True
         return self.eager, self.graph
 
     def __repr__(self) -> str:
@@ -295,7 +297,8 @@ class Dispatcher:
             # A bucket as near whose tune found no gain says the portable default is near the best
             # here: borrowing the other neighbour's winner can then lose to it.
             return None, "a bucket as near as the nearest tuned winner found no gain over the portable default"
-        return _with_eager(nearest[2], key, spec, limits), ""
+        # A neighbour's eager alternative was chosen against its own size's GPU time: not lent.
+        return nearest[2].config, ""
 
 
 def _with_eager(entry: Entry, key: TuningKey, spec: KernelSpec[Any, Any], limits: Any) -> Any:

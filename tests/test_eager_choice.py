@@ -178,9 +178,44 @@ def test_a_pin_serves_eager_calls_too(stored) -> None:
     assert LAUNCHED == [16]
 
 
-def test_a_neighbour_bucket_lends_its_eager_config(stored) -> None:
+def test_a_neighbour_bucket_lends_its_winner_not_its_eager_config(stored) -> None:
+    """An eager alternative was chosen against its own size's GPU time: a bucket borrowing the
+    winner serves the winner to eager calls too."""
     stored({"BLOCK": 32}, {"BLOCK": 64})
     x = torch.randn(100)  # bucket 128: no winner of its own; the 64 bucket is the nearest
     KERNEL(x)
     KERNEL(x)
-    assert LAUNCHED == [32, 64, 64]
+    assert LAUNCHED == [32, 32]
+
+
+def test_the_winners_launch_uses_outputs_laid_out_as_the_callers(stored) -> None:
+    """A misaligned output: the winner's one launch writes a tensor of the same strides and 16-byte
+    remainder (what Triton specializes on), never the caller's."""
+    stored({"BLOCK": 32}, {"BLOCK": 64})
+    x = torch.randn(64)
+    buffer = torch.full((200,), float("nan"))
+    out = buffer[1:65]  # 4 bytes past an aligned address
+    KERNEL(x, out=out)
+    torch.testing.assert_close(out, x * 2)
+    scratch = WRITTEN[0]
+    assert scratch is not out and scratch.stride() == out.stride()
+    assert scratch.data_ptr() % 16 == out.data_ptr() % 16
+    assert LAUNCHED == [32, 64]
+
+
+def test_a_failed_winner_launch_is_tried_again(stored, monkeypatch) -> None:
+    stored({"BLOCK": 32}, {"BLOCK": 64})
+    x = torch.randn(64)
+    real = _launch
+
+    def fail_once(config, *args):
+        if config.BLOCK == 32 and not getattr(fail_once, "failed", False):
+            fail_once.failed = True  # type: ignore[attr-defined]
+            raise RuntimeError("out of resources")
+        real(config, *args)
+
+    monkeypatch.setattr(KERNEL, "_launch", fail_once)
+    with pytest.raises(RuntimeError, match="out of resources"):
+        KERNEL(x)
+    KERNEL(x)
+    assert LAUNCHED == [32, 64]  # the second call launched the winner once more, then the eager config

@@ -309,3 +309,25 @@ def test_an_unchecked_descriptor_has_the_fields_from_tensor_gives(shape, box, vi
 
     t = view(torch.randn(shape).to(torch.bfloat16))
     assert unchecked_descriptor(t, box) == TensorDescriptor.from_tensor(t, box)
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        lambda t: t,
+        lambda t: t.flatten()[1:101].view(10, 10),  # 2 bytes past an aligned address
+        lambda t: t[:, ::3],  # strided columns
+        lambda t: t.t(),  # transposed
+        lambda t: t[2:2],  # empty
+    ],
+    ids=["contiguous", "misaligned", "strided", "transposed", "empty"],
+)
+def test_same_layout_keeps_what_triton_specializes_on(view) -> None:
+    from tritune.kernels._launch import same_layout
+
+    t = view(torch.randn(12, 12).to(torch.bfloat16))
+    copy = same_layout(t)
+    assert (copy.shape, copy.stride(), copy.dtype, copy.device) == (t.shape, t.stride(), t.dtype, t.device)
+    if t.numel():
+        assert copy.data_ptr() % 16 == t.data_ptr() % 16
+        assert copy.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
