@@ -14,6 +14,12 @@ bind the arguments with Triton's own binder, so a pointer's alignment or an inte
 divisibility selects the same compiled kernel Triton would, and call that kernel's launcher
 directly, with the arguments ``JITFunction.run`` would pass.
 
+The cache key holds what ``JITFunction.run`` compiles for: the device, the debug and
+instrumentation modes, each argument's specialization (constexpr values by value: tritune's
+launches pass each constexpr with one type, so ``True`` and ``1`` never meet) and the launch
+options. Not mirrored: the check that a kernel's globals kept their values (tritune's kernels read
+module constants only).
+
 What it does not mirror goes through ``JITFunction.run``: a launch hook set (profilers), a
 ``pre_run_hook``, a callable grid, a Triton whose
 internals are not the ones mirrored here (:data:`MIRRORED_TRITON`), or
@@ -68,6 +74,11 @@ def _fast_launch_on() -> bool:
     return _enabled
 
 
+def _modes() -> tuple[bool, str]:
+    """Triton's debug and instrumentation modes: what ``JITFunction.run`` adds to every compile's options."""
+    return knobs.runtime.debug, knobs.compilation.instrumentation_mode
+
+
 def _launch_hooks_set() -> bool:
     """Whether a launch hook is set: a non-empty hook chain, or a callable assigned in its place."""
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
@@ -114,7 +125,7 @@ class BoundKernel:
         if caches is None:  # this device's first launch of the kernel builds its binder
             return self._through_triton(None, grid, args, kwargs)
         bound_args, specialization, options = caches[-1](*args, **kwargs)
-        key = (device, knobs.runtime.debug, *specialization, *options.items())
+        key = (device, *_modes(), *specialization, *options.items())
         entry = self._compiled.get(key)  # an unhashable constexpr raises here as in JITFunction.run
         if entry is None:
             return self._through_triton(key, grid, args, kwargs)
@@ -150,7 +161,7 @@ class BoundKernel:
             if caches is None:
                 return kernel
             _, specialization, options = caches[-1](*args, **kwargs)
-            key = (device, knobs.runtime.debug, *specialization, *options.items())
+            key = (device, *_modes(), *specialization, *options.items())
         self._compiled[key] = parts  # type: ignore[assignment]
         return kernel
 

@@ -182,3 +182,14 @@ def test_a_stand_in_for_jitfunction_run_sees_every_launch(toy, monkeypatch) -> N
     for _ in range(3):
         _launch_bound(kernel, _args(), BLOCK=32)
     assert seen == [(4, 2)] * 3
+
+
+def test_an_instrumentation_mode_set_later_selects_its_own_kernel(toy, monkeypatch) -> None:
+    kernel, compiled, launches = toy
+    for _ in range(2):
+        _launch_bound(kernel, _args(), BLOCK=32)
+    monkeypatch.setattr(knobs.compilation, "instrumentation_mode", "consan")
+    for _ in range(2):
+        _launch_bound(kernel, _args(), BLOCK=32)
+    assert len(compiled) == 2
+    assert [launch[4] for launch in launches] == [1000, 1000, 1001, 1001]
