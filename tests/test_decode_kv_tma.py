@@ -313,3 +313,25 @@ def test_a_stored_winner_is_followed_by_its_kv_tma_twin() -> None:
     [twin] = TUNING.winner_variants(pointer, None, None)
     assert twin == dataclasses.replace(pointer, KV_TMA=True)
     assert TUNING.winner_variants(twin, None, None) == []
+
+
+def test_an_empty_cache_with_kv_tma_pinned_keeps_pointer_loads(descriptors) -> None:
+    """No key at all (a cache of length 0): a descriptor needs every dimension, so pointer loads
+    serve, and the output is the zeros of an empty sequence."""
+    q = torch.randn(1, 4, 1, 64).to(torch.bfloat16)
+    cache = torch.empty(1, 1, 0, 64, dtype=torch.bfloat16)
+    with use_config("splitk_decode", {**ONE_SPLIT, "KV_TMA": True}):
+        out = decode_attention(q, cache, cache, torch.zeros(1, dtype=torch.int32))
+    assert descriptors == []
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_a_pinned_kv_tma_config_keeps_pointer_loads_before_sm90(monkeypatch) -> None:
+    config = DecodeConfig(KV_TMA=True)
+    h200 = dataclasses.replace(A100, name="NVIDIA H200", capability=(9, 0), sm_count=132, arch="sm90")
+    facts = ("bf16", 128, 1, 32, 8, 1, 4096)
+    assert KERNEL.serveable(config, A100, facts).KV_TMA is False
+    assert KERNEL.serveable(config, h200, facts) == config
+    assert KERNEL.serveable(config, CPU, facts) == config
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    assert KERNEL.serveable(config, h200, facts).KV_TMA is False

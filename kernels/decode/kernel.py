@@ -19,6 +19,7 @@ replay. The key buckets the cache length and ``batch x KV heads``, the sizes the
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -28,7 +29,7 @@ from tritune.search_spaces.splitk_decode import HEAD_DIMS, SPACE, DecodeConfig, 
 
 from .._launch import SOFTMAX_SCALE, gqa_rule
 from ..declare import Kernel, Output, Rule, Tensor
-from ..device import DeviceInfo
+from ..device import DeviceInfo, target_supports
 from ..spec import TuningKey, pow2_bucket
 from ._triton_decode import _decode_merge_kernel, _decode_split_kernel
 from .launch import launch
@@ -80,6 +81,15 @@ def default_config(key: DecodeKey) -> DecodeConfig:
     return portable_config(key, interpreter=key.arch == "cpu-interpreter")
 
 
+def _serve(config: DecodeConfig, device: DeviceInfo, facts: Any) -> DecodeConfig:
+    """A pinned ``KV_TMA`` config keeps pointer loads where the target lacks tensor-memory loads
+    (before SM90, ROCm, or a ``TORCH_CUDA_ARCH_LIST`` naming an older GPU); the interpreter runs
+    descriptors. The launch also keeps pointer loads for caches descriptors cannot cover and while tracing."""
+    if config.KV_TMA and not (device.is_interpreter or target_supports(device, (9, 0))):
+        return dataclasses.replace(config, KV_TMA=False)
+    return config
+
+
 KERNEL = Kernel(
     "splitk_decode",
     arguments=[
@@ -109,6 +119,7 @@ KERNEL = Kernel(
     # Split geometry comes from the space's rules and the SM count; trials are graph-timed.
     protocol=1,
     default=default_config,
+    serve=_serve,
     tuning="tritune.kernels.decode.tuning:TUNING",
     op_name="tritune::decode_attention",
 )

@@ -101,6 +101,8 @@ def descriptors_allowed(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: 
     """
     if padded_head_dim(head_dim) != head_dim or not in_direct_body():
         return False
+    if 0 in k_cache.shape:  # an empty cache (no key at all): a descriptor needs every dimension
+        return False
     for cache in (k_cache, v_cache):
         strides = cache.stride()
         if strides[3] != 1 or cache.data_ptr() % 16:
