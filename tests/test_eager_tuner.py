@@ -58,8 +58,10 @@ def test_a_config_faster_for_eager_calls_is_stored_beside_the_winner(tmp_path, m
     assert record.eager.config == {"BLOCK": 64, "BROKEN": False, "num_warps": 2}
     assert record.eager.ms == pytest.approx(toy_kernel.toy_cost(toy_kernel.ToyConfig(64, False, 2)))
     assert record.eager.winner_ms == pytest.approx(0.5)
-    # The winner was timed first, then only configs faster on the GPU than its 0.5 ms eager call.
+    # The winner was timed first, then again with only configs faster on the GPU than its 0.5 ms
+    # eager call, in one set of rounds.
     assert bench.asked[0] == [record.config]
+    assert bench.asked[1][0] == record.config
     assert all(toy_kernel.toy_cost(toy_kernel.ToyConfig(**c)) < 0.5 for c in bench.asked[1])
 
 
@@ -95,3 +97,29 @@ def test_the_bench_times_host_cost_per_launch_on_real_launches() -> None:
     bench.open(toy_kernel.SPEC, key, 0, {"BLOCK": 32, "BROKEN": False, "num_warps": 4})
     times = bench.host_times([{"BLOCK": 16}, {"BLOCK": 128}])
     assert times is not None and len(times) == 2 and all(t > 0 for t in times)
+
+
+def test_host_times_add_the_public_calls_own_cost_to_every_config(monkeypatch) -> None:
+    """What a public call adds before its launch (checks, dispatch) is the same for every config:
+    measured once on a declared kernel and added to each config's launch time."""
+    import time
+
+    from tritune.kernels.registry import load
+    from tritune.tuner.candidates import CandidateBench
+
+    spec = load("examples/rmsnorm.py:RMSNORM")
+    bench = LocalBench(torch.device("cpu"), FakeTimer(lambda config: 1.0))
+    key = spec.default_keys(CPU)[0]
+    default = spec.space.to_dict(spec.default_config(key))
+    bench.open(spec, key, 0, default)
+    plain = bench.host_times([default, default])
+    real = CandidateBench._public_call
+
+    def slowed(self, values):
+        pin, call = real(self, values)
+        return pin, lambda: (time.sleep(0.002), call())
+
+    monkeypatch.setattr(CandidateBench, "_public_call", slowed)
+    slow = bench.host_times([default, default])
+    assert plain is not None and slow is not None
+    assert all(s - p > 1.5 for s, p in zip(slow, plain, strict=True)), (plain, slow)

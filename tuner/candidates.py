@@ -12,10 +12,11 @@ Every bench, local or isolated, offers the same :class:`Bench` interface to the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypedDict
 
@@ -349,27 +350,45 @@ class CandidateBench:
         }
 
     def host_times(self, configs: list[dict[str, Any]]) -> list[float]:
-        """Host milliseconds per launch of each config (the checked launch :meth:`_measure` times),
-        called back to back on an idle GPU: what an eager caller pays per call where the GPU keeps
-        up. Interleaved rounds, the median of each counts."""
+        """Host milliseconds per eager call of each config, called back to back on an idle GPU: what
+        an eager caller pays per call where the GPU keeps up. Each config's checked launch (what
+        :meth:`_measure` times) plus what a public call adds before any launch (its checks and
+        dispatch, the same for every config: measured once, on the first config, where the kernel
+        is callable). Interleaved rounds; the median of each counts."""
         runs = []
         for values in configs:
             target = torch.empty_like(self.portable_out)
             config = self.spec.space.parse(values)
             runs.append(self.spec.prepare(config, *self.problem.args, **{**self.problem.kwargs, "out": target}))
+        public = self._public_call(configs[0]) if configs else None
+        timed = runs if public is None else [*runs, public[1]]
         calls = HOST_CALLS if self.device.type == "cuda" else 2
-        samples: list[list[float]] = [[] for _ in runs]
-        for run in runs:
-            run()
-        for _ in range(HOST_ROUNDS):
-            for index, run in enumerate(runs):
-                self._sync()
-                start = time.perf_counter()
-                for _ in range(calls):
-                    run()
-                samples[index].append((time.perf_counter() - start) / calls * 1e3)
+        samples: list[list[float]] = [[] for _ in timed]
+        with public[0] if public is not None else contextlib.nullcontext():
+            for run in timed:
+                run()
+            for _ in range(HOST_ROUNDS):
+                for index, run in enumerate(timed):
+                    self._sync()
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        run()
+                    samples[index].append((time.perf_counter() - start) / calls * 1e3)
         self._sync()
-        return [_median(s) for s in samples]
+        times = [_median(s) for s in samples]
+        overhead = max(0.0, times.pop() - times[0]) if public is not None else 0.0
+        return [ms + overhead for ms in times]
+
+    def _public_call(self, values: dict[str, Any]) -> tuple[Any, Callable[[], Any]] | None:
+        """The kernel's public call on the timed problem pinned to ``values`` (the pin, a context to
+        hold around the calls, and the call), or None where the kernel is not callable."""
+        if not callable(self.spec):
+            return None
+        from tritune.kernels.dispatcher import use_config
+
+        target = torch.empty_like(self.portable_out)
+        spec, args, kwargs = self.spec, self.problem.args, {**self.problem.kwargs, "out": target}
+        return use_config(spec.name, values), lambda: spec(*args, **kwargs)
 
     def _peer(self) -> tuple[Peer | None, str | None]:
         """The kernel's peer on the timed problem, run once and cross-checked; else ``None`` and why."""

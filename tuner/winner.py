@@ -129,10 +129,12 @@ def eager_alternative(
 
     An eager caller pays about ``max(GPU time, host time)`` per call when calls follow each other
     (the host queues the next launch while the GPU runs this one). The GPU times are the trials'
-    (or the final rounds', where re-timed); host times are measured here. First the winner's, which
-    bounds the rest: only a config whose GPU time is below the winner's eager time can beat it.
-    Then the fastest such configs (at most :data:`EAGER_CONTENDERS`, the portable default among
-    them where it qualifies); one beating the winner by :data:`EAGER_MARGIN` is returned.
+    (or the final rounds', where re-timed); host times are measured here (each config's launch plus
+    the public call's checks and dispatch). First the winner's, which bounds the rest: only a
+    config whose GPU time is below the winner's eager time can beat it. Then the fastest such
+    configs (at most :data:`EAGER_CONTENDERS`, the portable default among them where it qualifies)
+    with the winner again, in one set of interleaved rounds; the best of them is re-timed on the
+    GPU beside the winner, and returned if it beats the winner by :data:`EAGER_MARGIN`.
     """
     known = search.known
     gpu_ms = {**known.times, **timed}
@@ -140,26 +142,32 @@ def eager_alternative(
     if not first:
         notes.append("the launches' host cost could not be timed: no eager alternative")
         return None
-    winner_eager = max(gpu_ms[winner], first[0])
-    bound = winner_eager / (1 + EAGER_MARGIN)
+    bound = max(gpu_ms[winner], first[0]) / (1 + EAGER_MARGIN)
     fastest = sorted((i for i in gpu_ms if i != winner and gpu_ms[i] < bound), key=lambda i: gpu_ms[i])
     contenders = list(dict.fromkeys([*fastest[:EAGER_CONTENDERS], *([default] if default in fastest else [])]))
     if not contenders:
         return None  # nothing runs on the GPU faster than the winner's eager call
-    host = bench.host_times([dict(ident) for ident in contenders])
-    if host is None or len(host) != len(contenders):
+    # The winner again, in the same interleaved rounds as its contenders: one clock for all.
+    host = bench.host_times([dict(ident) for ident in [winner, *contenders]])
+    if host is None or len(host) != len(contenders) + 1:
         notes.append("the launches' host cost could not be timed: no eager alternative")
         return None
-    eager_ms = {ident: max(gpu_ms[ident], ms) for ident, ms in zip(contenders, host, strict=True)}
-    best = min(eager_ms, key=lambda ident: eager_ms[ident])
-    if eager_ms[best] >= bound:
+    host_ms = dict(zip([winner, *contenders], host, strict=True))
+    best = min(contenders, key=lambda ident: max(gpu_ms[ident], host_ms[ident]))
+    # GPU times of the trials and of the final rounds are not one clock either: re-time the pair.
+    retimed = bench.retime([dict(winner), dict(best)], max(1, search.options.final_rounds))
+    if retimed is not None:
+        gpu_ms[winner], gpu_ms[best] = retimed["ms"]
+    winner_eager = max(gpu_ms[winner], host_ms[winner])
+    best_eager = max(gpu_ms[best], host_ms[best])
+    if best_eager * (1 + EAGER_MARGIN) >= winner_eager:
         return None
     config = search.space.to_dict(known.config(best))
     notes.append(
-        f"eager calls: {config} (about {eager_ms[best] * 1e3:.1f} us a call against the winner's "
-        f"{winner_eager * 1e3:.1f} us, {first[0] * 1e3:.1f} us of it host work)"
+        f"eager calls: {config} (about {best_eager * 1e3:.1f} us a call against the winner's "
+        f"{winner_eager * 1e3:.1f} us, {host_ms[winner] * 1e3:.1f} us of it host work)"
     )
-    return EagerAlternative(config=config, ms=eager_ms[best], winner_ms=winner_eager)
+    return EagerAlternative(config=config, ms=best_eager, winner_ms=winner_eager)
 
 
 def _peer_at_fault(bench: Bench) -> bool:
