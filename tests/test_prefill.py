@@ -319,6 +319,24 @@ def test_tma_op_on_a_misaligned_base_runs_portable_tiles_that_fit(monkeypatch):
     _expect_close(out, q, k, v, causal=True, kv_len=None, softmax_scale=0.125)
 
 
+def test_a_direct_call_of_the_tma_op_with_strides_descriptors_cannot_cover_runs_portable(monkeypatch):
+    """The nested TMA op builds its descriptors unchecked: called directly with a row pitch that is
+    not a multiple of 16 bytes (no eligibility rule ran), it must run the portable stand-in."""
+    case = Case(1, 4, 2, 9, 40, 64)
+    q0, k, v, _ = _inputs(case, seed=12)
+    q = torch.empty(*q0.shape[:-1], 68, dtype=q0.dtype, device=DEVICE)[..., :64]  # rows 136 bytes apart
+    q.copy_(q0)
+    assert q.stride(2) * q.element_size() % 16
+    configs = []
+    real = prefill_launch.launch_portable
+    monkeypatch.setattr(prefill_launch, "launch_portable", lambda c, *a: configs.append(c) or real(c, *a))
+    out = _poisoned_out(case, q)
+    tiles = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=2, PACK_GQA=False, SPLIT_KV=1)
+    torch.ops.tritune.prefill_attention_tma(q, k, v, None, True, 0.125, out, **tiles)
+    assert [c.path for c in configs] == ["portable"]
+    _expect_close(out, q, k, v, causal=True, kv_len=None, softmax_scale=0.125)
+
+
 def test_wide_kv_tiles_take_64_bit_offsets():
     """A K/V tile whose elements lie 2**31 or more apart needs 64-bit in-tile offsets (set on the host)."""
     narrow = torch.empty_strided((1, 2, 64, 128), (0, 128, 256, 1), device="meta", dtype=BF16)

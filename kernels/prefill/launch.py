@@ -283,12 +283,13 @@ def _run_tma(
     softmax_scale: float,
     out: torch.Tensor,
 ) -> None:
-    """The TMA (or ws) launch on real tensors, or its portable stand-in where a base is not 16-byte aligned."""
-    if (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15:
-        # Only a compiled graph gets here with a misaligned base: its facts could not see pointers.
-        # The stand-in keeps the TMA tiles only where the portable kernel fits them.
-        from .kernel import portable_stand_in
+    """The TMA (or ws) launch on real tensors, or its portable stand-in where descriptors cannot cover them."""
+    from .kernel import portable_stand_in, tma_layout_ok
 
+    if not tma_layout_ok(q, k, v, out):
+        # A compiled graph gets here with a misaligned base (its facts could not see pointers), and
+        # a direct call of the nested op with any layout: the descriptors are built unchecked.
+        # The stand-in keeps the TMA tiles only where the portable kernel fits them.
         stand_in = portable_stand_in(config, q, k, v, kv_len, causal, softmax_scale, out)
         launch_portable(stand_in, q, k, v, kv_len, causal, softmax_scale, out)
         return
