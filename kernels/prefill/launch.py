@@ -12,7 +12,7 @@ the op's dispatch a second time. The ws path (Gluon, SM90 only) does the same th
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -235,38 +235,33 @@ def _op_config(fields: tuple[tuple[str, Any], ...], path: str) -> TmaConfig | Ws
     return config
 
 
-def _tma_body(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_len: torch.Tensor | None,
-    causal: bool,
-    softmax_scale: float,
-    out: torch.Tensor,
-    **fields: Any,
-) -> None:
-    _run_tma(_op_config(tuple(fields.items()), "tma"), q, k, v, kv_len, causal, softmax_scale, out)
+def _nested_body(path: str) -> Callable[..., None]:
+    """The body of a nested op for ``path`` ("tma" or "ws"): its config from the op's fields, then
+    the launch (or the portable stand-in where descriptors cannot cover the tensors)."""
+
+    def body(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_len: torch.Tensor | None,
+        causal: bool,
+        softmax_scale: float,
+        out: torch.Tensor,
+        **fields: Any,
+    ) -> None:
+        _run_tma(_op_config(tuple(fields.items()), path), q, k, v, kv_len, causal, softmax_scale, out)
+
+    return body
 
 
-_TMA_OP = register_schema_op("tritune::prefill_attention_tma", _tma_body, _schema("tma"), mutated=(6,), opaque=True)
-
-
-def _ws_body(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_len: torch.Tensor | None,
-    causal: bool,
-    softmax_scale: float,
-    out: torch.Tensor,
-    **fields: Any,
-) -> None:
-    _run_tma(_op_config(tuple(fields.items()), "ws"), q, k, v, kv_len, causal, softmax_scale, out)
-
-
+_TMA_OP = register_schema_op(
+    "tritune::prefill_attention_tma", _nested_body("tma"), _schema("tma"), mutated=(6,), opaque=True
+)
 #: The ws path's Gluon descriptors are host objects too: its launch runs in an opaque op of its own,
 #: carrying the ws member's fields.
-_WS_OP = register_schema_op("tritune::prefill_attention_ws", _ws_body, _schema("ws"), mutated=(6,), opaque=True)
+_WS_OP = register_schema_op(
+    "tritune::prefill_attention_ws", _nested_body("ws"), _schema("ws"), mutated=(6,), opaque=True
+)
 
 
 def _op_field_values(config: TmaConfig | WsConfig) -> Mapping[str, Any]:
