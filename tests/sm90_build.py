@@ -455,7 +455,6 @@ def build_q4k(
     (``wgmma.wait_group N``: 0 waits for each), and the pipelined loads as ``cp.async``
     (Ampere-style asynchronous copies) and ``cp.async.bulk`` (TMA) instructions; with ``sass``,
     the main loop's SASS opcodes too (:func:`_sass_report`)."""
-    from triton.backends.nvidia.compiler import get_ptxas
 
     from tritune.kernels.q4k import _triton_fold, _triton_int8, _triton_portable
 
@@ -493,18 +492,7 @@ def build_q4k(
     }
     compiled = compile_record(record)
     ptx = compiled.asm["ptx"]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        log = subprocess.run(
-            [get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", os.path.join(tmp, "kernel.o")],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stderr
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    registers = re.search(r"Used (\d+) registers", log)
+    report = ptxas_report(ptx)
     mma = re.findall(r"(wgmma\.mma_async\.sync\.aligned\.\w+\.[fs]32\.\w+\.\w+|mma\.sync\.aligned\.[\w.]+)", ptx)
     a_sources = {"{": "registers", "%rd": "shared"}
     result = {
@@ -516,8 +504,7 @@ def build_q4k(
         "wgmma_in_flight": max(map(int, re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)), default=None),
         "cp_async": len(re.findall(r"cp\.async\.c[ag]\.", ptx)),
         "tma": len(re.findall(r"cp\.async\.bulk\.", ptx)),
-        "registers": int(registers.group(1)) if registers else None,
-        "spill_bytes": int(spills.group(1)) + int(spills.group(2)) if spills else None,
+        **report,
         "shared": compiled.metadata.shared,
     }
     if sass:
@@ -591,7 +578,6 @@ def build_gemv(k: int, n: int, config: dict[str, Any], m: int = 1, bias: bool = 
 
     import torch
     from torch._library.triton import set_wrap_triton_enabled
-    from triton.backends.nvidia.compiler import get_ptxas
 
     from tritune.kernels import _launch
     from tritune.kernels.q4k.kernel import KERNEL
@@ -615,23 +601,11 @@ def build_gemv(k: int, n: int, config: dict[str, Any], m: int = 1, bias: bool = 
     for recorded in recorder.launches:
         compiled = compile_record(specialize(recorded))
         ptx = compiled.asm["ptx"]
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "kernel.ptx")
-            with open(path, "w") as f:
-                f.write(ptx)
-            log = subprocess.run(
-                [get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", os.path.join(tmp, "kernel.o")],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stderr
-        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-        registers = re.search(r"Used (\d+) registers", log)
+        report = ptxas_report(ptx)
         results.append(
             {
                 "kernel": recorded.kernel.fn.__name__,
-                "registers": int(registers.group(1)) if registers else None,
-                "spill_bytes": int(spills.group(1)) + int(spills.group(2)) if spills else None,
+                **report,
                 "shared": compiled.metadata.shared,
                 "atomics": sorted(set(re.findall(r"\batom(?:\.\w+)+", ptx))),
                 "cg_loads": len(re.findall(r"\bld\.global\.cg\b", ptx)),
@@ -676,7 +650,6 @@ def build_prefill_ws(head_dim: int, causal: bool = True, has_kv_len: bool = True
     (``BAR``) and mbarrier operations (``SYNCS``), and the highest register each partition's code
     touches (segments of the SASS between reallocations that hold a wgmma or a TMA copy)."""
     import torch
-    from triton.backends.nvidia.compiler import get_ptxas
 
     from tritune.kernels.device import DeviceInfo
     from tritune.kernels.prefill.kernel import PrefillKey
@@ -696,18 +669,7 @@ def build_prefill_ws(head_dim: int, causal: bool = True, has_kv_len: bool = True
         (launch,) = recorder.launches
         compiled = compile_record(specialize(launch))
         ptx = compiled.asm["ptx"]
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "kernel.ptx")
-            with open(path, "w") as f:
-                f.write(ptx)
-            log = subprocess.run(
-                [get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", os.path.join(tmp, "kernel.o")],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stderr
-        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-        registers = re.search(r"Used (\d+) registers", log)
+        report = ptxas_report(ptx)
         sass = _sass(compiled.asm["cubin"])
         opcodes = _sass_opcodes(sass)
         partitions = []
@@ -720,8 +682,7 @@ def build_prefill_ws(head_dim: int, causal: bool = True, has_kv_len: bool = True
             {
                 "config": {name: getattr(config, name) for name in ("BLOCK_M", "BLOCK_N", "num_stages")}
                 | {"CONSUMER_REGS": config.CONSUMER_REGS, "PRODUCER_REGS": config.PRODUCER_REGS},
-                "registers": int(registers.group(1)) if registers else None,
-                "spill_bytes": int(spills.group(1)) + int(spills.group(2)) if spills else None,
+                **report,
                 "shared": compiled.metadata.shared,
                 "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
                 "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
