@@ -227,8 +227,8 @@ def same_layout(t: torch.Tensor) -> torch.Tensor:
 def unchecked_descriptor(t: torch.Tensor, box: list[int]) -> TensorDescriptor:
     """``TensorDescriptor.from_tensor(t, box)`` without the class's own checks, for a launch whose
     eligibility rule has established them for this call: a 16-byte aligned base, outer strides of
-    16 bytes, a unit inner stride, no empty dimension, a power-of-two box. The checks cost about
-    1.5 us a descriptor in Python on every launch; the fields are the same (a test compares them).
+    16 bytes, a unit inner stride, no empty dimension, a power-of-two box. Those checks are Python
+    run on every launch; the fields are the same (a test compares them).
     """
     descriptor = TensorDescriptor.__new__(TensorDescriptor)
     descriptor.base = t
