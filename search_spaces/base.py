@@ -353,6 +353,46 @@ def smem_reason(smem_bytes: int, limits: TargetLimits) -> str | None:
     return None
 
 
+#: Shared memory a TMA build of the attention kernels holds beyond its tiles (mbarriers, and at
+#: most 1,024 bytes in Triton 3.6's sm_90 builds with wgmma).
+KV_TMA_EXTRA_SMEM = 1024
+
+
+def attention_wgmma(block_m: int, num_warps: int) -> bool:
+    """Whether Triton 3.6 builds the attention MMAs for sm_90 as wgmma (a warp group per 64 rows of
+    the M tile), which takes P from registers; else as mma.sync, which stages P in shared memory."""
+    return block_m % 64 == 0 and num_warps >= 4
+
+
+def attention_smem_bytes(
+    block_m: int, block_n: int, head_dim_pad: int, num_warps: int, num_stages: int, *, kv_tma: bool = False
+) -> int:
+    """Shared memory Triton 3.6 allocates for sm_90 (``metadata.shared``) to the attention kernels
+    that load K/V tiles by pointers or, with ``kv_tma``, by TMA descriptors (decode, varlen), as
+    fitted to their builds on 2026-12-05 (head dims 64/128, BLOCK_M 16-128, BLOCK_N 16-128, 1-4
+    stages, 2-8 warps). With tiles Q ``[block_m, D]``, P ``[block_m, block_n]`` and one K or V tile
+    ``[block_n, D]`` (bf16), a build holds:
+
+    - with mma.sync (:func:`attention_wgmma` false): Q + P + ``2 (num_stages - 1)`` K/V tiles
+      (one tile with a single stage); exact at 16- and 32-row M tiles;
+    - with wgmma: Q + ``2 num_stages`` K/V tiles and no P (the pipeliner keeps one more K/V pair
+      in flight for the asynchronous MMA); exact at 64-row M tiles, 4 warps;
+    - with TMA loads: Q + P + ``2 num_stages`` K/V tiles (Q alone with wgmma) and
+      :data:`KV_TMA_EXTRA_SMEM` for the barriers, within one K/V tile plus P above the builds;
+    - at least the fp32 accumulator ``[block_m, D]``, which the epilogue converts through shared
+      memory (what small tiles need).
+    """
+    tile = block_n * head_dim_pad * 2
+    wgmma = attention_wgmma(block_m, num_warps)
+    # mma.sync with pointer loads: num_stages - 1 K/V pairs in flight, K and V sharing one tile unpipelined.
+    kv_tiles = 2 * num_stages if kv_tma or wgmma else max(2 * (num_stages - 1), 1)
+    p_tile = 0 if wgmma else block_m * block_n * 2
+    smem = block_m * head_dim_pad * 2 + p_tile + kv_tiles * tile
+    if kv_tma:
+        smem += KV_TMA_EXTRA_SMEM
+    return max(smem, block_m * head_dim_pad * 4)
+
+
 def pointer_attention_reason(
     block_m: int,
     block_n: int,
@@ -362,11 +402,13 @@ def pointer_attention_reason(
     limits: TargetLimits,
     *,
     max_registers: int,
+    kv_tma: bool = False,
 ) -> str | None:
-    """The resource rule of the attention kernels that load K/V tiles through pointers (decode, varlen).
+    """The resource rule of the attention kernels that load K/V tiles through pointers, or with
+    ``kv_tma`` through TMA descriptors (decode, varlen).
 
-    Every thread issues 16-byte loads of the KV tile, the accumulator and scores stay in registers,
-    and shared memory holds Q, K and V once per buffered stage and P staged for the second MMA.
+    Every thread issues 16-byte loads of the KV tile and the accumulator and scores stay in
+    registers; shared memory is :func:`attention_smem_bytes`, fitted to Triton 3.6's sm_90 builds.
     """
     threads = 32 * num_warps
     if block_n * head_dim_pad < 8 * threads:
@@ -374,11 +416,5 @@ def pointer_attention_reason(
     reason = register_reason(block_m, block_n, head_dim_pad, num_warps, max_registers)
     if reason is not None:
         return reason
-    # The pipeliner keeps num_stages - 1 K/V tiles in flight (checked against Triton 3.6's sm90 builds).
-    buffers = max(num_stages - 1, 1)
-    smem = tile_smem_bytes(
-        (block_m, head_dim_pad, 2),  # Q
-        (2 * buffers * block_n, head_dim_pad, 2),  # K and V, one copy per buffered stage
-        (block_m, block_n, 2),  # P staged for the second MMA
-    )
+    smem = attention_smem_bytes(block_m, block_n, head_dim_pad, num_warps, num_stages, kv_tma=kv_tma)
     return smem_reason(smem, limits)

@@ -35,11 +35,11 @@ from .base import (
     HEAD_DIMS,
     SearchSpace,
     TargetLimits,
+    attention_smem_bytes,
     choice,
     padded_head_dim,
     pointer_attention_reason,
     smem_reason,
-    tile_smem_bytes,
 )
 
 __all__ = [
@@ -119,24 +119,16 @@ def max_splits(config: DecodeConfig, sm_count: int, batch_kv_heads: int, rows: i
     return max(1, min(splits_target(config, sm_count, batch_kv_heads, rows), -(-lmax // config.MIN_CHUNK)))
 
 
-def kv_tma_smem_bytes(block_m: int, block_n: int, head_dim_pad: int, num_stages: int) -> int:
-    """Shared memory of the split kernel with ``KV_TMA``: the pointer rule's estimate (Q, K and V
-    once per buffered stage, P), one more K/V tile where the loop is pipelined, and mbarriers.
+def kv_tma_smem_bytes(block_m: int, block_n: int, head_dim_pad: int, num_stages: int, num_warps: int) -> int:
+    """Shared memory of the split kernel with ``KV_TMA``: :func:`attention_smem_bytes` with TMA loads.
 
-    Within 64 bytes above Triton 3.6's sm90 builds with 16-row M tiles (the default keys: GQA 4,
-    one new token) at head dims 64 and 128, BLOCK_N 32-128, 2-4 stages: BLOCK_N 128 with 4 stages
-    at head dim 128 needs 237,624 bytes, past an H200 block's 232,448, where the pointer loads
-    need 204,800. (With 64-row tiles the TMA build needs only about 48 bytes more than the
-    pointer build, but both need more than the pointer rule estimates.)
+    Triton 3.6's sm_90 builds (2026-12-05) hold one more K/V tile than the pointer loads where the
+    MMAs are mma.sync (16- and 32-row M tiles): BLOCK_N 128 with 4 stages at head dim 128 needs
+    237,624 bytes, past an H200 block's 232,448, where the pointer loads need 204,800; and only
+    barriers more where they are wgmma (64-row M tiles, 4 or 8 warps). The estimate counts a full
+    K/V pair more, within one K/V tile and 1 KiB above the builds at head dims 64/128.
     """
-    buffers = max(num_stages - 1, 1)
-    extra = block_n if num_stages > 1 else 0
-    tiles = tile_smem_bytes(
-        (block_m, head_dim_pad, 2),  # Q
-        (2 * buffers * block_n + extra, head_dim_pad, 2),  # K and V
-        (block_m, block_n, 2),  # P staged for the second MMA
-    )
-    return tiles + 16 * num_stages
+    return attention_smem_bytes(block_m, block_n, head_dim_pad, num_warps, num_stages, kv_tma=True)
 
 
 def _hopper_or_newer(arch: str) -> bool:
@@ -211,7 +203,7 @@ def feasibility(config: DecodeConfig, key: _DecodeKeyFields, limits: TargetLimit
         block_m, config.BLOCK_N, d, config.num_warps, config.num_stages, limits, max_registers=_MAX_TILE_REGISTERS
     )
     if reason is None and config.KV_TMA:
-        reason = smem_reason(kv_tma_smem_bytes(block_m, config.BLOCK_N, d, config.num_stages), limits)
+        reason = smem_reason(kv_tma_smem_bytes(block_m, config.BLOCK_N, d, config.num_stages, config.num_warps), limits)
     return reason
 
 

@@ -159,7 +159,14 @@ def feasibility(config: VarlenConfig, key: _VarlenKeyFields, limits: TargetLimit
     if config.num_warps == 8 and block_m < 64:
         return "8 warps need BLOCK_M >= 64"
     return pointer_attention_reason(
-        block_m, config.BLOCK_N, d, config.num_warps, config.num_stages, limits, max_registers=_MAX_TILE_REGISTERS
+        block_m,
+        config.BLOCK_N,
+        d,
+        config.num_warps,
+        config.num_stages,
+        limits,
+        max_registers=_MAX_TILE_REGISTERS,
+        kv_tma=config.KV_TMA,
     )
 
 

@@ -28,6 +28,7 @@ import sm90_build
 from tritune.kernels.decode.kernel import KERNEL
 from tritune.kernels.device import DeviceInfo
 from tritune.kernels.spec import smem_limit_bytes
+from tritune.search_spaces.base import attention_smem_bytes
 from tritune.search_spaces.splitk_decode import SPACE, block_m_for, kv_tma_smem_bytes
 
 H200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
@@ -119,6 +120,14 @@ TMA_BUILDS: list[tuple[dict[str, Any], dict[str, Any]]] = [
 ]
 
 
+#: Pointer-load builds at a 64-row M tile (GQA 8 x 8 new tokens, head dim 128), where the MMAs are
+#: wgmma and the pipeliner holds one more K/V pair than with 16-row tiles: (config fields) each.
+POINTER_M64_KEY = {"gqa_group": 8, "lq": 8}
+POINTER_M64_BUILDS: list[dict[str, Any]] = [
+    {"BLOCK_N": block_n, "num_stages": stages, "num_warps": 4} for block_n, stages in ((64, 3), (128, 3), (128, 4))
+]
+
+
 def _winner_key(head_dim: int, bh_bucket: int, lkv_bucket: int) -> dict[str, Any]:
     return {"arch": "sm90", "sm_count": 132, "dtype": "bf16", "head_dim": head_dim, "gqa_group": 4, "lq": 1,
             "bh_bucket": bh_bucket, "lkv_bucket": lkv_bucket}  # fmt: skip
@@ -138,7 +147,7 @@ def _tma_entries() -> list[tuple[dict[str, Any], dict[str, Any]]]:
 
 @pytest.fixture(scope="module")
 def decode_builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[list[int], dict[str, Any]]]]:
-    """``"winners"`` and ``"kv_tma"``: per distinct launch of the split kernel, the indices of the
+    """``"winners"``, ``"kv_tma"`` and ``"pointer_m64"``: per distinct launch of the split kernel, the indices of the
     entries that launch it and its build (:func:`sm90_build.code_report`'s fields)."""
     reason = sm90_build_reason()
     if reason is not None:
@@ -146,6 +155,10 @@ def decode_builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tu
     groups = {
         "winners": [(_winner_key(*row[:3]), dict(zip(_CONFIG_FIELDS, row[3:], strict=True))) for row in WINNER_SASS],
         "kv_tma": _tma_entries(),
+        "pointer_m64": [
+            (dataclasses.asdict(_tma_key(POINTER_M64_KEY)), SPACE.to_dict(SPACE.parse(fields)))
+            for fields in POINTER_M64_BUILDS
+        ],
     }
     found = {name: sm90_build.record_winners(KERNEL.name, entries, SPLIT_KERNEL) for name, entries in groups.items()}
     records = [{**item["record"], "id": f"{name}/{i}"} for name, items in found.items() for i, item in enumerate(items)]
@@ -198,9 +211,10 @@ def test_pointer_loads_build_the_code_the_shipped_winners_measured(decode_builds
 
 
 def test_kv_tma_builds_with_tma_loads_without_spills(decode_builds):
-    """Every KV_TMA build loads through TMA, with 16-row M tiles within the space's shared-memory
-    estimate; those the rule admits fit an H200 block and spill nothing (BLOCK_N 128 with 4 stages at head dim 128
-    needs more than the block has: the rule refuses it, where the pointer loads' twin fits)."""
+    """Every KV_TMA build loads through TMA, within the space's shared-memory estimate (at most a
+    K/V tile and 1 KiB above it); those the rule admits fit an H200 block and spill nothing
+    (BLOCK_N 128 with 4 stages at head dim 128 needs more than the block has: the rule refuses
+    it, where the pointer loads' twin fits)."""
     built = decode_builds["kv_tma"]
     assert sorted(i for entries, _ in built for i in entries) == list(range(len(TMA_BUILDS)))
     limits = KERNEL.limits(H200)
@@ -214,9 +228,9 @@ def test_kv_tma_builds_with_tma_loads_without_spills(decode_builds):
             assert result["error"] is None, where
             assert result["tma_loads"] > 0, where
             rows = block_m_for(key.gqa_group * key.lq)
-            if rows == 16:
-                estimate = kv_tma_smem_bytes(rows, config.BLOCK_N, key.head_dim, config.num_stages)
-                assert result["shared"] <= estimate < result["shared"] + 64, where
+            estimate = kv_tma_smem_bytes(rows, config.BLOCK_N, key.head_dim, config.num_stages, config.num_warps)
+            # At most one K/V tile and the 1 KiB barrier allowance above the build.
+            assert result["shared"] <= estimate <= result["shared"] + config.BLOCK_N * key.head_dim * 2 + 1024, where
             reason = SPACE.infeasible_reason(config, key, limits)
             if reason is not None:
                 assert result["shared"] > SMEM_LIMIT and "shared memory" in reason, where
@@ -226,3 +240,29 @@ def test_kv_tma_builds_with_tma_loads_without_spills(decode_builds):
             assert result["shared"] <= SMEM_LIMIT, where
             assert result["spill_bytes"] == 0, where
     assert sorted(refused) == [((), 128, 4)] * 2  # with and without the fused merge
+
+
+def test_pointer_loads_at_64_row_tiles_fit_what_the_rule_admits(decode_builds):
+    """With 64-row M tiles the pointer build holds Q and ``2 num_stages`` K/V tiles (wgmma): the
+    rule's estimate is exactly that, and it refuses the one build past an H200 block (BLOCK_N 128,
+    4 stages: 278,528 bytes), which a Q + P + ``2 (num_stages - 1)`` K/V tiles estimate admitted."""
+    built = decode_builds["pointer_m64"]
+    assert sorted(i for entries, _ in built for i in entries) == list(range(len(POINTER_M64_BUILDS)))
+    key = _tma_key(POINTER_M64_KEY)
+    limits = KERNEL.limits(H200)
+    refused = []
+    for entries, result in built:
+        for i in entries:
+            config = SPACE.parse(POINTER_M64_BUILDS[i])
+            where = (POINTER_M64_BUILDS[i], result)
+            assert result["error"] is None and result["tma_loads"] == 0, where
+            rows = block_m_for(key.gqa_group * key.lq)
+            estimate = attention_smem_bytes(rows, config.BLOCK_N, key.head_dim, config.num_warps, config.num_stages)
+            assert estimate == result["shared"], where
+            reason = SPACE.infeasible_reason(config, key, limits)
+            if reason is not None:
+                assert result["shared"] > SMEM_LIMIT and "shared memory" in reason, where
+                refused.append((config.BLOCK_N, config.num_stages))
+                continue
+            assert result["shared"] <= SMEM_LIMIT, where
+    assert refused == [(128, 4)]
