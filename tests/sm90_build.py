@@ -182,6 +182,7 @@ def _build_one(record: dict[str, Any], detail: bool = False) -> dict[str, Any]:
         "shared": compiled.metadata.shared,
         "atomics": sorted(set(re.findall(r"\batom(?:\.\w+)+", ptx))),
         "cg_loads": len(re.findall(r"\bld\.global\.cg\b", ptx)),
+        "tma_loads": len(re.findall(r"\bcp\.async\.bulk\.tensor\.", ptx)),
     }
     if detail:
         result.update(code_report(compiled))

@@ -112,6 +112,14 @@ def _fused_default(spec: Any, key: Any) -> Any:
     return dataclasses.replace(spec.default_config(key), FUSED_MERGE=True)
 
 
+def _varlen_tma_winner(spec: Any, key: Any) -> Any:
+    """The shipped H200 varlen winner at head dim 128, 4K tokens (128 x 128 tiles, 3 stages, KV_TMA)."""
+    return spec.space.parse(
+        {"BLOCK_M": 128, "BLOCK_N": 128, "KV_TMA": True, "MAX_SPLITS": 64, "MIN_CHUNK": 512, "SHORT_M": 16,
+         "TARGET_WAVES": 4, "num_stages": 3, "num_warps": 8}
+    )  # fmt: skip
+
+
 CASES = [
     # tma_prefill: the default keys are bf16, causal, GQA 8, head dims 64/128, Lq 512.., Lkv 16K..
     Case("tma_prefill", "portable-default-d64", key={"head_dim": 64}),
@@ -225,6 +233,23 @@ CASES = [
         config={"MAX_SPLITS": _more_than_one},
         launches=VARLEN_SPLIT,
     ),
+    # KV_TMA loads (as a direct op body launches them), the last at the shipped H200 winner whose
+    # build comes closest to an H200 block's shared memory (230,400 of 232,448 bytes).
+    Case(
+        "varlen_sdpa",
+        "kv-tma-no-split-d128",
+        key={"head_dim": 128, "t_bucket": 4096},
+        config={"KV_TMA": True, "MAX_SPLITS": 1},
+        launches=("_varlen_fwd_kernel",),
+    ),
+    Case(
+        "varlen_sdpa",
+        "kv-tma-split-d64",
+        key={"head_dim": 64, "t_bucket": 32},
+        config={"KV_TMA": True, "MAX_SPLITS": _more_than_one},
+        launches=VARLEN_SPLIT,
+    ),
+    Case("varlen_sdpa", "kv-tma-winner-d128-m128", key={"head_dim": 128, "t_bucket": 4096}, config=_varlen_tma_winner),
     # q4k_fp8_gemm: the default keys are the Llama-3-8B shapes over M buckets (K=14336, N=4096 here),
     # accurate ones first; the fp8 and staged paths are feasible at opt-in keys (fp8=True) only.
     Case(
@@ -557,6 +582,35 @@ def test_builds_for_sm90(case: Case, builds: Builds) -> None:
         elif result["shared"] > SMEM_LIMIT:
             failures.append(f"{where} needs {result['shared']} bytes of shared memory; an H200 block has {SMEM_LIMIT}")
     assert not failures, "\n\n".join(failures)
+
+
+def test_varlen_kv_tma_configs_build_tma_loads(builds: Builds) -> None:
+    """Each varlen case whose config has ``KV_TMA`` builds its main kernel with TMA loads (the spec's
+    launch runs the op's body with ``wrap_triton`` off, where host-side descriptors are allowed),
+    within the space's estimate, which ``test_builds_for_sm90`` holds to an H200 block's shared
+    memory; the rule admits each."""
+    from tritune.search_spaces.base import attention_smem_bytes, padded_head_dim
+    from tritune.search_spaces.varlen_sdpa import block_m_for
+
+    spec = registry.get_spec("varlen_sdpa")
+    cases = [case.id for case in CASES if case.kernel == "varlen_sdpa" and builds[case.id].config.KV_TMA]
+    assert len(cases) >= 3, cases
+    for case_id in cases:
+        built = builds[case_id]
+        config, key = built.config, built.key
+        assert spec.space.infeasible_reason(config, key, spec.limits(H200)) is None, case_id
+        estimate = attention_smem_bytes(
+            block_m_for(config.BLOCK_M, key.gqa_group),
+            config.BLOCK_N,
+            padded_head_dim(key.head_dim),
+            config.num_warps,
+            config.num_stages,
+            kv_tma=True,
+        )
+        for record, result in built.launches:
+            if record["kernel"] == "_varlen_fwd_kernel":
+                assert result["tma_loads"] > 0, (case_id, config)
+                assert result["shared"] <= estimate, (case_id, config, result["shared"], estimate)
 
 
 def _launched_kernels() -> set[str]:
