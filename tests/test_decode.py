@@ -574,11 +574,19 @@ def test_attention_errors_name_its_own_arguments():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [{}, {"FUSED_MERGE": True}], ids=["default", "fused-merge"])
-def test_cuda_graph_replay_with_new_lengths(config):
+@pytest.mark.parametrize(
+    "config",
+    [{}, {"FUSED_MERGE": True}, {"KV_TMA": True}, {"KV_TMA": True, "FUSED_MERGE": True}],
+    ids=["default", "fused-merge", "kv-tma", "kv-tma-fused-merge"],
+)
+def test_cuda_graph_replay_with_new_lengths(config, monkeypatch):
+    """One capture serves any lengths; with KV_TMA the captured descriptors cover the whole cache."""
     q, k, v, kv_len = make_case("cuda", batch=4, kv_heads=8, group=4, lq=1, head_dim=128, lmax=16384,
                                 lengths=[16384] * 4, tail=None)  # fmt: skip
     out = torch.empty_like(q)
+    built: list[list[int]] = []
+    real = decode_launch.unchecked_descriptor
+    monkeypatch.setattr(decode_launch, "unchecked_descriptor", lambda t, box: built.append(box) or real(t, box))
     with use_config("splitk_decode", config):
         # Compiles, and sizes the counters a capture uses, outside the capture.
         decode_attention(q, k, v, kv_len, out=out)
@@ -586,6 +594,7 @@ def test_cuda_graph_replay_with_new_lengths(config):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             decode_attention(q, k, v, kv_len, out=out)
+    assert bool(built) == config.get("KV_TMA", False)
     for lengths in ([16384, 1, 0, 777], [5, 9000, 16383, 64], [0, 0, 0, 0], [129, 4096, 12000, 16384]):
         kv_len.copy_(torch.tensor(lengths, dtype=torch.int32))
         out.fill_(float("nan"))

@@ -272,30 +272,6 @@ def test_gpu_kv_tma_at_a_real_shape(descriptors, config, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [{"KV_TMA": True}, {"KV_TMA": True, "FUSED_MERGE": True}],
-                         ids=["merge-launch", "fused-merge"])  # fmt: skip
-def test_gpu_kv_tma_cuda_graph_replay_with_new_lengths(descriptors, config):
-    """The descriptors captured with the graph describe the whole cache: replays serve any lengths."""
-    q, k, v, kv_len = make_case("cuda", batch=4, kv_heads=8, group=4, lq=1, head_dim=128, lmax=16384,
-                                lengths=[16384] * 4, tail=None)  # fmt: skip
-    out = torch.empty_like(q)
-    with use_config("splitk_decode", config):
-        decode_attention(q, k, v, kv_len, out=out)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            decode_attention(q, k, v, kv_len, out=out)
-    assert descriptors
-    for lengths in ([16384, 1, 0, 777], [5, 9000, 16383, 64], [0, 0, 0, 0], [129, 4096, 12000, 16384]):
-        kv_len.copy_(torch.tensor(lengths, dtype=torch.int32))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        problem = compare(out, decode_reference(q, k, v, kv_len), q.dtype)
-        assert problem is None, f"{lengths}: {problem}"
-
-
-@pytest.mark.gpu
 def test_gpu_torch_compile_with_kv_tma_pinned_keeps_pointer_loads(descriptors):
     """Inductor traces the op's body with wrap_triton on: no host descriptor is built there (torch
     would bake it into the graph), and the result is still right."""
