@@ -116,6 +116,8 @@ class Dispatcher:
         self._memo: dict[tuple[Any, ...], Any] = {}
         #: Bumped by :meth:`clear`; a resolution started before a clear is not cached after it.
         self.generation = 0
+        #: Per thread: whether the last resolution met a miss online tuning put off (see :meth:`deferred`).
+        self._local = threading.local()
 
     def clear(self) -> None:
         """Forget loaded winners and resolutions (settings changed, or :func:`reload_configs`)."""
@@ -133,6 +135,12 @@ class Dispatcher:
                 admitted = table.admit_waiting(spec.name)
                 if admitted:
                     log.info("%s: %d stored config(s) for %s admitted on its declaration", spec.name, admitted, slug)
+
+    def deferred(self) -> bool:
+        """Whether this thread's last resolution met a miss that online tuning put off (a call under
+        capture or tracing): its choice must not be remembered, or the key's next eager call would
+        reuse it instead of tuning."""
+        return getattr(self._local, "deferred", False)
 
     def memo_get(self, memo: tuple[Any, ...]) -> Any:
         return self._memo.get(memo)
@@ -228,6 +236,7 @@ class Dispatcher:
         self, spec: KernelSpec[Any, Any], device: DeviceInfo, key: TuningKey, where: torch.device | None = None
     ) -> Any:
         generation = self.generation
+        self._local.deferred = False
         current = settings_module.settings()
         config, reason = None, ""
         if current.disable_tuned:
@@ -246,7 +255,7 @@ class Dispatcher:
                 self._logged.add((spec.name, key))
                 log.info("%s: portable default serves %s: %s", spec.name, key, printable(reason, limit=1000))
         with self._lock:
-            if generation == self.generation:
+            if generation == self.generation and not self._local.deferred:
                 self._resolved[(spec.name, device.slug, key)] = config
         return config
 
@@ -269,7 +278,10 @@ class Dispatcher:
             if current.jit != "off":
                 from . import jit  # only where online tuning is on: serving alone never imports it
 
-                exact = jit.ONLINE.on_miss(self, spec, device, where, key)
+                if jit.eager():
+                    exact = jit.ONLINE.on_miss(self, spec, device, where, key)
+                else:
+                    self._local.deferred = True
         if exact is not None:
             why = spec.space.infeasible_reason(exact.config, key, limits)
             if why is not None:
@@ -327,6 +339,7 @@ def reload_configs() -> None:
 def _choose(kernel: str, device_type: str, device_index: int, facts: tuple[Any, ...], memo: tuple[Any, ...]) -> Any:
     """Resolve the config of one call's facts and memoise it under ``memo``."""
     generation = DISPATCHER.generation
+    DISPATCHER._local.deferred = False
     spec = get_spec(kernel)
     where = torch.device(device_type, device_index) if device_type != "cpu" else torch.device("cpu")
     device = device_info(where)
@@ -343,7 +356,8 @@ def _choose(kernel: str, device_type: str, device_index: int, facts: tuple[Any, 
         served_eager, _ = spec.serve_with_reason(eager, device, facts)
         if served_eager == eager:  # both serve this call as stored: keep the pair
             config = EagerChoice(config, eager)
-    DISPATCHER.memo_put(memo, config, generation)
+    if not DISPATCHER.deferred():
+        DISPATCHER.memo_put(memo, config, generation)
     return config
 
 
