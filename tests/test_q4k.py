@@ -793,21 +793,16 @@ def test_dequant_chunks_agree_with_the_whole_weight(device):
     torch.testing.assert_close(outs[0], outs[1], rtol=2**-7, atol=1e-3)
 
 
-#: Least ratio of cuBLAS on the pre-dequantized bf16 weight to the dequant path (its fastest
-#: starting chunk), by M, on the Llama-3-8B MLP shapes. The path adds one dequantization pass to
-#: the same GEMM: about 150 MB of HBM traffic (the Q4_K weight read, 117 MB of bf16 written), some
-#: 35 us on an H200, to a GEMM of about 0.16 ms at M=1024 and 0.6 ms at M=4096 (estimates from
-#: bandwidth and peak bf16 throughput: guards, not targets).
-DEQUANT_MIN_RATIO = {1024: 0.7, 4096: 0.85}
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [256, 1024, 4096])
 @pytest.mark.parametrize(("k", "n"), [(4096, 14336), (14336, 4096)], ids=["up", "down"])
 def test_dequant_llama_shapes_gpu(k, n, m, record_property):
     """The dequant path at its starting chunks on the Llama-3-8B MLP shapes: ggml's bound, eager
-    and in CUDA-graph replay (the scratch comes from the graph's pool); from M=1024 faster than the
-    portable default and within ``DEQUANT_MIN_RATIO`` of cuBLAS on the pre-dequantized weight."""
+    and in CUDA-graph replay (the scratch comes from the graph's pool).
+
+    Its speed against cuBLAS on the pre-dequantized weight and against the portable default is
+    recorded as test properties, not asserted: GPU tests share the GPU with each other, and
+    ``scripts/bench_q4k.py`` is where speed is measured."""
     import triton
 
     from tritune.kernels.q4k.tuning import TUNING
@@ -842,9 +837,6 @@ def test_dequant_llama_shapes_gpu(k, n, m, record_property):
     record_property("sqnr_db", round(sqnr_db(out.float(), expected), 2))
     record_property("vs_cublas", round(cublas_ms / best, 3))
     record_property("vs_portable_default", round(portable_ms / best, 3))
-    if m in DEQUANT_MIN_RATIO:
-        assert best < portable_ms, f"{best * 1e3:.0f} us, the portable default {portable_ms * 1e3:.0f} us"
-        assert cublas_ms / best >= DEQUANT_MIN_RATIO[m], f"{cublas_ms / best:.2f}x cuBLAS on the dequantized weight"
 
 
 # ---- the tuning half -------------------------------------------------------------------------
