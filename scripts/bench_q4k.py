@@ -4,7 +4,8 @@ On the GPU machine, after tuning ``q4k_fp8_gemm`` into a DB:
 
     python scripts/bench_q4k.py --db /tmp/tune.sqlite --out q4k.md --json q4k.json
 
-Llama-3-8B shapes (K, N) in {(4096, 14336), (14336, 4096), (4096, 4096)}, every power of two M from
+Llama-3-8B shapes (K, N) in {(4096, 14336), (14336, 4096), (4096, 4096), (4096, 6144), (4096, 28672)} (the last
+two: Q, K and V fused, gate and up fused), every power of two M from
 1 (decode) to 8192 (prefill), bf16 activations. The weight is Gaussian (std 0.02), quantized once
 per shape with ``Q4KWeight.quantize``; the reference is the float64 product with the exactly
 dequantized weight, and each row reports its SQNR (dB) and NMSE against it (ggml's Q4_K bound is
@@ -55,7 +56,7 @@ import torch
 
 log = logging.getLogger("tritune.bench")
 
-SHAPES = ((4096, 14336), (14336, 4096), (4096, 4096))  # (K, N)
+SHAPES = ((4096, 14336), (14336, 4096), (4096, 4096), (4096, 6144), (4096, 28672))  # (K, N)
 MS = tuple(2**i for i in range(14))
 SMOKE_SHAPES = ((256, 64), (512, 96))
 SMOKE_MS = (1, 16, 33)
@@ -104,7 +105,7 @@ class Impl:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     bl.add_common_arguments(parser, flex=False)
-    parser.add_argument("--shape", action="append", help="KxN, e.g. 4096x14336 (default: the three Llama-3-8B ones)")
+    parser.add_argument("--shape", action="append", help="KxN, e.g. 4096x14336 (default: the five Llama-3-8B linears)")
     parser.add_argument("--m", type=int, action="append", help="rows of x (default every power of two 1 .. 8192)")
     args = parser.parse_args()
     run = bl.start(args)

@@ -173,12 +173,13 @@ def test_portable_defaults_by_m_bucket(where):
 
 
 def test_gpu_keys_and_feasible_defaults():
-    """Every power-of-two M from 1 to 8192 at the three Llama-3-8B shapes with accurate keys, and
-    from M=64 up with opt-in keys (the accurate key's winner serves smaller opt-in calls)."""
+    """Every power-of-two M from 1 to 8192 at the five Llama-3-8B linear shapes (fused QKV and
+    gate-up included) with accurate keys, and from M=64 up with opt-in keys (the accurate key's
+    winner serves smaller opt-in calls)."""
     keys = KERNEL.default_keys(H200)
-    shapes = {(4096, 14336), (14336, 4096), (4096, 4096)}
+    shapes = {(4096, 14336), (14336, 4096), (4096, 4096), (4096, 6144), (4096, 28672)}
     powers = {2**i for i in range(14)}
-    assert len(keys) == len(set(keys)) == 3 * 14 + 3 * 8
+    assert len(keys) == len(set(keys)) == 5 * 14 + 5 * 8
     assert {(k.k, k.n, k.m_bucket) for k in keys if not k.fp8} == {(*s, m) for s in shapes for m in powers}
     assert {(k.k, k.n, k.m_bucket) for k in keys if k.fp8} == {(*s, m) for s in shapes for m in powers if m >= 64}
     assert 512 in {k.m_bucket for k in keys if not k.fp8}
@@ -523,11 +524,18 @@ def test_starting_configs_follow_the_rules_the_space_admits():
         staged = sorted(c.CHUNK_N for c in starts if isinstance(c, StagedConfig))
         # Chunks of at most half the weight rows.
         large = key.m_bucket > 64 and key.fp8
-        expected = {14336: [2048, 4096], 4096: [1024, 2048]}[key.n] if large else []
+        chunks = {28672: [4096, 8192], 14336: [2048, 4096], 6144: [1024, 2048], 4096: [1024, 2048]}
+        expected = chunks[key.n] if large else []
         assert staged == expected, key
         dequant = [c.CHUNK_N for c in starts if isinstance(c, DequantConfig)]
-        # The whole weight (117 MB in bf16 at both MLP shapes) first, then the next two chunks.
-        whole = {14336: [16384, 8192, 4096], 4096: [4096, 2048, 1024]}[key.n]
+        # The whole weight (117 MB in bf16 at both MLP shapes) first, then the next two chunks;
+        # fused gate-up (235 MB) starts from the largest chunk, 128 MiB.
+        whole = {
+            28672: [16384, 8192, 4096],
+            14336: [16384, 8192, 4096],
+            6144: [8192, 4096, 2048],
+            4096: [4096, 2048, 1024],
+        }[key.n]
         assert dequant == (whole if key.m_bucket > 64 else []), key
         gemv = [c for c in starts if isinstance(c, GemvConfig)]
         assert bool(gemv) == (key.m_bucket == 1), key

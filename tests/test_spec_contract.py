@@ -58,7 +58,7 @@ def test_q4k_default_feasible_at_every_m_bucket(m):
 
     h200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
     spec = get_spec("q4k_fp8_gemm")
-    for k, n in ((4096, 14336), (14336, 4096), (4096, 4096)):
+    for k, n in ((4096, 14336), (14336, 4096), (4096, 4096), (4096, 6144), (4096, 28672)):
         key = spec.key_type(arch="sm90", sm_count=132, dtype="bfloat16", m_bucket=m, n=n, k=k)
         default = spec.default_config(key)
         assert spec.space.infeasible_reason(default, key, spec.limits(h200)) is None, (m, k, n)

@@ -34,7 +34,9 @@ from .kernel import KERNEL, Q4KKey
 from .reference import check_path
 from .weight import Q4KWeight
 
-_GPU_SHAPES = ((4096, 14336), (14336, 4096), (4096, 4096))  # (K, N)
+#: (K, N) of the Llama-3-8B linears: MLP up or gate, down, the q or o projection, and the fused
+#: projections serving engines run (Q, K and V in one; gate and up in one).
+_GPU_SHAPES = ((4096, 14336), (14336, 4096), (4096, 4096), (4096, 6144), (4096, 28672))
 #: Every power of two a call's M rounds up to, from decode (1) to long prefill chunks (8192).
 _GPU_M_BUCKETS = tuple(2**i for i in range(14))
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
