@@ -1,10 +1,12 @@
-"""Benchmark causal GQA prefill: tritune (untuned, tuned, best TMA / best portable) vs PyTorch peers.
+"""Benchmark causal GQA prefill: tritune (untuned, tuned, the best of each path) vs PyTorch peers.
 
 Run on a GPU after tuning into a DB:
 
     python scripts/bench_prefill.py --db /tmp/tune.sqlite --out docs/perf/DATE-tma_prefill-GPU.md
 
-Every implementation is checked against an fp32 reference on a sample of query rows (the first and
+Each path of the kernel (portable, TMA, warp-specialized) gets a row with its fastest trial in the
+DB, or on a GPU, where the DB has none, with its default tiles. Every implementation is checked
+against an fp32 reference on a sample of query rows (the first and
 last 64 rows of every head) before it is timed; one that fails is reported as FAILED, never as a
 speedup; a peer that cannot run is reported as unavailable. Times are medians of
 ``triton.testing.do_bench`` (warm-up, L2 flushed between repetitions). TFLOP/s count only unmasked
@@ -138,10 +140,15 @@ def bench_shape(
         ("tritune portable (untuned)", pinned(SPEC.space.to_dict(SPEC.default_config(key)), q, k, v, kv_len)),
         ("tritune tuned (dispatcher)", lambda: prefill_attention(q, k, v, kv_len=kv_len)),
     ]
-    for path in ("portable", "tma"):
+    for path, member in SPEC.space.members.items():
         best = best_by_path.get((json.dumps(key.to_dict(), sort_keys=True), path))
         if best is not None:
             impls.append((f"tritune best {path} (tuned)", pinned(best, q, k, v, kv_len)))
+        elif path != "portable" and not smoke:
+            # A path no trial of the DB measured still gets a row, at its default tiles: its serve
+            # hook replaces it where it cannot run, and the row's note names what served.
+            untried = SPEC.space.to_dict(member.default())
+            impls.append((f"tritune {path} (default tiles, no tuned trial)", pinned(untried, q, k, v, kv_len)))
     impls.append(("SDPA flash", lambda: sdpa(SDPBackend.FLASH_ATTENTION, q, k_rep, v_rep, mask)))
     impls.append(("SDPA cuDNN", lambda: sdpa(SDPBackend.CUDNN_ATTENTION, q, k_rep, v_rep, mask)))
     if smoke:
