@@ -44,7 +44,7 @@
 # stability          200    bench_tuner.py stability only, 40 trials (tune's default),     <date>-stability-<gpu>.md/.json
 #                           for $STABILITY_KERNELS (default: tma_prefill varlen_sdpa)
 # pytest              90    pytest on $PYTEST_GPU_ARGS (a selection: files, -k ...)        tests/pytest.log, .xml
-# gpu-tests          300    the GPU tier (-m gpu): attention files, every other file, and  tests/gpu-*.log, .xml
+# gpu-tests          360    the GPU tier (-m gpu): attention files, every other file, and  tests/gpu-*.log, .xml
 #                           3 Q4_K shards, all at once
 # sweep              300    scripts/sweep_configs.py over the $SWEEPS entries              <date>-sweep-<name>-<gpu>.md/.json
 #                           ("kernel|name|key json|where filters|limit", joined by ";";
@@ -67,7 +67,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 declare -A DEFAULT_BUDGET=(
   [tests]=300 [tune-prefill]=300 [bench-prefill]=200 [decode]=210 [varlen]=150 [q4k]=240 [overhead]=60
   [tuner]=200 [multigpu]=480 [smoke]=1800 [prefill-defaults]=330 [stability]=200 [pytest]=90 [defaults]=540
-  [bench-decode]=150 [bench-varlen]=120 [bench-q4k]=150 [gpu-tests]=300 [sweep]=300 [model]=480 [jit]=480
+  [bench-decode]=150 [bench-varlen]=120 [bench-q4k]=150 [gpu-tests]=360 [sweep]=300 [model]=480 [jit]=480
 )
 if (($# == 0)); then
   echo "usage: bash scripts/gpu_suite.sh STAGE[:SECONDS] ... (stages: ${!DEFAULT_BUDGET[*]})" >&2
@@ -185,7 +185,7 @@ start_shards() {
   for ((shard = 0; shard < count; shard++)); do
     awk -v s="$shard" -v n="$count" 'NR % n == s' "$list" >"$list.$shard"
     step "pytest $name shard $shard" $((budget - 10)) xargs -r -a "$list.$shard" \
-      python -m pytest -q -p no:cacheprovider --junitxml="$results/tests/$name-$shard.xml" \
+      python -m pytest -q -p no:cacheprovider -rf --tb=short --junitxml="$results/tests/$name-$shard.xml" \
       >"$results/tests/$name-$shard.log" 2>&1 &
     pids+=($!)
   done
@@ -395,20 +395,33 @@ run_stage() {
       ;;
 
     gpu-tests)
-      # The GPU tier only (-m gpu): the attention files in one process, the Q4_K file's GPU tests in
-      # three shards, all at once (compiling each test's configs is most of the time).
+      # The GPU tier only (-m gpu), all at once (compiling each test's configs is most of the time):
+      # the attention files in three processes, every other file's GPU tests in three shards and
+      # the Q4_K file's in three. -rf --tb=short leave each failure's reason in its log, also when
+      # another process runs out of time.
       mkdir -p "$results/tests"
-      local pids=()
-      step "pytest -m gpu attention" $((budget - 10)) python -m pytest -q -p no:cacheprovider -m gpu \
-        --junitxml="$results/tests/gpu-attention.xml" tests/test_prefill.py tests/test_decode.py \
-        tests/test_decode_spec.py tests/test_varlen.py >"$results/tests/gpu-attention.log" 2>&1 &
-      pids+=($!)
+      local pids=() group files
+      local gpu_pytest=(python -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short)
+      for group in "prefill:tests/test_prefill.py" "decode:tests/test_decode.py tests/test_decode_spec.py" \
+        "varlen:tests/test_varlen.py"; do
+        read -r -a files <<<"${group#*:}"
+        step "pytest -m gpu ${group%%:*}" $((budget - 10)) "${gpu_pytest[@]}" \
+          --junitxml="$results/tests/gpu-${group%%:*}.xml" "${files[@]}" >"$results/tests/gpu-${group%%:*}.log" 2>&1 &
+        pids+=($!)
+      done
       # Every other GPU test (ws prefill, online tuning, the model, eager alternatives under capture, ...).
-      step "pytest -m gpu rest" $((budget - 10)) python -m pytest -q -p no:cacheprovider -m gpu \
-        --junitxml="$results/tests/gpu-rest.xml" tests --ignore=tests/test_prefill.py \
-        --ignore=tests/test_decode.py --ignore=tests/test_decode_spec.py --ignore=tests/test_varlen.py \
-        --ignore=tests/test_q4k.py >"$results/tests/gpu-rest.log" 2>&1 &
-      pids+=($!)
+      local rest=(tests --ignore=tests/test_prefill.py --ignore=tests/test_decode.py --ignore=tests/test_decode_spec.py
+        --ignore=tests/test_varlen.py --ignore=tests/test_q4k.py)
+      python -m pytest --collect-only -q -p no:cacheprovider -m gpu "${rest[@]}" 2>/dev/null | grep '::' \
+        >"$work/rest-gpu-tests.txt"
+      if [ -s "$work/rest-gpu-tests.txt" ]; then
+        start_shards "$work/rest-gpu-tests.txt" 3 gpu-rest
+      else
+        # Collection listed nothing (its errors went to /dev/null): run them whole, so the log says why.
+        step "pytest -m gpu rest" $((budget - 10)) "${gpu_pytest[@]}" --junitxml="$results/tests/gpu-rest.xml" \
+          "${rest[@]}" >"$results/tests/gpu-rest.log" 2>&1 &
+        pids+=($!)
+      fi
       python -m pytest --collect-only -q -p no:cacheprovider -m gpu tests/test_q4k.py 2>/dev/null | grep '::' \
         >"$work/q4k-gpu-tests.txt"
       if [ ! -s "$work/q4k-gpu-tests.txt" ]; then

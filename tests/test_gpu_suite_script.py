@@ -22,7 +22,11 @@ SCRIPT = ROOT / "scripts" / "gpu_suite.sh"
 FAKE_PYTHON = """#!/usr/bin/env bash
 echo "$*" >>"$FAKE_PYTHON_CALLS"
 if [[ "$*" == *--collect-only* ]]; then
-  if [[ "$*" == *test_q4k.py* ]]; then printf '%s' "$FAKE_COLLECTED"; else printf '%s' "$FAKE_COLLECTED_OTHER"; fi
+  if [[ "$*" == *test_q4k.py* && "$*" != *--ignore=tests/test_q4k.py* ]]; then
+    printf '%s' "$FAKE_COLLECTED"
+  else
+    printf '%s' "$FAKE_COLLECTED_OTHER"
+  fi
 fi
 exit 0
 """
@@ -87,16 +91,26 @@ def test_nothing_collected_runs_the_files_whole_not_the_whole_folder(tmp_path):
 
 def test_gpu_tests_stage_runs_the_gpu_tier_with_q4k_sharded(tmp_path):
     ids = "".join(f"tests/test_q4k.py::test_gpu_{i}\n" for i in range(5))
-    calls = _run_stage(tmp_path, "gpu-tests:60", ids, check=True)
+    other = "".join(f"tests/test_jit.py::test_gpu_{i}\n" for i in range(4))
+    calls = _run_stage(tmp_path, "gpu-tests:60", ids, check=True, other=other)
     runs = [r for r in calls if "-m pytest" in r and "--collect-only" not in r]
-    attention = [r for r in runs if " tests/test_prefill.py" in r]
-    assert len(attention) == 1 and "-m gpu" in attention[0]
-    # Every other GPU test: the whole folder less the files the other runs take.
-    rest = [r for r in runs if "--ignore=tests/test_q4k.py" in r]
-    assert len(rest) == 1 and "-m gpu" in rest[0] and " tests " in rest[0]
-    assert all(f"--ignore=tests/{name}" in rest[0] for name in ("test_prefill.py", "test_decode.py", "test_varlen.py"))
+    # The attention files in three processes, each of the GPU tier and each file in exactly one.
+    files = ("tests/test_prefill.py", "tests/test_decode", "tests/test_varlen.py")
+    attention = [r for r in runs if "::" not in r and any(f in r for f in files)]
+    assert len(attention) == 3 and all("-m gpu" in r for r in attention)
+    for name in ("test_prefill.py", "test_decode.py", "test_decode_spec.py", "test_varlen.py"):
+        assert sum(f"tests/{name}" in r.split() for r in attention) == 1, name
+    # Every other GPU test: collected from the whole folder less the files the other runs take,
+    # then sharded by id like the Q4_K file's.
+    collect = [r for r in calls if "--collect-only" in r and "--ignore=tests/test_q4k.py" in r]
+    assert len(collect) == 1 and "-m gpu" in collect[0] and " tests " in collect[0]
+    for name in ("test_prefill.py", "test_decode.py", "test_varlen.py"):
+        assert f"--ignore=tests/{name}" in collect[0]
+    rest = [r for r in runs if " tests/test_jit.py::" in r]
+    assert sorted(r.count("::") for r in rest) == [1, 1, 2]
     q4k = [r for r in runs if " tests/test_q4k.py::" in r]
     assert sorted(r.count("::") for r in q4k) == [1, 2, 2]
+    assert all("-rf" in r and "--tb=short" in r for r in runs)
 
 
 def test_gpu_tests_stage_fails_when_q4k_collects_nothing(tmp_path):
@@ -104,9 +118,12 @@ def test_gpu_tests_stage_fails_when_q4k_collects_nothing(tmp_path):
         _run_stage(tmp_path, "gpu-tests:60", "", check=True)
     calls = (tmp_path / "calls.txt").read_text().splitlines()
     runs = [r for r in calls if "-m pytest" in r and "--collect-only" not in r]
-    # The attention files and the rest still ran; no Q4_K shard ran without a test id.
-    assert len(runs) == 2 and not any("::" in r for r in runs)
-    assert sorted(r.split()[-1] for r in runs) == ["--ignore=tests/test_q4k.py", "tests/test_varlen.py"]
+    # The attention files ran, and the rest (whose collection listed nothing too) whole, so its log
+    # says why; no shard ran without a test id.
+    assert len(runs) == 4 and not any("::" in r for r in runs)
+    assert sorted(r.split()[-1] for r in runs) == [
+        "--ignore=tests/test_q4k.py", "tests/test_decode_spec.py", "tests/test_prefill.py", "tests/test_varlen.py"
+    ]  # fmt: skip
 
 
 def test_defaults_stage_tunes_each_kernel_over_its_default_keys(tmp_path):
