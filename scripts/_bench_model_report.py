@@ -14,8 +14,6 @@ import _benchlib as bl
 
 #: The two models, in the order they run.
 IMPLS = ("tritune", "PyTorch bf16")
-#: Top-1 agreement a model must reach on the check prompts (random weights leave near ties).
-MIN_TOP1 = 0.9
 
 
 @dataclass
@@ -26,12 +24,16 @@ class Check:
     rel_err: float
     bf16_rel_err: float
     top1: float
+    bf16_top1: float
+    #: The least passing top-1 agreement (``examples.llama.top1_floor`` of ``bf16_top1`` and ``rows``).
+    top1_floor: float
     rows: int
 
     @property
     def ok(self) -> bool:
-        # The tests' bound: no more than twice the error of PyTorch's own bf16 forward.
-        return self.rel_err <= 2 * self.bf16_rel_err and self.top1 >= MIN_TOP1
+        # The tests' bounds: no more than twice the error of PyTorch's own bf16 forward, and top-1
+        # agreement within sampling noise of its (examples.llama.top1_floor).
+        return self.rel_err <= 2 * self.bf16_rel_err and self.top1 >= self.top1_floor
 
 
 @dataclass
@@ -122,14 +124,16 @@ def checks_table(results: Results) -> str:
         f"Logits on {results.args['check_prompts']} random prompts (all but the last two tokens prefilled in two "
         "chunks, those two decoded; graphs on a GPU) against a float64 forward of the same dequantized weights "
         "(examples/llama/reference.py), next to PyTorch's own bf16 forward of them. ok: relative error at most "
-        f"twice bf16's, top-1 agreement at least {MIN_TOP1}.",
+        "twice bf16's, and top-1 agreement at least 0.9 or PyTorch bf16's own less three binomial standard "
+        "errors, whichever is lower (examples.llama.top1_floor).",
         "",
-        "| model | rel. error vs fp64 | PyTorch bf16 forward's | top-1 agreement | rows | check |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| model | rel. error vs fp64 | PyTorch bf16 forward's | top-1 agreement | PyTorch bf16 forward's | least "
+        "passing | rows | check |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in results.checks.values():
-        lines.append(f"| {c.impl} | {c.rel_err:.4f} | {c.bf16_rel_err:.4f} | {c.top1:.3f} | {c.rows} | "
-                     f"{'ok' if c.ok else 'FAILED'} |")  # fmt: skip
+        lines.append(f"| {c.impl} | {c.rel_err:.4f} | {c.bf16_rel_err:.4f} | {c.top1:.3f} | {c.bf16_top1:.3f} | "
+                     f"{c.top1_floor:.3f} | {c.rows} | {'ok' if c.ok else 'FAILED'} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -232,12 +232,17 @@ def check_model(impl: str, make: Callable[..., Any], prompts: list[list[int]], r
         ours.append(torch.cat(rows))
         exact.append(ref)
         bf16.append(ref_bf16)
+    from llama import top1_floor  # imported by main() once the interpreter is settled
+
     got, want, yard = torch.cat(ours), torch.cat(exact), torch.cat(bf16)
+    bf16_top1 = float((yard.argmax(-1) == want.argmax(-1)).double().mean())
     check = Check(
         impl=impl,
         rel_err=float((got - want).norm() / want.norm()),
         bf16_rel_err=float((yard - want).norm() / want.norm()),
         top1=float((got.argmax(-1) == want.argmax(-1)).double().mean()),
+        bf16_top1=bf16_top1,
+        top1_floor=top1_floor(bf16_top1, got.shape[0]),
         rows=got.shape[0],
     )
     log.info("%s: rel. error %.4f (PyTorch bf16 %.4f), top-1 %.3f over %d rows: %s", impl, check.rel_err,

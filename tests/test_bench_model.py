@@ -56,8 +56,8 @@ def _results(ok: bool) -> rep.Results:
     results.config = {"layers": 32, "hidden": 4096, "ffn": 14336, "heads": 32, "kv_heads": 8, "head_dim": 128,
                       "vocab": 32768}  # fmt: skip
     results.checks = {
-        "tritune": rep.Check("tritune", 0.012 if ok else 0.5, 0.015, 1.0, 128),
-        "PyTorch bf16": rep.Check("PyTorch bf16", 0.013, 0.015, 1.0, 128),
+        "tritune": rep.Check("tritune", 0.012 if ok else 0.5, 0.015, 1.0, 0.95, 0.9, 128),
+        "PyTorch bf16": rep.Check("PyTorch bf16", 0.013, 0.015, 1.0, 0.95, 0.9, 128),
     }
     results.lengths = [
         rep.LengthRow("tritune", 512, prefill_ms=100.0, decode_ms_per_token=5.0, kv_bytes=1 << 30),
@@ -77,7 +77,14 @@ def test_ratios_are_tritune_over_pytorch_throughput() -> None:
 def test_no_ratio_is_reported_when_a_check_failed() -> None:
     text = rep.report(_results(ok=False))
     assert "x |" not in text.split("## Prefill and decode")[1].split("## GPU memory")[0]
-    assert "- (check FAILED)" in text and "| tritune | 0.5000 | 0.0150 | 1.000 | 128 | FAILED |" in text
+    assert "- (check FAILED)" in text and "| tritune | 0.5000 | 0.0150 | 1.000 | 0.950 | 0.900 | 128 | FAILED |" in text
+
+
+def test_a_check_takes_top1_agreement_within_bf16s_sampling_noise() -> None:
+    """Relative error within twice bf16's and top-1 agreement at least the floor pass; either short fails."""
+    assert rep.Check("tritune", 0.0531, 0.0626, 0.898, 0.930, 0.862, 128).ok
+    assert not rep.Check("tritune", 0.0531, 0.0626, 0.850, 0.930, 0.862, 128).ok
+    assert not rep.Check("tritune", 0.1300, 0.0626, 0.950, 0.930, 0.862, 128).ok
 
 
 @pytest.mark.parametrize("text", ["1", "x,2", ""], ids=["too-short", "not-a-number", "empty"])

@@ -17,7 +17,7 @@ from .config import LlamaConfig, config_from_gguf
 from .generate import Generator, SequenceCache
 from .loader import LayerWeights, LlamaWeights, load_gguf, open_gguf
 from .model import Attend, LlamaModel
-from .reference import reference_logits
+from .reference import reference_logits, top1_floor
 from .serving import BatchedServer, serve_greedy
 from .torch_model import TorchGenerator, TorchLlamaModel
 
@@ -37,4 +37,5 @@ __all__ = [
     "open_gguf",
     "reference_logits",
     "serve_greedy",
+    "top1_floor",
 ]
