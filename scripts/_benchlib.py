@@ -192,6 +192,8 @@ class TimedRow:
     impl: str
     status: str = "ok"  # ok | FAILED | unavailable
     eager_us: float | None = None
+    #: Host microseconds per call with calls queued back to back (GPU only: :func:`host_us_per_call`).
+    host_us: float | None = None
     graph_us: float | None = None
     #: "ok", or why the graph column is empty ("cannot capture: ...", "FAILED after replay: ...").
     graph_status: str = ""
@@ -232,6 +234,7 @@ def measure(
             row.status, row.note = "FAILED", join_notes(f"FAILED correctness check: {problem}", row.note)
             return row
         row.eager_us = time_ms(fn, device) * 1e3
+        row.host_us = host_us_per_call(fn, device)
     except Exception as exc:  # reported in the row, and the other rows still run
         row.status, row.note = raised, join_notes(row.note, error_text(exc))
         return row
@@ -252,6 +255,36 @@ def time_ms(fn: Callable[[], object], device: torch.device) -> float:
         start = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+#: A report's note on its host column.
+HOST_NOTE = (
+    "host: CPU time per call with calls queued back to back, the GPU never waited for (median of 5 rounds "
+    "of 20 calls). A model calling eagerly pays about max(host, graph) per call: the eager column's "
+    "single call after an L2 flush shows host time only where it outlasts the flush."
+)
+
+
+def host_us_per_call(fn: Callable[[], object], device: torch.device, rounds: int = 5, calls: int = 20) -> float | None:
+    """Median host microseconds one call of ``fn`` takes to queue its work, on a GPU (None elsewhere).
+
+    Each round times ``calls`` calls back to back on the CPU, then waits for the GPU before the
+    next round, so no round waits for a full launch queue (20 calls of a few launches each stay
+    far below it). What an eager caller pays per call is about the larger of this and the GPU time.
+    """
+    if device.type != "cuda":
+        return None
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize(device)
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize(device)
     return statistics.median(samples)
 
 

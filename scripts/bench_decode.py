@@ -269,13 +269,14 @@ def _report(rows: list[Row], args: argparse.Namespace, run: bl.BenchRun) -> str:
         f"Tuned configs: {'DB ' + db if db else 'default settings (user DB and shipped bundles)'}; untuned = "
         "portable default pinned with use_config.",
     ]
+    notes.append(bl.HOST_NOTE)
     if not run.graphs:
         notes.append("CUDA graphs: not measured (" + ("CPU smoke run" if env["smoke"] else "--no-graph") + ").")
     text = bl.header_markdown(env, "Decode attention (splitk_decode)", notes)
     lines = [
-        "| B | Lkv | implementation | check | max err | eager us | eager TB/s | eager vs peer | graph us | graph TB/s "
-        "| graph vs peer | note |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| B | Lkv | implementation | check | max err | eager us | eager TB/s | eager vs peer | host us | graph us "
+        "| graph TB/s | graph vs peer | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for shape in dict.fromkeys((r.batch, r.lkv) for r in rows):
         group = [r for r in rows if (r.batch, r.lkv) == shape]
@@ -284,7 +285,8 @@ def _report(rows: list[Row], args: argparse.Namespace, run: bl.BenchRun) -> str:
             graph_cell, note = bl.graph_cells(r)
             lines.append(
                 f"| {r.batch} | {r.lkv} | {r.impl} | {r.status} | {bl.fmt(r.max_err, 4)} | {bl.fmt(r.eager_us, 1)} "
-                f"| {bl.fmt(r.tbps(r.eager_us), 2)} | {bl.ratio(eager_peer, r.eager_us)} | {graph_cell} "
+                f"| {bl.fmt(r.tbps(r.eager_us), 2)} | {bl.ratio(eager_peer, r.eager_us)} | {bl.fmt(r.host_us, 1)} "
+                f"| {graph_cell} "
                 f"| {bl.fmt(r.tbps(r.graph_us), 2)} | {bl.ratio(graph_peer, r.graph_us)} | {note} |"
             )
     return text + "\n".join(lines) + "\n"

@@ -215,11 +215,12 @@ def report(env: dict[str, Any], rows: list[Row]) -> str:
         " separately.",
         "graph: one call captured in a CUDA graph, its replay timed the same way (no host time; '-' where not run).",
         "Peers get K/V heads repeated to Hq outside the timed region.",
+        bl.HOST_NOTE,
     ]
     lines = [
-        "| shape | implementation | check | time (ms) | TFLOP/s | vs fastest peer | graph (ms) | graph vs fastest peer "
-        "| max err (sampled rows) | note |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| shape | implementation | check | time (ms) | TFLOP/s | vs fastest peer | host (ms) | graph (ms) "
+        "| graph vs fastest peer | max err (sampled rows) | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for shape in dict.fromkeys(r.shape for r in rows):
         group = [r for r in rows if r.shape == shape]
@@ -230,7 +231,8 @@ def report(env: dict[str, Any], rows: list[Row]) -> str:
             graph_cell, note = bl.graph_cells(r, scale=1e-3, digits=3)
             lines.append(
                 f"| {shape} | {r.impl} | {r.status} | {bl.fmt(eager_ms, 3)} | {bl.fmt(r.tflops(r.eager_us), 0)} | "
-                f"{bl.ratio(eager_peer, r.eager_us)} | {graph_cell} | {bl.ratio(graph_peer, r.graph_us)} | "
+                f"{bl.ratio(eager_peer, r.eager_us)} | {bl.fmt(None if r.host_us is None else r.host_us / 1e3, 3)} | "
+                f"{graph_cell} | {bl.ratio(graph_peer, r.graph_us)} | "
                 f"{err} | {note} |"
             )
     return bl.header_markdown(env, "tma_prefill vs PyTorch peers", notes) + "\n".join(lines) + "\n"

@@ -233,6 +233,7 @@ def _report(rows: list[Row], run: bl.BenchRun) -> str:
         "default pinned with use_config; the best stored trial (fastest ok trial at the mix's exact key) is "
         "listed when it differs from both.",
     ]
+    notes.append(bl.HOST_NOTE)
     if not run.graphs:
         notes.append("CUDA graphs: not measured (" + ("CPU smoke run" if env["smoke"] else "--no-graph") + ").")
     text = bl.header_markdown(env, "Varlen attention (varlen_sdpa) side by side", notes)
@@ -240,15 +241,16 @@ def _report(rows: list[Row], run: bl.BenchRun) -> str:
         lines = [
             f"## {mix}",
             "",
-            "| implementation | check | max err | eager us | eager TB/s | eager x varlen | graph us | graph TB/s "
-            "| graph x varlen | note |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| implementation | check | max err | eager us | eager TB/s | eager x varlen | host us | graph us "
+            "| graph TB/s | graph x varlen | note |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in (r for r in rows if r.mix == mix):
             graph_cell, note = bl.graph_cells(r)
             lines.append(
                 f"| {r.impl} | {r.status} | {bl.fmt(r.max_err, 4)} | {bl.fmt(r.eager_us, 1)} "
-                f"| {bl.fmt(r.tbps(r.eager_us), 2)} | {_ratio_cell(r, rows, 'eager')} | {graph_cell} "
+                f"| {bl.fmt(r.tbps(r.eager_us), 2)} | {_ratio_cell(r, rows, 'eager')} | {bl.fmt(r.host_us, 1)} "
+                f"| {graph_cell} "
                 f"| {bl.fmt(r.tbps(r.graph_us), 2)} | {_ratio_cell(r, rows, 'graph')} "
                 f"| {note} |"
             )

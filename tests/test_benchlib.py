@@ -43,6 +43,19 @@ def test_a_passing_call_is_timed(bl, row):
     bl.measure(row, lambda: torch.ones(4), lambda out: None, CPU, graphs=False)
     assert row.status == "ok" and row.eager_us is not None and row.eager_us > 0
     assert row.graph_us is None and row.graph_status == "" and row.note == "config A"
+    # Host time is a GPU column: on the interpreter every call is host work, and none is reported.
+    assert row.host_us is None
+
+
+@pytest.mark.gpu
+def test_host_time_per_call_counts_queued_calls_only(bl):
+    """A call that queues a long kernel costs its host little: the host column stays well below the GPU time."""
+    if not torch.cuda.is_available():
+        pytest.skip("GPU tier: needs a CUDA GPU (run on the H200)")
+    a = torch.randn(4096, 4096, device="cuda")
+    gpu_us = bl.time_ms(lambda: a @ a, torch.device("cuda")) * 1e3
+    host_us = bl.host_us_per_call(lambda: a @ a, torch.device("cuda"))
+    assert host_us is not None and 0 < host_us < gpu_us / 2, (host_us, gpu_us)
 
 
 def test_a_failed_check_is_never_timed(bl, row):
