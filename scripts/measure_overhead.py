@@ -23,7 +23,10 @@ variant is called N times back to back and timed on the host, the GPU synchronis
 - lookup: the generated one-pass check + the dispatch lookup alone (what a call pays before it
   launches);
 - the public call captured in a CUDA graph and replayed, and eager time over replay time: what an
-  eager caller pays over a graph-replaying one.
+  eager caller pays over a graph-replaying one;
+- the PyTorch call a user would make instead (SDPA for prefill and decode, ``x @ W.T`` on the
+  weight dequantized once for Q4_K; varlen has none), and the public call against it, each
+  counted as the larger of its host and GPU time per call.
 
 In every table the variants take turns in every round (interleaved, so clock or cache drift hits
 all alike) and the median round counts. Each GPU time per call (CUDA events over the same loop)
@@ -244,9 +247,18 @@ def interleaved_us(variants: dict[str, Callable[[], object]]) -> dict[str, tuple
     return {name: (statistics.median(host[name]), statistics.median(gpu[name])) for name in variants}
 
 
+#: The row of a GPU table timing the PyTorch call a user would make instead, where there is one.
+PEER = "the PyTorch call it replaces"
+
+
 def _gpu_variants(
-    kernel: object, public: Callable[[], object], args: tuple[object, ...]
+    kernel: object,
+    public: Callable[[], object],
+    args: tuple[object, ...],
+    peer: tuple[str, Callable[[], object]] | None = None,
 ) -> dict[str, Callable[[], object]]:
+    """The timed variants of one entry point; ``peer``: (what it is, the call) of the PyTorch call
+    computing the same output, timed in the same interleaved rounds."""
     from tritune.kernels.dispatcher import dispatch_config_eager
 
     facts, device, checked = kernel.fast_check().fn(*args)  # type: ignore[attr-defined]
@@ -257,17 +269,28 @@ def _gpu_variants(
             public()
 
     bare = bare_launch(kernel, config, *checked)
-    return {
+    variants = {
         "public call": public,
         "public, through torch.library": through_op,
         "the kernel's launch alone (same config)": bare,
         "the same launch through JITFunction.run (TRITUNE_FAST_LAUNCH=0)": launch_through_triton(bare),
         "fast check + dispatch lookup": lookup(kernel, *args),
     }
+    if peer is not None:
+        try:
+            peer[1]()
+        except Exception as exc:  # a backend this torch lacks: the table goes on without the row
+            print(f"{PEER} ({peer[0]}) left out: {type(exc).__name__}: {exc}")
+        else:
+            variants[f"{PEER}: {peer[0]}"] = peer[1]
+    return variants
 
 
 def gpu_tables() -> list[tuple[str, dict[str, Callable[[], object]]]]:
     """The four public entry points at host-bound shapes, each beside its bare launch."""
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+
     from tritune.kernels import Q4KWeight, decode_attention, prefill_attention, q4k_linear, varlen_attention
     from tritune.kernels.decode.kernel import KERNEL as DECODE
     from tritune.kernels.prefill.kernel import KERNEL as PREFILL
@@ -289,6 +312,10 @@ def gpu_tables() -> list[tuple[str, dict[str, Callable[[], object]]]]:
     seq_info = torch.tensor([[0, 1, 0, 900], [1, 1, 1, 300], [2, 30, 2, 30]], device=cuda, dtype=torch.int32)
     weight = Q4KWeight.quantize(torch.randn(4096, 4096, device=cuda) * 0.02)
     x, xout = torch.randn(1, 4096, device=cuda, dtype=bf16), torch.empty(1, 4096, device=cuda, dtype=bf16)
+    dense = weight.dequantize().to(bf16)
+    causal = causal_lower_right(16, 128)
+    # As the prefill benchmark's peers: a bottom-right causal bias with the K/V heads repeated.
+    k_rep, v_rep = k.repeat_interleave(8, dim=1), v.repeat_interleave(8, dim=1)
     return [
         (
             "prefill q [1, 16, 16, 64], k/v [1, 2, 128, 64] bf16",
@@ -296,12 +323,19 @@ def gpu_tables() -> list[tuple[str, dict[str, Callable[[], object]]]]:
                 PREFILL,
                 lambda: prefill_attention(q, k, v, kv_len=kv_len, out=out),
                 (q, k, v, kv_len, True, None, out),
+                (
+                    "SDPA, bottom-right causal, K/V heads repeated",
+                    lambda: F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=causal),
+                ),
             ),
         ),
         (
             "decode q [1, 32, 1, 128], cache [1, 8, 1024, 128] bf16",
             _gpu_variants(
-                DECODE, lambda: decode_attention(dq, dk, dv, lengths, out=dout), (dq, dk, dv, lengths, None, dout)
+                DECODE,
+                lambda: decode_attention(dq, dk, dv, lengths, out=dout),
+                (dq, dk, dv, lengths, None, dout),
+                ("SDPA, enable_gqa", lambda: F.scaled_dot_product_attention(dq, dk, dv, enable_gqa=True)),
             ),
         ),
         (
@@ -314,7 +348,12 @@ def gpu_tables() -> list[tuple[str, dict[str, Callable[[], object]]]]:
         ),
         (
             "q4k_linear x [1, 4096], W [4096, 4096]",
-            _gpu_variants(Q4K, lambda: q4k_linear(x, weight, out=xout), (x, weight, None, xout)),
+            _gpu_variants(
+                Q4K,
+                lambda: q4k_linear(x, weight, out=xout),
+                (x, weight, None, xout),
+                ("x @ W.T, W dequantized to bf16 once", lambda: x @ dense.t()),
+            ),
         ),
     ]
 
@@ -390,8 +429,13 @@ def main() -> int:
             f"| overhead of the public call over the bare launch | {public_host - launch:.1f} | |",
             f"| CUDA-graph replay of the public call | | {replay:.1f} |",
             f"| eager / graph time per call | {max(public_host, public_gpu) / replay:.2f}x | |",
-            "",
         ]
+        peer = next((name for name in times if name.startswith(PEER)), None)
+        if peer is not None:
+            # An eager caller pays about the larger of host and GPU time per call, either way.
+            ratio = max(times[peer]) / max(public_host, public_gpu)
+            lines.append(f"| the public call against {PEER}, eager (above 1: faster) | {ratio:.2f}x | |")
+        lines.append("")
         if args.profile:
             lines += [f"Where the public call's host time goes (cProfile, {shape}):", ""]
             lines += profile_lines(variants["public call"])
