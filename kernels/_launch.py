@@ -94,6 +94,18 @@ _warned_capture_counters: set[torch.device] = set()
 _interpreter_prepared = False
 
 
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)``, for launch grids on the host: Triton 3.6's ``triton.cdiv`` is a constexpr
+    function, and called from host code each call unwraps its arguments (microseconds a launch)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The least power of two at least ``n`` (``n >= 1``): ``triton.next_power_of_2`` without its
+    host cost (see :func:`ceil_div`)."""
+    return 1 << (n - 1).bit_length()
+
+
 def runs_on_interpreter(kernel: Any) -> bool:
     """Whether ``kernel`` was decorated under ``TRITON_INTERPRET=1`` (the test ``register_op`` uses too)."""
     return isinstance(kernel, InterpretedFunction)

@@ -125,16 +125,21 @@ def launch(
     (unless the split kernel merges itself: ``FUSED_MERGE``), on checked arguments."""
     if _INTERPRETED:
         prepare_interpreter()
-    # Plain ints: under dynamic-shape tracing sizes arrive as SymInts, and the grid, the workspace and
-    # the kernels' stride specialisation are all fixed per shape anyway.
-    batch, q_heads, lq, head_dim = (int(n) for n in q.shape)
+    tracing = traced(q)
+    if tracing:
+        # Plain ints: under dynamic-shape tracing sizes arrive as SymInts, and the grid, the workspace
+        # and the kernels' stride specialisation are all fixed per shape anyway.
+        batch, q_heads, lq, head_dim = (int(n) for n in q.shape)
+        sq, sk, sv, so = (tuple(int(x) for x in t.stride()[:3]) for t in (q, k_cache, v_cache, out))
+    else:  # eager tensors' sizes are ints already (converting them costs an eager call microseconds)
+        batch, q_heads, lq, head_dim = q.shape
+        sq, sk, sv, so = q.stride()[:3], k_cache.stride()[:3], v_cache.stride()[:3], out.stride()[:3]
     kv_heads, lmax = int(k_cache.shape[1]), int(k_cache.shape[2])
     group = q_heads // kv_heads
     p = plan(config, sm_count(q.device), batch, kv_heads, group * lq, lmax, head_dim)
     ws = workspace(p.workspace, q.device)
     fused = p.counters > 0
-    counters = arrival_counters(p.counters, q.device, fresh=traced(q)) if fused else None
-    sq, sk, sv, so = (tuple(int(x) for x in t.stride()[:3]) for t in (q, k_cache, v_cache, out))
+    counters = arrival_counters(p.counters, q.device, fresh=tracing) if fused else None
     # A view such as lengths[::2] is read through its stride.
     stride_kvl = int(kv_len.stride(0))
     # Only the interpreter runs CPU tensors; its bf16 dot is broken, so its MMAs take fp32 operands.

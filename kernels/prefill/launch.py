@@ -16,13 +16,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import triton
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
 from tritune.search_spaces.tma_prefill import SPACE, PortableConfig, PrefillConfig, TmaConfig, WsConfig
 
-from .._launch import LOG2E, prepare_interpreter, runs_on_interpreter, unchecked_descriptor
+from .._launch import LOG2E, ceil_div, next_pow2, prepare_interpreter, runs_on_interpreter, unchecked_descriptor
 from .._oplib import in_direct_body, register_schema_op, wrap_triton
 from ._gluon_ws import CONSUMER_WARPS, _prefill_ws_kernel
 from ._triton_portable import _prefill_fwd_kernel
@@ -78,8 +77,8 @@ def launch_portable(
     batch, q_heads, seqlen_q, head_dim = q.shape
     qk_scale, neg_scale = kernel_scale(softmax_scale)
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    grid = (triton.cdiv(seqlen_q, config.BLOCK_M), q_heads, batch)
-    head_dim_pad = triton.next_power_of_2(head_dim)
+    grid = (ceil_div(seqlen_q, config.BLOCK_M), q_heads, batch)
+    head_dim_pad = next_pow2(head_dim)
     wide = _wide_tile(k, config.BLOCK_N, head_dim_pad) or _wide_tile(v, config.BLOCK_N, head_dim_pad)
     wrap_triton(_prefill_fwd_kernel)[grid](
         q, k, v, out, kv_len, *q.stride(), *k.stride(), *v.stride(), *out.stride(), _kv_len_stride(kv_len),
@@ -120,7 +119,7 @@ def launch_tma(
         part_m, part_l = part_ml[0], part_ml[1]
     else:
         part_o = part_m = part_l = None
-    grid = (triton.cdiv(seqlen_q, rows), q_heads // heads, batch * split)
+    grid = (ceil_div(seqlen_q, rows), q_heads // heads, batch * split)
     wrap_triton(_prefill_tma_kernel)[grid](
         q_desc, k_desc, v_desc, o_desc, kv_len, part_o, part_m, part_l, _kv_len_stride(kv_len),
         batch, q_heads, seqlen_q, seqlen_k, qk_scale,
@@ -130,7 +129,7 @@ def launch_tma(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if split > 1:
-        merge_grid = (triton.cdiv(seqlen_q, _MERGE_BLOCK_M), q_heads, batch)
+        merge_grid = (ceil_div(seqlen_q, _MERGE_BLOCK_M), q_heads, batch)
         wrap_triton(_merge_splits_kernel)[merge_grid](
             part_o, part_m, part_l, out, *out.stride(), batch, q_heads, seqlen_q,
             HEAD_DIM=head_dim, BLOCK_M=_MERGE_BLOCK_M, SPLIT_KV=split, num_warps=4,
@@ -194,7 +193,7 @@ def launch_ws(
     q_box = [1, 1, rows, head_dim]
     kv_box = [1, 1, config.BLOCK_N, head_dim]
     # M tiles on the slowest axis (at most 65535: Lq up to 8M rows), walked longest first.
-    grid = (q_heads, batch, triton.cdiv(seqlen_q, config.BLOCK_M))
+    grid = (q_heads, batch, ceil_div(seqlen_q, config.BLOCK_M))
     _prefill_ws_kernel[grid](
         _ws_descriptor(q, q_box, q_layout), _ws_descriptor(k, kv_box, kv_layout),
         _ws_descriptor(v, kv_box, kv_layout), _ws_descriptor(out, q_box, q_layout),

@@ -13,7 +13,6 @@ import functools
 from typing import Any, NamedTuple
 
 import torch
-import triton
 
 from tritune.search_spaces.q4k_fp8_gemm import (
     DequantConfig,
@@ -25,7 +24,7 @@ from tritune.search_spaces.q4k_fp8_gemm import (
     StagedConfig,
 )
 
-from .._launch import arrival_counters, traced
+from .._launch import arrival_counters, ceil_div, next_pow2, traced
 from .._oplib import wrap_triton
 from ._triton_dequant import _q4k_dequant_kernel
 from ._triton_fold import _q4k_gemm_fp8_fold_kernel
@@ -104,8 +103,8 @@ def _plan(
     fused_reduce = False
     gemv_fused = False
     if isinstance(config, GemvConfig):
-        rows = min(triton.next_power_of_2(m), _GEMV_MAX_ROWS)
-        grid: tuple[int, ...] = (triton.cdiv(n, config.BLOCK_N), split, triton.cdiv(m, rows))
+        rows = min(next_pow2(m), _GEMV_MAX_ROWS)
+        grid: tuple[int, ...] = (ceil_div(n, config.BLOCK_N), split, ceil_div(m, rows))
         constants["ROWS"] = rows
         fused_reduce = config.FUSED_REDUCE and split > 1
         gemv_fused = config.FUSE_QUANT or fused_reduce
@@ -115,11 +114,11 @@ def _plan(
             copies = max(1, 32 * config.num_warps * _GEMV_VALUES_PER_THREAD // (rows * config.BLOCK_K))
             constants.update(FUSE_QUANT=config.FUSE_QUANT, FUSED_REDUCE=fused_reduce, COPIES=copies)
     else:
-        grid = (triton.cdiv(m, config.BLOCK_M) * triton.cdiv(n, config.BLOCK_N), split)
+        grid = (ceil_div(m, config.BLOCK_M) * ceil_div(n, config.BLOCK_N), split)
         constants.update(
             BLOCK_M=config.BLOCK_M, GROUP_M=config.GROUP_M, num_stages=config.num_stages
         )  # fmt: skip
-    reduce_grid = (triton.cdiv(m, _REDUCE_BLOCK_M), triton.cdiv(n, _REDUCE_BLOCK_N)) if split > 1 else None
+    reduce_grid = (ceil_div(m, _REDUCE_BLOCK_M), ceil_div(n, _REDUCE_BLOCK_N)) if split > 1 else None
     if fused_reduce:
         return _Plan(grid, constants, None, gemv_fused, grid[0] * grid[2])
     return _Plan(grid, constants, reduce_grid, gemv_fused)
@@ -287,7 +286,7 @@ def int8_prepass(
     x_scale = torch.empty((m,), dtype=torch.float32, device=x.device)
     w_scale = torch.empty((n,), dtype=torch.float32, device=x.device)
     block = _prepass_block(k)
-    wrap_triton(_int8_prepass_kernel)[(m + triton.cdiv(n, _INT8_SCALE_BLOCK_N),)](
+    wrap_triton(_int8_prepass_kernel)[(m + ceil_div(n, _INT8_SCALE_BLOCK_N),)](
         x, xq, x_scale, scales, mins, super_scales, w_scale, m, n, x.stride(0), x.stride(1), scales.stride(0),
         super_scales.stride(0), K=k, BLOCK_K=block, K_TILES=k // block, SCALE_BLOCK_N=_INT8_SCALE_BLOCK_N,
         num_warps=4,
@@ -303,7 +302,7 @@ def quantize_rows_gemv(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     words = torch.empty((m, k // 4), dtype=torch.int32, device=x.device)
     scales, lost, sums = (torch.empty((m, k // 32), dtype=torch.float32, device=x.device) for _ in range(3))
     subs = k // 32
-    wrap_triton(_quantize_rows_gemv_kernel)[(m, triton.cdiv(subs, _GEMV_PREPASS_TILE))](
+    wrap_triton(_quantize_rows_gemv_kernel)[(m, ceil_div(subs, _GEMV_PREPASS_TILE))](
         x, words, scales, lost, sums, k, x.stride(0), x.stride(1), SUBS=subs, TILE=_GEMV_PREPASS_TILE, num_warps=4
     )
     return words, scales, lost, sums
@@ -320,7 +319,7 @@ def staged_prepass(
     row_scale = torch.empty((m,), dtype=torch.float32, device=x.device)
     inv_fold = torch.empty((1, n), dtype=torch.float32, device=x.device)
     block = _prepass_block(k)
-    wrap_triton(_staged_prepass_kernel)[(m + triton.cdiv(n, _FOLD_BLOCK_N),)](
+    wrap_triton(_staged_prepass_kernel)[(m + ceil_div(n, _FOLD_BLOCK_N),)](
         x, xq, row_scale, super_scales, inv_fold, m, n, x.stride(0), x.stride(1), super_scales.stride(0),
         K=k, BLOCK_K=block, K_TILES=k // block, FOLD_BLOCK_N=_FOLD_BLOCK_N, ROUND_IN_FP32=interpreted, num_warps=4,
     )  # fmt: skip
@@ -354,7 +353,7 @@ def _run_staged(
     for row0 in range(0, n, chunk):
         rows = min(chunk, n - row0)
         # Weight rows row0 .. row0 + rows - 1 as folded e4m3 into scratch[:rows].
-        wrap_triton(_q4k_dequant_fp8_kernel)[(triton.cdiv(rows, config.BLOCK_N), k // config.BLOCK_K)](
+        wrap_triton(_q4k_dequant_fp8_kernel)[(ceil_div(rows, config.BLOCK_N), k // config.BLOCK_K)](
             qs, scales, mins, super_scales, inv_fold, scratch, row0, rows, k,
             qs.stride(0), scales.stride(0), super_scales.stride(0),
             ROUND_IN_FP32=interpreted, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, num_warps=config.num_warps,
@@ -401,7 +400,7 @@ def _run_dequant(
     for row0 in range(0, n, chunk):
         rows = min(chunk, n - row0)
         # Weight rows row0 .. row0 + rows - 1 in x's dtype into scratch[:rows].
-        wrap_triton(_q4k_dequant_kernel)[(triton.cdiv(rows, config.BLOCK_N), k // config.BLOCK_K)](
+        wrap_triton(_q4k_dequant_kernel)[(ceil_div(rows, config.BLOCK_N), k // config.BLOCK_K)](
             qs, scales, mins, super_scales, scratch, row0, rows, k,
             qs.stride(0), scales.stride(0), super_scales.stride(0),
             ROUND_BF16_IN_FP32=interpreted and x.dtype == torch.bfloat16, BLOCK_N=config.BLOCK_N,
