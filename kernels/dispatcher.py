@@ -137,10 +137,14 @@ class Dispatcher:
                     log.info("%s: %d stored config(s) for %s admitted on its declaration", spec.name, admitted, slug)
 
     def deferred(self) -> bool:
-        """Whether this thread's last resolution met a miss that online tuning put off (a call under
-        capture or tracing): its choice must not be remembered, or the key's next eager call would
-        reuse it instead of tuning."""
+        """Whether this thread's resolution since :meth:`start_resolution` met a miss that online
+        tuning put off (a call under capture or tracing): its choice must not be remembered, or the
+        key's next eager call would reuse it instead of tuning."""
         return getattr(self._local, "deferred", False)
+
+    def start_resolution(self) -> None:
+        """Begin resolving one call's config on this thread (see :meth:`deferred`)."""
+        self._local.deferred = False
 
     def memo_get(self, memo: tuple[Any, ...]) -> Any:
         return self._memo.get(memo)
@@ -236,7 +240,7 @@ class Dispatcher:
         self, spec: KernelSpec[Any, Any], device: DeviceInfo, key: TuningKey, where: torch.device | None = None
     ) -> Any:
         generation = self.generation
-        self._local.deferred = False
+        self.start_resolution()
         current = settings_module.settings()
         config, reason = None, ""
         if current.disable_tuned:
@@ -255,7 +259,7 @@ class Dispatcher:
                 self._logged.add((spec.name, key))
                 log.info("%s: portable default serves %s: %s", spec.name, key, printable(reason, limit=1000))
         with self._lock:
-            if generation == self.generation and not self._local.deferred:
+            if generation == self.generation and not self.deferred():
                 self._resolved[(spec.name, device.slug, key)] = config
         return config
 
@@ -339,7 +343,7 @@ def reload_configs() -> None:
 def _choose(kernel: str, device_type: str, device_index: int, facts: tuple[Any, ...], memo: tuple[Any, ...]) -> Any:
     """Resolve the config of one call's facts and memoise it under ``memo``."""
     generation = DISPATCHER.generation
-    DISPATCHER._local.deferred = False
+    DISPATCHER.start_resolution()
     spec = get_spec(kernel)
     where = torch.device(device_type, device_index) if device_type != "cpu" else torch.device("cpu")
     device = device_info(where)
