@@ -17,21 +17,11 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
+from db_samples import ENV, GPU
+
 from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.store import ConfigStore
 
-GPU = "nvidia-h200-sm90-132sm"
-ENV: dict[str, Any] = {
-    "gpu": GPU,
-    "gpu_name": "NVIDIA H200",
-    "capability": "9.0",
-    "sm_count": 132,
-    "driver": "570.86",
-    "cuda": "12.8",
-    "torch_version": "2.13.0",
-    "triton_version": "3.6.0",
-    "tritune_version": "0.1.0",
-}
 KEYS = [{"arch": "sm90", "sm_count": 132, "seqlen": 256 << i} for i in range(4)]
 CONFIGS = [{"BLOCK_M": m, "BLOCK_N": n} for m in (32, 64, 128, 256) for n in (32, 64)]
 WORKERS = 2

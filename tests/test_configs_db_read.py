@@ -14,24 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from db_samples import ENV, GPU
 from sqlalchemy.engine import make_url
 
 from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.store import ConfigStore, StoreError, read_winners
 from tritune.configs_db.urls import sqlite_file
-
-GPU = "nvidia-h200-sm90-132sm"
-ENV: dict[str, Any] = {
-    "gpu": GPU,
-    "gpu_name": "NVIDIA H200",
-    "capability": "9.0",
-    "sm_count": 132,
-    "driver": "570.86",
-    "cuda": "12.8",
-    "torch_version": "2.13.0",
-    "triton_version": "3.6.0",
-    "tritune_version": "0.1.0",
-}
 
 
 def record(seqlen: int, time_ms: float = 1.0, gpu: str = GPU) -> WinnerRecord:

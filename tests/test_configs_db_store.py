@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from db_samples import ENV, GPU, stores
 from sqlalchemy import create_engine, func, select
 from sqlalchemy.exc import IntegrityError
 
@@ -19,21 +19,9 @@ from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.store import MAX_ERROR_CHARS, ConfigStore, display_url
 from tritune.configs_db.upserts import WinnerValues, insert_trial_portable, offer_portable
 
-GPU = "nvidia-h200-sm90-132sm"
 KEY = {"arch": "sm90", "sm_count": 132, "head_dim": 128, "seqlen": 1024}
 OTHER_KEY = {**KEY, "seqlen": 2048}
 CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8}
-ENV: dict[str, Any] = {
-    "gpu": GPU,
-    "gpu_name": "NVIDIA H200",
-    "capability": "9.0",
-    "sm_count": 132,
-    "driver": "570.86",
-    "cuda": "12.8",
-    "torch_version": "2.13.0",
-    "triton_version": "3.6.0",
-    "tritune_version": "0.1.0",
-}
 
 
 def winner(time_ms: float = 1.0, config: dict[str, Any] | None = None, **changes: Any) -> WinnerRecord:
@@ -54,11 +42,7 @@ def winner(time_ms: float = 1.0, config: dict[str, Any] | None = None, **changes
     return replace(record, **changes)
 
 
-@pytest.fixture(params=["memory", "file"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ConfigStore]:
-    url = "sqlite://" if request.param == "memory" else f"sqlite:///{tmp_path / 'store.sqlite'}"
-    with ConfigStore(url) as opened:
-        yield opened
+store = pytest.fixture(params=["memory", "file"], name="store")(stores)
 
 
 @pytest.fixture

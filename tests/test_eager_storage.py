@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
-from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 import torch
 import toy_kernel
 import triton
+from db_samples import ENV, GPU, stores
 from typer.testing import CliRunner
 
 from tritune.configs_db import storage
@@ -33,19 +33,7 @@ from tritune.configs_db.winner_fields import eager_problem
 from tritune.kernels import registry
 from tritune.tuner.cli import app
 
-GPU = "nvidia-h200-sm90-132sm"
 KEY = {"arch": "sm90", "sm_count": 132, "head_dim": 64, "seqlen": 128}
-ENV: dict[str, Any] = {
-    "gpu": GPU,
-    "gpu_name": "NVIDIA H200",
-    "capability": "9.0",
-    "sm_count": 132,
-    "driver": "570.86",
-    "cuda": "12.8",
-    "torch_version": "2.13.0",
-    "triton_version": "3.6.0",
-    "tritune_version": "0.1.0",
-}
 PROVENANCE = {"torch": "2.13.0", "triton": "3.6.0", "cuda": "12.8", "driver": "570.86", "tritune": "0.1.0"}
 CREATED = "2025-06-01T12:00:00+00:00"
 EAGER = EagerAlternative(config={"BLOCK_M": 64, "num_warps": 4, "path": "portable"}, ms=0.011, winner_ms=0.019)
@@ -70,11 +58,7 @@ def winner(time_ms: float = 0.01, seqlen: int = 128, **changes: Any) -> WinnerRe
     return replace(record, **changes)
 
 
-@pytest.fixture(params=["memory", "file"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ConfigStore]:
-    url = "sqlite://" if request.param == "memory" else f"sqlite:///{tmp_path / 'store.sqlite'}"
-    with ConfigStore(url) as opened:
-        yield opened
+store = pytest.fixture(params=["memory", "file"], name="store")(stores)
 
 
 def eagers(records: list[WinnerRecord]) -> dict[int, EagerAlternative | None]:
