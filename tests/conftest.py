@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections import Counter, defaultdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,6 +53,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def restamp_bundle(monkeypatch):
+    """``scripts/restamp_bundle.py``, imported as the scripts import each other."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "scripts"))
+    import restamp_bundle
+
+    yield restamp_bundle
+    sys.modules.pop("restamp_bundle", None)
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -43,16 +42,6 @@ def test_shipped_decode_winners_are_admitted_under_this_version():
         outcome = admit(record, H200)
         assert not isinstance(outcome, Rejection), outcome.reason
         assert SPACE.to_dict(outcome[2].config) == record.config
-
-
-@pytest.fixture
-def restamp_bundle(monkeypatch):
-    """``scripts/restamp_bundle.py``, imported as the scripts import each other."""
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    import restamp_bundle
-
-    yield restamp_bundle
-    sys.modules.pop("restamp_bundle", None)
 
 
 def _decode_without_kv_tma(stale_version: str) -> dict:
