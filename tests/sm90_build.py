@@ -72,6 +72,19 @@ class Recorder:
     launches: list[Launch] = field(default_factory=list)
 
 
+def build_reason() -> str | None:
+    """Why Triton's CUDA backend cannot build for sm_90 here (no ptxas), or None."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(90).path
+    except Exception as exc:
+        return f"Triton's CUDA backend cannot build here: {exc}"
+    if not os.access(ptxas, os.X_OK):
+        return f"Triton's ptxas is not executable here: {ptxas}"
+    return None
+
+
 @contextlib.contextmanager
 def record_launches() -> Iterator[Recorder]:
     """Record every Triton kernel launch in the block instead of running it.

@@ -149,7 +149,7 @@ def _tma_entries() -> list[tuple[dict[str, Any], dict[str, Any]]]:
 def decode_builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[list[int], dict[str, Any]]]]:
     """``"winners"``, ``"kv_tma"`` and ``"pointer_m64"``: per distinct launch of the split kernel, the indices of the
     entries that launch it and its build (:func:`sm90_build.code_report`'s fields)."""
-    reason = sm90_build_reason()
+    reason = sm90_build.build_reason()
     if reason is not None:
         pytest.skip(reason)
     groups = {
@@ -179,19 +179,6 @@ def decode_builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tu
         name: [(item["entries"], results[f"{name}/{i}"]) for i, item in enumerate(items)]
         for name, items in found.items()
     }
-
-
-def sm90_build_reason() -> str | None:
-    """Why Triton's CUDA backend cannot build for sm_90 here, or None."""
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        ptxas = get_ptxas(90).path
-    except Exception as exc:
-        return f"Triton's CUDA backend cannot build here: {exc}"
-    if not os.access(ptxas, os.X_OK):
-        return f"Triton's ptxas is not executable here: {ptxas}"
-    return None
 
 
 def test_pointer_loads_build_the_code_the_shipped_winners_measured(decode_builds):

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import sm90_build
 import torch
 
 from tritune.kernels import prefill_attention, settings, use_config
@@ -231,20 +232,10 @@ def test_ws_descriptors_match_the_checked_constructor():
 # ---- the sm_90 build ------------------------------------------------------------------------
 
 
-def _cuda_backend_reason() -> str | None:
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        ptxas = get_ptxas(90).path
-    except Exception as exc:
-        return f"Triton's CUDA backend cannot build here: {exc}"
-    return None if os.access(ptxas, os.X_OK) else f"Triton's ptxas is not executable here: {ptxas}"
-
-
 @pytest.fixture(scope="module")
 def ws_builds(tmp_path_factory):
     """The ws kernel at its starting configs, built for sm_90 with ptxas' report (one subprocess)."""
-    reason = _cuda_backend_reason()
+    reason = sm90_build.build_reason()
     if reason is not None:
         pytest.skip(reason)
     variants = [[128, True, True], [64, True, True], [128, False, False]]

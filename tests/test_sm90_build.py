@@ -503,22 +503,10 @@ def _record(case: Case, problems: dict[Any, Problem]) -> tuple[Built, list[dict[
     return built, records
 
 
-def _cuda_backend_reason() -> str | None:
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        ptxas = get_ptxas(90).path
-    except Exception as exc:
-        return f"Triton's CUDA backend cannot build here: {exc}"
-    if not os.access(ptxas, os.X_OK):
-        return f"Triton's ptxas is not executable here: {ptxas}"
-    return None
-
-
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory: pytest.TempPathFactory) -> Builds:
     """Record every case, then compile the distinct launches in one subprocess."""
-    reason = _cuda_backend_reason()
+    reason = sm90_build.build_reason()
     if reason is not None:
         pytest.skip(reason)
     started = time.perf_counter()
@@ -678,7 +666,7 @@ def test_gemv_one_launch_builds_as_the_unfused_launches_add(tmp_path: Path) -> N
     launches' order: each sub-block's sum and lost sum over 4 values a thread and 8 lanes (the
     lowest), as the pre-pass's, and the final sum over the K tile in the unfused kernel's
     layout. So the results are the same bits on sm_90 (the GPU tier checks them)."""
-    reason = _cuda_backend_reason()
+    reason = sm90_build.build_reason()
     if reason is not None:
         pytest.skip(reason)
     tile = {"path": "gemv", "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}
@@ -719,7 +707,7 @@ def test_q4k_dequantization_converts_no_codes(tmp_path: Path) -> None:
     """The small-M Q4_K tiles (portable, and swapped folded fp8) make their float codes with bit
     operations: the int-to-float conversions (a quarter of the ALU rate on Hopper) in the main loop
     stay far below the weights each thread dequantizes per iteration, and nothing spills."""
-    reason = _cuda_backend_reason()
+    reason = sm90_build.build_reason()
     if reason is not None:
         pytest.skip(reason)
     # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, variant) as sm90_build.py's script takes them.
@@ -747,7 +735,7 @@ def test_q4k_int8_starting_tiles_use_wgmma_without_spilling(tmp_path: Path) -> N
     """The int8 kernel's starting tiles on an H200 (``Q4KTuning.starting_configs`` at large M)
     compile to int8 wgmma (s32 accumulators), the swapped ones with the weight as the register A
     operand, none spilling and each within the shared memory the space estimates."""
-    reason = _cuda_backend_reason()
+    reason = sm90_build.build_reason()
     if reason is not None:
         pytest.skip(reason)
     from tritune.kernels.q4k.kernel import KERNEL
