@@ -104,10 +104,12 @@ def online_phase(work: Path, device: str, smoke: bool) -> list[dict[str, Any]]:
     return rows
 
 
-def offline_phase(work: Path, device: str, rows: list[dict[str, Any]], smoke: bool) -> None:
+def offline_phase(work: Path, device: str, rows: list[dict[str, Any]], smoke: bool, extra: list[str]) -> None:
+    """``tune`` at each key the online phase met, into an empty DB: ``tune``'s defaults unless ``extra``
+    (``--offline-args``) narrows them, four trials in a smoke run."""
     db = work / "offline.sqlite"
     db.unlink(missing_ok=True)
-    extra = ["--trials", "4"] if smoke else []
+    extra = ["--trials", "4"] if smoke else extra
     for row in rows:
         row["offline_s"] = _tune(device, row["kernel"], row["key"], db, extra)
     winners = _winners(db)
@@ -198,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default="/tmp/tritune-jit", help="folder for the DBs, call rows and logs")
     parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
     parser.add_argument("--smoke", action="store_true", help="CPU dry run on the Triton interpreter at tiny shapes")
+    parser.add_argument(
+        "--offline-args",
+        default="",
+        help="tune options of the offline phase, e.g. '--time-budget 30' (default: tune's own defaults)",
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         bl.use_interpreter()
@@ -211,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     env = bl.environment(device, args.smoke)
     rows = online_phase(work, args.device, args.smoke) if "online" in args.phases else []
     if "offline" in args.phases and rows:
-        offline_phase(work, args.device, rows, args.smoke)
+        offline_phase(work, args.device, rows, args.smoke, args.offline_args.split())
     provisional = provisional_phase(work, args.device, args.smoke) if "provisional" in args.phases else None
     missed = missed_phase(work, args.device, args.smoke) if "missed" in args.phases else None
     (work / "rows.json").write_text(json.dumps({"rows": rows, "provisional": provisional, "missed": missed}, indent=1))
