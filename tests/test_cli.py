@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import toy_kernel
@@ -179,15 +180,19 @@ def test_bench_times_ours_and_the_peer_side_by_side(peered, toy):
     assert result.exit_code == 0, result.output
     header = next(line for line in result.output.splitlines() if "served config" in line)
     columns = [cell.strip() for cell in header.split("┃")[1:-1]]
-    assert columns == ["kernel", "key", "served config", "portable ms", "ours ms", "peer", "peer ms", "vs peer"]
+    assert columns == [
+        "kernel", "key", "served config", "portable ms", "ours ms", "peer", "peer ms", "vs peer",
+        "host us", "eager vs peer",
+    ]  # fmt: skip
     rows = _table_rows(result.output, "toy_peered")
     assert [row[1] for row in rows] == ["dtype=float32 n_bucket=64", "dtype=float32 n_bucket=256"]
     for row in rows:
         ours, peer_ms = float(row[4]), float(row[6])
         assert row[5] == "torch.mul" and peer_ms > 0
         assert row[7] == f"{peer_ms / ours:.2f}x"
+        assert row[8:] == ["-", "-"], "no host timing on the interpreter"
     # A kernel that names no peer: its cells say so.
-    assert all(row[5:] == ["-", "-", "-"] for row in _table_rows(result.output, "toy_scale"))
+    assert all(row[5:] == ["-"] * 5 for row in _table_rows(result.output, "toy_scale"))
 
 
 def test_show_prints_the_stored_peer_time_and_ratio(peered, tmp_path):
@@ -203,3 +208,65 @@ def test_show_prints_the_stored_peer_time_and_ratio(peered, tmp_path):
     assert columns[-4:] == ["peer", "peer ms", "vs peer", "served here"]
     (row,) = _table_rows(shown.output, "cpu-interpreter")
     assert row[-4:-1] == ["torch.mul", f"{winner.peer_ms:.4g}", f"{winner.peer_ms / winner.time_ms:.2f}x"]
+
+
+def test_bench_key_compares_eager_calls_with_the_host_time_of_each_side(peered):
+    """Host times go into the eager ratio as ``max(GPU, host)`` per side, and their cells read in us."""
+    import torch
+    from test_peer_tuner import PEERED
+
+    from tritune.kernels.device import device_info
+    from tritune.tuner.tables import bench_cells, bench_key
+    from tritune.tuner.timing import InterpreterTimer
+
+    info = device_info("cpu")
+    key = PEERED.default_keys(info)[0]
+    timed = []
+
+    def host(fn):
+        fn()  # the callable really runs (a broken one would raise here)
+        timed.append(fn)
+        return 40.0  # ms: above both GPU times, so it decides both sides' eager cost
+
+    row = bench_key(PEERED, key, info, torch.device("cpu"), InterpreterTimer(reps=1), 0, host)
+    assert len(timed) == 2 and row.ours_host_ms == row.peer_host_ms == 40.0
+    assert row.eager_ratio() == max(row.peer_ms, 40.0) / max(row.ours_ms, 40.0)
+    assert bench_cells(row)[-2:] == ["40000.0 / 40000.0", f"{row.eager_ratio():.2f}x"]
+    # Without host timings (the interpreter's CLI run) both cells are dashes.
+    plain = bench_key(PEERED, key, info, torch.device("cpu"), InterpreterTimer(reps=1), 0)
+    assert plain.eager_ratio() is None and bench_cells(plain)[-2:] == ["-", "-"]
+
+
+def test_bench_times_a_public_call_that_neither_tunes_nor_logs_a_miss(monkeypatch, tmp_path):
+    """tune bench calls a declared kernel as users do; with online tuning and the miss log on, that
+    call must leave the DB as it was."""
+    import sys
+
+    import torch
+
+    from tritune.kernels import misses, settings
+    from tritune.kernels.device import device_info
+    from tritune.tuner.tables import bench_key
+    from tritune.tuner.timing import InterpreterTimer
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "examples"))
+    rmsnorm = __import__("rmsnorm")
+    fresh = misses.MissLog()
+    monkeypatch.setattr(fresh, "_start", lambda: None)
+    monkeypatch.setattr(misses, "MISSES", fresh)
+    info = device_info("cpu")
+    key = rmsnorm.RMSNORM.default_keys(info)[0]
+    calls = []
+
+    def host(fn):
+        fn()
+        calls.append(settings.settings().jit)
+        return 1.0
+
+    db = f"sqlite:///{tmp_path / 'bench.sqlite'}"
+    with settings.override(jit="sync", miss_log=True, db_url=db):
+        row = bench_key(rmsnorm.RMSNORM, key, info, torch.device("cpu"), InterpreterTimer(reps=1), 0, host)
+        assert settings.settings().jit == "sync", "the override ends with the timing"
+    assert calls == ["off"] and row.ours_host_ms == 1.0 and row.peer_host_ms is None
+    assert not misses.pending() and not (tmp_path / "bench.sqlite").exists()
+    sys.modules.pop("rmsnorm", None)

@@ -26,7 +26,7 @@ from tritune.configs_db.winner_fields import peer_problem
 from tritune.kernels.spec import KernelSpec, Peer, Problem, TuningKey
 
 from .noise import ClockMonitor, NoisePolicy, monitor_for, stable_measurement
-from .timing import Timer, measure
+from .timing import HOST_CALLS, HOST_ROUNDS, Timer, measure
 
 log = logging.getLogger("tritune.tuner")
 
@@ -39,11 +39,6 @@ OK, FAILED_COMPILE, FAILED_CORRECTNESS, FAILED_RUNTIME, PRUNED = (
 )
 #: A failure message beyond this says nothing more (the DB cuts at 8 KB anyway).
 MAX_ERROR_CHARS = 2000
-#: Back-to-back launches per round of :meth:`CandidateBench.host_times` on a GPU: few enough that
-#: the launch queue never fills (the host then never waits for the GPU), enough to average.
-HOST_CALLS = 50
-#: Rounds of :meth:`CandidateBench.host_times` (the median counts).
-HOST_ROUNDS = 3
 
 
 class TrialOutcome(TypedDict):

@@ -3,6 +3,7 @@ import and bench. They register on the app of :mod:`tritune.tuner.app`."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -357,17 +358,21 @@ def bench(
     """At each default key: the portable default, the config the dispatcher serves ("ours") and the
     kernel's peer (the PyTorch call a user would make instead), timed in this run with one timer.
 
-    "vs peer" is the peer's time over ours: above 1x, ours is faster.
+    "vs peer" is the peer's time over ours: above 1x, ours is faster. On a GPU, "host us" (ours / peer) is what
+    one eager call costs the host when calls follow each other (ours: the public call, dispatched as
+    a user's is), and "eager vs peer" compares what an eager caller pays per call, about the larger
+    of GPU and host time, for each.
     """
     check_kernel_names(kernel or [])
     torch_device = choose_device(device)
     from tritune.kernels import settings
     from tritune.kernels.device import device_info
 
-    from .timing import timer_for
+    from .timing import host_ms_per_call, timer_for
 
     info = device_info(torch_device)
     timer = timer_for(torch_device)
+    host = functools.partial(host_ms_per_call, device=torch_device)
     table = Table(title=f"portable, ours and the peer on {info.slug}")
     for column in BENCH_COLUMNS:
         table.add_column(column)
@@ -375,7 +380,7 @@ def bench(
     with settings.override(db_url=db_url(db)):
         for spec in load_kernels(kernel, tunable=True):
             for key in spec.default_keys(info):
-                row = bench_key(spec, key, info, torch_device, timer, seed)
+                row = bench_key(spec, key, info, torch_device, timer, seed, host)
                 table.add_row(*bench_cells(row))
                 if row.peer_note is not None:
                     notes.append(f"{row.kernel} {key_text(row.key)}: {row.peer_note}")

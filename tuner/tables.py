@@ -96,7 +96,18 @@ def serving_verdict(record: Any, device: Any) -> str | None:
 
 
 #: ``tune bench``'s columns, in the order :func:`bench_cells` fills them.
-BENCH_COLUMNS = ("kernel", "key", "served config", "portable ms", "ours ms", "peer", "peer ms", "vs peer")
+BENCH_COLUMNS = (
+    "kernel",
+    "key",
+    "served config",
+    "portable ms",
+    "ours ms",
+    "peer",
+    "peer ms",
+    "vs peer",
+    "host us",
+    "eager vs peer",
+)
 
 
 @dataclass(frozen=True)
@@ -114,10 +125,27 @@ class BenchRow:
     peer_ms: float | None
     #: Why the peer has no time where it failed, for a note under the table.
     peer_note: str | None
+    #: Host milliseconds per eager call queued back to back: ours (the public call, dispatched as
+    #: a user's is) and the peer's; None where not timed (the interpreter, or no peer).
+    ours_host_ms: float | None = None
+    peer_host_ms: float | None = None
+
+    def eager_ratio(self) -> float | None:
+        """The peer's eager cost per call over ours, each about ``max(GPU time, host time)``."""
+        peer_ms, ours_host, peer_host = self.peer_ms, self.ours_host_ms, self.peer_host_ms
+        if peer_ms is None or ours_host is None or peer_host is None:
+            return None
+        ours = max(self.ours_ms, ours_host)
+        return max(peer_ms, peer_host) / ours if ours > 0 else None
 
 
-def bench_key(spec: Any, key: Any, info: Any, torch_device: Any, timer: Any, seed: int) -> BenchRow:
-    """Time the portable default, the served config and the peer on one problem of ``key``."""
+def bench_key(spec: Any, key: Any, info: Any, torch_device: Any, timer: Any, seed: int, host: Any = None) -> BenchRow:
+    """Time the portable default, the served config and the peer on one problem of ``key``.
+
+    ``host(fn)`` (:func:`~.timing.host_ms_per_call`; None: not timed) gives the host cost of an
+    eager call: the kernel's public call as a user makes it (checks, dispatch, launches; a spec
+    without one: the served config's checked launch), and the peer's.
+    """
     from tritune.kernels.dispatcher import DISPATCHER
 
     from .candidates import describe_exception
@@ -141,7 +169,22 @@ def bench_key(spec: Any, key: Any, info: Any, torch_device: Any, timer: Any, see
             peer_ms = time(peer.fn, peer)
     except Exception as exc:
         peer_ms, note = None, f"the peer failed: {describe_exception(exc)}"
-    return BenchRow(spec.name, key, spec.space.to_dict(served), mark, portable_ms, ours_ms, peer_name, peer_ms, note)
+    ours_host = peer_host = None
+    if host is not None:
+        from tritune.kernels import settings
+
+        if callable(spec):
+            # A user's call, but one that neither tunes online nor logs its key as missed.
+            with settings.override(jit="off", miss_log=False):
+                ours_host = host(lambda: spec(*problem.args, **problem.kwargs))
+        else:  # a spec without a public call: its served config's checked launch
+            ours_host = host(spec.prepare(served, *problem.args, **problem.kwargs))
+        if peer_ms is not None:
+            peer_host = host(peer.fn)
+    return BenchRow(
+        spec.name, key, spec.space.to_dict(served), mark, portable_ms, ours_ms, peer_name, peer_ms, note,
+        ours_host, peer_host,
+    )  # fmt: skip
 
 
 def bench_cells(row: BenchRow) -> list[str]:
@@ -155,4 +198,13 @@ def bench_cells(row: BenchRow) -> list[str]:
         "-" if row.peer_name is None else plain(row.peer_name),
         ms_text(row.peer_ms),
         peer_ratio(row.peer_ms, row.ours_ms),
+        _host_text(row.ours_host_ms, row.peer_host_ms),
+        "-" if (ratio := row.eager_ratio()) is None else f"{ratio:.2f}x",
     ]
+
+
+def _host_text(ours_ms: float | None, peer_ms: float | None) -> str:
+    """``ours / peer`` host microseconds per call (the "host us" cells); ``-`` for a side not timed."""
+    if ours_ms is None and peer_ms is None:
+        return "-"
+    return " / ".join("-" if ms is None else f"{ms * 1e3:.1f}" for ms in (ours_ms, peer_ms))

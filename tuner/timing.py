@@ -153,5 +153,34 @@ class FakeTimer:
         return float(self.cost(config))
 
 
+#: Back-to-back calls per round of a host timing on a GPU: few enough that the launch queue never
+#: fills (the host then never waits for the GPU), enough to average.
+HOST_CALLS = 50
+#: Rounds of a host timing (the median counts).
+HOST_ROUNDS = 3
+
+
+def host_ms_per_call(fn: Callable[[], object], device: torch.device) -> float | None:
+    """Median host milliseconds one call of ``fn`` takes to queue its work, on a GPU; None elsewhere.
+
+    Calls run back to back, :data:`HOST_CALLS` a round, the GPU drained between rounds: what an
+    eager caller pays per call where the GPU keeps up. Such a caller pays about ``max(GPU time,
+    host time)`` a call. On the interpreter every launch is host work, so there is nothing to tell apart.
+    """
+    if device.type != "cuda":
+        return None
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(HOST_ROUNDS):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(HOST_CALLS):
+            fn()
+        samples.append((time.perf_counter() - start) / HOST_CALLS * 1e3)
+    torch.cuda.synchronize(device)
+    return statistics.median(samples)
+
+
 def timer_for(device: torch.device) -> Timer:
     return InterpreterTimer() if device.type == "cpu" else GpuTimer()
