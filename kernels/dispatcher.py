@@ -6,7 +6,8 @@ Lookup order, resolved once per (kernel, key) and then served from a dict:
 2. the stored winner at the exact key, if its speedup over the portable default is at least
    ``1 + margin``;
 3. with no winner at the exact key, the nearest bucket of the same kernel, GPU, dtype and head dim
-   (the same key group) whose winner clears the margin;
+   (the same key group) whose winner clears the margin, within a factor of 4 in all (sizes a key
+   type names ``NEAR``, as Q4_K's weight N and K, count as bucketed lengths here);
 4. where the kernel names a fallback key (a key with a stricter numerics contract, see
    :meth:`~.spec.KernelSpec.fallback_key`), that key's stored winner (exact or nearest, as in 2
    and 3; never its portable default);

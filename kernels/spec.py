@@ -39,13 +39,17 @@ class TuningKey:
     """Base of every kernel's frozen key dataclass.
 
     Fields named in ``BUCKETS`` are bucketed lengths; the dispatcher's nearest-bucket lookup only
-    moves along those and keeps every other field (GPU, dtype, head dim, ...) fixed.
+    moves along those and the ``NEAR`` fields and keeps every other field (GPU, dtype, head dim,
+    ...) fixed. ``NEAR`` names exact sizes along which a winner may still be lent, as a GEMM's N
+    and K: a shape no one tuned then borrows the config of the nearest tuned shape, measured in
+    log2 like a bucket, rather than falling back to the portable default.
     """
 
     arch: str
     sm_count: int
 
     BUCKETS: ClassVar[tuple[str, ...]] = ()
+    NEAR: ClassVar[tuple[str, ...]] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -70,13 +74,15 @@ class TuningKey:
         return cls(**values)
 
     def group(self) -> tuple[Any, ...]:
-        """The non-bucket fields: keys of one group may borrow each other's winners."""
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in self.BUCKETS)
+        """The fields neither bucketed nor ``NEAR``: keys of one group may borrow each other's winners."""
+        along = (*self.BUCKETS, *self.NEAR)
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in along)
 
     def distance(self, other: TuningKey) -> float:
-        """Sum of log2 distances over bucket fields (only meaningful within one group)."""
+        """Sum of log2 distances over the bucket and ``NEAR`` fields (only meaningful within one group)."""
         return sum(
-            abs(math.log2(max(getattr(self, b), 1)) - math.log2(max(getattr(other, b), 1))) for b in self.BUCKETS
+            abs(math.log2(max(getattr(self, b), 1)) - math.log2(max(getattr(other, b), 1)))
+            for b in (*self.BUCKETS, *self.NEAR)
         )
 
 

@@ -420,3 +420,36 @@ def test_a_replaced_pin_is_one_warning_naming_the_reason(monkeypatch, caplog, re
     assert message.startswith(f"toy_scale: pinned config {pinned} cannot serve this call"), message
     assert message.endswith(f"; serving {stand_in} instead"), message
     assert (f"({reason})" in message) == (reason is not None), message
+
+
+def _q4k_winner(n: int, k: int, chosen: dict) -> WinnerRecord:
+    from tritune.kernels.q4k.kernel import Q4KKey
+    from tritune.kernels.registry import get_spec
+
+    spec = get_spec("q4k_fp8_gemm")
+    key = Q4KKey(CPU.arch, CPU.sm_count, "bfloat16", m_bucket=1, n=n, k=k, fp8=False)
+    return dataclasses.replace(_winner(128, chosen, speedup=1.5), kernel=spec.name, kernel_version=spec.version,
+                               key=key.to_dict())  # fmt: skip
+
+
+def _q4k_served(n: int, k: int) -> dict:
+    from tritune.kernels import Q4KWeight
+    from tritune.kernels.registry import get_spec
+
+    spec = get_spec("q4k_fp8_gemm")
+    facts = spec.facts(torch.randn(1, k, dtype=torch.bfloat16), Q4KWeight.quantize(torch.randn(n, k) * 0.02))
+    return spec.space.to_dict(dispatch_config(spec.name, "cpu", -1, tuple(facts)))
+
+
+def test_a_weight_shape_nobody_tuned_borrows_the_nearest_tuned_shapes_winner():
+    """Q4_K's N and K are ``NEAR`` fields: a fused projection (N three halves of a tuned one) gets
+    the tuned shape's config; a shape more than a factor of 4 away in all keeps the portable default."""
+    tuned = {"path": "portable", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 2,
+             "num_stages": 1, "SPLIT_K": 1}  # fmt: skip
+    _store(_q4k_winner(128, 256, tuned))
+    default = _q4k_served(32, 1024)
+    assert default != tuned, "N 4x and K 4x away: too far to borrow"
+    assert _q4k_served(128, 256) == tuned  # exact
+    assert _q4k_served(192, 256) == tuned  # N 1.5x
+    assert _q4k_served(64, 512) == tuned  # N and K 2x: distance 2
+    assert _q4k_served(64, 1024) == default  # distance 3

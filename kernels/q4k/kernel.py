@@ -57,6 +57,9 @@ class Q4KKey(TuningKey):
     fp8: bool = False
 
     BUCKETS: ClassVar[tuple[str, ...]] = ("m_bucket",)
+    #: A weight shape nobody tuned (another model's, a fused projection) borrows the nearest tuned
+    #: shape's winner rather than the portable default: which path wins follows M far more than N or K.
+    NEAR: ClassVar[tuple[str, ...]] = ("n", "k")
 
 
 def key_for(device: DeviceInfo, facts: Any) -> Q4KKey:
