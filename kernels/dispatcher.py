@@ -147,6 +147,10 @@ class Dispatcher:
         """Begin resolving one call's config on this thread (see :meth:`deferred`)."""
         self._local.deferred = False
 
+    def defer(self) -> None:
+        """Mark this thread's resolution as met by a miss online tuning put off (see :meth:`deferred`)."""
+        self._local.deferred = True
+
     def memo_get(self, memo: tuple[Any, ...]) -> Any:
         return self._memo.get(memo)
 
@@ -278,15 +282,17 @@ class Dispatcher:
         limits = spec.limits(device)
         table = self.table(device)
         exact = table.exact.get((spec.name, key))
-        if exact is None and where is not None:
+        if (exact is None or exact.provisional) and where is not None:
+            # No current winner of its own: a provisional one serves until re-measured, as tune does.
             misses.note(spec, device, key)
             if current.jit != "off":
                 from . import jit  # only where online tuning is on: serving alone never imports it
 
                 if jit.eager():
-                    exact = jit.ONLINE.on_miss(self, spec, device, where, key)
+                    tuned = jit.ONLINE.on_miss(self, spec, device, where, key)
+                    exact = exact if tuned is None else tuned
                 else:
-                    self._local.deferred = True
+                    self.defer()
         if exact is not None:
             why = spec.space.infeasible_reason(exact.config, key, limits)
             if why is not None:

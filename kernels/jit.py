@@ -177,6 +177,8 @@ class OnlineTuning:
                 # Seconds other keys being tuned hold are not free; once they settle, what is left is.
                 left = current.jit_total_seconds - self.spent_s - sum(self._reserved.values())
                 if left <= 0:
+                    # Not remembered: the key is tried again once those keys settle and free seconds.
+                    dispatcher.defer()
                     return None
                 seconds = min(current.jit_key_seconds, left)
                 self.attempted.add(slot)

@@ -1,14 +1,14 @@
-"""The miss log: keys this process resolved without an exact admitted winner, for ``tune --missed``.
+"""The miss log: keys this process resolved without a current exact winner, for ``tune --missed``.
 
 A user runs their model once with the default settings, then ``tune --missed``, and every shape
 the model called that had no winner of its own is tuned. To get there cheaply:
 
-- :func:`note` runs where the dispatcher resolves a key of a real call without an exact winner:
-  once per resolution, never on the per-call memo hit. A process resolves a key again after
-  ``reload_configs()`` or when online tuning admits a winner of the kernel, so a count is how many
-  times the key was resolved, not how often it was called. It only adds to a dict in memory. Inside
-  CUDA-graph capture or ``torch.compile`` tracing that is all it does; elsewhere it also starts the
-  writer (once per process).
+- :func:`note` runs where the dispatcher resolves a key of a real call without a current exact
+  winner (none, or only a provisional one): once per resolution, never on the per-call memo hit.
+  A process resolves a key again after ``reload_configs()`` or when online tuning admits a winner
+  of the kernel, so a count is how many times the key was resolved, not how often it was called.
+  It only adds to a dict in memory. Inside CUDA-graph capture or ``torch.compile`` tracing that is
+  all it does; elsewhere it also starts the writer (once per process).
 - The writer is a daemon thread that writes what was noted every :data:`FLUSH_INTERVAL_S` seconds,
   and once more at exit (``atexit``, registered when this module is imported: a process that only
   ever resolved keys while tracing or capturing, a ``torch.compile``-only model, gets them written
@@ -107,7 +107,7 @@ class MissLog:
         self._told: set[str] = set()
 
     def note(self, spec: KernelSpec[Any, Any], device: DeviceInfo, key: TuningKey) -> None:
-        """Record that ``key`` resolved without an exact winner; start the writer unless tracing or capturing."""
+        """Record that ``key`` resolved without a current exact winner; start the writer unless tracing or capturing."""
         current = settings_module.settings()
         if not current.miss_log:
             return

@@ -339,6 +339,72 @@ def test_concurrent_misses_never_hand_out_more_than_the_total(monkeypatch):
 
 
 @pytest.mark.interpreter
+def test_a_miss_refused_while_other_keys_hold_the_budget_is_tried_once_seconds_free(monkeypatch):
+    """A key refused only because another key's reservation holds what is left of the total is not
+    remembered: its next call, after that key settled with seconds to spare, tunes it."""
+    entered, release = threading.Event(), threading.Event()
+    attempts = []
+
+    def tune(spec, device, key, *, seconds, **budget):
+        attempts.append(key.n_bucket)
+        if key.n_bucket == 256:
+            entered.set()
+            release.wait(10)
+        return tuner_jit.JitResult(tuner_jit.FAILED, None, 0.1, detail="fake")  # settles 0.1 s spent
+
+    monkeypatch.setattr(tuner_jit, "tune_one_key", tune)
+    with settings.override(jit="sync", jit_key_seconds=1.0, jit_total_seconds=1.0):
+        first = threading.Thread(target=_served, args=(200,))
+        first.start()
+        try:
+            assert entered.wait(10)
+            _served(4000)  # bucket 4096: the whole total is reserved for 256
+        finally:
+            release.set()
+            first.join(10)
+        assert attempts == [256]
+        _served(4000)  # 0.9 s free now
+    assert attempts == [256, 4096]
+
+
+def _store_stale_winner(n_bucket: int, config: dict) -> None:
+    """A winner for the toy key ``n_bucket`` stored under another Triton: it serves provisionally."""
+    import triton
+
+    versions = {"torch_version": torch.__version__, "triton_version": triton.__version__, "tritune_version": "t"}
+    versions["triton_version"] = "0.0.1"
+    with ConfigStore(settings.settings().db_url) as store:
+        env = store.environment(gpu=CPU.slug, **versions)
+        stale = tuner_jit.WinnerRecord(kernel=SPEC.name, kernel_version=SPEC.version, gpu=CPU.slug,
+                                       key=_key(n_bucket).to_dict(), config=config, time_ms=1.0, portable_ms=2.0,
+                                       speedup=2.0, trials=1, **versions)  # fmt: skip
+        assert store.offer_winner(stale, env)
+
+
+@pytest.mark.interpreter
+def test_a_provisional_exact_winner_serves_and_is_still_noted_and_tuned_online(monkeypatch):
+    """A key whose only winner is provisional is re-measured as ``tune`` would: the miss log notes
+    it, online tuning tunes it, and until then (or with online tuning off) the provisional winner serves."""
+    stale = {"BLOCK": 64, "BROKEN": False, "num_warps": 2}
+    _store_stale_winner(256, stale)
+    noted = []
+    monkeypatch.setattr(misses, "note", lambda spec, device, key: noted.append(key.n_bucket))
+    reload_configs()
+    assert _served(200) == stale and noted == [256], "jit off: the provisional winner serves, the key is noted"
+    tuned = []
+
+    def tune(spec, device, key, *, seconds, **budget):
+        tuned.append(key.n_bucket)
+        return tuner_jit.JitResult(tuner_jit.FAILED, None, 0.1, detail="fake")
+
+    monkeypatch.setattr(tuner_jit, "tune_one_key", tune)
+    reload_configs()
+    with settings.override(jit="sync"):
+        assert _served(200) == stale, "a failed online tune leaves the provisional winner serving"
+    assert tuned == [256]
+
+
+@pytest.mark.interpreter
 def test_a_key_the_worker_cannot_import_gives_its_seconds_back(monkeypatch):
     monkeypatch.setattr(registry, "target_of", lambda spec: None)
     with settings.override(jit="background"):
