@@ -27,6 +27,7 @@ they are.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -73,9 +74,10 @@ def _fast_launch_on() -> bool:
     return _enabled
 
 
-def _modes() -> tuple[bool, str]:
-    """Triton's debug and instrumentation modes: what ``JITFunction.run`` adds to every compile's options."""
-    return knobs.runtime.debug, knobs.compilation.instrumentation_mode
+def _modes(fn: JITFunction[Any]) -> tuple[bool, str]:
+    """The debug and instrumentation modes ``JITFunction.run`` adds to every compile's options: the
+    kernel's own ``debug`` (which may be set after its first launch) or Triton's, and Triton's mode."""
+    return bool(fn.debug or knobs.runtime.debug), knobs.compilation.instrumentation_mode
 
 
 def _launch_hooks_set() -> bool:
@@ -124,8 +126,11 @@ class BoundKernel:
         if caches is None:  # this device's first launch of the kernel builds its binder
             return self._through_triton(None, grid, args, kwargs)
         bound_args, specialization, options = caches[-1](*args, **kwargs)
-        key = (device, *_modes(), *specialization, *options.items())
-        entry = self._compiled.get(key)  # an unhashable constexpr raises here as in JITFunction.run
+        key = (device, *_modes(fn), *specialization, *options.items())
+        try:
+            entry = self._compiled.get(key)
+        except TypeError:  # an unhashable option or constexpr: Triton's own launch decides what it means
+            return fn.run(*args, grid=grid, warmup=False, **kwargs)
         if entry is None:
             return self._through_triton(key, grid, args, kwargs)
         launcher, function, packed_metadata = entry
@@ -160,8 +165,9 @@ class BoundKernel:
             if caches is None:
                 return kernel
             _, specialization, options = caches[-1](*args, **kwargs)
-            key = (device, *_modes(), *specialization, *options.items())
-        self._compiled[key] = parts  # type: ignore[assignment]
+            key = (device, *_modes(self.fn), *specialization, *options.items())
+        with contextlib.suppress(TypeError):  # unhashable: nothing kept, its launches go through Triton
+            self._compiled[key] = parts  # type: ignore[assignment]
         return kernel
 
 

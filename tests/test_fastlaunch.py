@@ -193,3 +193,25 @@ def test_an_instrumentation_mode_set_later_selects_its_own_kernel(toy, monkeypat
         _launch_bound(kernel, _args(), BLOCK=32)
     assert len(compiled) == 2
     assert [launch[4] for launch in launches] == [1000, 1000, 1001, 1001]
+
+
+def test_a_kernels_debug_flag_set_after_its_first_launch_keys_the_cache(toy) -> None:
+    """``JITFunction.run`` folds the kernel's own ``debug`` into its options: so must the bound cache."""
+    kernel, compiled, launches = toy
+    for _ in range(2):
+        _launch_bound(kernel, _args(), BLOCK=32)
+    kernel.debug = True
+    kernel[(4, 2)](*_args(), BLOCK=32)  # Triton compiles the debug build
+    assert len(compiled) == 2
+    _launch_bound(kernel, _args(), BLOCK=32)
+    assert launches[-1][4] == 1001, "the bound launch must run the debug build too"
+
+
+def test_an_unhashable_option_launches_through_triton_once_per_call(toy) -> None:
+    """Triton keys options by their text; a value the bound cache cannot hash must neither raise
+    after the kernel ran nor launch it twice."""
+    kernel, compiled, launches = toy
+    for calls in (1, 2, 3):
+        _launch_bound(kernel, _args(), BLOCK=32, extern_libs={"lib": "path"})
+        assert len(launches) == calls
+    assert len(compiled) == 1
