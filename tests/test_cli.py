@@ -270,3 +270,46 @@ def test_bench_times_a_public_call_that_neither_tunes_nor_logs_a_miss(monkeypatc
     assert calls == ["off"] and row.ours_host_ms == 1.0 and row.peer_host_ms is None
     assert not misses.pending() and not (tmp_path / "bench.sqlite").exists()
     sys.modules.pop("rmsnorm", None)
+
+
+def test_bench_key_times_the_eager_alternative_that_eager_calls_get(peered, monkeypatch):
+    """Where the winner has an eager alternative, the eager ratio uses that config's GPU time."""
+    import torch
+    from test_peer_tuner import PEERED
+
+    from tritune.kernels.device import device_info
+    from tritune.kernels.dispatcher import DISPATCHER, EagerChoice
+    from tritune.tuner.tables import bench_key
+    from tritune.tuner.timing import FakeTimer
+
+    info = device_info("cpu")
+    key = PEERED.default_keys(info)[0]
+    winner = PEERED.space.parse({"BLOCK": 64, "BROKEN": False, "num_warps": 2})
+    alternative = PEERED.space.parse({"BLOCK": 16, "BROKEN": False, "num_warps": 1})
+    monkeypatch.setattr(DISPATCHER, "choose", lambda *a, **k: EagerChoice(winner, alternative))
+    cost = {winner: 1.0, alternative: 3.0}
+    timer = FakeTimer(lambda config: cost.get(config, 0.5))
+    row = bench_key(PEERED, key, info, torch.device("cpu"), timer, 0, lambda fn: 2.0)
+    assert row.ours_ms == 1.0 and row.ours_eager_ms == 3.0
+    assert row.eager_ratio() == max(row.peer_ms, 2.0) / 3.0
+
+
+def test_bench_key_takes_no_public_host_time_where_the_settings_resolve_another_key(monkeypatch):
+    """With ``TRITUNE_Q4K_FP8=1`` a Q4_K problem of an accurate key resolves the opt-in key: its
+    public call would time another config, so the host cell stays empty and a note says why."""
+    import torch
+
+    from tritune.kernels import settings
+    from tritune.kernels.device import device_info
+    from tritune.kernels.registry import get_spec
+    from tritune.tuner.tables import bench_key
+    from tritune.tuner.timing import FakeTimer
+
+    spec, info = get_spec("q4k_fp8_gemm"), device_info("cpu")
+    (key,) = spec.default_keys(info)
+    assert key.fp8 is False
+    with settings.override(q4k_fp8=True):
+        row = bench_key(spec, key, info, torch.device("cpu"), FakeTimer(lambda config: 1.0), 0, lambda fn: 2.0)
+    assert row.ours_host_ms is None and "resolves" in (row.note or "") and "fp8=True" in row.note
+    row = bench_key(spec, key, info, torch.device("cpu"), FakeTimer(lambda config: 1.0), 0, lambda fn: 2.0)
+    assert row.ours_host_ms == 2.0 and row.note is None

@@ -377,13 +377,14 @@ def bench(
     for column in BENCH_COLUMNS:
         table.add_column(column)
     notes: list[str] = []
-    with settings.override(db_url=db_url(db)):
+    # A benchmark serves what is stored: it never tunes online or logs its keys as missed.
+    with settings.override(db_url=db_url(db), jit="off", miss_log=False):
         for spec in load_kernels(kernel, tunable=True):
             for key in spec.default_keys(info):
                 row = bench_key(spec, key, info, torch_device, timer, seed, host)
                 table.add_row(*bench_cells(row))
-                if row.peer_note is not None:
-                    notes.append(f"{row.kernel} {key_text(row.key)}: {row.peer_note}")
+                if row.note is not None:
+                    notes.append(f"{row.kernel} {key_text(row.key)}: {row.note}")
     console.print(table)
     for note in notes:
         console.print(f"[yellow]{plain(note)}[/yellow]", soft_wrap=True)

@@ -13,6 +13,7 @@ from tritune.configs_db import bundles
 from tritune.configs_db.store import ConfigStore
 from tritune.kernels import settings
 from tritune.kernels.device import DeviceInfo
+from tritune.kernels.dispatcher import NEAREST_MAX_LOG2
 from tritune.kernels.spec import TuningKey
 from tritune.kernels.winners import Entry, WinnerTable, admit, build_table
 
@@ -53,7 +54,8 @@ def provisional_mark(table: WinnerTable, kernel: str, key: TuningKey, served: An
     """``" (provisional)"`` when ``served`` at ``key`` comes from a provisional entry of ``table``, else ``""``."""
     exact = table.exact.get((kernel, key))
     group = table.groups.get((kernel, key.group()), [])
-    entries: list[Entry] = [exact] if exact is not None else [entry for _key, entry in group]
+    near = [entry for other, entry in group if other.distance(key) <= NEAREST_MAX_LOG2]
+    entries: list[Entry] = [exact] if exact is not None else near
     if any(entry.provisional and entry.config == served for entry in entries):
         return " (provisional)"
     return ""

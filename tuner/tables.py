@@ -123,19 +123,21 @@ class BenchRow:
     ours_ms: float
     peer_name: str | None
     peer_ms: float | None
-    #: Why the peer has no time where it failed, for a note under the table.
-    peer_note: str | None
+    #: Why a cell is empty (the peer failed, a host time was not taken), for a note under the table.
+    note: str | None
     #: Host milliseconds per eager call queued back to back: ours (the public call, dispatched as
     #: a user's is) and the peer's; None where not timed (the interpreter, or no peer).
     ours_host_ms: float | None = None
     peer_host_ms: float | None = None
+    #: GPU milliseconds of the config eager calls get, where it is the winner's eager alternative.
+    ours_eager_ms: float | None = None
 
     def eager_ratio(self) -> float | None:
         """The peer's eager cost per call over ours, each about ``max(GPU time, host time)``."""
         peer_ms, ours_host, peer_host = self.peer_ms, self.ours_host_ms, self.peer_host_ms
         if peer_ms is None or ours_host is None or peer_host is None:
             return None
-        ours = max(self.ours_ms, ours_host)
+        ours = max(self.ours_ms if self.ours_eager_ms is None else self.ours_eager_ms, ours_host)
         return max(peer_ms, peer_host) / ours if ours > 0 else None
 
 
@@ -144,47 +146,70 @@ def bench_key(spec: Any, key: Any, info: Any, torch_device: Any, timer: Any, see
 
     ``host(fn)`` (:func:`~.timing.host_ms_per_call`; None: not timed) gives the host cost of an
     eager call: the kernel's public call as a user makes it (checks, dispatch, launches; a spec
-    without one: the served config's checked launch), and the peer's.
+    without one: the served config's checked launch), and the peer's. Where the winner has an
+    eager alternative, eager calls get that config: its GPU time is timed too and counts for them.
     """
-    from tritune.kernels.dispatcher import DISPATCHER
+    from tritune.kernels.dispatcher import DISPATCHER, EagerChoice
 
     from .candidates import describe_exception
 
     problem = spec.make_problem(key, torch_device, seed)
     default = spec.default_config(key)
-    served = DISPATCHER.select(spec, info, key)
+    choice = DISPATCHER.choose(spec, info, key)
+    served, eager = (choice.graph, choice.eager) if type(choice) is EagerChoice else (choice, None)
     mark = provisional_mark(DISPATCHER.table(info), spec.name, key, served)
 
     def time(fn: Any, config: Any) -> float:
         return float(timer(fn, config=config, flush_l2=problem.flush_l2, launch_bound=problem.launch_bound))
 
-    portable_ms, ours_ms = (time(spec.prepare(c, *problem.args, **problem.kwargs), c) for c in (default, served))
-    peer_name: str | None = None
+    def launch(config: Any) -> Any:
+        return spec.prepare(config, *problem.args, **problem.kwargs)
+
+    portable_ms, ours_ms = (time(launch(c), c) for c in (default, served))
+    peer: Any = None
     peer_ms: float | None = None
-    note: str | None = None
+    notes: list[str] = []
     try:
         peer = spec.peer(key, problem)
         if peer is not None:
-            peer_name = peer.name
             peer_ms = time(peer.fn, peer)
     except Exception as exc:
-        peer_ms, note = None, f"the peer failed: {describe_exception(exc)}"
-    ours_host = peer_host = None
+        peer_ms = None
+        notes.append(f"the peer failed: {describe_exception(exc)}")
+    ours_host = peer_host = eager_ms = None
     if host is not None:
-        from tritune.kernels import settings
-
-        if callable(spec):
-            # A user's call, but one that neither tunes online nor logs its key as missed.
-            with settings.override(jit="off", miss_log=False):
-                ours_host = host(lambda: spec(*problem.args, **problem.kwargs))
-        else:  # a spec without a public call: its served config's checked launch
-            ours_host = host(spec.prepare(served, *problem.args, **problem.kwargs))
-        if peer_ms is not None:
-            peer_host = host(peer.fn)
+        try:
+            eager_ms = None if eager is None else time(launch(eager), eager)
+            ours_host = _public_host(spec, key, info, problem, host, launch(eager or served), notes)
+            peer_host = None if peer_ms is None else host(peer.fn)
+        except Exception as exc:
+            ours_host = peer_host = None
+            notes.append(f"host timing failed: {describe_exception(exc)}")
     return BenchRow(
-        spec.name, key, spec.space.to_dict(served), mark, portable_ms, ours_ms, peer_name, peer_ms, note,
-        ours_host, peer_host,
+        spec.name, key, spec.space.to_dict(served), mark, portable_ms, ours_ms,
+        None if peer is None else peer.name, peer_ms, "; ".join(notes) or None, ours_host, peer_host, eager_ms,
     )  # fmt: skip
+
+
+def _public_host(spec: Any, key: Any, info: Any, problem: Any, host: Any, launch: Any, notes: list[str]) -> Any:
+    """Host ms of one eager call of ``key``'s problem as a user makes it, or of ``launch`` (the
+    config eager calls get, checked once) for a spec without a public call; None (with a note)
+    where this process's settings resolve the problem to another key (``TRITUNE_Q4K_FP8``, say)."""
+    if not callable(spec):
+        return host(launch)
+    from tritune.kernels import settings
+
+    facts = spec.facts(*problem.args, **problem.kwargs)
+    resolved = spec.key_for(info, tuple(facts))
+    if resolved != key:
+        notes.append(f"host time not taken: a call of this problem resolves {key_text(resolved)} here")
+        return None
+    current = settings.settings()
+    if current.jit == "off" and not current.miss_log:
+        return host(lambda: spec(*problem.args, **problem.kwargs))
+    # A user's call, but one that neither tunes online nor logs its key as missed.
+    with settings.override(jit="off", miss_log=False):
+        return host(lambda: spec(*problem.args, **problem.kwargs))
 
 
 def bench_cells(row: BenchRow) -> list[str]:
