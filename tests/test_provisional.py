@@ -203,6 +203,29 @@ def test_a_provisional_bundle_winner_seeds_the_search(tmp_path, monkeypatch):
     assert seeds[:2] == [SPEC.space.to_dict(SPEC.space.default()), old.config]
 
 
+def test_a_bundle_winner_of_a_neighbouring_bucket_seeds_a_first_tune(tmp_path, monkeypatch):
+    """A tune into an empty DB starts from the shipped bundle's nearest buckets too, as it would
+    from the DB's: the bundle's winner at bucket 512 is among the seeds of key 256."""
+    folder = tmp_path / "bundles"
+    monkeypatch.setattr(bundles, "shipped_bundle_dir", lambda: folder)
+    monkeypatch.setenv("TRITUNE_DISABLE_BUNDLES", "0")
+    settings.reload()
+    provenance = {"cuda": "", "driver": "", "torch": torch.__version__, "triton": triton.__version__, "tritune": "t"}
+    lender = record(512, config={"BLOCK": 16, "BROKEN": False, "num_warps": 1}, tritune_version="t")
+    write_bundle([lender], folder / f"{CPU.slug}.json", CPU.slug, "c", provenance)
+    db = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    options = TuneOptions(trials=4, seed=0, batch=2, final_rounds=1)
+    tuner = KeyTuner(
+        SPEC, key(256), CPU, torch.device("cpu"), db, environment_id(db, CPU), FakeTimer(lambda c: 1.0), options
+    )
+    feasible = SPEC.space.feasible(key(256), tuner.limits)
+    seeds = tuner.strategy.seeds(SPEC.space.default(), feasible, False, random.Random(0))
+    assert seeds[:2] == [SPEC.space.to_dict(SPEC.space.default()), lender.config]
+    monkeypatch.setenv("TRITUNE_DISABLE_BUNDLES", "1")
+    settings.reload()
+    assert lender.config not in tuner.strategy.seeds(SPEC.space.default(), feasible, False, random.Random(0))[:2]
+
+
 def test_bench_marks_a_provisional_served_config():
     url = store(record(64, triton_version=OLD_TRITON), record(256))
     result = CliRunner().invoke(

@@ -151,9 +151,8 @@ class Strategy:
         """Configs enqueued before the sampler proposes any: portable default, stored winner (DB or
         shipped bundle, provisional ones included) and the kernel's variants of it, the winner at
         the spec's fallback key (what serves this key until it has its own), the key's winner under
-        an earlier kernel version,
-        the winners of the nearest tuned buckets, other GPUs' winners (the prior) and the spec's
-        starting configs first."""
+        an earlier kernel version, the winners of the nearest tuned buckets (DB, then shipped
+        bundle), other GPUs' winners (the prior) and the spec's starting configs first."""
         seeds = [self.space.to_dict(default)]
         stored = self.store.winners(gpu=self.device.slug, kernel=self.spec.name)
         winners = [w for w in stored if w.kernel_version == self.spec.version]
@@ -162,7 +161,7 @@ class Strategy:
         seeds.extend(self.winner_variants(own))
         seeds.extend(self.fallback_winners(winners))
         seeds.extend(self.earlier_winners(stored))
-        seeds.extend(self.neighbour_winners(winners))
+        seeds.extend(self.neighbour_winners(winners + self.bundled_winners(winners)))
         seeds.extend(prior.seed_configs(self.spec, self.key, self.device))
         seeds.extend(self.space.to_dict(config) for config in self.spec.starting_configs(self.key, self.device))
         if exhaustive:
@@ -216,6 +215,18 @@ class Strategy:
                 found.append(values)
         return found
 
+    def bundled_winners(self, stored: list[WinnerRecord]) -> list[WinnerRecord]:
+        """The shipped bundle's winners of this kernel version at keys ``stored`` (the DB's) has no
+        winner for: a first tune into an empty DB still starts from the bundle's nearest buckets."""
+        if settings.settings().disable_bundles:
+            return []
+        records, _rejections = prior.shipped_records(self.device.slug)
+        held = [w.key for w in stored]
+        return [
+            r for r in records
+            if r.kernel == self.spec.name and r.kernel_version == self.spec.version and r.key not in held
+        ]  # fmt: skip
+
     def bundled_winner(self, key_dict: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """The winner the bundle shipped for this GPU holds at this key (or ``key_dict``) and kernel
         version, if it parses and is feasible here: it serves (provisionally where its Triton or
@@ -260,7 +271,8 @@ class Strategy:
         return found[:EARLIER_SEEDS]
 
     def neighbour_winners(self, winners: list[WinnerRecord]) -> list[dict[str, Any]]:
-        """Winners of the nearest other buckets of this key's group that are feasible here, nearest first.
+        """Winners of the nearest other buckets of this key's group that are feasible here, nearest
+        first (the DB's, and the shipped bundle's where the DB has none at a key).
 
         Neighbouring buckets' optima are usually near this one's: on the H200 the D=64, Lq=512,
         Lkv=16K prefill key's 24 trials never met the tile that ran 3.3x the portable default at
