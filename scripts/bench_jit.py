@@ -10,8 +10,9 @@ bundles disabled so that nothing tuned elsewhere helps:
 - ``online``: ``TRITUNE_JIT=sync`` and an empty DB. Each key's first call tunes it; reported per
   key: the seconds its first call took over its second (the tuning), the trials it measured, and
   its stored speedup over the portable default.
-- ``offline``: ``tune`` at each of those keys with its default budget into another empty DB; the
-  online speedup as a fraction of the offline one, and online seconds over offline seconds.
+- ``offline``: ``tune`` at each of those keys with its default budget into another empty DB, the
+  bundles disabled as online; the online speedup as a fraction of the offline one, and online
+  seconds over offline seconds.
 - ``provisional``: the workload with the shipped bundle on, under a faked newer Triton version
   string: the dispatcher's log must show provisional winners serving, and how many keys fell back
   to the portable default.
@@ -78,7 +79,9 @@ def _tune(device: str, kernel: str, key: dict[str, Any], db: Path, extra: list[s
         if field not in ("arch", "sm_count"):
             command += ["--key", f"{field}={value}"]
     start = time.perf_counter()
-    done = subprocess.run([*command, *extra], capture_output=True, text=True, cwd=HERE)
+    # From nothing, as the online phase tunes: no shipped winner seeds it.
+    env = {**os.environ, "TRITUNE_DISABLE_BUNDLES": "1"}
+    done = subprocess.run([*command, *extra], capture_output=True, text=True, cwd=HERE, env=env)
     if done.returncode != 0:
         bl.log.warning("tune %s %s failed: %s", kernel, key, (done.stdout + done.stderr)[-600:])
     return time.perf_counter() - start
@@ -137,7 +140,8 @@ def missed_phase(work: Path, device: str, smoke: bool) -> dict[str, Any]:
     command = [*TUNE, "--device", device, "--missed", "--db", str(db)]
     command += ["--trials", "4"] if smoke else ["--trials", "8"]
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, cwd=HERE)
+    env = {**os.environ, "TRITUNE_DISABLE_BUNDLES": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, cwd=HERE, env=env)
     (work / "missed-tune.log").write_text(done.stdout + done.stderr)
     called = {_key_id(c["kernel"], c["key"]) for c in calls}
     tuned = set(_winners(db))
