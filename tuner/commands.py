@@ -376,7 +376,8 @@ def bench(
     table = Table(title=f"portable, ours and the peer on {info.slug}")
     for column in BENCH_COLUMNS:
         table.add_column(column)
-    notes: list[str] = []
+    # Why cells are empty, once per reason (the opt-in Q4_K keys share one, say) with the keys it holds for.
+    notes: dict[str, list[str]] = {}
     # A benchmark serves what is stored: it never tunes online or logs its keys as missed.
     with settings.override(db_url=db_url(db), jit="off", miss_log=False):
         for spec in load_kernels(kernel, tunable=True):
@@ -384,7 +385,8 @@ def bench(
                 row = bench_key(spec, key, info, torch_device, timer, seed, host)
                 table.add_row(*bench_cells(row))
                 if row.note is not None:
-                    notes.append(f"{row.kernel} {key_text(row.key)}: {row.note}")
+                    notes.setdefault(row.note, []).append(f"{row.kernel} {key_text(row.key)}")
     console.print(table)
-    for note in notes:
-        console.print(f"[yellow]{plain(note)}[/yellow]", soft_wrap=True)
+    for note, keys in notes.items():
+        where = keys[0] if len(keys) == 1 else f"{len(keys)} keys ({keys[0]}, ...)"
+        console.print(f"[yellow]{plain(where)}: {plain(note)}[/yellow]", soft_wrap=True)

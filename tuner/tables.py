@@ -202,7 +202,8 @@ def _public_host(spec: Any, key: Any, info: Any, problem: Any, host: Any, launch
     facts = spec.facts(*problem.args, **problem.kwargs)
     resolved = spec.key_for(info, tuple(facts))
     if resolved != key:
-        notes.append(f"host time not taken: a call of this problem resolves {key_text(resolved)} here")
+        changed = " ".join(f"{k}={v}" for k, v in resolved.to_dict().items() if v != key.to_dict()[k])
+        notes.append(f"no host time: under this process's settings a call of this problem has another key ({changed})")
         return None
     current = settings.settings()
     if current.jit == "off" and not current.miss_log:
