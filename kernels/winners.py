@@ -108,7 +108,22 @@ class WinnerTable:
 
 
 def admit(record: WinnerRecord, device: DeviceInfo) -> tuple[str, TuningKey, Entry] | Rejection:
-    """Check one record against the running environment; the reason names what is off."""
+    """Check one record against the running environment; the reason names what is off.
+
+    Never raises: a key whose values break the kernel's own rules (a zero length that a
+    feasibility rule divides by, say) is refused like any other bad entry, so one hostile entry
+    of one kernel cannot take the other winners, or any call, down with it.
+    """
+    try:
+        return _admit(record, device)
+    except Exception as exc:
+        where = f"{record.source} {record.kernel}"
+        return Rejection(
+            record.source, f"{where}: the kernel's checks failed on this entry ({type(exc).__name__}: {exc})"
+        )
+
+
+def _admit(record: WinnerRecord, device: DeviceInfo) -> tuple[str, TuningKey, Entry] | Rejection:
     where = f"{record.source} {record.kernel}"
     try:
         spec = get_spec(record.kernel)

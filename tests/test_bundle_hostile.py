@@ -346,3 +346,34 @@ def test_numbers_past_every_range_are_named_not_raised() -> None:
     assert winner_numbers_problem(0.1, 0.2, 2.0, 2**63) == "trials is 9223372036854775808, expected at most 2147483647"
     with pytest.raises(ValueError, match=r"key\.n is an integer of about 5000 digits, outside the 64-bit range"):
         check_flat({"n": 10**5000}, "key")
+
+
+def test_an_entry_whose_key_breaks_a_feasibility_rule_is_refused_and_the_rest_serve() -> None:
+    """A decode key with zero (sequences x heads) makes the split rule divide by zero: that entry is
+    refused with the reason, and the table of every other entry is still built."""
+    import dataclasses
+
+    from tritune.configs_db.records import Rejection
+    from tritune.kernels.device import DeviceInfo
+    from tritune.kernels.winners import admit, build_table
+
+    h200 = DeviceInfo("NVIDIA H200", "nvidia", (9, 0), 132, "sm90")
+    records, _ = bundles.shipped_records(h200.slug)
+    decode = next(r for r in records if r.kernel == "splitk_decode")
+    hostile = dataclasses.replace(decode, key={**decode.key, "bh_bucket": 0})
+    outcome = admit(hostile, h200)
+    assert isinstance(outcome, Rejection) and "ZeroDivisionError" in outcome.reason
+    table = build_table([[hostile, *records]], h200)
+    assert len(table) == len(records)
+
+
+def test_import_refuses_an_entry_whose_key_breaks_a_feasibility_rule(tmp_path: Path) -> None:
+    document = json.loads(bundles.bundle_path("nvidia-h200-sm90-132sm").read_text())
+    decode = next(w for w in document["winners"] if w["kernel"] == "splitk_decode")
+    document["winners"] = [decode, {**decode, "key": {**decode["key"], "bh_bucket": 0}}]
+    path = tmp_path / "nvidia-h200-sm90-132sm.json"
+    path.write_text(json.dumps(document))
+    result = import_(path, tmp_path / "db.sqlite")
+    assert result.exit_code == 0, result.output
+    output = " ".join(result.output.split())
+    assert "ZeroDivisionError" in output and "imported 1" in output, output

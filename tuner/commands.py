@@ -12,6 +12,7 @@ from rich.table import Table
 
 from tritune.configs_db.records import key_text
 from tritune.configs_db.values import printable
+from tritune.search_spaces.base import TargetLimits
 
 from .app import (
     app,
@@ -331,13 +332,17 @@ def _import_refusal(record: Any) -> str | None:
     if record.triton_version != triton.__version__:
         return f"tuned with Triton {record.triton_version}, running {triton.__version__}"
     try:
-        spec.key_type.from_dict(record.key)
+        key = spec.key_type.from_dict(record.key)
     except (TypeError, ValueError) as exc:
         return f"malformed key ({exc})"
     try:
-        spec.space.parse(record.config)
+        config = spec.space.parse(record.config)
     except ValueError as exc:
         return f"config outside the search space ({exc})"
+    try:  # whether it fits a GPU is that GPU's question; a rule that cannot even run here is not
+        spec.space.infeasible_reason(config, key, TargetLimits())
+    except Exception as exc:
+        return f"the kernel's checks failed on this entry ({type(exc).__name__}: {exc})"
     if record.eager is not None:
         try:
             spec.space.parse(record.eager.config)
