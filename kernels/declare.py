@@ -30,6 +30,7 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 
 from . import registry
+from ._autograd import needs_grad, warn_forward_only
 from ._launch import prepare_interpreter, same_layout
 from ._oplib import no_modes, register_schema_op, run_unwrapped
 from .arguments import CheckedCall, Derived, Obj, Output, Rule, Scalar, Tensor, dim_names, dtype_name, static_dim
@@ -204,7 +205,10 @@ class Kernel(KernelSpec[Any, Any]):
         choice = first = None
         if type(config) is EagerChoice:
             choice, (config, first) = config, config.for_call()
-        direct = no_modes() and not _needs_grad(args, self._tensor_positions)
+        grad = needs_grad(args, self._tensor_positions)
+        if grad is not None:
+            warn_forward_only(self.name, self.arguments[grad].name)
+        direct = no_modes() and grad is None
         if direct and self.cpu_allowed:
             # Reading device.type builds a string per call; only interpreted kernels run on the CPU.
             prepare_interpreter()
@@ -475,17 +479,6 @@ def _empty(args: tuple[Any, ...], outputs: tuple[int, ...]) -> bool:
     if len(outputs) == 1:
         return not args[outputs[0]].numel()
     return all(not args[i].numel() for i in outputs)
-
-
-def _needs_grad(args: tuple[Any, ...], tensors: tuple[int, ...]) -> bool:
-    """Whether autograd must see the op: grad mode is on and a tensor at a ``tensors`` position requires grad."""
-    if not torch.is_grad_enabled():
-        return False
-    for i in tensors:
-        t = args[i]
-        if t is not None and t.requires_grad:
-            return True
-    return False
 
 
 def _prepare_interpreter() -> None:

@@ -80,6 +80,7 @@ def _decode_case() -> tuple[torch.Tensor, ...]:
     return make_case(_DEVICE, batch=2, kv_heads=2, group=2, lq=1, head_dim=64, lmax=32, lengths=[5, 9])
 
 
+@pytest.mark.filterwarnings("ignore:splitk_decode is forward-only")
 def test_a_plain_call_skips_the_op_and_a_call_with_grad_takes_it():
     """A plain call's launch is the op's body run directly (no op reaches a mode that was not
     active then); one whose inputs require grad must reach the op, which autograd knows."""
@@ -133,3 +134,21 @@ def test_public_prefill_under_a_dispatch_mode_reaches_the_op():
         prefill_attention(q, k, k, out=out)
     assert "tritune.prefill_attention.default" in mode.seen
     assert not torch.isnan(out).any()
+
+
+def test_a_call_whose_input_requires_grad_warns_once_that_the_kernel_is_forward_only(monkeypatch):
+    """The kernels have no backward: a result that silently carried no gradient would be a wrong
+    training step nobody sees, so the first such call of each kernel says so, naming the input."""
+    import warnings
+
+    from tritune.kernels import _autograd, decode_attention
+
+    monkeypatch.setattr(_autograd, "_warned", set())
+    q, k, v, kv_len = _decode_case()
+    with pytest.warns(UserWarning, match=r"splitk_decode is forward-only: .* to q \(which requires grad\)"):
+        decode_attention(q.clone().requires_grad_(True), k, v, kv_len)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        decode_attention(q.clone().requires_grad_(True), k, v, kv_len)  # once per kernel
+        with torch.no_grad():
+            decode_attention(q.clone().requires_grad_(True), k, v, kv_len)
