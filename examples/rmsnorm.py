@@ -75,9 +75,9 @@ RMSNORM = Kernel(
     "example_rmsnorm",
     arguments=[
         Tensor("x", ("*M", "N"), dtypes=(torch.bfloat16, torch.float16, torch.float32), unit_inner_stride=True),
-        Tensor("weight", ("N",), dtype_of="x"),
+        Tensor("weight", ("N",), dtype_of="x", unit_inner_stride=True),
         Scalar("eps", float, default=1e-6, bounds=(0.0, 1.0)),
-        Output("out", like="x"),
+        Output("out", like="x", contiguous=True),
     ],
     facts=("dtype", "N"), space=SearchSpace("example_rmsnorm", RMSNormConfig), key_type=RMSNormKey,
     key=lambda device, f: RMSNormKey(device.arch, device.sm_count, f.dtype, pow2_bucket(f.N)),

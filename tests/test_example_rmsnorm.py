@@ -92,3 +92,22 @@ def test_the_example_is_tuned_served_exported_and_imported(tmp_path, monkeypatch
     assert "imported 2 winner(s)" in accepted.stdout
     serving = served(imported)
     assert serving["config"] == FASTEST and serving["error"] < 1e-5, serving
+
+
+def test_layouts_the_example_kernel_cannot_read_are_refused_by_name(monkeypatch):
+    """The kernel reads ``weight`` and each row of ``out`` with stride 1: the declaration says so,
+    so a strided weight or a transposed out is an error naming it, never a wrong result."""
+    import pytest
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    from rmsnorm import rms_norm
+
+    x = torch.randn(3, 64)
+    with pytest.raises(ValueError, match=r"^weight: the last dim must be contiguous"):
+        rms_norm(x, torch.rand(128)[::2])
+    with pytest.raises(ValueError, match=r"^out: expected a contiguous tensor"):
+        rms_norm(x, torch.rand(64), out=torch.empty(64, 3).t())
+    weight = torch.rand(64)
+    expected = x.double() * torch.rsqrt(x.double().square().mean(-1, True) + 1e-6) * weight
+    torch.testing.assert_close(rms_norm(x[:, :], weight).double(), expected, rtol=1e-5, atol=1e-5)
