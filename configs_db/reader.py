@@ -157,6 +157,8 @@ def winner_records(
     from .models import Environment, Winner
 
     query = select(Winner, Environment).join(Environment, Winner.environment_id == Environment.id)
+    # Timestamps are never read here: a garbled one must not fail the fetch of every row.
+    query = query.options(defer(Winner.created_at), defer(Winner.updated_at))
     if not with_peer:
         query = query.options(defer(Winner.peer_ms, raiseload=True), defer(Winner.peer_name, raiseload=True))
     if not with_eager:
@@ -170,7 +172,7 @@ def winner_records(
     for winner, environment in session.execute(query):
         try:
             records.append(_record_from_row(winner, environment, source, with_peer=with_peer, with_eager=with_eager))
-        except ValueError as exc:
+        except (TypeError, ValueError) as exc:  # TypeError: a NULL where a number belongs
             log.warning(
                 "%s: skipping winners row %d (%s %s): %s",
                 source,

@@ -147,6 +147,21 @@ def test_rows_with_malformed_json_are_skipped_one_warning_each(db_path: Path, ca
     assert all("skipping winners row" in r.getMessage() for r in warnings)
 
 
+def test_a_garbled_timestamp_or_a_null_number_costs_only_its_own_row(db_path: Path) -> None:
+    """Timestamps are not read, and a NULL where a number belongs skips its row: neither drops the
+    other winners of the DB (which the runtime would then serve without)."""
+    execute(db_path, "UPDATE winners SET created_at = 'garbage', updated_at = 'x' WHERE key_json LIKE '%512%'")
+    with closing(sqlite3.connect(db_path)) as db, db:
+        db.execute("PRAGMA writable_schema=ON")
+        db.execute(
+            "UPDATE sqlite_master SET sql = replace(sql, 'trial_count INTEGER DEFAULT ''1'' NOT NULL', "
+            "'trial_count INTEGER') WHERE name = 'winners'"
+        )
+    execute(db_path, "UPDATE winners SET trial_count = NULL WHERE key_json LIKE '%2048%'")
+    winners = read_winners(f"sqlite:///{db_path}", GPU)
+    assert sorted(w.key["seqlen"] for w in winners) == [512, 1024]
+
+
 @pytest.mark.parametrize(
     "url",
     [
