@@ -218,8 +218,14 @@ class ConfigStore:
         with self._session() as session:
             return self._offer(session, record, env_id)
 
-    def _offer(self, session: Session, record: WinnerRecord, env_id: int) -> bool:
-        """:meth:`offer_winner` inside the caller's transaction; ``ValueError`` before anything is written."""
+    def _offer(
+        self, session: Session, record: WinnerRecord, env_id: int, current: tuple[str, str] | None = None
+    ) -> bool:
+        """:meth:`offer_winner` inside the caller's transaction; ``ValueError`` before anything is written.
+
+        ``current``: the (Triton, torch) versions under which a stored winner counts as current
+        (not replaced unless the offer is faster); default the offer's own, as a tune's offers are.
+        """
         problem = winner_numbers_problem(record.time_ms, record.portable_ms, record.speedup, record.trials)
         problem = problem or peer_problem(record.peer_ms, record.peer_name)
         problem = problem or eager_problem(None if record.eager is None else eager_fields(record.eager))
@@ -250,15 +256,21 @@ class ConfigStore:
             peer_name=record.peer_name,
             eager_json=None if eager is None else eager_json(eager),
         )
-        return upserts.offer_winner(session, values, environment.triton_version, environment.torch_version)
+        triton_version, torch_version = current or (environment.triton_version, environment.torch_version)
+        return upserts.offer_winner(session, values, triton_version, torch_version)
 
     def winners(self, gpu: str | None = None, kernel: str | None = None) -> list[WinnerRecord]:
         """Stored winners, optionally of one GPU and/or kernel."""
         with self._session() as session:
             return winner_records(session, gpu, kernel, self.source)
 
-    def import_records(self, records: Iterable[WinnerRecord]) -> tuple[int, int]:
+    def import_records(
+        self, records: Iterable[WinnerRecord], current: tuple[str, str] | None = None
+    ) -> tuple[int, int]:
         """Offer each record (e.g. from a bundle) as a winner; ``(imported, skipped)``.
+
+        ``current`` names the running (Triton, torch) versions: a stored winner measured under
+        them is then only replaced by a faster record, however old the bundle's own versions are.
 
         Each record's environment is rebuilt from its provenance (``extra`` supplies the GPU
         name, capability, SM count, driver and CUDA where known). Skipped are records that are
@@ -285,7 +297,7 @@ class ConfigStore:
                 )
                 session.flush()
                 try:
-                    written = self._offer(session, record, int(environment.id))
+                    written = self._offer(session, record, int(environment.id), current)
                 except ValueError as exc:
                     log.warning(
                         "not importing %s %s: %s",

@@ -257,3 +257,20 @@ def test_a_malformed_rows_warning_is_one_escaped_line(db_path: Path, caplog: pyt
     for message in messages:
         assert "\n" not in message and "\x1b" not in message
         assert "k\\nk" in message
+
+
+def test_an_import_replaces_a_winner_of_the_running_versions_only_with_a_faster_one(tmp_path: Path) -> None:
+    """A bundle tuned under an older torch does not overwrite a faster winner measured under the
+    running versions (stale, to the running code, is the bundle's record); a faster record does."""
+    running = ("3.6.0", "2.13.0")
+    current = replace(record(512, time_ms=0.1), triton_version=running[0], torch_version=running[1])
+    with ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}") as store:
+        store.offer_winner(
+            current, store.environment(**{**ENV, "triton_version": running[0], "torch_version": running[1]})
+        )
+        older = replace(record(512, time_ms=0.19), torch_version="2.10.0", config={"BLOCK_M": 64})
+        assert store.import_records([older], current=running) == (0, 1)
+        assert [w.time_ms for w in store.winners()] == [0.1]
+        faster = replace(older, time_ms=0.05, speedup=2.0 / 0.05)
+        assert store.import_records([faster], current=running) == (1, 0)
+        assert [(w.time_ms, w.torch_version) for w in store.winners()] == [(0.05, "2.10.0")]

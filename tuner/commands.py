@@ -310,8 +310,11 @@ def import_bundle(
         )
     url = db_url(db)
     check_database_path(url, must_exist=False)
+    import torch
+    import triton
+
     with ConfigStore(url) as store:
-        imported, skipped = store.import_records(accepted)
+        imported, skipped = store.import_records(accepted, current=(triton.__version__, torch.__version__))
     console.print(
         f"imported {imported} winner(s), kept {skipped} existing better one(s), refused {refused} entr"
         f"{'y' if refused == 1 else 'ies'}"
