@@ -313,3 +313,40 @@ def test_bench_key_takes_no_public_host_time_where_the_settings_resolve_another_
     assert row.ours_host_ms is None and row.note is not None and "another key (fp8=True)" in row.note
     row = bench_key(spec, key, info, torch.device("cpu"), FakeTimer(lambda config: 1.0), 0, lambda fn: 2.0)
     assert row.ours_host_ms == 2.0 and row.note is None
+
+
+def test_export_leaves_out_winners_of_other_kernel_versions_and_prefers_the_running_versions(toy, tmp_path):
+    """Stale winners (another kernel version: never served) are not exported, however many; among
+    the rest the group tuned under the running Triton and torch is the bundle's provenance."""
+    import dataclasses
+
+    import torch
+    import triton
+
+    from tritune.configs_db.records import WinnerRecord
+
+    spec = toy_kernel.SPEC
+    db = f"sqlite:///{tmp_path / 'e.sqlite'}"
+
+    def winner(n_bucket, version=spec.version, triton_version=triton.__version__):
+        return WinnerRecord(kernel=spec.name, kernel_version=version, gpu="cpu-interpreter",
+                            key={"arch": "cpu-interpreter", "sm_count": 1, "dtype": "float32", "n_bucket": n_bucket},
+                            config={"BLOCK": 64, "BROKEN": False, "num_warps": 2}, time_ms=1.0, portable_ms=2.0,
+                            speedup=2.0, trials=3, triton_version=triton_version, torch_version=torch.__version__,
+                            tritune_version="t")  # fmt: skip
+
+    stale = [winner(n, version="0ld0ld0ld0ld0ld0") for n in (1, 2, 4)]
+    current = [winner(8), winner(16)]
+    older_triton = [dataclasses.replace(winner(n), triton_version="3.5.0") for n in (32, 64, 128)]
+    with ConfigStore(db) as store:
+        for record in [*stale, *current, *older_triton]:
+            env = store.environment(gpu=record.gpu, torch_version=record.torch_version,
+                                    triton_version=record.triton_version, tritune_version="t")  # fmt: skip
+            assert store.offer_winner(record, env)
+    bundle = tmp_path / "cpu-interpreter.json"
+    exported = _run("export", "--gpu", "cpu-interpreter", "--db", db, "--out", str(bundle))
+    assert exported.exit_code == 0, exported.output
+    assert "left out 3 winner(s) of kernel versions" in " ".join(exported.output.split())
+    doc = json.loads(bundle.read_text())
+    assert sorted(w["key"]["n_bucket"] for w in doc["winners"]) == [8, 16]
+    assert doc["provenance"]["triton"] == triton.__version__

@@ -235,7 +235,18 @@ def export_bundle(
     records = read_winners(url, gpu, timeout_s=READ_TIMEOUT_S)
     if not records:
         raise typer.BadParameter(f"{gpu!r}: the DB holds no winners for that GPU", param_hint="--gpu")
-    # A bundle states one provenance: export the largest group of records sharing one.
+    records, stale = _current_kernel_versions(records)
+    if stale:
+        console.print(f"[yellow]left out {stale} winner(s) of kernel versions this code does not run[/yellow]")
+    if not records:
+        raise typer.BadParameter(
+            f"{gpu!r}: every winner for that GPU is of another kernel version than this code runs", param_hint="--gpu"
+        )
+    # A bundle states one provenance: the largest group of records sharing one, under the running
+    # Triton and torch where any group was tuned under them.
+    import torch
+    import triton
+
     groups: dict[tuple[str, str, str, str, str], list[Any]] = {}
     for record in records:
         stamp = (
@@ -246,7 +257,8 @@ def export_bundle(
             record.tritune_version,
         )
         groups.setdefault(stamp, []).append(record)
-    stamp, chosen = max(groups.items(), key=lambda item: len(item[1]))
+    running = [item for item in groups.items() if item[0][2:4] == (torch.__version__, triton.__version__)]
+    stamp, chosen = max(running or groups.items(), key=lambda item: len(item[1]))
     for other, left in groups.items():
         if other != stamp:
             console.print(f"[yellow]left out {len(left)} winner(s) tuned under other versions {plain(other)}[/yellow]")
@@ -255,6 +267,15 @@ def export_bundle(
     gpu_name = str(chosen[0].extra.get("gpu_name") or gpu)
     bundles.write_bundle(chosen, path, gpu=gpu, gpu_name=gpu_name, provenance=provenance)
     console.print(f"wrote {len(chosen)} winner(s) to {plain(path)}")
+
+
+def _current_kernel_versions(records: list[Any]) -> tuple[list[Any], int]:
+    """``records`` less those of a known kernel at another kernel version (no tritune running this
+    code would serve them), and how many were left out; a kernel not declared here is kept."""
+    from tritune.kernels.registry import get_spec, known
+
+    kept = [r for r in records if not known(r.kernel) or r.kernel_version == get_spec(r.kernel).version]
+    return kept, len(records) - len(kept)
 
 
 @app.command("import")
