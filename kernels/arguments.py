@@ -105,6 +105,19 @@ class Scalar:
     #: Why the bounds exist, for the error message (for example "the kernels scale fp32 scores by it").
     why: str = ""
 
+    def limits(self) -> tuple[float | None, float | None]:
+        """``bounds`` as the checks apply them: an int's open ends closed at int64's range, which is
+        what the op's schema and the kernels take (a bigger int would wrap or overflow there)."""
+        low, high = self.bounds
+        if self.type is int:
+            low = INT64_MIN if low is None else max(low, INT64_MIN)
+            high = INT64_MAX if high is None else min(high, INT64_MAX)
+        return low, high
+
+
+#: The range of a schema ``int`` (int64): every int scalar is held to it.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
 
 @dataclass(frozen=True)
 class Output:
@@ -354,7 +367,7 @@ class CheckedCall:
             ok = isinstance(value, int | float) and not isinstance(value, bool)
         if not ok:
             raise TypeError(f"{name}: expected {_article(wanted)}, got {type(value).__name__}")
-        low, high = arg.bounds
+        low, high = arg.limits()
         # Comparisons, not float(): an int too large for a float is refused, not an OverflowError.
         if (low is not None and not value >= low) or (high is not None and not value <= high) or value != value:
             raise ValueError(f"{name}: expected {_bounds_text(arg)}, got {value!r}")
@@ -418,16 +431,23 @@ def _article(noun: str) -> str:
 
 
 def _bounds_text(arg: Scalar) -> str:
-    low, high = arg.bounds
+    low, high = arg.limits()
     kind = "a number" if arg.type is float else f"an {arg.type.__name__}"
+    if low is None and high is None:
+        return f"{kind} other than NaN" + (f" ({arg.why})" if arg.why else "")
+
+    def show(v: float) -> str:
+        return str(v) if arg.type is int else f"{v:g}"
+
     if low is not None and high is not None and low == -high:
-        text = f"{kind} with |{arg.name}| <= {high:g}"
+        text = f"{kind} with |{arg.name}| <= {show(high)}"
     elif low is not None and high is not None:
-        text = f"{kind} in [{low:g}, {high:g}]"
+        text = f"{kind} in [{show(low)}, {show(high)}]"
     elif low is not None:
-        text = f"{kind} >= {low:g}"
+        text = f"{kind} >= {show(low)}"
     else:
-        text = f"{kind} <= {high:g}"
+        assert high is not None
+        text = f"{kind} <= {show(high)}"
     return text + (f" ({arg.why})" if arg.why else "")
 
 

@@ -211,12 +211,14 @@ def build_fast_check(
         if not isinstance(a, Scalar):
             continue
         kind = {bool: "bool", int: "int", float: "float"}[a.type]
-        low, high = a.bounds
+        low, high = a.limits()
         test = f"type({a.name}) is not {kind}"
         if low is not None:
             test += f" or not {a.name} >= {low!r}"
         if high is not None:
             test += f" or not {a.name} <= {high!r}"
+        if low is None and high is None and a.type is float:
+            test += f" or {a.name} != {a.name}"  # NaN, which the detailed check refuses
         if a.optional:
             w.emit(f"if {a.name} is not None and ({test}): return None")
         else:

@@ -281,3 +281,49 @@ def test_a_prepared_launch_checks_once_and_then_only_launches(monkeypatch: pytes
         assert run() is out
     assert checks == [1]
     torch.testing.assert_close(out.double(), _reference(*args[:-1]), rtol=1e-6, atol=1e-6)
+
+
+def _scale_launch(config: AddConfig, x: torch.Tensor, alpha: float, count: int, out: torch.Tensor) -> None:
+    out.copy_(x * alpha)
+
+
+UNBOUNDED = Kernel(
+    "test_unbounded_scalars",
+    arguments=[
+        Tensor("x", ("N",), dtypes=(torch.float32,)),
+        Scalar("alpha", float),
+        Scalar("count", int, default=1),
+        Output("out", like="x"),
+    ],
+    facts=("dtype", "N"),
+    space=SearchSpace("test_unbounded_scalars", AddConfig),
+    key_type=AddKey,
+    key=lambda device, f: AddKey(device.arch, device.sm_count, f.dtype, pow2_bucket(f.N, 1), False),
+    launch=_scale_launch,
+    reference=lambda x, alpha, count: x.double() * alpha,
+    jit_kernels=(_scaled_add_kernel,),
+    protocol=1,
+)
+
+
+@pytest.mark.parametrize(
+    ("alpha", "count", "match"),
+    [
+        (float("nan"), 1, r"^alpha: expected a number other than NaN, got nan"),
+        (
+            2.0,
+            2**63,
+            r"^count: expected an int in \[-9223372036854775808, 9223372036854775807\], got 9223372036854775808",
+        ),
+        (2.0, -(2**63) - 1, r"^count: expected an int in \["),
+    ],
+    ids=["nan-float", "int-above-int64", "int-below-int64"],
+)
+def test_unbounded_scalars_are_held_to_what_the_op_takes_by_both_checks(alpha, count, match):
+    """A float scalar without bounds still refuses NaN, and an int one is held to int64 (the op's
+    schema type): the one-pass check defers such a call and the detailed check names the argument."""
+    x = torch.randn(8)
+    assert UNBOUNDED.fast_check().fn(x, alpha, count, None) is None
+    with pytest.raises(ValueError, match=match):
+        UNBOUNDED(x, alpha, count)
+    torch.testing.assert_close(UNBOUNDED(x, 2.0, 2**63 - 1), x * 2.0)

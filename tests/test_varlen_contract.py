@@ -80,6 +80,9 @@ def _valid_args(device: str):
     return {"q": q, "k_store": k, "v_store": v, "seq_info": seq_info}
 
 
+#: What a window outside the kernels' int32 positions is told.
+WINDOW_RANGE = r"window: expected an int in \[1, 2147483647\]"
+
 BAD_INPUTS = [
     pytest.param(lambda a: {**a, "q": a["q"].float()}, TypeError, "q: expected dtype", id="q-dtype"),
     pytest.param(lambda a: {**a, "q": a["q"].tolist()}, TypeError, "q: expected a torch.Tensor", id="q-not-tensor"),
@@ -114,8 +117,9 @@ BAD_INPUTS = [
                  id="k-device"),
     pytest.param(lambda a: {**a, "v_store": a["v_store"].transpose(2, 3).contiguous().transpose(2, 3)},
                  ValueError, "v_store: the last dim must be contiguous", id="v-inner-stride"),
-    pytest.param(lambda a: {**a, "window": 0}, ValueError, "window: expected an int >= 1", id="window-zero"),
-    pytest.param(lambda a: {**a, "window": -4}, ValueError, "window: expected an int >= 1", id="window-negative"),
+    pytest.param(lambda a: {**a, "window": 0}, ValueError, WINDOW_RANGE, id="window-zero"),
+    pytest.param(lambda a: {**a, "window": -4}, ValueError, WINDOW_RANGE, id="window-negative"),
+    pytest.param(lambda a: {**a, "window": 2**63}, ValueError, WINDOW_RANGE, id="window-huge"),
     pytest.param(lambda a: {**a, "window": 2.5}, TypeError, "window: expected an int or None", id="window-float"),
     pytest.param(lambda a: {**a, "causal": 1}, TypeError, "causal: expected a bool", id="causal-type"),
     pytest.param(lambda a: {**a, "ring": "yes"}, TypeError, "ring: expected a bool", id="ring-type"),
@@ -207,7 +211,6 @@ def test_torch_compile_dynamic_width_compiles_once():
     assert counter.frame_count == 1
 
 
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="GPU tier: needs a CUDA GPU (run on the H200)")
 def test_torch_compile_with_kv_tma_pinned_keeps_pointer_loads(monkeypatch):
@@ -223,6 +226,7 @@ def test_torch_compile_with_kv_tma_pinned_keeps_pointer_loads(monkeypatch):
     q, k, v, seq_info = make_inputs(mix, tail=0.0)
     config = {"BLOCK_M": 64, "BLOCK_N": 64, "SHORT_M": 16, "KV_TMA": True}
     torch._dynamo.reset()
+
     def step(q, k, v, seq_info, out):
         return varlen_attention(q, k, v, seq_info, out=out) * 2.0
 

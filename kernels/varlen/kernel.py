@@ -100,7 +100,7 @@ KERNEL = Kernel(
         Tensor("v_store", ("rows", "cols", "Hkv", "D"), dtype_of="q", unit_inner_stride=True),
         Tensor("seq_info", ("S", 4), dtypes=(torch.int32,)),
         Scalar("causal", bool, default=True),
-        Scalar("window", int, optional=True, bounds=(1, None), why="a number of positions"),
+        Scalar("window", int, optional=True, bounds=(1, 2**31 - 1), why="a number of positions, int32 in the kernels"),
         Scalar("ring", bool, default=False),
         SOFTMAX_SCALE,
         Output("out", like="q", unit_inner_stride=True),
