@@ -152,3 +152,26 @@ def test_a_call_whose_input_requires_grad_warns_once_that_the_kernel_is_forward_
         decode_attention(q.clone().requires_grad_(True), k, v, kv_len)  # once per kernel
         with torch.no_grad():
             decode_attention(q.clone().requires_grad_(True), k, v, kv_len)
+
+
+@pytest.mark.parametrize("mode", ["fake", "symbolic"])
+def test_prefill_traces_with_fake_tensors(mode):
+    """Fake tensors have no data pointers: the prefill call's TMA layout fact must not ask for one
+    (the TMA op's body checks the bases on real tensors at run time)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from tritune.kernels import prefill_attention
+
+    q = torch.randn(1, 2, 4, 64, device=_DEVICE).to(torch.bfloat16)
+    k = torch.randn(1, 1, 8, 64, device=_DEVICE).to(torch.bfloat16)
+    graph = make_fx(lambda q, k, v: prefill_attention(q, k, v), tracing_mode=mode)(q, k, torch.randn_like(k))
+    assert "tritune.prefill_attention" in str(graph.code)
+
+
+def test_prefill_under_vmap_says_the_op_has_no_batching_rule():
+    from tritune.kernels import prefill_attention
+
+    q = torch.randn(3, 1, 2, 4, 64, device=_DEVICE).to(torch.bfloat16)
+    k = torch.randn(3, 1, 1, 8, 64, device=_DEVICE).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="Batching rule not implemented for tritune::prefill_attention"):
+        torch.vmap(lambda q, k, v: prefill_attention(q, k, v))(q, k, torch.randn_like(k))

@@ -94,8 +94,8 @@ def tma_layout_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
 
     Unit inner strides, every other stride a multiple of 8 elements (16 bytes; OR-ing them keeps
     any low bit), no empty dimension, 16-byte aligned bases. Runs on every call, hence the plain
-    arithmetic. ``torch.compile`` cannot trace data pointers: the TMA op's body checks the bases
-    again at run time.
+    arithmetic. Traced tensors (``torch.compile``, ``make_fx``, fake tensors, ``vmap``) have no data
+    pointers: the TMA op's body checks the bases again at run time.
     """
     sq0, sq1, sq2, sq3 = q.stride()
     sk0, sk1, sk2, sk3 = k.stride()
@@ -112,7 +112,12 @@ def tma_layout_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     # v has k's shape, out has q's.
     if 0 in q.shape or 0 in k.shape:
         return False
-    return _is_compiling() or not (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15
+    if _is_compiling() or type(q) is not torch.Tensor:
+        return True  # fake or traced tensors have no addresses: the TMA op's body checks them at run time
+    try:
+        return not (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15
+    except RuntimeError:  # a functorch-wrapped tensor (vmap) has none either
+        return True
 
 
 def _key(device: DeviceInfo, f: Any) -> PrefillKey:
