@@ -191,7 +191,8 @@ def winner_numbers_problem(time_ms: object, portable_ms: object, speedup: object
         return f"speedup is {speedup!r}, more than {MAX_SPEEDUP:g} is a measurement error"
     # The dispatcher's margin rule trusts the speedup: it must be what the two times say.
     implied = portable_ms / time_ms
-    if abs(speedup - implied) > 1e-3 * max(speedup, implied):
+    # A ratio that overflows (1e300 / 1e-300) is infinite and would compare as agreeing.
+    if not math.isfinite(implied) or abs(speedup - implied) > 1e-3 * max(speedup, implied):
         return f"speedup {speedup!r} disagrees with portable_ms / time_ms = {implied:.6g}"
     if isinstance(trials, bool) or not isinstance(trials, int):
         return f"trials is {describe(trials)}, expected a whole number"

@@ -69,6 +69,7 @@ def test_parse_is_strict(text: str, reason: str) -> None:
         pytest.param((1.0, 2.0, 2.0, True), "whole number", id="boolean-trials"),
         pytest.param((1.0, 2.0, 2.0, 2.5), "whole number", id="fractional-trials"),
         pytest.param(("1", 2.0, 2.0, 5), "time_ms is a string", id="string-time"),
+        pytest.param((1e-300, 1e300, 2.0, 5), "disagrees with portable_ms / time_ms = inf", id="overflowing-ratio"),
     ],
 )
 def test_winner_numbers(numbers: tuple[object, object, object, object], reason: str | None) -> None:
