@@ -164,6 +164,8 @@ def build_fast_check(
         w.emit(f"_dtype_name = {w.constant('dtypes', dtype_names)}.get(_dtype)")
         w.emit("if _dtype_name is None: return None")
     else:
+        if first.floating:
+            w.emit(f"if not {first.name}.is_floating_point(): return None")
         w.emit(f"_dtype_name = {w.constant('dtype_name', dtype_name)}(_dtype)")
     w.emit(f"_device = {first.name}.device")
     cuda_or_cpu = f"{first.name}.is_cuda" + (f" or {first.name}.is_cpu" if cpu_allowed else "")

@@ -327,3 +327,32 @@ def test_unbounded_scalars_are_held_to_what_the_op_takes_by_both_checks(alpha, c
     with pytest.raises(ValueError, match=match):
         UNBOUNDED(x, alpha, count)
     torch.testing.assert_close(UNBOUNDED(x, 2.0, 2**63 - 1), x * 2.0)
+
+
+FLOATING_FIRST = Kernel(
+    "test_floating_first",
+    arguments=[
+        Tensor("x", ("N",), floating=True),
+        Scalar("alpha", float),
+        Scalar("count", int, default=1),
+        Output("out", like="x"),
+    ],
+    facts=("dtype", "N"),
+    space=SearchSpace("test_floating_first", AddConfig),
+    key_type=AddKey,
+    key=lambda device, f: AddKey(device.arch, device.sm_count, f.dtype, pow2_bucket(f.N, 1), False),
+    launch=_scale_launch,
+    reference=lambda x, alpha, count: x.double() * alpha,
+    jit_kernels=(_scaled_add_kernel,),
+    protocol=1,
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool])
+def test_a_floating_first_tensor_is_dtype_checked_by_both_checks(dtype):
+    x = torch.zeros(8, dtype=dtype)
+    assert FLOATING_FIRST.fast_check().fn(x, 2.0, 1, None) is None
+    with pytest.raises(TypeError, match=r"^x: expected a floating-point dtype, got torch\.(int32|bool)"):
+        FLOATING_FIRST(x, 2.0)
+    y = torch.randn(8)
+    assert FLOATING_FIRST.fast_check().fn(y, 2.0, 1, None) is not None
