@@ -64,14 +64,22 @@ def default_db_url() -> str:
     import platformdirs
 
     path = Path(platformdirs.user_data_dir("tritune", appauthor=False)) / "configs.sqlite"
-    return f"sqlite:///{path}"
+    return _sqlite_url(path)
 
 
 def db_url_from(value: str) -> str:
     """Accept a SQLAlchemy URL or a plain file path."""
     if "://" in value:
         return value
-    return f"sqlite:///{Path(value).expanduser().resolve()}"
+    return _sqlite_url(Path(value).expanduser().resolve())
+
+
+def _sqlite_url(path: Path) -> str:
+    """The SQLite URL of a file path, quoted: a path is not a URL, and its "%" or "?" must stay
+    part of the file name (SQLAlchemy would decode the one and take the other for a query)."""
+    from urllib.parse import quote
+
+    return f"sqlite:///{quote(str(path), safe='/:~')}"
 
 
 def _fraction(raw: str) -> float:

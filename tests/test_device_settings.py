@@ -224,3 +224,16 @@ def test_nvml_numbering_trusted_only_when_it_matches_cuda(monkeypatch):
     assert not device._nvml_order_is_cuda_order()
     monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 1)
     assert device._nvml_order_is_cuda_order()
+
+
+@pytest.mark.parametrize("name", ["x%41.sqlite", "a?b.sqlite", "with space.sqlite"])
+def test_a_db_path_names_its_own_file_whatever_its_characters(tmp_path, name):
+    """A path is not a URL: its "%" or "?" stays in the file name the DB is written to."""
+    from tritune.configs_db.store import ConfigStore
+    from tritune.configs_db.urls import sqlite_file
+
+    url = settings.db_url_from(str(tmp_path / name))
+    assert sqlite_file(url) == tmp_path / name
+    with ConfigStore(url) as store:
+        store.environment(gpu="g", torch_version="t", triton_version="3", tritune_version="0")
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".sqlite"] == [name]
