@@ -50,8 +50,12 @@ T = TypeVar("T")
 
 
 def display_url(url: str) -> str:
-    """``url`` fit for messages and record sources: a password masked, control characters escaped."""
-    if not is_sqlite(url):
+    """``url`` fit for messages and record sources: a password masked, control characters escaped,
+    a SQLite file's name as written (not percent-encoded)."""
+    path = sqlite_file(url)
+    if path is not None:
+        url = f"{url.split('://', 1)[0]}:///{path}"
+    elif not is_sqlite(url):
         from sqlalchemy.engine import make_url
         from sqlalchemy.exc import ArgumentError
 
