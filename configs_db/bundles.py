@@ -64,6 +64,8 @@ BUNDLE_SCHEMA = "tritune-bundle"
 BUNDLE_SCHEMA_VERSION = 1
 #: A bundle bigger than this is refused before it is read (real ones are a few hundred KB).
 MAX_BUNDLE_BYTES = 8 * 1024 * 1024
+#: More entries than this is no bundle (each would cost a check and perhaps a logged refusal).
+MAX_BUNDLE_ENTRIES = 20_000
 PROVENANCE_FIELDS = ("cuda", "driver", "torch", "triton", "tritune")
 TOP_LEVEL_FIELDS = ("schema", "schema_version", "gpu", "gpu_name", "created", "provenance", "winners")
 ENTRY_FIELDS = ("kernel", "kernel_version", "key", "config", "time_ms", "portable_ms", "speedup", "trials")
@@ -192,6 +194,8 @@ def _document_problem(doc: Any, expected_gpu: str | None) -> str | None:
             return problem
     if not isinstance(doc["winners"], list):
         return f"winners is {describe(doc['winners'])}, expected a list"
+    if len(doc["winners"]) > MAX_BUNDLE_ENTRIES:
+        return f"{len(doc['winners'])} winners, more than {MAX_BUNDLE_ENTRIES} (a GPU's tuned keys are hundreds)"
     return None
 
 

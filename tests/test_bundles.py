@@ -188,6 +188,9 @@ def _oversized(path: Path) -> None:
 
 FILE_CASES = [
     pytest.param(lambda p: p.write_text('{"schema": "tritune-bundle", '), "broken JSON", id="broken-json"),
+    pytest.param(
+        lambda p: write_doc(p, document(winners=[{}] * 20_001)), "20001 winners, more than 20000", id="too-many-entries"
+    ),
     pytest.param(lambda p: write_doc(p, [document()]), "top level is a list, expected an object", id="not-an-object"),
     pytest.param(
         lambda p: write_doc(p, document(schema="vllm-configs")), "schema is 'vllm-configs'", id="wrong-schema-name"
