@@ -357,6 +357,8 @@ class Kernel(KernelSpec[Any, Any]):
             else:
                 args.append(flat[position])
                 position += 1
+        if self.cpu_allowed:  # an op call may be the process's first interpreted launch
+            prepare_interpreter()
         self._launch(self.config_from_fields(fields), *args)
 
     def config_from_fields(self, fields: Mapping[str, Any]) -> Any:

@@ -111,3 +111,21 @@ def test_layouts_the_example_kernel_cannot_read_are_refused_by_name(monkeypatch)
     weight = torch.rand(64)
     expected = x.double() * torch.rsqrt(x.double().square().mean(-1, True) + 1e-6) * weight
     torch.testing.assert_close(rms_norm(x[:, :], weight).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+OPCHECK_FIRST = """
+import sys, torch
+sys.path.insert(0, "examples")
+from rmsnorm import RMSNORM
+x, weight = torch.randn(3, 64), torch.rand(64)
+torch.library.opcheck(RMSNORM.op, (x, weight, 1e-6, torch.empty_like(x)), {"BLOCK_N": 64, "num_warps": 4})
+print("opcheck ok")
+"""
+
+
+def test_the_op_runs_on_the_interpreter_before_any_eager_call():
+    """The op's body readies the interpreter itself: ``opcheck`` (or a compiled graph) may be the
+    process's first launch of the kernel."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", OPCHECK_FIRST], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and "opcheck ok" in done.stdout, done.stderr[-2000:]
