@@ -149,6 +149,19 @@ class Kernel(KernelSpec[Any, Any]):
             missing = [p for p in rule.params if p not in known]
             if missing:
                 raise ValueError(f"{self.name}: rule on {rule.arg} reads unknown names {missing}")
+        # A dim only an optional tensor binds has no value when it is None: nothing else may read it.
+        binding = [a for a in self.arguments if isinstance(a, Tensor | Obj) and not getattr(a, "optional", False)]
+        loose = dims - set(dim_names(binding))
+        readers = {
+            "facts": set(self.fact_names),
+            "rules": {p for rule in self.rules for p in rule.params},
+            "outputs": set(dim_names([a for a in self.arguments if isinstance(a, Output)])),
+        }
+        for what, names_read in readers.items():
+            if names_read & loose:
+                raise ValueError(
+                    f"{self.name}: {what} read dims {sorted(names_read & loose)}, which only optional tensors bind"
+                )
 
     def schema(self) -> str:
         """The op schema: inputs, outputs (mutated), scalars, then the config's fields by name."""

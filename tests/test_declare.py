@@ -356,3 +356,24 @@ def test_a_floating_first_tensor_is_dtype_checked_by_both_checks(dtype):
         FLOATING_FIRST(x, 2.0)
     y = torch.randn(8)
     assert FLOATING_FIRST.fast_check().fn(y, 2.0, 1, None) is not None
+
+
+def test_a_declaration_reading_a_dim_only_an_optional_tensor_binds_is_refused():
+    """With the tensor left out the dim has no value: the declaration fails, not the call."""
+    with pytest.raises(ValueError, match=r"facts read dims \['L'\], which only optional tensors bind"):
+        Kernel(
+            "test_loose_dim",
+            arguments=[
+                Tensor("x", ("N",), dtypes=(torch.float32,)),
+                Tensor("bias", ("L",), dtypes=(torch.float32,), optional=True),
+                Output("out", like="x"),
+            ],
+            facts=("dtype", "N", "L"),
+            space=SearchSpace("test_loose_dim", AddConfig),
+            key_type=AddKey,
+            key=lambda device, f: AddKey(device.arch, device.sm_count, f.dtype, f.N, False),
+            launch=lambda config, x, bias, out: out.copy_(x),
+            reference=lambda x, bias: x.double(),
+            jit_kernels=(_scaled_add_kernel,),
+            protocol=1,
+        )
