@@ -98,12 +98,13 @@ def _shape_checks(w: _Writer, expr: str, dims: tuple[str | int, ...], depth: int
             w.bound.add(d)
     name = dims[0][1:]  # type: ignore[index]
     lead = f"_lead_{name}"
-    w.emit(f"{lead} = {var}[:{offset}]", depth)
-    value = f"({lead}[0] if len({lead}) == 1 else _prod({lead}))"
     if name in w.bound:
-        w.emit(f"if {value} != {name}: return None", depth)
+        # Bound by an earlier tensor, whose leading dims an output takes (as the detailed check's).
+        leading = f"{var}[:{offset}]"
+        w.emit(f"if ({leading}[0] if len({leading}) == 1 else _prod({leading})) != {name}: return None", depth)
     else:
-        w.emit(f"{name} = {value}", depth)
+        w.emit(f"{lead} = {var}[:{offset}]", depth)
+        w.emit(f"{name} = ({lead}[0] if len({lead}) == 1 else _prod({lead}))", depth)
         w.bound.add(name)
     return var
 

@@ -377,3 +377,34 @@ def test_a_declaration_reading_a_dim_only_an_optional_tensor_binds_is_refused():
             jit_kernels=(_scaled_add_kernel,),
             protocol=1,
         )
+
+
+def _copy_launch(config: AddConfig, x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_((x.reshape(-1, x.shape[-1]) + y.reshape(-1, y.shape[-1])).reshape(out.shape))
+
+
+SHARED_STAR = Kernel(
+    "test_shared_star",
+    arguments=[
+        Tensor("x", ("*M", "N"), dtypes=(torch.float32,)),
+        Tensor("y", ("*M", "N"), dtype_of="x"),
+        Output("out", like="x", dims=("*M", "N")),
+    ],
+    facts=("dtype", "M", "N"),
+    space=SearchSpace("test_shared_star", AddConfig),
+    key_type=AddKey,
+    key=lambda device, f: AddKey(device.arch, device.sm_count, f.dtype, pow2_bucket(f.M, 1), False),
+    launch=_copy_launch,
+    reference=lambda x, y: x.double() + y.double().reshape(x.shape),
+    jit_kernels=(_scaled_add_kernel,),
+    protocol=1,
+)
+
+
+def test_a_star_dim_two_tensors_share_takes_the_first_ones_leading_dims_on_both_paths():
+    x, y = torch.randn(2, 3, 4), torch.randn(6, 4)
+    checked = SHARED_STAR.fast_check().fn(x, y, None)
+    assert checked is not None and tuple(checked[2][-1].shape) == (2, 3, 4)
+    assert tuple(SHARED_STAR(x, y).shape) == (2, 3, 4)
+    assert SHARED_STAR.fast_check().fn(x, y, torch.empty(2, 3, 4)) is not None
+    assert SHARED_STAR.fast_check().fn(x, torch.randn(5, 4), None) is None  # M differs: the detailed check says why
