@@ -19,6 +19,7 @@ import dis
 import functools
 import inspect
 import linecache
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -48,7 +49,7 @@ def inline_lambda(fn: Callable[..., Any], bind: Callable[[Any], str]) -> str | N
         return None
     params = code.co_varnames[: code.co_argcount]
     node = _lambda_node(code, params)
-    if node is None or any(isinstance(n, _SCOPED) for n in ast.walk(node.body)):
+    if node is None or any(isinstance(n, _SCOPED) for n in ast.walk(node.body)) or not _compiles_to(node, code):
         return None
     body = ast.parse(ast.unparse(node.body), mode="eval")
     read = {n.id for n in ast.walk(body) if isinstance(n, ast.Name)} - set(params)
@@ -94,6 +95,21 @@ def _lambda_node(code: Any, params: tuple[str, ...]) -> ast.Lambda | None:
         and last <= (node.body.end_lineno or 0, node.body.end_col_offset or 0)
     ]
     return found[0] if len(found) == 1 else None
+
+
+def _compiles_to(node: ast.Lambda, code: Any) -> bool:
+    """Whether the source found for the lambda compiles to the constants and names of the code that
+    runs: a file edited after import can hold another lambda at the same place (``N <= 99`` where
+    ``N <= 8`` was imported). The bytecode itself is not compared: the compiler may emit another
+    form of the same call for a lambda compiled alone."""
+    try:
+        compiled = compile(ast.Expression(body=node), code.co_filename, "eval")
+    except (SyntaxError, ValueError):
+        return False
+    found = [c for c in compiled.co_consts if isinstance(c, types.CodeType)]
+    return len(found) == 1 and all(
+        getattr(found[0], attr) == getattr(code, attr) for attr in ("co_consts", "co_names", "co_varnames")
+    )
 
 
 @functools.lru_cache(maxsize=64)

@@ -61,3 +61,22 @@ def test_what_cannot_be_inlined_exactly_is_left_to_a_call(fn):
 def test_two_lambdas_on_one_line_are_told_apart():
     first, second = (lambda a: a + 1), (lambda a: a * 2)
     assert _inline(first)[0] == "(a + 1)" and _inline(second)[0] == "(a * 2)"
+
+
+def test_a_lambda_whose_file_was_edited_after_import_is_not_inlined(tmp_path, monkeypatch):
+    """The source on disk is another lambda now (``N <= 99`` where ``N <= 8`` was imported): the
+    generated check must call the running lambda, not inline the new text."""
+    import importlib
+    import linecache
+
+    module = tmp_path / "edited_rules.py"
+    module.write_text("RULE = lambda N: N <= 8\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rule = importlib.import_module("edited_rules").RULE
+    assert _inline(rule)[0] == "(N <= 8)"
+    module.write_text("RULE = lambda N: N <= 99\n")
+    linecache.checkcache(str(module))
+    import tritune.kernels._inline as inline
+
+    inline._module_tree.cache_clear()
+    assert _inline(rule)[0] is None
