@@ -272,20 +272,12 @@ def host_us_per_call(fn: Callable[[], object], device: torch.device, rounds: int
     Each round times ``calls`` calls back to back on the CPU, then waits for the GPU before the
     next round, so no round waits for a full launch queue (20 calls of a few launches each stay
     far below it). What an eager caller pays per call is about the larger of this and the GPU time.
+    The tuner's own measure (``tune bench``'s host column), in microseconds.
     """
-    if device.type != "cuda":
-        return None
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize(device)
-    samples = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize(device)
-    return statistics.median(samples)
+    from tritune.tuner.timing import host_ms_per_call
+
+    ms = host_ms_per_call(fn, device, calls=calls, rounds=rounds)
+    return None if ms is None else ms * 1e3
 
 
 def capture_graph(fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -283,27 +283,37 @@ def test_a_prepared_launch_checks_once_and_then_only_launches(monkeypatch: pytes
     torch.testing.assert_close(out.double(), _reference(*args[:-1]), rtol=1e-6, atol=1e-6)
 
 
+def _small_kernel(
+    name: str, arguments: list[Any], launch: Any, reference: Any, facts: tuple[str, ...] = ("dtype", "N")
+) -> Kernel:
+    """A kernel on ``AddConfig``'s space keyed by its first fact after the dtype: for declaring one
+    argument pattern per test."""
+    size = facts[1]
+    return Kernel(
+        name,
+        arguments=arguments,
+        facts=facts,
+        space=SearchSpace(name, AddConfig),
+        key_type=AddKey,
+        key=lambda device, f: AddKey(device.arch, device.sm_count, f.dtype, pow2_bucket(getattr(f, size), 1), False),
+        launch=launch,
+        reference=reference,
+        jit_kernels=(_scaled_add_kernel,),
+        protocol=1,
+    )
+
+
 def _scale_launch(config: AddConfig, x: torch.Tensor, alpha: float, count: int, out: torch.Tensor) -> None:
     out.copy_(x * alpha)
 
 
-UNBOUNDED = Kernel(
+UNBOUNDED = _small_kernel(
     "test_unbounded_scalars",
-    arguments=[
-        Tensor("x", ("N",), dtypes=(torch.float32,)),
-        Scalar("alpha", float),
-        Scalar("count", int, default=1),
-        Output("out", like="x"),
-    ],
-    facts=("dtype", "N"),
-    space=SearchSpace("test_unbounded_scalars", AddConfig),
-    key_type=AddKey,
-    key=lambda device, f: AddKey(device.arch, device.sm_count, f.dtype, pow2_bucket(f.N, 1), False),
-    launch=_scale_launch,
-    reference=lambda x, alpha, count: x.double() * alpha,
-    jit_kernels=(_scaled_add_kernel,),
-    protocol=1,
-)
+    [Tensor("x", ("N",), dtypes=(torch.float32,)), Scalar("alpha", float), Scalar("count", int, default=1),
+     Output("out", like="x")],
+    _scale_launch,
+    lambda x, alpha, count: x.double() * alpha,
+)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -329,23 +339,13 @@ def test_unbounded_scalars_are_held_to_what_the_op_takes_by_both_checks(alpha, c
     torch.testing.assert_close(UNBOUNDED(x, 2.0, 2**63 - 1), x * 2.0)
 
 
-FLOATING_FIRST = Kernel(
+FLOATING_FIRST = _small_kernel(
     "test_floating_first",
-    arguments=[
-        Tensor("x", ("N",), floating=True),
-        Scalar("alpha", float),
-        Scalar("count", int, default=1),
-        Output("out", like="x"),
-    ],
-    facts=("dtype", "N"),
-    space=SearchSpace("test_floating_first", AddConfig),
-    key_type=AddKey,
-    key=lambda device, f: AddKey(device.arch, device.sm_count, f.dtype, pow2_bucket(f.N, 1), False),
-    launch=_scale_launch,
-    reference=lambda x, alpha, count: x.double() * alpha,
-    jit_kernels=(_scaled_add_kernel,),
-    protocol=1,
-)
+    [Tensor("x", ("N",), floating=True), Scalar("alpha", float), Scalar("count", int, default=1),
+     Output("out", like="x")],
+    _scale_launch,
+    lambda x, alpha, count: x.double() * alpha,
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.bool])
@@ -361,44 +361,28 @@ def test_a_floating_first_tensor_is_dtype_checked_by_both_checks(dtype):
 def test_a_declaration_reading_a_dim_only_an_optional_tensor_binds_is_refused():
     """With the tensor left out the dim has no value: the declaration fails, not the call."""
     with pytest.raises(ValueError, match=r"facts read dims \['L'\], which only optional tensors bind"):
-        Kernel(
+        _small_kernel(
             "test_loose_dim",
-            arguments=[
-                Tensor("x", ("N",), dtypes=(torch.float32,)),
-                Tensor("bias", ("L",), dtypes=(torch.float32,), optional=True),
-                Output("out", like="x"),
-            ],
+            [Tensor("x", ("N",), dtypes=(torch.float32,)),
+             Tensor("bias", ("L",), dtypes=(torch.float32,), optional=True), Output("out", like="x")],
+            lambda config, x, bias, out: out.copy_(x),
+            lambda x, bias: x.double(),
             facts=("dtype", "N", "L"),
-            space=SearchSpace("test_loose_dim", AddConfig),
-            key_type=AddKey,
-            key=lambda device, f: AddKey(device.arch, device.sm_count, f.dtype, f.N, False),
-            launch=lambda config, x, bias, out: out.copy_(x),
-            reference=lambda x, bias: x.double(),
-            jit_kernels=(_scaled_add_kernel,),
-            protocol=1,
-        )
+        )  # fmt: skip
 
 
 def _copy_launch(config: AddConfig, x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_((x.reshape(-1, x.shape[-1]) + y.reshape(-1, y.shape[-1])).reshape(out.shape))
 
 
-SHARED_STAR = Kernel(
+SHARED_STAR = _small_kernel(
     "test_shared_star",
-    arguments=[
-        Tensor("x", ("*M", "N"), dtypes=(torch.float32,)),
-        Tensor("y", ("*M", "N"), dtype_of="x"),
-        Output("out", like="x", dims=("*M", "N")),
-    ],
+    [Tensor("x", ("*M", "N"), dtypes=(torch.float32,)), Tensor("y", ("*M", "N"), dtype_of="x"),
+     Output("out", like="x", dims=("*M", "N"))],
+    _copy_launch,
+    lambda x, y: x.double() + y.double().reshape(x.shape),
     facts=("dtype", "M", "N"),
-    space=SearchSpace("test_shared_star", AddConfig),
-    key_type=AddKey,
-    key=lambda device, f: AddKey(device.arch, device.sm_count, f.dtype, pow2_bucket(f.M, 1), False),
-    launch=_copy_launch,
-    reference=lambda x, y: x.double() + y.double().reshape(x.shape),
-    jit_kernels=(_scaled_add_kernel,),
-    protocol=1,
-)
+)  # fmt: skip
 
 
 def test_a_star_dim_two_tensors_share_takes_the_first_ones_leading_dims_on_both_paths():

@@ -183,47 +183,40 @@ def test_tune_takes_keys_with_provisional_winners_first(tmp_path):
     assert [k.n_bucket for _spec, k in ordered] == [256, 64, 128, 1024]
 
 
-def test_a_provisional_bundle_winner_seeds_the_search(tmp_path, monkeypatch):
+def _first_seeds(tmp_path, monkeypatch, shipped: WinnerRecord, triton_version: str, on: bool = True) -> list[dict]:
+    """The first two seeds of a tune of key 256 into an empty DB, with ``shipped`` the one entry
+    of this GPU's shipped bundle (tuned under ``triton_version``; bundles disabled unless ``on``)."""
     folder = tmp_path / "bundles"
     monkeypatch.setattr(bundles, "shipped_bundle_dir", lambda: folder)
-    monkeypatch.setenv("TRITUNE_DISABLE_BUNDLES", "0")
+    monkeypatch.setenv("TRITUNE_DISABLE_BUNDLES", "0" if on else "1")
     settings.reload()
-    provenance = {"cuda": "", "driver": "", "torch": torch.__version__, "triton": OLD_TRITON, "tritune": "t"}
-    old = record(256, config={"BLOCK": 16, "BROKEN": False, "num_warps": 1}, triton_version=OLD_TRITON)
-    write_bundle(
-        [dataclasses.replace(old, tritune_version="t")], folder / f"{CPU.slug}.json", CPU.slug, "c", provenance
-    )
+    provenance = {"cuda": "", "driver": "", "torch": torch.__version__, "triton": triton_version, "tritune": "t"}
+    write_bundle([dataclasses.replace(shipped, tritune_version="t")], folder / f"{CPU.slug}.json", CPU.slug, "c",
+                 provenance)  # fmt: skip
     db = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
     options = TuneOptions(trials=4, seed=0, batch=2, final_rounds=1)
     tuner = KeyTuner(
         SPEC, key(256), CPU, torch.device("cpu"), db, environment_id(db, CPU), FakeTimer(lambda c: 1.0), options
     )
     feasible = SPEC.space.feasible(key(256), tuner.limits)
-    seeds = tuner.strategy.seeds(SPEC.space.default(), feasible, False, random.Random(0))
-    assert seeds[:2] == [SPEC.space.to_dict(SPEC.space.default()), old.config]
+    return tuner.strategy.seeds(SPEC.space.default(), feasible, False, random.Random(0))[:2]
+
+
+def test_a_provisional_bundle_winner_seeds_the_search(tmp_path, monkeypatch):
+    old = record(256, config={"BLOCK": 16, "BROKEN": False, "num_warps": 1}, triton_version=OLD_TRITON)
+    assert _first_seeds(tmp_path, monkeypatch, old, OLD_TRITON) == [
+        SPEC.space.to_dict(SPEC.space.default()),
+        old.config,
+    ]
 
 
 def test_a_bundle_winner_of_a_neighbouring_bucket_seeds_a_first_tune(tmp_path, monkeypatch):
     """A tune into an empty DB starts from the shipped bundle's nearest buckets too, as it would
     from the DB's: the bundle's winner at bucket 512 is among the seeds of key 256."""
-    folder = tmp_path / "bundles"
-    monkeypatch.setattr(bundles, "shipped_bundle_dir", lambda: folder)
-    monkeypatch.setenv("TRITUNE_DISABLE_BUNDLES", "0")
-    settings.reload()
-    provenance = {"cuda": "", "driver": "", "torch": torch.__version__, "triton": triton.__version__, "tritune": "t"}
-    lender = record(512, config={"BLOCK": 16, "BROKEN": False, "num_warps": 1}, tritune_version="t")
-    write_bundle([lender], folder / f"{CPU.slug}.json", CPU.slug, "c", provenance)
-    db = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
-    options = TuneOptions(trials=4, seed=0, batch=2, final_rounds=1)
-    tuner = KeyTuner(
-        SPEC, key(256), CPU, torch.device("cpu"), db, environment_id(db, CPU), FakeTimer(lambda c: 1.0), options
-    )
-    feasible = SPEC.space.feasible(key(256), tuner.limits)
-    seeds = tuner.strategy.seeds(SPEC.space.default(), feasible, False, random.Random(0))
-    assert seeds[:2] == [SPEC.space.to_dict(SPEC.space.default()), lender.config]
-    monkeypatch.setenv("TRITUNE_DISABLE_BUNDLES", "1")
-    settings.reload()
-    assert lender.config not in tuner.strategy.seeds(SPEC.space.default(), feasible, False, random.Random(0))[:2]
+    lender = record(512, config={"BLOCK": 16, "BROKEN": False, "num_warps": 1})
+    seeds = _first_seeds(tmp_path, monkeypatch, lender, triton.__version__)
+    assert seeds == [SPEC.space.to_dict(SPEC.space.default()), lender.config]
+    assert lender.config not in _first_seeds(tmp_path / "off", monkeypatch, lender, triton.__version__, on=False)
 
 
 def test_bench_marks_a_provisional_served_config():

@@ -160,10 +160,12 @@ HOST_CALLS = 50
 HOST_ROUNDS = 3
 
 
-def host_ms_per_call(fn: Callable[[], object], device: torch.device) -> float | None:
+def host_ms_per_call(
+    fn: Callable[[], object], device: torch.device, *, calls: int = HOST_CALLS, rounds: int = HOST_ROUNDS
+) -> float | None:
     """Median host milliseconds one call of ``fn`` takes to queue its work, on a GPU; None elsewhere.
 
-    Calls run back to back, :data:`HOST_CALLS` a round, the GPU drained between rounds: what an
+    Calls run back to back, ``calls`` a round, the GPU drained between rounds: what an
     eager caller pays per call where the GPU keeps up. Such a caller pays about ``max(GPU time,
     host time)`` a call. On the interpreter every launch is host work, so there is nothing to tell apart.
     """
@@ -172,12 +174,12 @@ def host_ms_per_call(fn: Callable[[], object], device: torch.device) -> float | 
     for _ in range(3):
         fn()
     samples = []
-    for _ in range(HOST_ROUNDS):
+    for _ in range(rounds):
         torch.cuda.synchronize(device)
         start = time.perf_counter()
-        for _ in range(HOST_CALLS):
+        for _ in range(calls):
             fn()
-        samples.append((time.perf_counter() - start) / HOST_CALLS * 1e3)
+        samples.append((time.perf_counter() - start) / calls * 1e3)
     torch.cuda.synchronize(device)
     return statistics.median(samples)
 
