@@ -73,6 +73,8 @@ ENTRY_FIELDS = ("kernel", "kernel_version", "key", "config", "time_ms", "portabl
 OPTIONAL_ENTRY_FIELDS = ("peer_ms", "peer_name", "eager")
 #: GPU slugs as :class:`tritune.kernels.device.DeviceInfo` makes them; also keeps paths inside bundles/.
 GPU_SLUG = re.compile(r"[a-z0-9][a-z0-9-]*")
+#: Widths of the DB columns a bundle's strings are stored in (``configs_db.models``).
+TEXT_COLUMN_CHARS = {"gpu": 128, "gpu_name": 128, "provenance": 64, "kernel": 64, "kernel_version": 64}
 
 
 def shipped_bundle_dir() -> Path:
@@ -165,13 +167,13 @@ def _document_problem(doc: Any, expected_gpu: str | None) -> str | None:
     if unknown:
         return f"unknown field(s) {', '.join(unknown)}"
     gpu = doc["gpu"]
-    if not isinstance(gpu, str) or not GPU_SLUG.fullmatch(gpu):
-        return f"gpu is {gpu!r}, expected a GPU slug such as nvidia-h200-sm90-132sm"
+    if not isinstance(gpu, str) or not GPU_SLUG.fullmatch(gpu) or len(gpu) > TEXT_COLUMN_CHARS["gpu"]:
+        return f"gpu is {printable(repr(gpu))}, expected a GPU slug such as nvidia-h200-sm90-132sm"
     if expected_gpu is not None and gpu != expected_gpu:
         return f"bundle is for GPU {gpu}, expected {expected_gpu}"
     if not isinstance(doc["gpu_name"], str):
         return f"gpu_name is {describe(doc['gpu_name'])}, expected a string"
-    problem = text_problem(doc["gpu_name"], "gpu_name")
+    problem = text_problem(doc["gpu_name"], "gpu_name", TEXT_COLUMN_CHARS["gpu_name"])
     if problem is not None:
         return problem
     created = doc["created"]
@@ -189,7 +191,7 @@ def _document_problem(doc: Any, expected_gpu: str | None) -> str | None:
     for name in PROVENANCE_FIELDS:
         if not isinstance(provenance[name], str):
             return f"provenance.{name} is {describe(provenance[name])}, expected a string"
-        problem = text_problem(provenance[name], f"provenance.{name}")
+        problem = text_problem(provenance[name], f"provenance.{name}", TEXT_COLUMN_CHARS["provenance"])
         if problem is not None:
             return problem
     if not isinstance(doc["winners"], list):
@@ -221,7 +223,7 @@ def _entry_problem(entry: Any) -> str | None:
     for name in ("kernel", "kernel_version"):
         if not isinstance(entry[name], str) or not entry[name]:
             return f"{name} is {describe(entry[name])}, expected a non-empty string"
-        problem = text_problem(entry[name], name)
+        problem = text_problem(entry[name], name, TEXT_COLUMN_CHARS[name])
         if problem is not None:
             return problem
     for name in ("key", "config"):

@@ -203,14 +203,17 @@ def winner_numbers_problem(time_ms: object, portable_ms: object, speedup: object
     return None
 
 
-def text_problem(value: object, name: str) -> str | None:
+def text_problem(value: object, name: str, max_chars: int | None = None) -> str | None:
     """Why the string ``value`` may not travel from a file into a log, a terminal or a database.
 
     Control characters forge log lines and terminal output (newlines, ANSI escapes), and a lone
-    surrogate (``"\\ud800"`` in JSON) cannot be encoded as UTF-8 at all.
+    surrogate (``"\\ud800"`` in JSON) cannot be encoded as UTF-8 at all. ``max_chars`` is the
+    width of the column it is stored in (PostgreSQL refuses longer text; SQLite stores it).
     """
     if isinstance(value, str) and not value.isprintable():
         return f"{name} is '{printable(value)}', which holds a control character or a lone surrogate"
+    if isinstance(value, str) and max_chars is not None and len(value) > max_chars:
+        return f"{name} is {len(value)} characters long, expected at most {max_chars}"
     return None
 
 

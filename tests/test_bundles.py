@@ -191,6 +191,16 @@ FILE_CASES = [
     pytest.param(
         lambda p: write_doc(p, document(winners=[{}] * 20_001)), "20001 winners, more than 20000", id="too-many-entries"
     ),
+    pytest.param(
+        lambda p: write_doc(p, document(gpu_name="H" * 129)),
+        "gpu_name is 129 characters long, expected at most 128",
+        id="gpu-name-wider-than-its-column",
+    ),
+    pytest.param(
+        lambda p: write_doc(p, document(provenance={**PROVENANCE, "driver": "5" * 65})),
+        "provenance.driver is 65 characters long, expected at most 64",
+        id="provenance-wider-than-its-column",
+    ),
     pytest.param(lambda p: write_doc(p, [document()]), "top level is a list, expected an object", id="not-an-object"),
     pytest.param(
         lambda p: write_doc(p, document(schema="vllm-configs")), "schema is 'vllm-configs'", id="wrong-schema-name"
@@ -275,6 +285,11 @@ ENTRY_CASES = [
     pytest.param({**good_entry(2048), "key": ["sm90", 2048]}, "key is a list, expected an object", id="key-wrong-type"),
     pytest.param({**good_entry(2048), "time_ms": "0.1"}, "time_ms is a string", id="time-wrong-type"),
     pytest.param({**good_entry(2048), "kernel": ""}, "kernel is a string, expected a non-empty", id="empty-kernel"),
+    pytest.param(
+        {**good_entry(2048), "kernel_version": "v" * 65},
+        "kernel_version is 65 characters long, expected at most 64",
+        id="kernel-version-wider-than-its-column",
+    ),
     pytest.param({**good_entry(2048), "speedup": float("nan")}, "speedup is NaN", id="nan-speedup"),
     pytest.param({**good_entry(2048), "speedup": float("inf")}, "speedup is Infinity", id="infinite-speedup"),
     pytest.param({**good_entry(2048), "time_ms": -0.1}, "time_ms is -0.1", id="negative-time"),
