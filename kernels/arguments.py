@@ -366,7 +366,10 @@ class CheckedCall:
         else:
             ok = isinstance(value, int | float) and not isinstance(value, bool)
         if not ok:
-            raise TypeError(f"{name}: expected {_article(wanted)}, got {type(value).__name__}")
+            got = type(value).__name__
+            if type(value).__module__ == "numpy":  # np.float32(0.5) is no Python float: the op takes one
+                got = f"numpy.{got} (pass {arg.type.__name__}({arg.name}))"
+            raise TypeError(f"{name}: expected {_article(wanted)}, got {got}")
         low, high = arg.limits()
         # Comparisons, not float(): an int too large for a float is refused, not an OverflowError.
         if (low is not None and not value >= low) or (high is not None and not value <= high) or value != value:

@@ -392,3 +392,10 @@ def test_a_star_dim_two_tensors_share_takes_the_first_ones_leading_dims_on_both_
     assert tuple(SHARED_STAR(x, y).shape) == (2, 3, 4)
     assert SHARED_STAR.fast_check().fn(x, y, torch.empty(2, 3, 4)) is not None
     assert SHARED_STAR.fast_check().fn(x, torch.randn(5, 4), None) is None  # M differs: the detailed check says why
+
+
+def test_a_numpy_scalar_is_refused_with_the_conversion_to_make():
+    import numpy as np
+
+    with pytest.raises(TypeError, match=r"^alpha: expected a float, got numpy\.float32 \(pass float\(alpha\)\)$"):
+        UNBOUNDED(torch.randn(8), np.float32(2.0))
