@@ -697,3 +697,36 @@ def test_a_dead_worker_is_reported_once_and_no_more_keys_are_handed_out(monkeypa
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "exited with code 2" in warnings[0], warnings
     assert jit.ONLINE.attempted == {(SPEC.name, CPU.slug, _key(256))}
+
+
+@pytest.mark.interpreter
+def test_two_keys_tuned_online_at_once_each_time_their_own_problem(monkeypatch):
+    """Sync misses of two threads share the process's bench; each tune holds it whole, so no trial
+    of one key runs on the other key's open problem."""
+    from tritune.tuner import candidates
+
+    wrong: list[int] = []
+    trial = candidates.CandidateBench.trial
+
+    def checked(self, config, compiled):
+        if self.key.n_bucket != threading.current_thread().wanted:
+            wrong.append(threading.current_thread().wanted)
+        time.sleep(0.005)  # let the other thread in, where nothing holds it out
+        return trial(self, config, compiled)
+
+    monkeypatch.setattr(candidates.CandidateBench, "trial", checked)
+    results = {}
+
+    def tune(n_bucket):
+        threading.current_thread().wanted = n_bucket
+        results[n_bucket] = tuner_jit.tune_one_key(
+            SPEC, "cpu", _key(n_bucket), trials=4, seconds=60.0, db_url=settings.settings().db_url
+        )
+
+    threads = [threading.Thread(target=tune, args=(n,)) for n in (64, 1024)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert {n: r.outcome for n, r in results.items()} == {64: tuner_jit.TUNED, 1024: tuner_jit.TUNED}
+    assert wrong == []

@@ -142,36 +142,55 @@ def _tune_claimed(
             trials=trials, time_budget_s=seconds, seed=seed, isolate=ISOLATE, trial_timeout_s=seconds, time_peer=False
         )
         timer = TIMER if TIMER is not None else _device_timer(torch_device)
-        log.info("%s %s: tuning online (%d trials, %g s)", spec.name, key_text(key), trials, seconds)
-        tuner = KeyTuner(
-            spec,
-            key,
-            info,
-            torch_device,
-            store,
-            environment_id(store, info),
-            timer,
-            options,
-            on_trial=lambda kernel, config, status, ms: log.info(
-                "%s %s: %s %s%s",
-                kernel,
-                key_text(key),
-                " ".join(f"{k}={v}" for k, v in config.items()),
-                status,
-                "" if ms is None else f" {ms:.4g} ms",
-            ),
-            bench=_bench(torch_device, timer, options),
-        )
-        try:
-            result = tuner.run()
-        except (TuningError, BenchError) as exc:
-            return JitResult(FAILED, None, time.monotonic() - started, detail=str(exc))
-        measured = result.measured + result.failed
-        # What the DB keeps: the faster of this offer and one stored meanwhile (another host).
-        winner = stored_winner(store, spec, info, key)
-        return JitResult(TUNED, winner, time.monotonic() - started, measured=measured)
+        bench, bench_lock = _bench(torch_device, timer, options)
+        with bench_lock:
+            return _tune_on(spec, torch_device, info, key, store, timer, options, bench, trials, seconds, started)
     finally:
         store.close()
+
+
+def _tune_on(
+    spec: KernelSpec[Any, Any],
+    torch_device: torch.device,
+    info: DeviceInfo,
+    key: TuningKey,
+    store: ConfigStore,
+    timer: Timer,
+    options: TuneOptions,
+    bench: Bench,
+    trials: int,
+    seconds: float,
+    started: float,
+) -> JitResult:
+    """One key's online tune on ``bench``, which the caller holds."""
+    log.info("%s %s: tuning online (%d trials, %g s)", spec.name, key_text(key), trials, seconds)
+    tuner = KeyTuner(
+        spec,
+        key,
+        info,
+        torch_device,
+        store,
+        environment_id(store, info),
+        timer,
+        options,
+        on_trial=lambda kernel, config, status, ms: log.info(
+            "%s %s: %s %s%s",
+            kernel,
+            key_text(key),
+            " ".join(f"{k}={v}" for k, v in config.items()),
+            status,
+            "" if ms is None else f" {ms:.4g} ms",
+        ),
+        bench=bench,
+    )
+    try:
+        result = tuner.run()
+    except (TuningError, BenchError) as exc:
+        return JitResult(FAILED, None, time.monotonic() - started, detail=str(exc))
+    measured = result.measured + result.failed
+    # What the DB keeps: the faster of this offer and one stored meanwhile (another host).
+    winner = stored_winner(store, spec, info, key)
+    return JitResult(TUNED, winner, time.monotonic() - started, measured=measured)
 
 
 def await_winner(
@@ -224,6 +243,9 @@ def plain_winner(record: WinnerRecord) -> dict[str, Any]:
 # ---- one bench per process --------------------------------------------------------------------
 
 _benches: dict[tuple[str, int, bool], Bench] = {}
+#: One lock per bench, held for a whole tune: a bench holds one key's problem open at a time, and
+#: misses of several threads may be tuned at once (each would otherwise time the other's problem).
+_bench_locks: dict[tuple[str, int, bool], threading.Lock] = {}
 #: The device's own timer, one per device: a bench is kept per timer.
 _timers: dict[str, Timer] = {}
 _benches_lock = threading.Lock()
@@ -237,14 +259,15 @@ def _device_timer(device: torch.device) -> Timer:
         return timer
 
 
-def _bench(device: torch.device, timer: Timer, options: TuneOptions) -> Bench:
-    """This process's bench for ``device`` (made on first use, closed at exit)."""
+def _bench(device: torch.device, timer: Timer, options: TuneOptions) -> tuple[Bench, threading.Lock]:
+    """This process's bench for ``device`` (made on first use, closed at exit) and the lock a tune holds on it."""
     slot = (str(device), id(timer), options.isolate)
     with _benches_lock:
         bench = _benches.get(slot)
         if bench is None:
             bench = _benches[slot] = options.make_bench(device, timer)
-        return bench
+            _bench_locks[slot] = threading.Lock()
+        return bench, _bench_locks[slot]
 
 
 @atexit.register
@@ -313,8 +336,8 @@ def _after_fork() -> None:
     """A forked child starts without its parent's benches, timers and claim files: they are dropped,
     never closed (closing a bench would stop the parent's worker process; the child holds none of the
     parent's locks), and the locks guarding them are new (another thread may have held one)."""
-    global _benches, _timers, _benches_lock, _claim_files, _claim_guard
-    _benches, _timers, _benches_lock = {}, {}, threading.Lock()
+    global _benches, _bench_locks, _timers, _benches_lock, _claim_files, _claim_guard
+    _benches, _bench_locks, _timers, _benches_lock = {}, {}, {}, threading.Lock()
     _claim_files, _claim_guard = {}, threading.Lock()
 
 
