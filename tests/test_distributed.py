@@ -663,3 +663,34 @@ def test_workers_share_the_study_of_a_space_of_paths(toy, tmp_path):
     assert all(spec.space.to_dict(spec.space.parse(row.config)) == row.config for row in rows)
     assert len(bench_a.bench.measured) + len(bench_b.bench.measured) == 8, "a config measured twice"
     assert len(winners) == 1 and spec.space.parse(winners[0].config) is not None
+
+
+class SlowCostTimer(toy_kernel.CostTimer):
+    """The toy's fake times, each taking a tenth of a second to measure."""
+
+    def __call__(self, fn: Any, **kwargs: Any) -> float:
+        time.sleep(0.1)
+        return super().__call__(fn, **kwargs)
+
+
+def test_a_shared_keys_time_budget_counts_over_all_its_visits(toy, tmp_path):
+    """A worker that stops on the time budget while another worker's trial still runs comes back to
+    the key; it then only waits for that trial, measuring nothing more (the budget is the key's)."""
+    from tritune.tuner import journal
+    from tritune.tuner.studies import WORKER_ATTR
+
+    options = TuneOptions(trials=15, time_budget_s=0.4, batch=2, final_rounds=1, time_peer=False, compile_workers=1)
+    with ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}") as store:
+        (tuner,) = _shared_tuners(tmp_path, store, options, ("a",))
+        tuner.timer = SlowCostTimer()
+        default = toy_kernel.SPEC.default_config(tuner.key)
+        tuner.study = tuner._join(default)
+        other = journal.Presence(tmp_path / "studies.log", "test:b")  # another worker, alive
+        running = tuner.study.ask(tuner.known.distributions)
+        running.set_user_attr(WORKER_ATTR, "test:b")  # its trial, never finished here
+        bench = KeyBench(LocalBench(torch.device("cpu"), tuner.timer))
+        first = tuner.visit(bench)
+        assert not first.done and first.measured > 0
+        again = tuner.visit(bench)
+        assert not again.done and again.measured == 0
+        del other

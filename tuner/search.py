@@ -106,6 +106,8 @@ class KeySearch:
         self.strategy = Strategy(spec, key, device, store, options, self.known)
         #: Stand-ins are drawn from this process's stream (workers share the seeds, not the stream).
         self.rng = random.Random(backend.sampler_seed(options.seed))
+        #: When this key's search began here: ``--time-budget`` counts from it over every visit.
+        self.started: float | None = None
         self.study: optuna.Study | None = None
 
     def _ready(self, bench: KeyBench, default: Any) -> Bench:
@@ -193,7 +195,9 @@ class KeySearch:
         trials still running elsewhere stops with ``wait`` (it comes back).
         """
         opts = self.options
-        started = time.monotonic()
+        if self.started is None:
+            self.started = time.monotonic()
+        started = self.started
         budget = opts.trials
         polish_from = self.strategy.polish_from(self.strategy.exhaustive)
         max_asks = 20 * budget + len(self.strategy.feasible)
