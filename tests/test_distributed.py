@@ -694,3 +694,27 @@ def test_a_shared_keys_time_budget_counts_over_all_its_visits(toy, tmp_path):
         again = tuner.visit(bench)
         assert not again.done and again.measured == 0
         del other
+
+
+def test_an_rdb_shared_trial_never_signed_is_released_after_the_grace_period(toy, tmp_path):
+    """A worker killed between asking a trial and signing it leaves a running trial with no
+    heartbeat: once older than the grace period it is released, and the key finishes."""
+    device = interpreter_device()
+    where = StudyStorage(f"sqlite:///{tmp_path / 'studies.sqlite'}", heartbeat_interval_s=1, grace_period_s=2)
+    options = TuneOptions(trials=4, batch=2, final_rounds=1, time_peer=False, compile_workers=1)
+    with ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}") as store:
+        key = toy_kernel.SPEC.default_keys(device)[0]
+
+        def tuner(name: str) -> Any:
+            return SharedKeyTuner(
+                toy_kernel.SPEC, key, device, torch.device("cpu"), store, environment_id(store, device),
+                toy_kernel.CostTimer(), options, where=where, heartbeat=Heartbeat(where.open(), where, name),
+                worker=name,
+            )  # fmt: skip
+
+        dead = tuner("test:dead")
+        dead.study = dead._join(toy_kernel.SPEC.default_config(key))
+        dead.study.ask(dead.known.distributions)  # asked, then the worker is gone before signing it
+        time.sleep(2.5)
+        visit = tuner("test:live").visit(KeyBench(LocalBench(torch.device("cpu"), toy_kernel.CostTimer())))
+        assert visit.done

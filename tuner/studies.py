@@ -175,24 +175,32 @@ class StudyStorage:
         """Fail and retry the trials whose worker is gone; how many this process released.
 
         On an RDB storage, those whose heartbeat stopped (Optuna's check). On a journal, those whose
-        worker no longer holds its presence lock, those signed with this worker's own name that it
-        does not hold (a dead process whose pid this one reuses), and those that were never signed
-        at all once they are older than the grace period (a worker killed between asking a trial and
-        signing it, a few milliseconds).
+        worker no longer holds its presence lock, and those signed with this worker's own name that
+        it does not hold (a dead process whose pid this one reuses). On both, those that were never
+        signed at all once they are older than the grace period (a worker killed between asking a
+        trial and signing it, a few milliseconds: such a trial has no heartbeat either, and would
+        hold its key unfinished for ever).
         """
+        oldest = datetime.now().timestamp() - self.grace_period_s
+        lost = []
         if self.has_heartbeat:
             with _quiet_experimental():
                 optuna.storages.fail_stale_trials(study)
-            return 0
+            lost = [
+                trial.number
+                for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                if not isinstance(trial.user_attrs.get(WORKER_ATTR), str) and _started_before(trial, oldest)
+            ]
+            released = self.release(study, lost) if lost else 0
+            if released:
+                log.warning("%s: released %d trial(s) never signed by a worker", study.study_name, released)
+            return released
         journal_path = Path(self.location)
-        oldest = datetime.now().timestamp() - self.grace_period_s
         verdicts: dict[str, bool] = {}
-        lost = []
         for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             worker = trial.user_attrs.get(WORKER_ATTR)
             if not isinstance(worker, str):
-                started = trial.datetime_start
-                dead = started is not None and started.timestamp() < oldest
+                dead = _started_before(trial, oldest)
             elif worker == heartbeat.worker:
                 dead = not heartbeat.holds(study.study_name, trial.number)
             else:
@@ -481,3 +489,9 @@ def summaries(where: StudyStorage, gpu: str | None = None, kernel: str | None = 
         summary.counts = counts
         found.append(summary)
     return found
+
+
+def _started_before(trial: FrozenTrial, timestamp: float) -> bool:
+    """Whether ``trial`` started before ``timestamp`` (seconds since the epoch)."""
+    started = trial.datetime_start
+    return started is not None and started.timestamp() < timestamp
