@@ -236,3 +236,23 @@ def test_bench_marks_a_provisional_served_config():
 
 def test_shipped_bundle_file_is_untouched():
     assert Path(bundles.shipped_bundle_dir(), f"{H200.slug}.json").is_file()
+
+
+def test_seeds_are_each_queued_once_and_only_where_feasible(tmp_path):
+    """The key's own winner equal to the portable default, another own winner infeasible at the
+    key, and an earlier version's winner equal to the default: none of them takes a second or an
+    infeasible place among the seeds, which the sample fills instead."""
+    default = SPEC.space.to_dict(SPEC.space.default())
+    infeasible = {"BLOCK": 128, "BROKEN": False, "num_warps": 1}
+    db = ConfigStore(store(record(256, config=default), record(256, config=default, kernel_version="0ld0ld0ld0ld0ld0")))
+    env = environment_id(db, CPU)
+    tuner = KeyTuner(SPEC, key(256), CPU, torch.device("cpu"), db, env, FakeTimer(lambda c: 1.0),
+                     TuneOptions(trials=10, seed=0, batch=2, final_rounds=1))  # fmt: skip
+    stored = db.winners()  # and an infeasible own winner, as a DB may hold:
+    extra = dataclasses.replace(record(256, config=infeasible), time_ms=0.5, speedup=3.0)
+    tuner.strategy.store.winners = lambda gpu=None, kernel=None: [*stored, extra]
+    feasible = SPEC.space.feasible(key(256), tuner.limits)
+    seeds = tuner.strategy.seeds(SPEC.space.default(), feasible, False, random.Random(0))
+    assert seeds[0] == default and len(seeds) == len({tuple(sorted(s.items())) for s in seeds})
+    assert all(SPEC.space.infeasible_reason(SPEC.space.parse(s), key(256), tuner.limits) is None for s in seeds)
+    assert len(seeds) > 2, "the sample fills the places duplicates held"

@@ -164,16 +164,37 @@ class Strategy:
         seeds.extend(self.neighbour_winners(winners + self.bundled_winners(winners)))
         seeds.extend(prior.seed_configs(self.spec, self.key, self.device))
         seeds.extend(self.space.to_dict(config) for config in self.spec.starting_configs(self.key, self.device))
+        # Each seed once, and only feasible ones: a duplicate or an infeasible seed would take the
+        # place of one of the sample's below the cap.
+        seeds = self._usable(seeds)
         if exhaustive:
             seeds.extend(self.space.to_dict(config) for config in feasible)
             return seeds
         # TPE's random start-up draws from the whole product, mostly infeasible for large
         # spaces: start it from a seeded sample of feasible configs instead.
-        sample = rng.sample(feasible, min(len(feasible), max(1, self.options.trials // 3)))
-        seeds.extend(self.space.to_dict(config) for config in sample)
+        wanted = max(1, self.options.trials // 3)
+        # Drawn with room for the seeds it may meet, which it skips (the space may be large).
+        drawn = map(self.space.to_dict, rng.sample(feasible, min(len(feasible), wanted + len(seeds))))
+        seeds.extend([values for values in drawn if values not in seeds][:wanted])
         # Queued seeds are asked before anything else, the climb's configs included: at most the
         # exploration share of them (the portable default always), the random sample dropped first.
         return seeds[: max(1, self.polish_from(exhaustive))]
+
+    def _usable(self, seeds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``seeds`` in order, each once (as the space writes it) and only those feasible at this key;
+        the portable default stays first."""
+        found: list[dict[str, Any]] = []
+        for index, values in enumerate(seeds):
+            try:
+                config = self.space.parse(values)
+            except (TypeError, ValueError):
+                continue
+            if index and self.space.infeasible_reason(config, self.key, self.limits) is not None:
+                continue
+            normal = self.space.to_dict(config)
+            if normal not in found:
+                found.append(normal)
+        return found
 
     def winner_variants(self, own: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The kernel's variants of this key's stored winners (:meth:`KernelSpec.winner_variants`),
