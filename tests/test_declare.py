@@ -336,7 +336,9 @@ def test_unbounded_scalars_are_held_to_what_the_op_takes_by_both_checks(alpha, c
     assert UNBOUNDED.fast_check().fn(x, alpha, count, None) is None
     with pytest.raises(ValueError, match=match):
         UNBOUNDED(x, alpha, count)
-    torch.testing.assert_close(UNBOUNDED(x, 2.0, 2**63 - 1), x * 2.0)
+    out = torch.full_like(x, float("nan"))
+    assert UNBOUNDED(x, 2.0, 2**63 - 1, out) is out  # the largest int64 passes both checks
+    torch.testing.assert_close(out.double(), x.double() * 2.0, rtol=0, atol=4 * torch.finfo(x.dtype).eps)
 
 
 FLOATING_FIRST = _small_kernel(

@@ -239,27 +239,23 @@ class Strategy:
     def bundled_winners(self, stored: list[WinnerRecord]) -> list[WinnerRecord]:
         """The shipped bundle's winners of this kernel version at keys ``stored`` (the DB's) has no
         winner for: a first tune into an empty DB still starts from the bundle's nearest buckets."""
+        held = [w.key for w in stored]
+        return [r for r in self._shipped() if r.key not in held]
+
+    def _shipped(self) -> list[WinnerRecord]:
+        """This kernel version's winners in the bundle shipped for this GPU; none with bundles disabled."""
         if settings.settings().disable_bundles:
             return []
         records, _rejections = prior.shipped_records(self.device.slug)
-        held = [w.key for w in stored]
-        return [
-            r for r in records
-            if r.kernel == self.spec.name and r.kernel_version == self.spec.version and r.key not in held
-        ]  # fmt: skip
+        return [r for r in records if r.kernel == self.spec.name and r.kernel_version == self.spec.version]
 
     def bundled_winner(self, key_dict: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """The winner the bundle shipped for this GPU holds at this key (or ``key_dict``) and kernel
         version, if it parses and is feasible here: it serves (provisionally where its Triton or
         torch differ) until a tune stores one in the DB, so a re-tune starts from it."""
-        if settings.settings().disable_bundles:
-            return []
         key_dict = self.key_dict if key_dict is None else key_dict
-        records, _rejections = prior.shipped_records(self.device.slug)
         found: list[dict[str, Any]] = []
-        for record in records:
-            if record.kernel != self.spec.name or record.kernel_version != self.spec.version:
-                continue
+        for record in self._shipped():
             if record.key != key_dict:
                 continue
             try:

@@ -3,6 +3,7 @@ becomes cells (markup-safe), and whether the runtime would serve a stored winner
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -205,11 +206,11 @@ def _public_host(spec: Any, key: Any, info: Any, problem: Any, host: Any, launch
         changed = " ".join(f"{k}={v}" for k, v in resolved.to_dict().items() if v != key.to_dict()[k])
         notes.append(f"no host time: under this process's settings a call of this problem has another key ({changed})")
         return None
+    # A user's call, but one that neither tunes online nor logs its key as missed (``tune bench``
+    # holds those settings already: an override would make the dispatcher reload per key).
     current = settings.settings()
-    if current.jit == "off" and not current.miss_log:
-        return host(lambda: spec(*problem.args, **problem.kwargs))
-    # A user's call, but one that neither tunes online nor logs its key as missed.
-    with settings.override(jit="off", miss_log=False):
+    quiet = current.jit == "off" and not current.miss_log
+    with contextlib.nullcontext() if quiet else settings.override(jit="off", miss_log=False):
         return host(lambda: spec(*problem.args, **problem.kwargs))
 
 
