@@ -214,9 +214,7 @@ def parse_arch_list(value: str) -> list[tuple[int, int]]:
         token = token.removeprefix("sm_").removeprefix("compute_")
         match = re.fullmatch(r"(\d+)\.(\d+)[af]?|(\d+)(\d)[af]?", token)
         if match is None:
-            raise ValueError(
-                f"TORCH_CUDA_ARCH_LIST entry {raw!r} is not an architecture such as 9.0, 9.0a or sm_90"
-            )
+            raise ValueError(f"TORCH_CUDA_ARCH_LIST entry {raw!r} is not an architecture such as 9.0, 9.0a or sm_90")
         if match.group(1) is not None:
             archs.append((int(match.group(1)), int(match.group(2))))
         else:

@@ -31,8 +31,14 @@ def _k(k):
     [
         (lambda D: D in LIMITS, "(D in _g0)", [LIMITS]),
         (lambda Hq, Hkv: Hkv > 0 and Hq % Hkv == 0, "(Hkv > 0 and Hq % Hkv == 0)", []),
-        (lambda rows, cols: (rows >= 1  # a comment inside
-                             and cols >= 1), "(rows >= 1 and cols >= 1)", []),
+        (
+            lambda rows, cols: (
+                rows >= 1  # a comment inside
+                and cols >= 1
+            ),
+            "(rows >= 1 and cols >= 1)",
+            [],
+        ),
         (lambda D: 1.0 / math.sqrt(D), "(1.0 / _g0.sqrt(D))", [math]),
         (lambda n: len(n) == 2, "(_g0(n) == 2)", [len]),
     ],

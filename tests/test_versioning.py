@@ -18,7 +18,7 @@ from tritune.kernels import registry
 from tritune.kernels.versioning import jit_fingerprint, kernel_version, reached_functions, space_fingerprint
 from tritune.search_spaces.base import SearchSpace, choice
 
-KERNEL_SOURCE = '''
+KERNEL_SOURCE = """
 import triton
 import triton.language as tl
 
@@ -37,7 +37,7 @@ def _double_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     mask = offs < n{comment}
     x = tl.load(x_ptr + offs, mask=mask)
     tl.store(out_ptr + offs, _helper(x) * SCALE, mask=mask)
-'''
+"""
 
 BASE = {"scale": 2, "helper_factor": 1.0, "docstring": "", "comment": ""}
 

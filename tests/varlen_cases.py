@@ -91,4 +91,3 @@ def run_and_compare(mix: Mix, config: dict | None = None, *, seed: int = 0, tail
     problem = compare(out, expected, mix.dtype)
     assert problem is None, problem
     return out, expected
-

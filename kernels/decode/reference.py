@@ -52,4 +52,3 @@ def decode_reference(
         visible = torch.arange(n, device=q.device)[None, :] <= position[:, None]  # [rows, n]
         out[b] = masked_attention(scores, visible, v)
     return out.reshape(batch, q_heads, lq, head_dim)
-

@@ -111,4 +111,3 @@ def varlen_reference(
             causal=causal, window=window, softmax_scale=softmax_scale, dtype=dtype,
         )  # fmt: skip
     return result
-
