@@ -12,6 +12,7 @@ if python -c "import torch, sys; sys.exit(torch.cuda.is_available())"; then
 fi
 pip install -q -e ".[dev]"
 ruff check .
+ruff format --check .
 # Strict typing where the style asks for it (settings in pyproject.toml).
 mypy --strict tuner configs_db search_spaces
 exec python -m pytest "$@"
