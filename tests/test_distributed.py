@@ -33,11 +33,11 @@ from tritune.configs_db.store import ConfigStore
 from tritune.kernels import registry
 from tritune.kernels.device import DeviceInfo, interpreter_device
 from tritune.tuner import timing
-from tritune.tuner.candidates import LocalBench
+from tritune.tuner.candidates import BenchError, LocalBench
 from tritune.tuner.cli import app
 from tritune.tuner.shared import KeyBench, SharedKeyTuner, run_worker
 from tritune.tuner.studies import Heartbeat, StudyStorage, summaries
-from tritune.tuner.study import KeyTuner, TuneOptions, environment_id
+from tritune.tuner.study import KeyTuner, TuneOptions, TuningError, environment_id
 
 TESTS = Path(__file__).resolve().parent
 FEASIBLE = sorted(tuple(toy_kernel.SPEC.space.to_dict(c).values()) for c in toy_kernel.SPEC.space.feasible(None, None))
@@ -718,3 +718,38 @@ def test_an_rdb_shared_trial_never_signed_is_released_after_the_grace_period(toy
         time.sleep(2.5)
         visit = tuner("test:live").visit(KeyBench(LocalBench(torch.device("cpu"), toy_kernel.CostTimer())))
         assert visit.done
+
+
+class FailingSetupBench(RecordingBench):
+    """A worker's bench that measures, then cannot set the problem up again (say, its GPU ran out of memory)."""
+
+    def open(self, *args: Any, **kwargs: Any) -> None:
+        if self.measured:
+            raise BenchError("out of memory")
+        super().open(*args, **kwargs)
+
+
+def test_a_workers_own_setup_failure_while_finalizing_does_not_fail_the_key_for_the_others(toy, tmp_path):
+    """Only outcomes of the study (the portable default failed) are written as its error; a worker that
+    cannot rebuild the problem itself fails alone, and the next worker finalizes the key."""
+    options = TuneOptions(trials=4, batch=2, final_rounds=1, time_peer=False, compile_workers=1)
+    with ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}") as store:
+        a, b = _shared_tuners(tmp_path, store, options, ("a", "b"))
+        bench_a = KeyBench(FailingSetupBench())
+        # Another key opened in between makes the finalize rebuild this key's problem.
+        bench_a._open = None
+        real_explore = a._explore
+
+        def explore_then_forget(*args: Any) -> Any:
+            outcome = real_explore(*args)
+            bench_a._open = None
+            return outcome
+
+        a._explore = explore_then_forget
+        with pytest.raises(TuningError, match="cannot set up the problem"):
+            a.visit(bench_a)
+        assert bench_a.bench.measured, "worker a measured nothing before finalizing"
+        visit = b.visit(KeyBench(RecordingBench()))
+        winners = store.winners(kernel=toy_kernel.SPEC.name)
+    assert visit.done and visit.result is not None
+    assert len(winners) == 1

@@ -469,8 +469,10 @@ class KeySearch:
             # Results this process did not measure itself: stored by earlier runs or other workers.
             own = self.known.counts["measured"] + self.known.counts["failed"]
             self.known.counts["reused"] = max(0, len(self.known.results(trials)) - own)
+            # A bench this worker cannot set up is its own failure, not the study's: raised unmarked.
+            ready = self._ready(bench, default)
             try:
-                result = offer_winner(self, self._ready(bench, default), default)
+                result = offer_winner(self, ready, default)
             except TuningError as exc:
                 study.set_user_attr(FINALIZED_ATTR, {"error": str(exc), "budget": self.options.trials})
                 raise
