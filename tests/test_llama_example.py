@@ -222,7 +222,7 @@ BAD_FILES: dict[str, tuple[dict[str, Any], str]] = {
         {"metadata": {"general.architecture": ("gpt2", GGUFValueType.STRING)}},
         "general.architecture",
     ),
-    "missing-key": ({"metadata": {"llama.attention.head_count_kv": None}}, r"llama\.attention\.head_count_kv: missing"),
+    "missing-key": ({"metadata": {"llama.block_count": None}}, r"llama\.block_count: missing"),
     "key-of-wrong-type": (
         {"metadata": {"llama.block_count": ("2", GGUFValueType.STRING)}},
         r"llama\.block_count: expected a positive integer",
@@ -259,12 +259,65 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
         llama.load_gguf(path)
 
 
+def _config_of(tmp_path: Path, edits: dict[str, Any], shape: maker.LlamaShape | None = None) -> llama.LlamaConfig:
+    """The config read from ``shape``'s metadata (default: the tiny preset's) with ``edits`` (None: dropped)."""
+    meta = maker.llama_metadata(shape or maker.PRESETS["tiny"])
+    for key, entry in edits.items():
+        if entry is None:
+            meta.pop(key, None)
+        else:
+            meta[key] = entry
+    path = maker.write_gguf(tmp_path / "meta.gguf", meta, [])
+    return llama.config_from_gguf(GGUFReader(path))
+
+
 def test_optional_entries_fall_back_as_llama_cpp_does(tiny_file: Path, tmp_path: Path) -> None:
     # No output.weight: the head is the embedding. No llama.vocab_size: the embedding's rows.
     lean = _rewrite(tiny_file, tmp_path / "lean.gguf", drop=("output.weight",), metadata={"llama.vocab_size": None})
     config, weights = llama.load_gguf(lean)
     assert config.vocab == 512
     assert weights.output is weights.token_embd
+    # No head_count_kv: as many KV heads as query heads. No rope.freq_base: 10000.
+    shape = dataclasses.replace(maker.PRESETS["tiny"], kv_heads=4, rope_theta=500000.0)
+    config = _config_of(tmp_path, {"llama.attention.head_count_kv": None, "llama.rope.freq_base": None}, shape)
+    assert (config.heads, config.kv_heads, config.rope_theta) == (4, 4, 10000.0)
+
+
+def test_a_dense_file_may_record_zero_experts(tmp_path: Path) -> None:
+    u32 = GGUFValueType.UINT32
+    config = _config_of(tmp_path, {"llama.expert_count": (0, u32), "llama.expert_used_count": (0, u32)})
+    assert config.layers == 2
+
+
+F32 = GGUFValueType.FLOAT32
+ROPE_SCALING_CASES: dict[str, tuple[dict[str, Any], float]] = {
+    "typed-linear": (
+        {"llama.rope.scaling.type": ("linear", GGUFValueType.STRING), "llama.rope.scaling.factor": (4.0, F32)},
+        4.0,
+    ),
+    "untyped-factor": ({"llama.rope.scaling.factor": (4.0, F32)}, 4.0),
+    "older-scale-linear": ({"llama.rope.scale_linear": (4.0, F32)}, 4.0),
+    "factor-before-older-key": ({"llama.rope.scaling.factor": (4.0, F32), "llama.rope.scale_linear": (2.0, F32)}, 4.0),
+    "linear-without-factor": ({"llama.rope.scaling.type": ("linear", GGUFValueType.STRING)}, 1.0),
+    "zero-factor": ({"llama.rope.scaling.factor": (0.0, F32)}, 1.0),
+    "none-ignores-factor": (
+        {"llama.rope.scaling.type": ("none", GGUFValueType.STRING), "llama.rope.scaling.factor": (4.0, F32)},
+        1.0,
+    ),
+    "nothing": ({}, 1.0),
+}
+
+
+@pytest.mark.parametrize("case", list(ROPE_SCALING_CASES), ids=list(ROPE_SCALING_CASES))
+def test_rope_scaling_reads_as_llama_cpp_does(case: str, tmp_path: Path) -> None:
+    """A missing type is "linear"; the factor is rope.scaling.factor, else rope.scale_linear, else (or 0) none."""
+    edits, factor = ROPE_SCALING_CASES[case]
+    assert _config_of(tmp_path, edits).rope_linear_factor == factor
+
+
+def test_a_negative_rope_factor_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"llama\.rope\.scale_linear: expected a positive"):
+        _config_of(tmp_path, {"llama.rope.scale_linear": (-2.0, F32)})
 
 
 # ---- the model against the reference -------------------------------------------------------------

@@ -1,15 +1,18 @@
 """The hyper-parameters of a Llama-3-architecture model, read from a GGUF file's metadata.
 
-The keys are llama.cpp's for ``general.architecture = "llama"``. Required: ``llama.block_count``,
-``llama.embedding_length``, ``llama.feed_forward_length``, ``llama.attention.head_count``,
-``llama.attention.head_count_kv``, ``llama.rope.freq_base``,
-``llama.attention.layer_norm_rms_epsilon`` and ``llama.context_length``. Optional:
-``llama.vocab_size`` (else the embedding's rows), ``llama.attention.key_length`` /
-``value_length`` (else ``embedding_length / head_count``), ``llama.rope.dimension_count`` (must be
-the whole head: partial rotary embeddings are not Llama) and ``llama.rope.scaling.type`` /
-``factor`` ("linear" scaling; Llama-3's own scaling comes as the ``rope_freqs.weight`` tensor).
-A missing key, a key of the wrong type and an unsupported value are refused with a ValueError
-naming the key.
+The keys are llama.cpp's for ``general.architecture = "llama"``, with llama.cpp's defaults.
+Required: ``llama.block_count``, ``llama.embedding_length``, ``llama.feed_forward_length``,
+``llama.attention.head_count``, ``llama.attention.layer_norm_rms_epsilon`` and
+``llama.context_length``. Optional: ``llama.attention.head_count_kv`` (else ``head_count``:
+multi-head attention), ``llama.rope.freq_base`` (else 10000), ``llama.vocab_size`` (else the
+embedding's rows), ``llama.attention.key_length`` / ``value_length`` (else
+``embedding_length / head_count``), ``llama.rope.dimension_count`` (must be the whole head: partial
+rotary embeddings are not Llama), ``llama.expert_count`` (0 or absent: a dense model; mixture of
+experts is refused) and RoPE scaling: ``llama.rope.scaling.type`` is "linear" when absent, or
+"none"; the linear factor is ``llama.rope.scaling.factor``, else the older
+``llama.rope.scale_linear``, else 1 (Llama-3's own scaling comes as the ``rope_freqs.weight``
+tensor). A missing required key, a key of the wrong type and an unsupported value are refused with
+a ValueError naming the key.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from typing import Any
 from gguf import GGUFReader, GGUFValueType
 
 ARCH = "llama"
+#: llama.cpp's RoPE base when a file records none.
+DEFAULT_ROPE_THETA = 10000.0
 
 _INT_TYPES = frozenset(
     {
@@ -68,12 +73,13 @@ def _value(reader: GGUFReader, key: str, kinds: frozenset[GGUFValueType], what: 
     return field.contents()
 
 
-def _int(reader: GGUFReader, key: str, *, default: int | None = None) -> int:
+def _int(reader: GGUFReader, key: str, *, default: int | None = None, minimum: int = 1) -> int:
     if default is not None and key not in reader.fields:
         return default
-    value = int(_value(reader, key, _INT_TYPES, "a positive integer"))
-    if value < 1:
-        raise ValueError(f"{key}: expected a positive integer, got {value}")
+    what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+    value = int(_value(reader, key, _INT_TYPES, what))
+    if value < minimum:
+        raise ValueError(f"{key}: expected {what}, got {value}")
     return value
 
 
@@ -97,11 +103,12 @@ def architecture(reader: GGUFReader) -> str:
 def config_from_gguf(reader: GGUFReader, *, embedding_rows: int | None = None) -> LlamaConfig:
     """The config of a Llama GGUF file; ``embedding_rows`` stands in for a missing ``llama.vocab_size``."""
     architecture(reader)
-    if f"{ARCH}.expert_count" in reader.fields and _int(reader, f"{ARCH}.expert_count") > 0:
+    # llama.cpp writes expert_count = 0 into dense files.
+    if _int(reader, f"{ARCH}.expert_count", default=0, minimum=0) > 0:
         raise ValueError(f"{ARCH}.expert_count: mixture-of-experts files are not supported")
     hidden = _int(reader, f"{ARCH}.embedding_length")
     heads = _int(reader, f"{ARCH}.attention.head_count")
-    kv_heads = _int(reader, f"{ARCH}.attention.head_count_kv")
+    kv_heads = _int(reader, f"{ARCH}.attention.head_count_kv", default=heads)
     if heads % kv_heads:
         raise ValueError(
             f"{ARCH}.attention.head_count_kv: {kv_heads} does not divide {ARCH}.attention.head_count={heads} (GQA)"
@@ -130,19 +137,32 @@ def config_from_gguf(reader: GGUFReader, *, embedding_rows: int | None = None) -
         head_dim=head_dim,
         vocab=vocab,
         context=_int(reader, f"{ARCH}.context_length"),
-        rope_theta=_float(reader, f"{ARCH}.rope.freq_base"),
+        rope_theta=_float(reader, f"{ARCH}.rope.freq_base", default=DEFAULT_ROPE_THETA),
         rms_eps=_float(reader, f"{ARCH}.attention.layer_norm_rms_epsilon"),
         rope_linear_factor=_rope_linear_factor(reader),
     )
 
 
 def _rope_linear_factor(reader: GGUFReader) -> float:
-    kind_key, factor_key = f"{ARCH}.rope.scaling.type", f"{ARCH}.rope.scaling.factor"
-    if kind_key not in reader.fields:
-        return 1.0
-    kind = _value(reader, kind_key, frozenset({GGUFValueType.STRING}), 'a string ("none" or "linear")')
+    """The divisor of positions, as llama.cpp reads it (``llm_load_hparams``).
+
+    The type defaults to "linear"; its factor is ``rope.scaling.factor``, else the older
+    ``rope.scale_linear``, and a missing or zero factor means none. "none" ignores any factor.
+    """
+    kind_key = f"{ARCH}.rope.scaling.type"
+    kind = "linear"
+    if kind_key in reader.fields:
+        kind = _value(reader, kind_key, frozenset({GGUFValueType.STRING}), 'a string ("none" or "linear")')
     if kind == "none":
         return 1.0
     if kind != "linear":
         raise ValueError(f'{kind_key}: {kind!r} is not supported (expected "none" or "linear")')
-    return _float(reader, factor_key)
+    for factor_key in (f"{ARCH}.rope.scaling.factor", f"{ARCH}.rope.scale_linear"):
+        if factor_key in reader.fields:
+            factor = float(_value(reader, factor_key, _FLOAT_TYPES, "a float"))
+            if factor == 0.0:
+                return 1.0
+            if not 0.0 < factor < float("inf"):
+                raise ValueError(f"{factor_key}: expected a positive finite float (or 0: none), got {factor}")
+            return factor
+    return 1.0
