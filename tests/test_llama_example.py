@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
+import struct
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -173,8 +175,9 @@ def _rewrite(
     metadata: dict[str, Any] | None = None,
     drop: tuple[str, ...] = (),
     tensors: dict[str, maker.TensorPlan] | None = None,
+    extra: tuple[maker.TensorPlan, ...] = (),
 ) -> Path:
-    """A copy of ``src`` with metadata entries set (None: dropped), tensors dropped or replaced."""
+    """A copy of ``src`` with metadata entries set (None: dropped), tensors dropped, replaced or added."""
     reader = GGUFReader(src)
     meta: maker.Metadata = {}
     for key, field in reader.fields.items():
@@ -196,7 +199,7 @@ def _rewrite(
         data = np.array(t.data)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         plans.append(maker.TensorPlan(t.name, shape, t.tensor_type, lambda data=data: data))
-    return maker.write_gguf(dst, meta, plans)
+    return maker.write_gguf(dst, meta, [*plans, *extra])
 
 
 def _f32(name: str, shape: tuple[int, ...]) -> maker.TensorPlan:
@@ -212,6 +215,21 @@ def _q4k_rows(src: Path, name: str, as_name: str) -> maker.TensorPlan:
 
 BAD_FILES: dict[str, tuple[dict[str, Any], str]] = {
     "missing-tensor": ({"drop": ("blk.1.ffn_up.weight",)}, r"blk\.1\.ffn_up\.weight: missing"),
+    # Named as the tensor, not as llama.vocab_size, which would fall back to its rows.
+    "missing-embedding": (
+        {"drop": ("token_embd.weight",), "metadata": {"llama.vocab_size": None}},
+        r"token_embd\.weight: missing",
+    ),
+    # llama.cpp adds attention biases where a file has them: dropping them would run another model.
+    "attention-bias": (
+        {"extra": (_f32("blk.0.attn_q.bias", (256,)), _f32("blk.0.attn_k.bias", (128,)))},
+        r"blk\.0\.attn_q\.bias: attention biases are not supported",
+    ),
+    # llama.cpp refuses a file with more tensors than its block count uses.
+    "blocks-past-block-count": (
+        {"metadata": {"llama.block_count": (1, GGUFValueType.UINT32)}},
+        r"blk\.1\.attn_norm\.weight: block 1 is past llama\.block_count=1",
+    ),
     "linear-not-q4k": (
         {"tensors": {"blk.0.attn_q.weight": _f32("blk.0.attn_q.weight", (256, 256))}},
         r"blk\.0\.attn_q\.weight: stored as F32, expected Q4_K",
@@ -256,6 +274,14 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "not.gguf"
     path.write_bytes(b"GGML" + bytes(64))
     with pytest.raises(ValueError, match="not a readable GGUF file"):
+        llama.load_gguf(path)
+
+
+def test_a_header_that_ends_early_is_refused_naming_the_file(tmp_path: Path) -> None:
+    # GGUF v3 announcing one tensor and no metadata, then nothing: gguf's reader indexes past the end.
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 1, 0))
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))}: not a readable GGUF file"):
         llama.load_gguf(path)
 
 

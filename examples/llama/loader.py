@@ -18,13 +18,17 @@ linear weight of PyTorch shape ``[N, K]`` (``N`` outputs) is recorded as ``(K, N
 llama.cpp permutes the rows of ``attn_q`` and ``attn_k`` when it converts Hugging Face checkpoints,
 so that its RoPE rotates adjacent pairs ``(x[2i], x[2i+1])``; this model rotates adjacent pairs too
 and uses the rows as stored. Every missing tensor, wrong type or wrong shape is refused with a
-ValueError naming the tensor. Tensors the model does not use are ignored (logged at DEBUG).
+ValueError naming the tensor. So are tensors llama.cpp would use or count that this model has no
+place for: any ``.bias`` (attention biases) and any ``blk.N.*`` past ``llama.block_count``. Other
+tensors the model does not use are ignored (logged at DEBUG).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,12 +38,13 @@ from gguf.quants import dequantize
 
 from tritune.kernels import Q4KWeight
 
-from .config import LlamaConfig, config_from_gguf
+from .config import LlamaConfig, architecture, config_from_gguf
 
 log = logging.getLogger("llama.loader")
 
 Q4_K = GGMLQuantizationType.Q4_K
 _NORM_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+_BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -79,8 +84,10 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
     """A reader over ``path``, with a ValueError when it is not a readable GGUF file."""
     try:
         return GGUFReader(path)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{os.fspath(path)}: not a readable GGUF file ({exc})") from exc
+    # A corrupt header makes gguf's reader index past the file's end or look up unknown enums:
+    # IndexError, KeyError, ... as well as ValueError.
+    except (OSError, ValueError, IndexError, KeyError, OverflowError, TypeError, struct.error) as exc:
+        raise ValueError(f"{os.fspath(path)}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
 
 
 class _Tensors:
@@ -139,12 +146,30 @@ class _Tensors:
     def ignored(self) -> list[str]:
         return [name for name in self._by_name if name not in self._taken]
 
+    def refuse_unsupported(self, layers: int) -> None:
+        """Refuse the first tensor llama.cpp would run (a bias) or count against the file (a block past ``layers``).
+
+        Dropping either would run a different model than the file's without a word.
+        """
+        for name in self._by_name:
+            if name.endswith(".bias"):
+                what = "attention biases" if ".attn_" in name else "biases"
+                raise ValueError(f"{name}: {what} are not supported by this model")
+            block = _BLOCK.match(name)
+            if block is not None and int(block.group(1)) >= layers:
+                raise ValueError(f"{name}: block {block.group(1)} is past llama.block_count={layers}")
+
 
 def load_gguf(path: str | os.PathLike[str], *, device: torch.device | str = "cpu") -> tuple[LlamaConfig, LlamaWeights]:
     """The config and weights of the Llama GGUF file at ``path``, on ``device``."""
     reader = open_gguf(path)
     tensors = _Tensors(reader, torch.empty(0, device=device).device)
+    architecture(reader)
+    # Named before llama.vocab_size, which falls back to its rows.
+    if not tensors.has("token_embd.weight"):
+        raise ValueError("token_embd.weight: missing from the file")
     config = config_from_gguf(reader, embedding_rows=tensors.rows("token_embd.weight"))
+    tensors.refuse_unsupported(config.layers)
     hidden, ffn, q_width, kv_width = config.hidden, config.ffn, config.q_width, config.kv_width
     embedding = tensors.dense("token_embd.weight", (config.vocab, hidden))
     layers = []
