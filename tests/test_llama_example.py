@@ -465,6 +465,24 @@ def test_truncate_replays_decode_steps_at_the_same_context(model: llama.LlamaMod
         generator.truncate(len(PROMPT) + 5)
 
 
+# ---- the command line ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["--max-new-tokens", "--chunk-size", "--max-step"])
+@pytest.mark.parametrize("value", ["0", "-1", "x"])
+def test_cli_refuses_a_count_below_one_in_one_line(
+    flag: str, value: str, tiny_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Both modes alike, before the file is loaded: an argparse error, not a traceback or an empty answer."""
+    from llama.__main__ import main
+
+    for mode in ([], ["--batched"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(tiny_file), "--device", "cpu", "--tokens", "1,2,3", *mode, flag, value])
+        assert exit_info.value.code == 2
+        assert f"{flag}: expected a positive integer, got" in capsys.readouterr().err
+
+
 # ---- CUDA graphs (GPU tier) ----------------------------------------------------------------------
 
 

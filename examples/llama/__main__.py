@@ -39,16 +39,30 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m llama", description=__doc__.split("\n")[0])
     parser.add_argument("file", help="a Llama GGUF file with Q4_K linear layers")
     parser.add_argument("--tokens", type=_token_ids, action="append", required=True, help="a prompt (repeatable)")
-    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=16, help="greedy tokens per prompt (>= 1)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--chunk-size", type=int, default=256, help="prefill tokens per launch (one sequence)")
+    parser.add_argument(
+        "--chunk-size", type=_positive_int, default=256, help="prefill tokens per launch (one sequence)"
+    )
     parser.add_argument("--max-len", type=int, default=None, help="cache positions (default: what the prompts need)")
     parser.add_argument("--batched", action="store_true", help="serve every prompt together (varlen attention)")
-    parser.add_argument("--max-step", type=int, default=64, help="batched: prefill tokens per sequence and step")
+    parser.add_argument(
+        "--max-step", type=_positive_int, default=64, help="batched: prefill tokens per sequence and step"
+    )
     parser.add_argument("--no-graphs", action="store_true", help="run decode steps eagerly on a GPU")
     return parser
 
