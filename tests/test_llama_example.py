@@ -401,6 +401,32 @@ def test_batched_steps_admit_clone_and_remove_sequences(model: llama.LlamaModel,
     assert sorted(server.cache.seqs()) == sorted([a, c, d])
 
 
+def test_last_token_steps_run_the_head_on_no_more_rows_than_the_step(
+    model: llama.LlamaModel, reference: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step of width ``w`` has at most ``w`` last tokens: the head runs on ``min(w, max_seqs)`` rows."""
+    head_rows: list[int] = []
+    forward = model.forward
+
+    def spy(*args: Any, logit_rows: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        head_rows.append(-1 if logit_rows is None else len(logit_rows))
+        return forward(*args, logit_rows=logit_rows, **kwargs)
+
+    monkeypatch.setattr(model, "forward", spy)
+    server = llama.BatchedServer(model, max_seqs=8, capacity=32, max_step=4, graphs=False)
+    a, b = server.add(), server.add()
+    whole = server.step([(a, PROMPT[:4])], all_logits=True)[0].clone()
+    last = server.step([(b, PROMPT[:4])])[0].clone()
+    decode = server.step([(a, [PROMPT[4]])])[0].clone()
+    pair = [t.clone() for t in server.step([(a, [PROMPT[5]]), (b, [PROMPT[4]])])]
+    assert head_rows == [4, 4, 1, 2]
+    # The same rows as with all logits, and as the reference's.
+    assert torch.equal(last, whole[-1:])
+    assert torch.equal(pair[1], decode)
+    rows = [(PROMPT, slice(0, 4)), (PROMPT, slice(4, 5)), (PROMPT, slice(5, 6))]
+    _check("last-token steps", [whole, decode, pair[0]], rows, reference)
+
+
 def test_serve_greedy_continues_each_prompt_as_the_reference_does(model: llama.LlamaModel, reference: Any) -> None:
     server = llama.BatchedServer(model, max_seqs=2, capacity=16, max_step=8, graphs=False)
     prompts = [[11, 22, 33], [40, 41, 42, 43, 44, 45, 46]]

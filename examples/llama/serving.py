@@ -117,7 +117,7 @@ class BatchedServer:
         self._upload(buffers.tokens, packed)
         if not all_logits:
             last = [q_start + q_len - 1 for _, q_start, q_len in plan.segments]
-            self._upload(buffers.logit_rows, last + [0] * (self.max_seqs - len(last)))
+            self._upload(buffers.logit_rows, last + [0] * (len(buffers.logit_rows) - len(last)))
 
         cache = self.cache
 
@@ -145,7 +145,9 @@ class BatchedServer:
         key = (width, all_logits)
         if key not in self._buffers:
             device, vocab = self.model.device, self.model.config.vocab
-            rows = width if all_logits else self.max_seqs
+            # Every sequence brings a token: a step of ``width`` rows has at most that many last
+            # tokens, so the head runs on no more (a fixed count per width, as a graph needs).
+            rows = width if all_logits else min(width, self.max_seqs)
             self._buffers[key] = _WidthBuffers(
                 tokens=torch.zeros(width, dtype=torch.int64, device=device),
                 logit_rows=torch.arange(rows, dtype=torch.int64, device=device),
