@@ -59,6 +59,8 @@ log = logging.getLogger("tritune.bench")
 
 LENGTHS = (512, 2048, 8192, 32768, 130048)
 SMOKE_LENGTHS = (12, 20)
+#: Tokens of each correctness-check prompt (8 with ``--smoke``).
+CHECK_LENGTH = 32
 #: The interpreter runs a launch's programs one by one: fewer, larger Q4_K tiles (as the tests pin).
 SMOKE_Q4K = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128}
 
@@ -388,6 +390,18 @@ def profile_steps(make: Callable[..., Any], args: argparse.Namespace, run: bl.Be
     }
 
 
+def max_positions(args: argparse.Namespace) -> int:
+    """The RoPE positions the model must cover: the longest cache of any phase.
+
+    A prompt length's cache rounds ``length + decode_steps + 1`` up to 64 (at most ``+ 64``), the
+    profile's is ``profile_length + 64``, the serving phase's its longest prompt plus ``serve_new``
+    and the check's a prompt of 32 plus one.
+    """
+    single = max(*args.lengths, args.profile_length) + args.decode_steps + 64
+    serving = args.serve_lengths[1] + args.serve_new
+    return max(single, serving, CHECK_LENGTH + 1)
+
+
 def run_model(
     llama: Any,
     impl: str,
@@ -404,15 +418,16 @@ def run_model(
     for the next, so that the file is read into host memory once per model only.
     """
     device = run.device
-    max_positions = max([*args.lengths, args.profile_length, args.serve_lengths[1]]) + args.decode_steps + 64
     tritune = impl == IMPLS[0]
     with phase(f"{impl}: load"):
         config, weights = llama.load_gguf(path, device=device)
         results.config = dataclasses.asdict(config)
-        prompts = check_prompts(config.vocab, args.check_prompts, 8 if args.smoke else 32, args.seed)
+        prompts = check_prompts(config.vocab, args.check_prompts, 8 if args.smoke else CHECK_LENGTH, args.seed)
         if refs is None:
             refs = references(llama, config, weights, prompts)
-        model = (llama.LlamaModel if tritune else llama.TorchLlamaModel)(config, weights, max_positions=max_positions)
+        model = (llama.LlamaModel if tritune else llama.TorchLlamaModel)(
+            config, weights, max_positions=max_positions(args)
+        )
         # The model holds its own (fused or dense) copies: the file's tensors go.
         del weights
         release(device)
