@@ -143,7 +143,9 @@ class Q4KTuning(KernelTuning):
             starts += self._swapped_starts(key, device)
             if key.m_bucket > SMALL_M:
                 starts += self._int8_starts(key)
-                chunks = [c for c in SPACE.dimensions["CHUNK_N"] if MIN_CHUNK_N <= c <= key.n // 2]
+                # The staged member's own chunks: the union's CHUNK_N also holds the dequant path's.
+                staged = SPACE.members["staged"].dimensions["CHUNK_N"]
+                chunks = [c for c in staged if MIN_CHUNK_N <= c <= key.n // 2]
                 starts += [StagedConfig(CHUNK_N=chunk) for chunk in sorted(chunks, reverse=True)[:2]]
         limits = KERNEL.limits(device)
         feasible = [c for c in starts if SPACE.infeasible_reason(c, key, limits) is None]
