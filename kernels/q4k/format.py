@@ -58,9 +58,9 @@ def split_blocks(
     ``q`` is uint8 ``[N, K]`` in natural weight order (values 0..15).
     """
     check_blocks(raw)
-    n = raw.shape[0]
-    blocks = raw.reshape(n, -1, BLOCK_BYTES)  # [N, S, 144]
-    n_super = blocks.shape[1]
+    # Sizes spelled out rather than -1: an empty weight (N = 0) leaves -1 undetermined.
+    n, n_super = raw.shape[0], raw.shape[1] // BLOCK_BYTES
+    blocks = raw.reshape(n, n_super, BLOCK_BYTES)  # [N, S, 144]
     halves = blocks[..., :4].contiguous().view(torch.float16)  # [N, S, 2]
     d, dmin = halves[..., 0], halves[..., 1]
     packed = blocks[..., 4 : 4 + SCALE_BYTES].to(torch.int32)
@@ -73,20 +73,20 @@ def split_blocks(
     return (
         d,
         dmin,
-        sc.to(torch.uint8).reshape(n, -1),
-        m.to(torch.uint8).reshape(n, -1),
+        sc.to(torch.uint8).reshape(n, n_super * 8),
+        m.to(torch.uint8).reshape(n, n_super * 8),
         q,
     )
 
 
 def decode(d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Float32 weights from split fields (shapes as :func:`split_blocks` returns them)."""
-    n = q.shape[0]
+    n, k = q.shape
     scale = (d.float().repeat_interleave(QK_K // SUB_BLOCK, dim=1) * sc.float()).unsqueeze(-1)
     offset = (dmin.float().repeat_interleave(QK_K // SUB_BLOCK, dim=1) * m.float()).unsqueeze(-1)
     # Two rounding-free products, then one rounding subtraction: gguf's exact arithmetic.
-    w = scale * q.reshape(n, -1, SUB_BLOCK).float() - offset
-    return w.reshape(n, -1)
+    w = scale * q.reshape(n, k // SUB_BLOCK, SUB_BLOCK).float() - offset
+    return w.reshape(n, k)
 
 
 def dequantize_q4k_blocks(raw: torch.Tensor) -> torch.Tensor:
@@ -210,4 +210,6 @@ def quantize_q4_k(weight: torch.Tensor, *, rows_per_chunk: int = 1024) -> torch.
         raise TypeError(f"weight: expected a floating-point tensor, got {weight.dtype}")
     w = weight.detach().float()
     chunks = [_quantize_chunk(w[i : i + rows_per_chunk]) for i in range(0, n, rows_per_chunk)]
-    return torch.cat(chunks, dim=0) if chunks else torch.empty(0, k // QK_K * BLOCK_BYTES, dtype=torch.uint8)
+    if not chunks:
+        return torch.empty(0, k // QK_K * BLOCK_BYTES, dtype=torch.uint8, device=weight.device)
+    return torch.cat(chunks, dim=0)
