@@ -373,6 +373,27 @@ def test_prefill_in_chunks_over_a_growing_cache(model: llama.LlamaModel, referen
     _check("prefill, chunks of 4", [logits], [(PROMPT, slice(None))], reference)
 
 
+#: Past every attention kernel's KV tile (at most 128 positions) and past the tiny preset's original
+#: RoPE context (64), where Llama-3 scaling changes the low frequencies' rotations.
+LONG_PROMPT = np.random.default_rng(3).integers(0, 512, 150).tolist()
+
+
+def test_a_context_over_several_kv_tiles(loaded: tuple[llama.LlamaConfig, llama.LlamaWeights], reference: Any) -> None:
+    """Chunked prefill of 150 positions, then decode steps that attend over all of them."""
+    model = llama.LlamaModel(*loaded, max_positions=160)
+    generator = llama.Generator(model, max_len=160, chunk_size=64, graphs=False)
+    prefill = generator.prefill(LONG_PROMPT, all_logits=True)
+    tokens = [*LONG_PROMPT, int(prefill[-1].argmax())]
+    steps = []
+    for _ in range(3):
+        steps.append(generator.decode(tokens[-1] if not steps else None).clone())
+        tokens.append(int(generator.next_token))
+    assert generator.length == len(LONG_PROMPT) + 3
+    full, start = tokens[:-1], len(LONG_PROMPT)
+    rows = [(full, slice(0, start)), *[(full, slice(start + i, start + i + 1)) for i in range(3)]]
+    _check("150 positions, chunks of 64, then decode", [prefill, *steps], rows, reference)
+
+
 def test_batched_steps_admit_clone_and_remove_sequences(model: llama.LlamaModel, reference: Any) -> None:
     server = llama.BatchedServer(model, max_seqs=4, capacity=32, max_step=6, graphs=False)
     a_tokens, b_tokens, c_tokens = PROMPT, [3, 1, 4, 1, 5], [200, 100, 50, 25, 12, 6]
