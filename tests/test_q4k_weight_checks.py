@@ -3,6 +3,7 @@ weights the quantizer cannot code (pure PyTorch, no kernel runs)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tritune.kernels import Q4KWeight
@@ -50,3 +51,53 @@ def test_an_empty_weight_is_made_on_the_input_device():
     weight = _empty("meta")
     assert weight.dequantize().device.type == "meta"
     assert weight.to_blocks().device.type == "meta"
+
+
+# ---- the parts of Q4KWeight(...) -------------------------------------------------------------
+
+
+def _parts() -> list[torch.Tensor]:
+    return list(Q4KWeight.quantize(torch.randn(8, K)).tensors())
+
+
+@pytest.mark.parametrize(
+    ("index", "change", "error", "message"),
+    [
+        (0, lambda t: t.reshape(-1), ValueError, "qs: expected a 2-D torch.Tensor of uint8 [N, K/2], got a 1-D"),
+        (0, lambda t: t.reshape(8, 2, -1), ValueError, "qs: expected a 2-D torch.Tensor of uint8 [N, K/2], got a 3-D"),
+        (0, lambda t: None, TypeError, "qs: expected a 2-D torch.Tensor of uint8 [N, K/2], got NoneType"),
+        (1, lambda t: t.tolist(), TypeError, "scales: expected a 2-D torch.Tensor of uint8 [N, K/32], got list"),
+        (2, lambda t: t[0], ValueError, "mins: expected a 2-D torch.Tensor of uint8 [N, K/32], got a 1-D"),
+        (3, lambda t: t[..., 0], ValueError, "super_scales: expected a 3-D torch.Tensor of float16 [N, K/256, 2]"),
+    ],
+    ids=["qs-1d", "qs-3d", "qs-none", "scales-list", "mins-1d", "super-scales-2d"],
+)
+def test_a_part_of_the_wrong_kind_or_rank_is_named(index, change, error, message):
+    parts = _parts()
+    parts[index] = change(parts[index])
+    with pytest.raises(error, match=message.replace("[", r"\[").replace("]", r"\]")):
+        Q4KWeight(*parts)
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_a_numpy_part_is_told_to_convert(index):
+    parts = _parts()
+    name = ("qs", "scales", "mins", "super_scales")[index]
+    parts[index] = parts[index].numpy()
+    advice = rf"got a numpy.ndarray; convert it with torch.from_numpy\({name}\)"
+    with pytest.raises(TypeError, match=rf"^{name}: .* {advice}"):
+        Q4KWeight(*parts)
+
+
+@pytest.mark.parametrize("index", [1, 2], ids=["scales", "mins"])
+def test_codes_past_six_bits_are_refused(index):
+    """to_blocks() keeps six bits of each code: a 64 would come back as 0, silently."""
+    parts = _parts()
+    parts[index] = parts[index].clone()
+    parts[index][3, 5] = 64
+    name = ("qs", "scales", "mins")[index]
+    with pytest.raises(ValueError, match=rf"^{name}: expected 6-bit codes \(values below 64\), got a value of 64"):
+        Q4KWeight(*parts)
+    parts[index][3, 5] = 63
+    weight = Q4KWeight(*parts)
+    assert Q4KWeight.from_blocks(weight.to_blocks(), weight.shape).tensors()[index].equal(parts[index])

@@ -44,6 +44,8 @@ class Q4KWeight:
     shape: tuple[int, int]
 
     def __init__(self, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, super_scales: torch.Tensor) -> None:
+        for name, part in (("qs", qs), ("scales", scales), ("mins", mins), ("super_scales", super_scales)):
+            _check_part_kind(name, part)
         n, half_k = qs.shape
         k = half_k * 2
         expected = {
@@ -61,6 +63,8 @@ class Q4KWeight:
                 )
             if tensor.device != qs.device:
                 raise ValueError(f"{name}: on {tensor.device}, but qs is on {qs.device}")
+        for name, codes in (("scales", scales), ("mins", mins)):
+            _check_six_bits(name, codes)
         values = {"qs": qs, "scales": scales, "mins": mins, "super_scales": super_scales, "shape": (n, k)}
         for name, value in values.items():
             if isinstance(value, torch.Tensor):
@@ -183,3 +187,35 @@ class Q4KWeight:
     def to_blocks(self) -> torch.Tensor:
         """The raw GGUF Q4_K rows again (uint8 ``[N, K/256*144]``), byte for byte."""
         return q4k_format.pack_blocks(*self._fields())
+
+
+#: Each part's dtype, rank and layout, as the constructor's errors name them.
+_PARTS = {
+    "qs": (torch.uint8, "[N, K/2]"),
+    "scales": (torch.uint8, "[N, K/32]"),
+    "mins": (torch.uint8, "[N, K/32]"),
+    "super_scales": (torch.float16, "[N, K/256, 2]"),
+}
+
+
+def _check_part_kind(name: str, part: object) -> None:
+    """Refuse a part that is not a tensor of the part's rank, before its shape is unpacked."""
+    dtype, layout = _PARTS[name]
+    dims = layout.count(",") + 1
+    wanted = f"{name}: expected a {dims}-D torch.Tensor of {str(dtype).removeprefix('torch.')} {layout}"
+    if isinstance(part, np.ndarray):
+        raise TypeError(f"{wanted}, got a numpy.ndarray; convert it with torch.from_numpy({name})")
+    if not isinstance(part, torch.Tensor):
+        raise TypeError(f"{wanted}, got {type(part).__name__}")
+    if part.dim() != dims:
+        raise ValueError(f"{wanted}, got a {part.dim()}-D tensor of shape {tuple(part.shape)}")
+
+
+def _check_six_bits(name: str, codes: torch.Tensor) -> None:
+    """Refuse 6-bit codes of 64 or more: :meth:`Q4KWeight.to_blocks` keeps only their low six bits,
+    so the weight would no longer be the one its blocks describe."""
+    if codes.numel() == 0 or codes.device.type == "meta":
+        return
+    largest = int(codes.max())
+    if largest >= 64:
+        raise ValueError(f"{name}: expected 6-bit codes (values below 64), got a value of {largest}")
