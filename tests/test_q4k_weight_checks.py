@@ -3,6 +3,8 @@ weights the quantizer cannot code (pure PyTorch, no kernel runs)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -101,3 +103,31 @@ def test_codes_past_six_bits_are_refused(index):
     parts[index][3, 5] = 63
     weight = Q4KWeight(*parts)
     assert Q4KWeight.from_blocks(weight.to_blocks(), weight.shape).tensors()[index].equal(parts[index])
+
+
+# ---- weights the quantizer cannot code ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_the_quantizer_refuses_non_finite_weights(bad):
+    w = torch.randn(4, K)
+    w[1, 7] = bad
+    w[2, 300] = bad
+    for quantize in (q4k_format.quantize_q4_k, Q4KWeight.quantize):
+        with pytest.raises(ValueError, match=rf"^weight: 2 of its {4 * K} values are not finite"):
+            quantize(w)
+
+
+@pytest.mark.parametrize("magnitude", [-1e7, 1e9, -1e30], ids=["-1e7", "1e9", "-1e30"])
+def test_the_quantizer_refuses_weights_whose_block_scales_overflow_fp16(magnitude):
+    """A weight of -1e7 takes dmin past fp16's 65504 (1e9 takes d): refused, naming the largest
+    magnitude, rather than coded as blocks that decode to NaN."""
+    w = torch.randn(4, K)
+    w[3, 100] = magnitude
+    pattern = rf"^weight: its largest magnitude {re.escape(f'{abs(magnitude):.4g}')} .* fp16's largest value 65504"
+    for quantize in (q4k_format.quantize_q4_k, Q4KWeight.quantize):
+        with pytest.raises(ValueError, match=pattern):
+            quantize(w)
+    # Large but codable weights still quantize to finite values.
+    w[3, 100] = -4e6 if magnitude < 0 else 5e7
+    assert torch.isfinite(Q4KWeight.quantize(w).dequantize()).all()

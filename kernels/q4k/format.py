@@ -209,7 +209,28 @@ def quantize_q4_k(weight: torch.Tensor, *, rows_per_chunk: int = 1024) -> torch.
     if not weight.is_floating_point():
         raise TypeError(f"weight: expected a floating-point tensor, got {weight.dtype}")
     w = weight.detach().float()
-    chunks = [_quantize_chunk(w[i : i + rows_per_chunk]) for i in range(0, n, rows_per_chunk)]
-    if not chunks:
+    if n == 0:
         return torch.empty(0, k // QK_K * BLOCK_BYTES, dtype=torch.uint8, device=weight.device)
-    return torch.cat(chunks, dim=0)
+    nonfinite = int((~torch.isfinite(w)).sum())
+    if nonfinite:
+        raise ValueError(
+            f"weight: {nonfinite} of its {w.numel()} values are not finite (NaN or inf); Q4_K codes finite weights only"
+        )
+    raw = torch.cat([_quantize_chunk(w[i : i + rows_per_chunk]) for i in range(0, n, rows_per_chunk)], dim=0)
+    _check_super_scales(raw, w)
+    return raw
+
+
+def _check_super_scales(raw: torch.Tensor, w: torch.Tensor) -> None:
+    """Refuse a weight whose super-block scales overflowed fp16: every weight of such a block would
+    decode to NaN or inf. ``dmin`` is a 63rd of the largest sub-block offset (about the most
+    negative weight) and ``d`` a 63rd of the largest sub-block step (a 15th of its span)."""
+    halves = raw.reshape(raw.shape[0], -1, BLOCK_BYTES)[..., :4].contiguous().view(torch.float16)
+    if bool(torch.isfinite(halves).all()):
+        return
+    largest, limit = float(w.abs().amax()), torch.finfo(torch.float16).max
+    raise ValueError(
+        f"weight: its largest magnitude {largest:.4g} needs super-block scales (d, dmin) past fp16's "
+        f"largest value {limit:g}: Q4_K codes negative weights down to about -63 * {limit:g} = "
+        f"{-63 * limit:.3g} and sub-block spans up to about 15 times that"
+    )
