@@ -114,9 +114,12 @@ def test_ws_falls_back_with_a_reason(device, facts, reason, stand_in):
 
 def test_ws_falls_back_past_the_grid_limits():
     f = _facts()._replace(Lq=65536 * 128)
-    assert "M tiles" in ws_fallback_reason(H200, f)
+    assert "M tiles of 128 rows" in ws_fallback_reason(H200, f)
     assert ws_fallback_reason(H200, f._replace(Lq=65535 * 128)) is None
-    assert "batches" in ws_fallback_reason(H200, f._replace(Lq=512, B=65536))
+    # M tiles of the config's rows: half as many rows a tile reach the cap at half the length.
+    assert "M tiles of 64 rows" in ws_fallback_reason(H200, f._replace(Lq=65536 * 64), block_m=64)
+    # Batches are no limit: the ws launch takes them 65535 at a time (the grid's y extent).
+    assert ws_fallback_reason(H200, f._replace(Lq=512, B=70000)) is None
 
 
 def test_ws_is_off_with_the_tma_setting():

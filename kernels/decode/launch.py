@@ -40,6 +40,8 @@ __all__ = ["Plan", "descriptors_allowed", "launch", "plan"]
 
 #: Whether the kernels were decorated for the interpreter, which launches then prepare first.
 _INTERPRETED = runs_on_interpreter(_decode_split_kernel)
+#: CUDA caps a grid's z extent, where both kernels put batches, at this: more launch in chunks.
+_GRID_YZ = 65535
 
 
 class Plan(NamedTuple):
@@ -134,6 +136,13 @@ def launch(
     else:  # eager tensors' sizes are ints already (converting them costs an eager call microseconds)
         batch, q_heads, lq, head_dim = q.shape
         sq, sk, sv, so = q.stride()[:3], k_cache.stride()[:3], v_cache.stride()[:3], out.stride()[:3]
+    if batch > _GRID_YZ:
+        # Batch views of every tensor, one chunk after the other: each plans its own split and
+        # workspace, and a fused merge leaves the arrival counters at zero for the next.
+        for b0 in range(0, batch, _GRID_YZ):
+            b1 = b0 + _GRID_YZ
+            launch(config, q[b0:b1], k_cache[b0:b1], v_cache[b0:b1], kv_len[b0:b1], softmax_scale, out[b0:b1])
+        return
     kv_heads, lmax = int(k_cache.shape[1]), int(k_cache.shape[2])
     group = q_heads // kv_heads
     p = plan(config, sm_count(q.device), batch, kv_heads, group * lq, lmax, head_dim)

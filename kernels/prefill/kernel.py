@@ -68,9 +68,8 @@ _TMA_INTERPRETER = TmaConfig(BLOCK_M=32, BLOCK_N=32)
 # The ws path at head dim 128: 128 x 128 tiles, two stages (three fit 227 KB but leave no room to
 # grow), and 40 producer registers (24 spill zeroing V's tail). At 64: three stages and 24 suffice.
 _WS_D128 = WsConfig(BLOCK_M=128, BLOCK_N=128, num_stages=2, CONSUMER_REGS=232, PRODUCER_REGS=40)
-#: The ws grid is (query head, batch, M tile): CUDA caps its y and z extents.
+#: The ws grid is (query head, batch, M tile): CUDA caps its z extent (a launch chunks batches).
 _GRID_YZ = 65535
-_WS_BLOCK_M = 128
 _WS_D64 = WsConfig(BLOCK_M=128, BLOCK_N=128, num_stages=3, CONSUMER_REGS=240, PRODUCER_REGS=24)
 
 _warned_targets: set[str] = set()
@@ -197,13 +196,15 @@ def portable_stand_in(
     return portable_for(config, KERNEL.key_for(device, facts), KERNEL.limits(device))
 
 
-def ws_fallback_reason(device: DeviceInfo, f: Any) -> str | None:
-    """Why the ws path may not serve a call with facts ``f`` on ``device``, or ``None`` if it may.
+def ws_fallback_reason(device: DeviceInfo, f: Any, block_m: int = _WS_D128.BLOCK_M) -> str | None:
+    """Why the ws path may not serve a call with facts ``f`` on ``device`` in M tiles of ``block_m``
+    rows, or ``None`` if it may.
 
     The ws kernel is Gluon built for sm_90a (wgmma, setmaxnreg): the interpreter cannot run
     Gluon, and other architectures lack those instructions. Its tiles move through the same
     tensor descriptors as the TMA path's, so the same layout fact gates it; causal and
-    non-causal calls, GQA and device ``kv_len`` are all served.
+    non-causal calls, GQA and device ``kv_len`` are all served, any number of batches (the launch
+    takes at most 65535 at a time, CUDA's cap on the grid's y extent).
     """
     if settings_module.settings().enable_tma_causal_prefill == "off":
         return "enable_tma_causal_prefill=off turns off every descriptor (TMA) path, ws included"
@@ -215,8 +216,8 @@ def ws_fallback_reason(device: DeviceInfo, f: Any) -> str | None:
         return f"the ws path covers head dims {WS_HEAD_DIMS}, not {f.D}"
     if not f.tma_layout_ok:
         return "q, k, v or out cannot be covered by tensor descriptors (strides or bases not 16-byte aligned)"
-    if f.B > _GRID_YZ or -(-f.Lq // _WS_BLOCK_M) > _GRID_YZ:
-        return f"the ws grid holds at most {_GRID_YZ} batches and {_GRID_YZ} M tiles of {_WS_BLOCK_M} rows"
+    if -(-f.Lq // block_m) > _GRID_YZ:
+        return f"the ws grid holds at most {_GRID_YZ} M tiles of {block_m} rows"
     return None
 
 
@@ -239,7 +240,7 @@ def serve(config: PrefillConfig, device: DeviceInfo, f: Any) -> PrefillConfig:
     stands in (then checked like any TMA config: the portable path where TMA may not serve).
     """
     if config.path == "ws":
-        if ws_fallback_reason(device, f) is None:
+        if ws_fallback_reason(device, f, config.BLOCK_M) is None:
             return config
         config = _ws_stand_in(device, f)
     mode = settings_module.settings().enable_tma_causal_prefill

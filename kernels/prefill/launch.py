@@ -37,6 +37,8 @@ _INT32_SPAN = 2**31
 _FLT_MIN = 1.1754943508222875e-38
 #: Query rows one program of the merge kernel combines.
 _MERGE_BLOCK_M = 16
+#: CUDA caps a grid's y and z extents at this: a call with more batches on either launches in chunks.
+_GRID_YZ = 65535
 
 
 def kernel_scale(softmax_scale: float) -> tuple[float, bool]:
@@ -58,6 +60,32 @@ def _wide_tile(t: torch.Tensor, rows: int, cols: int) -> bool:
     return bool(rows * t.stride(2) + cols * t.stride(3) >= _INT32_SPAN)
 
 
+def _in_batch_chunks(
+    launch_path: Callable[..., None],
+    chunk: int,
+    config: PrefillConfig,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_len: torch.Tensor | None,
+    causal: bool,
+    softmax_scale: float,
+    out: torch.Tensor,
+) -> None:
+    """``launch_path`` on batches ``[b0, b0 + chunk)`` in turn: what serves a call whose grid would
+    put more batches on its y or z axis than CUDA allows (:data:`_GRID_YZ`).
+
+    Each chunk is a batch view of every tensor (a ``[B]`` ``kv_len`` too; a ``[]`` one serves them
+    all). A view starts a whole batch stride past its tensor's base, so where descriptors could
+    cover the tensor (16-byte aligned base and strides) they cover each view too.
+    """
+    per_batch = kv_len is not None and kv_len.dim() == 1
+    for b0 in range(0, q.shape[0], chunk):
+        b1 = b0 + chunk
+        lengths = kv_len[b0:b1] if per_batch and kv_len is not None else kv_len
+        launch_path(config, q[b0:b1], k[b0:b1], v[b0:b1], lengths, causal, softmax_scale, out[b0:b1])
+
+
 def _kv_len_stride(kv_len: torch.Tensor | None) -> int:
     # A [] kv_len serves every sequence; a [B] view such as lengths[::2] is read through its stride.
     return kv_len.stride(0) if kv_len is not None and kv_len.dim() == 1 else 0
@@ -75,6 +103,9 @@ def launch_portable(
 ) -> None:
     """Launch the portable kernel on checked inputs, writing ``out`` through its strides."""
     batch, q_heads, seqlen_q, head_dim = q.shape
+    if batch > _GRID_YZ:  # batches on the grid's z axis
+        _in_batch_chunks(launch_portable, _GRID_YZ, config, q, k, v, kv_len, causal, softmax_scale, out)
+        return
     qk_scale, neg_scale = kernel_scale(softmax_scale)
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
     grid = (ceil_div(seqlen_q, config.BLOCK_M), q_heads, batch)
@@ -102,12 +133,16 @@ def launch_tma(
 ) -> None:
     """Launch the TMA kernel (and the merge, with a KV split) on checked, TMA-eligible inputs."""
     batch, q_heads, seqlen_q, head_dim = q.shape
+    split = config.SPLIT_KV
+    if batch * split > _GRID_YZ:  # batches x splits on the grid's z axis (the merge's: batches)
+        chunk = _GRID_YZ // split
+        _in_batch_chunks(launch_tma, chunk, config, q, k, v, kv_len, causal, softmax_scale, out)
+        return
     qk_scale, neg_scale = kernel_scale(softmax_scale)
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
     heads = group if config.PACK_GQA else 1
     rows = config.BLOCK_M // heads
-    split = config.SPLIT_KV
     # tma_layout_ok and the op body's base check established what the descriptors assert.
     q_desc = unchecked_descriptor(q, [1, heads, rows, head_dim])
     k_desc = unchecked_descriptor(k, [1, 1, config.BLOCK_N, head_dim])
@@ -186,6 +221,9 @@ def launch_ws(
     objects, so the launch stays CUDA-graph capturable and ``kv_len`` is read on the device.
     """
     batch, q_heads, seqlen_q, head_dim = q.shape
+    if batch > _GRID_YZ:  # batches on the grid's y axis
+        _in_batch_chunks(launch_ws, _GRID_YZ, config, q, k, v, kv_len, causal, softmax_scale, out)
+        return
     qk_scale, neg_scale = kernel_scale(softmax_scale)
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
     rows = config.BLOCK_M // 2
