@@ -116,6 +116,12 @@ def default_config(key: Q4KKey) -> PortableConfig:
     return PortableConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=group_m, num_warps=8, num_stages=3)
 
 
+def gemv_supported(device: DeviceInfo) -> bool:
+    """Whether the GEMV path can run here: its kernels issue PTX ``dp4a`` (NVIDIA SM61+; the
+    interpreter emulates it), which no ROCm build has."""
+    return device.is_interpreter or target_supports(device, (6, 1))
+
+
 def _unservable_reason(config: Q4KConfig, device: DeviceInfo, facts: Any) -> str | None:
     """Why ``config``'s path cannot serve this call (``None`` where it can)."""
     if config.path in _FP8_PATHS and not settings_module.settings().q4k_fp8:
@@ -124,6 +130,8 @@ def _unservable_reason(config: Q4KConfig, device: DeviceInfo, facts: Any) -> str
         return f"the fp8 path needs e4m3 tensor cores (SM89+), not {device.arch}"
     if config.path == "int8" and not (device.is_interpreter or target_supports(device, (8, 0))):
         return f"the int8 path needs int8 tensor cores (SM80+), not {device.arch}"
+    if config.path == "gemv" and not gemv_supported(device):
+        return f"the GEMV path issues PTX dp4a (NVIDIA SM61+), not {device.arch}"
     if isinstance(config, StagedConfig):
         if not (device.is_interpreter or target_supports(device, (9, 0))):
             return f"the staged path needs row-wise scaled fp8 GEMMs (SM90+), not {device.arch}"
@@ -139,9 +147,10 @@ def serve(config: Q4KConfig, device: DeviceInfo, facts: Any) -> Q4KConfig | Repl
     winner of theirs is infeasible at a key without it, so only a pin gets here). The fp8 path
     needs e4m3 tensor cores (SM89+, every built arch) or the interpreter; the staged path needs
     row-wise scaled fp8 GEMMs (SM90+ or the interpreter's CPU ``_scaled_mm``), a bf16 x and N, K
-    multiples of 16; the int8 path int8 tensor cores (SM80+) or the interpreter. Otherwise the
-    key's portable default serves, as a :class:`~tritune.kernels.spec.Replaced` naming the reason
-    (a pin's one warning quotes it). The portable, GEMV and dequant paths serve on every device.
+    multiples of 16; the int8 path int8 tensor cores (SM80+) or the interpreter; the GEMV path
+    PTX ``dp4a`` (NVIDIA, not ROCm). Otherwise the key's portable default serves, as a
+    :class:`~tritune.kernels.spec.Replaced` naming the reason (a pin's one warning quotes it). The
+    portable and dequant paths serve on every device.
 
     A pinned SPLIT_K that does not divide K's tiles is halved until it does; a pinned BLOCK_K that
     does not divide K gives way to the portable default.

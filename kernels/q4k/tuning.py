@@ -30,7 +30,7 @@ from tritune.search_spaces.q4k_fp8_gemm import (
 from ..declare import KernelTuning
 from ..device import DeviceInfo, target_supports
 from ..spec import Problem, pow2_bucket
-from .kernel import KERNEL, Q4KKey
+from .kernel import KERNEL, Q4KKey, gemv_supported
 from .reference import check_path
 from .weight import Q4KWeight
 
@@ -113,7 +113,7 @@ class Q4KTuning(KernelTuning):
     def starting_configs(self, key: Q4KKey, device: DeviceInfo) -> list[Q4KConfig]:
         """Rules for where the good tiles lie, measured first (the admitted ones only):
 
-        - one row of x, on any GPU: GEMV tiles of the narrowest and next row counts at each K depth
+        - one row of x, on an NVIDIA GPU (PTX ``dp4a``): GEMV tiles of the narrowest and next row counts at each K depth
           from one super-block up, each split along K until about four programs per SM; first
           each as one launch (``FUSE_QUANT``, and ``FUSED_REDUCE`` where split), then as today's
           two or three;
@@ -154,7 +154,7 @@ class Q4KTuning(KernelTuning):
 
     @staticmethod
     def _gemv_starts(key: Q4KKey, device: DeviceInfo) -> list[GemvConfig]:
-        if key.m_bucket > GEMV_MAX_M:
+        if key.m_bucket > GEMV_MAX_M or not gemv_supported(device):
             return []
         starts = []
         for block_k in (256, 512, 1024):
