@@ -33,7 +33,6 @@ from tritune.kernels.prefill.kernel import (
     KERNEL,
     PrefillKey,
     pinned_config,
-    serve,
     ws_default,
     ws_fallback_reason,
 )
@@ -85,7 +84,7 @@ def test_ws_serves_eligible_calls_on_sm90(facts):
     f = _facts(**facts)
     config = ws_default(_key(f.D, f.causal))
     assert ws_fallback_reason(H200, f) is None
-    assert serve(config, H200, f) is config
+    assert KERNEL.serveable(config, H200, tuple(f)) is config
 
 
 # (device, facts, the reason's words, the path that stands in)
@@ -106,7 +105,8 @@ def test_ws_falls_back_with_a_reason(device, facts, reason, stand_in):
     f = _facts(**facts)
     why = ws_fallback_reason(device, f)
     assert why is not None and reason in why, why
-    served = serve(ws_default(_key(128, f.causal)), device, f)
+    served, why_served = KERNEL.serve_with_reason(ws_default(_key(128, f.causal)), device, tuple(f))
+    assert why_served == why  # the reason a pin's warning quotes
     assert served.path == stand_in, served
     key = KERNEL.key_for(device, f)
     assert SPACE.infeasible_reason(served, key, KERNEL.limits(device)) is None, served
@@ -126,10 +126,10 @@ def test_ws_is_off_with_the_tma_setting():
     f = _facts()
     with settings.override(enable_tma_causal_prefill="off"):
         assert "enable_tma_causal_prefill=off" in ws_fallback_reason(H200, f)
-        assert serve(ws_default(_key()), H200, f).path == "portable"
+        assert KERNEL.serveable(ws_default(_key()), H200, tuple(f)).path == "portable"
     with settings.override(enable_tma_causal_prefill="on"):
         config = ws_default(_key())
-        assert serve(config, H200, f) is config
+        assert KERNEL.serveable(config, H200, tuple(f)) is config
 
 
 def test_ws_pins_take_the_ws_defaults():

@@ -37,7 +37,7 @@ from .. import settings as settings_module
 from .._launch import SOFTMAX_SCALE, gqa_rule
 from ..declare import Derived, Kernel, Output, Rule, Scalar, Tensor
 from ..device import DeviceInfo, device_info, target_supports
-from ..spec import TuningKey, pow2_bucket
+from ..spec import Replaced, TuningKey, pow2_bucket
 from ._gluon_ws import CONSUMER_WARPS, _prefill_ws_kernel
 from ._triton_portable import _prefill_fwd_kernel
 from ._triton_tma import _merge_splits_kernel, _prefill_tma_kernel
@@ -230,19 +230,65 @@ def _ws_stand_in(device: DeviceInfo, f: Any) -> TmaConfig | PortableConfig:
     return default_config(key)
 
 
-def serve(config: PrefillConfig, device: DeviceInfo, f: Any) -> PrefillConfig:
-    """Serve ``config`` if its path may run this call, else its stand-in.
+@functools.lru_cache(maxsize=256)
+def _infeasible(config: PrefillConfig, key: PrefillKey, limits: TargetLimits) -> str | None:
+    """``SPACE.infeasible_reason``, remembered: :func:`serve` asks it of every config it serves."""
+    reason: str | None = SPACE.infeasible_reason(config, key, limits)
+    return reason
+
+
+def _feasible_stand_in(config: PrefillConfig, key: PrefillKey, limits: TargetLimits) -> PrefillConfig:
+    """What serves in place of ``config``, infeasible at ``key``: for a TMA config (its path may
+    serve the call) the TMA default where it fits, else the portable config :func:`portable_for`
+    picks; for a portable one the portable default."""
+    if isinstance(config, TmaConfig):
+        forced = tma_default(key)
+        if forced != config and _infeasible(forced, key, limits) is None:
+            return forced
+        return portable_for(config, key, limits)
+    return default_config(key)
+
+
+def serve(config: PrefillConfig, device: DeviceInfo, f: Any) -> PrefillConfig | Replaced:
+    """Serve ``config`` if its path may run this call, else its stand-in (a :class:`Replaced`
+    naming why, where there is a reason to give).
 
     ``enable_tma_causal_prefill``: ``auto`` keeps the selected config where eligible; ``on``
     serves a TMA config (the selected one, else the TMA default) wherever eligible and warns
     once per device when the target cannot run it; ``off`` never serves TMA (nor ws). A ws
     config serves where :func:`ws_fallback_reason` finds nothing against it, else the TMA default
     stands in (then checked like any TMA config: the portable path where TMA may not serve).
+
+    On a GPU, a config the space finds infeasible for the call's key (a ``use_config`` pin: the
+    dispatcher serves only feasible winners and defaults) gives way too: a ws config to the same
+    stand-in, a TMA config to the TMA default, or the portable path where that does not fit
+    either, a portable config to the portable default. Its tiles would not build or would spill.
+    On the interpreter, whose limits bound only what the tuner sweeps, a pin runs as given.
+    Runs once per call's facts (the dispatcher remembers what it served), the feasibility rule
+    once per config and key.
     """
+    why = None
     if config.path == "ws":
-        if ws_fallback_reason(device, f, config.BLOCK_M) is None:
-            return config
+        why = ws_fallback_reason(device, f, config.BLOCK_M)
+        if why is None:
+            # ws_fallback_reason found an SM90 GPU: the space's rule decides the rest.
+            why = _infeasible(config, _key(device, f), KERNEL.limits(device))
+            if why is None:
+                return config
         config = _ws_stand_in(device, f)
+    served = _serve_path(config, device, f)
+    if not device.is_interpreter:
+        key, limits = _key(device, f), KERNEL.limits(device)
+        infeasible = _infeasible(served, key, limits)
+        if infeasible is not None:
+            why = why or infeasible
+            served = _feasible_stand_in(served, key, limits)
+    return served if why is None else Replaced(served, why)
+
+
+def _serve_path(config: TmaConfig | PortableConfig, device: DeviceInfo, f: Any) -> PrefillConfig:
+    """:func:`serve` for a TMA or portable config: the TMA setting, the TMA path's eligibility and its
+    per-call repairs (a packing the group cannot take, a split the call's grid does not need)."""
     mode = settings_module.settings().enable_tma_causal_prefill
     wants_tma = config.path == "tma" if mode == "auto" else mode == "on"
     if not wants_tma and config.path != "tma":
