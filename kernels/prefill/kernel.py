@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from tritune.search_spaces.base import TargetLimits
 from tritune.search_spaces.tma_prefill import (
@@ -111,12 +112,19 @@ def tma_layout_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     # v has k's shape, out has q's.
     if 0 in q.shape or 0 in k.shape:
         return False
-    if _is_compiling() or type(q) is not torch.Tensor:
-        return True  # fake or traced tensors have no addresses: the TMA op's body checks them at run time
+    if _is_compiling():
+        return True  # traced tensors have no addresses: the TMA op's body checks them at run time
+    if not (type(q) is type(k) is type(v) is type(out) is torch.Tensor) and _any_fake(q, k, v, out):
+        return True  # nor fake ones (their data_ptr() is a deprecated 0, with a warning)
     try:
+        # Subclasses with storage (nn.Parameter) are checked like plain tensors.
         return not (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15
-    except RuntimeError:  # a functorch-wrapped tensor (vmap) has none either
+    except RuntimeError:  # functional and functorch-wrapped tensors (vmap) have none either
         return True
+
+
+def _any_fake(*tensors: torch.Tensor) -> bool:
+    return any(isinstance(t, FakeTensor) for t in tensors)
 
 
 def _key(device: DeviceInfo, f: Any) -> PrefillKey:
