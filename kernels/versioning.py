@@ -146,7 +146,7 @@ def jit_fingerprint(kernels: Iterable[Any]) -> str:
 
 def space_fingerprint(space: Any, key_type: type) -> str:
     """Hash of a config space's structure and a key type's fields (what stored values mean)."""
-    lines = [f"space {type(space).__module__}.{type(space).__qualname__}", *space.fingerprint()]
+    lines = [f"space {type(space).__qualname__}", *space.fingerprint()]
     lines += [f"key {f.name}: {f.type}" for f in dataclasses.fields(key_type)]
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 

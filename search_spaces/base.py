@@ -164,7 +164,9 @@ class SearchSpace(Generic[C, K]):
         rule = self._feasibility
         lines = [f"field {name}={options!r}" for name, options in self.dimensions.items()]
         if rule is not None:
-            lines.append(f"rule {rule.__module__}.{rule.__qualname__}")
+            # The rule's name, not its module: a kernel loaded from its file and the same kernel
+            # imported from its package are one kernel.
+            lines.append(f"rule {rule.__qualname__}")
         return lines
 
     def infeasible_reason(self, config: C, key: K, limits: TargetLimits) -> str | None:

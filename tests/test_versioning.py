@@ -162,3 +162,37 @@ def test_versions_are_the_same_with_and_without_the_interpreter() -> None:
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=True
     )
     assert json.loads(result.stdout.strip().splitlines()[-1]) == here
+
+
+SPACE_SOURCE = """
+import dataclasses
+
+from tritune.search_spaces.base import SearchSpace, choice
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    BLOCK: int = choice(64, (32, 64))
+
+
+def fits(config, key, limits):
+    return None
+
+
+SPACE = SearchSpace("toy", Config, feasibility=fits)
+"""
+
+
+def test_the_same_space_loaded_under_two_module_names_has_one_fingerprint(tmp_path: Path) -> None:
+    """A kernel tuned through its file (``tune --kernel file.py:NAME``) and served through its package
+    import is one kernel: its feasibility rule is named without its module."""
+    spaces = []
+    for name in ("kv_rule_as_file", "package.kv_rule_imported"):
+        path = tmp_path / f"{name.replace('.', '_')}.py"
+        path.write_text(SPACE_SOURCE)
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        spaces.append(module.SPACE)
+    assert space_fingerprint(spaces[0], _Key) == space_fingerprint(spaces[1], _Key)
