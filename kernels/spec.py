@@ -265,7 +265,8 @@ class KernelSpec(ABC, Generic[C, K]):
 
 
 def smem_limit_bytes(capability: tuple[int, int]) -> int:
-    """Opt-in shared memory per block by compute capability (CUDA programming guide tables)."""
+    """Opt-in shared memory per block by compute capability (the CUDA C++ Programming Guide's
+    "maximum amount of shared memory per thread block")."""
     major, minor = capability
     if major in (9, 10):
         return 227 * 1024  # Hopper, datacenter Blackwell
@@ -273,4 +274,8 @@ def smem_limit_bytes(capability: tuple[int, int]) -> int:
         return 163 * 1024  # A100, Orin
     if major in (8, 12):
         return 99 * 1024  # Ampere/Ada consumer, consumer Blackwell
-    return 96 * 1024
+    if (major, minor) == (7, 5):
+        return 64 * 1024  # Turing
+    if major < 7:
+        return 48 * 1024  # Maxwell, Pascal
+    return 96 * 1024  # Volta (7.0, 7.2), and a GPU the guide did not list when this was written

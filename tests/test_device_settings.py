@@ -198,7 +198,7 @@ def test_import_is_cheap_and_touches_no_gpu():
 
 @pytest.mark.parametrize(
     "capability, kib",
-    [((9, 0), 227), ((10, 0), 227), ((8, 0), 163), ((8, 6), 99), ((8, 9), 99), ((12, 0), 99), ((7, 5), 96)],
+    [((9, 0), 227), ((10, 0), 227), ((8, 0), 163), ((8, 6), 99), ((8, 9), 99), ((12, 0), 99), ((7, 5), 64)],
     ids=["h100", "b200", "a100", "rtx30", "l40", "rtx50", "t4"],
 )
 def test_shared_memory_limits(capability, kib):

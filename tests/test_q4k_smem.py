@@ -1,0 +1,39 @@
+"""The Q4_K portable defaults against each GPU's shared memory per block (no kernel runs).
+
+The defaults were chosen on an H200 (227 KiB); Turing (SM75) gives a block at most 64 KiB (CUDA
+C++ Programming Guide, compute capability 7.x: Turing's shared memory capacity is 32 or 64 KiB),
+so a default that compiles on an H200 must drop pipeline stages there.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tritune.kernels.device import DeviceInfo
+from tritune.kernels.q4k.kernel import KERNEL
+from tritune.kernels.spec import smem_limit_bytes
+from tritune.search_spaces.q4k_fp8_gemm import SPACE
+
+T4 = DeviceInfo(name="NVIDIA T4", vendor="nvidia", capability=(7, 5), sm_count=40, arch="sm75")
+GPUS = [
+    T4,
+    DeviceInfo(name="Tesla V100-SXM2-32GB", vendor="nvidia", capability=(7, 0), sm_count=80, arch="sm70"),
+    DeviceInfo(name="NVIDIA A100", vendor="nvidia", capability=(8, 0), sm_count=108, arch="sm80"),
+    DeviceInfo(name="NVIDIA GeForce RTX 3090", vendor="nvidia", capability=(8, 6), sm_count=82, arch="sm86"),
+    DeviceInfo(name="NVIDIA L40S", vendor="nvidia", capability=(8, 9), sm_count=142, arch="sm89"),
+    DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90"),
+    DeviceInfo(name="NVIDIA GeForce RTX 5090", vendor="nvidia", capability=(12, 0), sm_count=170, arch="sm120"),
+]
+
+
+def test_turing_gives_a_block_64_kib():
+    assert smem_limit_bytes((7, 5)) == 64 * 1024
+
+
+@pytest.mark.parametrize("device", GPUS, ids=[d.arch for d in GPUS])
+def test_the_portable_default_of_every_default_key_is_feasible(device):
+    """Every default key's portable default fits the GPU's shared memory (and every other rule)."""
+    limits = KERNEL.limits(device)
+    for key in KERNEL.default_keys(device):
+        default = KERNEL.default_config(key)
+        assert SPACE.infeasible_reason(default, key, limits) is None, (key, default)
