@@ -102,22 +102,48 @@ app = typer.Typer(
 )
 
 
-def choose_device(device: str) -> Any:
-    """Resolve --device, switching Triton to its interpreter before any kernel is defined."""
+def interpreter_on() -> bool:
+    """Whether Triton runs on its interpreter: ``TRITON_INTERPRET=1`` was set before triton was imported.
+
+    Triton decides interpreter or compiler when a function is decorated, and its own library
+    (``tl.sum``, ``tl.max``) is decorated at ``import triton``: setting the variable later leaves
+    those compiled, and any kernel calling them fails on the CPU.
+    """
+    if "triton" not in sys.modules:
+        return True
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    return isinstance(tl.sum, InterpretedFunction) or not isinstance(tl.sum, JITFunction)
+
+
+def choose_device(device: str, *, stores: bool = True) -> Any:
+    """Resolve --device, switching Triton to its interpreter before any kernel is defined.
+
+    ``stores``: the command stores results (named in the note printed for the interpreter).
+    """
     import torch
 
     wanted = device.strip().lower()
+    explicit = wanted == "cpu"
     if wanted == "auto":
         wanted = "0" if torch.cuda.is_available() else "cpu"
     if wanted == "cpu":
         from tritune.kernels._interpreter import fix_interpreter_index
 
+        if not interpreter_on():
+            raise CommandError(
+                "--device cpu runs on Triton's interpreter, but triton was imported without TRITON_INTERPRET=1",
+                "set TRITON_INTERPRET=1 before anything imports triton (the tune command does so itself)",
+            )
         os.environ["TRITON_INTERPRET"] = "1"
         fix_interpreter_index()
-        console.print(
-            "[yellow]No GPU selected: running on the Triton interpreter at tiny shapes. Times are CPU "
-            "wall-clock and results are stored under the pseudo-device 'cpu-interpreter'.[/yellow]"
-        )
+        why = "no GPU visible: running on the Triton interpreter"
+        if explicit:
+            why = "running on the Triton interpreter (--device cpu)"
+        stored = " and results are stored under the pseudo-device 'cpu-interpreter'" if stores else ""
+        console.print(f"[yellow]{why} at tiny shapes. Times are CPU wall-clock{stored}.[/yellow]")
         return torch.device("cpu")
     index = wanted.removeprefix("cuda:")
     if not index.isdigit():

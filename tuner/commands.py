@@ -393,7 +393,7 @@ def bench(
     of GPU and host time, for each.
     """
     check_kernel_names(kernel or [])
-    torch_device = choose_device(device)
+    torch_device = choose_device(device, stores=False)
     from tritune.kernels import settings
     from tritune.kernels.device import device_info
 

@@ -1,0 +1,80 @@
+"""What ``tune`` says and its exit status where the user got something wrong or nothing was stored:
+the interpreter switched on by the command itself, import errors of a user's module, usage errors
+in one or two lines, and user kernels named where a command cannot know them.
+
+Tests that depend on when Triton is imported run the real ``tune`` entry point in a child process
+without ``TRITON_INTERPRET`` (the test process has it set by ``conftest.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner, Result
+
+from tritune.tuner.cli import app
+
+ROOT = Path(__file__).resolve().parent.parent
+RMSNORM = f"{ROOT / 'examples' / 'rmsnorm.py'}:RMSNORM"
+#: The console script's entry (``tune``), and the CLI's own main, which skips the entry's checks.
+ENTRY = [sys.executable, "-c", "from tritune.tuner.entry import main; main()"]
+CLI_MAIN = [sys.executable, "-c", "from tritune.tuner.cli import main; main()"]
+runner = CliRunner(env={"COLUMNS": "250"})
+
+
+def run(*args: str) -> Result:
+    return runner.invoke(app, list(args))
+
+
+def child(command: list[str], *args: str, interpret: bool = False, **env: str) -> subprocess.CompletedProcess[str]:
+    """``command`` with ``args`` in a child process; ``TRITON_INTERPRET`` unset unless ``interpret``."""
+    environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    environ.update(env, COLUMNS="250")
+    if interpret:
+        environ["TRITON_INTERPRET"] = "1"
+    return subprocess.run(
+        [*command, *args], capture_output=True, text=True, env=environ, timeout=300, check=False, cwd=ROOT
+    )
+
+
+def test_bench_on_cpu_switches_the_interpreter_on_itself_and_says_nothing_of_storing(tmp_path):
+    done = child(ENTRY, "bench", "--device", "cpu", "--kernel", RMSNORM, "--db", str(tmp_path / "b.sqlite"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "running on the Triton interpreter (--device cpu)" in done.stdout
+    assert "No GPU" not in done.stdout and "stored" not in done.stdout
+
+
+def test_tune_on_cpu_in_process_switches_the_interpreter_on_itself(tmp_path):
+    db = tmp_path / "t.sqlite"
+    done = child(ENTRY, "--device=cpu", "--no-isolate", "--kernel", RMSNORM, "--trials", "1", "--db", str(db))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "results are stored under the pseudo-device 'cpu-interpreter'" in done.stdout
+    assert "no winner stored" not in done.stdout
+
+
+def test_the_interpreter_switched_on_too_late_is_refused_in_one_line(tmp_path):
+    done = child(CLI_MAIN, "bench", "--device", "cpu", "--kernel", RMSNORM, "--db", str(tmp_path / "b.sqlite"))
+    assert done.returncode == 1, done.stdout + done.stderr
+    error = done.stderr.strip().splitlines()
+    assert error[0].startswith("error: --device cpu runs on Triton's interpreter"), done.stderr
+    assert "TRITON_INTERPRET=1" in done.stderr and len(error) == 2 and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "wanted"),
+    [
+        (["bench", "--device", "cpu"], "cpu"),
+        (["--device=cpu,cpu", "--kernel", "x"], "cpu,cpu"),
+        (["--kernel", "x"], "auto"),
+        (["--device", "0", "--", "--device", "cpu"], "0"),
+    ],
+)
+def test_the_entry_reads_the_device_before_click(argv, wanted):
+    from tritune.tuner.entry import device_argument, needs_interpreter
+
+    assert device_argument(argv) == wanted
+    assert needs_interpreter("cpu") and needs_interpreter("cpu,cpu") and not needs_interpreter("0")
