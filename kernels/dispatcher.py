@@ -2,7 +2,8 @@
 
 Lookup order, resolved once per (kernel, key) and then served from a dict:
 
-1. a config pinned with :func:`use_config` (tests and benchmarks);
+1. a config pinned with :func:`use_config` (tests and benchmarks); on a GPU, one the space's rule
+   finds infeasible at the call's key gives way to the portable default, with a warning;
 2. the stored winner at the exact key, if its speedup over the portable default is at least
    ``1 + margin``;
 3. with no winner at the exact key, the nearest bucket of the same kernel, GPU, dtype and head dim
@@ -359,8 +360,12 @@ def _choose(kernel: str, device_type: str, device_index: int, facts: tuple[Any, 
     eager = None
     if type(chosen) is EagerChoice:
         chosen, eager = chosen.graph, chosen.eager
-    config, why = spec.serve_with_reason(chosen, device, facts)
     pin = memo[4] if len(memo) > 4 else None
+    pin_why = _infeasible_pin(spec, device, key, chosen) if pin is not None and chosen == pin else None
+    if pin_why is not None:
+        chosen = spec.default_config(key)
+    config, why = spec.serve_with_reason(chosen, device, facts)
+    why = pin_why or why
     if pin is not None and config != pin:
         _log_pin_rewrite(kernel, pin, config, why)
     if eager is not None and config == chosen:
@@ -429,6 +434,15 @@ def dispatch_choice_eager(kernel: str, device: torch.device, facts: tuple[Any, .
     if config is None:
         config = _choose(kernel, where[0], where[1], facts, memo)
     return config
+
+
+def _infeasible_pin(spec: Any, device: DeviceInfo, key: TuningKey, pin: Any) -> str | None:
+    """Why the space's rule says a pin cannot run at ``key`` on a GPU (it gives way to the portable
+    default), or None. On the interpreter a pin runs as given: the rules there bound only the sweep."""
+    if device.is_interpreter:
+        return None
+    reason: str | None = spec.space.infeasible_reason(pin, key, spec.limits(device))
+    return reason
 
 
 _rewritten_pins: set[tuple[str, Any, Any]] = set()

@@ -453,3 +453,20 @@ def test_a_weight_shape_nobody_tuned_borrows_the_nearest_tuned_shapes_winner():
     assert _q4k_served(192, 256) == tuned  # N 1.5x
     assert _q4k_served(64, 512) == tuned  # N and K 2x: distance 2
     assert _q4k_served(64, 1024) == default  # distance 3
+
+
+def test_a_pin_the_rule_finds_infeasible_on_a_gpu_gives_way_to_the_portable_default(monkeypatch, caplog):
+    """On a GPU, a pin the space's rule refuses at the call's key would not build or would compute
+    garbage: the portable default serves, and the warning names the rule's reason. On the
+    interpreter (whose rules bound only the sweep) the same pin runs as given."""
+    h200 = dataclasses.replace(CPU, name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
+    infeasible = {"BLOCK": 128, "num_warps": 1}
+    with use_config("toy_scale", infeasible):
+        assert _served(100)["BLOCK"] == 128
+    monkeypatch.setattr(dispatcher, "device_info", lambda where: h200)
+    DISPATCHER.clear()  # the CPU tensors' memo entry was the interpreter's choice
+    with caplog.at_level(logging.WARNING, logger="tritune"), use_config("toy_scale", infeasible):
+        assert _served(100) == {"BLOCK": 32, "BROKEN": False, "num_warps": 4}
+    assert "too many elements per thread" in caplog.text
+    with use_config("toy_scale", {"BLOCK": 128, "num_warps": 2}):
+        assert _served(100)["BLOCK"] == 128
