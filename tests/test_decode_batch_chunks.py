@@ -63,6 +63,8 @@ def recorded_launches() -> Iterator[list[tuple[str, tuple[int, ...], int, int]]]
 def test_big_batches_launch_grids_cuda_accepts_covering_each_sequence_once(config, monkeypatch):
     # As many SMs as sequences x 16: splits even at this batch, so the merge launches too.
     monkeypatch.setitem(_launch.SM_COUNTS, META, 16 * BIG_BATCH)
+    # The fused merge's arrival counters on meta: kept out of the process's buffers.
+    monkeypatch.setattr(_launch, "COUNTERS", {})
     q = torch.empty(BIG_BATCH, 8, 1, 128, dtype=torch.bfloat16, device=META)
     k = torch.empty(BIG_BATCH, 1, 4096, 128, dtype=torch.bfloat16, device=META)
     kv_len = torch.empty(BIG_BATCH, dtype=torch.int32, device=META)
