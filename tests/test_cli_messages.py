@@ -21,13 +21,13 @@ from tritune.tuner.cli import app
 ROOT = Path(__file__).resolve().parent.parent
 RMSNORM = f"{ROOT / 'examples' / 'rmsnorm.py'}:RMSNORM"
 #: The console script's entry (``tune``), and the CLI's own main, which skips the entry's checks.
-ENTRY = [sys.executable, "-c", "from tritune.tuner.entry import main; main()"]
+ENTRY = [sys.executable, "-c", "import sys; sys.argv[0] = 'tune'; from tritune.tuner.entry import main; main()"]
 CLI_MAIN = [sys.executable, "-c", "from tritune.tuner.cli import main; main()"]
 runner = CliRunner(env={"COLUMNS": "250"})
 
 
 def run(*args: str) -> Result:
-    return runner.invoke(app, list(args))
+    return runner.invoke(app, list(args), prog_name="tune")
 
 
 def child(command: list[str], *args: str, interpret: bool = False, **env: str) -> subprocess.CompletedProcess[str]:
@@ -78,3 +78,39 @@ def test_the_entry_reads_the_device_before_click(argv, wanted):
 
     assert device_argument(argv) == wanted
     assert needs_interpreter("cpu") and needs_interpreter("cpu,cpu") and not needs_interpreter("0")
+
+
+@pytest.mark.parametrize(
+    ("args", "lines"),
+    [
+        (["--bogus"], ["error: No such option: --bogus", "try: tune --help"]),
+        (["status"], ["error: Missing option '--storage'.", "try: tune status --help"]),
+        (["--trials", "0"], ["error: Invalid value for '--trials': ", "try: tune --help"]),
+    ],
+)  # fmt: skip
+def test_a_usage_error_is_two_lines_with_status_2(args, lines):
+    result = run(*args)
+    assert result.exit_code == 2, result.output
+    first, second = result.output.strip().splitlines()
+    assert first.startswith(lines[0]) and second == lines[1], result.output
+
+
+def test_the_real_command_prints_a_usage_error_in_two_lines():
+    done = child(ENTRY, "--bogus", interpret=True)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == ["error: No such option: --bogus", "try: tune --help"]
+
+
+@pytest.mark.parametrize(
+    ("args", "hint"),
+    [
+        (["--key", "head_dim=7"], "(head_dim: one of 64, 128, 256 of the powers of two at the default keys)"),
+        (["--lq", "100"], "(lq_bucket: a power of two from 1 to 64 at the default keys)"),
+        (["--key", "lq_bucket=100"], "(lq_bucket: a power of two)"),
+        (["--key", "dtype=fp9"], "(dtype: the default keys hold bf16)"),
+    ],
+)
+def test_a_key_value_no_key_accepts_is_named_with_what_the_field_accepts(args, hint):
+    result = run("--device", "cpu", "--kernel", "tma_prefill", *args)
+    assert result.exit_code == 2, result.output
+    assert "no key of tma_prefill remains valid with these values " + hint in " ".join(result.output.split())

@@ -4,7 +4,8 @@
 adds the commands that inspect and move stored results, so importing the CLI registers them all.
 
 Every command runs under one handler (:class:`TuneGroup`): an ordinary failure prints one or two
-lines from :func:`.failures.explain` and exits with status 1; usage errors keep click's status 2.
+lines from :func:`.failures.explain` and exits with status 1; a usage error prints ``error: ...``
+and ``try: tune --help`` and exits with click's status 2.
 ``--debug``, accepted anywhere on the line, shows the traceback instead.
 """
 
@@ -26,6 +27,11 @@ from tritune.configs_db.records import key_text
 from tritune.configs_db.values import printable
 
 from .failures import CommandError, explain
+
+try:  # typer >= 0.2x carries its own click; older releases use the click package
+    from typer._click.exceptions import ClickException, UsageError
+except ImportError:  # pragma: no cover - depends on the installed typer
+    from click.exceptions import ClickException, UsageError  # type: ignore[assignment]
 
 # Without a terminal (CI logs, pipes) rich would wrap tables at 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -55,14 +61,39 @@ class TuneGroup(TyperGroup):
 
     debug = False
 
-    def main(self, args: Sequence[str] | None = None, *rest: Any, **extra: Any) -> Any:
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        windows_expand_args: bool = True,
+        **extra: Any,
+    ) -> Any:
         given = list(sys.argv[1:] if args is None else args)
         # --debug may follow a subcommand (tune show --debug), where click would not know it;
         # "--" ends the options, so a file named --debug after it stays an argument.
         end = given.index("--") if "--" in given else len(given)
         self.debug = DEBUG_FLAG in given[:end]
         given = [arg for arg in given[:end] if arg != DEBUG_FLAG] + given[end:]
-        return super().main(given, *rest, **extra)
+        if not standalone_mode:
+            return super().main(given, prog_name, complete_var, False, windows_expand_args, **extra)
+        # Click's standalone mode prints a usage error in a box of five lines or more; the error
+        # and where to look are enough, so the errors are caught here and the exit is ours.
+        try:
+            result = super().main(given, prog_name, complete_var, False, windows_expand_args, **extra)
+        except UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else "tune"
+            error_console.print(Text(f"error: {exc.format_message()}", style="red"))
+            error_console.print(Text(f"try: {where} --help"))
+            sys.exit(exc.exit_code)
+        except ClickException as exc:
+            error_console.print(Text(f"error: {exc.format_message()}", style="red"))
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            error_console.print("Aborted!")
+            sys.exit(1)
+        sys.exit(result if isinstance(result, int) else 0)
 
     def invoke(self, ctx: Any) -> Any:
         try:

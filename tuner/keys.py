@@ -185,5 +185,51 @@ class KeyPlan:
                     keys[changed] = None
         if not keys:
             shown = " ".join(override.option for override in self.overrides)
-            raise NoValidKey(f"{shown}: no key of {spec.name} remains valid with these values")
+            hints = "; ".join(_accepted(spec, defaults, valid, name, given[name]) for name in names)
+            raise NoValidKey(
+                f"{shown}: no key of {spec.name} remains valid with these values" + (f" ({hints})" if hints else "")
+            )
         return list(keys)
+
+
+#: Values tried for an int key field when telling what it accepts: the powers of two up to 2**20.
+_POW2_PROBES = tuple(1 << bit for bit in range(21))
+
+
+def _accepted(
+    spec: KernelSpec[Any, Any],
+    defaults: Sequence[TuningKey],
+    valid: Callable[[TuningKey], bool],
+    field: str,
+    values: Sequence[Any],
+) -> str:
+    """What ``field`` accepts at ``spec``'s default keys, when one of ``values`` alone makes every key invalid;
+    ``""`` when each value is valid alone (the combination is what fails) or nothing can be told.
+
+    A bucket field (``BUCKETS``) holds powers of two; otherwise the tuning half's ``valid_key`` is
+    asked about other values: the powers of two for an int field, both for a bool, the default
+    keys' own values for a string.
+    """
+    if all(any(valid(dataclasses.replace(key, **{field: value})) for key in defaults) for value in values):
+        return ""
+    if field in getattr(spec.key_type, "BUCKETS", ()) and any(
+        not (isinstance(value, int) and value > 0 and value & (value - 1) == 0) for value in values
+    ):
+        return f"{field}: a power of two"
+    kind = key_fields(spec).get(field, str)
+    probes: Sequence[Any] = (
+        _POW2_PROBES if kind is int else (False, True) if kind is bool else [getattr(key, field) for key in defaults]
+    )
+    accepted = [value for value in dict.fromkeys(probes) if any(
+        valid(dataclasses.replace(key, **{field: value})) for key in defaults)]  # fmt: skip
+    if not accepted:
+        return f"{field}: no value tried is accepted at the default keys"
+    bucket = field in getattr(spec.key_type, "BUCKETS", ())
+    if kind is int and len(accepted) > 6 and accepted == [v for v in _POW2_PROBES if accepted[0] <= v <= accepted[-1]]:
+        if bucket:
+            return f"{field}: a power of two from {accepted[0]} to {accepted[-1]} at the default keys"
+        return f"{field}: of the powers of two, {accepted[0]} to {accepted[-1]} are accepted at the default keys"
+    if kind is str:
+        return f"{field}: the default keys hold {', '.join(map(str, accepted))}"
+    among = "" if kind is bool else " of the powers of two"
+    return f"{field}: one of {', '.join(map(str, accepted))}{among} at the default keys"
