@@ -360,12 +360,13 @@ def _choose(kernel: str, device_type: str, device_index: int, facts: tuple[Any, 
     eager = None
     if type(chosen) is EagerChoice:
         chosen, eager = chosen.graph, chosen.eager
-    pin = memo[4] if len(memo) > 4 else None
-    pin_why = _infeasible_pin(spec, device, key, chosen) if pin is not None and chosen == pin else None
-    if pin_why is not None:
-        chosen = spec.default_config(key)
     config, why = spec.serve_with_reason(chosen, device, facts)
-    why = pin_why or why
+    pin = memo[4] if len(memo) > 4 else None
+    if pin is not None and config == pin:
+        # A kernel whose serve() knows a better stand-in for an infeasible pin has replaced it already.
+        pin_why = _infeasible_pin(spec, device, key, pin)
+        if pin_why is not None:
+            config, why = spec.serve_with_reason(spec.default_config(key), device, facts)[0], pin_why
     if pin is not None and config != pin:
         _log_pin_rewrite(kernel, pin, config, why)
     if eager is not None and config == chosen:

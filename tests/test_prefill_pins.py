@@ -1,7 +1,8 @@
 """``use_config`` pins of prefill configs the space finds infeasible for a call give way to a stand-in.
 
-The dispatcher serves only feasible winners and defaults; a pin reaches ``serve`` unchecked. On a
-GPU, a pinned ws, TMA or portable config that would not build (a ws ``BLOCK_M`` of 64), overflow
+The dispatcher serves only feasible winners and defaults; a pin reaches ``serve`` first (the
+dispatcher's own check, which serves the portable default, acts only where ``serve`` keeps an
+infeasible pin). On a GPU, a pinned ws, TMA or portable config that would not build (a ws ``BLOCK_M`` of 64), overflow
 shared memory or spill is replaced, with the space's reason (which the pin's one warning quotes).
 On the interpreter, whose limits bound only the tuner's sweep, a pin runs as given. CPU tier:
 ``serve`` on the facts of meta tensors, for an H200 and the interpreter.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tritune.kernels import dispatcher
 from tritune.kernels.device import DeviceInfo, interpreter_device
 from tritune.kernels.prefill.kernel import KERNEL, pinned_config, tma_default
 from tritune.search_spaces.tma_prefill import SPACE
@@ -81,3 +83,17 @@ def test_pins_run_as_given_on_the_interpreter():
         config = pinned_config(pin)
         assert SPACE.infeasible_reason(config, KERNEL.key_for(device, tuple(f)), KERNEL.limits(device)) is not None
         assert KERNEL.serveable(config, device, tuple(f)) is config
+
+
+def test_a_pin_through_the_dispatcher_gets_the_kernels_own_stand_in(monkeypatch):
+    """``use_config`` on a GPU: the ws pin of BLOCK_M=64 gets prefill's stand-in (the TMA default),
+    not the dispatcher's generic portable default."""
+    monkeypatch.setattr(dispatcher, "device_info", lambda where: H200)
+    dispatcher.DISPATCHER.clear()
+    f = _facts()
+    try:
+        with dispatcher.use_config("tma_prefill", {"path": "ws", "BLOCK_M": 64}):
+            served = dispatcher.dispatch_config("tma_prefill", "cuda", 0, tuple(f))
+    finally:
+        dispatcher.DISPATCHER.clear()
+    assert served == tma_default(KERNEL.key_for(H200, tuple(f)))
