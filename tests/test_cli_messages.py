@@ -114,3 +114,57 @@ def test_a_key_value_no_key_accepts_is_named_with_what_the_field_accepts(args, h
     result = run("--device", "cpu", "--kernel", "tma_prefill", *args)
     assert result.exit_code == 2, result.output
     assert "no key of tma_prefill remains valid with these values " + hint in " ".join(result.output.split())
+
+
+@pytest.fixture
+def user_modules(tmp_path, monkeypatch):
+    """Modules of a user's on ``sys.path``: one that raises, one that imports a missing package, and a
+    declaration whose ``tuning="module:ATTRIBUTE"`` names a missing module."""
+    (tmp_path / "user_raises.py").write_text("raise RuntimeError('boom')\n")
+    (tmp_path / "user_needs_missing.py").write_text("import user_missing_package_abc\n")
+    text = (ROOT / "examples" / "rmsnorm.py").read_text().replace('"example_rmsnorm"', '"user_bad_tuning"')
+    (tmp_path / "user_bad_tuning.py").write_text(text.replace("tuning=RMSNormTuning()", 'tuning="user_nosuch:TUNING"'))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("target", "first", "second"),
+    [
+        (
+            "user_nosuch_module:K",
+            "error: cannot import user_nosuch_module (named by --kernel user_nosuch_module:K): No module named "
+            "'user_nosuch_module'",
+            "check the module name and PYTHONPATH",
+        ),
+        (
+            "user_needs_missing:K",
+            "error: cannot import user_needs_missing (named by --kernel user_needs_missing:K): No module named "
+            "'user_missing_package_abc'",
+            "check the module name and PYTHONPATH",
+        ),
+        (
+            "user_raises:K",
+            "error: cannot import user_raises (named by --kernel user_raises:K): RuntimeError: boom",
+            "the module failed; run with --debug for the traceback",
+        ),
+        (
+            "user_bad_tuning:RMSNORM",
+            'error: cannot import the tuning half of kernel user_bad_tuning (named by its tuning="module:ATTRIBUTE"): '
+            "No module named 'user_nosuch'",
+            "check the module name and PYTHONPATH",
+        ),
+    ],
+)
+def test_a_users_module_that_does_not_import_is_named_with_the_option_naming_it(user_modules, target, first, second):
+    result = run("--device", "cpu", "--kernel", target, "--db", str(user_modules / "t.sqlite"))
+    assert result.exit_code == 1, result.output
+    assert result.output.strip().splitlines()[-2:] == [first, second]
+    assert "reinstall" not in result.output
+
+
+def test_a_missing_module_of_tritune_or_its_dependencies_still_calls_for_a_reinstall():
+    from tritune.tuner.failures import import_error
+
+    missing = ModuleNotFoundError("No module named 'triton.backends'", name="triton.backends")
+    assert import_error(missing, "x (named by --kernel x:K)").failure.todo == "reinstall tritune with its dependencies"

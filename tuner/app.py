@@ -26,7 +26,7 @@ from typer.core import TyperGroup
 from tritune.configs_db.records import key_text
 from tritune.configs_db.values import printable
 
-from .failures import CommandError, explain
+from .failures import CommandError, explain, import_error
 
 try:  # typer >= 0.2x carries its own click; older releases use the click package
     from typer._click.exceptions import ClickException, UsageError
@@ -256,6 +256,12 @@ def load_kernels(names: list[str] | None, *, tunable: bool = False) -> list[Any]
             spec = registry.load(name) if registry.is_target(name) else registry.find(name)
         except KeyError as exc:
             raise typer.BadParameter(str(exc.args[0]), param_hint="--kernel") from None
+        except Exception as exc:
+            if registry.is_target(name):
+                raise import_error(exc, f"{name.rpartition(':')[0]} (named by --kernel {name})") from exc
+            if name in registry.builtin_names():
+                raise
+            raise import_error(exc, f"kernel {name} (an installed package's tritune.kernels entry point)") from exc
         if names or not tunable or can_tune(spec):
             specs.setdefault(spec.name, spec)
     return list(specs.values())

@@ -22,6 +22,13 @@ from tritune.configs_db.values import printable
 
 #: Printed after the message of an exception nobody anticipated.
 DEBUG_HINT = "run with --debug for the traceback"
+#: What to do about a module of the user's that does not import.
+CHECK_IMPORT = "check the module name and PYTHONPATH"
+#: Top-level modules of tritune and of what it installs: a missing one calls for a reinstall.
+OWN_IMPORTS = frozenset(
+    {"tritune", "torch", "triton", "numpy", "sqlalchemy", "pynvml", "platformdirs"}
+    | {"optuna", "alembic", "typer", "rich"}
+)
 #: Longest message line printed (a database error can quote a whole statement).
 MAX_LINE_CHARS = 600
 
@@ -117,7 +124,24 @@ def _import_failure(exc: ImportError) -> Failure:
         return Failure(
             "the PostgreSQL driver psycopg is not installed", "pip install 'tritune[postgres]' (or 'psycopg[binary]')"
         )
-    return Failure(f"cannot import {exc.name or 'a module'}: {exc}", "reinstall tritune with its dependencies")
+    if root in OWN_IMPORTS:
+        return Failure(f"cannot import {exc.name}: {exc}", "reinstall tritune with its dependencies")
+    return Failure(f"cannot import {exc.name or 'a module'}: {exc}", CHECK_IMPORT)
+
+
+def import_error(exc: BaseException, what: str) -> CommandError:
+    """A user's module (``--kernel mykern.softmax:SOFTMAX``, a ``tuning="mod:ATTR"``) that fails to import.
+
+    ``what`` names the module and where the user named it. A missing module of tritune itself or
+    of one of its dependencies is tritune's installation, not the user's module: the generic advice
+    stands.
+    """
+    if isinstance(exc, ImportError) and (exc.name or "").split(".")[0] in OWN_IMPORTS:
+        failure = _import_failure(exc)
+        return CommandError(failure.what, failure.todo)
+    if isinstance(exc, ImportError | AttributeError):
+        return CommandError(f"cannot import {what}: {exc}", CHECK_IMPORT)
+    return CommandError(f"cannot import {what}: {type(exc).__name__}: {exc}", f"the module failed; {DEBUG_HINT}")
 
 
 def _sqlalchemy_failure(exc: BaseException) -> Failure | None:

@@ -29,6 +29,8 @@ from tritune.kernels.declare import Kernel
 from tritune.kernels.device import DeviceInfo
 from tritune.kernels.spec import KernelSpec, TuningKey
 
+from .failures import import_error
+
 __all__ = ["KeyOverride", "KeyPlan", "NoValidKey", "alias_table", "key_fields", "parse_overrides"]
 
 #: Key fields that describe the device: they come from ``--device``, never from ``--key``.
@@ -71,8 +73,19 @@ def parse_overrides(entries: Sequence[str], options: dict[str, Sequence[int]]) -
 
 
 def tuning_of(spec: KernelSpec[Any, Any]) -> Any:
-    """The object holding a kernel's tuning half: a declaration's ``tuning``, or an older spec itself."""
-    return spec.tuning if isinstance(spec, Kernel) else spec
+    """The object holding a kernel's tuning half: a declaration's ``tuning``, or an older spec itself.
+
+    A declaration's ``tuning="module:ATTRIBUTE"`` is imported here, on first use: its failure is
+    the user's module's, named as such (:func:`.failures.import_error`).
+    """
+    if not isinstance(spec, Kernel):
+        return spec
+    try:
+        return spec.tuning
+    except (ImportError, AttributeError, SyntaxError) as exc:
+        raise import_error(
+            exc, f'the tuning half of kernel {spec.name} (named by its tuning="module:ATTRIBUTE")'
+        ) from exc
 
 
 def can_tune(spec: KernelSpec[Any, Any]) -> bool:
