@@ -82,7 +82,11 @@ def in_capture_or_trace() -> bool:
         dispatch_depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
         if dispatch_depth is not None and dispatch_depth() > 0:
             return True
-        fx_tracing = getattr(getattr(torch.fx, "_symbolic_trace", None), "is_fx_tracing", None)
+        # is_fx_tracing logs a deprecation warning (torch >= 2.13); its successor answers the same for FX.
+        symbolic_trace = getattr(torch.fx, "_symbolic_trace", None)
+        fx_tracing = getattr(symbolic_trace, "is_fx_symbolic_tracing", None) or getattr(
+            symbolic_trace, "is_fx_tracing", None
+        )
         if fx_tracing is not None and fx_tracing():
             return True
         # No capture can run before CUDA is initialised, and the query itself needs CUDA.
