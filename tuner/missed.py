@@ -33,6 +33,8 @@ from .keys import tuning_of
 
 __all__ = ["MissedPlan", "missed", "missed_plan"]
 
+#: What declares a user's kernel to ``tune --missed``.
+DECLARE_HINT = "add --kernel package.module:NAME (or path/to/file.py:NAME)"
 #: Seconds ``tune missed`` and ``tune --missed`` may spend reading the DB (a person waits at a terminal).
 READ_TIMEOUT_S = 60.0
 
@@ -45,6 +47,8 @@ class MissedPlan:
     notes: list[str] = field(default_factory=list)
     #: Logged rows of this GPU considered (of the kernels tuned).
     logged: int = 0
+    #: Kernel name -> logged rows of this GPU of a kernel not declared in this process (``--kernel`` declares it).
+    undeclared: dict[str, int] = field(default_factory=dict)
 
 
 def _key_of(spec: KernelSpec[Any, Any], row: MissRecord, device: DeviceInfo) -> TuningKey | str:
@@ -66,9 +70,18 @@ def missed_plan(
     device: DeviceInfo,
     rows: Sequence[MissRecord],
     winners: Sequence[WinnerRecord],
+    declared: Callable[[str], bool] | None = None,
 ) -> MissedPlan:
     """What ``tune --missed`` tunes on ``device`` from the logged ``rows`` and the stored ``winners`` (see the
-    module docstring)."""
+    module docstring).
+
+    ``declared``: whether a kernel name is known in this process (built in, installed or declared);
+    the rows of the others are counted by name, since only ``--kernel`` can tell where they are.
+    """
+    if declared is None:
+        from tritune.kernels import registry
+
+        declared = set(registry.kernel_names()).__contains__
     by_name = {spec.name: spec for spec in specs}
     tuned = {
         (w.kernel, w.kernel_version, canonical_json(w.key)) for w in winners if w.gpu == device.slug and is_current(w)
@@ -79,7 +92,11 @@ def missed_plan(
     seen: set[tuple[str, TuningKey]] = set()
     for row in rows:
         spec = by_name.get(row.kernel)
-        if row.gpu != device.slug or spec is None:
+        if row.gpu != device.slug:
+            continue
+        if spec is None:
+            if not declared(row.kernel):
+                result.undeclared[row.kernel] = result.undeclared.get(row.kernel, 0) + 1
             continue
         result.logged += 1
         if row.kernel_version != spec.version:
@@ -99,6 +116,8 @@ def missed_plan(
         result.notes.append(f"{name}: {count} logged key(s) of other kernel versions left out (call the model again)")
     if already:
         result.notes.append(f"{already} logged key(s) already tuned under this Triton and torch left out")
+    for name, count in sorted(result.undeclared.items()):
+        result.notes.append(f"{count} logged key(s) of {name}, a kernel not declared here: {DECLARE_HINT}")
     return result
 
 
@@ -114,6 +133,12 @@ def plan_missed(
     found = missed_plan(specs, device, rows, winners)
     for note in found.notes:
         console.print(f"[yellow]{plain(note)}[/yellow]", soft_wrap=True)
+    if found.logged == 0 and found.undeclared:
+        raise CommandError(
+            f"no missed keys of {', '.join(spec.name for spec in specs)} on {device.slug} are logged in "
+            f"{display_url(url)}, only of kernels not declared here ({', '.join(sorted(found.undeclared))})",
+            DECLARE_HINT,
+        )
     if found.logged == 0:
         raise CommandError(
             f"no missed keys of {', '.join(spec.name for spec in specs)} on {device.slug} are logged in "
