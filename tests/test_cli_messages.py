@@ -168,3 +168,30 @@ def test_a_missing_module_of_tritune_or_its_dependencies_still_calls_for_a_reins
 
     missing = ModuleNotFoundError("No module named 'triton.backends'", name="triton.backends")
     assert import_error(missing, "x (named by --kernel x:K)").failure.todo == "reinstall tritune with its dependencies"
+
+
+def failing_example(folder: Path, name: str, fails_at: str) -> str:
+    """The RMSNorm example as kernel ``name``, whose problem cannot be set up where ``fails_at`` holds."""
+    text = (ROOT / "examples" / "rmsnorm.py").read_text().replace('"example_rmsnorm"', f'"{name}"')
+    setup = "        gen = torch.Generator(device=device).manual_seed(seed)\n"
+    assert setup in text
+    text = text.replace(setup, f"        if {fails_at}:\n            raise RuntimeError('no problem here')\n{setup}")
+    path = folder / f"{name}.py"
+    path.write_text(text)
+    return f"{path}:RMSNORM"
+
+
+@pytest.mark.parametrize(
+    ("name", "fails_at", "last"),
+    [
+        ("user_fails_all", "True", "no winner stored: 2 of 2 key(s) failed (see above)"),
+        ("user_fails_one", "key.n_bucket == 256", "1 of 2 key(s) failed (see above); done in"),
+    ],
+)
+def test_a_tune_where_a_key_failed_says_how_many_and_exits_1(tmp_path, name, fails_at, last):
+    target = failing_example(tmp_path, name, fails_at)
+    db = f"sqlite:///{tmp_path / 'f.sqlite'}"
+    result = run("--device", "cpu", "--no-isolate", "--trials", "1", "--kernel", target, "--db", db)
+    assert result.exit_code == 1, result.output
+    assert last in result.output.strip().splitlines()[-1]
+    assert "winners stored" not in result.output

@@ -291,6 +291,7 @@ def _tune_here(
     console.print(f"tuning {len(plan)} key(s) on {info.slug} into {plain(display_url(url))}{plain(shared)}")
 
     results: list[KeyResult] = []
+    failed = 0
     started = time.monotonic()
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
@@ -316,6 +317,7 @@ def _tune_here(
                 on_done=lambda tuner, visit: progress.update(tasks[(tuner.spec.name, tuner.key)], completed=trials),
             )
             results = report.results
+            failed = len(report.errors)
             for error in report.errors:
                 console.print(f"[red]{plain(error)}[/red]")
             if report.by_others:
@@ -341,12 +343,32 @@ def _tune_here(
                     try:
                         results.append(tuner.run())
                     except TuningError as exc:
+                        failed += 1
                         console.print(f"[red]{plain(exc)}[/red]")
                     progress.update(task, completed=trials)
             finally:
                 bench.close()
     _print_results(results)
-    console.print(f"done in {time.monotonic() - started:.1f} s; winners stored in {plain(display_url(url))}")
+    _report_stored(len(plan), failed, len(results), time.monotonic() - started, display_url(url))
+
+
+def _report_stored(keys: int, failed: int, stored: int, seconds: float, where: str) -> None:
+    """The run's last line; exit status 1 when a key failed (its error is printed above), as a fleet's run.
+
+    Keys that did not fail store a winner (or were finalized by another worker of shared studies):
+    a partial failure still stores the others, and says how many failed.
+    """
+    if not failed:
+        console.print(f"done in {seconds:.1f} s; winners stored in {plain(where)}")
+        return
+    if stored:
+        console.print(
+            f"[red]{failed} of {keys} key(s) failed (see above)[/red]; done in {seconds:.1f} s; "
+            f"winners of {stored} key(s) stored in {plain(where)}"
+        )
+    else:
+        console.print(f"[red]no winner stored: {failed} of {keys} key(s) failed (see above)[/red]")
+    raise typer.Exit(1)
 
 
 def _tune_fleet(
