@@ -507,6 +507,23 @@ def test_export_into_a_folder(tmp_path: Path) -> None:
     assert (out / f"{CPU.slug}.json").is_file()
 
 
+def test_export_into_a_folder_to_create_written_with_a_trailing_slash(tmp_path: Path) -> None:
+    db = make_db(tmp_path / "c.sqlite")
+    result = run("export", "--gpu", CPU.slug, "--db", db, "--out", f"{tmp_path / 'new' / 'dir'}/")
+    assert result.exit_code == 0, result.output
+    assert [p.name for p in (tmp_path / "new" / "dir").iterdir()] == [f"{CPU.slug}.json"]
+
+
+def test_export_refuses_a_missing_path_that_is_no_json_file(tmp_path: Path) -> None:
+    db = make_db(tmp_path / "c.sqlite")
+    out = tmp_path / "nodir"
+    result = run("export", "--gpu", CPU.slug, "--db", db, "--out", str(out))
+    failed(result, 2, "no such folder, and a bundle file's name ends in .json (end a folder to create with /)")
+    assert not out.exists()
+    assert run("export", "--gpu", CPU.slug, "--db", db, "--out", str(tmp_path / "b.json")).exit_code == 0
+    assert (tmp_path / "b.json").is_file()
+
+
 # ---- tune show --------------------------------------------------------------------------------
 
 

@@ -4,6 +4,7 @@ import and bench. They register on the app of :mod:`tritune.tuner.app`."""
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -216,7 +217,11 @@ def export_bundle(
     gpu: Annotated[str, typer.Option(help="GPU slug, e.g. nvidia-h200-sm90-132sm")],
     db: Annotated[str | None, typer.Option(help="config DB")] = None,
     out: Annotated[
-        Path | None, typer.Option(help="bundle file, or a folder for <gpu>.json [default: ./<gpu>.json]")
+        str | None,
+        typer.Option(
+            help="bundle file (name ending in .json), or a folder for <gpu>.json: an existing one, or one to create "
+            "written with a trailing / [default: ./<gpu>.json]"
+        ),
     ] = None,
 ) -> None:
     """Write the DB's winners for one GPU as a reviewed, diffable JSON bundle (the DB is only read).
@@ -262,11 +267,27 @@ def export_bundle(
     for other, left in groups.items():
         if other != stamp:
             console.print(f"[yellow]left out {len(left)} winner(s) tuned under other versions {plain(other)}[/yellow]")
-    path = default if out is None else out / default.name if out.is_dir() else out
+    path = default if out is None else _bundle_file(out, default.name)
     provenance = dict(zip(("cuda", "driver", "torch", "triton", "tritune"), stamp, strict=True))
     gpu_name = str(chosen[0].extra.get("gpu_name") or gpu)
     bundles.write_bundle(chosen, path, gpu=gpu, gpu_name=gpu_name, provenance=provenance)
     console.print(f"wrote {len(chosen)} winner(s) to {plain(path)}")
+
+
+def _bundle_file(out: str, name: str) -> Path:
+    """Where ``--out`` writes the bundle ``name``: into a folder (an existing one, or one to create when
+    ``out`` ends in ``/``), else the file ``out`` itself, whose name must end in ``.json``."""
+    folder = Path(out).expanduser()
+    if out.endswith(("/", os.sep)):
+        folder.mkdir(parents=True, exist_ok=True)
+    if folder.is_dir():
+        return folder / name
+    if not folder.name.endswith(".json"):
+        raise typer.BadParameter(
+            f"{out!r}: no such folder, and a bundle file's name ends in .json (end a folder to create with /)",
+            param_hint="--out",
+        )
+    return folder
 
 
 def _current_kernel_versions(records: list[Any]) -> tuple[list[Any], int]:
