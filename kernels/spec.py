@@ -261,6 +261,9 @@ class KernelSpec(ABC, Generic[C, K]):
         """Shared memory per block the feasibility rules may assume on this GPU."""
         if device.is_interpreter:
             return TargetLimits(interpreter=True)
+        if device.is_rocm:
+            # A ROCm capability (MI300X: 9.4) is no NVIDIA one: the table below would give 227 KiB.
+            return TargetLimits(smem_bytes=lds_limit_bytes(device.arch))
         return TargetLimits(smem_bytes=smem_limit_bytes(device.capability))
 
 
@@ -279,3 +282,9 @@ def smem_limit_bytes(capability: tuple[int, int]) -> int:
     if major < 7:
         return 48 * 1024  # Maxwell, Pascal
     return 96 * 1024  # Volta (7.0, 7.2), and a GPU the guide did not list when this was written
+
+
+def lds_limit_bytes(arch: str) -> int:
+    """LDS an AMD GPU gives one workgroup, by LLVM target name: 160 KiB on gfx950 (MI350X, MI355X),
+    64 KiB on every other (MI300X and MI325X are gfx942), per ROCm's "AMD GPU specifications" table."""
+    return 160 * 1024 if arch == "gfx950" else 64 * 1024

@@ -30,6 +30,7 @@ from tritune.search_spaces.splitk_decode import HEAD_DIMS, SPACE, DecodeConfig, 
 from .._launch import SOFTMAX_SCALE, gqa_rule
 from ..declare import Kernel, Output, Rule, Tensor
 from ..device import DeviceInfo, target_supports
+from ..fit_default import fit_shared_memory, halve_first
 from ..spec import TuningKey, pow2_bucket
 from ._triton_decode import _decode_merge_kernel, _decode_split_kernel
 from .launch import launch
@@ -77,8 +78,12 @@ def _key(device: DeviceInfo, f: Any) -> DecodeKey:
 
 
 def default_config(key: DecodeKey) -> DecodeConfig:
-    """The portable default: the space's defaults where they fit every CUDA GPU, else smaller tiles."""
-    return portable_config(key, interpreter=key.arch == "cpu-interpreter")
+    """The portable default: the space's defaults where they fit every CUDA GPU, else smaller tiles;
+    with fewer stages, then narrower KV tiles, where a block of the GPU the key names has less
+    shared memory than they need (Turing's 64 KiB, Pascal's 48 KiB: two stages at head dim 128)."""
+    if key.arch == "cpu-interpreter":
+        return portable_config(key, interpreter=True)
+    return fit_shared_memory(portable_config(key, interpreter=False), key, SPACE, halve_first("BLOCK_N"))
 
 
 def _serve(config: DecodeConfig, device: DeviceInfo, facts: Any) -> DecodeConfig:

@@ -38,6 +38,7 @@ from .. import settings as settings_module
 from .._launch import SOFTMAX_SCALE, gqa_rule
 from ..declare import Derived, Kernel, Output, Rule, Scalar, Tensor
 from ..device import DeviceInfo, device_info, target_supports
+from ..fit_default import fit_shared_memory, halve_first
 from ..spec import Replaced, TuningKey, pow2_bucket
 from ._gluon_ws import CONSUMER_WARPS, _prefill_ws_kernel
 from ._triton_portable import _prefill_fwd_kernel
@@ -144,12 +145,14 @@ def _key(device: DeviceInfo, f: Any) -> PrefillKey:
 
 
 def default_config(key: PrefillKey) -> PortableConfig:
-    """The portable default: 64 x 64 tiles, 4 warps, 2 stages (smaller where it must be)."""
+    """The portable default: 64 x 64 tiles, 4 warps, 2 stages (64 x 32, 1 stage at head dim 256),
+    with fewer stages, then narrower KV tiles and then fewer query rows, where a block of the GPU
+    the key names has less shared memory than these need (Turing's 64 KiB: one stage at head dim
+    128; Pascal's 48 KiB)."""
     if key.arch == "cpu-interpreter":
         return _PORTABLE_INTERPRETER
-    if key.head_dim > 128:
-        return _PORTABLE_D256
-    return PortableConfig()
+    chosen = _PORTABLE_D256 if key.head_dim > 128 else PortableConfig()
+    return fit_shared_memory(chosen, key, SPACE, halve_first("BLOCK_N", "BLOCK_M"))
 
 
 def tma_default(key: PrefillKey) -> TmaConfig:

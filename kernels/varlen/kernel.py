@@ -26,6 +26,7 @@ from .._launch import SOFTMAX_SCALE, gqa_rule
 from ..arguments import DYNAMIC
 from ..declare import Kernel, Output, Rule, Scalar, Tensor
 from ..device import DeviceInfo, target_supports
+from ..fit_default import fit_shared_memory, halve_first
 from ..spec import TuningKey, pow2_bucket
 from ._triton_varlen import _varlen_fwd_kernel, _varlen_merge_kernel
 from .launch import launch
@@ -74,7 +75,21 @@ def _key(device: DeviceInfo, f: Any) -> VarlenKey:
 
 
 def _default(key: VarlenKey) -> VarlenConfig:
-    return portable_config(key, interpreter=key.arch == "cpu-interpreter")
+    """The portable default (:func:`portable_config`), with fewer stages, then narrower KV tiles and
+    then fewer query rows, where a block of the GPU the key names has less shared memory than it
+    needs (Turing's 64 KiB, Pascal's 48 KiB: one stage at head dim 128)."""
+    if key.arch == "cpu-interpreter":
+        return portable_config(key, interpreter=True)
+    return fit_shared_memory(portable_config(key, interpreter=False), key, SPACE, _smaller_tile)
+
+
+def _smaller_tile(config: VarlenConfig) -> VarlenConfig | None:
+    """The next tile :func:`_default` tries: half the KV tile, then half the M tile (the short
+    tile no larger), down to 16."""
+    smaller: VarlenConfig | None = halve_first("BLOCK_N", "BLOCK_M")(config)
+    if smaller is None:
+        return None
+    return dataclasses.replace(smaller, SHORT_M=min(smaller.SHORT_M, smaller.BLOCK_M))
 
 
 def _serve(config: VarlenConfig, device: DeviceInfo, facts: Any) -> VarlenConfig:
