@@ -198,13 +198,34 @@ def test_import_is_cheap_and_touches_no_gpu():
 
 @pytest.mark.parametrize(
     "capability, kib",
-    [((9, 0), 227), ((10, 0), 227), ((8, 0), 163), ((8, 6), 99), ((8, 9), 99), ((12, 0), 99), ((7, 5), 64)],
-    ids=["h100", "b200", "a100", "rtx30", "l40", "rtx50", "t4"],
+    [
+        ((9, 0), 227),
+        ((10, 0), 227),
+        ((8, 0), 163),
+        ((8, 6), 99),
+        ((8, 9), 99),
+        ((12, 0), 99),
+        ((7, 5), 64),
+        ((7, 0), 96),
+        ((6, 1), 48),
+    ],
+    ids=["h100", "b200", "a100", "rtx30", "l40", "rtx50", "t4", "v100", "p40"],
 )
 def test_shared_memory_limits(capability, kib):
     from tritune.kernels.spec import smem_limit_bytes
 
     assert smem_limit_bytes(capability) == kib * 1024
+
+
+@pytest.mark.parametrize("arch, kib", [("gfx942", 64), ("gfx90a", 64), ("gfx1100", 64), ("gfx950", 160)])
+def test_rocm_lds_limits(arch, kib):
+    """A workgroup's LDS by AMD target; a ROCm device's limits come from it, not from its capability."""
+    from tritune.kernels.spec import KernelSpec, lds_limit_bytes
+
+    assert lds_limit_bytes(arch) == kib * 1024
+    device = DeviceInfo(name="AMD GPU", vendor="amd", capability=(9, 4), sm_count=304, arch=arch)
+    assert KernelSpec.limits(None, device).smem_bytes == kib * 1024  # type: ignore[arg-type]
+    assert KernelSpec.limits(None, MI300).smem_bytes == 64 * 1024  # type: ignore[arg-type]
 
 
 def test_nvml_numbering_trusted_only_when_it_matches_cuda(monkeypatch):
