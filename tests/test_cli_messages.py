@@ -195,3 +195,64 @@ def test_a_tune_where_a_key_failed_says_how_many_and_exits_1(tmp_path, name, fai
     assert result.exit_code == 1, result.output
     assert last in result.output.strip().splitlines()[-1]
     assert "winners stored" not in result.output
+
+
+def user_example(folder: Path, name: str) -> str:
+    """The RMSNorm example declared as kernel ``name`` (a name is declared once per process)."""
+    text = (ROOT / "examples" / "rmsnorm.py").read_text().replace('"example_rmsnorm"', f'"{name}"')
+    path = folder / f"{name}.py"
+    path.write_text(text)
+    return f"{path}:RMSNORM"
+
+
+def test_list_shows_a_users_kernel_named_with_kernel(tmp_path):
+    target = user_example(tmp_path, "user_listed")
+    result = run("list", "--kernel", target)
+    assert result.exit_code == 0, result.output
+    output = " ".join(result.output.split())
+    assert output.startswith("user_listed (version ") and "key: dtype (str), n_bucket (int)" in output
+    assert "tma_prefill" not in output
+    assert run("list", "--kernel", "nope").exit_code == 2
+
+
+def test_show_says_a_users_kernel_is_not_declared_here(tmp_path):
+    from tritune.configs_db.records import WinnerRecord
+    from tritune.configs_db.store import ConfigStore
+    from tritune.kernels.device import interpreter_device
+
+    cpu = interpreter_device()
+    record = WinnerRecord(
+        kernel="user_not_declared",
+        kernel_version="v1",
+        gpu=cpu.slug,
+        key={"arch": cpu.arch, "sm_count": cpu.sm_count, "n_bucket": 64},
+        config={"BLOCK_N": 64},
+        time_ms=0.1,
+        portable_ms=0.2,
+        speedup=2.0,
+        trials=3,
+        torch_version="t",
+        triton_version="t",
+        tritune_version="t",
+    )
+    db = f"sqlite:///{tmp_path / 's.sqlite'}"
+    with ConfigStore(db) as store:
+        env = store.environment(gpu=cpu.slug, torch_version="t", triton_version="t", tritune_version="t")
+        assert store.offer_winner(record, env)
+    result = run("show", "--db", db, "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    output = " ".join(result.output.split())
+    assert "user_not_declared n_bucket=64: kernel not declared here (add --kernel package.module:NAME)" in output
+    assert "unknown kernel" not in output
+
+
+def test_status_resolves_a_declaration_to_its_kernel_name(tmp_path, monkeypatch):
+    from tritune.tuner import commands
+
+    journal = tmp_path / "studies.log"
+    journal.write_text("")
+    asked = []
+    monkeypatch.setattr(commands, "status_rows", lambda where, **given: asked.append(given["kernel"]) or [])
+    result = run("status", "--storage", str(journal), "--kernel", user_example(tmp_path, "user_status"))
+    assert result.exit_code == 0, result.output
+    assert asked == ["user_status"]

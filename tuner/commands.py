@@ -38,12 +38,23 @@ READ_TIMEOUT_S = 60.0
 
 
 @app.command("list")
-def list_kernels() -> None:
+def list_kernels(
+    kernel: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="only these kernels: names, or declarations of your own (package.module:NAME or "
+            "path/to/file.py:NAME) [default: every built-in and installed kernel]"
+        ),
+    ] = None,
+) -> None:
     """Kernels: version, protocol, where each is declared, its key's fields (for --key) and its search space."""
     from tritune.kernels import registry
 
-    from .keys import describe_key
-
+    if kernel:
+        check_kernel_names(kernel)
+        for spec in load_kernels(kernel):
+            _list_kernel(spec)
+        return
     for name in registry.kernel_names():
         try:
             spec = registry.find(name)
@@ -53,26 +64,35 @@ def list_kernels() -> None:
             # An installed package that fails to import must not hide the other kernels.
             console.print(f"[yellow]{plain(name)}: its declaration cannot be imported ({plain(exc)})[/yellow]")
             continue
-        space = spec.space
-        title = f"{spec.name} (version {spec.version}, protocol {spec.protocol}, {space.size()} configs before pruning)"
-        # Its own line: a table title wraps at the table's width.
-        console.print(f"[bold]{plain(title)}[/bold]", soft_wrap=True)
-        table = Table()
-        members = getattr(space, "members", None)
-        table.add_column("dimension")
-        table.add_column("choices")
-        table.add_column("portable default")
+        _list_kernel(spec)
+
+
+def _list_kernel(spec: Any) -> None:
+    """One kernel of ``tune list``: its title line, its space's table, its key's fields and where it is declared."""
+    from tritune.kernels import registry
+
+    from .keys import describe_key
+
+    space = spec.space
+    title = f"{spec.name} (version {spec.version}, protocol {spec.protocol}, {space.size()} configs before pruning)"
+    # Its own line: a table title wraps at the table's width.
+    console.print(f"[bold]{plain(title)}[/bold]", soft_wrap=True)
+    table = Table()
+    members = getattr(space, "members", None)
+    table.add_column("dimension")
+    table.add_column("choices")
+    table.add_column("portable default")
+    if members is not None:
+        table.add_column("paths")
+    default = space.to_dict(space.default())
+    for field, choices in space.dimensions.items():
+        row = [field, ", ".join(map(str, choices)), str(default.get(field, ""))]
         if members is not None:
-            table.add_column("paths")
-        default = space.to_dict(space.default())
-        for field, choices in space.dimensions.items():
-            row = [field, ", ".join(map(str, choices)), str(default.get(field, ""))]
-            if members is not None:
-                row.append(", ".join(path for path, member in members.items() if field in member.dimensions))
-            table.add_row(*map(plain, row))
-        console.print(table)
-        console.print(f"  key: {plain(describe_key(spec))}", soft_wrap=True)
-        console.print(f"  declared at {plain(registry.target_of(spec) or 'an unknown module')}", soft_wrap=True)
+            row.append(", ".join(path for path, member in members.items() if field in member.dimensions))
+        table.add_row(*map(plain, row))
+    console.print(table)
+    console.print(f"  key: {plain(describe_key(spec))}", soft_wrap=True)
+    console.print(f"  declared at {plain(registry.target_of(spec) or 'an unknown module')}", soft_wrap=True)
 
 
 @app.command()
@@ -161,7 +181,10 @@ def runtime_device(device: str) -> Any:
 @app.command()
 def status(
     storage: Annotated[str, typer.Option(help="the shared Optuna storage: RDB URL or journal file path")],
-    kernel: Annotated[str | None, typer.Option(help="only this kernel")] = None,
+    kernel: Annotated[
+        str | None,
+        typer.Option(help="only this kernel: a name, or a declaration (package.module:NAME or path/to/file.py:NAME)"),
+    ] = None,
     gpu: Annotated[str | None, typer.Option(help="only this GPU slug")] = None,
 ) -> None:
     """Shared studies: trials measured, failed, running and waiting, and each key's best so far."""
@@ -173,6 +196,10 @@ def status(
         raise typer.BadParameter(f"--storage: {problem}")
     if not where.is_rdb and not Path(where.location).exists():
         raise typer.BadParameter(f"--storage {storage!r}: no such journal file")
+    if kernel is not None and _is_declaration(kernel):
+        # The studies are named by kernel name: a declaration's is read from its module.
+        check_kernel_names([kernel])
+        kernel = load_kernels([kernel])[0].name
     rows = status_rows(where, kernel=kernel, gpu=gpu)
     if not rows:
         console.print(f"no tritune studies in {plain(where.display())}")

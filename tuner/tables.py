@@ -84,9 +84,12 @@ def ms_text(value: float | None) -> str:
 
 def serving_verdict(record: Any, device: Any) -> str | None:
     """Why the runtime on ``device`` would not serve ``record``; ``None`` when it would."""
-    from tritune.kernels import settings
+    from tritune.kernels import registry, settings
     from tritune.kernels.winners import Rejection, admit
 
+    if not registry.known(record.kernel):
+        # A user's kernel the runtime would serve once its module is imported: not "unknown".
+        return "kernel not declared here (add --kernel package.module:NAME)"
     outcome = admit(record, device)
     if isinstance(outcome, Rejection):
         return str(outcome.reason).removeprefix(f"{record.source} {record.kernel}: ")
