@@ -225,8 +225,11 @@ ENVIRONMENT: dict[str, Variable] = {
 }
 
 
-def _read_environment(environ: Mapping[str, str]) -> tuple[Settings, list[str]]:
-    """The settings ``environ`` asks for, and one message per value that was refused for its default."""
+def _read_environment(environ: Mapping[str, str]) -> tuple[Settings, list[tuple[str, str]]]:
+    """The settings ``environ`` asks for, and per value refused for its default: what is wrong, and that default.
+
+    The default is said only where it is used (the runtime's warning): a strict reader refuses instead.
+    """
     values: dict[str, Any] = {}
     problems = []
     for name, variable in ENVIRONMENT.items():
@@ -236,7 +239,7 @@ def _read_environment(environ: Mapping[str, str]) -> tuple[Settings, list[str]]:
         try:
             values[variable.field] = variable.parse(raw.strip())
         except ValueError as exc:
-            problems.append(f"{name}='{printable(raw)}': expected {exc}; the default {variable.default} is used")
+            problems.append((f"{name}='{printable(raw)}': expected {exc}", variable.default))
     if "db_url" not in values:
         values["db_url"] = default_db_url()
     return Settings(**values), problems
@@ -246,8 +249,9 @@ def validate_environment(environ: Mapping[str, str] | None = None) -> list[str]:
     """One message per ``TRITUNE_*`` value that :func:`settings` would replace by its default.
 
     For tools that refuse a typo instead of serving on (the tuner CLI); ``[]`` when all is well.
+    The messages say what is wrong and what was expected, not the default: nothing falls back.
     """
-    return _read_environment(os.environ if environ is None else environ)[1]
+    return [what for what, _ in _read_environment(os.environ if environ is None else environ)[1]]
 
 
 _lock = threading.Lock()
@@ -273,9 +277,10 @@ def settings(*, strict: bool = False) -> Settings:
         fresh: list[str] = []
         with _lock:
             if _current is None:
-                _current, problems = _read_environment(os.environ)
+                _current, refused = _read_environment(os.environ)
                 logging.getLogger("tritune").setLevel(_current.log_level)
-                fresh = [problem for problem in problems if problem not in _warned]
+                said = [f"{what}; the default {default} is used" for what, default in refused]
+                fresh = [problem for problem in said if problem not in _warned]
                 _warned.update(fresh)
             current = _current
         for problem in fresh:
