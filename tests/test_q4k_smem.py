@@ -2,7 +2,8 @@
 
 The defaults were chosen on an H200 (227 KiB); Turing (SM75) gives a block at most 64 KiB (CUDA
 C++ Programming Guide, compute capability 7.x: Turing's shared memory capacity is 32 or 64 KiB),
-so a default that compiles on an H200 must drop pipeline stages there.
+so a default that compiles on an H200 must drop pipeline stages there (and narrow its tiles on
+Pascal's 48 KiB and an AMD workgroup's 64 KiB of LDS, where stages alone do not fit).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tritune.kernels.device import DeviceInfo
-from tritune.kernels.q4k.kernel import KERNEL
+from tritune.kernels.q4k.kernel import KERNEL, _h200_default
 from tritune.kernels.spec import smem_limit_bytes
 from tritune.search_spaces.q4k_fp8_gemm import SPACE
 
@@ -23,6 +24,8 @@ GPUS = [
     DeviceInfo(name="NVIDIA L40S", vendor="nvidia", capability=(8, 9), sm_count=142, arch="sm89"),
     DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90"),
     DeviceInfo(name="NVIDIA GeForce RTX 5090", vendor="nvidia", capability=(12, 0), sm_count=170, arch="sm120"),
+    DeviceInfo(name="Tesla P40", vendor="nvidia", capability=(6, 1), sm_count=30, arch="sm61"),
+    DeviceInfo(name="AMD Instinct MI300X", vendor="amd", capability=(9, 4), sm_count=304, arch="gfx942"),
 ]
 
 
@@ -37,3 +40,11 @@ def test_the_portable_default_of_every_default_key_is_feasible(device):
     for key in KERNEL.default_keys(device):
         default = KERNEL.default_config(key)
         assert SPACE.infeasible_reason(default, key, limits) is None, (key, default)
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm80"])
+def test_the_defaults_of_the_large_parts_are_not_refitted(arch):
+    """The shipped speedups are measured against these defaults: fitting must leave them alone."""
+    device = next(d for d in GPUS if d.arch == arch)
+    for key in KERNEL.default_keys(device):
+        assert KERNEL.default_config(key) == _h200_default(key), key

@@ -14,7 +14,6 @@ feasible, and where such a key has no winner of its own the accurate key's winne
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -30,13 +29,13 @@ from tritune.search_spaces.q4k_fp8_gemm import (
     PortableConfig,
     Q4KConfig,
     StagedConfig,
-    smem_bytes,
 )
 
 from .. import settings as settings_module
 from ..declare import Kernel, Obj, Output, Rule, Tensor
 from ..device import DeviceInfo, target_supports
-from ..spec import Replaced, TuningKey, pow2_bucket, smem_limit_bytes
+from ..fit_default import fit_shared_memory, halve_first
+from ..spec import Replaced, TuningKey, pow2_bucket
 from .launch import JIT_KERNELS, launch
 from .reference import q4k_linear_reference
 from .weight import Q4KWeight
@@ -98,11 +97,12 @@ def default_config(key: Q4KKey) -> PortableConfig:
     if key.arch == "cpu-interpreter":
         block_m = 16 if key.m_bucket <= 16 else 32
         return PortableConfig(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=1)
-    return _fit_shared_memory(_h200_default(key), key.arch)
+    # Fewer stages, then narrower N and K tiles, until the GPU's shared memory holds them.
+    return fit_shared_memory(_h200_default(key), key, SPACE, halve_first("BLOCK_K", "BLOCK_N"))
 
 
 def _h200_default(key: Q4KKey) -> PortableConfig:
-    """The default as chosen on an H200, before :func:`_fit_shared_memory`."""
+    """The default as chosen on an H200, before :func:`~..fit_default.fit_shared_memory`."""
     if key.m_bucket <= SMALL_M:
         decode = key.m_bucket <= 16
         block_k = 256 if decode else 128
@@ -123,19 +123,6 @@ def _h200_default(key: Q4KKey) -> PortableConfig:
     # duplicate launch otherwise).
     group_m = 8 if key.m_bucket > 128 else 1
     return PortableConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=group_m, num_warps=8, num_stages=3)
-
-
-def _fit_shared_memory(config: PortableConfig, arch: str) -> PortableConfig:
-    """``config`` with fewer pipeline stages where its buffers pass the GPU's shared memory per
-    block (Turing's 64 KiB takes the decode tile to 2 stages), so the default compiles on every
-    NVIDIA GPU; other targets keep it as it is."""
-    match = re.fullmatch(r"sm(\d+)(\d)", arch)
-    if match is None:
-        return config
-    limit = smem_limit_bytes((int(match[1]), int(match[2])))
-    while config.num_stages > 1 and smem_bytes(config) > limit:
-        config = replace(config, num_stages=config.num_stages - 1)
-    return config
 
 
 def gemv_supported(device: DeviceInfo) -> bool:
