@@ -207,7 +207,8 @@ def feasibility(config: DecodeConfig, key: _DecodeKeyFields, limits: TargetLimit
     return reason
 
 
-#: Shared memory every CUDA GPU the portable default must run on offers a block (Ampere consumer parts: 99 KiB).
+#: Shared memory the portable default's base tiles fit (Volta and newer offer a block 96 KiB or more);
+#: kernels/fit_default.py fits them further to a GPU that offers less (Turing, Pascal, AMD LDS).
 _PORTABLE_LIMITS = TargetLimits(smem_bytes=96 * 1024)
 #: The portable default, then smaller tiles for the keys (head dim 256, packed groups) where it does not fit.
 #: Any-valued: the overrides go to dataclasses.replace, whose fields mix ints with the bool FUSED_MERGE.

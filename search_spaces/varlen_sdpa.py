@@ -170,7 +170,8 @@ def feasibility(config: VarlenConfig, key: _VarlenKeyFields, limits: TargetLimit
     )
 
 
-#: Shared memory every CUDA GPU the portable default must run on offers a block (Ampere consumer parts: 99 KiB).
+#: Shared memory the portable default's base tiles fit (Volta and newer offer a block 96 KiB or more);
+#: kernels/fit_default.py fits them further to a GPU that offers less (Turing, Pascal, AMD LDS).
 _PORTABLE_LIMITS = TargetLimits(smem_bytes=96 * 1024)
 #: The portable default, then smaller tiles for the keys (head dim 256, wide groups) where it does not fit.
 _PORTABLE_STEPS: tuple[dict[str, Any], ...] = (
