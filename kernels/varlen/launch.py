@@ -98,6 +98,22 @@ def plan(
     )
 
 
+def _effective_window(window: int | None, rows: int) -> int:
+    """The window the kernels get (0: none): ``window``, capped at ``rows + 1``.
+
+    The cap changes nothing, and keeps the kernels' int32 cost bounds ``TQ + window - 1`` and
+    ``q_len + window - 1`` from wrapping near ``2**31 - 1`` (a common "no window" sentinel): they
+    stay below ``rows + max(TQ, T)``. Exact because, for every segment, the keys a kernel reads lie
+    in ``[ring_lo, kv_end)`` with ``kv_end - ring_lo <= rows`` (flat: ``kv_end`` clamped to
+    ``rows``, ``ring_lo = 0``; ring: ``ring_lo = max(kv_end - rows, 0)``), and every query sits at
+    a position ``p < kv_end``. A window hides the keys ``<= p - window``: none of those once
+    ``window >= rows``. From ``window >= rows + 1`` on, both cost bounds (``TQ >= 1``,
+    ``q_len >= 0``) are at least ``rows >= kv_end - ring_lo``, so their ``min`` keeps the cost: any
+    such window gives the same masks and schedule.
+    """
+    return 0 if window is None else min(window, rows + 1)
+
+
 def _descriptors_allowed(k_store: torch.Tensor, v_store: torch.Tensor, ring: bool, head_dim: int) -> bool:
     """Whether ``KV_TMA`` may load these stores through host-side descriptors.
 
@@ -137,7 +153,7 @@ def launch(
     rows, cols, kv_heads = (operator.index(n) for n in k_store.shape[:3])
     segments = operator.index(seq_info.shape[0])
     group = q_heads // kv_heads
-    span = window or 0
+    span = _effective_window(window, rows)
     geometry = plan(config, sm_count(q.device), segments, rows, kv_heads, group, head_dim, causal, span)
     work_slots = tokens // geometry.tokens_per_tile + segments + (geometry.budget if geometry.split else 0)
     zero_programs = (tokens + geometry.zero_tokens - 1) // geometry.zero_tokens
