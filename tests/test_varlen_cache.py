@@ -6,7 +6,7 @@ on both; after each operation the positions must agree, the storage must hold wh
 each layer still needs (every position of a flat layer; a ring layer's window before the next
 token), and an operation that fails must fail on both and leave the cache untouched.
 Token ``i`` is stored as the value ``i + 1`` in every K element and ``-(i + 1)`` in every V element
-(fp32 storage keeps them exact).
+(fp16 storage keeps them exact up to 2048).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tritune.kernels.varlen.reference import compare, sequence_reference
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
-KV_HEADS, HEAD_DIM = 1, 4
+KV_HEADS, HEAD_DIM = 1, 64
 
 
 class Model:
@@ -102,7 +102,7 @@ def check_storage(cache: BatchedSequenceCache, model: Model) -> None:
             pos = len(tokens)
             needed = range(pos) if window is None else range(max(0, pos - window + 1), pos)
             rows = [p if window is None else p % model.ring_size[window] for p in needed]
-            want = torch.tensor([float(tokens[p] + 1) for p in needed])
+            want = torch.tensor([float(tokens[p] + 1) for p in needed], dtype=torch.float16)
             assert torch.equal(k[rows, col, 0, 0].cpu(), want), (seq, layer)
             assert torch.equal(v[rows, col, 0, 0].cpu(), -want), (seq, layer)
 
@@ -120,7 +120,7 @@ def assert_unchanged(cache: BatchedSequenceCache, before) -> None:
 
 def make_pair(*, max_seqs=3, capacity=40, max_step=4, windows=(None, 5, 9), grow_chunk: int | None = 8):
     cache = BatchedSequenceCache(num_layers=len(windows), kv_heads=KV_HEADS, head_dim=HEAD_DIM, max_seqs=max_seqs,
-                                 capacity=capacity, max_step=max_step, windows=list(windows), dtype=torch.float32,
+                                 capacity=capacity, max_step=max_step, windows=list(windows), dtype=torch.float16,
                                  device=DEVICE, grow_chunk=grow_chunk)  # fmt: skip
     model = Model(max_seqs=max_seqs, capacity=capacity, max_step=max_step, windows=list(windows))
     return cache, model
@@ -128,8 +128,8 @@ def make_pair(*, max_seqs=3, capacity=40, max_step=4, windows=(None, 5, 9), grow
 
 def apply_step(cache: BatchedSequenceCache, batch, first_token: int, width: int | None = None):
     plan = cache.step(batch, width=width)
-    values = torch.zeros(plan.width, KV_HEADS, HEAD_DIM, dtype=torch.float32)
-    values[: plan.tokens] = torch.arange(first_token + 1, first_token + plan.tokens + 1, dtype=torch.float32)[
+    values = torch.zeros(plan.width, KV_HEADS, HEAD_DIM, dtype=torch.float16)
+    values[: plan.tokens] = torch.arange(first_token + 1, first_token + plan.tokens + 1, dtype=torch.float16)[
         :, None, None
     ]
     values = values.to(DEVICE)
@@ -336,11 +336,11 @@ def test_rewind_within_the_ring_and_clone():
 
 def test_construction_errors():
     with pytest.raises(SequenceCacheError, match="max_seqs"):
-        BatchedSequenceCache(num_layers=1, kv_heads=1, head_dim=4, max_seqs=0, capacity=8, max_step=1)
+        BatchedSequenceCache(num_layers=1, kv_heads=1, head_dim=64, max_seqs=0, capacity=8, max_step=1)
     with pytest.raises(SequenceCacheError, match="windows"):
-        BatchedSequenceCache(num_layers=2, kv_heads=1, head_dim=4, max_seqs=1, capacity=8, max_step=1, windows=[4])
+        BatchedSequenceCache(num_layers=2, kv_heads=1, head_dim=64, max_seqs=1, capacity=8, max_step=1, windows=[4])
     with pytest.raises(SequenceCacheError, match=r"windows\[0\]"):
-        BatchedSequenceCache(num_layers=1, kv_heads=1, head_dim=4, max_seqs=1, capacity=8, max_step=1, windows=[0])
+        BatchedSequenceCache(num_layers=1, kv_heads=1, head_dim=64, max_seqs=1, capacity=8, max_step=1, windows=[0])
 
 
 # ---- attention through the cache ----------------------------------------------------------------

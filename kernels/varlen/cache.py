@@ -28,9 +28,26 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernel import varlen_attention
+from tritune.search_spaces.varlen_sdpa import HEAD_DIMS
+
+from .kernel import KERNEL, varlen_attention
 
 __all__ = ["BatchedSequenceCache", "SequenceCacheError", "StepPlan"]
+
+#: Positions and lengths travel to the kernels as int32 (``seq_info``).
+MAX_CAPACITY = 2**31 - 1
+
+
+def _kernel_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes ``varlen_attention`` serves, as its declaration lists them for ``q`` (the stores follow q)."""
+    for argument in KERNEL.arguments:
+        if argument.name == "q":
+            dtypes: tuple[torch.dtype, ...] = getattr(argument, "dtypes", ())
+            return dtypes
+    raise LookupError("varlen_attention declares no argument q")
+
+
+_DTYPES = _kernel_dtypes()
 
 
 class SequenceCacheError(ValueError):
@@ -85,6 +102,18 @@ class BatchedSequenceCache:
         ):  # fmt: skip
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise SequenceCacheError(f"{name}: expected a positive int, got {value!r}")
+        if capacity > MAX_CAPACITY:
+            raise SequenceCacheError(
+                f"capacity: expected at most {MAX_CAPACITY} positions (int32 on the device), got {capacity}"
+            )
+        if head_dim not in HEAD_DIMS:
+            raise SequenceCacheError(
+                f"head_dim: expected one of {HEAD_DIMS}, which varlen_attention serves, got {head_dim}"
+            )
+        if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES:
+            raise SequenceCacheError(
+                f"dtype: expected one of {list(_DTYPES)}, which varlen_attention serves, got {dtype!r}"
+            )
         bad_chunk = isinstance(grow_chunk, bool) or not isinstance(grow_chunk, int) or grow_chunk < 1
         if grow_chunk is not None and bad_chunk:
             raise SequenceCacheError(f"grow_chunk: expected a positive int or None, got {grow_chunk!r}")
@@ -164,7 +193,10 @@ class BatchedSequenceCache:
         """Positions the sequence holds (the next token's position)."""
         return self._pos[self._known(seq)]
 
-    def _known(self, seq: int) -> int:
+    def _known(self, seq: int, name: str = "seq") -> int:
+        # A bool would find sequence 0 or 1 (True == 1): ids are ints only.
+        if isinstance(seq, bool) or not isinstance(seq, int):
+            raise SequenceCacheError(f"{name}: expected an int sequence id, got {seq!r}")
         if seq not in self._pos:
             raise SequenceCacheError(f"unknown sequence {seq!r}; live sequences: {self.seqs()}")
         return seq
@@ -195,7 +227,7 @@ class BatchedSequenceCache:
 
     def seq_clone(self, src: int) -> int:
         """A new sequence holding a device copy of ``src``'s positions (a fork, e.g. for beams)."""
-        self._known(src)
+        self._known(src, "src")
         col, src_col, pos = self._free_col(), self._col[src], self._pos[src]
         for layer in range(self.num_layers):
             rows = min(pos, self.rows(layer))
@@ -237,14 +269,58 @@ class BatchedSequenceCache:
         Grows storage where a sequence would outrun it, advances the positions and fills the static
         buffers of ``width`` (default: the step's token count) with the segments and write slots.
         The caller then writes each layer's new K/V (:meth:`write`) and attends (:meth:`attention`).
+        The positions advance last, once nothing else can fail: a step that raises leaves them as
+        they were (growth that ran out of memory half-way keeps the layers it grew, same contents,
+        with :attr:`generation` bumped).
         """
+        total = self._check_step(batch)
+        width = total if width is None else width
+        if isinstance(width, bool) or not isinstance(width, int) or width < total:
+            raise SequenceCacheError(f"step: width {width!r} cannot hold the step's {total} tokens")
+
+        info = torch.zeros(self.max_seqs, 4, dtype=torch.int32)
+        positions = torch.zeros(width, dtype=torch.int64)
+        cols = torch.full((width,), self.scratch_col, dtype=torch.int64)
+        segments = []
+        ends: dict[int, int] = {}
+        q_start = 0
+        for slot, (seq, count) in enumerate(batch):
+            start, col = self._pos[seq], self._col[seq]
+            end = ends[seq] = start + count
+            if count:
+                info[slot] = torch.tensor([q_start, count, col, end], dtype=torch.int32)
+                positions[q_start : q_start + count] = torch.arange(start, end)
+                cols[q_start : q_start + count] = col
+            segments.append((seq, q_start, count))
+            q_start += count
+        rows = {w: positions if w is None else positions % self._caps[w] for w in self._caps}
+
+        info_buf, cols_buf, rows_buf = self._step_buffers(width)
+        pinned = self.device.type == "cuda"
+        # Pinned staging makes the copies asynchronous; the host allocator keeps it alive until done.
+        staged = [
+            (target, host.pin_memory() if pinned else host)
+            for target, host in ((info_buf, info), (cols_buf, cols), *((rows_buf[w], rows[w]) for w in rows))
+        ]
+        self._grow(max(ends.values(), default=0))
+        for target, host in staged:
+            target.copy_(host, non_blocking=pinned)
+        for seq, end in ends.items():
+            self._pos[seq] = end
+            floors = self._floor[seq]
+            for window in floors:
+                floors[window] = max(floors[window], end - self._caps[window])
+        return StepPlan(info_buf, cols_buf, rows_buf, width, total, tuple(segments))
+
+    def _check_step(self, batch: Sequence[tuple[int, int]]) -> int:
+        """Refuse a malformed step (naming the entry); returns its token count."""
         seen: set[int] = set()
         total = 0
-        for entry in batch:
+        for i, entry in enumerate(batch):
             if not isinstance(entry, tuple | list) or len(entry) != 2:
                 raise SequenceCacheError(f"step: expected (seq, new_token_count) pairs, got {entry!r}")
             seq, count = entry
-            self._known(seq)
+            self._known(seq, f"step: batch[{i}]")
             if seq in seen:
                 raise SequenceCacheError(f"step: sequence {seq} appears twice")
             seen.add(seq)
@@ -257,38 +333,7 @@ class BatchedSequenceCache:
                     f"step: sequence {seq} would hold {self._pos[seq] + count} positions; capacity is {self.capacity}"
                 )
             total += count
-        width = total if width is None else width
-        if isinstance(width, bool) or not isinstance(width, int) or width < total:
-            raise SequenceCacheError(f"step: width {width!r} cannot hold the step's {total} tokens")
-
-        needed = max((self._pos[seq] + count for seq, count in batch), default=0)
-        self._grow(needed)
-
-        info = torch.zeros(self.max_seqs, 4, dtype=torch.int32)
-        positions = torch.zeros(width, dtype=torch.int64)
-        cols = torch.full((width,), self.scratch_col, dtype=torch.int64)
-        segments = []
-        q_start = 0
-        for slot, (seq, count) in enumerate(batch):
-            start, col = self._pos[seq], self._col[seq]
-            end = start + count
-            if count:
-                info[slot] = torch.tensor([q_start, count, col, end], dtype=torch.int32)
-                positions[q_start : q_start + count] = torch.arange(start, end)
-                cols[q_start : q_start + count] = col
-            segments.append((seq, q_start, count))
-            q_start += count
-            self._pos[seq] = end
-            for window in self._floor[seq]:
-                self._floor[seq][window] = max(self._floor[seq][window], end - self._caps[window])
-        rows = {w: positions if w is None else positions % self._caps[w] for w in self._caps}
-
-        info_buf, cols_buf, rows_buf = self._step_buffers(width)
-        pinned = self.device.type == "cuda"
-        for target, host in ((info_buf, info), (cols_buf, cols), *((rows_buf[w], rows[w]) for w in rows)):
-            # Pinned staging makes the copy asynchronous; the host allocator keeps it alive until done.
-            target.copy_(host.pin_memory() if pinned else host, non_blocking=pinned)
-        return StepPlan(info_buf, cols_buf, rows_buf, width, total, tuple(segments))
+        return total
 
     def _step_buffers(self, width: int) -> tuple[torch.Tensor, torch.Tensor, dict[int | None, torch.Tensor]]:
         buffers = self._buffers.get(width)
@@ -302,19 +347,23 @@ class BatchedSequenceCache:
     def _grow(self, needed: int) -> None:
         """Re-allocate the layers whose rows cannot hold ``needed`` positions (flat) or have not wrapped yet (ring)."""
         grown = False
-        for layer, window in enumerate(self._windows):
-            rows, cap = self.rows(layer), self._caps[window]
-            if needed <= rows or rows >= cap:
-                continue
-            chunk = self.grow_chunk or cap
-            new_rows = min(cap, -(-needed // chunk) * chunk)
-            for stores in (self._k, self._v):
-                bigger = self._storage(new_rows)
-                bigger[:rows] = stores[layer]
-                stores[layer] = bigger
-            grown = True
-        if grown:
-            self.generation += 1
+        try:
+            # Layer by layer, so growing needs spare memory for one layer's stores, not the cache's.
+            for layer, window in enumerate(self._windows):
+                rows, cap = self.rows(layer), self._caps[window]
+                if needed <= rows or rows >= cap:
+                    continue
+                chunk = self.grow_chunk or cap
+                new_rows = min(cap, -(-needed // chunk) * chunk)
+                for stores in (self._k, self._v):
+                    bigger = self._storage(new_rows)
+                    bigger[:rows] = stores[layer]
+                    stores[layer] = bigger
+                    grown = True
+        finally:
+            # Even when an allocation fails part-way: a graph captured before holds replaced tensors.
+            if grown:
+                self.generation += 1
 
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, plan: StepPlan) -> None:
         """Store the step's new K/V (``[width, Hkv, D]``, packed like q) for ``layer``: in-graph, no sync."""
@@ -343,6 +392,13 @@ class BatchedSequenceCache:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``varlen_attention`` of the step's packed ``q [width, Hq, D]`` over ``layer``'s storage."""
+        # The plan's segments index q's rows: fewer rows would shift every position (and the
+        # causal mask with it), so q must have exactly the width the plan was made for.
+        if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] != plan.width:
+            shape = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+            raise SequenceCacheError(
+                f"attention: q: expected shape [{plan.width}, Hq, D] (the plan's width), got {shape}"
+            )
         k, v = self.kv(layer)
         window = self.window(layer)
         return varlen_attention(
