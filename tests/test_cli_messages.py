@@ -256,3 +256,15 @@ def test_status_resolves_a_declaration_to_its_kernel_name(tmp_path, monkeypatch)
     result = run("status", "--storage", str(journal), "--kernel", user_example(tmp_path, "user_status"))
     assert result.exit_code == 0, result.output
     assert asked == ["user_status"]
+
+
+def test_a_declared_kernel_whose_tuning_half_fails_is_left_out_when_no_kernel_is_named(tmp_path, monkeypatch):
+    from tritune.kernels import registry
+    from tritune.tuner.app import load_kernels
+
+    text = (ROOT / "examples" / "rmsnorm.py").read_text().replace('"example_rmsnorm"', '"user_bad_unnamed"')
+    path = tmp_path / "user_bad_unnamed.py"
+    path.write_text(text.replace("tuning=RMSNormTuning()", 'tuning="user_nosuch_half:TUNING"'))
+    registry.load(f"{path}:RMSNORM")
+    names = [spec.name for spec in load_kernels(None, tunable=True)]
+    assert "user_bad_unnamed" not in names and "tma_prefill" in names

@@ -262,8 +262,15 @@ def load_kernels(names: list[str] | None, *, tunable: bool = False) -> list[Any]
             if name in registry.builtin_names():
                 raise
             raise import_error(exc, f"kernel {name} (an installed package's tritune.kernels entry point)") from exc
-        if names or not tunable or can_tune(spec):
-            specs.setdefault(spec.name, spec)
+        if not names and tunable:
+            try:
+                if not can_tune(spec):
+                    continue
+            except CommandError as exc:
+                # A kernel nobody named whose tuning half fails to import must not stop the others.
+                console.print(f"[yellow]{plain(spec.name)} is left out: {plain(exc)}[/yellow]", soft_wrap=True)
+                continue
+        specs.setdefault(spec.name, spec)
     return list(specs.values())
 
 
