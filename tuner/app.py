@@ -28,10 +28,15 @@ from tritune.configs_db.values import printable
 
 from .failures import CommandError, explain, import_error
 
-try:  # typer >= 0.2x carries its own click; older releases use the click package
-    from typer._click.exceptions import ClickException, UsageError
-except ImportError:  # pragma: no cover - depends on the installed typer
-    from click.exceptions import ClickException, UsageError  # type: ignore[assignment]
+
+def _click_exception(name: str) -> Any:
+    """A click exception class, found through typer's public ``BadParameter``: recent typer releases
+    carry their own copy of click and older ones use the click package, so neither is imported."""
+    return next(c for c in typer.BadParameter.__mro__ if c.__name__ == name)
+
+
+UsageError = _click_exception("UsageError")
+ClickException = _click_exception("ClickException")
 
 # Without a terminal (CI logs, pipes) rich would wrap tables at 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 160)

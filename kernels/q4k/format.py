@@ -211,13 +211,16 @@ def quantize_q4_k(weight: torch.Tensor, *, rows_per_chunk: int = 1024) -> torch.
     w = weight.detach().float()
     if n == 0:
         return torch.empty(0, k // QK_K * BLOCK_BYTES, dtype=torch.uint8, device=weight.device)
-    nonfinite = int((~torch.isfinite(w)).sum())
+    # A meta weight (shapes only: the sm_90 build checks) has no values to check.
+    checked = w.device.type != "meta"
+    nonfinite = int((~torch.isfinite(w)).sum()) if checked else 0
     if nonfinite:
         raise ValueError(
             f"weight: {nonfinite} of its {w.numel()} values are not finite (NaN or inf); Q4_K codes finite weights only"
         )
     raw = torch.cat([_quantize_chunk(w[i : i + rows_per_chunk]) for i in range(0, n, rows_per_chunk)], dim=0)
-    _check_super_scales(raw, w)
+    if checked:
+        _check_super_scales(raw, w)
     return raw
 
 
