@@ -8,7 +8,7 @@ entry of ``--kernel`` keeps its key, times and trial count; its config keeps exa
 its path's member space has (for a :class:`~tritune.search_spaces.base.UnionSpace`; all fields
 otherwise), with unchanged values, and its ``kernel_version`` becomes the one this source computes
 (``KernelSpec.version``, :mod:`tritune.kernels.versioning`). Fields the new space lacks are
-dropped and listed, so the reviewer can check each held a value that launched nothing different
+dropped and listed, so that each can be checked to have held a value that launched nothing different
 (a neutral value). An entry missing a field of its member is refused: the member's default might
 not be what the entry ran. A field the space has gained is filled only where the caller names
 its value with ``--add FIELD=VALUE`` (a JSON value, e.g. ``--add KV_TMA=false``): the value whose
