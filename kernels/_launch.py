@@ -258,8 +258,14 @@ def workspace(numel: int, device: torch.device) -> torch.Tensor:
 
 
 def traced(t: torch.Tensor) -> bool:
-    """Whether a launch on ``t`` is being traced (fake or functional tensors, a dispatch mode, compiling)."""
-    return type(t) is not torch.Tensor or torch._C._len_torch_dispatch_stack() > 0 or torch.compiler.is_compiling()
+    """Whether a launch on ``t`` is being traced (fake or functional tensors, a dispatch mode, compiling).
+
+    An ``nn.Parameter`` is a plain tensor here (it adds no dispatch of its own)."""
+    return (
+        (type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter)
+        or torch._C._len_torch_dispatch_stack() > 0
+        or torch.compiler.is_compiling()
+    )
 
 
 def _zeroed_counters(numel: int, device: torch.device) -> torch.Tensor:
