@@ -460,6 +460,9 @@ class Kernel(KernelSpec[Any, Any]):
     def check_problem(self, key: Any, device: torch.device, seed: int) -> Problem:
         return self.tuning.check_problem(key, device, seed)
 
+    def check_full(self, out: torch.Tensor, portable: torch.Tensor, config: Any) -> str | None:
+        return self.tuning.check_full(out, portable, config)
+
     def starting_configs(self, key: Any, device: DeviceInfo) -> list[Any]:
         return self.tuning.starting_configs(key, device)
 

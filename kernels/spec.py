@@ -230,6 +230,12 @@ class KernelSpec(ABC, Generic[C, K]):
         """
         return self.make_problem(key, device, seed)
 
+    def check_full(self, out: torch.Tensor, portable: torch.Tensor, config: Any) -> str | None:
+        """At the timed size, where no reference is computed: why ``out`` (of ``config``) is too far
+        from the portable default's output, or ``None``. Besides the tuner's loose check (5% of
+        max|out|), for kernels whose :meth:`check_problem` is smaller than the timed problem."""
+        return None
+
     def starting_configs(self, key: K, device: DeviceInfo) -> list[C]:
         """Configs the tuner measures first at ``key``, after the portable default (none by default).
 

@@ -41,6 +41,10 @@ class KernelTuning:
         """``None`` if ``out`` is close enough to ``expected`` (the reference), else why not."""
         raise NotImplementedError
 
+    def check_full(self, out: torch.Tensor, portable: torch.Tensor, config: Any) -> str | None:
+        """At the timed size: why ``out`` is too far from the portable output (see ``KernelSpec.check_full``)."""
+        return None
+
     def default_keys(self, device: DeviceInfo) -> list[Any]:
         """Keys ``tune`` sweeps when the user names none (``--key field=values`` replaces fields)."""
         raise NotImplementedError

@@ -282,6 +282,8 @@ class CandidateBench:
                 self._launch(config, self.problem, full)
                 self._sync()
                 problem_text = consistency_problem(full, self.portable_out)
+                if problem_text is None:
+                    problem_text = self.spec.check_full(full, self.portable_out, config)
             if problem_text is not None:
                 return outcome(FAILED_CORRECTNESS, None, problem_text)
             sample, note = self._measure(config)

@@ -58,6 +58,23 @@ def nmse(out: torch.Tensor, expected: torch.Tensor) -> float:
     return noise / signal if signal > 0 else (0.0 if noise == 0.0 else math.inf)
 
 
+def check_against_portable(out: torch.Tensor, portable: torch.Tensor, path: str) -> str | None:
+    """``None`` if ``out`` of ``path`` is as close to the portable path's output as its accuracy
+    allows: ggml's NMSE bound for an accurate path, its SQNR floor less 1 dB for a lossy one."""
+    if torch.isnan(out).any():
+        return "output contains NaN"
+    if path in ACCURATE_PATHS:
+        error = nmse(out, portable)
+        if not error <= GGML_MAX_NMSE:
+            return f"NMSE {error:.2e} against the portable output exceeds ggml's Q4_K bound {GGML_MAX_NMSE:g}"
+        return None
+    sqnr = sqnr_db(out, portable)
+    floor = MIN_SQNR_DB[path] - 1.0
+    if not sqnr >= floor:
+        return f"SQNR {sqnr:.1f} dB against the portable output is below the {path} path's {floor:.0f} dB"
+    return None
+
+
 def check_path(out: torch.Tensor, expected: torch.Tensor, path: str) -> str | None:
     """``None`` if ``out`` reaches ``path``'s SQNR floor against ``expected`` (and, for an accurate
     path, ggml's NMSE bound), else why not."""
