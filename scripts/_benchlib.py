@@ -10,8 +10,9 @@ functions: importing it decides nothing.
 
 Timing on a GPU is ``triton.testing.do_bench`` (median; a warm-up, then the L2 flushed before every
 repetition). A CUDA-graph time is the same ``do_bench`` around ``graph.replay()`` of one captured
-call, so eager and graph numbers see the same cold L2. On the CPU (smoke mode) times are wall-clock
-medians of the interpreter: they prove the script runs, nothing more.
+call, so eager and graph numbers see the same cold L2. An eager time is the larger of that
+``do_bench`` time and the host time per call (:data:`EAGER_NOTE` says why). On the CPU (smoke
+mode) times are wall-clock medians of the interpreter: they prove the script runs, nothing more.
 """
 
 from __future__ import annotations
@@ -191,7 +192,10 @@ class TimedRow:
 
     impl: str
     status: str = "ok"  # ok | FAILED | unavailable
+    #: What an eager caller pays per call: the larger of ``eager_gpu_us`` and ``host_us`` (:func:`eager_cost_us`).
     eager_us: float | None = None
+    #: ``do_bench`` of one eager call after the L2 flush (the host work overlapping the flush is not in it).
+    eager_gpu_us: float | None = None
     #: Host microseconds per call with calls queued back to back (GPU only: :func:`host_us_per_call`).
     host_us: float | None = None
     graph_us: float | None = None
@@ -208,7 +212,7 @@ def measure(
     graphs: bool,
     *,
     error: str = "",
-    raised: str = "unavailable",
+    raised: str | None = None,
     recheck: Callable[[torch.Tensor], str | None] | None = None,
 ) -> TimedRow:
     """Check one call of ``fn``, then time it eagerly and (with ``graphs``) as a CUDA-graph replay, into ``row``.
@@ -217,8 +221,11 @@ def measure(
     metric on the row); ``recheck`` checks the replayed graph's output instead, when given. No
     ``fn`` means the implementation cannot run here (``error`` says why): unavailable. A failed
     check is FAILED and never timed. An exception makes the row ``raised``: a peer missing here is
-    unavailable, our own kernel raising is FAILED. The other rows run either way.
+    unavailable, our own kernel raising is FAILED; by default (None) a row is ours when
+    :func:`is_ours` says so. The other rows run either way.
     """
+    if raised is None:
+        raised = "FAILED" if is_ours(row.impl) else "unavailable"
     if fn is None:
         row.status, row.note = "unavailable", error
         return row
@@ -233,14 +240,31 @@ def measure(
         if problem is not None:
             row.status, row.note = "FAILED", join_notes(f"FAILED correctness check: {problem}", row.note)
             return row
-        row.eager_us = time_ms(fn, device) * 1e3
+        row.eager_gpu_us = time_ms(fn, device) * 1e3
         row.host_us = host_us_per_call(fn, device)
+        row.eager_us = eager_cost_us(row.eager_gpu_us, row.host_us)
     except Exception as exc:  # reported in the row, and the other rows still run
         row.status, row.note = raised, join_notes(row.note, error_text(exc))
         return row
     if graphs:
         row.graph_us, row.graph_status = graph_time(fn, recheck or check)
     return row
+
+
+def is_ours(impl: str) -> bool:
+    """Whether a row's implementation is tritune's (its name says so): an exception there is a failure."""
+    return "tritune" in impl.lower()
+
+
+def eager_cost_us(gpu_us: float | None, host_us: float | None) -> float | None:
+    """What an eager caller pays per call: the larger of the flushed ``do_bench`` time and the host time.
+
+    ``do_bench`` launches the L2 flush (a 256 MB ``zero_``, about 55-65 us on an H200) before every
+    call, so the host work of a call overlaps the flush and shows in the GPU time only where it
+    outlasts it. In a model's eager loop nothing hides it: each call costs at least its host time.
+    """
+    known = [us for us in (gpu_us, host_us) if us is not None]
+    return max(known) if known else None
 
 
 def time_ms(fn: Callable[[], object], device: torch.device) -> float:
@@ -258,11 +282,16 @@ def time_ms(fn: Callable[[], object], device: torch.device) -> float:
     return statistics.median(samples)
 
 
-#: A report's note on its host column.
+#: A report's note on its host column and on how eager is timed.
 HOST_NOTE = (
     "host: CPU time per call with calls queued back to back, the GPU never waited for (median of 5 rounds "
-    "of 20 calls). A model calling eagerly pays about max(host, graph) per call: the eager column's "
-    "single call after an L2 flush shows host time only where it outlasts the flush."
+    "of 20 calls)."
+)
+EAGER_NOTE = (
+    "eager: max(do_bench GPU time, host time) per call, for every row alike. do_bench flushes the L2 "
+    "before each call, and the call's host work overlaps that flush and never shows in its time; an "
+    "eager caller pays at least the host time per call. The flushed GPU time alone is the JSON's "
+    "eager_gpu_us."
 )
 
 
@@ -331,6 +360,103 @@ def graph_time(fn: Callable[[], torch.Tensor], check: Callable[[torch.Tensor], s
         del graph
 
 
+# ---- PyTorch SDPA peers ---------------------------------------------------------------------------------
+
+
+@dataclass
+class SdpaPeer:
+    """One SDPA backend's call, ready to time: ``fn`` (None where it cannot run: ``error`` says why)."""
+
+    fn: Callable[[], torch.Tensor] | None
+    note: str = ""
+    error: str = ""
+
+
+def sdpa_peer(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **sdpa_args: Any) -> SdpaPeer:
+    """SDPA pinned to ``backend`` over GQA K/V: ``enable_gqa=True``, else K/V heads repeated once, untimed.
+
+    Every backend reads the bytes ours reads where it takes ``enable_gqa``; the repeat (the group
+    times the K/V bytes) is the fallback of one that refuses it, made here so no timed call pays it.
+    ``sdpa_args`` go to every call (``attn_mask``, ``is_causal``).
+    """
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    def call(key: torch.Tensor, value: torch.Tensor, gqa: bool) -> torch.Tensor:
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, key, value, enable_gqa=gqa, **sdpa_args)
+
+    group = q.shape[1] // k.shape[1]
+    try:
+        call(k, v, group > 1)
+        return SdpaPeer(lambda: call(k, v, group > 1), note="enable_gqa=True" if group > 1 else "")
+    except Exception as exc:
+        refused = error_text(exc, 120)
+    if group == 1:
+        return SdpaPeer(None, error=refused)
+    needed = 2 * k.numel() * group * k.element_size()
+    if q.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(q.device)
+        if needed > 0.8 * free:
+            return SdpaPeer(
+                None,
+                error=f"refused enable_gqa ({refused}); repeating KV heads would need "
+                f"{needed / 1e9:.1f} GB of {free / 1e9:.1f} GB free",
+            )
+    k_rep, v_rep = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    try:
+        call(k_rep, v_rep, False)
+    except Exception as exc:
+        return SdpaPeer(None, error=f"refused enable_gqa ({refused}); with repeated KV heads: {error_text(exc, 120)}")
+    return SdpaPeer(
+        lambda: call(k_rep, v_rep, False),
+        note=f"refused enable_gqa, so KV heads repeated {group}x outside the timed region ({refused})",
+    )
+
+
+#: Kernel-name fragments of each SDPA backend, checked in this order (cuDNN's names also say "flash").
+_BACKEND_FAMILIES = (
+    ("cudnn", ("cudnn",)),
+    ("flash", ("flash",)),
+    ("mem-efficient", ("fmha", "efficient", "cutlass")),
+    ("math", ("_scaled_dot_product_attention_math", "bmm", "gemm", "softmax")),
+)
+
+
+def backend_family(names: Iterable[str]) -> str:
+    """The SDPA backend the kernel (GPU) or operator (CPU) names point to, and the name that shows it."""
+    names = list(names)
+    for family, fragments in _BACKEND_FAMILIES:
+        for name in names:
+            if any(fragment in name.lower() for fragment in fragments):
+                return f"{family} ({name[:80]})"
+    return "unknown (" + ", ".join(dict.fromkeys(n[:40] for n in names[:3])) + ")" if names else "unknown"
+
+
+def backend_ran(fn: Callable[[], object], device: torch.device) -> str:
+    """Which backend one call of ``fn`` ran, from ``torch.profiler``: a row's note, e.g. ``ran: cudnn (...)``.
+
+    ``sdpa_kernel`` only allows backends, and a mask or a layout can send a call elsewhere (a
+    causal_lower_right mask under cuDNN runs its dense-bias kernel): the note names what ran. On a
+    GPU it reads the device kernels; on the CPU the ATen operators SDPA dispatched to.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    try:
+        with profile(activities=activities) as prof:
+            fn()
+            synchronize(device)
+        events = list(prof.events())
+    except Exception as exc:  # the timed call reports its own errors; this note is best effort
+        return f"ran: not recorded ({error_text(exc, 80)})"
+    if device.type == "cuda":
+        names = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    else:
+        names = [e.name for e in events if e.name.startswith("aten::_") and ("attention" in e.name or "bmm" in e.name)]
+    return "ran: " + backend_family(dict.fromkeys(names))
+
+
 # ---- reports ------------------------------------------------------------------------------------------
 
 
@@ -362,9 +488,15 @@ def graph_cells(row: TimedRow, *, scale: float = 1.0, digits: int = 1) -> tuple[
 
 
 def fastest(rows: Iterable[TimedRow], names: Iterable[str], attr: str) -> float | None:
-    """The smallest ``attr`` time (``eager_us`` or ``graph_us``) among the rows of the implementations ``names``."""
+    """The smallest ``attr`` time (``eager_us`` or ``graph_us``) among the passing rows of ``names``.
+
+    A row that is not "ok" has no time worth comparing with (a graph replay that failed its
+    recheck leaves the eager time of a row whose status stays ok; a FAILED row has none).
+    """
     wanted = set(names)
-    return min((getattr(r, attr) for r in rows if r.impl in wanted and getattr(r, attr)), default=None)
+    return min(
+        (getattr(r, attr) for r in rows if r.impl in wanted and r.status == "ok" and getattr(r, attr)), default=None
+    )
 
 
 def tera_per_s(amount: float, us: float | None) -> float | None:

@@ -7,9 +7,10 @@ On the GPU machine, after tuning ``splitk_decode`` into a DB:
 Hq=32, Hkv=8, D=128, bf16, one new token per sequence, B x Lkv over a cache of exactly Lkv positions.
 ``kv_len`` is Lkv for every sequence, or drawn per sequence with ``--ragged``. Every implementation is
 checked against the fp64 reference (``tritune.kernels.decode.reference``) before it is timed; one that
-fails is reported as FAILED, a peer that cannot run as unavailable with its error. Each is timed
-eagerly (``do_bench``, L2 flushed) and as one captured CUDA graph replayed under ``do_bench`` (same L2
-flush); the graph output is poisoned with NaN and checked again after a replay. Effective bandwidth
+fails is reported as FAILED, a peer that cannot run as unavailable with its error, one of our rows
+raising as FAILED. Each is timed eagerly (the larger of ``do_bench``, L2 flushed, and the host time
+per call) and as one captured CUDA graph replayed under ``do_bench`` (same L2 flush); the graph
+output is poisoned with NaN and checked again after a replay. Effective bandwidth
 counts the bytes of K and V the valid lengths need (2 x sum(kv_len) x Hkv x D x 2 B), the same for
 every implementation, so it compares times rather than measuring what each one really reads.
 
@@ -27,7 +28,6 @@ from dataclasses import dataclass
 
 import _benchlib as bl
 import torch
-import torch.nn.functional as F
 
 log = logging.getLogger("tritune.bench")
 
@@ -157,7 +157,10 @@ def bench_shape(batch: int, lkv: int, args: argparse.Namespace, run: bl.BenchRun
             row.max_err = float((out.double() - expected).abs().max())
             return recheck(out)
 
-        rows.append(bl.measure(row, impl.fn, check, device, run.graphs, error=impl.error, recheck=recheck))
+        raised = "FAILED" if impl.name in (UNTUNED, TUNED) else "unavailable"
+        rows.append(
+            bl.measure(row, impl.fn, check, device, run.graphs, error=impl.error, raised=raised, recheck=recheck)
+        )
         _log_row(row)
     return rows
 
@@ -185,43 +188,11 @@ def _tritune_impls(q, k, v, kv_len) -> list[Impl]:
 
 
 def _sdpa_impl(name: str, backend, q, k, v, mask) -> Impl:
-    """SDPA pinned to one backend; GQA natively where the backend takes ``enable_gqa``, else KV heads repeated."""
-    from torch.nn.attention import sdpa_kernel
-
-    def call(key: torch.Tensor, value: torch.Tensor, gqa: bool) -> torch.Tensor:
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, key, value, attn_mask=mask, enable_gqa=gqa)
-
-    try:
-        call(k, v, True)
-        return Impl(name, lambda: call(k, v, True), note="enable_gqa=True")
-    except Exception as exc:
-        refused = bl.error_text(exc, 120)
-    group = q.shape[1] // k.shape[1]
-    needed = 2 * k.numel() * group * k.element_size()
-    if q.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(q.device)
-        if needed > 0.8 * free:
-            return Impl(
-                name,
-                None,
-                error=f"refused enable_gqa ({refused}); repeating KV heads would need "
-                f"{needed / 1e9:.1f} GB of {free / 1e9:.1f} GB free",
-            )
-    # Outside the timed region: the repeated cache costs memory, not time, in what is measured.
-    k_rep = k.repeat_interleave(group, dim=1)
-    v_rep = v.repeat_interleave(group, dim=1)
-    try:
-        call(k_rep, v_rep, False)
-    except Exception as exc:
-        return Impl(
-            name, None, error=f"refused enable_gqa ({refused}); with repeated KV heads: {bl.error_text(exc, 120)}"
-        )
-    return Impl(
-        name,
-        lambda: call(k_rep, v_rep, False),
-        note=f"refused enable_gqa, so KV heads repeated {group}x outside the timed region ({refused})",
-    )
+    """SDPA pinned to one backend, GQA native where it takes ``enable_gqa``; the note names the backend that ran."""
+    peer = bl.sdpa_peer(backend, q, k, v, attn_mask=mask)
+    if peer.fn is None:
+        return Impl(name, None, error=peer.error)
+    return Impl(name, peer.fn, note=bl.join_notes(peer.note, bl.backend_ran(peer.fn, q.device)))
 
 
 def _flex_impl(flex, q, k, v, kv_len) -> Impl:
@@ -260,6 +231,10 @@ def _report(rows: list[Row], args: argparse.Namespace, run: bl.BenchRun) -> str:
         "Times: median of triton.testing.do_bench (warm-up, L2 flushed before every repetition), in us. "
         "Graph: one call captured in a CUDA graph, replay() timed the same way (output NaN-poisoned and "
         "re-checked after a replay first).",
+        bl.EAGER_NOTE,
+        "SDPA peers get the cache itself with enable_gqa=True (the bytes ours reads); a backend refusing it "
+        "gets K/V heads repeated outside the timed region, as its note says. Each SDPA row's note names "
+        "the backend that ran ('ran: ...', from torch.profiler over one call at warm-up).",
         "TB/s: effective K+V bandwidth, 2 x sum(kv_len) x Hkv x D x 2 bytes / time, the same bytes for every "
         "implementation" + (f" (HBM peak of this GPU: about {peak} TB/s)." if peak else "."),
         "vs peer: fastest passing peer (SDPA flash, SDPA cuDNN, FlexAttention) time / this time, eager and graph "

@@ -116,3 +116,96 @@ def test_common_arguments(bl):
     assert not hasattr(args, "skip_flex")
     with pytest.raises(SystemExit, match=r"--db missing\.sqlite: no such file"):
         bl.checked_db("missing.sqlite")
+
+
+def test_fastest_ignores_rows_that_did_not_pass(bl):
+    """A FAILED or unavailable peer row never becomes the reference a ratio divides, whatever time it holds."""
+    rows = [
+        bl.TimedRow(impl="peer A", eager_us=30.0),
+        bl.TimedRow(impl="peer B", status="FAILED", eager_us=5.0, graph_us=4.0),
+        bl.TimedRow(impl="peer C", status="unavailable", eager_us=1.0),
+    ]
+    assert bl.fastest(rows, ["peer A", "peer B", "peer C"], "eager_us") == 30.0
+    assert bl.fastest(rows, ["peer A", "peer B", "peer C"], "graph_us") is None
+
+
+def _boom() -> torch.Tensor:
+    raise RuntimeError("no kernel image")
+
+
+@pytest.mark.parametrize(
+    ("impl", "status"), [("tritune tuned (dispatcher)", "FAILED"), ("loop: tritune attention", "FAILED"),
+                         ("SDPA flash", "unavailable")],
+)  # fmt: skip
+def test_an_exception_in_our_row_is_failed_by_default(bl, impl, status):
+    row = bl.TimedRow(impl=impl)
+    bl.measure(row, _boom, lambda out: None, CPU, graphs=False)
+    assert row.status == status and row.eager_us is None
+
+
+def test_eager_time_is_the_larger_of_gpu_and_host_time(bl, row, monkeypatch):
+    """The flushed do_bench time hides the host work overlapping the flush: the eager figure counts it."""
+    monkeypatch.setattr(bl, "time_ms", lambda fn, device: 0.020)
+    monkeypatch.setattr(bl, "host_us_per_call", lambda fn, device: 55.0)
+    bl.measure(row, lambda: torch.ones(4), lambda out: None, CPU, graphs=False)
+    assert row.eager_gpu_us == pytest.approx(20.0) and row.host_us == 55.0
+    assert row.eager_us == pytest.approx(55.0)
+    monkeypatch.setattr(bl, "host_us_per_call", lambda fn, device: 5.0)
+    bl.measure(row, lambda: torch.ones(4), lambda out: None, CPU, graphs=False)
+    assert row.eager_us == pytest.approx(20.0)
+    assert bl.eager_cost_us(None, None) is None and bl.eager_cost_us(3.0, None) == 3.0
+
+
+def test_the_eager_note_says_how_eager_is_timed(bl):
+    assert "max(do_bench GPU time, host time)" in bl.EAGER_NOTE
+
+
+def test_sdpa_peer_reads_the_gqa_cache_natively(bl, monkeypatch):
+    """Every SDPA peer gets K/V with Hkv heads and enable_gqa=True, never K/V repeated to Hq."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend
+
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        seen.append((k.shape[1], kwargs.get("enable_gqa")))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    q = torch.randn(1, 4, 8, 16)
+    k, v = torch.randn(1, 2, 12, 16), torch.randn(1, 2, 12, 16)
+    peer = bl.sdpa_peer(SDPBackend.MATH, q, k, v, is_causal=False)
+    assert peer.fn is not None and peer.note == "enable_gqa=True"
+    out = peer.fn()
+    assert seen and all(s == (2, True) for s in seen)
+    expected = real(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))
+    torch.testing.assert_close(out, expected)
+
+
+def test_sdpa_peer_repeats_kv_only_where_gqa_is_refused(bl):
+    from torch.nn.attention import SDPBackend
+
+    q, k = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 12, 16)
+    peer = bl.sdpa_peer(SDPBackend.CUDNN_ATTENTION, q, k, k)  # no cuDNN on the CPU: refused both ways
+    assert peer.fn is None and peer.error.startswith("refused enable_gqa")
+
+
+def test_backend_ran_names_the_sdpa_backend(bl):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(1, 2, 8, 16)
+
+    def run(backend):
+        def call():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, q, q)
+
+        return call
+
+    assert bl.backend_ran(run(SDPBackend.MATH), CPU).startswith("ran: math (")
+    assert bl.backend_ran(run(SDPBackend.FLASH_ATTENTION), CPU).startswith("ran: flash (")
+    names = ["void at::native::elementwise_kernel", "cudnn_generated_fort_native_sdpa_sm90_flash_fprop"]
+    assert bl.backend_family(names).startswith("cudnn (")
+    assert bl.backend_family(["fmha_cutlassF_bf16_aligned_64x128_rf_sm80"]).startswith("mem-efficient (")
