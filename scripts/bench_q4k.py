@@ -29,12 +29,14 @@ is reported as FAILED, a peer that cannot run as unavailable with its error):
 - tritune tuned: whatever the dispatcher serves (``--db`` on top of the shipped bundles), by default
   and with ``TRITUNE_Q4K_FP8`` on.
 
-Each implementation is timed eagerly and as one call captured in a CUDA graph whose ``replay()`` is
-timed the same way; before that, the graph's output is poisoned with NaN, replayed and checked again
-against the same floor. Times are medians of ``triton.testing.do_bench`` (L2 flushed before every
-repetition); TFLOP/s count 2 x M x N x K. At small M an eager call costs its host launch work (Python
-dispatch and a few Triton launches for our rows, one C++ launch for cuBLAS), far more than the kernels
-take: the graph columns are the kernel comparison there. ``--no-graph`` leaves them out.
+Each implementation is timed eagerly (the larger of the ``do_bench`` median and the host time per
+call, which the L2 flush ahead of each ``do_bench`` call would hide) and as one call captured in a
+CUDA graph whose ``replay()`` is timed with ``do_bench``; before that, the graph's output is
+poisoned with NaN, replayed and checked again against the same floor. Times are medians of
+``triton.testing.do_bench`` (L2 flushed before every repetition); TFLOP/s count 2 x M x N x K. At
+small M an eager call costs its host launch work (Python dispatch and a few Triton launches for our
+rows, one C++ launch for cuBLAS), far more than the kernels take: the graph columns are the kernel
+comparison there. ``--no-graph`` leaves them out.
 
 ``--smoke`` runs the same code on the CPU under ``TRITON_INTERPRET=1`` at tiny shapes (no CUDA graphs):
 a dry run that proves the script works before GPU time is spent on it.
@@ -339,6 +341,7 @@ def _report(rows: list[Row], run: bl.BenchRun) -> str:
         "Small M (decode, M up to about 64): the eager times are host-bound, the Python dispatch and Triton "
         "launches of each call (cuBLAS and _scaled_mm launch from C++ and pay far less), not kernel time; "
         "the graph columns, which replay the launches without the host, are the kernel comparison.",
+        bl.EAGER_NOTE,
         "vs cuBLAS / vs _scaled_mm: that peer's time / this time, eager and graph separately (above 1.00x is faster).",
         "SQNR (dB) and NMSE: against the float64 product with the exactly dequantized weight; checked before "
         "timing against the floor of the path that ran: 40 dB (portable and dequant paths, bf16 cuBLAS), "

@@ -18,11 +18,13 @@ portable default and the fastest stored trial at the mix's key; a loop calling `
 sequence on views of the store; "dedicated": one ``decode_attention`` over all decode sequences in a
 padded contiguous batch cache plus one ``prefill_attention`` per chunk over contiguous K/V (the
 summary says whether varlen stays within 1.2x of its time); FlexAttention with a document mask over packed KV;
-``torch.nn.attention.varlen.varlen_attn`` timed together with the gather from the store that it
-needs. Each is timed eagerly and as one captured CUDA graph, with ``do_bench`` medians (L2 flushed).
+``torch.nn.attention.varlen.varlen_attn`` over the same packed KV. Both peers' packed KV is built
+outside the timed region; the gather row times that gather from the store alone. Each is timed
+eagerly (the larger of the ``do_bench`` median, L2 flushed, and the host time per call) and as one
+captured CUDA graph (``do_bench`` median of its replay).
 
 ``--smoke`` runs the same code on the CPU under ``TRITON_INTERPRET=1`` at tiny shapes (no CUDA
-graphs; ``varlen_attn`` replaced by an SDPA stand-in over the same gathered KV): a dry run.
+graphs; ``varlen_attn`` replaced by an SDPA stand-in over the same packed KV): a dry run.
 """
 
 from __future__ import annotations
@@ -159,9 +161,10 @@ def _mix_times(rows: list[Row], mix: str, mode: str) -> MixTimes:
 
 
 def _vs_varlen(r: Row, rows: list[Row], mode: str) -> float | None:
-    """This row's time / tritune varlen's (above 1: tritune varlen is faster); none for the gather row."""
+    """tritune varlen's time / this row's, the reference over this as every ratio of the reports (above 1:
+    this row is faster than tritune varlen); none for the gather row."""
     us, varlen = getattr(r, f"{mode}_us"), _mix_times(rows, r.mix, mode).varlen
-    return us / varlen if us and varlen and r.kind != "info" else None
+    return varlen / us if us and varlen and r.kind != "info" else None
 
 
 def _json_row(r: Row, rows: list[Row]) -> dict[str, Any]:
@@ -221,14 +224,16 @@ def _report(rows: list[Row], run: bl.BenchRun) -> str:
         "re-checked after a replay first).",
         "TB/s: effective K+V bandwidth, 2 x sum(kv_end) x Hkv x D x 2 bytes (the keys the step needs) / time, "
         "the same bytes for every row" + (f" (HBM peak of this GPU: about {peak} TB/s)." if peak else "."),
-        "x varlen: this row's time / tritune varlen (dispatcher)'s time, eager and graph separately; above "
+        "vs varlen: tritune varlen (dispatcher)'s time / this row's time (reference / this, as every ratio of "
+        "these reports), eager and graph separately; above 1.00x this row is faster than tritune varlen, below "
         "1.00x tritune varlen is faster.",
         "Checked against the fp32 varlen reference (tritune.kernels.varlen.reference.compare, bf16 tolerance) "
         "before timing; FAILED rows are never timed.",
         "Loop and dedicated rows run whatever the dispatcher serves for decode and prefill. The loop works on "
         "views of the store; dedicated gets contiguous caches prepared outside the timed region.",
-        "FlexAttention reads packed KV prepared outside the timed region; varlen_attn's time includes the "
-        "gather from the store (the gather row times it alone).",
+        "FlexAttention and varlen_attn, alike, read packed KV built from the store outside the timed region; "
+        "the gather row times that gather alone (index_select of K and V), for whoever adds it to either.",
+        bl.EAGER_NOTE,
         f"Tuned configs: {'DB ' + db if db else 'default settings (user DB and shipped bundles)'}; portable "
         "default pinned with use_config; the best stored trial (fastest ok trial at the mix's exact key) is "
         "listed when it differs from both.",
@@ -241,8 +246,8 @@ def _report(rows: list[Row], run: bl.BenchRun) -> str:
         lines = [
             f"## {mix}",
             "",
-            "| implementation | check | max err | eager us | eager TB/s | eager x varlen | host us | graph us "
-            "| graph TB/s | graph x varlen | note |",
+            "| implementation | check | max err | eager us | eager TB/s | eager vs varlen | host us | graph us "
+            "| graph TB/s | graph vs varlen | note |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in (r for r in rows if r.mix == mix):
