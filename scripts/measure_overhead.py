@@ -399,6 +399,18 @@ def profile_lines(fn: Callable[[], object], top: int = 15) -> list[str]:
     return [*lines, ""]
 
 
+def header(gpu: bool) -> str:
+    """The report's header: device, torch / Triton / CUDA / cuDNN / Python versions, date and the real command."""
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    env = bl.environment(device, smoke=not gpu)
+    if not gpu:
+        env["gpu"] = f"none; CPU {platform.processor() or platform.machine()} (Triton interpreter: host tables only)"
+    note = f"Host us per call: median of {ROUNDS} interleaved rounds of {CALLS} calls."
+    if gpu:
+        note += " GPU us: CUDA events over the same loop (GPU-bound where it exceeds the host time)."
+    return bl.header_markdown(env, "Host overhead of the public calls", [note])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
@@ -409,15 +421,7 @@ def main() -> int:
         # Before the kernel modules are imported (the public functions import them on first use).
         bl.use_interpreter()
 
-    where = f"GPU: {torch.cuda.get_device_name()}" if gpu else f"CPU: {platform.processor() or platform.machine()}"
-    lines = [
-        f"{where} | torch {torch.__version__} | triton {__import__('triton').__version__}",
-        "Command: `python scripts/measure_overhead.py`",
-        f"Host us per call: median of {ROUNDS} interleaved rounds of {CALLS} calls."
-        + (" GPU us: CUDA events over the same loop (GPU-bound where it exceeds the host time)." if gpu else ""),
-        "",
-        *host_table("cuda" if gpu else "cpu"),
-    ]
+    lines = [header(gpu), *host_table("cuda" if gpu else "cpu")]
     for shape, variants in gpu_tables() if gpu else ():
         times = interleaved_us(variants)
         public_host, public_gpu = times["public call"]

@@ -143,3 +143,18 @@ def test_varlen_attn_peer_is_not_charged_for_the_gather(varlen, monkeypatch) -> 
     monkeypatch.setattr(torch, "index_select", no_gather)
     out = impl.fn()
     assert float((out.float() - w.expected).abs().max()) < 3e-2
+
+
+# ---- measure_overhead's header --------------------------------------------------------------------
+
+
+def test_overhead_report_header_names_versions_date_and_the_real_command(monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    monkeypatch.setattr(sys, "argv", ["scripts/measure_overhead.py", "--profile", "--out", "x.md"])
+    import measure_overhead
+
+    text = measure_overhead.header(gpu=False)
+    assert "Command: `python scripts/measure_overhead.py --profile --out x.md`" in text
+    for field in ("torch ", "triton ", "CUDA ", "cuDNN ", "Python ", " UTC"):
+        assert field in text, field
+    assert "median of 7 interleaved rounds" in text
