@@ -115,3 +115,40 @@ def test_profile_groups_kernels_by_name(kernel: str, group: str) -> None:
 
 def test_profile_busy_time_counts_overlaps_once() -> None:
     assert _union_us([(0.0, 10.0), (5.0, 12.0), (20.0, 25.0), (21.0, 22.0)]) == 17.0
+
+
+# ---- the PyTorch baseline's decode layout ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def torch_baseline(tmp_path_factory: pytest.TempPathFactory):
+    import llama
+    import make_llama_gguf as maker
+
+    path = maker.make_llama_gguf(tmp_path_factory.mktemp("llama") / "tiny.gguf", maker.PRESETS["tiny"], seed=0)
+    return llama.TorchLlamaModel(*llama.load_gguf(path, device="cpu"), max_positions=64)
+
+
+def test_torch_baseline_decode_chooses_layout_and_backend(torch_baseline) -> None:
+    """The baseline decode tries [B, Hq, 1, D] with enable_gqa beside the folded layout, each checked on the other."""
+    import llama
+    from llama.torch_model import DECODE_LAYOUTS, DEFAULT_DECODE
+
+    prompt = [5, 17, 300, 2, 99, 45, 7]
+    folded = llama.TorchGenerator(torch_baseline, max_len=32, graphs=False)
+    assert folded.decode_backend == DEFAULT_DECODE
+    expected = folded.generate(prompt, 4)
+
+    chosen = llama.TorchGenerator(torch_baseline, max_len=32, graphs=False)
+    chosen.prefill(prompt)
+    # A stand-in clock: every pair takes as long, so the first that runs and is right wins.
+    results = chosen.choose_decode_backend(lambda fn: (fn(), 1.0)[1])
+    assert {name.split("/")[0] for name in results} == set(DECODE_LAYOUTS)
+    assert isinstance(results["gqa/math"], float) and isinstance(results["folded/math"], float)
+    assert chosen.decode_backend in results and chosen.decode_backend.startswith("gqa/")
+
+    gqa = llama.TorchGenerator(torch_baseline, max_len=32, graphs=False)
+    gqa.decode_backend = "gqa/math"
+    assert gqa.generate(prompt, 4) == expected
+    with pytest.raises(ValueError, match="decode choice 'rows/math'"):
+        llama.torch_model.decode_choice("rows/math")

@@ -11,10 +11,12 @@ the two models differ in their linears and attention only.
   (FlashAttention-2 on an H100/H200). Where that call is refused, K/V heads are repeated instead.
 - A decode step must read its length from the device to be captured in a CUDA graph, so it
   attends over the whole static cache with an additive mask built from ``kv_len`` on the device
-  (as gpt-fast does). FlashAttention takes no mask; the query heads of each KV head are folded
-  into query rows (``[1, Hkv, group, D]``), so no backend needs K/V repeated. Which backend
-  (efficient, cuDNN, math or PyTorch's own choice) is fastest depends on the context length:
-  :meth:`TorchGenerator.choose_decode_backend` times each once at the current length.
+  (as gpt-fast does). Two layouts meet the ``Hkv`` cache heads without repeating them: "gqa",
+  one query row per head (``[1, Hq, 1, D]``) with ``enable_gqa=True``, and "folded", the query
+  heads of each KV head as query rows (``[1, Hkv, group, D]``), which needs no GQA support from
+  the backend. Which layout and backend (efficient, cuDNN, flash, math or PyTorch's own choice)
+  is fastest depends on the GPU and the context length: :meth:`TorchGenerator.choose_decode_backend`
+  times every pair that runs and agrees with the math backend's output, once at the current length.
 
 On the CPU every call runs eagerly on PyTorch's CPU kernels: the tests compare its logits with
 ``reference_logits`` as they do the kernel-backed model's.
@@ -48,6 +50,23 @@ DECODE_BACKENDS: dict[str, SDPBackend | None] = {
     "flash": SDPBackend.FLASH_ATTENTION,
     "math": SDPBackend.MATH,
 }
+#: Decode query layouts (see the module's docstring), each tried with every backend.
+DECODE_LAYOUTS = ("gqa", "folded")
+#: The decode step's (layout, backend) before :meth:`TorchGenerator.choose_decode_backend` times them.
+DEFAULT_DECODE = "folded/auto"
+#: Largest difference from the math backend's output a decode choice may show (bf16 rounding).
+DECODE_TOLERANCE = 2e-2
+
+
+def decode_choice(name: str) -> tuple[str, SDPBackend | None]:
+    """``"layout/backend"`` (e.g. ``"gqa/cudnn"``) as the layout and the SDPA backend it names."""
+    layout, _, backend = name.partition("/")
+    if layout not in DECODE_LAYOUTS or backend not in DECODE_BACKENDS:
+        raise ValueError(
+            f"decode choice {name!r}: expected 'layout/backend' with a layout of {DECODE_LAYOUTS} "
+            f"and a backend of {tuple(DECODE_BACKENDS)}"
+        )
+    return layout, DECODE_BACKENDS[backend]
 
 
 def _dense(weights: Q4KWeight | torch.Tensor, *more: Q4KWeight | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -91,8 +110,9 @@ class TorchGenerator(Generator):
     """:class:`Generator` with SDPA in place of ``prefill_attention`` and ``decode_attention``.
 
     Same static cache, same chunked prefill, same decode step captured in one CUDA graph. The
-    decode step runs on ``decode_backend`` (default: PyTorch's choice), which
-    :meth:`choose_decode_backend` can set to the fastest at the current context.
+    decode step runs on ``decode_backend``, a ``"layout/backend"`` pair (default: the folded layout,
+    PyTorch's choice of backend), which :meth:`choose_decode_backend` can set to the fastest at the
+    current context.
     """
 
     def __init__(
@@ -100,7 +120,7 @@ class TorchGenerator(Generator):
     ) -> None:
         super().__init__(model, max_len=max_len, chunk_size=chunk_size, graphs=graphs)
         cfg, device, max_len = model.config, model.device, self.cache.max_len
-        self.decode_backend = "auto"
+        self.decode_backend = DEFAULT_DECODE
         #: The decode step's additive mask: 0 at positions below ``kv_len``, -inf above.
         self._bias = torch.zeros(1, 1, 1, max_len, dtype=model.dtype, device=device)
         self._arange = torch.arange(max_len, dtype=torch.int32, device=device)
@@ -142,25 +162,31 @@ class TorchGenerator(Generator):
         if layer == 0:
             # Once per step, on the device: the mask follows kv_len without a host value.
             self._bias.copy_(torch.where(self._arange < self.kv_len, 0.0, float("-inf")).view_as(self._bias))
-        return self._attend_one(q, self.cache.k[layer], self.cache.v[layer], DECODE_BACKENDS[self.decode_backend])
+        return self._attend_one(q, self.cache.k[layer], self.cache.v[layer], self.decode_backend)
 
-    def _attend_one(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: SDPBackend | None
-    ) -> torch.Tensor:
+    def _attend_one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, choice: str) -> torch.Tensor:
+        """One decode step's attention for one layer in the ``"layout/backend"`` of ``choice``."""
         cfg = self.model.config
-        # The query heads of KV head j are rows j*group .. j*group+group-1: one [group, D] block each.
-        query = q.reshape(1, cfg.kv_heads, self._group, cfg.head_dim)
+        layout, backend = decode_choice(choice)
         with _backend(backend):
-            out = F.scaled_dot_product_attention(query, k, v, attn_mask=self._bias)
+            if layout == "gqa":
+                # One query row per head; SDPA maps query head h to KV head h // group.
+                query = q.reshape(1, cfg.heads, 1, cfg.head_dim)
+                out = F.scaled_dot_product_attention(query, k, v, attn_mask=self._bias, enable_gqa=True)
+            else:
+                # The query heads of KV head j are rows j*group .. j*group+group-1: one [group, D] block each.
+                query = q.reshape(1, cfg.kv_heads, self._group, cfg.head_dim)
+                out = F.scaled_dot_product_attention(query, k, v, attn_mask=self._bias)
         return out.reshape(1, cfg.heads, cfg.head_dim)
 
     def choose_decode_backend(self, time_ms: Callable[[Callable[[], object]], float]) -> dict[str, float | str]:
-        """Time each decode backend on layer 0's cache at the current length; keep the fastest that is right.
+        """Time each decode layout and backend on layer 0's cache at the current length; keep the fastest right one.
 
-        ``time_ms(fn)`` returns the median milliseconds of one call. A backend that raises, or
-        whose output differs from the math backend's by more than bf16 rounding, is left out.
-        With graphs on, a backend must also capture. Returns each backend's time or why it was left
-        out. A captured decode graph is dropped when the choice changes (the next step captures again).
+        ``time_ms(fn)`` returns the median milliseconds of one call. A pair that raises, or whose
+        output differs by more than bf16 rounding from the math backend's in the folded layout
+        (so each layout is checked against the other), is left out. With graphs on, a pair must
+        also capture. Returns each ``"layout/backend"`` pair's time or why it was left out. A
+        captured decode graph is dropped when the choice changes (the next step captures again).
         """
         if self.length == 0:
             raise ValueError("choose_decode_backend: the sequence is empty; prefill it first")
@@ -170,20 +196,20 @@ class TorchGenerator(Generator):
         self.kv_len.fill_(self.length)
         self._bias.copy_(torch.where(self._arange < self.kv_len, 0.0, float("-inf")).view_as(self._bias))
         k, v = self.cache.k[0], self.cache.v[0]
-        expected = self._attend_one(q, k, v, SDPBackend.MATH).float()
+        expected = self._attend_one(q, k, v, "folded/math").float()
         results: dict[str, float | str] = {}
-        for name, backend in DECODE_BACKENDS.items():
+        for name in (f"{layout}/{backend}" for layout in DECODE_LAYOUTS for backend in DECODE_BACKENDS):
             try:
-                got = self._attend_one(q, k, v, backend).float()
+                got = self._attend_one(q, k, v, name).float()
                 err = float((got - expected).abs().max())
-                if not err <= 2e-2:
+                if not err <= DECODE_TOLERANCE:
                     results[name] = f"wrong (max err {err:.2e})"
                     continue
                 if self.graphs:
-                    # The step is replayed from a graph: a backend that cannot be captured is no choice.
+                    # The step is replayed from a graph: a pair that cannot be captured is no choice.
                     with torch.cuda.graph(torch.cuda.CUDAGraph()):
-                        self._attend_one(q, k, v, backend)
-                results[name] = time_ms(lambda backend=backend: self._attend_one(q, k, v, backend))
+                        self._attend_one(q, k, v, name)
+                results[name] = time_ms(lambda name=name: self._attend_one(q, k, v, name))
             except RuntimeError as exc:
                 results[name] = "refused: " + " ".join(str(exc).split())[:120]
         timed = {name: t for name, t in results.items() if isinstance(t, float)}
