@@ -15,7 +15,7 @@ ours reads (``enable_gqa``); cuDNN at Lq != Lkv has no bottom-right causal kerne
 labelled "SDPA cuDNN (dense mask)", outside the fastest-peer reference. TFLOP/s count only unmasked
 query-key pairs (4 * D flops each). On a GPU every row is also timed as a CUDA-graph replay (its
 output poisoned with NaN, replayed and checked first): where an eager call's host path outlasts
-the kernel and the L2 flush, the eager time measures the host, the graph time the kernel. The
+the kernel, the eager time measures the host, the graph time the kernel. The
 report is rewritten after every shape, so a run cut short keeps what it measured. ``--smoke``
 runs the same code on the CPU under ``TRITON_INTERPRET=1`` at tiny shapes: a dry run of the
 script, with meaningless times (and no graph column).
@@ -226,7 +226,7 @@ def pinned(config: dict[str, Any], q: torch.Tensor, k: torch.Tensor, v: torch.Te
 def report(env: dict[str, Any], rows: list[Row]) -> str:
     notes = [
         f"B={B}, Hq={HQ}, Hkv={HKV}, bf16, bottom-right causal, kv_len as a device tensor.",
-        "Median of triton.testing.do_bench (L2 flushed). TFLOP/s count unmasked pairs only.",
+        "Median of triton.testing.do_bench (L2 flushed), in ms. TFLOP/s count unmasked pairs only.",
         "'vs fastest peer' = fastest passing PyTorch peer's time (SDPA flash, SDPA cuDNN with its causal kernel"
         " at Lq = Lkv, FlexAttention) / this time (>1: faster than every peer), eager and graph separately.",
         "SDPA cuDNN (dense mask), the cuDNN row at Lq != Lkv: torch has no bottom-right causal cuDNN kernel"
