@@ -209,3 +209,28 @@ def test_backend_ran_names_the_sdpa_backend(bl):
     names = ["void at::native::elementwise_kernel", "cudnn_generated_fort_native_sdpa_sm90_flash_fprop"]
     assert bl.backend_family(names).startswith("cudnn (")
     assert bl.backend_family(["fmha_cutlassF_bf16_aligned_64x128_rf_sm80"]).startswith("mem-efficient (")
+
+
+@pytest.mark.gpu
+def test_sdpa_peers_on_the_gpu_read_gqa_natively_and_name_their_backend(bl):
+    """What the prefill benchmark's SDPA rows rely on: flash takes the GQA K/V with a bottom-right
+    causal mask, and cuDNN runs (its causal kernel at Lq = Lkv, its dense-bias one otherwise)."""
+    if not torch.cuda.is_available():
+        pytest.skip("GPU tier: needs a CUDA GPU (run on the H200)")
+    from torch.nn.attention import SDPBackend
+    from torch.nn.attention.bias import causal_lower_right
+
+    gpu = torch.device("cuda")
+    q = torch.randn(1, 16, 256, 128, device=gpu, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, 1024, 128, device=gpu, dtype=torch.bfloat16) for _ in range(2))
+    flash = bl.sdpa_peer(SDPBackend.FLASH_ATTENTION, q, k, v, attn_mask=causal_lower_right(256, 1024))
+    assert flash.fn is not None and flash.note == "enable_gqa=True"
+    assert bl.backend_ran(flash.fn, gpu).startswith("ran: flash ("), bl.backend_ran(flash.fn, gpu)
+    dense = bl.sdpa_peer(SDPBackend.CUDNN_ATTENTION, q, k, v, attn_mask=causal_lower_right(256, 1024))
+    causal = bl.sdpa_peer(SDPBackend.CUDNN_ATTENTION, q, k[:, :, :256], v[:, :, :256], is_causal=True)
+    for peer in (dense, causal):
+        if peer.fn is not None:
+            assert bl.backend_ran(peer.fn, gpu).startswith("ran: cudnn ("), bl.backend_ran(peer.fn, gpu)
+    row = bl.TimedRow(impl="SDPA flash")
+    bl.measure(row, flash.fn, lambda out: None, gpu, graphs=False)
+    assert row.eager_us == max(row.eager_gpu_us, row.host_us)
