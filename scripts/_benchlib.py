@@ -284,8 +284,7 @@ def time_ms(fn: Callable[[], object], device: torch.device) -> float:
 
 #: A report's note on its host column and on how eager is timed.
 HOST_NOTE = (
-    "host: CPU time per call with calls queued back to back, the GPU never waited for (median of 5 rounds "
-    "of 20 calls)."
+    "host: CPU time per call with calls queued back to back, the GPU never waited for (median of 5 rounds of 20 calls)."
 )
 EAGER_NOTE = (
     "eager: max(do_bench GPU time, host time) per call, for every row alike. do_bench flushes the L2 "
