@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import toy_kernel
 import torch
+import toy_kernel
 
 from tritune.kernels import registry
 from tritune.kernels.device import interpreter_device
