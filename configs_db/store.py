@@ -73,12 +73,13 @@ class ConfigStore:
     :meth:`close`) to release the database's connections.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, timeout_s: float | None = None) -> None:
+        """``timeout_s``: how long a statement waits for a lock held by another writer (default: a tuner's patience)."""
         from . import storage
 
         self.url = url
         self.source = f"db:{display_url(url)}"
-        self._engine: Engine = storage.make_engine(url)
+        self._engine: Engine = storage.make_engine(url, timeout_s=timeout_s)
         try:
             storage.upgrade(self._engine)
         except database_error_types() as exc:

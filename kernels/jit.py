@@ -226,18 +226,20 @@ class OnlineTuning:
             return None
         self._local.tuning = True
         started = time.monotonic()
+        result = None
         try:
             result = tuner.tune_one_key(
                 spec, where, key, trials=current.jit_trials, seconds=seconds, db_url=current.db_url
             )
         except Exception as exc:  # a DB that cannot be written, a bench that cannot start: serve on
-            self._settle(slot, time.monotonic() - started)
             log.warning("%s %s: online tuning failed (%s); the best available config serves",
                         spec.name, key_text(key), printable(str(exc), limit=1000))  # fmt: skip
             return None
         finally:
             self._local.tuning = False
-        self._settle(slot, result.seconds)
+            # Settled however the tune ended (Ctrl-C too): a reservation left behind would defer
+            # every other key of this process for good.
+            self._settle(slot, time.monotonic() - started if result is None else result.seconds)
         if result.outcome == tuner.BUSY:
             self._await(dispatcher, spec, device, where, key, current, seconds)
             return None

@@ -293,9 +293,11 @@ def test_the_seconds_budget_bounds_a_key(monkeypatch):
 
 @pytest.mark.interpreter
 def test_the_process_budget_stops_online_tuning(caplog):
+    with settings.override(jit="sync", jit_trials=3):
+        assert _served(200) != PORTABLE
+    # What that key took is more than the process's budget now.
     budget = settings.override(jit="sync", jit_trials=3, jit_total_seconds=0.01)
     with budget, caplog.at_level(logging.INFO, logger="tritune.jit"):
-        assert _served(200) != PORTABLE
         # Far from the tuned bucket (no borrowing): the portable default.
         assert _served(4000) == PORTABLE
         assert _served(8000) == PORTABLE
@@ -305,8 +307,11 @@ def test_the_process_budget_stops_online_tuning(caplog):
 
 @pytest.mark.interpreter
 def test_a_spent_budget_closes_the_bench():
-    with settings.override(jit="sync", jit_trials=3, jit_total_seconds=0.01):
+    with settings.override(jit="sync", jit_trials=3):
         assert _served(200) != PORTABLE
+    assert tuner_jit._benches != {}
+    with settings.override(jit="sync", jit_trials=3, jit_total_seconds=0.01):
+        _served(4000)
     assert tuner_jit._benches == {}, "nothing more is tuned: the bench is closed"
 
 

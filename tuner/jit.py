@@ -41,7 +41,7 @@ from tritune.kernels.device import DeviceInfo, device_info
 from tritune.kernels.spec import KernelSpec, TuningKey
 from tritune.kernels.winners import is_current
 
-from .candidates import Bench, BenchError
+from .candidates import OK, PRUNED, Bench, BenchError
 from .options import TuneOptions, TuningError, environment_id
 from .studies import study_name
 from .study import KeyTuner
@@ -60,6 +60,14 @@ __all__ = [
 ]
 
 log = logging.getLogger("tritune.jit")
+
+#: Why a key's tune ended before it began: its seconds went on the claim, the DB or the bench.
+_LATE = "the key's seconds ran out before its first trial"
+
+
+class _DefaultFailed(Exception):
+    """The portable default failed: an online tune stops at once (no winner is possible)."""
+
 
 #: What an online tune of a key came to.
 TUNED, FOUND, BUSY, FAILED = "tuned", "found", "busy", "failed"
@@ -99,10 +107,14 @@ def tune_one_key(
 ) -> JitResult:
     """Tune ``key`` of ``spec`` on ``device`` into the config DB at ``db_url`` within the budget.
 
-    ``trials``: configs measured at most; ``seconds``: the exploration stops past it (a batch
-    under way and the final re-timing of the best configs finish), and no candidate may run
-    longer. ``wait_s``: how long to wait for another process's claim on the key before reporting
-    :data:`BUSY`. A key whose winner is stored already is :data:`FOUND`, not tuned again.
+    ``trials``: configs measured at most; ``seconds``, counted from this call (the claim, the DB
+    and the bench's start-up included): no trial starts past it (a key whose portable default was
+    not measured by then gets no winner); a candidate under way and the final re-timing of the
+    best configs finish, each bounded by ``tune``'s trial timeout (a candidate is never killed
+    for the key's seconds: the kill would be stored as its failure). A locked DB is waited for at
+    most the seconds left. The tune stops at once when the portable default fails. ``wait_s``:
+    how long to wait for another process's claim on the key before reporting :data:`BUSY`. A key
+    whose winner is stored already is :data:`FOUND`, not tuned again.
     """
     if trials < 1:
         raise ValueError(f"trials={trials!r}: expected a whole number of at least 1")
@@ -133,17 +145,23 @@ def _tune_claimed(
     seed: int,
     started: float,
 ) -> JitResult:
-    store = ConfigStore(db_url)
+    # A DB locked by another writer makes the call wait no longer than the key's seconds.
+    left = seconds - (time.monotonic() - started)
+    if left <= 0:
+        return JitResult(FAILED, None, time.monotonic() - started, detail=_LATE)
+    store = ConfigStore(db_url, timeout_s=left)
     try:
         stored = stored_winner(store, spec, info, key)
         if stored is not None:
             return JitResult(FOUND, stored, time.monotonic() - started)
-        options = TuneOptions(
-            trials=trials, time_budget_s=seconds, seed=seed, isolate=ISOLATE, trial_timeout_s=seconds, time_peer=False
-        )
+        # The trial timeout is tune's own, never the key's seconds: a candidate killed for a short
+        # budget would be stored as failed. The seconds end the search between trials instead.
+        options = TuneOptions(trials=trials, time_budget_s=seconds, seed=seed, isolate=ISOLATE, time_peer=False)
         timer = TIMER if TIMER is not None else _device_timer(torch_device)
         bench, bench_lock = _bench(torch_device, timer, options)
         with bench_lock:
+            if time.monotonic() - started >= seconds:
+                return JitResult(FAILED, None, time.monotonic() - started, detail=_LATE)
             return _tune_on(spec, torch_device, info, key, store, timer, options, bench, trials, seconds, started)
     finally:
         store.close()
@@ -164,6 +182,15 @@ def _tune_on(
 ) -> JitResult:
     """One key's online tune on ``bench``, which the caller holds."""
     log.info("%s %s: tuning online (%d trials, %g s)", spec.name, key_text(key), trials, seconds)
+    default = spec.space.to_dict(spec.default_config(key))
+
+    def on_trial(kernel: str, config: dict[str, Any], status: str, ms: float | None) -> None:
+        log.info("%s %s: %s %s%s", kernel, key_text(key), " ".join(f"{k}={v}" for k, v in config.items()), status,
+                 "" if ms is None else f" {ms:.4g} ms")  # fmt: skip
+        if config == default and status not in (OK, PRUNED):
+            # No winner can be chosen without it: the rest of the key's seconds would be wasted.
+            raise _DefaultFailed(f"{spec.name} {key_text(key)}: the portable default failed ({status})")
+
     tuner = KeyTuner(
         spec,
         key,
@@ -173,20 +200,25 @@ def _tune_on(
         environment_id(store, info),
         timer,
         options,
-        on_trial=lambda kernel, config, status, ms: log.info(
-            "%s %s: %s %s%s",
-            kernel,
-            key_text(key),
-            " ".join(f"{k}={v}" for k, v in config.items()),
-            status,
-            "" if ms is None else f" {ms:.4g} ms",
-        ),
+        on_trial=on_trial,
         bench=bench,
     )
+    # The key's seconds count from the call: the claim, the DB, the bench's start-up and the problems too.
+    tuner.started = started
     try:
         result = tuner.run()
+    except _DefaultFailed as exc:
+        ident = tuner.known.ident(spec.default_config(key))
+        error = tuner.known.errors.get(ident)
+        counts = tuner.known.counts
+        return JitResult(FAILED, None, time.monotonic() - started, measured=counts["measured"] + counts["failed"],
+                         detail=f"{exc}: {error}" if error else str(exc))  # fmt: skip
     except (TuningError, BenchError) as exc:
-        return JitResult(FAILED, None, time.monotonic() - started, detail=str(exc))
+        detail = str(exc)
+        if tuner._past_deadline() and tuner.known.ident(spec.default_config(key)) not in tuner.known.status:
+            # Nothing failed: the seconds went on the bench's start-up and the key's problems.
+            detail = f"{_LATE} (the portable default was not measured within {seconds:g} s)"
+        return JitResult(FAILED, None, time.monotonic() - started, detail=detail)
     measured = result.measured + result.failed
     # What the DB keeps: the faster of this offer and one stored meanwhile (another host).
     winner = stored_winner(store, spec, info, key)

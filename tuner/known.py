@@ -4,10 +4,15 @@ A config is known by its fields' names and values in the space's order (its iden
 position, so a space of paths (:class:`~tritune.search_spaces.base.UnionSpace`), whose configs hold
 different fields, is known the same way as a flat one. The config DB's trials table is the record:
 every trial is written there as soon as it is measured, and what others stored is read back.
+
+A stored trial that timed out under a shorter trial timeout than this search's (``timed out after
+N s``, e.g. from an online tune's short timeout) is not a verdict on the config: it is measured
+again, and its new result replaces the stored row.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +22,7 @@ from optuna.trial import FrozenTrial, TrialState
 from tritune.configs_db.store import ConfigStore
 from tritune.kernels.spec import KernelSpec
 
-from .candidates import OK, PRUNED
+from .candidates import FAILED_RUNTIME, OK, PRUNED
 from .studies import OUTCOME_ATTR, REUSED, WORKER_ATTR, measured_outcome
 
 __all__ = ["Ident", "Known", "OnTrial"]
@@ -26,6 +31,23 @@ __all__ = ["Ident", "Known", "OnTrial"]
 Ident = tuple[tuple[str, Any], ...]
 #: Called after each recorded trial with (kernel, config, status, ms).
 OnTrial = Callable[[str, dict[str, Any], str, float | None], None]
+
+#: How a worker's kill of a candidate that ran past the trial timeout reads in the trials table
+#: (``tuner.worker``: "timed out after 120 s").
+_TIMED_OUT = re.compile(r"timed out after ([0-9][0-9.e+-]*) s")
+
+
+def timed_out_after(status: str, error: str | None) -> float | None:
+    """The trial timeout a stored trial was killed at, in seconds; ``None`` for any other outcome."""
+    if status != FAILED_RUNTIME or error is None:
+        return None
+    match = _TIMED_OUT.search(error)
+    if match is None:
+        return None
+    try:
+        return float(match.group(1))
+    except ValueError:
+        return None
 
 
 class Known:
@@ -38,9 +60,15 @@ class Known:
         store: ConfigStore,
         env_id: int,
         on_trial: OnTrial | None = None,
+        *,
+        trial_timeout_s: float | None = None,
     ) -> None:
         self.spec, self.space, self.key_dict = spec, spec.space, key_dict
         self.store, self.env_id, self.on_trial = store, env_id, on_trial
+        #: This search's trial timeout (``None``: none): stored timeouts shorter than it are retried.
+        self.trial_timeout_s = trial_timeout_s
+        #: Configs whose stored row is a shorter timeout: their new result replaces that row.
+        self.retried: set[Ident] = set()
         self.times: dict[Ident, float] = {}
         self.status: dict[Ident, str] = {}
         self.errors: dict[Ident, str] = {}
@@ -85,6 +113,9 @@ class Known:
         if error is not None:
             self.errors[ident] = error
         spec = self.spec
+        if ident in self.retried:
+            self.retried.discard(ident)
+            self._forget_timeout(values)
         self.store.record_trial(self.env_id, spec.name, spec.version, self.key_dict, values, status, ms, error)
         if status == OK:
             self.counts["measured"] += 1
@@ -104,11 +135,39 @@ class Known:
                 continue
             if ident in self.status:
                 continue
+            if self._retryable(row.status, row.error):
+                self.retried.add(ident)
+                continue
             self.status[ident] = row.status
             if row.error is not None:
                 self.errors[ident] = row.error
             if row.status == OK and row.time_ms is not None:
                 self.times[ident] = row.time_ms
+
+    def _retryable(self, status: str, error: str | None) -> bool:
+        """Whether a stored trial timed out under a shorter trial timeout than this search's."""
+        after = timed_out_after(status, error)
+        return after is not None and (self.trial_timeout_s is None or after < self.trial_timeout_s)
+
+    def _forget_timeout(self, values: dict[str, Any]) -> None:
+        """Delete the stored timeout of a config measured again (the trials table keeps one row per config)."""
+        from sqlalchemy import delete
+
+        from tritune.configs_db.models import Trial
+        from tritune.configs_db.values import canonical_json
+
+        spec = self.spec
+        with self.store.engine.begin() as connection:
+            connection.execute(
+                delete(Trial).where(
+                    Trial.environment_id == self.env_id,
+                    Trial.kernel == spec.name,
+                    Trial.kernel_version == spec.version,
+                    Trial.key_json == canonical_json(self.key_dict),
+                    Trial.config_json == canonical_json(values),
+                    Trial.status == FAILED_RUNTIME,
+                )
+            )
 
     def add_stored(self, study: optuna.Study, trials: list[FrozenTrial]) -> None:
         """Add the measurements known from the config DB that the study lacks, as finished trials."""

@@ -102,7 +102,7 @@ class KeySearch:
         self.key_dict = key.to_dict()
         self.limits = spec.limits(device)
         self.name = study_name(spec.name, spec.version, device.slug, triton.__version__, self.key_dict)
-        self.known = Known(spec, self.key_dict, store, env_id, on_trial)
+        self.known = Known(spec, self.key_dict, store, env_id, on_trial, trial_timeout_s=options.trial_timeout_s)
         self.strategy = Strategy(spec, key, device, store, options, self.known)
         #: Stand-ins are drawn from this process's stream (workers share the seeds, not the stream).
         self.rng = random.Random(backend.sampler_seed(options.seed))
@@ -197,13 +197,12 @@ class KeySearch:
         opts = self.options
         if self.started is None:
             self.started = time.monotonic()
-        started = self.started
         budget = opts.trials
         polish_from = self.strategy.polish_from(self.strategy.exhaustive)
         max_asks = 20 * budget + len(self.strategy.feasible)
         asks = measured = 0
         while asks < max_asks:
-            if opts.time_budget_s is not None and time.monotonic() - started > opts.time_budget_s:
+            if self._past_deadline():
                 log.info("%s %s: time budget reached", self.spec.name, self.key)
                 return measured, "time"
             self.backend.sweep(study)
@@ -395,6 +394,11 @@ class KeySearch:
 
     # ---- measuring ---------------------------------------------------------------------------
 
+    def _past_deadline(self) -> bool:
+        """Whether ``--time-budget`` (online: the key's seconds) has run out since the search began."""
+        budget = self.options.time_budget_s
+        return budget is not None and self.started is not None and time.monotonic() - self.started > budget
+
     def _measure(self, study: optuna.Study, bench: KeyBench, default: Any, pending: list[tuple[Asked, Any]]) -> int:
         told: set[int] = set()
 
@@ -405,7 +409,7 @@ class KeySearch:
             told.add(index)
 
         try:
-            self._measure_batch(
+            results = self._measure_batch(
                 self._ready(bench, default),
                 [config for _, config in pending],
                 on_result=tell,
@@ -414,14 +418,22 @@ class KeySearch:
             # Left to another worker at once, rather than after the heartbeat's grace period.
             self._release([item for index, (item, _) in enumerate(pending) if index not in told])
             raise
-        return len(pending)
+        skipped = [item for index, (item, _) in enumerate(pending) if index not in told]
+        if self.backend.shared:
+            self._release(skipped)
+        else:
+            for item in skipped:  # past the deadline: nobody measures them
+                self._tell(study, item, DUPLICATE)
+        return len(results)
 
     def _measure_batch(
         self, bench: Bench, configs: list[Any], on_result: Callable[[int, TrialOutcome], None] | None = None
     ) -> list[TrialOutcome]:
         """Run one batch on the bench, recording each trial as soon as its outcome is in.
 
-        ``on_result(index, outcome)`` is called right after each trial is recorded.
+        ``on_result(index, outcome)`` is called right after each trial is recorded. Past the time
+        budget the rest of the batch is left unmeasured (a candidate under way is never killed for
+        it: a kill would be stored as the config's failure).
         """
         values = [self.space.to_dict(c) for c in configs]
         early: list[TrialOutcome | None] | None = None
@@ -429,6 +441,10 @@ class KeySearch:
             early = bench.precompile(values)
         results = []
         for index, config in enumerate(configs):
+            if self._past_deadline():
+                log.info("%s %s: time budget reached; %d trial(s) of the batch left unmeasured", self.spec.name,
+                         self.key, len(configs) - index)  # fmt: skip
+                break
             failed_early = early[index] if early is not None else None
             result = failed_early or bench.trial(values[index], compiled=early is not None)
             self.known.record(config, result["status"], result["ms"], result["error"])

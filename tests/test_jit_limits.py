@@ -1,0 +1,151 @@
+"""Online tuning's time caps: the trial timeout is tune's own (a short budget never stores a kill
+as a failure, and a stored short timeout is retried), a locked DB and the key's seconds bound a
+sync call, a batch stops at the deadline, a failed portable default ends the tune at once."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+
+import pytest
+import torch
+import toy_kernel
+from test_jit import CPU, PORTABLE, SPEC, _key, _served, _trials, _winner, online  # noqa: F401
+
+from tritune.configs_db.storage import sqlite_file
+from tritune.configs_db.store import ConfigStore
+from tritune.kernels import settings
+from tritune.tuner import jit as tuner_jit
+from tritune.tuner.candidates import FAILED_RUNTIME, OK
+from tritune.tuner.options import TuneOptions
+from tritune.tuner.study import KeyTuner, environment_id
+from tritune.tuner.timing import FakeTimer
+
+
+def _store_trial(n_bucket: int, config: dict, status: str, error: str | None) -> None:
+    with ConfigStore(settings.settings().db_url) as store:
+        env = environment_id(store, CPU)
+        store.record_trial(env, SPEC.name, SPEC.version, _key(n_bucket).to_dict(), config, status, None, error)
+
+
+def test_a_timeout_is_read_from_its_stored_error():
+    from tritune.tuner.known import timed_out_after
+
+    assert timed_out_after(FAILED_RUNTIME, "timed out after 5 s") == 5.0
+    assert timed_out_after(FAILED_RUNTIME, "timed out after 0.25 s") == 0.25
+    assert timed_out_after(FAILED_RUNTIME, "worker died with exit code -11 (SIGSEGV)") is None
+    assert timed_out_after("failed-compile", "timed out after 5 s") is None
+
+
+def test_online_tuning_uses_tunes_trial_timeout_not_the_keys_seconds(monkeypatch):
+    seen = []
+    make = tuner_jit._bench
+
+    def recording(device, timer, options):
+        seen.append(options.trial_timeout_s)
+        return make(device, timer, options)
+
+    monkeypatch.setattr(tuner_jit, "_bench", recording)
+    with settings.override(jit="sync", jit_trials=2, jit_key_seconds=1.0):
+        _served(200)
+    assert seen == [TuneOptions().trial_timeout_s]
+
+
+@pytest.mark.interpreter
+def test_a_default_stored_as_timed_out_under_a_shorter_timeout_is_measured_again():
+    _store_trial(256, PORTABLE, FAILED_RUNTIME, "timed out after 1 s")
+    with settings.override(jit="sync", jit_trials=3):
+        assert _served(200) != PORTABLE
+    assert _winner(256) is not None
+    rows = {tuple(sorted(r.config.items())): r for r in _trials(256)}
+    assert rows[tuple(sorted(PORTABLE.items()))].status == OK, "the stored timeout is replaced by the new result"
+
+
+@pytest.mark.interpreter
+def test_a_timeout_as_long_as_the_running_one_stays_a_failure():
+    _store_trial(256, PORTABLE, FAILED_RUNTIME, f"timed out after {TuneOptions().trial_timeout_s:g} s")
+    with settings.override(jit="sync", jit_trials=3):
+        assert _served(200) == PORTABLE
+    assert _winner(256) is None
+
+
+def test_a_locked_db_holds_a_sync_call_no_longer_than_the_keys_seconds():
+    url = settings.settings().db_url
+    ConfigStore(url).close()
+    locker = sqlite3.connect(str(sqlite_file(url)), isolation_level=None, check_same_thread=False)
+    locker.execute("BEGIN EXCLUSIVE")
+    try:
+        with settings.override(jit="sync", jit_trials=3, jit_key_seconds=0.5):
+            started = time.monotonic()
+            assert _served(200) == PORTABLE
+            spent = time.monotonic() - started
+    finally:
+        locker.execute("ROLLBACK")
+        locker.close()
+    assert spent < 5, f"the call waited {spent:.1f} s on the locked DB"
+
+
+def test_the_keys_seconds_count_the_bench_start_up(monkeypatch):
+    make = tuner_jit._bench
+
+    def slow_start(device, timer, options):
+        time.sleep(0.6)
+        return make(device, timer, options)
+
+    monkeypatch.setattr(tuner_jit, "_bench", slow_start)
+    result = tuner_jit.tune_one_key(SPEC, "cpu", _key(256), trials=4, seconds=0.5, db_url=settings.settings().db_url)
+    assert result.outcome == tuner_jit.FAILED and "ran out" in result.detail
+    assert _trials(256) == []
+
+
+class _SlowCost(toy_kernel.CostTimer):
+    pause_s = 0.2
+
+    def __call__(self, fn, *, config, flush_l2, launch_bound):
+        time.sleep(self.pause_s)
+        return super().__call__(fn, config=config, flush_l2=flush_l2, launch_bound=launch_bound)
+
+
+@pytest.mark.interpreter
+def test_a_batch_stops_at_the_time_budget(tmp_path):
+    key = _key(256)
+    options = TuneOptions(trials=12, batch=12, time_budget_s=0.3, final_rounds=1)
+    with ConfigStore(f"sqlite:///{tmp_path / 'batch.sqlite'}") as store:
+        env = environment_id(store, CPU)
+        tuner = KeyTuner(SPEC, key, CPU, torch.device("cpu"), store, env, _SlowCost(), options)
+        result = tuner.run()
+        measured = [r for r in store.measured_trials(env, SPEC.name, SPEC.version, key.to_dict()) if r.status == OK]
+    assert result.config is not None
+    assert 1 <= len(measured) <= 3, f"{len(measured)} trials measured past a 0.3 s budget of 0.2 s trials"
+
+
+class _DefaultFails(FakeTimer):
+    """The portable default fails at run time; every other config measures."""
+
+    def __call__(self, fn, *, config, flush_l2, launch_bound):
+        if SPEC.space.to_dict(config) == PORTABLE:
+            raise RuntimeError("the default cannot run here")
+        return super().__call__(fn, config=config, flush_l2=flush_l2, launch_bound=launch_bound)
+
+
+@pytest.mark.interpreter
+def test_a_failed_portable_default_ends_the_online_tune_at_once(monkeypatch):
+    monkeypatch.setattr(tuner_jit, "TIMER", _DefaultFails(toy_kernel.toy_cost))
+    result = tuner_jit.tune_one_key(SPEC, "cpu", _key(256), trials=8, seconds=30, db_url=settings.settings().db_url)
+    assert result.outcome == tuner_jit.FAILED and "portable default failed" in result.detail
+    assert "cannot run here" in result.detail
+    assert [r.status for r in _trials(256) if r.status != "pruned"] == [FAILED_RUNTIME]
+
+
+def test_a_sync_tune_interrupted_gives_its_reservation_back(monkeypatch):
+    from tritune.kernels import jit
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tuner_jit, "tune_one_key", interrupted)
+    with settings.override(jit="sync", jit_trials=2):
+        with pytest.raises(KeyboardInterrupt):
+            _served(200)
+        assert jit.ONLINE._reserved == {}
+        assert not getattr(jit.ONLINE._local, "tuning", False)
