@@ -108,6 +108,8 @@ class OnlineTuning:
         self._reserved: dict[Slot, float] = {}
         #: Why online tuning stopped in this process (the tuner is not installed, the worker died).
         self.stopped: str | None = None
+        #: Whether it stopped for want of the tuner: the one reason a forked child inherits.
+        self._tuner_absent = False
         self._worker: BackgroundWorker | None = None
         self._budget_logged = False
         self._failure_logged = False
@@ -122,6 +124,7 @@ class OnlineTuning:
             self.spent_s = 0.0
             self._reserved.clear()
             self.stopped = None
+            self._tuner_absent = False
             self._budget_logged = False
         if worker is not None:
             worker.close()
@@ -129,7 +132,11 @@ class OnlineTuning:
     def after_fork(self) -> None:
         """A forked child starts with nothing of its parent's: a fresh lock (another thread may have
         held it at the fork), no worker (its process and threads are the parent's: not closed here),
-        no attempts, reservations or spending of its own yet (the budget is per process)."""
+        no attempts, reservations or spending of its own yet (the budget is per process), and no
+        stop unless the tuner is missing (the parent's worker dying or spending its budget says
+        nothing of the child's)."""
+        if not self._tuner_absent:
+            self.stopped = None
         self._lock = threading.Lock()
         self._local = threading.local()
         self._worker = None
@@ -188,6 +195,7 @@ class OnlineTuning:
                         absent = _tuner_missing()
                         if absent:
                             self._reserved.pop(slot)
+                            self._tuner_absent = True
                             self.stopped = (f"online tuning (TRITUNE_JIT) needs the tune extra ({', '.join(absent)} "
                                             f"not installed here): {INSTALL_HINT}; serving without online "
                                             "tuning")  # fmt: skip
@@ -211,6 +219,7 @@ class OnlineTuning:
         try:
             return importlib.import_module("tritune.tuner.jit")
         except ImportError as exc:
+            self._tuner_absent = True
             self._stop(f"online tuning (TRITUNE_JIT) needs the tune extra, which is not installed here ({exc}): "
                        f"{INSTALL_HINT}; serving without online tuning")  # fmt: skip
             return None

@@ -12,7 +12,9 @@ the model called that had no winner of its own is tuned. To get there cheaply:
 - The writer is a daemon thread that writes what was noted every :data:`FLUSH_INTERVAL_S` seconds,
   and once more at exit (``atexit``, registered when this module is imported: a process that only
   ever resolved keys while tracing or capturing, a ``torch.compile``-only model, gets them written
-  then; with nothing noted the exit does nothing). Each write is one transaction on the ``misses`` table only
+  then; with nothing noted the exit does nothing). The exit first waits, at most
+  ``TRITUNE_DB_READ_TIMEOUT`` seconds, for a write of the writer's under way: a batch it could
+  not store is written with the rest. Each write is one transaction on the ``misses`` table only
   (:func:`tritune.configs_db.misses.write_misses`: an upsert that adds the counts and moves
   ``last_seen``), bounded by ``TRITUNE_DB_READ_TIMEOUT`` seconds (the first write to a DB, which may
   create or upgrade it, longer), and never raises into the caller. Writes never overlap. What a
@@ -225,6 +227,11 @@ class MissLog:
 
     def _at_exit(self) -> None:
         self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            # A batch the writer holds (waiting on a lock another process holds) comes back to
+            # _pending if its write fails: wait for it, bounded, rather than lose it with the thread.
+            thread.join(settings_module.settings().db_read_timeout)
         if self._pending:
             self.flush()
 
