@@ -116,6 +116,10 @@ class Dispatcher:
         self._logged: set[tuple[str, TuningKey]] = set()
         #: (kernel, device type, device index, facts[, pin]) -> config: the steady-state hit.
         self._memo: dict[tuple[Any, ...], Any] = {}
+        #: Choices online tuning put off (see :meth:`deferred`), with their generation: reused while
+        #: no call could tune them (under a dispatch mode, or while other keys hold the seconds),
+        #: so such calls cost a lookup, not a resolution (and one miss noted per deferral).
+        self._deferred_memo: dict[tuple[Any, ...], tuple[Any, int]] = {}
         #: Bumped by :meth:`clear`; a resolution started before a clear is not cached after it.
         self.generation = 0
         #: Per thread: whether the last resolution met a miss online tuning put off (see :meth:`deferred`).
@@ -129,6 +133,7 @@ class Dispatcher:
             self._resolved.clear()
             self._logged.clear()
             self._memo.clear()
+            self._deferred_memo.clear()
 
     def declared(self, spec: KernelSpec[Any, Any]) -> None:
         """A kernel declared after winners were loaded: admit the stored records kept aside for it."""
@@ -154,6 +159,27 @@ class Dispatcher:
 
     def memo_get(self, memo: tuple[Any, ...]) -> Any:
         return self._memo.get(memo)
+
+    def deferred_get(self, memo: tuple[Any, ...]) -> Any:
+        """A choice put off earlier, while this call could not tune its key either; else ``None``
+        (and the choice is dropped once a call could tune: that call resolves again, and tunes)."""
+        held = self._deferred_memo.get(memo)
+        if held is None:
+            return None
+        config, generation = held
+        if generation == self.generation and not _could_tune():
+            return config
+        with self._lock:
+            self._deferred_memo.pop(memo, None)
+        return None
+
+    def deferred_put(self, memo: tuple[Any, ...], values: Any, generation: int) -> None:
+        with self._lock:
+            if generation != self.generation:
+                return
+            if len(self._deferred_memo) >= MEMO_LIMIT:
+                self._deferred_memo.clear()
+            self._deferred_memo[memo] = (values, generation)
 
     def memo_put(self, memo: tuple[Any, ...], values: Any, generation: int) -> None:
         with self._lock:
@@ -196,6 +222,7 @@ class Dispatcher:
                 del self._resolved[resolved]
             # The memo is read without the lock on every call: replaced whole, never changed in place.
             self._memo = {memo: config for memo, config in self._memo.items() if memo[0] != kernel}
+            self._deferred_memo = {memo: held for memo, held in self._deferred_memo.items() if memo[0] != kernel}
 
     def table(self, device: DeviceInfo) -> WinnerTable:
         """The device's winners, read on first use; calls for other devices never wait for the read."""
@@ -348,8 +375,18 @@ def reload_configs() -> None:
     DISPATCHER.clear()
 
 
+def _could_tune() -> bool:
+    """Whether a call now could tune a key online: eager, with seconds of the process's budget free."""
+    from . import jit  # imported by the resolution that deferred: online tuning is on
+
+    return jit.eager() and jit.ONLINE.seconds_free()
+
+
 def _choose(kernel: str, device_type: str, device_index: int, facts: tuple[Any, ...], memo: tuple[Any, ...]) -> Any:
     """Resolve the config of one call's facts and memoise it under ``memo``."""
+    held = DISPATCHER.deferred_get(memo)
+    if held is not None:
+        return held
     generation = DISPATCHER.generation
     DISPATCHER.start_resolution()
     spec = get_spec(kernel)
@@ -375,6 +412,8 @@ def _choose(kernel: str, device_type: str, device_index: int, facts: tuple[Any, 
             config = EagerChoice(config, eager)
     if not DISPATCHER.deferred():
         DISPATCHER.memo_put(memo, config, generation)
+    else:
+        DISPATCHER.deferred_put(memo, config, generation)
     return config
 
 

@@ -145,6 +145,13 @@ class OnlineTuning:
         self.spent_s = 0.0
         self._budget_logged = False
 
+    def seconds_free(self) -> bool:
+        """Whether a miss now could be handed seconds: the process's budget is not all spent or held
+        by keys being tuned, and online tuning has not stopped here."""
+        with self._lock:
+            held = self.spent_s + sum(self._reserved.values())
+            return self.stopped is None and held < settings().jit_total_seconds
+
     def on_miss(
         self, dispatcher: Dispatcher, spec: KernelSpec[Any, Any], device: DeviceInfo, where: torch.device,
         key: TuningKey,

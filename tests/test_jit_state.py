@@ -24,3 +24,28 @@ def test_a_forked_child_keeps_the_stop_of_a_missing_tuner(monkeypatch):
     assert jit.ONLINE.stopped is not None
     jit.ONLINE.after_fork()
     assert jit.ONLINE.stopped is not None and "tune extra" in jit.ONLINE.stopped
+
+
+def test_a_choice_put_off_under_a_dispatch_mode_is_resolved_once_and_tuned_at_the_next_eager_call(monkeypatch):
+    import torch
+    from test_jit import SPEC, _served
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tritune.kernels import misses, settings
+    from tritune.kernels.dispatcher import dispatch_config
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    noted = []
+    monkeypatch.setattr(misses, "note", lambda spec, device, key: noted.append(key))
+    facts = tuple(SPEC.facts(torch.randn(200)))
+    with settings.override(jit="sync", jit_trials=2):
+        with Passthrough():
+            for _ in range(20):
+                dispatch_config("toy_scale", "cpu", -1, facts)
+        assert len(noted) == 1, "the put-off choice is reused while no call could tune"
+        assert not jit.ONLINE.attempted
+        _served(200)
+        assert len(jit.ONLINE.attempted) == 1, "the next eager call tunes the key"
