@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 
 def _plan(
-    specs: list[Any], overrides: list[KeyOverride], device_info: Any, missed_in: str | None = None
+    specs: list[Any], overrides: list[KeyOverride], device_info: Any, missed_in: str | None = None, trials: int = 0
 ) -> list[tuple[Any, Any]]:
     """(kernel, key) pairs to tune on one device: each kernel's default keys with the overrides applied,
     or with ``missed_in`` (``--missed``) the keys logged in that DB (:mod:`.missed`).
@@ -56,7 +56,7 @@ def _plan(
     A kernel the overrides leave no valid key is left out, with a note, when others are tuned.
     """
     if missed_in is not None:
-        return plan_missed(specs, device_info, missed_in)
+        return plan_missed(specs, device_info, missed_in, trials)
     keys = KeyPlan(specs, overrides)
     plan: list[tuple[Any, Any]] = []
     for spec in specs:
@@ -281,7 +281,7 @@ def _tune_here(
 
     info = device_info(torch_device)
     # The kernels and their keys before the DB: a bad --kernel or --key leaves no DB behind.
-    plan = _plan(load_kernels(names, tunable=True), overrides, info, missed_in)
+    plan = _plan(load_kernels(names, tunable=True), overrides, info, missed_in, options.trials)
     store = ConfigStore(url)
     plan = provisional_first(plan, store, info)
     env_id = environment_id(store, info)
@@ -403,7 +403,7 @@ def _tune_fleet(
     for entry in dict.fromkeys(devices):
         torch_device = torch.device("cpu") if entry == "cpu" else torch.device("cuda", int(entry))
         infos[entry] = device_info(torch_device)
-        plans[entry] = _plan(specs, overrides, infos[entry], missed_in)
+        plans[entry] = _plan(specs, overrides, infos[entry], missed_in, options.trials)
     # The config DB is created (and upgraded) once, before the workers open it together.
     with ConfigStore(url) as store:
         plans = {entry: provisional_first(plan, store, infos[entry]) for entry, plan in plans.items()}

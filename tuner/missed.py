@@ -7,8 +7,10 @@ the model called on this GPU is tuned, most frequent first. The plan takes, for 
 version. A logged key is parsed strictly with the kernel's key type; a row that does not parse,
 names another GPU in its key, or is a key the kernel's tuning half refuses is left out with its
 reason. Keys that already hold a winner measured under the running Triton and torch are left out
-too (``--key`` re-tunes a key on purpose); so are rows of other kernel versions (the key may no
-longer mean the same), with a count.
+too (``--key`` re-tunes a key on purpose), unless that winner came of fewer trials than the run's
+``--trials`` (an online tune's short budget: ``TRITUNE_JIT_TRIALS``, ``TRITUNE_JIT_KEY_SECONDS``),
+which are planned again, with a count; so are rows of other kernel versions left out (the key may
+no longer mean the same), with a count.
 """
 
 from __future__ import annotations
@@ -71,9 +73,13 @@ def missed_plan(
     rows: Sequence[MissRecord],
     winners: Sequence[WinnerRecord],
     declared: Callable[[str], bool] | None = None,
+    trials: int | None = None,
 ) -> MissedPlan:
     """What ``tune --missed`` tunes on ``device`` from the logged ``rows`` and the stored ``winners`` (see the
     module docstring).
+
+    ``trials``: the run's trial budget; a current winner that came of fewer trials is tuned again
+    (``None``: any current winner counts as complete).
 
     ``declared``: whether a kernel name is known in this process (built in, installed or declared);
     the rows of the others are counted by name, since only ``--kernel`` can tell where they are.
@@ -84,11 +90,13 @@ def missed_plan(
         declared = set(registry.kernel_names()).__contains__
     by_name = {spec.name: spec for spec in specs}
     tuned = {
-        (w.kernel, w.kernel_version, canonical_json(w.key)) for w in winners if w.gpu == device.slug and is_current(w)
+        (w.kernel, w.kernel_version, canonical_json(w.key)): w.trials
+        for w in winners
+        if w.gpu == device.slug and is_current(w)
     }
     result = MissedPlan()
     older: dict[str, int] = {}
-    already = 0
+    already = short = 0
     seen: set[tuple[str, TuningKey]] = set()
     for row in rows:
         spec = by_name.get(row.kernel)
@@ -106,31 +114,38 @@ def missed_plan(
         if isinstance(key, str):
             result.notes.append(f"{spec.name} {row.key_json}: left out: {key}")
             continue
-        if (spec.name, spec.version, canonical_json(key.to_dict())) in tuned:
+        stored = tuned.get((spec.name, spec.version, canonical_json(key.to_dict())))
+        if stored is not None and (trials is None or stored >= trials):
             already += 1
             continue
         if (spec.name, key) not in seen:
+            short += stored is not None
             seen.add((spec.name, key))
             result.plan.append((spec, key))
     for name, count in sorted(older.items()):
         result.notes.append(f"{name}: {count} logged key(s) of other kernel versions left out (call the model again)")
     if already:
         result.notes.append(f"{already} logged key(s) already tuned under this Triton and torch left out")
+    if short:
+        result.notes.append(f"{short} logged key(s) whose winner came of fewer than {trials} trials (an online "
+                            "tune's) tuned again")  # fmt: skip
     for name, count in sorted(result.undeclared.items()):
         result.notes.append(f"{count} logged key(s) of {name}, a kernel not declared here: {DECLARE_HINT}")
     return result
 
 
 def plan_missed(
-    specs: Sequence[KernelSpec[Any, Any]], device: DeviceInfo, url: str
+    specs: Sequence[KernelSpec[Any, Any]], device: DeviceInfo, url: str, trials: int | None = None
 ) -> list[tuple[KernelSpec[Any, Any], TuningKey]]:
-    """``tune --missed``'s plan on ``device``, its notes printed; :class:`CommandError` when nothing was logged."""
+    """``tune --missed``'s plan on ``device``, its notes printed; :class:`CommandError` when nothing was logged.
+
+    ``trials``: the run's ``--trials`` (winners of fewer trials are tuned again)."""
     from tritune.configs_db.store import display_url, read_winners
 
     check_database_path(url, must_exist=True)
     rows = read_misses(url, gpu=device.slug, timeout_s=READ_TIMEOUT_S)
     winners = read_winners(url, device.slug, timeout_s=READ_TIMEOUT_S)
-    found = missed_plan(specs, device, rows, winners)
+    found = missed_plan(specs, device, rows, winners, trials=trials)
     for note in found.notes:
         console.print(f"[yellow]{plain(note)}[/yellow]", soft_wrap=True)
     if found.logged == 0 and found.undeclared:
