@@ -225,6 +225,15 @@ ENVIRONMENT: dict[str, Variable] = {
 }
 
 
+#: Settings of a fixed set of values: an override outside them would fall through to a wrong
+#: branch (an unknown ``jit`` mode ran a blocking sync tune), so it is refused like the variable.
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "jit": ("off", "sync", "background"),
+    "cross_gpu": ("off", "seed", "serve"),
+    "enable_tma_causal_prefill": ("auto", "on", "off"),
+}
+
+
 def _read_environment(environ: Mapping[str, str]) -> tuple[Settings, list[tuple[str, str]]]:
     """The settings ``environ`` asks for, and per value refused for its default: what is wrong, and that default.
 
@@ -311,6 +320,10 @@ def override(**changes: Any) -> Iterator[Settings]:
     ``use_config``, which is context-local).
     """
     global _current
+    for name, value in changes.items():
+        allowed = _CHOICES.get(name)
+        if allowed is not None and value not in allowed:
+            raise ValueError(f"{name}={value!r}: expected {', '.join(allowed[:-1])} or {allowed[-1]}")
     previous = settings()
     if "db_url" in changes and changes["db_url"] is not None:
         changes["db_url"] = db_url_from(str(changes["db_url"]))

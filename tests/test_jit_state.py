@@ -49,3 +49,21 @@ def test_a_choice_put_off_under_a_dispatch_mode_is_resolved_once_and_tuned_at_th
         assert not jit.ONLINE.attempted
         _served(200)
         assert len(jit.ONLINE.attempted) == 1, "the next eager call tunes the key"
+
+
+def test_an_override_outside_a_settings_values_is_refused_naming_them():
+    import pytest
+
+    from tritune.kernels import settings
+
+    with (
+        pytest.raises(ValueError, match=r"jit='Background': expected off, sync or background"),
+        settings.override(jit="Background"),
+    ):
+        pass
+    with (
+        pytest.raises(ValueError, match=r"cross_gpu='on': expected off, seed or serve"),
+        settings.override(cross_gpu="on"),
+    ):
+        pass
+    assert settings.settings().jit == "off"
