@@ -71,8 +71,9 @@ class Seen:
 
 def in_capture_or_trace() -> bool:
     """Whether this thread traces or captures: ``torch.compile`` tracing, ``torch.jit`` tracing or
-    scripting, FX tracing, a dispatch mode (FakeTensor, ``make_fx``, functionalization, ...) or
-    CUDA-graph capture. Nothing may tune, synchronise or start a thread there.
+    scripting, FX tracing, a dispatch mode (FakeTensor, ``make_fx``, functionalization, ...), a
+    ``torch.func`` transform (``vmap``, ``grad``, ...) or CUDA-graph capture. Nothing may tune,
+    synchronise or start a thread there.
 
     Never raises into a call: a private check a torch release drops is skipped, and one that raises
     counts as tracing (the cautious answer).
@@ -83,6 +84,11 @@ def in_capture_or_trace() -> bool:
         # Private torch APIs: looked up, never assumed.
         dispatch_depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
         if dispatch_depth is not None and dispatch_depth() > 0:
+            return True
+        # torch.func transforms (vmap, grad, jvp, ...): the call's tensors are wrappers, not the
+        # problem a tune would time.
+        functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+        if functorch_active is not None and functorch_active():
             return True
         # is_fx_tracing logs a deprecation warning (torch >= 2.13); its successor answers the same for FX.
         symbolic_trace = getattr(torch.fx, "_symbolic_trace", None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from test_jit import online  # noqa: F401
 
 from tritune.kernels import jit
@@ -67,3 +68,25 @@ def test_an_override_outside_a_settings_values_is_refused_naming_them():
     ):
         pass
     assert settings.settings().jit == "off"
+
+
+@pytest.mark.parametrize("transform", ["vmap", "grad"])
+def test_nothing_is_tuned_inside_a_torch_func_transform(transform):
+    import torch
+    from test_jit import SPEC
+
+    from tritune.kernels import settings
+    from tritune.kernels.dispatcher import dispatch_config
+
+    facts = tuple(SPEC.facts(torch.randn(200)))
+
+    def body(x):
+        dispatch_config("toy_scale", "cpu", -1, facts)
+        return x * 2
+
+    with settings.override(jit="sync", jit_trials=2):
+        if transform == "vmap":
+            torch.func.vmap(body)(torch.randn(3, 4))
+        else:
+            torch.func.grad(lambda x: body(x).sum())(torch.randn(4))
+        assert not jit.ONLINE.attempted
