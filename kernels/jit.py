@@ -15,12 +15,13 @@ with no admitted winner of its own. Nothing here imports Optuna; the tuner (``tr
 
 A key is attempted at most once per process, and no more than ``TRITUNE_JIT_TOTAL_SECONDS`` are
 spent in all. Nothing is tuned under CUDA-graph capture, ``torch.compile`` or ``torch.jit``
-tracing, FakeTensor or any other dispatch mode. Two processes on one host never tune one key at
-once (a claim in a lock file beside a SQLite DB; for a server DB the lock file is in the user's
-cache folder, so the claim holds per host and user there): the second serves the best available
-config and admits the first one's winner when its claim ends. Processes on other hosts (or of
-other users, for a server DB) may tune the same key at the same time; the DB keeps the faster
-winner.
+tracing, FakeTensor or any other dispatch mode, or a ``torch.func`` transform (``vmap``, ``grad``):
+such a call's choice is remembered until an eager call could tune its key. Two processes on one
+host never tune one key at once (a claim in a lock file beside a SQLite DB; for a server DB the
+lock file is in the user's cache folder, so the claim holds per host and user there): the second
+serves the best available config and admits the first one's winner when its claim ends. Processes
+on other hosts (or of other users, for a server DB) may tune the same key at the same time; the DB
+keeps the faster winner.
 """
 
 from __future__ import annotations
