@@ -359,12 +359,14 @@ def _report_stored(keys: int, failed: int, stored: int, seconds: float, where: s
     a partial failure still stores the others, and says how many failed.
     """
     if not failed:
-        console.print(f"done in {seconds:.1f} s; winners stored in {plain(where)}")
+        # One line however long the DB's path: scripts read the run's last line.
+        console.print(f"done in {seconds:.1f} s; winners stored in {plain(where)}", soft_wrap=True)
         return
     if stored:
         console.print(
             f"[red]{failed} of {keys} key(s) failed (see above)[/red]; done in {seconds:.1f} s; "
-            f"winners of {stored} key(s) stored in {plain(where)}"
+            f"winners of {stored} key(s) stored in {plain(where)}",
+            soft_wrap=True,
         )
     else:
         console.print(f"[red]no winner stored: {failed} of {keys} key(s) failed (see above)[/red]")
@@ -454,7 +456,9 @@ def _tune_fleet(
     print_status(rows, title="shared studies")
     finalized = {row.name for row in rows if row.finalized is not None}
     unfinished = [name for name in study_names if name not in finalized]
-    console.print(f"done in {time.monotonic() - started:.1f} s; winners stored in {plain(display_url(url))}")
+    console.print(
+        f"done in {time.monotonic() - started:.1f} s; winners stored in {plain(display_url(url))}", soft_wrap=True
+    )
     died = [ended for ended in exits if ended.exitcode != 0]
     if unfinished:
         console.print(f"[red]{len(unfinished)} key(s) were not finalized[/red]")
