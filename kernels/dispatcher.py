@@ -3,7 +3,8 @@
 Lookup order, resolved once per (kernel, key) and then served from a dict:
 
 1. a config pinned with :func:`use_config` (tests and benchmarks); on a GPU, one the space's rule
-   finds infeasible at the call's key gives way to the portable default, with a warning;
+   finds infeasible at the call's key gives way to the kernel's stand-in (what its ``serve()``
+   picks, else the portable default), with a warning;
 2. the stored winner at the exact key, if its speedup over the portable default is at least
    ``1 + margin``;
 3. with no winner at the exact key, the nearest bucket of the same kernel, GPU, dtype and head dim
