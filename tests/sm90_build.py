@@ -65,6 +65,7 @@ class Launch:
     kernel: Any
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    grid: Any = None
 
 
 @dataclass
@@ -99,7 +100,7 @@ def record_launches() -> Iterator[Recorder]:
     recorder = Recorder()
 
     def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
-        recorder.launches.append(Launch(self, args, kwargs))
+        recorder.launches.append(Launch(self, args, kwargs, grid))
 
     saved = {cls: cls.__dict__["run"] for cls in (InterpretedFunction, JITFunction)}
     try:

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 import torch
+from sm90_build import record_launches
 from torch._library.triton import set_wrap_triton_enabled
 
 from tritune.kernels import _launch
 from tritune.kernels.decode import launch as decode_launch
-from tritune.kernels.decode._triton_decode import _decode_merge_kernel, _decode_split_kernel
 from tritune.kernels.decode.kernel import decode_attention
 from tritune.kernels.decode.reference import compare, decode_reference
 from tritune.kernels.dispatcher import use_config
@@ -38,25 +38,14 @@ FUSED = {**MANY_SPLITS, "FUSED_MERGE": True}
 def recorded_launches() -> Iterator[list[tuple[str, tuple[int, ...], int, int]]]:
     """Record each decode kernel's (name, grid, first sequence, sequences of out), launching nothing."""
     launches: list[tuple[str, tuple[int, ...], int, int]] = []
-    classes = {type(_decode_split_kernel), type(_decode_merge_kernel)}
-
-    def run(self: Any, *args: Any, grid: Any, warmup: bool = False, **kwargs: Any) -> None:
-        name = self.fn.__name__
-        out = args[OUT_POSITION[name]]
-        launches.append((name, tuple(grid), out.storage_offset() // out.stride(0), out.shape[0]))
-
-    saved = {cls: cls.__dict__.get("run") for cls in classes}
-    try:
-        for cls in classes:
-            cls.run = run  # type: ignore[attr-defined]
-        with set_wrap_triton_enabled(False):
+    with set_wrap_triton_enabled(False), record_launches() as recorder:
+        try:
             yield launches
-    finally:
-        for cls, original in saved.items():
-            if original is None:
-                del cls.run
-            else:
-                cls.run = original  # type: ignore[attr-defined]
+        finally:
+            for launch in recorder.launches:
+                name = launch.kernel.fn.__name__
+                out = launch.args[OUT_POSITION[name]]
+                launches.append((name, tuple(launch.grid), out.storage_offset() // out.stride(0), out.shape[0]))
 
 
 @pytest.mark.parametrize("config", [MANY_SPLITS, FUSED], ids=["merge-launch", "fused-merge"])

@@ -15,13 +15,11 @@ from typing import Any
 
 import pytest
 import torch
+from sm90_build import record_launches
 from torch._library.triton import set_wrap_triton_enabled
 
 from tritune.kernels import prefill_attention, use_config
 from tritune.kernels.prefill import launch as prefill_launch
-from tritune.kernels.prefill._gluon_ws import _prefill_ws_kernel
-from tritune.kernels.prefill._triton_portable import _prefill_fwd_kernel
-from tritune.kernels.prefill._triton_tma import _merge_splits_kernel, _prefill_tma_kernel
 from tritune.kernels.prefill.kernel import KERNEL
 from tritune.kernels.prefill.reference import prefill_reference
 from tritune.search_spaces.tma_prefill import PortableConfig, TmaConfig, WsConfig
@@ -53,26 +51,13 @@ def _batches(t: Any) -> tuple[int, int]:
 def recorded_launches() -> Iterator[list[Launch]]:
     """Record each prefill kernel's grid and the batches of out it writes, launching nothing."""
     launches: list[Launch] = []
-    kernels = (_prefill_fwd_kernel, _prefill_tma_kernel, _merge_splits_kernel, _prefill_ws_kernel)
-    classes = {type(kernel) for kernel in kernels}
-
-    def run(self: Any, *args: Any, grid: Any, warmup: bool = False, **kwargs: Any) -> None:
-        name = self.fn.__name__
-        first, batches = _batches(args[OUT_POSITION])
-        launches.append(Launch(name, tuple(grid), first, batches))
-
-    saved = {cls: cls.__dict__.get("run") for cls in classes}
-    try:
-        for cls in classes:
-            cls.run = run  # type: ignore[attr-defined]
-        with set_wrap_triton_enabled(False):
+    with set_wrap_triton_enabled(False), record_launches() as recorder:
+        try:
             yield launches
-    finally:
-        for cls, original in saved.items():
-            if original is None:
-                del cls.run
-            else:
-                cls.run = original  # type: ignore[attr-defined]
+        finally:
+            for launch in recorder.launches:
+                first, batches = _batches(launch.args[OUT_POSITION])
+                launches.append(Launch(launch.kernel.fn.__name__, tuple(launch.grid), first, batches))
 
 
 def _meta_call(batch: int, *, kv_len: str | None = None):
