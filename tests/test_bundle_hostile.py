@@ -367,7 +367,31 @@ def test_an_entry_whose_key_breaks_a_feasibility_rule_is_refused_and_the_rest_se
     assert len(table) == len(records)
 
 
-def test_import_refuses_an_entry_whose_key_breaks_a_feasibility_rule(tmp_path: Path) -> None:
+def test_import_refuses_an_entry_whose_key_breaks_a_feasibility_rule(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    document = json.loads(bundles.bundle_path("nvidia-h200-sm90-132sm").read_text())
+    decode = next(w for w in document["winners"] if w["kernel"] == "splitk_decode")
+    document["winners"] = [decode, {**decode, "key": {**decode["key"], "lkv_bucket": decode["key"]["lkv_bucket"] * 2}}]
+    path = tmp_path / "nvidia-h200-sm90-132sm.json"
+    path.write_text(json.dumps(document))
+    space = registry.get_spec("splitk_decode").space
+    real = space.infeasible_reason
+
+    def crashes_at_the_doubled_key(config: Any, key: Any, limits: Any) -> str | None:
+        if key.lkv_bucket == decode["key"]["lkv_bucket"] * 2:
+            raise ZeroDivisionError("division by zero")
+        return real(config, key, limits)
+
+    monkeypatch.setattr(space, "infeasible_reason", crashes_at_the_doubled_key)
+    result = import_(path, tmp_path / "db.sqlite")
+    assert result.exit_code == 0, result.output
+    output = " ".join(result.output.split())
+    assert "ZeroDivisionError" in output and "imported 1" in output, output
+
+
+def test_import_refuses_a_key_no_call_resolves_to(tmp_path: Path) -> None:
+    """A key the kernel's ``valid_key`` refuses (here a zero batch-heads bucket) could never be served."""
     document = json.loads(bundles.bundle_path("nvidia-h200-sm90-132sm").read_text())
     decode = next(w for w in document["winners"] if w["kernel"] == "splitk_decode")
     document["winners"] = [decode, {**decode, "key": {**decode["key"], "bh_bucket": 0}}]
@@ -376,4 +400,4 @@ def test_import_refuses_an_entry_whose_key_breaks_a_feasibility_rule(tmp_path: P
     result = import_(path, tmp_path / "db.sqlite")
     assert result.exit_code == 0, result.output
     output = " ".join(result.output.split())
-    assert "ZeroDivisionError" in output and "imported 1" in output, output
+    assert "a key this kernel never resolves a call to" in output and "imported 1" in output, output

@@ -26,6 +26,7 @@ from .app import (
     plain,
 )
 from .failures import CommandError
+from .keys import tuning_of
 from .provisional import tuned_under_here
 from .tables import BENCH_COLUMNS, SHOW_COLUMNS, bench_cells, bench_key, eager_text, serving_verdict, show_row
 
@@ -341,9 +342,10 @@ def import_bundle(
     """Load a bundle's winners into the DB (entries this tritune could never serve are refused).
 
     Refused, each with its reason: malformed entries, unknown kernels, kernel versions other than
-    the running source, other Triton versions, and keys or configs outside the kernel's types and
-    space. A kernel is known when it is built in, declared by an installed package (entry point
-    ``tritune.kernels``) or named with ``--kernel``. A bundle of another GPU is loaded (a DB may
+    the running source, other Triton versions, keys no call resolves to (the tuning half's
+    ``valid_key``), and keys or configs outside the kernel's types and space. A kernel is known
+    when it is built in, declared by an installed package (entry point ``tritune.kernels``) or
+    named with ``--kernel``. A bundle of another GPU is loaded (a DB may
     hold several GPUs; each is only served on its own). Every entry is checked before anything is
     written, and the accepted ones are written in one transaction: an import that fails leaves the
     DB as it was. Exit status 1 when the file cannot be used or every entry was refused.
@@ -407,6 +409,8 @@ def _import_refusal(record: Any) -> str | None:
         key = spec.key_type.from_dict(record.key)
     except (TypeError, ValueError) as exc:
         return f"malformed key ({exc})"
+    if not getattr(tuning_of(spec), "valid_key", lambda key: True)(key):
+        return "a key this kernel never resolves a call to (its tuning half's valid_key refuses it)"
     try:
         config = spec.space.parse(record.config)
     except ValueError as exc:
