@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import triton
 
+from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.store import ConfigStore
 from tritune.kernels.device import DeviceInfo
 from tritune.kernels.spec import TuningKey
@@ -113,6 +114,9 @@ class KeyResult:
     failed: int
     pruned: int
     notes: list[str] = field(default_factory=list)
+    #: Whether the DB took this winner; ``False`` where it keeps a faster one (``kept``, when readable).
+    stored: bool = True
+    kept: WinnerRecord | None = None
 
     @property
     def speedup(self) -> float:

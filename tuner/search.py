@@ -501,6 +501,8 @@ class KeySearch:
                     "config": result.config,
                     "time_ms": result.best_ms,
                     "portable_ms": result.portable_ms,
+                    # False where the DB kept a faster winner stored before (the fleet's last line counts them).
+                    "stored": result.stored,
                 },
             )
         return Visit(done=True, measured=measured, result=result)

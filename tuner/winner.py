@@ -9,7 +9,7 @@ import torch
 import triton
 
 from tritune.configs_db.records import EagerAlternative, WinnerRecord
-from tritune.configs_db.values import printable
+from tritune.configs_db.values import canonical_json, printable
 from tritune.configs_db.winner_fields import eager_fields, eager_problem, peer_problem
 
 from .candidates import Bench, RetimeOutcome
@@ -18,7 +18,7 @@ from .options import EAGER_MAX_MS, KeyResult, TuningError, pick_winner, tritune_
 if TYPE_CHECKING:
     from .search import KeySearch
 
-__all__ = ["EAGER_CONTENDERS", "EAGER_MARGIN", "eager_alternative", "offer_winner"]
+__all__ = ["EAGER_CONTENDERS", "EAGER_MARGIN", "eager_alternative", "kept_winner", "offer_winner"]
 
 log = logging.getLogger("tritune.tuner")
 
@@ -33,7 +33,8 @@ def offer_winner(search: KeySearch, bench: Bench, default: Any) -> KeyResult:
     """Re-time the best, the runner-up and the portable default in interleaved rounds; offer the fastest.
 
     The portable default wins unless another config is strictly faster; the DB keeps the faster of
-    concurrent offers. A portable default without a time (it failed) fails the key. With
+    concurrent offers (and a faster winner stored earlier): the result says whether it took this
+    one, and which it kept where not. A portable default without a time (it failed) fails the key. With
     ``options.time_peer`` the kernel's peer (the PyTorch call a user would make instead) is timed
     last in each of those rounds, in the same process and with the same timer, and its time is
     stored with the winner; a peer that is missing, unsupported or fails is logged at INFO and
@@ -107,7 +108,7 @@ def offer_winner(search: KeySearch, bench: Bench, default: Any) -> KeyResult:
         peer_name=peer_name,
         eager=eager,
     )
-    search.store.offer_winner(record, search.env_id)
+    stored = search.store.offer_winner(record, search.env_id)
     return KeyResult(
         kernel=search.spec.name,
         key=search.key,
@@ -119,7 +120,21 @@ def offer_winner(search: KeySearch, bench: Bench, default: Any) -> KeyResult:
         failed=known.counts["failed"],
         pruned=known.counts["pruned"],
         notes=notes,
+        stored=stored,
+        kept=None if stored else kept_winner(search, record),
     )
+
+
+def kept_winner(search: KeySearch, offered: WinnerRecord) -> WinnerRecord | None:
+    """The winner the DB keeps at the offer's key instead of the offer; ``None`` if none is readable.
+
+    The summary of a tune shows it in place of the offer, which the DB did not take.
+    """
+    key = canonical_json(offered.key)
+    for stored in search.store.winners(gpu=offered.gpu, kernel=offered.kernel):
+        if stored.kernel_version == offered.kernel_version and canonical_json(stored.key) == key:
+            return stored
+    return None
 
 
 def eager_alternative(
