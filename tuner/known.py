@@ -7,7 +7,9 @@ every trial is written there as soon as it is measured, and what others stored i
 
 A stored trial that timed out under a shorter trial timeout than this search's (``timed out after
 N s``, e.g. from an online tune's short timeout) is not a verdict on the config: it is measured
-again, and its new result replaces the stored row.
+again, and its new result replaces the stored row. So is a stored death of the worker by a signal
+sent from outside (``worker died with exit code -9 (SIGKILL)``, the OOM killer's) that was not tried
+again in a fresh worker (:func:`~.worker.external_death`; a candidate killed twice is a verdict).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from tritune.kernels.spec import KernelSpec
 
 from .candidates import FAILED_RUNTIME, OK, PRUNED
 from .studies import OUTCOME_ATTR, REUSED, WORKER_ATTR, measured_outcome
+from .worker import external_death
 
 __all__ = ["Ident", "Known", "OnTrial"]
 
@@ -67,7 +70,7 @@ class Known:
         self.store, self.env_id, self.on_trial = store, env_id, on_trial
         #: This search's trial timeout (``None``: none): stored timeouts shorter than it are retried.
         self.trial_timeout_s = trial_timeout_s
-        #: Configs whose stored row is a shorter timeout: their new result replaces that row.
+        #: Configs whose stored row is a shorter timeout or an external kill: their new result replaces it.
         self.retried: set[Ident] = set()
         self.times: dict[Ident, float] = {}
         self.status: dict[Ident, str] = {}
@@ -145,12 +148,15 @@ class Known:
                 self.times[ident] = row.time_ms
 
     def _retryable(self, status: str, error: str | None) -> bool:
-        """Whether a stored trial timed out under a shorter trial timeout than this search's."""
+        """Whether a stored trial timed out under a shorter trial timeout than this search's, or its
+        worker was killed from outside once (both say little of the config)."""
+        if status == FAILED_RUNTIME and error is not None and external_death(error):
+            return True
         after = timed_out_after(status, error)
         return after is not None and (self.trial_timeout_s is None or after < self.trial_timeout_s)
 
     def _forget_timeout(self, values: dict[str, Any]) -> None:
-        """Delete the stored timeout of a config measured again (the trials table keeps one row per config)."""
+        """Delete the stored timeout or kill of a config measured again (the trials table keeps one row per config)."""
         from sqlalchemy import delete
 
         from tritune.configs_db.models import Trial

@@ -8,7 +8,10 @@ default, device string), so nothing but plain dicts crosses the pipe, plus the t
 
 When a request does not come back, the trial is recorded as ``failed-runtime`` with the reason
 ("worker died with exit code -11 (SIGSEGV)", "timed out after 120 s") and the next request starts
-a fresh worker, which rebuilds the open key's problems before going on. A candidate that raises
+a fresh worker, which rebuilds the open key's problems before going on. A worker killed by a
+signal sent from outside (:data:`EXTERNAL_SIGNALS`: the OOM killer's SIGKILL, a SIGTERM) says
+little about its candidate, which is tried once more in a fresh worker first; a candidate whose
+worker dies twice is failed with both deaths in its reason. A candidate that raises
 (out of memory included) is an ordinary failed trial and the worker stays. A candidate after which
 the CUDA context is unusable (an illegal memory access) is reported by the worker, which then exits.
 
@@ -23,6 +26,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import re
 import signal
 import sys
 import threading
@@ -55,12 +59,40 @@ EXIT_CONTEXT_LOST = 75
 STOP_GRACE_S = 10.0
 
 
-class WorkerFailure(Exception):
-    """A request got no answer: the worker died or timed out (``reason`` says which)."""
+#: Signals that end a worker from outside rather than through a fault of its own (SIGSEGV, SIGBUS,
+#: SIGABRT are a candidate's): the OOM killer's SIGKILL, a stop request's SIGTERM, a hang-up.
+EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGHUP, signal.SIGINT})
 
-    def __init__(self, reason: str) -> None:
+#: How :func:`death_reason` words a worker's death by a signal.
+_DIED_BY_SIGNAL = re.compile(r"worker died with exit code -([0-9]+) \((SIG[A-Z0-9]+)\)")
+
+
+class WorkerFailure(Exception):
+    """A request got no answer: the worker died or timed out (``reason`` says which).
+
+    ``exitcode``: the dead worker's exit status (negative: the signal that ended it); ``None``
+    where it timed out or its status is unknown.
+    """
+
+    def __init__(self, reason: str, exitcode: int | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.exitcode = exitcode
+
+
+def killed_from_outside(exitcode: int | None) -> bool:
+    """Whether a worker's exit status is a death by one of the :data:`EXTERNAL_SIGNALS`."""
+    return exitcode is not None and exitcode < 0 and -exitcode in EXTERNAL_SIGNALS
+
+
+def external_death(reason: str) -> bool:
+    """Whether a stored trial's reason is one death by an external signal, never tried again.
+
+    A candidate tried again after such a death and killed once more is stored with both deaths
+    (the reason is then more than this one clause): that is a verdict on it, this is not.
+    """
+    match = _DIED_BY_SIGNAL.fullmatch(reason)
+    return match is not None and killed_from_outside(-int(match.group(1)))
 
 
 def worker_device(device: torch.device) -> str:
@@ -202,9 +234,9 @@ class Worker:
         except (BrokenPipeError, ConnectionResetError, EOFError):
             # Died before the request was read: its exit status says why.
             process.join(STOP_GRACE_S)
-            reason = death_reason(process.exitcode)
+            exitcode = process.exitcode
             self._discard(kill=True)
-            raise WorkerFailure(reason) from None
+            raise WorkerFailure(death_reason(exitcode), exitcode) from None
         ready = wait([conn, process.sentinel], timeout_s)
         if conn in ready or conn.poll():
             try:
@@ -221,9 +253,9 @@ class Worker:
             self._discard(kill=True)
             raise WorkerFailure(f"timed out after {timeout_s:g} s")
         process.join(STOP_GRACE_S)
-        reason = death_reason(process.exitcode)
+        exitcode = process.exitcode
         self._discard(kill=True)
-        raise WorkerFailure(reason)
+        raise WorkerFailure(death_reason(exitcode), exitcode)
 
     def _request(self, message: dict[str, Any], timeout_s: float | None) -> dict[str, Any]:
         self._ensure()
@@ -266,8 +298,18 @@ class Worker:
         try:
             reply = self._request({"op": "trial", "config": config, "compiled": compiled}, self.trial_timeout_s)
         except WorkerFailure as exc:
-            log.warning("%s: %s; the next trial starts a fresh worker", config, exc.reason)
-            return outcome(FAILED_RUNTIME, None, exc.reason)
+            if not killed_from_outside(exc.exitcode):
+                log.warning("%s: %s; the next trial starts a fresh worker", config, exc.reason)
+                return outcome(FAILED_RUNTIME, None, exc.reason)
+            # Killed from outside (the OOM killer, a stop request): once more, in a fresh worker
+            # that has not compiled it.
+            log.warning("%s: %s; trying it again in a fresh worker", config, exc.reason)
+            try:
+                reply = self._request({"op": "trial", "config": config, "compiled": False}, self.trial_timeout_s)
+            except WorkerFailure as again:
+                reason = f"{exc.reason}; tried again in a fresh worker: {again.reason}"
+                log.warning("%s: %s; the next trial starts a fresh worker", config, reason)
+                return outcome(FAILED_RUNTIME, None, reason)
         if not reply["ok"]:
             return outcome(FAILED_RUNTIME, None, reply["error"])
         result: TrialOutcome = reply["result"]
@@ -420,4 +462,15 @@ def serve(conn: Connection, device: str) -> None:
             leave(EXIT_CONTEXT_LOST)
 
 
-__all__ = ["EXIT_CONTEXT_LOST", "Worker", "WorkerFailure", "death_reason", "leave", "serve", "worker_device"]
+__all__ = [
+    "EXIT_CONTEXT_LOST",
+    "EXTERNAL_SIGNALS",
+    "Worker",
+    "WorkerFailure",
+    "death_reason",
+    "external_death",
+    "killed_from_outside",
+    "leave",
+    "serve",
+    "worker_device",
+]
