@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import StoreError
 from .records import EagerAlternative, WinnerRecord
-from .urls import is_sqlite, sqlite_file
+from .urls import is_sqlite, not_a_db_file, sqlite_file
 from .values import parse_canonical_json, printable, strict_loads
 from .winner_fields import eager_alternative
 
@@ -199,10 +199,15 @@ def read_winners(
     at an older revision is refused, not upgraded. Anything that cannot be read as a tritune DB
     at this code's schema (corrupt file, somebody else's database, an unknown or too old schema
     revision, no answer or a lock still held after ``timeout_s`` seconds) raises
-    :class:`StoreError` saying why.
+    :class:`StoreError` saying why; so does a path that is no regular file (a FIFO, a socket, a
+    device such as ``/dev/null``, a folder), at once.
     """
     path = sqlite_file(url)
     if path is not None:
+        # Before SQLite opens it: opening a FIFO blocks, and a folder reads as "disk I/O error".
+        refusal = not_a_db_file(path)
+        if refusal is not None:
+            raise StoreError(refusal)
         if not path.exists():
             return []
         # SQLite keeps its side files beside the file a link points to (a ConfigMap's ..data/).

@@ -28,7 +28,9 @@ with a revision this code does not know (written by a newer tritune) is refused,
 from __future__ import annotations
 
 import math
+import os
 import sqlite3
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,7 +43,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool, StaticPool
 
 from .errors import StoreError
-from .urls import sqlite_file
+from .urls import not_a_db_file, sqlite_file
 
 #: The Alembic revision this code writes and reads; older known revisions can be upgraded.
 SCHEMA_HEAD = "0004"
@@ -115,10 +117,14 @@ def is_quiet_wal_file(path: Path) -> bool:
     everything committed is in the file itself.
     """
     try:
-        with path.open("rb") as file:
-            header = file.read(20)
+        # Non-blocking: opening a FIFO for reading would wait for a writer.
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError:
         return False
+    with os.fdopen(descriptor, "rb") as file:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            return False
+        header = file.read(20)
     return header[18:20] == _WAL_HEADER and not path.with_name(path.name + "-wal").exists()
 
 
@@ -157,7 +163,9 @@ def make_engine(
 ) -> Engine:
     """An engine for ``url`` with the SQLite settings above.
 
-    For a SQLite file the parent directory is created, unless ``read_only``: then nothing is
+    A SQLite path that exists but is no regular file (a FIFO, a folder, ``/dev/null``) is refused
+    with :class:`StoreError` before SQLite opens it. For a SQLite file the parent directory is
+    created, unless ``read_only``: then nothing is
     ever created and nothing written, the file is opened with :func:`sqlite_read_uri`
     (``immutable`` as the caller decided) and ``query_only``, and each connection is its own
     (no pool). ``timeout_s`` bounds how long a connection waits for a lock (SQLite) or for a
@@ -173,6 +181,9 @@ def make_engine(
         return create_engine(url, pool_pre_ping=True, connect_args=connect_args)
     busy_timeout_ms = BUSY_TIMEOUT_MS if timeout_s is None else max(1, round(timeout_s * 1000))
     path = sqlite_file(url)
+    refusal = None if path is None else not_a_db_file(path)
+    if refusal is not None:
+        raise StoreError(refusal)
     if path is None:
         if parsed.database and parsed.database.startswith("file:"):
             raise StoreError(f"{url}: SQLite URI filenames are not supported; give a plain file path")

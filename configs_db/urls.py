@@ -1,14 +1,30 @@
-"""Database URL helpers that do not import SQLAlchemy.
+"""Database URL and DB file helpers that do not import SQLAlchemy.
 
 The runtime asks "is the config DB a SQLite file, and does it exist?" on the first dispatch of
 every process. Answering that without importing SQLAlchemy keeps a process that has no DB from
 paying for the import. The parse follows SQLAlchemy's (a test compares them).
+
+:func:`not_a_db_file` names what is wrong with a DB path before SQLite opens it: SQLite reports
+a folder as "disk I/O error", and opening a FIFO for reading blocks until something writes to it.
 """
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 from urllib.parse import unquote
+
+from .values import printable
+
+#: How messages name each kind of path that is not a regular file.
+_SPECIAL_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 
 
 def is_sqlite(url: str) -> bool:
@@ -28,3 +44,25 @@ def sqlite_file(url: str) -> Path | None:
     if not database or database == ":memory:" or database.startswith("file:"):
         return None
     return Path(database)
+
+
+def special_kind(path: Path) -> str | None:
+    """What ``path`` is ("a FIFO", "a directory", ...) when it exists and is not a regular file;
+    ``None`` for a regular file and for nothing there. A link is followed; one that leads nowhere,
+    or a path that cannot be searched, counts as nothing there (opening it then says why)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):  # ValueError: a NUL in the path
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    return next((kind for test, kind in _SPECIAL_KINDS if test(mode)), "a special file")
+
+
+def not_a_db_file(path: Path) -> str | None:
+    """Why the SQLite DB path ``path`` must not be opened, or ``None``: "<path> is a FIFO, not a
+    config DB file" when it exists and is not a regular file (:func:`special_kind`)."""
+    kind = special_kind(path)
+    if kind is None:
+        return None
+    return f"{printable(str(path))} is {kind}, not a config DB file"

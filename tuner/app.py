@@ -201,18 +201,20 @@ def db_url(db: str | None) -> str:
 
 
 def check_database_path(url: str, *, must_exist: bool) -> None:
-    """Name what is wrong with a SQLite DB path before SQLite does ("disk I/O error" for a folder).
+    """Name what is wrong with a SQLite DB path before SQLite does ("disk I/O error" for a folder;
+    opening a FIFO blocks until something writes to it).
 
     ``must_exist`` is for commands that only read: they must not create a file where none is.
     """
-    from tritune.configs_db.urls import sqlite_file
+    from tritune.configs_db.urls import not_a_db_file, sqlite_file
 
     path = sqlite_file(url)
     if path is None:
         return
     shown = printable(str(path))
-    if path.is_dir():
-        raise CommandError(f"{shown} is a directory, not a config DB file", "give the path of a file with --db")
+    refusal = not_a_db_file(path)
+    if refusal is not None:
+        raise CommandError(refusal, "give the path of a file with --db")
     if must_exist and not os.path.lexists(path):
         raise CommandError(
             f"no config DB at {shown}",

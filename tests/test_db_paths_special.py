@@ -1,0 +1,210 @@
+"""A DB path that names no regular file, or lies where no DB can be: refused at once, saying why.
+
+A FIFO, socket, device or folder given as the config DB is refused before SQLite opens it: opening
+a FIFO blocks until something writes to it, and SQLite reports a folder as "disk I/O error". The
+``tune`` commands say "<path> is a FIFO, not a config DB file"; a serving process warns once with
+that reason and serves the portable defaults without waiting. A DB path whose folder lies under a
+file is refused by the CLI naming that file.
+
+Every test that would block on a FIFO if its fix regressed runs under a timeout, and opens the
+FIFO's writing end at teardown so that no thread stays blocked on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import stat
+import time
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import toy_kernel
+from typer.testing import CliRunner, Result
+
+from tritune.configs_db import misses as miss_store
+from tritune.configs_db import storage
+from tritune.configs_db.store import StoreError, read_winners
+from tritune.configs_db.urls import not_a_db_file
+from tritune.kernels import registry, settings
+from tritune.kernels.dispatcher import DISPATCHER, dispatch_config
+from tritune.tuner.cli import app
+
+runner = CliRunner(env={"COLUMNS": "250"})
+PORTABLE = {"BLOCK": 32, "BROKEN": False, "num_warps": 4}
+#: Seconds a refusal may take on a busy machine: far below any read or lock bound.
+PROMPT_S = 2.0
+
+
+@pytest.fixture(autouse=True)
+def toy_registered(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setitem(registry._SPECS, "toy_scale", f"{toy_kernel.__name__}:SPEC")
+    monkeypatch.setenv("TRITUNE_DB_READ_TIMEOUT", "5")
+    settings.reload()
+    DISPATCHER.clear()
+    yield
+    DISPATCHER.clear()
+
+
+@pytest.fixture
+def fifo(tmp_path: Path) -> Iterator[Path]:
+    """A FIFO named like a DB; at teardown its writing end is opened once, releasing a blocked reader."""
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no FIFOs on this platform")
+    path = tmp_path / "fifo.sqlite"
+    os.mkfifo(path)
+    yield path
+    with contextlib.suppress(OSError):  # ENXIO: nobody is reading, nothing to release
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+
+@pytest.fixture
+def unix_socket(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "sock.sqlite"
+    if not hasattr(socket, "AF_UNIX"):
+        pytest.skip("no Unix sockets on this platform")
+    with socket.socket(socket.AF_UNIX) as listening:
+        try:
+            listening.bind(str(path))
+        except OSError as exc:  # a tmp path longer than sun_path
+            pytest.skip(f"cannot bind a Unix socket at {path}: {exc}")
+        yield path
+
+
+def url_of(path: Path) -> str:
+    return f"sqlite:///{path}"
+
+
+def served(n: int = 100) -> dict[str, Any]:
+    spec = toy_kernel.SPEC
+    config = dispatch_config("toy_scale", "cpu", -1, tuple(spec.facts(torch.randn(n))))
+    return spec.space.to_dict(config)
+
+
+def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def failed(result: Result, *parts: str) -> list[str]:
+    """Assert ``tune`` failed with status 1 in one or two lines holding ``parts``; those lines."""
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    lines = result.output[result.output.index("error: ") :].strip().splitlines()
+    assert 1 <= len(lines) <= 2, result.output
+    for part in parts:
+        assert part in result.output, result.output
+    return lines
+
+
+# ---- a FIFO, socket, device or folder as the DB ---------------------------------------------------
+
+
+def test_the_kinds_of_path_that_are_no_db_file(tmp_path: Path, fifo: Path) -> None:
+    regular = tmp_path / "c.sqlite"
+    regular.write_bytes(b"")
+    assert not_a_db_file(regular) is None
+    assert not_a_db_file(tmp_path / "missing.sqlite") is None
+    assert not_a_db_file(tmp_path) == f"{tmp_path} is a directory, not a config DB file"
+    assert not_a_db_file(fifo) == f"{fifo} is a FIFO, not a config DB file"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("command", [["show"], ["missed"], ["--device", "cpu", "--kernel", "toy_scale"]])
+def test_tune_refuses_a_fifo_at_once(command: list[str], fifo: Path) -> None:
+    start = time.monotonic()
+    lines = failed(runner.invoke(app, [*command, "--db", str(fifo)]))
+    assert time.monotonic() - start < PROMPT_S + 3  # the tuning command imports the toy kernel first
+    assert lines[0] == f"error: {fifo} is a FIFO, not a config DB file"
+    assert lines[1:] == ["give the path of a file with --db"]
+
+
+@pytest.mark.timeout(30)
+def test_tune_refuses_a_socket(unix_socket: Path) -> None:
+    failed(runner.invoke(app, ["show", "--db", str(unix_socket)]), f"{unix_socket} is a socket, not a config DB file")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(not Path("/dev/null").is_char_device(), reason="no /dev/null")
+def test_tune_refuses_dev_null() -> None:
+    failed(runner.invoke(app, ["show", "--db", "/dev/null"]), "/dev/null is a character device, not a config DB file")
+
+
+@pytest.mark.timeout(30)
+def test_runtime_read_refuses_a_fifo_at_once(fifo: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(StoreError, match="is a FIFO, not a config DB file"):
+        read_winners(url_of(fifo), timeout_s=20)
+    assert time.monotonic() - start < PROMPT_S
+
+
+@pytest.mark.timeout(30)
+def test_runtime_read_refuses_a_folder_saying_so(tmp_path: Path) -> None:
+    folder = tmp_path / "db"
+    folder.mkdir()
+    with pytest.raises(StoreError) as raised:
+        read_winners(url_of(folder), timeout_s=20)
+    assert str(raised.value) == f"{folder} is a directory, not a config DB file"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(not Path("/dev/null").is_char_device(), reason="no /dev/null")
+def test_runtime_read_refuses_dev_null() -> None:
+    with pytest.raises(StoreError, match=r"^/dev/null is a character device, not a config DB file$"):
+        read_winners("sqlite:////dev/null", timeout_s=20)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_serving_warns_once_and_serves_the_portable_default_at_once(
+    kind: str, fifo: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = fifo if kind == "fifo" else tmp_path / "db"
+    if kind == "directory":
+        path.mkdir()
+    caplog.set_level(logging.WARNING, logger="tritune")
+    with settings.override(db_url=str(path)):
+        start = time.monotonic()
+        assert served() == PORTABLE
+        assert time.monotonic() - start < PROMPT_S
+        assert served(300) == PORTABLE
+    (message,) = warnings(caplog)
+    what = "a FIFO" if kind == "fifo" else "a directory"
+    assert f"{path} is {what}, not a config DB file" in message
+    assert "no answer" not in message and "disk I/O" not in message
+
+
+@pytest.mark.timeout(30)
+def test_quiet_wal_check_does_not_block_on_a_fifo(fifo: Path) -> None:
+    start = time.monotonic()
+    assert not storage.is_quiet_wal_file(fifo)
+    assert time.monotonic() - start < PROMPT_S
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_the_miss_log_refuses_a_fifo_or_folder_at_once(kind: str, fifo: Path, tmp_path: Path) -> None:
+    path = fifo if kind == "fifo" else tmp_path / "db"
+    if kind == "directory":
+        path.mkdir()
+    row = miss_store.MissRecord(
+        gpu="cpu-interpreter",
+        kernel="toy_scale",
+        kernel_version="v",
+        key_json='{"n_bucket":64}',
+        triton_version="t",
+        torch_version="t",
+        count=1,
+        first_seen=datetime.now(timezone.utc),
+        last_seen=datetime.now(timezone.utc),
+    )
+    start = time.monotonic()
+    with pytest.raises(StoreError, match="not a config DB file"):
+        miss_store.write_misses(url_of(path), [row], timeout_s=20)
+    assert time.monotonic() - start < PROMPT_S
+    assert stat.S_ISFIFO(path.stat().st_mode) if kind == "fifo" else not any(path.iterdir())
