@@ -43,7 +43,8 @@ from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool, StaticPool
 
 from .errors import StoreError
-from .urls import not_a_db_file, sqlite_file
+from .urls import blocking_ancestor, not_a_db_file, sqlite_file
+from .values import printable
 
 #: The Alembic revision this code writes and reads; older known revisions can be upgraded.
 SCHEMA_HEAD = "0004"
@@ -198,6 +199,9 @@ def make_engine(
 
         engine = create_engine("sqlite://", creator=connect, poolclass=NullPool)
     else:
+        blocked = blocking_ancestor(path)
+        if blocked is not None:
+            raise StoreError(f"{printable(str(blocked[0]))} is {blocked[1]}, so the DB's folder cannot be created")
         path.parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(url)
     _configure_sqlite(engine, wal=True, read_only=read_only, busy_timeout_ms=busy_timeout_ms)

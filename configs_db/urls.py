@@ -4,8 +4,9 @@ The runtime asks "is the config DB a SQLite file, and does it exist?" on the fir
 every process. Answering that without importing SQLAlchemy keeps a process that has no DB from
 paying for the import. The parse follows SQLAlchemy's (a test compares them).
 
-:func:`not_a_db_file` names what is wrong with a DB path before SQLite opens it: SQLite reports
-a folder as "disk I/O error", and opening a FIFO for reading blocks until something writes to it.
+:func:`not_a_db_file` and :func:`blocking_ancestor` name what is wrong with a DB path before
+SQLite opens it: SQLite reports a folder as "disk I/O error", opening a FIFO for reading blocks
+until something writes to it, and creating the DB's folder under a file fails with "File exists".
 """
 
 from __future__ import annotations
@@ -66,3 +67,20 @@ def not_a_db_file(path: Path) -> str | None:
     if kind is None:
         return None
     return f"{printable(str(path))} is {kind}, not a config DB file"
+
+
+def blocking_ancestor(path: Path) -> tuple[Path, str] | None:
+    """The nearest existing path above ``path`` when it is not a folder, with what it is ("a file",
+    "a FIFO", ...): the DB's folder cannot be created under it. ``None`` when it is a folder (the
+    missing folders between can be created)."""
+    for ancestor in path.parents:
+        try:
+            mode = os.stat(ancestor).st_mode
+        except (FileNotFoundError, NotADirectoryError):  # not there, or a file further up: look higher
+            continue
+        except (OSError, ValueError):  # cannot be searched: creating the folder says why
+            return None
+        if stat.S_ISDIR(mode):
+            return None
+        return ancestor, "a file" if stat.S_ISREG(mode) else (special_kind(ancestor) or "not a folder")
+    return None

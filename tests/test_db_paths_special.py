@@ -31,7 +31,7 @@ from typer.testing import CliRunner, Result
 from tritune.configs_db import misses as miss_store
 from tritune.configs_db import storage
 from tritune.configs_db.store import StoreError, read_winners
-from tritune.configs_db.urls import not_a_db_file
+from tritune.configs_db.urls import blocking_ancestor, not_a_db_file
 from tritune.kernels import registry, settings
 from tritune.kernels.dispatcher import DISPATCHER, dispatch_config
 from tritune.tuner.cli import app
@@ -208,3 +208,34 @@ def test_the_miss_log_refuses_a_fifo_or_folder_at_once(kind: str, fifo: Path, tm
         miss_store.write_misses(url_of(path), [row], timeout_s=20)
     assert time.monotonic() - start < PROMPT_S
     assert stat.S_ISFIFO(path.stat().st_mode) if kind == "fifo" else not any(path.iterdir())
+
+
+# ---- a DB path under a file -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("under", ["sub/c.sqlite", "c.sqlite"], ids=["deeper", "direct"])
+def test_tune_names_the_file_a_db_folder_would_lie_under(under: str, tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    command = ["--device", "cpu", "--kernel", "toy_scale", "--trials", "1", "--no-isolate"]
+    lines = failed(runner.invoke(app, [*command, "--db", str(blocker / under)]))
+    assert lines[0] == f"error: {blocker} is a file, so the DB's folder cannot be created"
+    assert lines[1:] == ["give --db the path of a file in a folder (missing folders are created)"]
+    assert blocker.read_text() == "x"
+
+
+def test_the_blocking_ancestor_is_the_nearest_existing_one(tmp_path: Path, fifo: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert blocking_ancestor(blocker / "a" / "b" / "c.sqlite") == (blocker, "a file")
+    assert blocking_ancestor(fifo / "c.sqlite") == (fifo, "a FIFO")
+    assert blocking_ancestor(tmp_path / "new" / "c.sqlite") is None
+    assert blocking_ancestor(tmp_path / "c.sqlite") is None
+
+
+def test_a_store_opened_under_a_file_says_which_file(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(StoreError) as raised:
+        storage.make_engine(url_of(blocker / "sub" / "c.sqlite"))
+    assert str(raised.value) == f"{blocker} is a file, so the DB's folder cannot be created"

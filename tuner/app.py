@@ -202,11 +202,12 @@ def db_url(db: str | None) -> str:
 
 def check_database_path(url: str, *, must_exist: bool) -> None:
     """Name what is wrong with a SQLite DB path before SQLite does ("disk I/O error" for a folder;
-    opening a FIFO blocks until something writes to it).
+    opening a FIFO blocks until something writes to it; "File exists" for a folder to be created
+    where a file is).
 
     ``must_exist`` is for commands that only read: they must not create a file where none is.
     """
-    from tritune.configs_db.urls import not_a_db_file, sqlite_file
+    from tritune.configs_db.urls import blocking_ancestor, not_a_db_file, sqlite_file
 
     path = sqlite_file(url)
     if path is None:
@@ -219,6 +220,13 @@ def check_database_path(url: str, *, must_exist: bool) -> None:
         raise CommandError(
             f"no config DB at {shown}",
             "give the path of an existing DB with --db (or TRITUNE_DB); a tuning run creates one",
+        )
+    blocked = blocking_ancestor(path)
+    if blocked is not None:
+        ancestor, kind = blocked
+        raise CommandError(
+            f"{printable(str(ancestor))} is {kind}, so the DB's folder cannot be created",
+            "give --db the path of a file in a folder (missing folders are created)",
         )
 
 
