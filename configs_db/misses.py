@@ -5,7 +5,9 @@ table alone: one upsert per key that adds the new count to the stored one, keeps
 ``first_seen`` and the latest ``last_seen``, and stamps the latest Triton and torch versions. A DB
 that does not exist yet, or is at an older schema revision, is created or upgraded through the
 tuner's path (:func:`.storage.upgrade`) when Alembic is importable (the ``tritune[tune]`` extra);
-without Alembic :class:`SchemaNeeded` says so and nothing is touched. A DB that refuses writes
+without Alembic :class:`SchemaNeeded` says so and nothing is touched. No folder is created but
+tritune's own data folder of the default DB: another SQLite path whose folder does not exist (a
+typo in ``TRITUNE_DB``) raises :class:`StoreError` and nothing is written. A DB that refuses writes
 (read-only file, folder or mount, a read-only database role) raises :class:`NotWritable`.
 
 :func:`read_misses` is ``tune missed``'s read: read-only, it never creates or upgrades a file, and
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import StoreError
 from .reader import ABANDON_GRACE_S, _within, database_error_types, display_url, reason_of
-from .urls import sqlite_file
+from .urls import is_default_db, sqlite_file
 from .values import parse_canonical_json, printable
 
 if TYPE_CHECKING:
@@ -148,13 +150,20 @@ def write_misses(url: str, rows: Iterable[MissRecord], *, timeout_s: float) -> i
 
 def _write(url: str, batch: list[MissRecord], timeout_s: float) -> int:
     path = sqlite_file(url)
+    own_folder = path is not None and is_default_db(path)
+    if path is not None and not own_folder and not path.parent.is_dir():
+        # A typo in TRITUNE_DB must not leave folders behind; the tuner creates them.
+        raise StoreError(
+            f"the config DB's folder {printable(str(path.parent))} does not exist, and a serving process "
+            "creates no folder (tune does)"
+        )
     if path is not None and not path.exists() and not alembic_available():
         raise SchemaNeeded(f"no config DB at {printable(str(path))}")
     from . import storage
 
     failures: tuple[type[BaseException], ...] = (OSError, *database_error_types())
     try:
-        engine = storage.make_engine(url, timeout_s=timeout_s)
+        engine = storage.make_engine(url, timeout_s=timeout_s, create_folder=own_folder)
     except PermissionError as exc:
         raise NotWritable(f"{display_url(url)}: {printable(str(exc))}") from exc
     try:

@@ -6,6 +6,9 @@ upgrade, no WAL side files; a read-only file or folder is fine), gives up after 
 however the database misbehaves (a server that accepts the connection and never answers, a
 file another process holds locked), and refuses a database it cannot trust with
 :class:`StoreError`. ``tune show`` and ``tune export`` read through it too, so they never write.
+(A serving process does write one thing, its miss log: see :mod:`.misses`.) A SQLite file that
+does not exist, other than the default DB, is said once per process at INFO: a typo in
+``TRITUNE_DB`` otherwise looks like an empty DB.
 
 SQLAlchemy is imported only once there is a database to read, so a serving process without
 one never pays for it.
@@ -22,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import StoreError
 from .records import EagerAlternative, WinnerRecord
-from .urls import is_sqlite, not_a_db_file, sqlite_file
+from .urls import is_default_db, is_sqlite, not_a_db_file, sqlite_file
 from .values import parse_canonical_json, printable, strict_loads
 from .winner_fields import eager_alternative
 
@@ -193,14 +196,14 @@ def read_winners(
 ) -> list[WinnerRecord]:
     """The winners stored in the database at ``url`` (of one GPU and/or kernel when given).
 
-    A SQLite file that does not exist, and a database with no tables at all, hold no winners:
-    ``[]``, and nothing is created. Nothing is ever written: a database at one of
-    :data:`READABLE_REVISIONS` is read as it is (the columns it lacks read as ``None``), and one
-    at an older revision is refused, not upgraded. Anything that cannot be read as a tritune DB
-    at this code's schema (corrupt file, somebody else's database, an unknown or too old schema
-    revision, no answer or a lock still held after ``timeout_s`` seconds) raises
-    :class:`StoreError` saying why; so does a path that is no regular file (a FIFO, a socket, a
-    device such as ``/dev/null``, a folder), at once.
+    A SQLite file that does not exist (said once at INFO unless it is the default DB), and a
+    database with no tables at all, hold no winners: ``[]``, and nothing is created. Nothing is
+    ever written: a database at one of :data:`READABLE_REVISIONS` is read as it is (the columns
+    it lacks read as ``None``), and one at an older revision is refused, not upgraded. Anything
+    that cannot be read as a tritune DB at this code's schema (corrupt file, somebody else's
+    database, an unknown or too old schema revision, no answer or a lock still held after
+    ``timeout_s`` seconds) raises :class:`StoreError` saying why; so does a path that is no
+    regular file (a FIFO, a socket, a device such as ``/dev/null``, a folder), at once.
     """
     path = sqlite_file(url)
     if path is not None:
@@ -209,6 +212,7 @@ def read_winners(
         if refusal is not None:
             raise StoreError(refusal)
         if not path.exists():
+            _tell_missing(url, path)
             return []
         # SQLite keeps its side files beside the file a link points to (a ConfigMap's ..data/).
         path = path.resolve()
@@ -223,6 +227,31 @@ def read_winners(
 
     late = f"no answer from {display_url(url)} within {timeout_s:g} s"
     return _within(timeout_s + ABANDON_GRACE_S, read, late)
+
+
+#: SQLite URLs whose missing file was said (:func:`_tell_missing`): once per process is enough.
+_told_missing: set[str] = set()
+
+
+def _tell_missing(url: str, path: Path) -> None:
+    """Say at INFO, once per URL, that the DB file a user named is not there, and whether its folder
+    is; the default DB is simply not there until something is stored."""
+    if url in _told_missing or is_default_db(path):
+        return
+    _told_missing.add(url)
+    shown = printable(str(path), limit=REASON_CHARS)
+    if path.parent.is_dir():
+        log.info(
+            "no config DB at %s: serving without it; tune creates it there, and so does a serving "
+            "process's miss log (TRITUNE_MISS_LOG=0 turns that off)",
+            shown,
+        )
+    else:
+        log.info(
+            "no config DB at %s, nor its folder: serving without it (check TRITUNE_DB); tune creates "
+            "both, a serving process's miss log neither",
+            shown,
+        )
 
 
 def _within(timeout_s: float, call: Callable[[], T], late: str) -> T:

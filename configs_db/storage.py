@@ -9,10 +9,12 @@ instead of one of them failing when it upgrades a read lock. That requires manag
 ourselves (the ``sqlite3`` driver's legacy mode would otherwise emit its own), which also makes
 DDL and savepoints transactional, as the SQLAlchemy SQLite dialect docs describe.
 
-The runtime only ever reads (:func:`make_engine` with ``read_only=True``, see
+The runtime's read of winners only ever reads (:func:`make_engine` with ``read_only=True``, see
 :func:`sqlite_read_uri`): it opens files with SQLite's ``mode=ro``, and a WAL file that nobody
 has open with ``immutable=1``, so it creates no file, needs no write access to the file or its
 folder (a container image, a read-only mount), and waits for a lock no longer than it is told.
+A serving process's one write is its miss log (``configs_db/misses.py``, ``TRITUNE_MISS_LOG``):
+it creates the DB file where its folder exists, and no folder but that of the default DB.
 
 ``-wal`` and ``-shm`` files beside a DB belong to the tuners: a tuner that closes cleanly folds
 the WAL back into the DB and removes both; one that was killed, or ran out of disk while
@@ -160,13 +162,18 @@ def _server_connect_args(parsed: Any, timeout_s: float) -> dict[str, Any]:
 
 
 def make_engine(
-    url: str, *, read_only: bool = False, timeout_s: float | None = None, immutable: bool = False
+    url: str,
+    *,
+    read_only: bool = False,
+    timeout_s: float | None = None,
+    immutable: bool = False,
+    create_folder: bool = True,
 ) -> Engine:
     """An engine for ``url`` with the SQLite settings above.
 
     A SQLite path that exists but is no regular file (a FIFO, a folder, ``/dev/null``) is refused
     with :class:`StoreError` before SQLite opens it. For a SQLite file the parent directory is
-    created, unless ``read_only``: then nothing is
+    created when ``create_folder`` (the tuner), never when ``read_only``: then nothing is
     ever created and nothing written, the file is opened with :func:`sqlite_read_uri`
     (``immutable`` as the caller decided) and ``query_only``, and each connection is its own
     (no pool). ``timeout_s`` bounds how long a connection waits for a lock (SQLite) or for a
@@ -202,7 +209,8 @@ def make_engine(
         blocked = blocking_ancestor(path)
         if blocked is not None:
             raise StoreError(f"{printable(str(blocked[0]))} is {blocked[1]}, so the DB's folder cannot be created")
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if create_folder:
+            path.parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(url)
     _configure_sqlite(engine, wal=True, read_only=read_only, busy_timeout_ms=busy_timeout_ms)
     return engine

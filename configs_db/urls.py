@@ -7,6 +7,8 @@ paying for the import. The parse follows SQLAlchemy's (a test compares them).
 :func:`not_a_db_file` and :func:`blocking_ancestor` name what is wrong with a DB path before
 SQLite opens it: SQLite reports a folder as "disk I/O error", opening a FIFO for reading blocks
 until something writes to it, and creating the DB's folder under a file fails with "File exists".
+:func:`is_default_db` tells tritune's own DB file (whose folder tritune may create) from one a user
+named.
 """
 
 from __future__ import annotations
@@ -84,3 +86,12 @@ def blocking_ancestor(path: Path) -> tuple[Path, str] | None:
             return None
         return ancestor, "a file" if stat.S_ISREG(mode) else (special_kind(ancestor) or "not a folder")
     return None
+
+
+def is_default_db(path: Path) -> bool:
+    """Whether ``path`` is the default config DB file, in tritune's own data folder (created when
+    something is first written there); any other DB's folder is the user's to create."""
+    from tritune.kernels.settings import default_db_url  # where the default is defined; imports no torch
+
+    default = sqlite_file(default_db_url())
+    return default is not None and Path(os.path.abspath(path)) == default

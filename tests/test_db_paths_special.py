@@ -91,6 +91,21 @@ def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+def miss_row() -> miss_store.MissRecord:
+    now = datetime.now(timezone.utc)
+    return miss_store.MissRecord(
+        gpu="cpu-interpreter",
+        kernel="toy_scale",
+        kernel_version="v",
+        key_json='{"n_bucket":64}',
+        triton_version="t",
+        torch_version="t",
+        count=1,
+        first_seen=now,
+        last_seen=now,
+    )
+
+
 def failed(result: Result, *parts: str) -> list[str]:
     """Assert ``tune`` failed with status 1 in one or two lines holding ``parts``; those lines."""
     assert result.exit_code == 1, result.output
@@ -192,20 +207,9 @@ def test_the_miss_log_refuses_a_fifo_or_folder_at_once(kind: str, fifo: Path, tm
     path = fifo if kind == "fifo" else tmp_path / "db"
     if kind == "directory":
         path.mkdir()
-    row = miss_store.MissRecord(
-        gpu="cpu-interpreter",
-        kernel="toy_scale",
-        kernel_version="v",
-        key_json='{"n_bucket":64}',
-        triton_version="t",
-        torch_version="t",
-        count=1,
-        first_seen=datetime.now(timezone.utc),
-        last_seen=datetime.now(timezone.utc),
-    )
     start = time.monotonic()
     with pytest.raises(StoreError, match="not a config DB file"):
-        miss_store.write_misses(url_of(path), [row], timeout_s=20)
+        miss_store.write_misses(url_of(path), [miss_row()], timeout_s=20)
     assert time.monotonic() - start < PROMPT_S
     assert stat.S_ISFIFO(path.stat().st_mode) if kind == "fifo" else not any(path.iterdir())
 
@@ -239,3 +243,91 @@ def test_a_store_opened_under_a_file_says_which_file(tmp_path: Path) -> None:
     with pytest.raises(StoreError) as raised:
         storage.make_engine(url_of(blocker / "sub" / "c.sqlite"))
     assert str(raised.value) == f"{blocker} is a file, so the DB's folder cannot be created"
+
+
+# ---- a DB path that names nothing yet ------------------------------------------------------------
+
+
+def test_the_miss_log_never_creates_a_missing_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "typo" / "deeper"
+    with pytest.raises(StoreError) as raised:
+        miss_store.write_misses(url_of(folder / "c.sqlite"), [miss_row()], timeout_s=10)
+    assert str(raised.value) == (
+        f"the config DB's folder {folder} does not exist, and a serving process creates no folder (tune does)"
+    )
+    assert not (tmp_path / "typo").exists()
+
+
+def test_the_miss_log_creates_the_file_in_a_folder_that_exists(tmp_path: Path) -> None:
+    path = tmp_path / "c.sqlite"
+    assert miss_store.write_misses(url_of(path), [miss_row()], timeout_s=10) == 1
+    assert [row.count for row in miss_store.read_misses(url_of(path), timeout_s=10)] == [1]
+
+
+def test_a_serving_process_skips_its_miss_log_for_a_missing_folder_with_one_info_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from tritune.kernels import misses
+
+    folder = tmp_path / "typo"
+    monkeypatch.setenv("TRITUNE_MISS_LOG", "1")
+    monkeypatch.setenv("TRITUNE_DB", str(folder / "c.sqlite"))
+    settings.reload()
+    log = misses.MissLog()
+    monkeypatch.setattr(log, "_start", lambda: None)  # no writer thread: the test flushes
+    monkeypatch.setattr(misses, "MISSES", log)
+    caplog.set_level(logging.INFO, logger="tritune.misses")
+    assert served() == PORTABLE
+    assert log.flush(timeout_s=10) == 0
+    assert log.flush(timeout_s=10) == 0
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "tritune.misses"]
+    assert "does not exist, and a serving process creates no folder" in line
+    assert not folder.exists()
+    assert log.pending(), "the keys stay in memory"
+
+
+def test_a_missing_db_file_is_said_once_at_info(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "typo.sqlite"
+    caplog.set_level(logging.INFO, logger="tritune.configs_db")
+    assert read_winners(url_of(path)) == []
+    assert read_winners(url_of(path)) == []
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == (
+        f"no config DB at {path}: serving without it; tune creates it there, and so does a serving "
+        "process's miss log (TRITUNE_MISS_LOG=0 turns that off)"
+    )
+    assert not path.exists()
+
+
+def test_a_missing_db_folder_is_said_at_info(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "typo" / "c.sqlite"
+    caplog.set_level(logging.INFO, logger="tritune.configs_db")
+    assert read_winners(url_of(path)) == []
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == (
+        f"no config DB at {path}, nor its folder: serving without it (check TRITUNE_DB); tune creates "
+        "both, a serving process's miss log neither"
+    )
+    assert not path.parent.exists()
+
+
+@pytest.fixture
+def default_db(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The default DB moved under ``tmp_path`` (its folder not there yet) and in force."""
+    path = tmp_path / "data" / "tritune" / "configs.sqlite"
+    monkeypatch.setattr(settings, "default_db_url", lambda: f"sqlite:///{path}")
+    monkeypatch.delenv("TRITUNE_DB")
+    settings.reload()
+    assert settings.settings().db_url == url_of(path)
+    return path
+
+
+def test_the_miss_log_creates_the_default_dbs_own_folder(default_db: Path) -> None:
+    assert miss_store.write_misses(url_of(default_db), [miss_row()], timeout_s=20) == 1
+    assert default_db.is_file()
+
+
+def test_a_missing_default_db_is_not_said(default_db: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="tritune.configs_db")
+    assert read_winners(url_of(default_db)) == []
+    assert caplog.records == []
