@@ -23,8 +23,10 @@ the model called that had no winner of its own is tuned. To get there cheaply:
   would be overstated).
 - The user DB does not exist yet, or is at an older schema revision: with Alembic importable
   (``pip install 'tritune[tune]'``, which anyone who runs ``tune`` has) it is created or upgraded
-  the way ``tune`` does it, then written. Without Alembic the misses stay in memory, one INFO line
-  says how to get them logged, and later writes try again (a ``tune`` run may create the DB).
+  the way ``tune`` does it, then written, in a folder that exists (a serving process creates no
+  folder but the default DB's own; a missing one is said once at INFO and retried). Without
+  Alembic the misses stay in memory, one INFO line says how to get them logged, and later writes
+  try again (a ``tune`` run may create the DB).
 - A DB that refuses writes (a read-only file, folder or mount): one INFO line, and this process
   stops writing misses (they stay in memory: :func:`pending`). Any other failure (a lock held past
   the bound): one INFO line the first time, retried at the next interval.
