@@ -220,16 +220,31 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device("cpu") if args.smoke else torch.device("cuda", int(args.device))
     env = bl.environment(device, args.smoke)
-    rows = online_phase(work, args.device, args.smoke) if "online" in args.phases else []
+    rows: list[dict[str, Any]] = []
+    provisional: dict[str, Any] | None = None
+    missed: dict[str, Any] | None = None
+
+    def save() -> str:
+        # After every phase: a run stopped in a later phase still leaves the earlier ones' report.
+        state = {"rows": rows, "provisional": provisional, "missed": missed}
+        (work / "rows.json").write_text(json.dumps(state, indent=1))
+        markdown = report(env, rows, provisional, missed)
+        if args.out:
+            Path(args.out).write_text(markdown)
+        return markdown
+
+    if "online" in args.phases:
+        rows = online_phase(work, args.device, args.smoke)
+        save()
     if "offline" in args.phases and rows:
         offline_phase(work, args.device, rows, args.smoke, args.offline_args.split())
-    provisional = provisional_phase(work, args.device, args.smoke) if "provisional" in args.phases else None
-    missed = missed_phase(work, args.device, args.smoke) if "missed" in args.phases else None
-    (work / "rows.json").write_text(json.dumps({"rows": rows, "provisional": provisional, "missed": missed}, indent=1))
-    markdown = report(env, rows, provisional, missed)
-    bl.print_report(markdown)
-    if args.out:
-        Path(args.out).write_text(markdown)
+        save()
+    if "provisional" in args.phases:
+        provisional = provisional_phase(work, args.device, args.smoke)
+        save()
+    if "missed" in args.phases:
+        missed = missed_phase(work, args.device, args.smoke)
+    bl.print_report(save())
     return 0
 
 
