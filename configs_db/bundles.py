@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from .records import Rejection, WinnerRecord
+from .urls import mode_kind
 from .values import (
     canonical_json,
     check_flat,
@@ -105,20 +106,6 @@ def _limit() -> str:
     return f"the limit of {MAX_BUNDLE_BYTES} bytes for a bundle ({MAX_BUNDLE_BYTES // 2**20} MiB)"
 
 
-#: Names of the file types that are not regular files, for the refusal.
-_KINDS = (
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISSOCK, "a socket"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-)
-
-
-def _kind(mode: int) -> str:
-    return next((name for test, name in _KINDS if test(mode)), "a special file")
-
-
 def _read_text(path: Path) -> str:
     """The file's text, refusing an oversized one before reading it (``ValueError`` says why).
 
@@ -133,14 +120,14 @@ def _read_text(path: Path) -> str:
             raise ValueError(f"dangling symbolic link (to {printable(os.readlink(path))})") from None
         raise
     if not stat.S_ISREG(info.st_mode):
-        raise ValueError(f"is {_kind(info.st_mode)}, not a regular file")
+        raise ValueError(f"is {mode_kind(info.st_mode)}, not a regular file")
     if info.st_size > MAX_BUNDLE_BYTES:
         raise ValueError(f"file is {info.st_size} bytes, over {_limit()}")
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     with os.fdopen(fd, "rb") as fh:
         mode = os.fstat(fh.fileno()).st_mode
         if not stat.S_ISREG(mode):
-            raise ValueError(f"is {_kind(mode)}, not a regular file")
+            raise ValueError(f"is {mode_kind(mode)}, not a regular file")
         # Read one byte past the limit: the file may have grown since stat.
         data = fh.read(MAX_BUNDLE_BYTES + 1)
     if len(data) > MAX_BUNDLE_BYTES:

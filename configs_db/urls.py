@@ -59,6 +59,11 @@ def special_kind(path: Path) -> str | None:
         return None
     if stat.S_ISREG(mode):
         return None
+    return mode_kind(mode)
+
+
+def mode_kind(mode: int) -> str:
+    """How messages name a file mode that is not a regular file's ("a FIFO", "a directory", ...)."""
     return next((kind for test, kind in _SPECIAL_KINDS if test(mode)), "a special file")
 
 
