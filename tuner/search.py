@@ -395,9 +395,16 @@ class KeySearch:
     # ---- measuring ---------------------------------------------------------------------------
 
     def _past_deadline(self) -> bool:
-        """Whether ``--time-budget`` (online: the key's seconds) has run out since the search began."""
+        """Whether ``--time-budget`` (online: the key's seconds) has run out since the search began.
+
+        Never before the portable default has a result: no winner is admitted without that
+        baseline, so seconds spent on start-up (a cold bench, compiles on a busy GPU) would
+        otherwise leave the key with nothing to show for them.
+        """
         budget = self.options.time_budget_s
-        return budget is not None and self.started is not None and time.monotonic() - self.started > budget
+        if budget is None or self.started is None or time.monotonic() - self.started <= budget:
+            return False
+        return self.known.ident(self.spec.default_config(self.key)) in self.known.status
 
     def _measure(self, study: optuna.Study, bench: KeyBench, default: Any, pending: list[tuple[Asked, Any]]) -> int:
         told: set[int] = set()
