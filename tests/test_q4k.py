@@ -282,11 +282,31 @@ def kernel_spy(monkeypatch):
     return _KernelSpy(monkeypatch)
 
 
+def _served_as_pinned(pin: object, x: torch.Tensor, weight: Q4KWeight, bias, out: torch.Tensor) -> bool:
+    """Whether ``q4k_linear`` serves ``pin`` as given at this call. On a GPU the space's rule at the
+    call's key (for example the GEMV path above one row, the fp8 paths below the opt-in's M) and
+    the kernel's serve hook may replace it; on the interpreter every pin runs."""
+    info = device_info(x.device)
+    facts = tuple(KERNEL.facts(x, weight, bias, out=out))
+    key = KERNEL.key_for(info, facts)
+    if not info.is_interpreter and KERNEL.space.infeasible_reason(pin, key, KERNEL.limits(info)) is not None:
+        return False
+    return KERNEL.serve_with_reason(pin, info, facts)[0] == pin
+
+
 def _run_case(case: Case, device: str, record_property, spy: _KernelSpy) -> None:
+    """One case: through ``q4k_linear`` under ``use_config`` where the pin serves the call, else (a
+    GPU case the dispatcher would not serve as pinned) through the kernel's launch, so that every
+    path's numerics are checked at every case."""
     x, weight, bias = _problem(case, device)
     out = torch.full((case.m, case.n), float("nan"), dtype=case.dtype, device=device)
-    with use_config("q4k_fp8_gemm", _config(case, device)):
-        result = q4k_linear(x, weight, bias, out=out)
+    pin = KERNEL.pinned_config(_config(case, device))
+    if _served_as_pinned(pin, x, weight, bias, out):
+        with use_config("q4k_fp8_gemm", _config(case, device)):
+            result = q4k_linear(x, weight, bias, out=out)
+    else:
+        assert device != "cpu", f"{case}: the interpreter serves every pin"
+        result = KERNEL.launch(pin, x, weight, bias, out=out)
     assert result is out
     # The pinned path and split ran, not a stand-in the dispatcher chose.
     chunks = -(-case.n // case.chunk)

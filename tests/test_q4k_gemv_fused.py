@@ -56,22 +56,31 @@ def _run(config: GemvConfig, x: torch.Tensor, weight: Q4KWeight, bias: torch.Ten
 
 
 def _agrees(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """The one-launch result against the unfused launches': the same bits on the interpreter,
-    within one unit in the last place on a GPU (see ``test_gpu_one_launch_agrees_with_the_unfused_launches``)."""
+    """The one-launch result against the unfused launches': the same bits on the interpreter; on a
+    GPU each element within one unit in the last place, or within one unit of the row's typical
+    magnitude (see ``test_gpu_one_launch_agrees_with_the_unfused_launches``)."""
     if a.device.type == "cpu":
         return torch.equal(a.view(torch.int16), b.view(torch.int16))
-    return _ulps_apart(a, b) <= 1
+    return bool((_ulps_apart_each(a, b) <= 1).logical_or((a - b).float().abs() <= _row_unit(b)).all())
 
 
-def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
-    """The most units in the last place between matching elements of two 16-bit float tensors
-    (their bit patterns mapped to one ordered integer line, so +0 and -0 are 0 apart)."""
+def _row_unit(t: torch.Tensor) -> torch.Tensor:
+    """One unit in the last place of each row's RMS value, as a column: what float sums added in
+    another order move a result by, whatever its own size (an output near zero is made of terms as
+    large as the row's others, so its error is theirs, many of its own units)."""
+    rms = t.float().pow(2).mean(dim=-1, keepdim=True).sqrt().clamp_min(torch.finfo(t.dtype).tiny)
+    return torch.finfo(t.dtype).eps * torch.exp2(torch.floor(torch.log2(rms)))
+
+
+def _ulps_apart_each(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Units in the last place between matching elements of two 16-bit float tensors (their bit
+    patterns mapped to one ordered integer line, so +0 and -0 are 0 apart)."""
 
     def ordered(t: torch.Tensor) -> torch.Tensor:
         bits = t.contiguous().view(torch.int16).to(torch.int32)
         return torch.where(bits < 0, -(bits + 32768), bits)
 
-    return int((ordered(a) - ordered(b)).abs().max())
+    return (ordered(a) - ordered(b)).abs()
 
 
 def _counters_are_zero(device: torch.device) -> bool:
@@ -170,11 +179,13 @@ WINNER_SHAPES = [(14336, 4096, 4), (4096, 14336, 1), (4096, 4096, 4)]
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gpu_one_launch_agrees_with_the_unfused_launches(k, n, split, dtype):
     """On sm_90 the one launch rounds as the unfused launches do to within one unit in the last
-    place, three calls in a row, and meets the GEMV's floor against the reference.
+    place (or one unit of the row's RMS, for outputs near zero), three calls in a row, and meets
+    the GEMV's floor against the reference.
 
-    Not bit for bit, unlike on the interpreter: on an H200 (2026-12-05) every shape and dtype here
-    differed from the unfused launches by one unit at most, at SPLIT_K 1 (no fused reduce) too;
-    which operation rounds differently on sm_90 is not located."""
+    Not bit for bit, unlike on the interpreter: on an H200 the float sums are added in another
+    order, at SPLIT_K 1 (no fused reduce) too, which moves an output near zero by many of its own
+    units but never by more than one unit of its row's magnitude; which operation rounds
+    differently on sm_90 is not located."""
     x, weight, bias = _problem("cuda", dtype, seed=k + n, n=n, k=k)
     config = GemvConfig(BLOCK_N=32, BLOCK_K=256, SPLIT_K=split, FUSE_QUANT=True, FUSED_REDUCE=split > 1)
     for call in range(3):
@@ -189,8 +200,8 @@ def test_gpu_one_launch_agrees_with_the_unfused_launches(k, n, split, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize(("k", "n", "split"), WINNER_SHAPES, ids=lambda v: str(v))
 def test_gpu_graph_replays_of_the_one_launch_gemv(k, n, split):
-    """A captured one-launch call replayed three times with new x: each replay is within one unit
-    in the last place of the unfused launches and meets the GEMV's floor against the reference."""
+    """A captured one-launch call replayed three times with new x: each replay agrees with the
+    unfused launches as in the eager test above and meets the GEMV's floor against the reference."""
     x, weight, bias = _problem("cuda", torch.bfloat16, seed=k, n=n, k=k)
     config = GemvConfig(BLOCK_N=32, BLOCK_K=256, SPLIT_K=split, FUSE_QUANT=True, FUSED_REDUCE=split > 1)
     out = torch.empty((1, n), dtype=x.dtype, device="cuda")
