@@ -121,7 +121,7 @@ def test_restamp_leaves_the_shipped_bundle_unchanged(restamp_bundle, tmp_path):
 
 def test_restamp_rewrites_a_stale_entry_and_drops_fields_its_path_lacks(restamp_bundle, tmp_path, capsys):
     doc = json.loads(BUNDLE.read_text())
-    prefill = [e for e in doc["winners"] if e["kernel"] == KERNEL.name]
+    prefill = [e for e in doc["winners"] if e["kernel"] == KERNEL.name and e["config"]["path"] == "tma"]
     prefill[0]["kernel_version"] = "0123456789abcdef"
     prefill[0]["config"] |= {"CONSUMER_REGS": 240, "PRODUCER_REGS": 24}
     stale = tmp_path / BUNDLE.name
@@ -133,7 +133,7 @@ def test_restamp_rewrites_a_stale_entry_and_drops_fields_its_path_lacks(restamp_
 
 def test_restamp_writes_nothing_the_loader_would_refuse(restamp_bundle, tmp_path, capsys):
     doc = json.loads(BUNDLE.read_text())
-    entry = next(e for e in doc["winners"] if e["kernel"] == KERNEL.name)
+    entry = next(e for e in doc["winners"] if e["kernel"] == KERNEL.name and e["config"]["path"] == "tma")
     entry["config"]["BLOCK_M"] = 16  # below the tma path's 64-row warpgroup MMA
     entry["kernel_version"] = "0123456789abcdef"
     path = tmp_path / BUNDLE.name
@@ -147,7 +147,7 @@ def test_restamp_writes_nothing_the_loader_would_refuse(restamp_bundle, tmp_path
 
 def test_restamp_refuses_an_entry_missing_a_field_of_its_path(restamp_bundle, tmp_path):
     doc = json.loads(BUNDLE.read_text())
-    entry = next(e for e in doc["winners"] if e["kernel"] == KERNEL.name)
+    entry = next(e for e in doc["winners"] if e["kernel"] == KERNEL.name and e["config"]["path"] == "tma")
     del entry["config"]["SPLIT_KV"]
     path = tmp_path / BUNDLE.name
     path.write_text(restamp_bundle.document_text(doc))
