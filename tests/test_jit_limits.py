@@ -167,3 +167,29 @@ def test_an_offline_time_budget_spent_before_the_search_still_measures_the_defau
         measured = [r for r in store.measured_trials(env, SPEC.name, SPEC.version, key.to_dict()) if r.status == OK]
     assert result.config is not None
     assert [r.config for r in measured] == [PORTABLE]
+
+
+@pytest.mark.interpreter
+def test_the_workers_start_up_does_not_count_against_the_keys_seconds(monkeypatch):
+    """The worker process starts once per process (a process, torch, a device): a key whose
+    seconds it would have spent still gets its trials."""
+    from tritune.tuner import worker
+
+    spawn = worker.Worker._spawn
+
+    def slow_spawn(self):
+        time.sleep(4.0)
+        spawn(self)
+
+    monkeypatch.setattr(worker.Worker, "_spawn", slow_spawn)
+    monkeypatch.setattr(tuner_jit, "ISOLATE", True)
+    monkeypatch.setattr(tuner_jit, "TIMER", FakeTimer(toy_kernel.toy_cost))
+    tuner_jit.close_benches()
+    try:
+        result = tuner_jit.tune_one_key(SPEC, "cpu", _key(256), trials=3, seconds=3.0,
+                                        db_url=settings.settings().db_url)  # fmt: skip
+    finally:
+        tuner_jit.close_benches()
+    assert result.outcome == tuner_jit.TUNED, result.detail
+    measured = [(r.config, r.status) for r in _trials(256) if r.status != "pruned"]
+    assert len(measured) == 3, measured

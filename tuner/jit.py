@@ -46,6 +46,7 @@ from .options import TuneOptions, TuningError, environment_id
 from .studies import study_name
 from .study import KeyTuner
 from .timing import Timer, timer_for
+from .worker import Worker
 
 __all__ = [
     "BUSY",
@@ -107,9 +108,10 @@ def tune_one_key(
 ) -> JitResult:
     """Tune ``key`` of ``spec`` on ``device`` into the config DB at ``db_url`` within the budget.
 
-    ``trials``: configs measured at most; ``seconds``, counted from this call (the claim, the DB
-    and the bench's start-up included): no trial but the portable default starts past it (the
-    default, the baseline no winner is admitted without, is measured however long the start-up
+    ``trials``: configs measured at most; ``seconds``, counted from this call (the claim and the
+    DB included, the start of the process's worker not: paid once per process, it would leave the
+    first key nothing): no trial but the portable default starts past it (the default, the
+    baseline no winner is admitted without, is measured however long its problems and compile
     took); a candidate under way and the final re-timing of the best configs finish, each
     bounded by ``tune``'s trial timeout (a candidate is never killed for the key's seconds: the
     kill would be stored as its failure). A locked DB is waited for at
@@ -161,6 +163,14 @@ def _tune_claimed(
         timer = TIMER if TIMER is not None else _device_timer(torch_device)
         bench, bench_lock = _bench(torch_device, timer, options)
         with bench_lock:
+            if isinstance(bench, Worker):
+                spawning = time.monotonic()
+                try:
+                    bench.start()
+                except BenchError as exc:
+                    return JitResult(FAILED, None, time.monotonic() - started, detail=str(exc))
+                # The key's seconds resume where the worker's start-up began.
+                started += time.monotonic() - spawning
             return _tune_on(spec, torch_device, info, key, store, timer, options, bench, trials, seconds, started)
     finally:
         store.close()

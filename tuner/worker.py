@@ -208,6 +208,11 @@ class Worker:
             self._discard(kill=True)
             raise BenchError(f"the worker process did not start: {reply['error']}")
 
+    def start(self) -> None:
+        """Start the worker process now if none runs (the first measurement would otherwise):
+        for a caller that keeps the start-up, paid once, apart from the time it budgets."""
+        self._ensure()
+
     def _ensure(self) -> None:
         """A live worker with the open key's problems built (restarting a dead one)."""
         if self._alive():
