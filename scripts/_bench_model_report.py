@@ -28,6 +28,11 @@ class Check:
     #: The least passing top-1 agreement (``examples.llama.top1_floor`` of ``bf16_top1`` and ``rows``).
     top1_floor: float
     rows: int
+    #: Rows whose top-1 token differs from the reference's, as ``prompt:position`` (``d`` marks a
+    #: decoded row): where a failing agreement comes from (near ties in both, or one kind of call).
+    misses: list[str] = field(default_factory=list)
+    #: The same rows of PyTorch's own bf16 forward.
+    bf16_misses: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -134,6 +139,12 @@ def checks_table(results: Results) -> str:
     for c in results.checks.values():
         lines.append(f"| {c.impl} | {c.rel_err:.4f} | {c.bf16_rel_err:.4f} | {c.top1:.3f} | {c.bf16_top1:.3f} | "
                      f"{c.top1_floor:.3f} | {c.rows} | {'ok' if c.ok else 'FAILED'} |")  # fmt: skip
+    lines.append("")
+    for c in results.checks.values():
+        shared = len(set(c.misses) & set(c.bf16_misses))
+        lines.append(f"- {c.impl}: rows off the reference's top-1 (prompt:position, d = decoded): "
+                     f"{', '.join(c.misses) or 'none'}; PyTorch bf16 forward's: {', '.join(c.bf16_misses) or 'none'} "
+                     f"({shared} shared)")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

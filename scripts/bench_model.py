@@ -238,6 +238,11 @@ def check_model(impl: str, make: Callable[..., Any], prompts: list[list[int]], r
 
     got, want, yard = torch.cat(ours), torch.cat(exact), torch.cat(bf16)
     bf16_top1 = float((yard.argmax(-1) == want.argmax(-1)).double().mean())
+    names = [
+        f"{index}:{position}" + ("d" if position >= len(prompt) - 2 else "")
+        for index, prompt in enumerate(prompts)
+        for position in range(len(prompt))
+    ]
     check = Check(
         impl=impl,
         rel_err=float((got - want).norm() / want.norm()),
@@ -246,10 +251,18 @@ def check_model(impl: str, make: Callable[..., Any], prompts: list[list[int]], r
         bf16_top1=bf16_top1,
         top1_floor=top1_floor(bf16_top1, got.shape[0]),
         rows=got.shape[0],
+        misses=_misses(got, want, names),
+        bf16_misses=_misses(yard, want, names),
     )
     log.info("%s: rel. error %.4f (PyTorch bf16 %.4f), top-1 %.3f over %d rows: %s", impl, check.rel_err,
              check.bf16_rel_err, check.top1, check.rows, "ok" if check.ok else "FAILED")  # fmt: skip
     return check
+
+
+def _misses(logits: torch.Tensor, reference: torch.Tensor, names: list[str]) -> list[str]:
+    """The names of the rows whose top-1 token is not the reference's."""
+    off = (logits.argmax(-1) != reference.argmax(-1)).nonzero().flatten().tolist()
+    return [names[row] for row in off]
 
 
 def bench_lengths(impl: str, make: Callable[..., Any], args: argparse.Namespace, run: bl.BenchRun) -> list[LengthRow]:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 for folder in (ROOT / "examples", ROOT / "scripts"):
@@ -85,6 +86,21 @@ def test_a_check_takes_top1_agreement_within_bf16s_sampling_noise() -> None:
     assert rep.Check("tritune", 0.0531, 0.0626, 0.898, 0.930, 0.862, 128).ok
     assert not rep.Check("tritune", 0.0531, 0.0626, 0.850, 0.930, 0.862, 128).ok
     assert not rep.Check("tritune", 0.1300, 0.0626, 0.950, 0.930, 0.862, 128).ok
+
+
+def test_the_report_names_the_rows_off_the_references_top1() -> None:
+    results = _results(ok=True)
+    results.checks["tritune"].misses = ["0:3", "1:31d"]
+    results.checks["tritune"].bf16_misses = ["0:3"]
+    text = rep.report(results)
+    assert "- tritune: rows off the reference's top-1 (prompt:position, d = decoded): 0:3, 1:31d; " in text
+    assert "PyTorch bf16 forward's: 0:3 (1 shared)" in text
+
+
+def test_check_rows_are_named_by_prompt_and_position_decoded_rows_marked() -> None:
+    reference = torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])
+    logits = torch.tensor([[0.0, 1.0], [0.0, 1.0], [1.0, 0.0]])
+    assert bench_model._misses(logits, reference, ["0:0", "0:1", "0:2d"]) == ["0:1", "0:2d"]
 
 
 @pytest.mark.parametrize("text", ["1", "x,2", ""], ids=["too-short", "not-a-number", "empty"])
