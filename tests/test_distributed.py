@@ -690,7 +690,9 @@ def test_a_shared_keys_time_budget_counts_over_all_its_visits(toy, tmp_path):
         running.set_user_attr(WORKER_ATTR, "test:b")  # its trial, never finished here
         bench = KeyBench(LocalBench(torch.device("cpu"), tuner.timer))
         first = tuner.visit(bench)
-        assert not first.done and first.measured > 0
+        # 0.1 s a trial against 0.4 s: the budget stops the visit (the portable default is the
+        # other worker's, running, so nothing waits on it here); the exploration share would be 10.
+        assert not first.done and 0 < first.measured <= 6
         again = tuner.visit(bench)
         assert not again.done and again.measured == 0
         del other

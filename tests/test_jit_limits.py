@@ -5,6 +5,7 @@ a failed portable default ends the tune at once."""
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import time
 
@@ -172,13 +173,13 @@ def test_an_offline_time_budget_spent_before_the_search_still_measures_the_defau
 @pytest.mark.interpreter
 def test_the_workers_start_up_does_not_count_against_the_keys_seconds(monkeypatch):
     """The worker process starts once per process (a process, torch, a device): a key whose
-    seconds it would have spent still gets its trials."""
+    seconds it would have spent still gets its trials, and the result's seconds still count it."""
     from tritune.tuner import worker
 
     spawn = worker.Worker._spawn
 
     def slow_spawn(self):
-        time.sleep(4.0)
+        time.sleep(6.0)
         spawn(self)
 
     monkeypatch.setattr(worker.Worker, "_spawn", slow_spawn)
@@ -186,10 +187,46 @@ def test_the_workers_start_up_does_not_count_against_the_keys_seconds(monkeypatc
     monkeypatch.setattr(tuner_jit, "TIMER", FakeTimer(toy_kernel.toy_cost))
     tuner_jit.close_benches()
     try:
-        result = tuner_jit.tune_one_key(SPEC, "cpu", _key(256), trials=3, seconds=3.0,
+        result = tuner_jit.tune_one_key(SPEC, "cpu", _key(256), trials=3, seconds=4.0,
                                         db_url=settings.settings().db_url)  # fmt: skip
     finally:
         tuner_jit.close_benches()
     assert result.outcome == tuner_jit.TUNED, result.detail
     measured = [(r.config, r.status) for r in _trials(256) if r.status != "pruned"]
     assert len(measured) == 3, measured
+    assert result.seconds >= 6.0
+
+
+def test_a_worker_started_after_a_dead_one_opens_no_earlier_keys_problems(monkeypatch):
+    from tritune.tuner import worker
+
+    bench = worker.Worker("cpu", FakeTimer(toy_kernel.toy_cost))
+    bench._opened = {"op": "open", "kernel": "toy", "key": {}}
+    spawned, set_up = [], []
+    monkeypatch.setattr(bench, "_alive", lambda: False)
+    monkeypatch.setattr(bench, "_spawn", lambda: spawned.append(True))
+    monkeypatch.setattr(bench, "_setup", lambda message: set_up.append(message))
+    bench.start()
+    assert spawned == [True] and set_up == [] and bench._opened is None
+
+
+@pytest.mark.interpreter
+def test_a_winner_stored_while_the_claim_was_awaited_is_found_past_the_keys_seconds(monkeypatch):
+    """A process that waited on another's claim longer than the key's seconds reads the winner that
+    process stored, rather than reporting the key late."""
+    with settings.override(jit="sync", jit_trials=3):
+        _served(200)
+    stored = _winner(256)
+    assert stored is not None
+    claim = tuner_jit._claim
+
+    @contextlib.contextmanager
+    def slow_claim(db_url, name, wait_s):
+        time.sleep(0.3)
+        with claim(db_url, name, wait_s) as held:
+            yield held
+
+    monkeypatch.setattr(tuner_jit, "_claim", slow_claim)
+    result = tuner_jit.tune_one_key(SPEC, "cpu", _key(256), trials=3, seconds=0.1, db_url=settings.settings().db_url,
+                                    wait_s=5.0)  # fmt: skip
+    assert result.outcome == tuner_jit.FOUND and result.winner.config == stored.config

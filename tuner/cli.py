@@ -154,7 +154,11 @@ def tune(
     ] = False,
     trials: Annotated[int | None, typer.Option(min=1, help="measured trials per key [default: 40; 12 on cpu]")] = None,
     time_budget: Annotated[
-        float | None, typer.Option(callback=_positive_seconds, help="seconds per key (above zero)")
+        float | None,
+        typer.Option(
+            callback=_positive_seconds,
+            help="seconds per key (above zero); the portable default is measured even past them",
+        ),
     ] = None,
     db: Annotated[str | None, typer.Option(help="config DB (SQLAlchemy URL or file path)")] = None,
     seed: Annotated[int, typer.Option(min=0, max=2**32 - 1, help="seed of the sampler and the random problems")] = 0,

@@ -62,8 +62,10 @@ __all__ = [
 
 log = logging.getLogger("tritune.jit")
 
-#: Why a key's tune ended before it began: its seconds went on the claim, the DB or the bench.
+#: Why a key's tune ended before it began: its seconds went on the claim or a locked DB.
 _LATE = "the key's seconds ran out before its first trial"
+#: The least time a tune waits for a locked DB, so that a winner stored meanwhile is read.
+_MIN_DB_WAIT_S = 1.0
 
 
 class _DefaultFailed(Exception):
@@ -148,30 +150,34 @@ def _tune_claimed(
     seed: int,
     started: float,
 ) -> JitResult:
-    # A DB locked by another writer makes the call wait no longer than the key's seconds.
+    # A DB locked by another writer makes the call wait no longer than the key's seconds (a
+    # moment at least: the winner a process tuned while this one waited for its claim is read).
     left = seconds - (time.monotonic() - started)
-    if left <= 0:
-        return JitResult(FAILED, None, time.monotonic() - started, detail=_LATE)
-    store = ConfigStore(db_url, timeout_s=left)
+    store = ConfigStore(db_url, timeout_s=max(left, _MIN_DB_WAIT_S))
     try:
         stored = stored_winner(store, spec, info, key)
         if stored is not None:
             return JitResult(FOUND, stored, time.monotonic() - started)
+        if left <= 0:
+            return JitResult(FAILED, None, time.monotonic() - started, detail=_LATE)
         # The trial timeout is tune's own, never the key's seconds: a candidate killed for a short
         # budget would be stored as failed. The seconds end the search between trials instead.
         options = TuneOptions(trials=trials, time_budget_s=seconds, seed=seed, isolate=ISOLATE, time_peer=False)
         timer = TIMER if TIMER is not None else _device_timer(torch_device)
         bench, bench_lock = _bench(torch_device, timer, options)
         with bench_lock:
+            budget_from = started
             if isinstance(bench, Worker):
                 spawning = time.monotonic()
                 try:
                     bench.start()
                 except BenchError as exc:
                     return JitResult(FAILED, None, time.monotonic() - started, detail=str(exc))
-                # The key's seconds resume where the worker's start-up began.
-                started += time.monotonic() - spawning
-            return _tune_on(spec, torch_device, info, key, store, timer, options, bench, trials, seconds, started)
+                # The key's seconds resume where the worker's start-up began (the result's seconds
+                # and the process's budget still count it).
+                budget_from += time.monotonic() - spawning
+            return _tune_on(spec, torch_device, info, key, store, timer, options, bench, trials, seconds, started,
+                            budget_from)  # fmt: skip
     finally:
         store.close()
 
@@ -188,8 +194,10 @@ def _tune_on(
     trials: int,
     seconds: float,
     started: float,
+    budget_from: float,
 ) -> JitResult:
-    """One key's online tune on ``bench``, which the caller holds."""
+    """One key's online tune on ``bench``, which the caller holds; ``started``: when the call began,
+    ``budget_from``: when the key's seconds began (later by the worker's start-up, if any)."""
     log.info("%s %s: tuning online (%d trials, %g s)", spec.name, key_text(key), trials, seconds)
     default = spec.space.to_dict(spec.default_config(key))
 
@@ -212,8 +220,8 @@ def _tune_on(
         on_trial=on_trial,
         bench=bench,
     )
-    # The key's seconds count from the call: the claim, the DB, the bench's start-up and the problems too.
-    tuner.started = started
+    # The key's seconds count from the call (the claim, the DB and the problems too), not the worker's start-up.
+    tuner.started = budget_from
     try:
         result = tuner.run()
     except _DefaultFailed as exc:

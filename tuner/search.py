@@ -108,6 +108,8 @@ class KeySearch:
         self.rng = random.Random(backend.sampler_seed(options.seed))
         #: When this key's search began here: ``--time-budget`` counts from it over every visit.
         self.started: float | None = None
+        #: The one batch asked past the time budget, to measure a portable default nobody measured.
+        self.late_batch_asked = False
         self.study: optuna.Study | None = None
 
     def _ready(self, bench: KeyBench, default: Any) -> Bench:
@@ -203,8 +205,11 @@ class KeySearch:
         asks = measured = 0
         while asks < max_asks:
             if self._past_deadline():
-                log.info("%s %s: time budget reached", self.spec.name, self.key)
-                return measured, "time"
+                if self.late_batch_asked or not self._default_unsettled(study):
+                    log.info("%s %s: time budget reached", self.spec.name, self.key)
+                    return measured, "time"
+                # One batch more, of which only the portable default is measured (_measure_batch).
+                self.late_batch_asked = True
             self.backend.sweep(study)
             trials = study.get_trials(deepcopy=False)
             self.known.refresh()
@@ -395,16 +400,25 @@ class KeySearch:
     # ---- measuring ---------------------------------------------------------------------------
 
     def _past_deadline(self) -> bool:
-        """Whether ``--time-budget`` (online: the key's seconds) has run out since the search began.
-
-        Never before the portable default has a result: no winner is admitted without that
-        baseline, so seconds spent on start-up (a cold bench, compiles on a busy GPU) would
-        otherwise leave the key with nothing to show for them.
-        """
+        """Whether ``--time-budget`` (online: the key's seconds) has run out since the search began."""
         budget = self.options.time_budget_s
-        if budget is None or self.started is None or time.monotonic() - self.started <= budget:
-            return False
-        return self.known.ident(self.spec.default_config(self.key)) in self.known.status
+        return budget is not None and self.started is not None and time.monotonic() - self.started > budget
+
+    def _default_unsettled(self, study: optuna.Study) -> bool:
+        """Whether nobody has measured the portable default or is measuring it now.
+
+        Past the time budget such a default is still measured: no winner is admitted without
+        that baseline, so a budget spent on start-up (problems, compiles on a busy GPU) would
+        otherwise leave the key with nothing to show for it.
+        """
+        self.known.refresh()
+        ident = self.known.ident(self.spec.default_config(self.key))
+        return ident not in self.known.status and ident not in self.known.claimed(study.get_trials(deepcopy=False))
+
+    def _owed_default(self, config: Any) -> bool:
+        """Whether ``config`` is the portable default and has no result here yet."""
+        ident = self.known.ident(config)
+        return ident == self.known.ident(self.spec.default_config(self.key)) and ident not in self.known.status
 
     def _measure(self, study: optuna.Study, bench: KeyBench, default: Any, pending: list[tuple[Asked, Any]]) -> int:
         told: set[int] = set()
@@ -439,25 +453,30 @@ class KeySearch:
         """Run one batch on the bench, recording each trial as soon as its outcome is in.
 
         ``on_result(index, outcome)`` is called right after each trial is recorded. Past the time
-        budget the rest of the batch is left unmeasured (a candidate under way is never killed for
-        it: a kill would be stored as the config's failure).
+        budget the rest of the batch is left unmeasured but for a portable default with no result
+        (a candidate under way is never killed for the budget: a kill would be stored as the
+        config's failure).
         """
         values = [self.space.to_dict(c) for c in configs]
         early: list[TrialOutcome | None] | None = None
-        if self.torch_device.type == "cuda" and self.options.compile_workers > 1 and len(configs) > 1:
+        parallel = self.torch_device.type == "cuda" and self.options.compile_workers > 1 and len(configs) > 1
+        if parallel and not self._past_deadline():
             early = bench.precompile(values)
         results = []
+        left = 0
         for index, config in enumerate(configs):
-            if self._past_deadline():
-                log.info("%s %s: time budget reached; %d trial(s) of the batch left unmeasured", self.spec.name,
-                         self.key, len(configs) - index)  # fmt: skip
-                break
+            if self._past_deadline() and not self._owed_default(config):
+                left += 1
+                continue
             failed_early = early[index] if early is not None else None
             result = failed_early or bench.trial(values[index], compiled=early is not None)
             self.known.record(config, result["status"], result["ms"], result["error"])
             if on_result is not None:
                 on_result(index, result)
             results.append(result)
+        if left:
+            log.info("%s %s: time budget reached; %d trial(s) of the batch left unmeasured", self.spec.name, self.key,
+                     left)  # fmt: skip
         return results
 
     def _release(self, items: list[Asked]) -> None:

@@ -210,8 +210,13 @@ class Worker:
 
     def start(self) -> None:
         """Start the worker process now if none runs (the first measurement would otherwise):
-        for a caller that keeps the start-up, paid once, apart from the time it budgets."""
-        self._ensure()
+        for a caller that keeps the start-up apart from the time it budgets. A worker that died
+        with the previous key is started bare: the next key opens its own problems."""
+        if self._alive():
+            return
+        self._opened = None
+        self._discard(kill=True)
+        self._spawn()
 
     def _ensure(self) -> None:
         """A live worker with the open key's problems built (restarting a dead one)."""
