@@ -238,11 +238,9 @@ def check_model(impl: str, make: Callable[..., Any], prompts: list[list[int]], r
 
     got, want, yard = torch.cat(ours), torch.cat(exact), torch.cat(bf16)
     bf16_top1 = float((yard.argmax(-1) == want.argmax(-1)).double().mean())
-    names = [
-        f"{index}:{position}" + ("d" if position >= len(prompt) - 2 else "")
-        for index, prompt in enumerate(prompts)
-        for position in range(len(prompt))
-    ]
+    names = _row_names(prompts)
+    if len(names) != got.shape[0]:
+        raise RuntimeError(f"{impl}: {got.shape[0]} rows of logits for {len(names)} prompt positions")
     check = Check(
         impl=impl,
         rel_err=float((got - want).norm() / want.norm()),
@@ -257,6 +255,16 @@ def check_model(impl: str, make: Callable[..., Any], prompts: list[list[int]], r
     log.info("%s: rel. error %.4f (PyTorch bf16 %.4f), top-1 %.3f over %d rows: %s", impl, check.rel_err,
              check.bf16_rel_err, check.top1, check.rows, "ok" if check.ok else "FAILED")  # fmt: skip
     return check
+
+
+def _row_names(prompts: list[list[int]]) -> list[str]:
+    """``prompt:position`` of each row :func:`check_model` compares, ``d`` after a decoded one (the
+    last two positions of each prompt; the rows before them come from the prefill)."""
+    return [
+        f"{index}:{position}" + ("d" if position >= len(prompt) - 2 else "")
+        for index, prompt in enumerate(prompts)
+        for position in range(len(prompt))
+    ]
 
 
 def _misses(logits: torch.Tensor, reference: torch.Tensor, names: list[str]) -> list[str]:

@@ -100,6 +100,7 @@ def test_the_report_names_the_rows_off_the_references_top1() -> None:
 def test_check_rows_are_named_by_prompt_and_position_decoded_rows_marked() -> None:
     reference = torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])
     logits = torch.tensor([[0.0, 1.0], [0.0, 1.0], [1.0, 0.0]])
+    assert bench_model._row_names([[5, 6, 7], [8, 9, 10, 11]]) == ["0:0", "0:1d", "0:2d", "1:0", "1:1", "1:2d", "1:3d"]
     assert bench_model._misses(logits, reference, ["0:0", "0:1", "0:2d"]) == ["0:1", "0:2d"]
 
 

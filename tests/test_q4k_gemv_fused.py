@@ -61,7 +61,7 @@ def _agrees(a: torch.Tensor, b: torch.Tensor) -> bool:
     magnitude (see ``test_gpu_one_launch_agrees_with_the_unfused_launches``)."""
     if a.device.type == "cpu":
         return torch.equal(a.view(torch.int16), b.view(torch.int16))
-    return bool((_ulps_apart_each(a, b) <= 1).logical_or((a - b).float().abs() <= _row_unit(b)).all())
+    return bool((_ulps_apart_each(a, b) <= 1).logical_or((a.float() - b.float()).abs() <= _row_unit(b)).all())
 
 
 def _row_unit(t: torch.Tensor) -> torch.Tensor:
@@ -182,9 +182,9 @@ def test_gpu_one_launch_agrees_with_the_unfused_launches(k, n, split, dtype):
     place (or one unit of the row's RMS, for outputs near zero), three calls in a row, and meets
     the GEMV's floor against the reference.
 
-    Not bit for bit, unlike on the interpreter: on an H200 the float sums are added in another
-    order, at SPLIT_K 1 (no fused reduce) too, which moves an output near zero by many of its own
-    units but never by more than one unit of its row's magnitude; which operation rounds
+    Not bit for bit, unlike on the interpreter: on an H200 the results differ, at SPLIT_K 1 (no
+    fused reduce) too, as float sums added in another order would (an output near zero by many of
+    its own units, never by more than one unit of its row's magnitude); which operation rounds
     differently on sm_90 is not located."""
     x, weight, bias = _problem("cuda", dtype, seed=k + n, n=n, k=k)
     config = GemvConfig(BLOCK_N=32, BLOCK_K=256, SPLIT_K=split, FUSE_QUANT=True, FUSED_REDUCE=split > 1)
