@@ -111,8 +111,9 @@ def tune_one_key(
     """Tune ``key`` of ``spec`` on ``device`` into the config DB at ``db_url`` within the budget.
 
     ``trials``: configs measured at most; ``seconds``, counted from this call (the claim and the
-    DB included, the start of the process's worker not: paid once per process, it would leave the
-    first key nothing): no trial but the portable default starts past it (the default, the
+    DB included; a start of the worker process before the key, once per process or after a
+    candidate killed it, not: it would leave a first key nothing): no trial but the portable
+    default starts past it (the default, the
     baseline no winner is admitted without, is measured however long its problems and compile
     took); a candidate under way and the final re-timing of the best configs finish, each
     bounded by ``tune``'s trial timeout (a candidate is never killed for the key's seconds: the
