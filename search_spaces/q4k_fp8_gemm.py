@@ -25,9 +25,13 @@ from typing import Protocol
 
 from .base import SearchSpace, TargetLimits, UnionSpace, choice, smem_reason
 
-#: Largest M bucket for which splitting K may pay: up to here a few M tiles cannot fill the GPU
-#: (N=4096 at BLOCK_N=64 is 64 programs, fewer than a large GPU's SMs).
+#: Largest M bucket of the decode and short-chunk calls: the staged and dequant paths serve only
+#: above it, and up to it the portable default splits K (N=4096 at BLOCK_N=64 is 64 programs,
+#: fewer than a large GPU's SMs).
 SMALL_M = 64
+#: Largest M bucket for which splitting K may pay: up to here two or four 64-row tiles can still
+#: leave most SMs idle (N=4096 in 128x128 tiles at M=128 is 32 programs for an H200's 132 SMs).
+SPLIT_K_MAX_M = 256
 #: Smallest M bucket a GPU call's key takes the fp8 opt-in at: below it the 8-bit paths gain little
 #: over the GEMV and split-K tiles, so a call there keeps the accurate key (and its winner) even
 #: with ``TRITUNE_Q4K_FP8=1``, and ``tune`` makes no opt-in key there.
@@ -267,8 +271,8 @@ def _mma_tile_reason(
 ) -> str | None:
     """The rules the MMA paths share: split-K and tiles against the key, the accumulator's
     registers, and (on a GPU) threads the tile leaves idle; on the interpreter, small blocks."""
-    if config.SPLIT_K > 1 and key.m_bucket > SMALL_M:
-        return f"SPLIT_K={config.SPLIT_K} only for M <= {SMALL_M} (m_bucket={key.m_bucket})"
+    if config.SPLIT_K > 1 and key.m_bucket > SPLIT_K_MAX_M:
+        return f"SPLIT_K={config.SPLIT_K} only for M <= {SPLIT_K_MAX_M} (m_bucket={key.m_bucket})"
     if (key.k // config.BLOCK_K) % config.SPLIT_K:
         return f"SPLIT_K={config.SPLIT_K} does not divide the {key.k // config.BLOCK_K} BLOCK_K={config.BLOCK_K} tiles"
     if max(key.m_bucket, 16) < config.BLOCK_M:

@@ -70,6 +70,8 @@ CPU_CASES = [
     Case("portable", 1, 256, 37),
     Case("portable", 3, 768, 37, bias=True),
     Case("portable", 16, 768, 37, split_k=4),
+    # A split over several row tiles (the default splits up to M=256 where big tiles idle SMs).
+    Case("portable", 100, 768, 37, split_k=2, bias=True),
     Case("portable", 64, 256, 64, block_k=128),
     Case("portable", 257, 256, 37),
     Case("portable", 5, 512, 33, dtype=torch.float16, bias=True),

@@ -25,6 +25,7 @@ from tritune.search_spaces.q4k_fp8_gemm import (
     OPT_IN_MIN_M,
     SMALL_M,
     SPACE,
+    SPLIT_K_MAX_M,
     DequantConfig,
     PortableConfig,
     Q4KConfig,
@@ -90,9 +91,12 @@ def default_config(key: Q4KKey) -> PortableConfig:
     """Portable defaults by M (chosen on Llama-3-8B shapes, bf16; docs/perf/HISTORY.md).
 
     Up to M=64: 64-wide N tiles, split along K until about 1.5 programs per SM (one pass over
-    the weight; 256-deep K tiles for decode). Beyond: 128x128x64 tiles, 8 warps. Where a GPU
-    gives a block less shared memory than the H200 they were chosen on (Turing's 64 KiB), fewer
-    pipeline stages.
+    the weight; 256-deep K tiles for decode). Beyond: 128x128x64 tiles, 8 warps, except up to
+    M=256 where those tiles make fewer programs than half the SMs: there 64x64 tiles split as up
+    to M=64 (measured on an H200, docs/perf/HISTORY.md: a program's time follows the K it loops
+    over more than its tile, so a few 128x128 programs over all of K take several times as long as
+    many split 64-row ones). Where a GPU gives a block less shared memory than the H200 they were chosen on
+    (Turing's 64 KiB), fewer pipeline stages.
     """
     if key.arch == "cpu-interpreter":
         block_m = 16 if key.m_bucket <= 16 else 32
@@ -103,15 +107,17 @@ def default_config(key: Q4KKey) -> PortableConfig:
 
 def _h200_default(key: Q4KKey) -> PortableConfig:
     """The default as chosen on an H200, before :func:`~..fit_default.fit_shared_memory`."""
-    if key.m_bucket <= SMALL_M:
+    big_tiles_idle = 2 * triton.cdiv(key.n, 128) * triton.cdiv(key.m_bucket, 128) < key.sm_count
+    if key.m_bucket <= SMALL_M or (key.m_bucket <= SPLIT_K_MAX_M and big_tiles_idle):
         decode = key.m_bucket <= 16
         block_k = 256 if decode else 128
-        tiles = triton.cdiv(key.n, 64) * triton.cdiv(key.m_bucket, 16 if decode else key.m_bucket)
+        block_m = 16 if decode else min(key.m_bucket, SMALL_M)
+        tiles = triton.cdiv(key.n, 64) * triton.cdiv(key.m_bucket, block_m)
         split = 1
         while split < 8 and 2 * tiles * split < 3 * key.sm_count and (key.k // block_k) % (2 * split) == 0:
             split *= 2
         return PortableConfig(
-            BLOCK_M=16 if decode else key.m_bucket,
+            BLOCK_M=block_m,
             BLOCK_N=64,
             BLOCK_K=block_k,
             GROUP_M=1,
