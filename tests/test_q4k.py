@@ -905,3 +905,23 @@ def test_weight_views_off_alignment_are_copied_and_still_exact(device):
     q4k_linear(x, moved, out=out)
     expected = q4k_linear_reference(x, weight)
     assert check_path(out, expected, "portable") is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [100, 200])
+@pytest.mark.parametrize(("k", "n"), [(14336, 4096), (4096, 4096), (4096, 6144)], ids=lambda v: str(v))
+def test_gpu_portable_default_between_64_and_256_rows(k, n, m):
+    """Where 128x128 tiles would leave most SMs idle (N=4096 up to M=256, N=6144 at M=128), the
+    portable default splits 64-row tiles along K; whichever it picks, it serves the call, poisoned
+    output, against the reference at the portable path's floor."""
+    with settings.override(q4k_fp8=False):
+        x, weight, bias = _problem(Case("portable", m, k, n, bias=True), "cuda", seed=m)
+        out = _nan_out((m, n), x)
+        key = KERNEL.key_for(device_info("cuda"), tuple(KERNEL.facts(x, weight, bias, out=out)))
+        default = KERNEL.default_config(key)
+        idle = 2 * -(-n // 128) * -(-key.m_bucket // 128) < device_info("cuda").sm_count
+        assert (default.BLOCK_M == 64) == idle, default
+        with use_config("q4k_fp8_gemm", SPACE.to_dict(default)):
+            assert q4k_linear(x, weight, bias, out=out) is out
+        assert not torch.isnan(out).any()
+        assert check_path(out.float(), q4k_linear_reference(x, weight, bias), "portable") is None, default
