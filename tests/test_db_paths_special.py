@@ -21,11 +21,10 @@ import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 import toy_kernel
+from test_runtime_db_read import served, warnings
 from typer.testing import CliRunner, Result
 
 from tritune.configs_db import misses as miss_store
@@ -33,7 +32,7 @@ from tritune.configs_db import storage
 from tritune.configs_db.store import StoreError, read_winners
 from tritune.configs_db.urls import blocking_ancestor, not_a_db_file
 from tritune.kernels import registry, settings
-from tritune.kernels.dispatcher import DISPATCHER, dispatch_config
+from tritune.kernels.dispatcher import DISPATCHER
 from tritune.tuner.cli import app
 
 runner = CliRunner(env={"COLUMNS": "250"})
@@ -79,16 +78,6 @@ def unix_socket(tmp_path: Path) -> Iterator[Path]:
 
 def url_of(path: Path) -> str:
     return f"sqlite:///{path}"
-
-
-def served(n: int = 100) -> dict[str, Any]:
-    spec = toy_kernel.SPEC
-    config = dispatch_config("toy_scale", "cpu", -1, tuple(spec.facts(torch.randn(n))))
-    return spec.space.to_dict(config)
-
-
-def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def miss_row() -> miss_store.MissRecord:
