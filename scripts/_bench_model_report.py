@@ -95,12 +95,18 @@ def report(results: Results) -> str:
         if cfg
         else "-"
     )
+    tritune_chunks = (
+        "every chunk eager (--no-prefill-graphs)"
+        if args.get("no_prefill_graphs")
+        else f"each full chunk of {args['chunk_size']} tokens replays one CUDA graph, a shorter last chunk runs eagerly"
+    )
     notes = [
         f"Model: {shape}; random weights (make_llama_gguf.py), every linear Q4_K. Batch 1 unless stated.",
-        "tritune: q4k_linear, chunked prefill_attention, decode_attention in one CUDA graph per step. PyTorch bf16: "
-        "the same forward on the weights dequantized once to bf16, F.linear (cuBLAS), SDPA over the same static "
-        "cache (prefill: native GQA, bottom-right causal, PyTorch's backend; decode: masked, the fastest backend "
-        "at that context), its decode step in one CUDA graph too. Both keep a float32 residual stream.",
+        f"tritune: q4k_linear, chunked prefill_attention ({tritune_chunks}), decode_attention in one CUDA graph "
+        "per step. PyTorch bf16: the same forward on the weights dequantized once to bf16, F.linear (cuBLAS), SDPA "
+        "over the same static cache (prefill: native GQA, bottom-right causal, PyTorch's backend, chunks run "
+        "eagerly as SDPA needs the cache's length on the host; decode: masked, the fastest backend at that "
+        "context), its decode step in one CUDA graph too. Both keep a float32 residual stream.",
         f"Prefill: the whole prompt from an empty cache in chunks of {args['chunk_size']} tokens, last-token "
         f"logits per chunk. Decode: {args['decode_steps']} greedy steps after that prompt (graph replays), "
         "tokens/s = steps / time.",

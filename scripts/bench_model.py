@@ -9,12 +9,14 @@ The model is the Llama-3-8B shape (32 layers, hidden 4096, MLP 14336, 32 query a
 ``scripts/make_llama_gguf.py`` (Llama-3.1 RoPE scaling, context 131072) unless ``--gguf`` names a
 file. Two models run it, one after the other so that only one is resident:
 
-- tritune (``examples/llama``): Q4_K weights through ``q4k_linear``, chunked ``prefill_attention``,
+- tritune (``examples/llama``): Q4_K weights through ``q4k_linear``, chunked ``prefill_attention``
+  with every full chunk replaying a CUDA graph captured once (``--no-prefill-graphs``: eager chunks),
   a decode step of ``decode_attention`` captured in one CUDA graph;
 - the PyTorch baseline (``examples/llama/torch_model.py``): the same forward on the weights
   dequantized once to bf16, ``F.linear`` on cuBLAS, SDPA over the same static cache (prefill: native
   GQA, bottom-right causal, PyTorch's backend choice; decode: the fastest of its backends, chosen
-  once per context), the same chunk size, its decode step captured in one CUDA graph too.
+  once per context), the same chunk size, its decode step captured in one CUDA graph too. Its
+  prefill chunks run eagerly: SDPA slices the cache to a host length, which a replay cannot change.
 
 Per prompt length: prefill tokens/s (the whole prompt in chunks, from an empty cache) and decode
 tokens/s (``--decode-steps`` graph replays after that prompt), each the median of timed runs after
@@ -97,6 +99,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--check-prompts", type=int, default=None, help="random prompts of the correctness check (4)")
     p.add_argument("--profile", action="store_true", help="kernel-time breakdown of a prefill chunk and a decode step")
     p.add_argument("--profile-length", type=int, default=None, help="context of the profiled steps (default 8192)")
+    p.add_argument("--no-prefill-graphs", action="store_true", help="tritune's prefill chunks run eagerly too")
     return p
 
 
@@ -365,7 +368,8 @@ def _serve_batched(llama: Any, model: Any, prompts: list, capacity: int, args: a
 def _serve_loop(llama: Any, model: Any, prompts: list, capacity: int, args: argparse.Namespace,
                 run: bl.BenchRun) -> Served:  # fmt: skip
     release(run.device)
-    generator = llama.Generator(model, max_len=capacity, chunk_size=args.chunk_size, graphs=run.graphs)
+    generator = llama.Generator(model, max_len=capacity, chunk_size=args.chunk_size, graphs=run.graphs,
+                                **prefill_graphs(args))  # fmt: skip
     outputs: list[list[list[int]]] = []
 
     def one_by_one() -> None:
@@ -409,6 +413,11 @@ def profile_steps(make: Callable[..., Any], args: argparse.Namespace, run: bl.Be
         "prefill": dataclasses.asdict(prefill),
         "decode": dataclasses.asdict(decode),
     }
+
+
+def prefill_graphs(args: argparse.Namespace) -> dict[str, bool]:
+    """The ``prefill_graphs`` keyword of a generator: off with ``--no-prefill-graphs``, else as ``graphs``."""
+    return {"prefill_graphs": False} if args.no_prefill_graphs else {}
 
 
 def max_positions(args: argparse.Namespace) -> int:
@@ -455,7 +464,7 @@ def run_model(
     generator_type = llama.Generator if tritune else llama.TorchGenerator
 
     def make(**kwargs: Any) -> Any:
-        return generator_type(model, **kwargs)
+        return generator_type(model, **prefill_graphs(args), **kwargs)
 
     results.weights[impl] = model.weight_bytes()
     with phase(f"{impl}: correctness"):

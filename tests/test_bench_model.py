@@ -97,6 +97,20 @@ def test_the_report_names_the_rows_off_the_references_top1() -> None:
     assert "PyTorch bf16 forward's: 0:3 (1 shared)" in text
 
 
+def test_the_report_and_the_generators_follow_no_prefill_graphs() -> None:
+    """tritune's full chunks replay a graph unless ``--no-prefill-graphs``; PyTorch's chunks always run eagerly."""
+    results = _results(ok=True)
+    text = rep.report(results)
+    assert "each full chunk of 2048 tokens replays one CUDA graph" in text
+    assert "chunks run eagerly as SDPA needs the cache's length on the host" in text
+    results.args["no_prefill_graphs"] = True
+    text = rep.report(results)
+    assert "every chunk eager (--no-prefill-graphs)" in text and "replays one CUDA graph" not in text
+    assert bench_model.prefill_graphs(bench_model.parser().parse_args([])) == {}
+    off = bench_model.parser().parse_args(["--no-prefill-graphs"])
+    assert bench_model.prefill_graphs(off) == {"prefill_graphs": False}
+
+
 def test_check_rows_are_named_by_prompt_and_position_decoded_rows_marked() -> None:
     reference = torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])
     logits = torch.tensor([[0.0, 1.0], [0.0, 1.0], [1.0, 0.0]])

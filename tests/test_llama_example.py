@@ -512,6 +512,102 @@ def test_truncate_replays_decode_steps_at_the_same_context(model: llama.LlamaMod
         generator.truncate(len(PROMPT) + 5)
 
 
+# ---- prefill chunks replayed from graphs (the capture faked on the CPU) ---------------------------
+
+
+class _FakeGraph:
+    """A captured step as the CPU can have one: ``replay()`` runs the step again on its static buffers."""
+
+    def __init__(self, step: Callable[[], None]) -> None:
+        self.step = step
+
+    def replay(self) -> None:
+        self.step()
+
+
+#: Each capture as it happens: the forward's token count, whether it ran the head on every row,
+#: and the memory pool the capture was given.
+Captures = list[tuple[int, bool, object]]
+
+
+@pytest.fixture
+def fake_capture(monkeypatch: pytest.MonkeyPatch) -> Callable[[llama.LlamaModel], Captures]:
+    """Stand in for ``run_then_capture`` (the step runs once, as the real one's first run does) and
+    record what ``model``'s captured steps run."""
+
+    def install(model: llama.LlamaModel) -> Captures:
+        pool, forwards, captures = object(), [], []
+        forward = model.forward
+
+        def spy(tokens: torch.Tensor, *args: Any, logit_rows: torch.Tensor | None = None, **kw: Any) -> torch.Tensor:
+            forwards.append((tokens.shape[0], logit_rows is None))
+            return forward(tokens, *args, logit_rows=logit_rows, **kw)
+
+        def capture(step: Callable[[], None], device: torch.device, pool: object = None) -> _FakeGraph:
+            step()
+            captures.append((*forwards[-1], pool))
+            return _FakeGraph(step)
+
+        monkeypatch.setattr(model, "forward", spy)
+        monkeypatch.setattr(llama.generate, "run_then_capture", capture)
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: pool)
+        return captures
+
+    return install
+
+
+def _poison_free_positions(generator: llama.Generator) -> None:
+    """NaN in every cache position past ``length``: a chunk that reads past its ``kv_len`` shows it."""
+    for t in (*generator.cache.k, *generator.cache.v):
+        t[:, :, generator.length :] = float("nan")
+
+
+def test_prefill_graphs_replay_full_chunks_at_any_start(
+    model: llama.LlamaModel, fake_capture: Callable[[llama.LlamaModel], Captures]
+) -> None:
+    """Full chunks of three prompts in a row (the later ones starting mid-cache, off the chunk grid)
+    replay one graph per logits mode and give the eager chunks' logits and cache; shorter chunks run eagerly."""
+    captures = fake_capture(model)
+    graphed = llama.Generator(model, max_len=40, chunk_size=4, graphs=True)
+    eager = llama.Generator(model, max_len=40, chunk_size=4, graphs=False)
+    assert graphed.prefill_graphs and not eager.prefill_graphs
+    rng = np.random.default_rng(5)
+    prompts = [(PROMPT, True), (rng.integers(0, 512, 9).tolist(), False), (rng.integers(0, 512, 10).tolist(), True)]
+    for prompt, all_logits in prompts:
+        got = []
+        for generator in (graphed, eager):
+            _poison_free_positions(generator)
+            got.append(generator.prefill(prompt, all_logits=all_logits).clone())
+        assert got[0].shape == (len(prompt) if all_logits else 1, 512) and torch.isfinite(got[0]).all()
+        assert torch.equal(got[0], got[1]), f"logits of a {len(prompt)}-token prefill ending at {eager.length}"
+    assert graphed.length == eager.length == 30
+    for layer in range(model.config.layers):
+        assert torch.equal(graphed.cache.k[layer][:, :, :30], eager.cache.k[layer][:, :, :30])
+        assert torch.equal(graphed.cache.v[layer][:, :, :30], eager.cache.v[layer][:, :, :30])
+    steps = [(graphed.decode(7).clone(), eager.decode(7).clone()), (graphed.decode().clone(), eager.decode().clone())]
+    assert all(torch.equal(a, b) for a, b in steps)
+    # One graph per (length, all_logits) and one for the decode step, all in one memory pool.
+    assert [capture[:2] for capture in captures] == [(4, True), (4, False), (1, True)]
+    assert len({id(capture[2]) for capture in captures}) == 1 and captures[0][2] is not None
+
+
+def test_torch_baseline_never_captures_prefill_chunks(
+    torch_model: llama.TorchLlamaModel, fake_capture: Callable[[llama.LlamaModel], Captures]
+) -> None:
+    """Its SDPA slices the cache to a host length: a replayed chunk would keep the capture's."""
+    captures = fake_capture(torch_model)
+    with pytest.raises(ValueError, match="prefill_graphs"):
+        llama.TorchGenerator(torch_model, max_len=32, chunk_size=4, graphs=True, prefill_graphs=True)
+    generator = llama.TorchGenerator(torch_model, max_len=32, chunk_size=4, graphs=True)
+    assert not generator.prefill_graphs
+    generator.prefill(PROMPT)
+    generator.prefill(PROMPT[:8], all_logits=True)
+    assert captures == []
+    # The decode step alone is captured.
+    generator.decode(3)
+    assert [capture[:2] for capture in captures] == [(1, True)]
+
+
 # ---- the command line ----------------------------------------------------------------------------
 
 
@@ -548,6 +644,22 @@ def test_decode_graph_replays_match_eager_steps(model: llama.LlamaModel) -> None
     eager.reset()
     eager.prefill([1, 2, 3])
     assert torch.equal(logits[0], eager.decode(token)) and torch.equal(logits[1], eager.decode())
+
+
+@pytest.mark.gpu
+def test_prefill_graph_replays_match_eager_chunks(model: llama.LlamaModel) -> None:
+    """Captured full chunks replayed at other starts (later prompts start mid-cache) give the eager logits and cache."""
+    graphed = llama.Generator(model, max_len=64, chunk_size=4, graphs=True)
+    eager = llama.Generator(model, max_len=64, chunk_size=4, graphs=False)
+    for prompt, all_logits in ((PROMPT, True), (PROMPT[:9], False), (PROMPT[::-1], True)):
+        got = []
+        for generator in (graphed, eager):
+            _poison_free_positions(generator)
+            got.append(generator.prefill(prompt, all_logits=all_logits))
+        assert torch.isfinite(got[0]).all() and torch.equal(got[0], got[1])
+    for layer in range(model.config.layers):
+        assert torch.equal(graphed.cache.k[layer][:, :, :31], eager.cache.k[layer][:, :, :31])
+    assert torch.equal(graphed.decode(7), eager.decode(7)) and graphed.captured
 
 
 @pytest.mark.gpu

@@ -3,16 +3,19 @@
 The cache is static: per layer ``[1, Hkv, max_len, D]`` K and V, allocated once, of which the first
 ``length`` positions are valid. A prefill chunk of ``C`` tokens writes its K/V at its positions and
 attends with ``kv_len = length + C`` on the device, bottom-right causal: query ``i`` of the chunk
-sits at position ``kv_len - C + i``. A decode step is one token through the same forward, reading
-its token, position and length from device buffers, writing the next token (greedy) and advancing
-the position on the device: it never synchronises with the host, so on a GPU it is captured once
-in a CUDA graph and replayed for every later step. On the CPU (the Triton interpreter) it runs
-eagerly.
+sits at position ``kv_len - C + i``. Its token ids, positions and ``kv_len`` are device tensors and
+the kernels' configs depend on ``C`` and ``max_len`` alone, so on a GPU a chunk of ``chunk_size``
+tokens is captured once in a CUDA graph and replayed at any start position, its inputs refilled on
+the device. A decode step is one token through the same forward, reading its token, position and
+length from device buffers, writing the next token (greedy) and advancing the position on the
+device: it never synchronises with the host, so on a GPU it is captured once in a CUDA graph and
+replayed for every later step. On the CPU (the Triton interpreter) everything runs eagerly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -38,16 +41,43 @@ class SequenceCache:
         self.v[layer][0].index_copy_(1, positions, v.transpose(0, 1))
 
 
+@dataclass
+class _ChunkGraph:
+    """The static inputs and output of one captured prefill chunk (a length and logits mode)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    kv_len: torch.Tensor
+    logits: torch.Tensor
+    graph: torch.cuda.CUDAGraph | None = None
+
+
 class Generator:
     """Greedy generation for one sequence of up to ``max_len`` positions (default: the model's).
 
     ``chunk_size`` bounds the tokens of one prefill launch. ``graphs`` (default: on a CUDA device)
-    captures the decode step in a CUDA graph after its first, eager, run. Attention is two methods,
-    :meth:`attend_chunk` and :meth:`attend_step`, which ``torch_model.TorchGenerator`` replaces with SDPA.
+    captures the decode step in a CUDA graph after its first, eager, run. ``prefill_graphs``
+    (default: ``graphs``, unless :attr:`chunk_needs_host_lengths`) does the same for prefill chunks
+    of exactly ``chunk_size`` tokens: one graph per logits mode, captured on the first such chunk
+    and replayed at any start position, so that a chunk's tens of launches per layer cost no host
+    time; a shorter (last) chunk runs eagerly. All graphs share one memory pool: they are replayed
+    one after another and read and write only static buffers allocated outside it. Attention is
+    two methods, :meth:`attend_chunk` and :meth:`attend_step`, which ``torch_model.TorchGenerator``
+    replaces with SDPA.
     """
 
+    #: Whether :meth:`attend_chunk` reads its host ``kv_count``: a captured chunk would replay the
+    #: capture's count at every position, so such a generator refuses prefill graphs.
+    chunk_needs_host_lengths = False
+
     def __init__(
-        self, model: LlamaModel, *, max_len: int | None = None, chunk_size: int = 256, graphs: bool | None = None
+        self,
+        model: LlamaModel,
+        *,
+        max_len: int | None = None,
+        chunk_size: int = 256,
+        graphs: bool | None = None,
+        prefill_graphs: bool | None = None,
     ) -> None:
         if chunk_size < 1:
             raise ValueError(f"chunk_size: expected a positive int, got {chunk_size}")
@@ -57,6 +87,14 @@ class Generator:
         self.model = model
         self.chunk_size = chunk_size
         self.graphs = model.device.type == "cuda" if graphs is None else graphs
+        if prefill_graphs and self.chunk_needs_host_lengths:
+            raise ValueError(
+                f"prefill_graphs: {type(self).__name__} attends a prefill chunk with host lengths, "
+                "which a replayed graph cannot follow"
+            )
+        if prefill_graphs is None:
+            prefill_graphs = self.graphs and not self.chunk_needs_host_lengths
+        self.prefill_graphs = prefill_graphs
         self.cache = SequenceCache(model, max_len)
         #: Positions the cache holds; the host tracks it, the device buffers below mirror it.
         self.length = 0
@@ -69,6 +107,9 @@ class Generator:
         self.kv_len = torch.zeros(1, dtype=torch.int32, device=device)
         self._logits = torch.zeros(1, model.config.vocab, dtype=torch.float32, device=device)
         self._graph: torch.cuda.CUDAGraph | None = None
+        #: Captured prefill chunks by (length, all_logits).
+        self._chunk_graphs: dict[tuple[int, bool], _ChunkGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.graphs or self.prefill_graphs else None
 
     @property
     def captured(self) -> bool:
@@ -110,17 +151,26 @@ class Generator:
             raise ValueError(f"tokens: expected a non-empty 1-D sequence of token ids, got shape {tuple(ids.shape)}")
         if self.length + ids.numel() > self.cache.max_len:
             raise ValueError(f"tokens: {self.length} + {ids.numel()} positions exceed max_len={self.cache.max_len}")
-        logits = []
+        vocab = self.model.config.vocab
+        out = torch.empty(ids.numel() if all_logits else 1, vocab, dtype=torch.float32, device=self.model.device)
         for start in range(0, ids.numel(), self.chunk_size):
-            logits.append(self._prefill_chunk(ids[start : start + self.chunk_size], all_logits))
+            chunk = ids[start : start + self.chunk_size]
+            logits = self._prefill_chunk(chunk, all_logits)
+            # A replayed chunk's logits are a static buffer that its next replay overwrites: copy them now.
+            if all_logits:
+                out[start : start + chunk.numel()].copy_(logits)
+        if not all_logits:
+            out.copy_(logits)
         self._position.fill_(self.length)
-        return torch.cat(logits) if all_logits else logits[-1]
+        return out
 
     def attend_chunk(self, layer: int, q: torch.Tensor, kv_len: torch.Tensor, kv_count: int) -> torch.Tensor:
         """A prefill chunk's attention ``[C, Hq, D]`` for ``q [C, Hq, D]`` over the cache's first positions.
 
         The chunk's K/V are already in the cache; ``kv_len`` (int32 ``[1]``, on the device) and
-        ``kv_count`` (on the host) both say how many positions are valid, the chunk's last.
+        ``kv_count`` (on the host) both say how many positions are valid, the chunk's last. Under a
+        prefill graph ``kv_count`` is the capture's: an override that reads it sets
+        :attr:`chunk_needs_host_lengths`.
         """
         cfg = self.model.config
         # out [C, Hq, D] in memory, handed to the kernel as the [1, Hq, C, D] view it writes.
@@ -132,19 +182,53 @@ class Generator:
         return out
 
     def _prefill_chunk(self, ids: torch.Tensor, all_logits: bool) -> torch.Tensor:
+        """The chunk's logits, replayed from a graph for a full chunk when ``prefill_graphs`` is on."""
         device = self.model.device
         count, start = ids.numel(), self.length
-        positions = torch.arange(start, start + count, dtype=torch.int64, device=device)
-        kv_len = torch.full((1,), start + count, dtype=torch.int32, device=device)
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            self.cache.write(layer, positions, k, v)
-            return self.attend_chunk(layer, q, kv_len, start + count)
-
-        last = None if all_logits else torch.full((1,), count - 1, dtype=torch.int64, device=device)
-        logits = self.model.forward(ids, positions, attend, logit_rows=last)
+        if self.prefill_graphs and count == self.chunk_size:
+            logits = self._replay_chunk(ids, start, all_logits)
+        else:
+            positions = torch.arange(start, start + count, dtype=torch.int64, device=device)
+            kv_len = torch.full((1,), start + count, dtype=torch.int32, device=device)
+            logits = self._chunk_forward(ids, positions, kv_len, start + count, all_logits)
         self.length += count
         return logits
+
+    def _chunk_forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, kv_len: torch.Tensor, kv_count: int, all_logits: bool
+    ) -> torch.Tensor:
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            self.cache.write(layer, positions, k, v)
+            return self.attend_chunk(layer, q, kv_len, kv_count)
+
+        count = ids.numel()
+        last = None if all_logits else torch.full((1,), count - 1, dtype=torch.int64, device=ids.device)
+        return self.model.forward(ids, positions, attend, logit_rows=last)
+
+    def _replay_chunk(self, ids: torch.Tensor, start: int, all_logits: bool) -> torch.Tensor:
+        """Fill the chunk's static inputs on the device (no sync), then replay its graph (captured on first use)."""
+        device, count = self.model.device, ids.numel()
+        chunk = self._chunk_graphs.get((count, all_logits))
+        if chunk is None:
+            rows = count if all_logits else 1
+            chunk = self._chunk_graphs[(count, all_logits)] = _ChunkGraph(
+                ids=torch.zeros(count, dtype=torch.int64, device=device),
+                positions=torch.zeros(count, dtype=torch.int64, device=device),
+                kv_len=torch.zeros(1, dtype=torch.int32, device=device),
+                logits=torch.zeros(rows, self.model.config.vocab, dtype=torch.float32, device=device),
+            )
+        chunk.ids.copy_(ids)
+        torch.arange(start, start + count, out=chunk.positions)
+        chunk.kv_len.fill_(start + count)
+        if chunk.graph is not None:
+            chunk.graph.replay()
+            return chunk.logits
+
+        def step(chunk: _ChunkGraph = chunk, kv_count: int = start + count) -> None:
+            chunk.logits.copy_(self._chunk_forward(chunk.ids, chunk.positions, chunk.kv_len, kv_count, all_logits))
+
+        chunk.graph = run_then_capture(step, device, self._pool)
+        return chunk.logits
 
     # ---- decode --------------------------------------------------------------------------------
 
@@ -164,7 +248,7 @@ class Generator:
         if self._graph is not None:
             self._graph.replay()
         elif self.graphs:
-            self._graph = run_then_capture(self._decode_step, self.model.device)
+            self._graph = run_then_capture(self._decode_step, self.model.device, self._pool)
         else:
             self._decode_step()
         self.length += 1

@@ -9,6 +9,8 @@ the two models differ in their linears and attention only.
 - A prefill chunk attends with SDPA over the cache's first ``kv_count`` positions, bottom-right
   causal (``causal_lower_right``) with native GQA (``enable_gqa``): PyTorch picks the backend
   (FlashAttention-2 on an H100/H200). Where that call is refused, K/V heads are repeated instead.
+  The slice and the mask are sized on the host, so chunks run eagerly: a graph captured at one
+  position would replay its length at every other.
 - A decode step must read its length from the device to be captured in a CUDA graph, so it
   attends over the whole static cache with an additive mask built from ``kv_len`` on the device
   (as gpt-fast does). Two layouts meet the ``Hkv`` cache heads without repeating them: "gqa",
@@ -109,16 +111,27 @@ def _backend(backend: SDPBackend | None) -> contextlib.AbstractContextManager[No
 class TorchGenerator(Generator):
     """:class:`Generator` with SDPA in place of ``prefill_attention`` and ``decode_attention``.
 
-    Same static cache, same chunked prefill, same decode step captured in one CUDA graph. The
-    decode step runs on ``decode_backend``, a ``"layout/backend"`` pair (default: the folded layout,
-    PyTorch's choice of backend), which :meth:`choose_decode_backend` can set to the fastest at the
-    current context.
+    Same static cache, same chunked prefill, same decode step captured in one CUDA graph. Prefill
+    chunks always run eagerly (:attr:`chunk_needs_host_lengths`): SDPA takes the cache's valid
+    positions as a slice and a mask sized on the host, which a replayed graph would keep at the
+    capture's length. The decode step runs on ``decode_backend``, a ``"layout/backend"`` pair
+    (default: the folded layout, PyTorch's choice of backend), which :meth:`choose_decode_backend`
+    can set to the fastest at the current context.
     """
 
+    #: A chunk's SDPA reads the cache's first ``kv_count`` positions, a host length.
+    chunk_needs_host_lengths = True
+
     def __init__(
-        self, model: LlamaModel, *, max_len: int | None = None, chunk_size: int = 256, graphs: bool | None = None
+        self,
+        model: LlamaModel,
+        *,
+        max_len: int | None = None,
+        chunk_size: int = 256,
+        graphs: bool | None = None,
+        prefill_graphs: bool | None = None,
     ) -> None:
-        super().__init__(model, max_len=max_len, chunk_size=chunk_size, graphs=graphs)
+        super().__init__(model, max_len=max_len, chunk_size=chunk_size, graphs=graphs, prefill_graphs=prefill_graphs)
         cfg, device, max_len = model.config, model.device, self.cache.max_len
         self.decode_backend = DEFAULT_DECODE
         #: The decode step's additive mask: 0 at positions below ``kv_len``, -inf above.
