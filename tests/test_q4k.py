@@ -21,9 +21,9 @@ import torch
 from tritune.kernels import Q4KWeight, q4k_linear, settings, use_config
 from tritune.kernels.device import device_info
 from tritune.kernels.q4k import launch as q4k_launch
-from tritune.kernels.q4k.kernel import KERNEL, Q4KKey
+from tritune.kernels.q4k.kernel import DEQUANT_DEFAULT_MIN_M, KERNEL, Q4KKey
 from tritune.kernels.q4k.reference import MIN_SQNR_DB, check_path, q4k_linear_reference, sqnr_db
-from tritune.search_spaces.q4k_fp8_gemm import SPACE, DequantConfig, Fp8Config, StagedConfig
+from tritune.search_spaces.q4k_fp8_gemm import SPACE, DequantConfig, Fp8Config, PortableConfig, StagedConfig
 
 
 @pytest.fixture(autouse=True)
@@ -911,17 +911,20 @@ def test_weight_views_off_alignment_are_copied_and_still_exact(device):
 @pytest.mark.parametrize("m", [100, 200])
 @pytest.mark.parametrize(("k", "n"), [(14336, 4096), (4096, 4096), (4096, 6144)], ids=lambda v: str(v))
 def test_gpu_portable_default_between_64_and_256_rows(k, n, m):
-    """Where 128x128 tiles would leave most SMs idle (N=4096 up to M=256, N=6144 at M=128), the
-    portable default splits 64-row tiles along K; whichever it picks, it serves the call, poisoned
-    output, against the reference at the portable path's floor."""
+    """Where 128x128 tiles would leave most SMs idle (N=4096 and N=6144 at M=128), the portable
+    default splits 64-row tiles along K; from M=256 up the default is the dequant path. Whichever it
+    picks, it serves the call, poisoned output, against the reference at that path's floor."""
     with settings.override(q4k_fp8=False):
         x, weight, bias = _problem(Case("portable", m, k, n, bias=True), "cuda", seed=m)
         out = _nan_out((m, n), x)
         key = KERNEL.key_for(device_info("cuda"), tuple(KERNEL.facts(x, weight, bias, out=out)))
         default = KERNEL.default_config(key)
-        idle = 2 * -(-n // 128) * -(-key.m_bucket // 128) < device_info("cuda").sm_count
-        assert (default.BLOCK_M == 64) == idle, default
+        if key.m_bucket >= DEQUANT_DEFAULT_MIN_M:
+            assert isinstance(default, DequantConfig), default
+        else:
+            idle = 2 * -(-n // 128) * -(-key.m_bucket // 128) < device_info("cuda").sm_count
+            assert isinstance(default, PortableConfig) and (default.BLOCK_M == 64) == idle, default
         with use_config("q4k_fp8_gemm", SPACE.to_dict(default)):
             assert q4k_linear(x, weight, bias, out=out) is out
         assert not torch.isnan(out).any()
-        assert check_path(out.float(), q4k_linear_reference(x, weight, bias), "portable") is None, default
+        assert check_path(out.float(), q4k_linear_reference(x, weight, bias), default.path) is None, default

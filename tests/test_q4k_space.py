@@ -153,14 +153,14 @@ DEFAULTS = {
     ("sm90", 132, 128, 14336, 4096): (128, 128, 64, 1, 8, 3, 1),
     # 128x128 tiles would make fewer programs than half the SMs: split 64-row tiles instead.
     ("sm90", 132, 128, 4096, 14336): (64, 64, 128, 1, 4, 4, 2),
-    ("sm90", 132, 256, 4096, 4096): (64, 64, 128, 1, 4, 4, 1),
-    ("sm90", 132, 256, 6144, 4096): (128, 128, 64, 8, 8, 3, 1),
-    ("sm90", 132, 512, 4096, 14336): (128, 128, 64, 8, 8, 3, 1),
-    ("sm90", 132, 256, 14336, 4096): (128, 128, 64, 8, 8, 3, 1),
+    # From M=256 up the dequant path is the default; where no chunk of it fits the scratch cap
+    # (K=131072), the portable tiles: split where 128x128 tiles would idle most SMs, else those.
+    ("sm90", 132, 256, 4096, 131072): (64, 64, 128, 1, 4, 4, 1),
+    ("sm90", 132, 256, 14336, 131072): (128, 128, 64, 8, 8, 3, 1),
+    ("sm90", 132, 8192, 4096, 131072): (128, 128, 64, 8, 8, 3, 1),
     ("sm90", 132, 1, 4096, 14336): (16, 64, 256, 1, 4, 3, 4),
     ("sm90", 132, 32, 4096, 14336): (32, 64, 128, 1, 4, 4, 4),
     ("sm90", 132, 64, 4096, 4096): (64, 64, 128, 1, 4, 4, 4),
-    ("sm90", 132, 8192, 4096, 4096): (128, 128, 64, 8, 8, 3, 1),
     ("sm80", 108, 1, 1000, 768): (16, 64, 256, 1, 4, 3, 1),
     ("sm80", 108, 64, 1000, 768): (64, 64, 128, 1, 4, 4, 2),
     ("cpu-interpreter", 1, 16, 64, 256): (16, 32, 64, 1, 4, 1, 1),
@@ -175,6 +175,36 @@ def test_portable_defaults_by_m_bucket(where):
     names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT_K")
     assert isinstance(config, PortableConfig)
     assert tuple(getattr(config, name) for name in names) == DEFAULTS[where]
+
+
+#: (arch, SMs, m_bucket, N, K) -> the dequant default's CHUNK_N: the whole weight where its bf16
+#: scratch fits 128 MiB, else the widest chunk that does.
+DEQUANT_DEFAULTS = {
+    ("sm90", 132, 256, 4096, 4096): 4096,
+    ("sm90", 132, 256, 6144, 4096): 8192,
+    ("sm90", 132, 256, 14336, 4096): 16384,
+    ("sm90", 132, 512, 4096, 14336): 4096,
+    ("sm90", 132, 1024, 28672, 4096): 16384,
+    ("sm90", 132, 8192, 4096, 4096): 4096,
+    ("sm90", 132, 512, 4096, 65536): 1024,
+    ("sm90", 132, 512, 512, 4096): 1024,
+    ("sm80", 108, 2048, 14336, 4096): 16384,
+    ("sm75", 40, 256, 4096, 4096): 4096,
+    ("gfx942", 304, 4096, 14336, 4096): 16384,
+}
+
+
+@pytest.mark.parametrize("where", sorted(DEQUANT_DEFAULTS), ids=lambda w: "-".join(map(str, w)))
+def test_dequant_default_from_256_rows(where):
+    """From M=256 up a GPU key's default dequantizes the weight once per call into the vendor
+    GEMM (every GPU runs it, and it meets the accuracy contract), 32 x 256 tiles of 8 warps."""
+    arch, sms, m, n, k = where
+    key = Q4KKey(arch=arch, sm_count=sms, dtype="bfloat16", m_bucket=m, n=n, k=k, fp8=False)
+    config = default_config(key)
+    assert config == DequantConfig(BLOCK_N=32, BLOCK_K=256, num_warps=8, CHUNK_N=DEQUANT_DEFAULTS[where])
+    assert SPACE.infeasible_reason(config, key, TargetLimits()) is None
+    # One bucket lower the portable rules still choose.
+    assert isinstance(default_config(dataclasses.replace(key, m_bucket=128)), PortableConfig)
 
 
 def test_gpu_keys_and_feasible_defaults():
@@ -330,7 +360,8 @@ def test_the_tuner_can_choose_every_fp8_kernel():
     limits = KERNEL.limits(H200)
     for m in (1, 16, 4096):
         key = _key(m)
-        assert KERNEL.default_config(key).path == "portable"
+        # Never a default: an accurate path is (the dequant path from M=256 up).
+        assert KERNEL.default_config(key).path == ("portable" if m < 256 else "dequant")
         fp8 = [c for c in SPACE.feasible(key, limits) if isinstance(c, Fp8Config)]
         assert any(c.SCALE_FOLD and c.BLOCK_K == 256 for c in fp8), m
         assert any(c.SWAP_AB for c in fp8) and all(c.SCALE_FOLD for c in fp8 if c.SWAP_AB), m

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import torch
 import triton
 
+from tritune.search_spaces.base import TargetLimits
 from tritune.search_spaces.q4k_fp8_gemm import (
     FP8_OPT_IN_REASON,
     OPT_IN_MIN_M,
@@ -45,6 +46,10 @@ from .weight import Q4KWeight
 _KEY_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 #: The paths below ggml's accuracy bound, served only with the opt-in.
 _FP8_PATHS = ("fp8", "staged", "int8")
+#: Smallest M bucket whose untuned default is the dequant path: on an H200 it ran every Llama-3-8B
+#: shape 1.4-2.4x faster than the portable tiles at M=256 and 2.0-3.1x at M=512 (the weight's
+#: extra bf16 pass costs less there than the in-register dequantization of each M tile).
+DEQUANT_DEFAULT_MIN_M = 256
 
 
 @dataclass(frozen=True)
@@ -87,22 +92,45 @@ def accurate_key(key: Q4KKey) -> Q4KKey | None:
     return replace(key, fp8=False) if key.fp8 else None
 
 
-def default_config(key: Q4KKey) -> PortableConfig:
-    """Portable defaults by M (chosen on Llama-3-8B shapes, bf16; docs/perf/HISTORY.md).
+def default_config(key: Q4KKey) -> PortableConfig | DequantConfig:
+    """Untuned defaults by M (chosen on Llama-3-8B shapes, bf16; docs/perf/HISTORY.md).
 
-    Up to M=64: 64-wide N tiles, split along K until about 1.5 programs per SM (one pass over
-    the weight; 256-deep K tiles for decode). Beyond: 128x128x64 tiles, 8 warps, except up to
-    M=256 where those tiles make fewer programs than half the SMs: there 64x64 tiles split as up
-    to M=64 (measured on an H200, docs/perf/HISTORY.md: a program's time follows the K it loops
-    over more than its tile, so a few 128x128 programs over all of K take several times as long as
-    many split 64-row ones). Where a GPU gives a block less shared memory than the H200 they were chosen on
+    From M=256 up (:data:`DEQUANT_DEFAULT_MIN_M`): the dequant path, the weight dequantized once
+    per call into cuBLAS's GEMM (:func:`dequant_default`), which runs on every GPU and meets the
+    accuracy contract with the most margin; where no chunk of it is feasible (N under 1024 rows, or
+    K beyond 64K for the scratch cap), the portable rules below.
+
+    Portable rules: up to M=64, 64-wide N tiles split along K until about 1.5 programs per SM (one
+    pass over the weight; 256-deep K tiles for decode). Beyond: 128x128x64 tiles, 8 warps, except
+    up to M=256 where those tiles make fewer programs than half the SMs: there 64x64 tiles split as
+    up to M=64 (measured on an H200: a program's time follows the K it loops over more than its
+    tile, so a few 128x128 programs over all of K take several times as long as many split 64-row
+    ones). Where a GPU gives a block less shared memory than the H200 they were chosen on
     (Turing's 64 KiB), fewer pipeline stages.
     """
     if key.arch == "cpu-interpreter":
         block_m = 16 if key.m_bucket <= 16 else 32
         return PortableConfig(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=1)
+    if key.m_bucket >= DEQUANT_DEFAULT_MIN_M:
+        dequant = dequant_default(key)
+        if dequant is not None:
+            return dequant
     # Fewer stages, then narrower N and K tiles, until the GPU's shared memory holds them.
     return fit_shared_memory(_h200_default(key), key, SPACE, halve_first("BLOCK_K", "BLOCK_N"))
+
+
+def dequant_default(key: Q4KKey) -> DequantConfig | None:
+    """The dequant path's default at a GPU key: the largest chunk the space admits there (the whole
+    weight where its scratch fits, one GEMM; else the widest chunk under the scratch cap), 32 x 256
+    dequantization tiles of 8 warps (the tiles most of the H200's tuned dequant winners chose; the
+    tile matters little next to the GEMM). ``None`` where no chunk fits the scratch cap."""
+    # The dequant rule asks nothing of the target's shared memory (its GEMM is cuBLAS's).
+    limits = TargetLimits()
+    for chunk in sorted(SPACE.members["dequant"].dimensions["CHUNK_N"], reverse=True):
+        config = DequantConfig(BLOCK_N=32, BLOCK_K=256, num_warps=8, CHUNK_N=chunk)
+        if SPACE.infeasible_reason(config, key, limits) is None:
+            return config
+    return None
 
 
 def _h200_default(key: Q4KKey) -> PortableConfig:
