@@ -26,6 +26,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import _bench_timing as bt
 import _benchlib as bl
 import torch
 
@@ -43,7 +44,7 @@ TUNED = "tritune tuned (dispatcher)"
 
 
 @dataclass
-class Row(bl.TimedRow):
+class Row(bt.TimedRow):
     batch: int
     lkv: int
     ragged: bool
@@ -159,7 +160,7 @@ def bench_shape(batch: int, lkv: int, args: argparse.Namespace, run: bl.BenchRun
 
         raised = "FAILED" if impl.name in (UNTUNED, TUNED) else "unavailable"
         rows.append(
-            bl.measure(row, impl.fn, check, device, run.graphs, error=impl.error, raised=raised, recheck=recheck)
+            bt.measure(row, impl.fn, check, device, run.graphs, error=impl.error, raised=raised, recheck=recheck)
         )
         _log_row(row)
     return rows
@@ -231,7 +232,7 @@ def _report(rows: list[Row], args: argparse.Namespace, run: bl.BenchRun) -> str:
         "Times: median of triton.testing.do_bench (warm-up, L2 flushed before every repetition), in us. "
         "Graph: one call captured in a CUDA graph, replay() timed the same way (output NaN-poisoned and "
         "re-checked after a replay first).",
-        bl.EAGER_NOTE,
+        bt.EAGER_NOTE,
         "SDPA peers get the cache itself with enable_gqa=True (the bytes ours reads); a backend refusing it "
         "gets K/V heads repeated outside the timed region, as its note says. Each SDPA row's note names "
         "the backend that ran ('ran: ...', from torch.profiler over one call at warm-up).",
@@ -244,7 +245,7 @@ def _report(rows: list[Row], args: argparse.Namespace, run: bl.BenchRun) -> str:
         f"Tuned configs: {'DB ' + db if db else 'default settings (user DB and shipped bundles)'}; untuned = "
         "portable default pinned with use_config.",
     ]
-    notes.append(bl.HOST_NOTE)
+    notes.append(bt.HOST_NOTE)
     if not run.graphs:
         notes.append("CUDA graphs: not measured (" + ("CPU smoke run" if env["smoke"] else "--no-graph") + ").")
     text = bl.header_markdown(env, "Decode attention (splitk_decode)", notes)

@@ -49,6 +49,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import _bench_timing as bt
 import _benchlib as bl
 import torch
 from _bench_model_report import IMPLS, Check, LengthRow, Results, gib, report, to_json
@@ -293,7 +294,7 @@ def bench_lengths(impl: str, make: Callable[..., Any], args: argparse.Namespace,
 
         row.prefill_ms, row.prefill_runs = median_ms(prefill, args, device)
         if hasattr(generator, "choose_decode_backend"):
-            times = generator.choose_decode_backend(lambda fn: bl.time_ms(fn, device))
+            times = generator.choose_decode_backend(lambda fn: bt.time_ms(fn, device))
             row.note = f"decode SDPA: {generator.decode_backend} ({backend_text(times)})"
 
         def decode(generator: Any = generator, length: int = length) -> None:
@@ -398,7 +399,7 @@ def profile_steps(make: Callable[..., Any], args: argparse.Namespace, run: bl.Be
     last_chunk()
     prefill = profile_call(last_chunk, device)
     if hasattr(generator, "choose_decode_backend"):
-        generator.choose_decode_backend(lambda fn: bl.time_ms(fn, device))
+        generator.choose_decode_backend(lambda fn: bt.time_ms(fn, device))
 
     def step() -> None:
         generator.truncate(length)

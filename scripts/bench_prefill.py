@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import _bench_timing as bt
 import _benchlib as bl
 import torch
 
@@ -61,7 +62,7 @@ TOLERANCE = 3e-2
 
 
 @dataclass
-class Row(bl.TimedRow):
+class Row(bt.TimedRow):
     shape: str
     flops: float
     max_err: float | None = None
@@ -200,7 +201,7 @@ def bench_shape(
 
         raised = "FAILED" if name.startswith("tritune") else "unavailable"
         error = bl.join_notes(peer.note, peer.error) if peer else ""
-        rows.append(bl.measure(row, fn, record, device, run.graphs, error=error, raised=raised, recheck=check))
+        rows.append(bt.measure(row, fn, record, device, run.graphs, error=error, raised=raised, recheck=check))
         bl.log_row(f"{shape} {name:<30s}", row, row.tflops, "TFLOP/s", f"err={bl.fmt(row.max_err, 4)}")
     return rows
 
@@ -237,8 +238,8 @@ def report(env: dict[str, Any], rows: list[Row]) -> str:
         "SDPA peers read the same Hkv K/V heads as ours, with enable_gqa=True; a backend refusing it gets K/V"
         " heads repeated outside the timed region (its note says so). Each SDPA row's note names the backend"
         " that ran ('ran: ...', torch.profiler over one call at warm-up).",
-        bl.EAGER_NOTE,
-        bl.HOST_NOTE,
+        bt.EAGER_NOTE,
+        bt.HOST_NOTE,
     ]
     lines = [
         "| shape | implementation | check | time (ms) | TFLOP/s | vs fastest peer | host (ms) | graph (ms) "

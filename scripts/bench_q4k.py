@@ -53,6 +53,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import _bench_timing as bt
 import _benchlib as bl
 import torch
 
@@ -79,7 +80,7 @@ PEERS = (CUBLAS, SCALED_MM)
 
 
 @dataclass
-class Row(bl.TimedRow):
+class Row(bt.TimedRow):
     k: int
     n: int
     m: int
@@ -172,7 +173,7 @@ def bench_shape(k: int, n: int, ms: list[int], seed: int, run: bl.BenchRun, best
 
 
 def _measure(row: Row, impl: Impl, expected: torch.Tensor, run: bl.BenchRun) -> Row:
-    """Check ``impl`` against its SQNR floor (recording the SQNR), then time it (``bl.measure``)."""
+    """Check ``impl`` against its SQNR floor (recording the SQNR), then time it (``bt.measure``)."""
 
     from tritune.kernels import settings
 
@@ -185,7 +186,7 @@ def _measure(row: Row, impl: Impl, expected: torch.Tensor, run: bl.BenchRun) -> 
 
     # The opt-in is a process-wide setting: entered once around the row's check and timing.
     with settings.override(q4k_fp8=impl.opt_in):
-        bl.measure(row, impl.fn, check, run.device, run.graphs, error=impl.error, recheck=recheck)
+        bt.measure(row, impl.fn, check, run.device, run.graphs, error=impl.error, recheck=recheck)
     _log_row(row)
     return row
 
@@ -341,7 +342,7 @@ def _report(rows: list[Row], run: bl.BenchRun) -> str:
         "Small M (decode, M up to about 64): the eager times are host-bound, the Python dispatch and Triton "
         "launches of each call (cuBLAS and _scaled_mm launch from C++ and pay far less), not kernel time; "
         "the graph columns, which replay the launches without the host, are the kernel comparison.",
-        bl.EAGER_NOTE,
+        bt.EAGER_NOTE,
         "vs cuBLAS / vs _scaled_mm: that peer's time / this time, eager and graph separately (above 1.00x is faster).",
         "SQNR (dB) and NMSE: against the float64 product with the exactly dequantized weight; checked before "
         "timing against the floor of the path that ran: 40 dB (portable and dequant paths, bf16 cuBLAS), "
@@ -352,7 +353,7 @@ def _report(rows: list[Row], run: bl.BenchRun) -> str:
         f"Tuned configs and trials: {'DB ' + db if db else 'default settings (user DB and shipped bundles)'}; "
         "untuned = portable default pinned with use_config.",
     ]
-    notes.append(bl.HOST_NOTE)
+    notes.append(bt.HOST_NOTE)
     if not run.graphs:
         notes.append("CUDA graphs: not measured (" + ("CPU smoke run" if env["smoke"] else "--no-graph") + ").")
     text = bl.header_markdown(env, "Q4_K linear (q4k_fp8_gemm)", notes)

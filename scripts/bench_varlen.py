@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import _bench_timing as bt
 import _benchlib as bl
 import torch
 from _varlen_workload import (
@@ -56,7 +57,7 @@ log = logging.getLogger("tritune.bench")
 
 
 @dataclass
-class Row(bl.TimedRow):
+class Row(bt.TimedRow):
     mix: str
     kind: str
     kv_bytes: int
@@ -115,7 +116,7 @@ def bench_mix(w: Workload, best_trials: dict, flex: Any, run: bl.BenchRun, smoke
         def recheck(out: torch.Tensor, impl: Impl = impl) -> str | None:
             return _check(impl, out, w)
 
-        bl.measure(row, impl.fn, check, run.device, run.graphs, error=impl.error, raised=raised, recheck=recheck)
+        bt.measure(row, impl.fn, check, run.device, run.graphs, error=impl.error, raised=raised, recheck=recheck)
         rows.append(row)
         _log_row(row)
     return rows
@@ -233,12 +234,12 @@ def _report(rows: list[Row], run: bl.BenchRun) -> str:
         "views of the store; dedicated gets contiguous caches prepared outside the timed region.",
         "FlexAttention and varlen_attn, alike, read packed KV built from the store outside the timed region; "
         "the gather row times that gather alone (index_select of K and V), for whoever adds it to either.",
-        bl.EAGER_NOTE,
+        bt.EAGER_NOTE,
         f"Tuned configs: {'DB ' + db if db else 'default settings (user DB and shipped bundles)'}; portable "
         "default pinned with use_config; the best stored trial (fastest ok trial at the mix's exact key) is "
         "listed when it differs from both.",
     ]
-    notes.append(bl.HOST_NOTE)
+    notes.append(bt.HOST_NOTE)
     if not run.graphs:
         notes.append("CUDA graphs: not measured (" + ("CPU smoke run" if env["smoke"] else "--no-graph") + ").")
     text = bl.header_markdown(env, "Varlen attention (varlen_sdpa) side by side", notes)

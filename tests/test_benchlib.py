@@ -1,4 +1,5 @@
-"""``scripts/_benchlib.py``, the harness of the benchmark scripts: how a row is checked, timed and reported.
+"""``scripts/_benchlib.py`` and ``_bench_timing.py``, the harness of the benchmark scripts: how a row is checked,
+timed and reported.
 
 A benchmark must never report a time for an implementation whose output failed its check, must
 keep going when a peer cannot run, and must say why a graph column is empty. These run on the CPU
@@ -27,9 +28,18 @@ def bl(monkeypatch):
 
 
 @pytest.fixture
-def row(bl):
+def bt(monkeypatch):
+    """The row timing module, imported from ``scripts/`` as the benchmark scripts import it."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import _bench_timing
+
+    return _bench_timing
+
+
+@pytest.fixture
+def row(bt):
     @dataclass
-    class Row(bl.TimedRow):
+    class Row(bt.TimedRow):
         shape: str
         max_err: float | None = None
 
@@ -39,8 +49,8 @@ def row(bl):
 CPU = torch.device("cpu")
 
 
-def test_a_passing_call_is_timed(bl, row):
-    bl.measure(row, lambda: torch.ones(4), lambda out: None, CPU, graphs=False)
+def test_a_passing_call_is_timed(bt, row):
+    bt.measure(row, lambda: torch.ones(4), lambda out: None, CPU, graphs=False)
     assert row.status == "ok" and row.eager_us is not None and row.eager_us > 0
     assert row.graph_us is None and row.graph_status == "" and row.note == "config A"
     # Host time is a GPU column: on the interpreter every call is host work, and none is reported.
@@ -48,42 +58,42 @@ def test_a_passing_call_is_timed(bl, row):
 
 
 @pytest.mark.gpu
-def test_host_time_per_call_counts_queued_calls_only(bl):
+def test_host_time_per_call_counts_queued_calls_only(bt):
     """A call that queues a long kernel costs its host little: the host column stays well below the GPU time."""
     if not torch.cuda.is_available():
         pytest.skip("GPU tier: needs a CUDA GPU (run on the H200)")
     a = torch.randn(4096, 4096, device="cuda")
-    gpu_us = bl.time_ms(lambda: a @ a, torch.device("cuda")) * 1e3
-    host_us = bl.host_us_per_call(lambda: a @ a, torch.device("cuda"))
+    gpu_us = bt.time_ms(lambda: a @ a, torch.device("cuda")) * 1e3
+    host_us = bt.host_us_per_call(lambda: a @ a, torch.device("cuda"))
     assert host_us is not None and 0 < host_us < gpu_us / 2, (host_us, gpu_us)
 
 
-def test_a_failed_check_is_never_timed(bl, row):
-    bl.measure(row, lambda: torch.zeros(4), lambda out: "max err 1.0e+00", CPU, graphs=False)
+def test_a_failed_check_is_never_timed(bt, row):
+    bt.measure(row, lambda: torch.zeros(4), lambda out: "max err 1.0e+00", CPU, graphs=False)
     assert row.status == "FAILED" and row.eager_us is None and row.graph_us is None
     assert row.note == "FAILED correctness check: max err 1.0e+00; config A"
 
 
-def test_a_check_may_record_its_metric(bl, row):
+def test_a_check_may_record_its_metric(bt, row):
     def check(out: torch.Tensor) -> str | None:
         row.max_err = float(out.abs().max())
         return None
 
-    bl.measure(row, lambda: torch.full((3,), -0.5), check, CPU, graphs=False)
+    bt.measure(row, lambda: torch.full((3,), -0.5), check, CPU, graphs=False)
     assert row.max_err == 0.5 and row.status == "ok"
 
 
-def test_a_missing_implementation_is_unavailable_with_its_reason(bl, row):
-    bl.measure(row, None, lambda out: None, CPU, graphs=False, error="no cuDNN on this machine")
+def test_a_missing_implementation_is_unavailable_with_its_reason(bt, row):
+    bt.measure(row, None, lambda out: None, CPU, graphs=False, error="no cuDNN on this machine")
     assert (row.status, row.note, row.eager_us) == ("unavailable", "no cuDNN on this machine", None)
 
 
 @pytest.mark.parametrize("raised", ["unavailable", "FAILED"])
-def test_an_exception_is_reported_in_the_row(bl, row, raised):
+def test_an_exception_is_reported_in_the_row(bt, row, raised):
     def boom() -> torch.Tensor:
         raise RuntimeError("no kernel image")
 
-    bl.measure(row, boom, lambda out: None, CPU, graphs=False, raised=raised)
+    bt.measure(row, boom, lambda out: None, CPU, graphs=False, raised=raised)
     assert row.status == raised and row.eager_us is None
     assert row.note == "config A; RuntimeError: no kernel image"
 
@@ -97,8 +107,8 @@ def test_graph_cells_say_why_a_graph_time_is_missing(bl, row):
     assert bl.graph_cells(row, scale=1e-3, digits=3) == ("1.234", "config A")
 
 
-def test_fastest_and_rates(bl, row):
-    rows = [row, bl.TimedRow(impl="peer A", eager_us=30.0), bl.TimedRow(impl="peer B", eager_us=20.0)]
+def test_fastest_and_rates(bl, bt, row):
+    rows = [row, bt.TimedRow(impl="peer A", eager_us=30.0), bt.TimedRow(impl="peer B", eager_us=20.0)]
     row.eager_us = 10.0
     assert bl.fastest(rows, ["peer A", "peer B"], "eager_us") == 20.0
     assert bl.fastest(rows, ["peer A", "peer B"], "graph_us") is None
@@ -118,12 +128,12 @@ def test_common_arguments(bl):
         bl.checked_db("missing.sqlite")
 
 
-def test_fastest_ignores_rows_that_did_not_pass(bl):
+def test_fastest_ignores_rows_that_did_not_pass(bl, bt):
     """A FAILED or unavailable peer row never becomes the reference a ratio divides, whatever time it holds."""
     rows = [
-        bl.TimedRow(impl="peer A", eager_us=30.0),
-        bl.TimedRow(impl="peer B", status="FAILED", eager_us=5.0, graph_us=4.0),
-        bl.TimedRow(impl="peer C", status="unavailable", eager_us=1.0),
+        bt.TimedRow(impl="peer A", eager_us=30.0),
+        bt.TimedRow(impl="peer B", status="FAILED", eager_us=5.0, graph_us=4.0),
+        bt.TimedRow(impl="peer C", status="unavailable", eager_us=1.0),
     ]
     assert bl.fastest(rows, ["peer A", "peer B", "peer C"], "eager_us") == 30.0
     assert bl.fastest(rows, ["peer A", "peer B", "peer C"], "graph_us") is None
@@ -137,27 +147,27 @@ def _boom() -> torch.Tensor:
     ("impl", "status"), [("tritune tuned (dispatcher)", "FAILED"), ("loop: tritune attention", "FAILED"),
                          ("SDPA flash", "unavailable")],
 )  # fmt: skip
-def test_an_exception_in_our_row_is_failed_by_default(bl, impl, status):
-    row = bl.TimedRow(impl=impl)
-    bl.measure(row, _boom, lambda out: None, CPU, graphs=False)
+def test_an_exception_in_our_row_is_failed_by_default(bt, impl, status):
+    row = bt.TimedRow(impl=impl)
+    bt.measure(row, _boom, lambda out: None, CPU, graphs=False)
     assert row.status == status and row.eager_us is None
 
 
-def test_eager_time_is_the_larger_of_gpu_and_host_time(bl, row, monkeypatch):
+def test_eager_time_is_the_larger_of_gpu_and_host_time(bt, row, monkeypatch):
     """The flushed do_bench time hides the host work overlapping the flush: the eager figure counts it."""
-    monkeypatch.setattr(bl, "time_ms", lambda fn, device: 0.020)
-    monkeypatch.setattr(bl, "host_us_per_call", lambda fn, device: 55.0)
-    bl.measure(row, lambda: torch.ones(4), lambda out: None, CPU, graphs=False)
+    monkeypatch.setattr(bt, "time_ms", lambda fn, device: 0.020)
+    monkeypatch.setattr(bt, "host_us_per_call", lambda fn, device: 55.0)
+    bt.measure(row, lambda: torch.ones(4), lambda out: None, CPU, graphs=False)
     assert row.eager_gpu_us == pytest.approx(20.0) and row.host_us == 55.0
     assert row.eager_us == pytest.approx(55.0)
-    monkeypatch.setattr(bl, "host_us_per_call", lambda fn, device: 5.0)
-    bl.measure(row, lambda: torch.ones(4), lambda out: None, CPU, graphs=False)
+    monkeypatch.setattr(bt, "host_us_per_call", lambda fn, device: 5.0)
+    bt.measure(row, lambda: torch.ones(4), lambda out: None, CPU, graphs=False)
     assert row.eager_us == pytest.approx(20.0)
-    assert bl.eager_cost_us(None, None) is None and bl.eager_cost_us(3.0, None) == 3.0
+    assert bt.eager_cost_us(None, None) is None and bt.eager_cost_us(3.0, None) == 3.0
 
 
-def test_the_eager_note_says_how_eager_is_timed(bl):
-    assert "max(do_bench GPU time, host time)" in bl.EAGER_NOTE
+def test_the_eager_note_says_how_eager_is_timed(bt):
+    assert "max(do_bench GPU time, host time)" in bt.EAGER_NOTE
 
 
 def test_sdpa_peer_reads_the_gqa_cache_natively(bl, monkeypatch):
@@ -212,7 +222,7 @@ def test_backend_ran_names_the_sdpa_backend(bl):
 
 
 @pytest.mark.gpu
-def test_sdpa_peers_on_the_gpu_read_gqa_natively_and_name_their_backend(bl):
+def test_sdpa_peers_on_the_gpu_read_gqa_natively_and_name_their_backend(bl, bt):
     """What the prefill benchmark's SDPA rows rely on: flash takes the GQA K/V with a bottom-right
     causal mask, and cuDNN runs (its causal kernel at Lq = Lkv, its dense-bias one otherwise)."""
     if not torch.cuda.is_available():
@@ -231,6 +241,6 @@ def test_sdpa_peers_on_the_gpu_read_gqa_natively_and_name_their_backend(bl):
     for peer in (dense, causal):
         if peer.fn is not None:
             assert bl.backend_ran(peer.fn, gpu).startswith("ran: cudnn ("), bl.backend_ran(peer.fn, gpu)
-    row = bl.TimedRow(impl="SDPA flash")
-    bl.measure(row, flash.fn, lambda out: None, gpu, graphs=False)
+    row = bt.TimedRow(impl="SDPA flash")
+    bt.measure(row, flash.fn, lambda out: None, gpu, graphs=False)
     assert row.eager_us == max(row.eager_gpu_us, row.host_us)
