@@ -35,6 +35,7 @@ from tritune.kernels.device import DeviceInfo, interpreter_device
 from tritune.tuner import timing
 from tritune.tuner.candidates import BenchError, LocalBench
 from tritune.tuner.cli import app
+from tritune.tuner.plan import KeySource
 from tritune.tuner.shared import KeyBench, SharedKeyTuner, run_worker
 from tritune.tuner.studies import Heartbeat, StudyStorage, summaries
 from tritune.tuner.study import KeyTuner, TuneOptions, TuningError, environment_id
@@ -381,7 +382,7 @@ def test_two_gpus_of_one_model_count_each_shared_study_once(toy, tmp_path, monke
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
     where = StudyStorage(str(tmp_path / "studies.log"))
     # Without an exception: the command exits 0.
-    cli._tune_fleet(["0", "1"], ["toy_scale"], [], url, TuneOptions(trials=40, final_rounds=1), where, 10)
+    cli._tune_fleet(["0", "1"], ["toy_scale"], KeySource(), url, TuneOptions(trials=40, final_rounds=1), where, 10)
 
     output = " ".join(capsys.readouterr().out.split())
     assert [len(names) for names in released_from] == [2]

@@ -39,36 +39,12 @@ from .app import (
     short_key,
 )
 from .commands import print_status, status_rows
-from .keys import KeyOverride, KeyPlan, NoValidKey, parse_overrides
-from .missed import plan_missed
+from .keys import parse_overrides
+from .plan import KeySource, plan_keys
 
 if TYPE_CHECKING:
     from .studies import StudyStorage
     from .study import TuneOptions
-
-
-def _plan(
-    specs: list[Any], overrides: list[KeyOverride], device_info: Any, missed_in: str | None = None, trials: int = 0
-) -> list[tuple[Any, Any]]:
-    """(kernel, key) pairs to tune on one device: each kernel's default keys with the overrides applied,
-    or with ``missed_in`` (``--missed``) the keys logged in that DB (:mod:`.missed`).
-
-    A kernel the overrides leave no valid key is left out, with a note, when others are tuned.
-    """
-    if missed_in is not None:
-        return plan_missed(specs, device_info, missed_in, trials)
-    keys = KeyPlan(specs, overrides)
-    plan: list[tuple[Any, Any]] = []
-    for spec in specs:
-        try:
-            plan.extend((spec, key) for key in keys.keys(spec, device_info))
-        except NoValidKey as exc:
-            if len(specs) == 1:
-                raise
-            console.print(f"[yellow]{plain(exc.message)}: {plain(spec.name)} is left out[/yellow]")
-    if not plan:
-        raise typer.BadParameter("no kernel has a valid key with these --key values")
-    return plan
 
 
 def _positive_seconds(value: float | None) -> float | None:
@@ -152,6 +128,14 @@ def tune(
             "instead of the default keys",
         ),
     ] = False,
+    bundled: Annotated[
+        bool,
+        typer.Option(
+            "--bundled",
+            help="tune the keys of the bundle shipped for this GPU, each seeded from its shipped winner "
+            "(a re-tune after a Triton or torch upgrade or a kernel edit: a few --trials suffice)",
+        ),
+    ] = False,
     trials: Annotated[int | None, typer.Option(min=1, help="measured trials per key [default: 40; 12 on cpu]")] = None,
     time_budget: Annotated[
         float | None,
@@ -215,8 +199,11 @@ def tune(
     check_kernel_names(names)
     overrides = parse_overrides(key or [], {"head_dim": head_dim or [], "lq": lq or [], "lkv": lkv or [],
                                             "batch": batch or [], "m": m or []})  # fmt: skip
-    if missed and overrides:
-        raise typer.BadParameter("--missed tunes the logged keys: leave out --key (and --head-dim, --lq, ...)")
+    if missed and bundled:
+        raise typer.BadParameter("--missed and --bundled name two sets of keys: give one")
+    if (missed or bundled) and overrides:
+        which = "--missed tunes the logged keys" if missed else "--bundled tunes the bundle's keys"
+        raise typer.BadParameter(f"{which}: leave out --key (and --head-dim, --lq, ...)")
     where = None
     if storage is not None:
         where = StudyStorage(
@@ -249,11 +236,11 @@ def tune(
     options = TuneOptions(
         trials=trials, time_budget_s=time_budget, seed=seed, isolate=isolate, trial_timeout_s=trial_timeout
     )
-    missed_in = url if missed else None
+    source = KeySource(overrides=overrides, missed_in=url if missed else None, bundled=bundled)
     if len(devices) > 1:
-        _tune_fleet(devices, names, overrides, url, options, where, heartbeat_interval, missed_in)
+        _tune_fleet(devices, names, source, url, options, where, heartbeat_interval)
     else:
-        _tune_here(devices[0], names, overrides, url, options, where, missed_in)
+        _tune_here(devices[0], names, source, url, options, where)
 
 
 def _same_database(first: str, second: str) -> bool:
@@ -266,11 +253,10 @@ def _same_database(first: str, second: str) -> bool:
 def _tune_here(
     device: str,
     names: list[str],
-    overrides: list[KeyOverride],
+    source: KeySource,
     url: str,
     options: TuneOptions,
     where: StudyStorage | None,
-    missed_in: str | None = None,
 ) -> None:
     """One worker in this process: the classic tune (in-memory studies), or one worker of shared studies."""
     torch_device = choose_device(device)
@@ -285,7 +271,7 @@ def _tune_here(
 
     info = device_info(torch_device)
     # The kernels and their keys before the DB: a bad --kernel or --key leaves no DB behind.
-    plan = _plan(load_kernels(names, tunable=True), overrides, info, missed_in, options.trials)
+    plan = plan_keys(load_kernels(names, tunable=True), source, info, options.trials)
     store = ConfigStore(url)
     plan = provisional_first(plan, store, info)
     env_id = environment_id(store, info)
@@ -391,12 +377,11 @@ def _stored_text(stored: int, kept: int, where: str) -> str:
 def _tune_fleet(
     devices: list[str],
     names: list[str],
-    overrides: list[KeyOverride],
+    source: KeySource,
     url: str,
     options: TuneOptions,
     where: StudyStorage | None,
     heartbeat_interval: int,
-    missed_in: str | None = None,
 ) -> None:
     """One worker process per device entry, on one shared storage; this process coordinates."""
     import torch
@@ -420,7 +405,7 @@ def _tune_fleet(
     for entry in dict.fromkeys(devices):
         torch_device = torch.device("cpu") if entry == "cpu" else torch.device("cuda", int(entry))
         infos[entry] = device_info(torch_device)
-        plans[entry] = _plan(specs, overrides, infos[entry], missed_in, options.trials)
+        plans[entry] = plan_keys(specs, source, infos[entry], options.trials)
     # The config DB is created (and upgraded) once, before the workers open it together.
     with ConfigStore(url) as store:
         plans = {entry: provisional_first(plan, store, infos[entry]) for entry, plan in plans.items()}

@@ -1,0 +1,134 @@
+"""``tune --bundled``: re-tune exactly the keys of the bundle shipped for this GPU, each seeded from its winner."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import toy_kernel
+import triton
+from sqlalchemy import text
+from typer.testing import CliRunner
+
+from tritune.configs_db import bundles
+from tritune.configs_db.bundles import write_bundle
+from tritune.configs_db.records import WinnerRecord
+from tritune.configs_db.store import ConfigStore
+from tritune.kernels import registry, settings
+from tritune.kernels.device import device_info
+from tritune.kernels.dispatcher import DISPATCHER
+from tritune.tuner.cli import app
+from tritune.tuner.plan import KeySource, plan_keys
+
+CPU = device_info("cpu")
+SPEC = toy_kernel.SPEC
+#: A config the toy space admits that is not its default: the seeds must carry it into the trials.
+SHIPPED = {"BLOCK": 16, "BROKEN": False, "num_warps": 1}
+
+
+@pytest.fixture(autouse=True)
+def toy_registered(monkeypatch):
+    monkeypatch.setitem(registry._SPECS, "toy_scale", f"{toy_kernel.__name__}:SPEC")
+    DISPATCHER.clear()
+    yield
+    DISPATCHER.clear()
+
+
+def record(n_bucket: int, **changes) -> WinnerRecord:
+    fields = dict(
+        kernel=SPEC.name,
+        kernel_version=SPEC.version,
+        gpu=CPU.slug,
+        key=toy_kernel.ToyKey(CPU.arch, CPU.sm_count, "float32", n_bucket).to_dict(),
+        config=SHIPPED,
+        time_ms=1.0,
+        portable_ms=1.5,
+        speedup=1.5,
+        trials=3,
+        triton_version=triton.__version__,
+        torch_version=torch.__version__,
+        tritune_version="t",
+    )
+    fields.update(changes)
+    return WinnerRecord(**fields)
+
+
+@pytest.fixture
+def shipped(tmp_path, monkeypatch):
+    """Ship ``records`` as this GPU's bundle (bundles enabled for the test)."""
+    folder = tmp_path / "bundles"
+    monkeypatch.setattr(bundles, "shipped_bundle_dir", lambda: folder)
+    monkeypatch.setenv("TRITUNE_DISABLE_BUNDLES", "0")
+    settings.reload()
+    provenance = {"cuda": "", "driver": "", "torch": torch.__version__, "triton": triton.__version__, "tritune": "t"}
+
+    def ship(*records: WinnerRecord) -> None:
+        write_bundle(records, folder / f"{CPU.slug}.json", CPU.slug, "cpu", provenance)
+
+    yield ship
+    settings.reload()
+
+
+def tune(*args: str) -> object:
+    base = ["--device", "cpu", "--kernel", "toy_scale", "--trials", "2", "--no-isolate"]
+    return CliRunner().invoke(app, [*base, *args], catch_exceptions=False)
+
+
+def test_the_bundles_keys_are_tuned_and_nothing_else(shipped, tmp_path):
+    # 1024 and 4096 are not toy default keys (64 and 256); an older kernel version's key is tuned too.
+    shipped(record(1024), record(4096, kernel_version="0123456789abcdef"))
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    result = tune("--bundled", "--db", url)
+    assert result.exit_code == 0, result.output
+    stored = {w.key["n_bucket"] for w in ConfigStore(url).winners(kernel="toy_scale")}
+    assert stored == {1024, 4096}
+
+
+def test_each_key_measures_its_shipped_winner(shipped, tmp_path):
+    shipped(record(1024))
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    assert tune("--bundled", "--db", url).exit_code == 0
+    with ConfigStore(url) as db, db.engine.connect() as connection:
+        rows = connection.execute(text("SELECT key_json, config_json, status FROM trials")).all()
+    at_key = [(json.loads(config), status) for key, config, status in rows if json.loads(key) == record(1024).key]
+    assert (SHIPPED, "ok") in at_key, at_key
+
+
+def test_plan_keeps_the_bundles_order_and_each_key_once(shipped):
+    # One key under two kernel versions is tuned once.
+    shipped(record(4096), record(1024), record(1024, kernel_version="0123456789abcdef"))
+    plan = plan_keys([SPEC], KeySource(bundled=True), CPU)
+    in_file = [r.key["n_bucket"] for r in bundles.shipped_records(CPU.slug)[0]]
+    assert [key.n_bucket for _spec, key in plan] == list(dict.fromkeys(in_file))
+    assert sorted(key.n_bucket for _spec, key in plan) == [1024, 4096]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--bundled", "--missed"], "--missed and --bundled name two sets of keys"),
+        (["--bundled", "--key", "n=100"], "--bundled tunes the bundle's keys: leave out --key"),
+    ],
+)
+def test_conflicting_key_sources_are_refused(shipped, tmp_path, args, message):
+    shipped(record(1024))
+    result = tune(*args, "--db", str(tmp_path / "db.sqlite"))
+    assert result.exit_code != 0
+    assert message in " ".join(result.output.split())
+
+
+def test_without_a_shipped_bundle_it_says_so(shipped, tmp_path):
+    result = tune("--bundled", "--db", str(tmp_path / "db.sqlite"))
+    assert result.exit_code == 1
+    assert f"no bundle with winners is shipped for {CPU.slug}" in " ".join(result.output.split())
+    assert not (tmp_path / "db.sqlite").exists()
+
+
+def test_with_bundles_disabled_it_says_so(shipped, tmp_path, monkeypatch):
+    shipped(record(1024))
+    monkeypatch.setenv("TRITUNE_DISABLE_BUNDLES", "1")
+    settings.reload()
+    result = tune("--bundled", "--db", str(tmp_path / "db.sqlite"))
+    assert result.exit_code == 1
+    assert "bundles are disabled here" in " ".join(result.output.split())
