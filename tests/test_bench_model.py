@@ -88,6 +88,26 @@ def test_a_check_takes_top1_agreement_within_bf16s_sampling_noise() -> None:
     assert not rep.Check("tritune", 0.1300, 0.0626, 0.950, 0.930, 0.862, 128).ok
 
 
+def test_tritunes_floor_follows_the_lower_of_the_two_bf16_forwards() -> None:
+    """The H200 run of 2026-12-05: the reference's bf16 forward agreed on 0.961, the PyTorch bf16
+    model on 0.930; tritune's 0.898 passes against the lower, not the higher."""
+    from llama import top1_floor
+
+    ours = rep.Check("tritune", 0.0552, 0.0626, 0.898, 0.961, top1_floor(0.961, 128), 128)
+    peer = rep.Check("PyTorch bf16", 0.0519, 0.0626, 0.930, 0.961, top1_floor(0.961, 128), 128)
+    assert not ours.ok
+    rep.settle_floors({"tritune": ours}, top1_floor)
+    assert not ours.ok  # without the PyTorch model's check nothing changes
+    rep.settle_floors({"tritune": ours, "PyTorch bf16": peer}, top1_floor)
+    assert ours.top1_floor == pytest.approx(top1_floor(0.930, 128)) and ours.ok
+    assert peer.top1_floor == top1_floor(0.961, 128)
+    # A PyTorch model agreeing more than the reference's bf16 forward lowers nothing.
+    high = rep.Check("PyTorch bf16", 0.05, 0.0626, 0.99, 0.961, 0.9, 128)
+    ours.top1_floor = top1_floor(0.961, 128)
+    rep.settle_floors({"tritune": ours, "PyTorch bf16": high}, top1_floor)
+    assert not ours.ok
+
+
 def test_the_report_names_the_rows_off_the_references_top1() -> None:
     results = _results(ok=True)
     results.checks["tritune"].misses = ["0:3", "1:31d"]
