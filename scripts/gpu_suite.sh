@@ -38,6 +38,10 @@
 # defaults           540    tune each of $DEFAULTS_KERNELS (default: splitk_decode varlen_sdpa       <kernel>-defaults.sqlite,
 #                           q4k_fp8_gemm) over its default keys ($DEFAULTS_TUNE_ARGS, default    <kernel>-<gpu>.json
 #                           --trials 16 --time-budget 8), resuming $TRITUNE_SUITE_RESUME/<kernel>-defaults.sqlite
+# retune             560    tune --bundled: the shipped bundle's keys, each seeded from its winner      retune.sqlite, retune-<gpu>.json,
+#                           ($RETUNE_KERNELS, default all four; $RETUNE_ARGS, default --trials 4   <date>-bundle-compare-<gpu>.md
+#                           --time-budget 3), resuming $TRITUNE_SUITE_RESUME/retune.sqlite, then
+#                           scripts/compare_bundles.py against the shipped bundle
 # bench-decode       150    scripts/bench_decode.py / bench_varlen.py / bench_q4k.py on the defaults   <date>-<kernel>-<gpu>.md/.json
 # bench-varlen       120    stage's DB ($work/<kernel>-defaults.sqlite from a defaults stage earlier in
 # bench-q4k          150    the run, else $TRITUNE_SUITE_RESUME/<kernel>-defaults.sqlite); *_BENCH_ARGS as below
@@ -68,6 +72,7 @@ declare -A DEFAULT_BUDGET=(
   [tests]=300 [tune-prefill]=300 [bench-prefill]=200 [decode]=210 [varlen]=150 [q4k]=240 [overhead]=60
   [tuner]=200 [multigpu]=480 [smoke]=1800 [prefill-defaults]=330 [stability]=200 [pytest]=90 [defaults]=540
   [bench-decode]=150 [bench-varlen]=120 [bench-q4k]=150 [gpu-tests]=360 [sweep]=300 [model]=480 [jit]=480
+  [retune]=560
 )
 if (($# == 0)); then
   echo "usage: bash scripts/gpu_suite.sh STAGE[:SECONDS] ... (stages: ${!DEFAULT_BUDGET[*]})" >&2
@@ -274,6 +279,34 @@ run_stage() {
         tune_and_export "$db" "$kernel" $((deadline - $(date +%s) - 40)) python -c "$TUNE_PY" --device 0 \
           --kernel "$kernel" "${extra[@]}" --db "$db"
       done
+      ;;
+
+    retune)
+      # The shipped bundle's keys re-tuned (tune --bundled: each seeded from its shipped winner), one
+      # kernel after another, resuming $resume/retune.sqlite; then the re-tuned winners exported and
+      # compared with the shipped bundle key by key (scripts/compare_bundles.py).
+      local db="$work/retune.sqlite" kernel extra shipped
+      if [ ! -f "$db" ] && [ -f "$resume/retune.sqlite" ]; then
+        cp "$resume/retune.sqlite" "$db"
+        note "resuming $resume/retune.sqlite"
+      fi
+      read -r -a extra <<<"${RETUNE_ARGS:---trials 4 --time-budget 3}"
+      for kernel in ${RETUNE_KERNELS:-splitk_decode varlen_sdpa tma_prefill q4k_fp8_gemm}; do
+        # Each tune stops 60 s short of the stage's end: the DB is still snapshotted, exported and compared.
+        step "retune $kernel" $((deadline - $(date +%s) - 60)) python -c "$TUNE_PY" --device 0 --kernel "$kernel" \
+          --bundled "${extra[@]}" --db "$db"
+      done
+      shipped="configs_db/bundles/$(gpu_slug).json"
+      if [ -f "$db" ]; then
+        step "snapshot retune" 20 python -c "$SNAPSHOT_PY" "$db" "$results/retune.sqlite"
+        step "export retune" 20 python -c "$TUNE_PY" export --gpu "$(gpu_slug)" --db "$db" \
+          --out "$results/retune-$(gpu_slug).json"
+        step "compare retune" 15 python scripts/compare_bundles.py "$shipped" "$results/retune-$(gpu_slug).json" \
+          --out "$results/$today-bundle-compare-$(gpu_slug).md"
+      else
+        note "retune wrote no DB"
+        status=1
+      fi
       ;;
 
     bench-decode | bench-varlen | bench-q4k)

@@ -182,3 +182,17 @@ def test_sweep_stage_runs_one_sweep_per_entry(tmp_path):
     assert "--kernel q4k_fp8_gemm" in first and "--where path=portable --where BLOCK_K=256" in first
     assert "--limit 7" in first and "-sweep-q4k-a-" in first
     assert "--kernel splitk_decode" in second and "--where" not in second and "-sweep-decode-b-" in second
+
+
+def test_retune_stage_tunes_the_bundles_keys_then_compares(tmp_path):
+    resume = tmp_path / "resume"
+    resume.mkdir()
+    (resume / "retune.sqlite").write_bytes(b"resumed")
+    calls = _run_stage(tmp_path, "retune:200", RETUNE_KERNELS="splitk_decode tma_prefill")
+    tunes = [line for line in calls if "--bundled" in line]
+    assert [t.split("--kernel ")[1].split()[0] for t in tunes] == ["splitk_decode", "tma_prefill"]
+    assert all("--trials 4 --time-budget 3" in t and t.endswith(f"--db {tmp_path}/work/retune.sqlite") for t in tunes)
+    assert (tmp_path / "work" / "retune.sqlite").read_bytes() == b"resumed"
+    # The DB exists (resumed), so its winners are exported and compared with the shipped bundle.
+    [compare] = [line for line in calls if "scripts/compare_bundles.py" in line]
+    assert compare.startswith("scripts/compare_bundles.py configs_db/bundles/") and "bundle-compare-" in compare
