@@ -19,7 +19,7 @@ _EXPORTS: dict[str, str] = {
     "varlen_attention": "tritune.kernels.varlen.kernel",
     "validate_seq_info": "tritune.kernels.varlen.seq_info",
     "BatchedSequenceCache": "tritune.kernels.varlen.cache",
-    "use_config": "tritune.kernels.dispatcher",
+    "use_config": "tritune.kernels.pins",
     "reload_configs": "tritune.kernels.dispatcher",
     "device_info": "tritune.kernels.device",
     "get_spec": "tritune.kernels.registry",

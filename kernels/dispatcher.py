@@ -2,9 +2,9 @@
 
 Lookup order, resolved once per (kernel, key) and then served from a dict:
 
-1. a config pinned with :func:`use_config` (tests and benchmarks); on a GPU, one the space's rule
-   finds infeasible at the call's key gives way to the kernel's stand-in (what its ``serve()``
-   picks, else the portable default), with a warning;
+1. a config pinned with :func:`~.pins.use_config` (tests and benchmarks); on a GPU, one the
+   space's rule finds infeasible at the call's key gives way to the kernel's stand-in (what its
+   ``serve()`` picks, else the portable default), with a warning;
 2. the stored winner at the exact key, if its speedup over the portable default is at least
    ``1 + margin``;
 3. with no winner at the exact key, the nearest bucket of the same kernel, GPU, dtype and head dim
@@ -34,11 +34,8 @@ capture or ``torch.compile`` tracing, so dispatching is safe there.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import logging
 import threading
-from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -48,9 +45,11 @@ from tritune.configs_db.values import printable
 from . import misses, registry
 from . import settings as settings_module
 from .device import DeviceInfo, device_info
+from .pins import PINNED, infeasible_pin, log_pin_rewrite
 from .registry import get_spec
 from .spec import KernelSpec, TuningKey
-from .winners import Entry, WinnerTable, build_table
+from .winner_sources import load_table
+from .winners import Entry, WinnerTable
 
 log = logging.getLogger("tritune.dispatch")
 
@@ -91,9 +90,6 @@ class EagerChoice:
 def graph_config(choice: Any) -> Any:
     """The config of a dispatch result that serves everything but eager calls (captures, compiled graphs)."""
     return choice.graph if type(choice) is EagerChoice else choice
-
-
-_pinned: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar("tritune_pinned", default=None)
 
 
 #: Bound on memoised (kernel, device, facts) entries: a server seeing ever new exact lengths
@@ -200,7 +196,7 @@ class Dispatcher:
         self, spec: KernelSpec[Any, Any], device: DeviceInfo, key: TuningKey, where: torch.device | None = None
     ) -> Any:
         """:meth:`select`, or an :class:`EagerChoice` where the winner has an eager alternative."""
-        pinned = _pinned.get()
+        pinned = PINNED.get()
         if pinned is not None and spec.name in pinned:
             return pinned[spec.name]
         config = self._resolved.get((spec.name, device.slug, key))
@@ -236,38 +232,10 @@ class Dispatcher:
             table = self._tables.get(device.slug)
             if table is None:
                 generation = self.generation
-                table = self._load(device)
+                table = load_table(device)
                 with self._lock:
                     if generation == self.generation:
                         self._tables[device.slug] = table
-        return table
-
-    def _load(self, device: DeviceInfo) -> WinnerTable:
-        """Bundle, then the user's DB on top; a source that cannot be read is skipped, once."""
-        from tritune.configs_db import bundles, store
-
-        current = settings_module.settings()
-        record_sets = []
-        if not current.disable_bundles:
-            try:
-                records, rejections = bundles.shipped_records(device.slug)
-            except Exception as exc:  # a broken install must not take the kernels down
-                log.warning("shipped bundle for %s not used: %s", device.slug, printable(str(exc), limit=1000))
-                records, rejections = [], []
-            for rejection in rejections:
-                log.warning("refused bundle content: %s", printable(rejection.reason, limit=1000))
-            record_sets.append(records)
-        try:
-            record_sets.append(store.read_winners(current.db_url, device.slug, timeout_s=current.db_read_timeout))
-        except Exception as exc:  # StoreError, a missing DB driver, ...: serve without the DB
-            log.warning(
-                "config DB %s not used: %s; serving the shipped bundle and portable defaults "
-                "(reload_configs() reads it again)",
-                store.display_url(current.db_url),
-                printable(str(exc), limit=1000),
-            )
-        table = build_table(record_sets, device)
-        log.info("loaded %d tuned configs for %s", len(table), device.slug)
         return table
 
     def _resolve(
@@ -402,11 +370,11 @@ def _choose(kernel: str, device_type: str, device_index: int, facts: tuple[Any, 
     pin = memo[4] if len(memo) > 4 else None
     if pin is not None and config == pin:
         # A kernel whose serve() knows a better stand-in for an infeasible pin has replaced it already.
-        pin_why = _infeasible_pin(spec, device, key, pin)
+        pin_why = infeasible_pin(spec, device, key, pin)
         if pin_why is not None:
             config, why = spec.serve_with_reason(spec.default_config(key), device, facts)[0], pin_why
     if pin is not None and config != pin:
-        _log_pin_rewrite(kernel, pin, config, why)
+        log_pin_rewrite(kernel, pin, config, why)
     if eager is not None and config == chosen:
         served_eager, _ = spec.serve_with_reason(eager, device, facts)
         if served_eager == eager:  # both serve this call as stored: keep the pair
@@ -428,7 +396,7 @@ def dispatch_config(kernel: str, device_type: str, device_index: int, facts: tup
     or stored) that was in force when it was traced. In eager mode a call whose facts were seen
     before costs one dict lookup.
     """
-    pinned = _pinned.get()
+    pinned = PINNED.get()
     pin = pinned.get(kernel) if pinned is not None else None
     # A pinned call's choice is memoised under the pin as well: what serves it (the pin, or what
     # replaces it where it cannot serve) depends only on the pin, the device and the facts.
@@ -466,7 +434,7 @@ def dispatch_choice_eager(kernel: str, device: torch.device, facts: tuple[Any, .
     where = _DEVICE_ARGS.get(device)
     if where is None:
         where = _DEVICE_ARGS[device] = (device.type, -1 if device.index is None else device.index)
-    pinned = _pinned.get()
+    pinned = PINNED.get()
     pin = pinned.get(kernel) if pinned is not None else None
     memo: tuple[Any, ...] = (kernel, where[0], where[1], facts)
     if pin is not None:
@@ -475,65 +443,3 @@ def dispatch_choice_eager(kernel: str, device: torch.device, facts: tuple[Any, .
     if config is None:
         config = _choose(kernel, where[0], where[1], facts, memo)
     return config
-
-
-def _infeasible_pin(spec: Any, device: DeviceInfo, key: TuningKey, pin: Any) -> str | None:
-    """Why the space's rule says a pin cannot run at ``key`` on a GPU (it gives way to the portable
-    default), or None. On the interpreter a pin runs as given: the rules there bound only the sweep."""
-    if device.is_interpreter:
-        return None
-    reason: str | None = spec.space.infeasible_reason(pin, key, spec.limits(device))
-    return reason
-
-
-_rewritten_pins: set[tuple[str, Any, Any]] = set()
-
-
-def _log_pin_rewrite(kernel: str, pin: Any, served: Any, reason: str | None) -> None:
-    """A pinned config that cannot serve this call is replaced; say so, with the kernel's reason
-    where its ``serve`` hook gave one, in one line once per pair."""
-    if (kernel, pin, served) not in _rewritten_pins:
-        _rewritten_pins.add((kernel, pin, served))
-        why = f" ({printable(reason, limit=1000)})" if reason else ""
-        log.warning("%s: pinned config %s cannot serve this call%s; serving %s instead", kernel, pin, why, served)
-
-
-#: (kernel, the pin's items) -> the parsed config: entering ``use_config`` around every call of a
-#: loop would otherwise parse the same dict each time, several times the host cost of the call's
-#: own dispatch (``scripts/measure_overhead.py`` measures both).
-_parsed_pins: dict[tuple[str, tuple[tuple[str, type, Any], ...]], Any] = {}
-
-
-def _parsed_pin(kernel: str, config: Mapping[str, Any]) -> Any:
-    """``get_spec(kernel).pinned_config(config)``, remembered for configs of hashable values."""
-    try:
-        # The type is part of the key: 64.0 and True hash like 64 and 1, and the strict parse refuses them.
-        cache_key = (kernel, tuple(sorted((name, type(value), value) for name, value in config.items())))
-        parsed = _parsed_pins.get(cache_key)
-    except (AttributeError, TypeError):  # not a mapping, or unhashable values: the parse says what is wrong
-        return get_spec(kernel).pinned_config(config)
-    if parsed is None:
-        parsed = get_spec(kernel).pinned_config(config)
-        if len(_parsed_pins) >= MEMO_LIMIT:
-            _parsed_pins.clear()
-        _parsed_pins[cache_key] = parsed
-    return parsed
-
-
-@contextlib.contextmanager
-def use_config(kernel: str, config: Mapping[str, Any]) -> Iterator[Any]:
-    """Pin ``kernel`` to ``config`` (a plain dict of its space's fields) inside the block.
-
-    Fields left out take the kernel's defaults (for the chosen path, where a kernel has several);
-    a config outside the space is refused here, before anything launches. A pinned config that
-    cannot serve a call (say, the TMA path on a GPU without TMA) is replaced by what can, with
-    one warning. Graphs compiled inside the block keep the pinned config after it ends.
-    """
-    parsed = _parsed_pin(kernel, config)
-    current = dict(_pinned.get() or {})
-    current[kernel] = parsed
-    token = _pinned.set(current)
-    try:
-        yield parsed
-    finally:
-        _pinned.reset(token)

@@ -24,7 +24,7 @@ from tritune.kernels._launch import COUNTERS
 from tritune.kernels.decode import launch as decode_launch
 from tritune.kernels.decode.kernel import KERNEL, decode_attention
 from tritune.kernels.decode.reference import compare, decode_reference
-from tritune.kernels.dispatcher import use_config
+from tritune.kernels.pins import use_config
 from tritune.kernels.routing import attention
 from tritune.search_spaces.splitk_decode import DecodeConfig
 

@@ -20,7 +20,7 @@ from tritune.kernels import _launch
 from tritune.kernels.decode import launch as decode_launch
 from tritune.kernels.decode.kernel import decode_attention
 from tritune.kernels.decode.reference import compare, decode_reference
-from tritune.kernels.dispatcher import use_config
+from tritune.kernels.pins import use_config
 from tritune.search_spaces.splitk_decode import DecodeConfig
 
 BIG_BATCH = 70000

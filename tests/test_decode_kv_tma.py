@@ -29,7 +29,7 @@ from tritune.kernels.decode import launch as decode_launch
 from tritune.kernels.decode.kernel import KERNEL, decode_attention
 from tritune.kernels.decode.reference import compare, decode_reference
 from tritune.kernels.device import DeviceInfo, interpreter_device
-from tritune.kernels.dispatcher import use_config
+from tritune.kernels.pins import use_config
 from tritune.search_spaces.splitk_decode import SPACE, DecodeConfig, portable_config
 
 H200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")

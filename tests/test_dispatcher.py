@@ -12,9 +12,10 @@ import triton
 
 from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.store import ConfigStore
-from tritune.kernels import dispatcher, registry, settings
+from tritune.kernels import dispatcher, pins, registry, settings
 from tritune.kernels.device import device_info
-from tritune.kernels.dispatcher import DISPATCHER, dispatch_config, use_config
+from tritune.kernels.dispatcher import DISPATCHER, dispatch_config
+from tritune.kernels.pins import use_config
 from tritune.search_spaces.base import ConfigError
 
 CPU = device_info("cpu")
@@ -303,7 +304,7 @@ def test_pinned_choice_is_memoised_under_its_pin(monkeypatch):
     choose, parse = DISPATCHER.choose, toy_kernel.SPEC.pinned_config
     monkeypatch.setattr(DISPATCHER, "choose", lambda *args: resolved.append(args) or choose(*args))
     monkeypatch.setattr(toy_kernel.SPEC, "pinned_config", lambda values: parsed.append(values) or parse(values))
-    monkeypatch.setattr(dispatcher, "_parsed_pins", {})
+    monkeypatch.setattr(pins, "_parsed_pins", {})
     for _ in range(2):  # a pin entered around every call: parsed once, resolved once
         with use_config("toy_scale", {"BLOCK": 16}):
             assert _served_eager(100)["BLOCK"] == 16
@@ -410,7 +411,7 @@ def test_a_replaced_pin_is_one_warning_naming_the_reason(monkeypatch, caplog, re
         return (stand_in, reason) if config.BLOCK == 16 else (config, None)
 
     monkeypatch.setattr(spec, "serve_with_reason", serve_with_reason)
-    monkeypatch.setattr(dispatcher, "_rewritten_pins", set())
+    monkeypatch.setattr(pins, "_rewritten_pins", set())
     caplog.set_level(logging.WARNING, logger="tritune")
     with use_config("toy_scale", {"BLOCK": 16}) as pinned:
         assert [_served(n)["BLOCK"] for n in (100, 100, 3000)] == [64, 64, 64]

@@ -23,7 +23,8 @@ import toy_kernel
 from tritune.configs_db.store import ConfigStore
 from tritune.kernels import jit, jit_background, misses, registry, settings
 from tritune.kernels.device import device_info
-from tritune.kernels.dispatcher import DISPATCHER, dispatch_config, reload_configs, use_config
+from tritune.kernels.dispatcher import DISPATCHER, dispatch_config, reload_configs
+from tritune.kernels.pins import use_config
 from tritune.search_spaces.base import SearchSpace, choice
 from tritune.tuner import jit as tuner_jit
 from tritune.tuner.candidates import FAILED_RUNTIME

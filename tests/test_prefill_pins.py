@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tritune.kernels import dispatcher
+from tritune.kernels import dispatcher, pins
 from tritune.kernels.device import DeviceInfo, interpreter_device
 from tritune.kernels.prefill.kernel import KERNEL, pinned_config, tma_default
 from tritune.search_spaces.tma_prefill import SPACE
@@ -92,7 +92,7 @@ def test_a_pin_through_the_dispatcher_gets_the_kernels_own_stand_in(monkeypatch)
     dispatcher.DISPATCHER.clear()
     f = _facts()
     try:
-        with dispatcher.use_config("tma_prefill", {"path": "ws", "BLOCK_M": 64}):
+        with pins.use_config("tma_prefill", {"path": "ws", "BLOCK_M": 64}):
             served = dispatcher.dispatch_config("tma_prefill", "cuda", 0, tuple(f))
     finally:
         dispatcher.DISPATCHER.clear()

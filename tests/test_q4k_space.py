@@ -420,7 +420,7 @@ def test_without_the_opt_in_8_bit_pins_do_not_serve(caplog, monkeypatch):
         {"path": "int8", "SWAP_AB": True},
     ]
     # Dispatch as on an H200 (the pin is served without reading any winner).
-    monkeypatch.setattr(dispatcher, "_rewritten_pins", set())
+    monkeypatch.setattr("tritune.kernels.pins._rewritten_pins", set())
     monkeypatch.setattr(dispatcher, "device_info", lambda where: H200)
     with caplog.at_level("WARNING", logger="tritune"):
         for pin in pins:

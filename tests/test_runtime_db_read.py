@@ -38,7 +38,8 @@ from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.store import ConfigStore, StoreError, read_winners
 from tritune.kernels import dispatcher, registry, settings
 from tritune.kernels.device import DeviceInfo, device_info
-from tritune.kernels.dispatcher import DISPATCHER, dispatch_config, use_config
+from tritune.kernels.dispatcher import DISPATCHER, dispatch_config
+from tritune.kernels.pins import use_config
 
 CPU = device_info("cpu")
 PORTABLE = {"BLOCK": 32, "BROKEN": False, "num_warps": 4}

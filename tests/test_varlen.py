@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from varlen_cases import DEVICE, NAN, NO_SPLIT, SPLIT, Mix, config_of, make_inputs, run_and_compare
 
 from tritune.kernels import _launch, validate_seq_info, varlen_attention
-from tritune.kernels.dispatcher import use_config
+from tritune.kernels.pins import use_config
 from tritune.kernels.prefill.reference import prefill_reference
 from tritune.kernels.varlen import launch as varlen_launch
 from tritune.kernels.varlen.reference import compare, segment_keys, sequence_reference, varlen_reference

@@ -216,7 +216,7 @@ def test_torch_compile_dynamic_width_compiles_once():
 def test_torch_compile_with_kv_tma_pinned_keeps_pointer_loads(monkeypatch):
     """Inductor traces the op's body with wrap_triton on: a pinned KV_TMA config must build no host
     descriptor there (torch would bake it into the graph) and still give the right result."""
-    from tritune.kernels.dispatcher import use_config
+    from tritune.kernels.pins import use_config
 
     built = []
     real = varlen_launch.unchecked_descriptor

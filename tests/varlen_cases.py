@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from tritune.kernels import varlen_attention
-from tritune.kernels.dispatcher import use_config
+from tritune.kernels.pins import use_config
 from tritune.kernels.varlen.reference import compare, varlen_reference
 from tritune.search_spaces.varlen_sdpa import SPACE, VarlenConfig
 

@@ -381,7 +381,7 @@ class CandidateBench:
         hold around the calls, and the call), or None where the kernel is not callable."""
         if not callable(self.spec):
             return None
-        from tritune.kernels.dispatcher import use_config
+        from tritune.kernels.pins import use_config
 
         target = torch.empty_like(self.portable_out)
         spec, args, kwargs = self.spec, self.problem.args, {**self.problem.kwargs, "out": target}
