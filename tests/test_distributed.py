@@ -33,8 +33,9 @@ from tritune.configs_db.store import ConfigStore
 from tritune.kernels import registry
 from tritune.kernels.device import DeviceInfo, interpreter_device
 from tritune.tuner import timing
-from tritune.tuner.candidates import BenchError, LocalBench
+from tritune.tuner.candidates import BenchError
 from tritune.tuner.cli import app
+from tritune.tuner.local_bench import LocalBench
 from tritune.tuner.plan import KeySource
 from tritune.tuner.shared import KeyBench, SharedKeyTuner, run_worker
 from tritune.tuner.studies import Heartbeat, StudyStorage, summaries
@@ -117,7 +118,7 @@ class AfterVictimTimer:
 
 
 def _journal_trials(worker: str) -> None:
-    from tritune.tuner.candidates import LocalBench
+    from tritune.tuner.local_bench import LocalBench
 
     journal = os.environ.get("TOY_TRIAL_JOURNAL")
     if not journal:

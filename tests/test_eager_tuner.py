@@ -15,7 +15,7 @@ import toy_kernel
 from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.store import ConfigStore
 from tritune.kernels.device import device_info
-from tritune.tuner.candidates import LocalBench
+from tritune.tuner.local_bench import LocalBench
 from tritune.tuner.study import KeyTuner, TuneOptions, environment_id
 from tritune.tuner.timing import FakeTimer
 

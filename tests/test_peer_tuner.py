@@ -18,7 +18,7 @@ from tritune.configs_db.store import ConfigStore
 from tritune.kernels import registry
 from tritune.kernels.device import device_info
 from tritune.kernels.spec import Peer, Problem
-from tritune.tuner.candidates import LocalBench
+from tritune.tuner.local_bench import LocalBench
 from tritune.tuner.study import KeyTuner, TuneOptions, environment_id
 from tritune.tuner.timing import FakeTimer
 from tritune.tuner.worker import Worker

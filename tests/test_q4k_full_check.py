@@ -12,7 +12,8 @@ import toy_kernel
 from tritune.kernels import registry
 from tritune.kernels.device import interpreter_device
 from tritune.kernels.q4k.reference import check_against_portable
-from tritune.tuner.candidates import LocalBench, consistency_problem
+from tritune.tuner.candidates import consistency_problem
+from tritune.tuner.local_bench import LocalBench
 
 
 def _portable(rows: int = 512, cols: int = 256) -> torch.Tensor:

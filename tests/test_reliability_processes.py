@@ -39,7 +39,7 @@ def drive() -> None:
     line per trial the command runs (in its worker or in-process), written before the trial runs.
     """
     from tritune.kernels import registry
-    from tritune.tuner import candidates, cli, timing, worker
+    from tritune.tuner import cli, local_bench, timing, worker
 
     registry._SPECS["toy_scale"] = f"{toy_kernel.__name__}:SPEC"
     hold = os.environ.get("TOY_HOLD_AFTER")
@@ -48,7 +48,7 @@ def drive() -> None:
     timing.timer_for = lambda device: timer
     journal = os.environ.get("TOY_TRIAL_JOURNAL")
     if journal:
-        for bench in (worker.Worker, candidates.LocalBench):
+        for bench in (worker.Worker, local_bench.LocalBench):
             _journal_trials(bench, journal)
     sys.argv = ["tune", *sys.argv[1:]]
     cli.main()

@@ -4,8 +4,8 @@ A :class:`CandidateBench` holds one key's problems (the timed problem, the small
 with its reference result, and the portable default's outputs of both) and answers requests that
 take and give plain values: configs as dicts in, :class:`TrialOutcome` dicts out. It normally runs
 inside a worker process (:mod:`.worker`), where a candidate that crashes, hangs or poisons the
-CUDA context takes only the worker down; :class:`LocalBench` runs it in the tuner's own process
-(``TuneOptions(isolate=False)``, for tests with a fake timer).
+CUDA context takes only the worker down; :class:`~.local_bench.LocalBench` runs it in the tuner's
+own process (``TuneOptions(isolate=False)``, for tests with a fake timer).
 
 Every bench, local or isolated, offers the same :class:`Bench` interface to the study.
 """
@@ -438,68 +438,6 @@ def _median(samples: list[float]) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
-class LocalBench:
-    """Runs candidates in this process: no crash isolation (a crash here ends the tune)."""
-
-    def __init__(
-        self, device: torch.device, timer: Timer, *, noise: NoisePolicy | None = None, compile_workers: int = 1
-    ) -> None:
-        self.device, self.timer, self.noise, self.compile_workers = device, timer, noise, compile_workers
-        self._bench: CandidateBench | None = None
-
-    def _current(self) -> CandidateBench:
-        if self._bench is None:
-            raise BenchError("no key is open")
-        return self._bench
-
-    def open(self, spec: KernelSpec[Any, Any], key: TuningKey, seed: int, default: dict[str, Any]) -> None:
-        try:
-            self._bench = CandidateBench(
-                spec,
-                key,
-                self.device,
-                seed,
-                spec.space.parse(default),
-                self.timer,
-                monitor=monitor_for(self.device),
-                noise=self.noise,
-                compile_workers=self.compile_workers,
-            )
-        except Exception as exc:
-            raise BenchError(describe_exception(exc)) from exc
-
-    def precompile(self, configs: list[dict[str, Any]]) -> list[TrialOutcome | None] | None:
-        try:
-            return self._current().precompile(configs)
-        except ContextLost as exc:
-            raise BenchError(f"{exc}; tune with isolation to survive such candidates") from exc
-
-    def trial(self, config: dict[str, Any], compiled: bool) -> TrialOutcome:
-        result = self._current().trial(config, compiled)
-        if result["fatal"]:
-            raise BenchError(
-                f"{config} left the CUDA context unusable ({result['error']}); tune with isolation to survive it"
-            )
-        return result
-
-    def retime(self, configs: list[dict[str, Any]], rounds: int, peer: bool = False) -> RetimeOutcome | None:
-        try:
-            return self._current().retime(configs, rounds, peer)
-        except Exception as exc:
-            log.warning("final re-timing failed: %s", describe_exception(exc))
-            return None
-
-    def host_times(self, configs: list[dict[str, Any]]) -> list[float] | None:
-        try:
-            return self._current().host_times(configs)
-        except Exception as exc:
-            log.warning("timing the launches' host cost failed: %s", describe_exception(exc))
-            return None
-
-    def close(self) -> None:
-        self._bench = None
-
-
 __all__ = [
     "FAILED_COMPILE",
     "FAILED_CORRECTNESS",
@@ -510,7 +448,6 @@ __all__ = [
     "BenchError",
     "CandidateBench",
     "ContextLost",
-    "LocalBench",
     "RetimeOutcome",
     "TrialOutcome",
 ]

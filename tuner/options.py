@@ -87,7 +87,7 @@ class TuneOptions:
         One bench serves many keys (a worker's start-up, importing torch and creating a CUDA
         context, is paid once): ``tune`` makes one per run, online tuning one per process.
         """
-        from .candidates import LocalBench
+        from .local_bench import LocalBench
 
         if not self.isolate:
             return LocalBench(device, timer, noise=self.noise, compile_workers=self.compile_workers)

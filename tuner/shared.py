@@ -48,8 +48,9 @@ from tritune.kernels.device import DeviceInfo
 from tritune.kernels.spec import KernelSpec, TuningKey
 
 from .backend import Asked, KeyBench, Visit
-from .candidates import Bench, LocalBench
+from .candidates import Bench
 from .known import OnTrial
+from .local_bench import LocalBench
 from .options import KeyResult, TuneOptions, TuningError
 from .search import KeySearch
 from .studies import WORKER_ATTR, Heartbeat, StudyStorage
