@@ -6,9 +6,9 @@ derives, the same way for the built-in kernels and for users' own:
 
 - the input checks: a generated one-pass check for plain eager calls (:mod:`.fastcheck`) and the
   detailed checks that name the argument, from the same declaration so they cannot disagree;
-- the ``torch.library`` op (``tritune::<name>`` unless named otherwise), whose schema passes the
-  config's fields by name, so ``torch.compile(fullgraph=True)``, CUDA-graph capture and
-  ``opcheck`` work; plain eager calls skip the op's Python layers and launch directly;
+- the ``torch.library`` op (``tritune::<name>`` unless named otherwise, :mod:`.kernel_op`), whose
+  schema passes the config's fields by name, so ``torch.compile(fullgraph=True)``, CUDA-graph
+  capture and ``opcheck`` work; plain eager calls skip the op's Python layers and launch directly;
 - dispatch: the stored winner for the call's key, else a near bucket's, else the portable default
   (:mod:`.dispatcher`), and the kernel's version (:mod:`.versioning`);
 - registration with the tuner and the CLI (``tune --kernel <name>`` or ``module:ATTRIBUTE``).
@@ -37,15 +37,14 @@ from .arguments import CheckedCall, Derived, Obj, Output, Rule, Scalar, Tensor, 
 from .device import DeviceInfo
 from .dispatcher import EagerChoice, dispatch_choice_eager, dispatch_config
 from .fastcheck import FastCheck, build_fast_check
+from .kernel_op import KernelOp
 from .spec import KernelSpec, Peer, Problem, Replaced, TuningKey
 from .tuning_half import KernelTuning
 
 __all__ = ["Derived", "Kernel", "KernelTuning", "Obj", "Output", "Rule", "Scalar", "Tensor"]
 
-_SCHEMA_TYPES = {bool: "bool", int: "int", float: "float", str: "str"}
 
-
-class Kernel(KernelSpec[Any, Any]):
+class Kernel(KernelOp, KernelSpec[Any, Any]):
     """One kernel's declaration (see the module docstring). Calling it runs the kernel.
 
     ``arguments``: the call's arguments in order (:class:`Tensor`, :class:`Obj`, :class:`Scalar`,
@@ -162,31 +161,6 @@ class Kernel(KernelSpec[Any, Any]):
                 raise ValueError(
                     f"{self.name}: {what} read dims {sorted(names_read & loose)}, which only optional tensors bind"
                 )
-
-    def schema(self) -> str:
-        """The op schema: inputs, outputs (mutated), scalars, then the config's fields by name."""
-        parts: list[str] = []
-        aliases = iter("abcdefghijklmnopqrstuvwxyz")
-        for a in self.arguments:
-            if isinstance(a, Tensor):
-                parts.append(f"Tensor{'?' if a.optional else ''} {a.name}")
-            elif isinstance(a, Obj):
-                parts += [f"Tensor {a.name}_{part}" for part in a.parts]
-            elif isinstance(a, Output):
-                parts.append(f"Tensor({next(aliases)}!) {a.name}")
-            else:
-                optional = a.optional and a.resolve is None
-                parts.append(f"{_SCHEMA_TYPES[a.type]}{'?' if optional else ''} {a.name}")
-        config = [f"{_SCHEMA_TYPES[kind]} {field}" for field, kind in self.space.field_types.items()]
-        return "(" + ", ".join(parts + (["*", *config] if config else [])) + ") -> ()"
-
-    def _op_output_positions(self) -> tuple[int, ...]:
-        positions, index = [], 0
-        for a in self.arguments:
-            if isinstance(a, Output):
-                positions.append(index)
-            index += len(a.parts) if isinstance(a, Obj) else 1
-        return tuple(positions)
 
     # ---- the call ----------------------------------------------------------------------------
 
@@ -345,42 +319,6 @@ class Kernel(KernelSpec[Any, Any]):
         bound = self._signature.bind(*args, **kwargs)
         bound.apply_defaults()
         return tuple(bound.arguments.values())
-
-    # ---- the op ------------------------------------------------------------------------------
-
-    def _op_args(self, args: tuple[Any, ...]) -> list[Any]:
-        flat: list[Any] = []
-        for a, value in zip(self.arguments, args, strict=True):
-            if isinstance(a, Obj):
-                flat.extend(a.split(value))
-            else:
-                flat.append(value)
-        return flat
-
-    def _call_op(self, config: Any, args: tuple[Any, ...]) -> None:
-        self.op(*self._op_args(args), **self.space.field_values(config))
-
-    def _op_body(self, *flat: Any, **fields: Any) -> None:
-        args: list[Any] = []
-        position = 0
-        for a in self.arguments:
-            if isinstance(a, Obj):
-                args.append(a.join(*flat[position : position + len(a.parts)]))
-                position += len(a.parts)
-            else:
-                args.append(flat[position])
-                position += 1
-        if self.cpu_allowed:  # an op call may be the process's first interpreted launch
-            prepare_interpreter()
-        self._launch(self.config_from_fields(fields), *args)
-
-    def config_from_fields(self, fields: Mapping[str, Any]) -> Any:
-        """The config an op call's keyword fields stand for (built once per distinct config)."""
-        cache_key = tuple(fields.items())
-        config = self._config_cache.get(cache_key)
-        if config is None:
-            config = self._config_cache[cache_key] = self.space.from_fields(dict(fields))
-        return config
 
     # ---- the spec interface the dispatcher and the tuner use ---------------------------------
 
