@@ -25,9 +25,9 @@ batched-serving phase serves ``--serve-seqs`` prompts of seeded mixed lengths th
 ``BatchedServer`` (``varlen_attention`` over one ``BatchedSequenceCache``) against a loop of
 ``Generator.generate`` over the same prompts. Before any timing, each model's logits on a few
 random prompts (prefill in two chunks, then decode steps) are compared with a float64 reference
-of the same dequantized weights; a model that fails is never given a speedup. ``--profile`` adds
-a kernel-time breakdown of one prefill chunk and one decode step. The report is rewritten after
-every phase, so a run cut short keeps what it measured.
+of the same dequantized weights (``_bench_model_check.py``); a model that fails is never given a
+speedup. ``--profile`` adds a kernel-time breakdown of one prefill chunk and one decode step. The
+report is rewritten after every phase, so a run cut short keeps what it measured.
 
 ``--smoke`` runs every phase on the CPU under ``TRITON_INTERPRET=1`` with the tiny preset and tiny
 lengths: a dry run of the script, with meaningless times (and no CUDA graphs).
@@ -52,7 +52,8 @@ from typing import Any
 import _bench_timing as bt
 import _benchlib as bl
 import torch
-from _bench_model_report import IMPLS, Check, LengthRow, Results, gib, report, settle_floors, to_json
+from _bench_model_check import CHECK_LENGTH, check_model, check_prompts, references
+from _bench_model_report import IMPLS, LengthRow, Results, gib, report, settle_floors, to_json
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT / "examples") not in sys.path:
@@ -62,8 +63,6 @@ log = logging.getLogger("tritune.bench")
 
 LENGTHS = (512, 2048, 8192, 32768, 130048)
 SMOKE_LENGTHS = (12, 20)
-#: Tokens of each correctness-check prompt (8 with ``--smoke``).
-CHECK_LENGTH = 32
 #: The interpreter runs a launch's programs one by one: fewer, larger Q4_K tiles (as the tests pin).
 SMOKE_Q4K = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128}
 
@@ -208,73 +207,6 @@ def phase(name: str) -> Iterator[None]:
 
 
 # ---- the phases ----------------------------------------------------------------------------------------------
-
-
-def check_prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(count)]
-
-
-def references(llama: Any, config: Any, weights: Any, prompts: list[list[int]]) -> list[tuple[torch.Tensor, ...]]:
-    """Per prompt: the float64 reference logits and PyTorch's bf16 forward, on the weights' device."""
-    device = weights.device
-    return [
-        (
-            llama.reference_logits(config, weights, p, device=device).cpu(),
-            llama.reference_logits(config, weights, p, dtype=torch.bfloat16, device=device).double().cpu(),
-        )
-        for p in prompts
-    ]
-
-
-def check_model(impl: str, make: Callable[..., Any], prompts: list[list[int]], refs: list, graphs: bool) -> Check:
-    """Prefill all but the last two tokens in two chunks, decode those two; compare every row with the reference."""
-    ours, exact, bf16 = [], [], []
-    for prompt, (ref, ref_bf16) in zip(prompts, refs, strict=True):
-        cut = len(prompt) - 2
-        generator = make(max_len=len(prompt) + 1, chunk_size=max(1, (cut + 1) // 2), graphs=graphs)
-        rows = [generator.prefill(prompt[:cut], all_logits=True).double().cpu()]
-        rows += [generator.decode(token).double().cpu() for token in prompt[cut:]]
-        ours.append(torch.cat(rows))
-        exact.append(ref)
-        bf16.append(ref_bf16)
-    from llama import top1_floor  # imported by main() once the interpreter is settled
-
-    got, want, yard = torch.cat(ours), torch.cat(exact), torch.cat(bf16)
-    bf16_top1 = float((yard.argmax(-1) == want.argmax(-1)).double().mean())
-    names = _row_names(prompts)
-    if len(names) != got.shape[0]:
-        raise RuntimeError(f"{impl}: {got.shape[0]} rows of logits for {len(names)} prompt positions")
-    check = Check(
-        impl=impl,
-        rel_err=float((got - want).norm() / want.norm()),
-        bf16_rel_err=float((yard - want).norm() / want.norm()),
-        top1=float((got.argmax(-1) == want.argmax(-1)).double().mean()),
-        bf16_top1=bf16_top1,
-        top1_floor=top1_floor(bf16_top1, got.shape[0]),
-        rows=got.shape[0],
-        misses=_misses(got, want, names),
-        bf16_misses=_misses(yard, want, names),
-    )
-    log.info("%s: rel. error %.4f (PyTorch bf16 %.4f), top-1 %.3f over %d rows: %s", impl, check.rel_err,
-             check.bf16_rel_err, check.top1, check.rows, "ok" if check.ok else "FAILED")  # fmt: skip
-    return check
-
-
-def _row_names(prompts: list[list[int]]) -> list[str]:
-    """``prompt:position`` of each row :func:`check_model` compares, ``d`` after a decoded one (the
-    last two positions of each prompt; the rows before them come from the prefill)."""
-    return [
-        f"{index}:{position}" + ("d" if position >= len(prompt) - 2 else "")
-        for index, prompt in enumerate(prompts)
-        for position in range(len(prompt))
-    ]
-
-
-def _misses(logits: torch.Tensor, reference: torch.Tensor, names: list[str]) -> list[str]:
-    """The names of the rows whose top-1 token is not the reference's."""
-    off = (logits.argmax(-1) != reference.argmax(-1)).nonzero().flatten().tolist()
-    return [names[row] for row in off]
 
 
 def bench_lengths(impl: str, make: Callable[..., Any], args: argparse.Namespace, run: bl.BenchRun) -> list[LengthRow]:

@@ -20,6 +20,7 @@ for folder in (ROOT / "examples", ROOT / "scripts"):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
+import _bench_model_check  # noqa: E402
 import _bench_model_report as rep  # noqa: E402
 import bench_model  # noqa: E402
 from llama.step_profile import _union_us, classify  # noqa: E402
@@ -134,8 +135,9 @@ def test_the_report_and_the_generators_follow_no_prefill_graphs() -> None:
 def test_check_rows_are_named_by_prompt_and_position_decoded_rows_marked() -> None:
     reference = torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])
     logits = torch.tensor([[0.0, 1.0], [0.0, 1.0], [1.0, 0.0]])
-    assert bench_model._row_names([[5, 6, 7], [8, 9, 10, 11]]) == ["0:0", "0:1d", "0:2d", "1:0", "1:1", "1:2d", "1:3d"]
-    assert bench_model._misses(logits, reference, ["0:0", "0:1", "0:2d"]) == ["0:1", "0:2d"]
+    names = _bench_model_check.row_names([[5, 6, 7], [8, 9, 10, 11]])
+    assert names == ["0:0", "0:1d", "0:2d", "1:0", "1:1", "1:2d", "1:3d"]
+    assert _bench_model_check.missed_rows(logits, reference, ["0:0", "0:1", "0:2d"]) == ["0:1", "0:2d"]
 
 
 @pytest.mark.parametrize("text", ["1", "x,2", ""], ids=["too-short", "not-a-number", "empty"])

@@ -16,13 +16,14 @@ for folder in (ROOT / "examples", ROOT / "scripts"):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
+import _bench_model_check  # noqa: E402
 import bench_model  # noqa: E402
 
 
 def _needs(argv: list[str]) -> tuple[int, list[int]]:
     """``max_positions`` and what each phase's cache holds, for ``argv``."""
     args = bench_model.defaults(bench_model.parser().parse_args(argv))
-    check = 8 if args.smoke else bench_model.CHECK_LENGTH
+    check = 8 if args.smoke else _bench_model_check.CHECK_LENGTH
     caches = [-(-(n + args.decode_steps + 1) // 64) * 64 for n in args.lengths]
     caches += [args.profile_length + 64, args.serve_lengths[1] + args.serve_new, check + 1]
     return bench_model.max_positions(args), caches
