@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from .app import (
     DEBUG_FLAG,
@@ -41,6 +40,7 @@ from .app import (
 from .commands import print_status, status_rows
 from .keys import parse_overrides
 from .plan import KeySource, plan_keys
+from .run_report import print_results, report_stored, stored_text
 
 if TYPE_CHECKING:
     from .studies import StudyStorage
@@ -338,40 +338,9 @@ def _tune_here(
                     progress.update(task, completed=trials)
             finally:
                 bench.close()
-    _print_results(results)
+    print_results(results)
     kept = sum(not result.stored for result in results)
-    _report_stored(len(plan), failed, len(results), time.monotonic() - started, display_url(url), kept)
-
-
-def _report_stored(keys: int, failed: int, stored: int, seconds: float, where: str, kept: int = 0) -> None:
-    """The run's last line; exit status 1 when a key failed (its error is printed above), as a fleet's run.
-
-    Keys that did not fail store a winner (or were finalized by another worker of shared studies),
-    unless the DB kept a faster one stored before (``kept`` of them, counted apart): a partial
-    failure still stores the others, and says how many failed.
-    """
-    # One line however long the DB's path: scripts read the run's last line.
-    if not failed:
-        if kept:
-            console.print(f"done in {seconds:.1f} s; {_stored_text(stored, kept, where)}", soft_wrap=True)
-        else:
-            console.print(f"done in {seconds:.1f} s; winners stored in {plain(where)}", soft_wrap=True)
-        return
-    if stored:
-        console.print(
-            f"[red]{failed} of {keys} key(s) failed (see above)[/red]; done in {seconds:.1f} s; "
-            f"{_stored_text(stored, kept, where)}",
-            soft_wrap=True,
-        )
-    else:
-        console.print(f"[red]no winner stored: {failed} of {keys} key(s) failed (see above)[/red]")
-    raise typer.Exit(1)
-
-
-def _stored_text(stored: int, kept: int, where: str) -> str:
-    """How many keys' winners were stored, and how many kept a faster stored winner instead."""
-    text = f"winners of {stored - kept} key(s) stored in {plain(where)}"
-    return f"{text}; {kept} key(s) kept a faster stored winner" if kept else text
+    report_stored(len(plan), failed, len(results), time.monotonic() - started, display_url(url), kept)
 
 
 def _tune_fleet(
@@ -461,7 +430,7 @@ def _tune_fleet(
     seconds = time.monotonic() - started
     if kept:
         winners = sum(row.finalized is not None and "error" not in row.finalized for row in rows)
-        ended_text = _stored_text(winners, kept, display_url(url))
+        ended_text = stored_text(winners, kept, display_url(url))
     else:
         ended_text = f"winners stored in {plain(display_url(url))}"
     console.print(f"done in {seconds:.1f} s; {ended_text}", soft_wrap=True)
@@ -478,34 +447,6 @@ def _triton_version() -> str:
     import triton
 
     return str(triton.__version__)
-
-
-def _print_results(results: list[Any]) -> None:
-    table = Table(title="tuning summary")
-    for column in ("kernel", "key", "winner", "time ms", "portable ms", "speedup", "trials"):
-        table.add_column(column)
-    for r in results:
-        winner, best_ms, portable_ms, speedup = _config_text(r.config), f"{r.best_ms:.4g}", r.portable_ms, r.speedup
-        if not r.stored:
-            # The DB kept a faster winner than this run's: the row shows the one it keeps.
-            winner = "kept stored: " + ("(not readable)" if r.kept is None else _config_text(r.kept.config))
-            if r.kept is not None:
-                best_ms = f"{r.kept.time_ms:.4g} (this run {r.best_ms:.4g})"
-                portable_ms, speedup = r.kept.portable_ms, r.kept.speedup
-        table.add_row(
-            r.kernel,
-            plain(short_key(r.key)),
-            plain(winner),
-            best_ms,
-            f"{portable_ms:.4g}",
-            f"{speedup:.3f}x",
-            f"{r.measured}+{r.reused} ok/reused, {r.failed} failed, {r.pruned} pruned",
-        )
-    console.print(table)
-
-
-def _config_text(config: dict[str, Any]) -> str:
-    return " ".join(f"{k}={v}" for k, v in config.items())
 
 
 def main() -> None:
