@@ -11,14 +11,17 @@ import pytest
 import torch
 import toy_kernel
 import triton
+from toy_records import CPU, SPEC, TUNED, ship
+from toy_records import toy_key as key
+from toy_records import toy_record as record
 from typer.testing import CliRunner
 
 from tritune.configs_db import bundles
-from tritune.configs_db.bundles import shipped_records, write_bundle
+from tritune.configs_db.bundles import shipped_records
 from tritune.configs_db.records import Rejection, WinnerRecord
 from tritune.configs_db.store import ConfigStore
 from tritune.kernels import registry, settings
-from tritune.kernels.device import DeviceInfo, device_info
+from tritune.kernels.device import DeviceInfo
 from tritune.kernels.dispatcher import DISPATCHER, dispatch_config
 from tritune.kernels.winners import admit, build_table
 from tritune.tuner.cli import app
@@ -26,11 +29,8 @@ from tritune.tuner.provisional import provisional_first
 from tritune.tuner.study import KeyTuner, TuneOptions, environment_id
 from tritune.tuner.timing import FakeTimer
 
-CPU = device_info("cpu")
 H200 = DeviceInfo("NVIDIA H200", "nvidia", (9, 0), 132, "sm90")
-SPEC = toy_kernel.SPEC
 OLD_TRITON = "3.5.0"
-TUNED = {"BLOCK": 64, "BROKEN": False, "num_warps": 2}
 
 
 @pytest.fixture(autouse=True)
@@ -39,29 +39,6 @@ def toy_registered(monkeypatch):
     DISPATCHER.clear()
     yield
     DISPATCHER.clear()
-
-
-def key(n_bucket: int) -> toy_kernel.ToyKey:
-    return toy_kernel.ToyKey(CPU.arch, CPU.sm_count, "float32", n_bucket)
-
-
-def record(n_bucket: int, config: dict = TUNED, **changes) -> WinnerRecord:
-    fields = dict(
-        kernel=SPEC.name,
-        kernel_version=SPEC.version,
-        gpu=CPU.slug,
-        key=key(n_bucket).to_dict(),
-        config=config,
-        time_ms=1.0,
-        portable_ms=1.5,
-        speedup=1.5,
-        trials=3,
-        triton_version=triton.__version__,
-        torch_version=torch.__version__,
-        tritune_version="test",
-    )
-    fields.update(changes)
-    return WinnerRecord(**fields)
 
 
 def store(*records: WinnerRecord) -> str:
@@ -162,12 +139,7 @@ def test_provisional_serves_and_a_fresh_tune_replaces_it():
 
 
 def test_a_provisional_entry_never_replaces_a_current_one(tmp_path, monkeypatch):
-    folder = tmp_path / "bundles"
-    monkeypatch.setattr(bundles, "shipped_bundle_dir", lambda: folder)
-    monkeypatch.setenv("TRITUNE_DISABLE_BUNDLES", "0")
-    settings.reload()
-    provenance = {"cuda": "", "driver": "", "torch": torch.__version__, "triton": triton.__version__, "tritune": "t"}
-    write_bundle([record(128, tritune_version="t")], folder / f"{CPU.slug}.json", CPU.slug, "cpu", provenance)
+    ship(tmp_path / "bundles", monkeypatch, record(128))
     other = {"BLOCK": 16, "BROKEN": False, "num_warps": 1}
     store(record(128, config=other, triton_version=OLD_TRITON), record(256, config=other, triton_version=OLD_TRITON))
     # The bundle's current winner beats the DB's provisional one at its key; elsewhere the DB's serves.
@@ -186,13 +158,10 @@ def test_tune_takes_keys_with_provisional_winners_first(tmp_path):
 def _first_seeds(tmp_path, monkeypatch, shipped: WinnerRecord, triton_version: str, on: bool = True) -> list[dict]:
     """The first two seeds of a tune of key 256 into an empty DB, with ``shipped`` the one entry
     of this GPU's shipped bundle (tuned under ``triton_version``; bundles disabled unless ``on``)."""
-    folder = tmp_path / "bundles"
-    monkeypatch.setattr(bundles, "shipped_bundle_dir", lambda: folder)
-    monkeypatch.setenv("TRITUNE_DISABLE_BUNDLES", "0" if on else "1")
-    settings.reload()
-    provenance = {"cuda": "", "driver": "", "torch": torch.__version__, "triton": triton_version, "tritune": "t"}
-    write_bundle([dataclasses.replace(shipped, tritune_version="t")], folder / f"{CPU.slug}.json", CPU.slug, "c",
-                 provenance)  # fmt: skip
+    ship(tmp_path / "bundles", monkeypatch, shipped, triton_version=triton_version)
+    if not on:
+        monkeypatch.setenv("TRITUNE_DISABLE_BUNDLES", "1")
+        settings.reload()
     db = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
     options = TuneOptions(trials=4, seed=0, batch=2, final_rounds=1)
     tuner = KeyTuner(

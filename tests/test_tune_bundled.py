@@ -5,25 +5,20 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 import toy_kernel
-import triton
 from sqlalchemy import text
+from toy_records import CPU, SPEC, ship, toy_record
 from typer.testing import CliRunner
 
 from tritune.configs_db import bundles
-from tritune.configs_db.bundles import write_bundle
 from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.store import ConfigStore
 from tritune.kernels import registry, settings
-from tritune.kernels.device import device_info
 from tritune.kernels.dispatcher import DISPATCHER
 from tritune.tuner.cli import app
 from tritune.tuner.plan import KeySource, plan_keys
 
-CPU = device_info("cpu")
-SPEC = toy_kernel.SPEC
-#: A config the toy space admits that is not its default: the seeds must carry it into the trials.
+#: A config the toy space admits that is neither its default nor TUNED: the seeds must carry it into the trials.
 SHIPPED = {"BLOCK": 16, "BROKEN": False, "num_warps": 1}
 
 
@@ -36,37 +31,13 @@ def toy_registered(monkeypatch):
 
 
 def record(n_bucket: int, **changes) -> WinnerRecord:
-    fields = dict(
-        kernel=SPEC.name,
-        kernel_version=SPEC.version,
-        gpu=CPU.slug,
-        key=toy_kernel.ToyKey(CPU.arch, CPU.sm_count, "float32", n_bucket).to_dict(),
-        config=SHIPPED,
-        time_ms=1.0,
-        portable_ms=1.5,
-        speedup=1.5,
-        trials=3,
-        triton_version=triton.__version__,
-        torch_version=torch.__version__,
-        tritune_version="t",
-    )
-    fields.update(changes)
-    return WinnerRecord(**fields)
+    return toy_record(n_bucket, SHIPPED, **changes)
 
 
 @pytest.fixture
 def shipped(tmp_path, monkeypatch):
-    """Ship ``records`` as this GPU's bundle (bundles enabled for the test)."""
-    folder = tmp_path / "bundles"
-    monkeypatch.setattr(bundles, "shipped_bundle_dir", lambda: folder)
-    monkeypatch.setenv("TRITUNE_DISABLE_BUNDLES", "0")
-    settings.reload()
-    provenance = {"cuda": "", "driver": "", "torch": torch.__version__, "triton": triton.__version__, "tritune": "t"}
-
-    def ship(*records: WinnerRecord) -> None:
-        write_bundle(records, folder / f"{CPU.slug}.json", CPU.slug, "cpu", provenance)
-
-    yield ship
+    """Ship the records given as this GPU's bundle (bundles enabled for the test)."""
+    yield lambda *records: ship(tmp_path / "bundles", monkeypatch, *records)
     settings.reload()
 
 
@@ -119,6 +90,7 @@ def test_conflicting_key_sources_are_refused(shipped, tmp_path, args, message):
 
 
 def test_without_a_shipped_bundle_it_says_so(shipped, tmp_path):
+    shipped()  # a bundle file without entries
     result = tune("--bundled", "--db", str(tmp_path / "db.sqlite"))
     assert result.exit_code == 1
     assert f"no bundle with winners is shipped for {CPU.slug}" in " ".join(result.output.split())
