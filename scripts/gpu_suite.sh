@@ -39,7 +39,7 @@
 #                           q4k_fp8_gemm) over its default keys ($DEFAULTS_TUNE_ARGS, default    <kernel>-<gpu>.json
 #                           --trials 16 --time-budget 8), resuming $TRITUNE_SUITE_RESUME/<kernel>-defaults.sqlite
 # retune             560    tune --bundled: the shipped bundle's keys, each seeded from its winner      retune.sqlite, retune-<gpu>.json,
-#                           ($RETUNE_KERNELS, default all four; $RETUNE_ARGS, default --trials 4   <date>-bundle-compare-<gpu>.md
+#                           ($RETUNE_KERNELS, default all four; $RETUNE_ARGS, default --trials 5   <date>-bundle-compare-<gpu>.md
 #                           --time-budget 3), resuming $TRITUNE_SUITE_RESUME/retune.sqlite, then
 #                           scripts/compare_bundles.py against the shipped bundle
 # bench-decode       150    scripts/bench_decode.py / bench_varlen.py / bench_q4k.py on the defaults   <date>-<kernel>-<gpu>.md/.json
@@ -290,7 +290,7 @@ run_stage() {
         cp "$resume/retune.sqlite" "$db"
         note "resuming $resume/retune.sqlite"
       fi
-      read -r -a extra <<<"${RETUNE_ARGS:---trials 4 --time-budget 3}"
+      read -r -a extra <<<"${RETUNE_ARGS:---trials 5 --time-budget 3}"
       for kernel in ${RETUNE_KERNELS:-splitk_decode varlen_sdpa tma_prefill q4k_fp8_gemm}; do
         # Each tune stops 60 s short of the stage's end: the DB is still snapshotted, exported and compared.
         step "retune $kernel" $((deadline - $(date +%s) - 60)) python -c "$TUNE_PY" --device 0 --kernel "$kernel" \

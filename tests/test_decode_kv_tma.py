@@ -279,16 +279,19 @@ def test_gpu_torch_compile_with_kv_tma_pinned_keeps_pointer_loads(descriptors):
     assert not descriptors
 
 
-def test_a_stored_winner_is_followed_by_its_kv_tma_twin() -> None:
-    """A re-tune seeded from the shipped winners (all tuned before ``KV_TMA`` existed) measures
-    each one's descriptor twin right after it."""
+def test_a_stored_winner_is_followed_by_its_kv_tma_and_one_launch_twins() -> None:
+    """A re-tune seeded from the shipped winners measures each one's one-launch twin
+    (``FUSED_MERGE``, the likely eager choice at small batches) right after it, then its descriptor
+    twin (all were tuned before ``KV_TMA`` existed)."""
     from tritune.kernels.decode.tuning import TUNING
     from tritune.search_spaces.splitk_decode import DecodeConfig
 
     pointer = DecodeConfig(BLOCK_N=64, num_stages=3)
-    [twin] = TUNING.winner_variants(pointer, None, None)
+    fused, twin = TUNING.winner_variants(pointer, None, None)
+    assert fused == dataclasses.replace(pointer, FUSED_MERGE=True)
     assert twin == dataclasses.replace(pointer, KV_TMA=True)
-    assert TUNING.winner_variants(twin, None, None) == []
+    assert TUNING.winner_variants(twin, None, None) == [dataclasses.replace(twin, FUSED_MERGE=True)]
+    assert TUNING.winner_variants(dataclasses.replace(twin, FUSED_MERGE=True), None, None) == []
 
 
 def test_an_empty_cache_with_kv_tma_pinned_keeps_pointer_loads(descriptors) -> None:

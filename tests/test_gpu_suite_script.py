@@ -191,7 +191,7 @@ def test_retune_stage_tunes_the_bundles_keys_then_compares(tmp_path):
     calls = _run_stage(tmp_path, "retune:200", RETUNE_KERNELS="splitk_decode tma_prefill")
     tunes = [line for line in calls if "--bundled" in line]
     assert [t.split("--kernel ")[1].split()[0] for t in tunes] == ["splitk_decode", "tma_prefill"]
-    assert all("--trials 4 --time-budget 3" in t and t.endswith(f"--db {tmp_path}/work/retune.sqlite") for t in tunes)
+    assert all("--trials 5 --time-budget 3" in t and t.endswith(f"--db {tmp_path}/work/retune.sqlite") for t in tunes)
     assert (tmp_path / "work" / "retune.sqlite").read_bytes() == b"resumed"
     # The DB exists (resumed), so its winners are exported and compared with the shipped bundle.
     [compare] = [line for line in calls if "scripts/compare_bundles.py" in line]

@@ -153,3 +153,16 @@ def test_restamp_refuses_an_entry_missing_a_field_of_its_path(restamp_bundle, tm
     path.write_text(restamp_bundle.document_text(doc))
     with pytest.raises(SystemExit, match="lacks \\['SPLIT_KV'\\]"):
         restamp_bundle.main([str(path), "--kernel", KERNEL.name])
+
+
+def test_a_kv_split_winner_is_followed_by_its_one_launch_twin():
+    """A re-tune measures each stored TMA winner that splits the KV range beside its one-launch
+    twin (SPLIT_KV=1), the likely eager choice; other winners have no variant."""
+    from tritune.kernels.prefill.tuning import TUNING
+
+    split = SPACE.parse({"path": "tma", "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "SPLIT_KV": 2})
+    assert isinstance(split, TmaConfig)
+    assert TUNING.winner_variants(split, None, None) == [SPACE.parse({**SPACE.to_dict(split), "SPLIT_KV": 1})]
+    one = SPACE.parse({**SPACE.to_dict(split), "SPLIT_KV": 1})
+    assert TUNING.winner_variants(one, None, None) == []
+    assert TUNING.winner_variants(SPACE.parse({"path": "portable"}), None, None) == []

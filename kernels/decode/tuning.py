@@ -114,9 +114,15 @@ class DecodeTuning(KernelTuning):
         ]
 
     def winner_variants(self, config: Any, key: DecodeKey, device: DeviceInfo) -> list[Any]:
-        """A stored winner's K/V-through-descriptors twin (``KV_TMA``), where the target allows it:
-        the option came after the shipped winners were tuned."""
-        return [] if config.KV_TMA else [dataclasses.replace(config, KV_TMA=True)]
+        """A stored winner's one-launch twin (``FUSED_MERGE``), then its K/V-through-descriptors
+        twin (``KV_TMA``; the option came after the shipped winners were tuned). An eager call pays
+        each launch's host time, which at small batches exceeds the GPU time, so a re-tune measures
+        the one-launch config first and the eager choice can pick it (the space's rule drops either
+        where the target or the key cannot take it)."""
+        variants = [] if config.FUSED_MERGE else [dataclasses.replace(config, FUSED_MERGE=True)]
+        if not config.KV_TMA:
+            variants.append(dataclasses.replace(config, KV_TMA=True))
+        return variants
 
     def valid_key(self, key: DecodeKey) -> bool:
         """A served dtype and head dim, 1 to 8 new tokens (bucketed), a positive group and sizes."""

@@ -127,6 +127,14 @@ class PrefillTuning(KernelTuning):
         limits = KERNEL.limits(device)
         return [c for c in (first, other) if KERNEL.space.infeasible_reason(c, key, limits) is None]
 
+    def winner_variants(self, config: Any, key: PrefillKey, device: DeviceInfo) -> list[Any]:
+        """A stored TMA winner that splits the KV range (two launches and their tensor descriptors,
+        host time an eager call pays) is followed by its one-launch twin (``SPLIT_KV=1``), so a
+        re-tune always measures it and the eager choice can pick it."""
+        if getattr(config, "path", None) == "tma" and config.SPLIT_KV > 1:
+            return [dataclasses.replace(config, SPLIT_KV=1)]
+        return []
+
     def valid_key(self, key: PrefillKey) -> bool:
         """A served dtype and head dim, a positive group, and at least as many keys as queries.
 
