@@ -51,10 +51,11 @@ def settle_floors(checks: dict[str, Check], floor: Callable[[float, int], float]
     cuBLAS picks: on the same rows the reference's bf16 forward agreed on 0.961 on an H200 and
     0.891 on an H100, the PyTorch model on 0.930 and 0.930 (docs/perf/HISTORY.md). Either bf16
     forward is a fair yardstick, so tritune must reach the lower one's agreement less sampling
-    noise (``floor``: ``examples.llama.top1_floor``). Nothing changes without both checks.
+    noise (``floor``: ``examples.llama.top1_floor``). Nothing changes without both checks, or where
+    the PyTorch model failed its own.
     """
     ours, peer = checks.get(IMPLS[0]), checks.get(IMPLS[1])
-    if ours is not None and peer is not None:
+    if ours is not None and peer is not None and peer.ok:
         ours.top1_floor = floor(min(ours.bf16_top1, peer.top1), ours.rows)
 
 

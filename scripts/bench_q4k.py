@@ -252,6 +252,7 @@ def _tritune_impls(x: torch.Tensor, weight, best: dict) -> list[Impl]:
     from tritune.kernels.device import device_info
     from tritune.kernels.dispatcher import dispatch_config
     from tritune.kernels.q4k.kernel import KERNEL as Q4K
+    from tritune.kernels.q4k.kernel import portable_default
     from tritune.kernels.q4k.reference import ACCURATE_PATHS
 
     info = device_info(x.device)
@@ -264,15 +265,18 @@ def _tritune_impls(x: torch.Tensor, weight, best: dict) -> list[Impl]:
             config = dispatch_config(KERNEL, x.device.type, device_index(x.device), tuple(facts))
             served[opt_in] = Q4K.space.to_dict(config)
     untuned = Q4K.space.to_dict(Q4K.default_config(keys[False]))
+    # The portable rules' tiles: the other paths' rows start from them (the default from M=256 is
+    # the dequant path, whose fields say nothing of an MMA tile).
+    tiles = Q4K.space.to_dict(portable_default(keys[False]))
 
     def pinned(config: dict[str, Any]) -> Callable[[], torch.Tensor]:
         return bl.pinned_call(KERNEL, config, q4k_linear, x, weight)
 
     impls = [
         Impl(
-            "tritune untuned (portable default)",
+            "tritune untuned (default)",
             pinned(untuned),
-            _floor("portable"),
+            _floor(untuned["path"]),
             bl.config_text(untuned),
             accurate=True,
         )
@@ -285,7 +289,7 @@ def _tritune_impls(x: torch.Tensor, weight, best: dict) -> list[Impl]:
         key_json = json.dumps(key.to_dict(), sort_keys=True)
         config, origin = best.get((key_json, path)), "fastest tuned trial"
         if config is None:
-            config, origin = _path_default(untuned, path, key, info), "default tiles, no tuned trial"
+            config, origin = _path_default(tiles, path, key, info), "default tiles, no tuned trial"
             if path == "staged" and Q4K.space.infeasible_reason(Q4K.space.parse(config), key, Q4K.limits(info)):
                 continue  # small M, fp16 or odd N: the staged path is not a candidate there
         if config == untuned:
@@ -309,14 +313,14 @@ def _tritune_impls(x: torch.Tensor, weight, best: dict) -> list[Impl]:
     return impls
 
 
-def _path_default(untuned: dict[str, Any], path: str, key, info) -> dict[str, Any]:
-    """The untuned tiles on ``path`` where they are feasible there, else the tuner's first starting
-    config of that path at the key, else that path's own defaults."""
+def _path_default(tiles: dict[str, Any], path: str, key, info) -> dict[str, Any]:
+    """The portable rules' ``tiles`` on ``path`` where they are feasible there, else the tuner's
+    first starting config of that path at the key, else that path's own defaults."""
     from tritune.kernels.q4k.kernel import KERNEL as Q4K
 
-    # The untuned tiles the path has; its own defaults for the rest.
+    # The tiles the path has; its own defaults for the rest.
     fields = Q4K.space.members[path].dimensions
-    config = Q4K.space.to_dict(Q4K.space.parse({**{k: v for k, v in untuned.items() if k in fields}, "path": path}))
+    config = Q4K.space.to_dict(Q4K.space.parse({**{k: v for k, v in tiles.items() if k in fields}, "path": path}))
     if Q4K.space.infeasible_reason(Q4K.space.parse(config), key, Q4K.limits(info)) is None:
         return config
     starts = [c for c in Q4K.starting_configs(key, info) if c.path == path]

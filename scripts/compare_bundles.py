@@ -97,7 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.noise < 1:
         parser.error(f"--noise: expected a fraction between 0 and 1, got {args.noise}")
     try:
-        report = compare(by_key(args.before), by_key(args.after), args.noise)
+        before, after = by_key(args.before), by_key(args.after)
+        # Both files are bundles now (read_bundle refused anything else).
+        gpus = {json.loads(Path(path).read_text()).get("gpu") for path in (args.before, args.after)}
+        if len(gpus) != 1:
+            named = ", ".join(sorted(map(str, gpus)))
+            parser.exit(1, f"compare_bundles.py: the bundles are of two GPUs ({named})\n")
+        report = compare(before, after, args.noise)
         report = header(args.before, args.after, args.noise) + report
     except (BundleError, OSError) as exc:
         parser.exit(1, f"compare_bundles.py: {exc}\n")

@@ -292,8 +292,9 @@ run_stage() {
       fi
       read -r -a extra <<<"${RETUNE_ARGS:---trials 5 --time-budget 3}"
       for kernel in ${RETUNE_KERNELS:-splitk_decode varlen_sdpa tma_prefill q4k_fp8_gemm}; do
-        # Each tune stops 60 s short of the stage's end: the DB is still snapshotted, exported and compared.
-        step "retune $kernel" $((deadline - $(date +%s) - 60)) python -c "$TUNE_PY" --device 0 --kernel "$kernel" \
+        # Each tune stops 90 s short of the stage's end: the DB is still snapshotted, exported and
+        # compared (each of those steps keeps 10 s of its own).
+        step "retune $kernel" $((deadline - $(date +%s) - 90)) python -c "$TUNE_PY" --device 0 --kernel "$kernel" \
           --bundled "${extra[@]}" --db "$db"
       done
       shipped="configs_db/bundles/$(gpu_slug).json"

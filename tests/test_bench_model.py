@@ -102,6 +102,11 @@ def test_tritunes_floor_follows_the_lower_of_the_two_bf16_forwards() -> None:
     rep.settle_floors({"tritune": ours, "PyTorch bf16": peer}, top1_floor)
     assert ours.top1_floor == pytest.approx(top1_floor(0.930, 128)) and ours.ok
     assert peer.top1_floor == top1_floor(0.961, 128)
+    # A PyTorch model that failed its own check is no yardstick.
+    failing = rep.Check("PyTorch bf16", 0.5, 0.0626, 0.930, 0.961, top1_floor(0.961, 128), 128)
+    ours.top1_floor = top1_floor(0.961, 128)
+    rep.settle_floors({"tritune": ours, "PyTorch bf16": failing}, top1_floor)
+    assert not ours.ok
     # A PyTorch model agreeing more than the reference's bf16 forward lowers nothing.
     high = rep.Check("PyTorch bf16", 0.05, 0.0626, 0.99, 0.961, 0.9, 128)
     ours.top1_floor = top1_floor(0.961, 128)

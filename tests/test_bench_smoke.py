@@ -158,3 +158,20 @@ def test_overhead_report_header_names_versions_date_and_the_real_command(monkeyp
     for field in ("torch ", "triton ", "CUDA ", "cuDNN ", "Python ", " UTC"):
         assert field in text, field
     assert "median of 7 interleaved rounds" in text
+
+
+def test_q4k_bench_pins_the_portable_rules_tiles_where_the_default_is_dequant(monkeypatch) -> None:
+    """From M=256 up the untuned default is the dequant path: the 'portable path (pinned)' row takes
+    the portable rules' tiles (what served there before), not the dequant default's fields."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import bench_q4k
+
+    from tritune.kernels.device import DeviceInfo
+    from tritune.kernels.q4k.kernel import KERNEL, Q4KKey, portable_default
+
+    h200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
+    key = Q4KKey(arch="sm90", sm_count=132, dtype="bfloat16", m_bucket=2048, n=4096, k=14336, fp8=False)
+    assert KERNEL.default_config(key).path == "dequant"
+    tiles = KERNEL.space.to_dict(portable_default(key))
+    assert bench_q4k._path_default(tiles, "portable", key, h200) == tiles
+    assert tiles["BLOCK_M"] == 128 and tiles["BLOCK_N"] == 128 and tiles["BLOCK_K"] == 64

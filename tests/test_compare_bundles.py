@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -79,3 +80,15 @@ def test_noise_must_be_a_fraction(compare_bundles, tmp_path):
     with pytest.raises(SystemExit) as stop:
         compare_bundles.main([before, before, "--noise", "3"])
     assert stop.value.code == 2
+
+
+def test_bundles_of_two_gpus_are_refused(compare_bundles, tmp_path, capsys):
+    before = bundle(tmp_path / "before.json", record(64, 1.0, OLD))
+    other = record(64, 1.0, OLD)
+    h100 = "nvidia-h100-80gb-hbm3-sm90-132sm"
+    after = tmp_path / "after.json"
+    write_bundle([dataclasses.replace(other, gpu=h100)], after, h100, "NVIDIA H100", PROVENANCE)
+    with pytest.raises(SystemExit) as stop:
+        compare_bundles.main([before, str(after)])
+    assert stop.value.code == 1
+    assert "the bundles are of two GPUs" in capsys.readouterr().err

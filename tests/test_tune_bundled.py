@@ -66,6 +66,17 @@ def test_each_key_measures_its_shipped_winner(shipped, tmp_path):
     assert (SHIPPED, "ok") in at_key, at_key
 
 
+def test_after_a_kernel_edit_each_key_still_measures_its_shipped_winner(shipped, tmp_path):
+    """A bundle tuned under an earlier kernel version: its winners never serve, but they seed the re-tune."""
+    shipped(record(1024, kernel_version="0123456789abcdef"))
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    assert tune("--bundled", "--db", url).exit_code == 0
+    with ConfigStore(url) as db, db.engine.connect() as connection:
+        rows = connection.execute(text("SELECT key_json, config_json, status FROM trials")).all()
+    at_key = [(json.loads(config), status) for key, config, status in rows if json.loads(key) == record(1024).key]
+    assert (SHIPPED, "ok") in at_key, at_key
+
+
 def test_plan_keeps_the_bundles_order_and_each_key_once(shipped):
     # One key under two kernel versions is tuned once.
     shipped(record(4096), record(1024), record(1024, kernel_version="0123456789abcdef"))

@@ -86,12 +86,21 @@ def plan_bundled(specs: list[KernelSpec[Any, Any]], device: DeviceInfo) -> Plan:
         for record in records:
             if record.kernel != spec.name:
                 continue
+            why = None
             try:
                 key = spec.key_type.from_dict(record.key)
             except (TypeError, ValueError) as exc:
-                console.print(f"[yellow]{spec.name}: bundled key {record.key} left out ({plain(str(exc))})[/yellow]")
-                continue
-            if (spec, key) not in plan and valid(key):
+                why = str(exc)
+            else:
+                if (key.arch, key.sm_count) != (device.arch, device.sm_count):
+                    why = f"a key of {key.arch} with {key.sm_count} SMs, not {device.slug}"
+                elif not valid(key):
+                    why = "not a key the kernel's tuning half accepts"
+            if why is not None:
+                console.print(
+                    f"[yellow]{spec.name}: bundled key {plain(str(record.key))} left out ({plain(why)})[/yellow]"
+                )
+            elif (spec, key) not in plan:
                 plan.append((spec, key))
     if not plan:
         names = ", ".join(spec.name for spec in specs)

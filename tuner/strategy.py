@@ -160,7 +160,7 @@ class Strategy:
         seeds.extend(own)
         seeds.extend(self.winner_variants(own))
         seeds.extend(self.fallback_winners(winners))
-        seeds.extend(self.earlier_winners(stored))
+        seeds.extend(self.earlier_winners(stored + self._shipped(any_version=True)))
         seeds.extend(self.neighbour_winners(winners + self.bundled_winners(winners)))
         seeds.extend(prior.seed_configs(self.spec, self.key, self.device))
         seeds.extend(self.space.to_dict(config) for config in self.spec.starting_configs(self.key, self.device))
@@ -242,12 +242,14 @@ class Strategy:
         held = [w.key for w in stored]
         return [r for r in self._shipped() if r.key not in held]
 
-    def _shipped(self) -> list[WinnerRecord]:
-        """This kernel version's winners in the bundle shipped for this GPU; none with bundles disabled."""
+    def _shipped(self, any_version: bool = False) -> list[WinnerRecord]:
+        """This kernel's winners in the bundle shipped for this GPU, of this kernel version unless
+        ``any_version``; none with bundles disabled."""
         if settings.settings().disable_bundles:
             return []
         records, _rejections = prior.shipped_records(self.device.slug)
-        return [r for r in records if r.kernel == self.spec.name and r.kernel_version == self.spec.version]
+        current = self.spec.version
+        return [r for r in records if r.kernel == self.spec.name and (any_version or r.kernel_version == current)]
 
     def bundled_winner(self, key_dict: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """The winner the bundle shipped for this GPU holds at this key (or ``key_dict``) and kernel
@@ -267,8 +269,8 @@ class Strategy:
         return found
 
     def earlier_winners(self, stored: list[WinnerRecord]) -> list[dict[str, Any]]:
-        """This key's winners stored under other kernel versions that still parse and are feasible,
-        fastest first, at most ``EARLIER_SEEDS`` distinct configs.
+        """This key's winners stored (DB or shipped bundle) under other kernel versions that still
+        parse and are feasible, fastest first, at most ``EARLIER_SEEDS`` distinct configs.
 
         An edited kernel never serves them (their times were measured on other code), but after
         an edit that left most launches alone they are the likeliest winners again: seeded, they

@@ -97,8 +97,8 @@ def default_config(key: Q4KKey) -> PortableConfig | DequantConfig:
 
     From M=256 up (:data:`DEQUANT_DEFAULT_MIN_M`): the dequant path, the weight dequantized once
     per call into cuBLAS's GEMM (:func:`dequant_default`), which runs on every GPU and meets the
-    accuracy contract with the most margin; where no chunk of it is feasible (N under 1024 rows, or
-    K beyond 64K for the scratch cap), the portable rules below.
+    accuracy contract with the most margin; where no chunk of it is feasible (N of 32 rows or fewer,
+    or K beyond 64K for the scratch cap), the portable rules below (:func:`portable_default`).
 
     Portable rules: up to M=64, 64-wide N tiles split along K until about 1.5 programs per SM (one
     pass over the weight; 256-deep K tiles for decode). Beyond: 128x128x64 tiles, 8 warps, except
@@ -108,13 +108,19 @@ def default_config(key: Q4KKey) -> PortableConfig | DequantConfig:
     ones). Where a GPU gives a block less shared memory than the H200 they were chosen on
     (Turing's 64 KiB), fewer pipeline stages.
     """
-    if key.arch == "cpu-interpreter":
-        block_m = 16 if key.m_bucket <= 16 else 32
-        return PortableConfig(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=1)
-    if key.m_bucket >= DEQUANT_DEFAULT_MIN_M:
+    if key.arch != "cpu-interpreter" and key.m_bucket >= DEQUANT_DEFAULT_MIN_M:
         dequant = dequant_default(key)
         if dequant is not None:
             return dequant
+    return portable_default(key)
+
+
+def portable_default(key: Q4KKey) -> PortableConfig:
+    """The portable path's tiles by the rules of :func:`default_config` (what serves below M=256),
+    fitted to the GPU's shared memory; small tiles on the interpreter."""
+    if key.arch == "cpu-interpreter":
+        block_m = 16 if key.m_bucket <= 16 else 32
+        return PortableConfig(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=1)
     # Fewer stages, then narrower N and K tiles, until the GPU's shared memory holds them.
     return fit_shared_memory(_h200_default(key), key, SPACE, halve_first("BLOCK_K", "BLOCK_N"))
 
