@@ -337,20 +337,38 @@ def test_overflowing_number_is_not_finite(tmp_path: Path) -> None:
     assert "time_ms is inf, not a finite number" in rejection.reason
 
 
-def test_shipped_h200_bundle_is_well_formed_and_current():
-    """The committed H200 bundle parses entry by entry and, tuned from this source, admits on an H200.
+#: Every bundle the package ships, one per GPU, each named after its GPU's slug.
+SHIPPED_BUNDLES = sorted(bundles.shipped_bundle_dir().glob("*.json"))
+
+
+def _bundle_device(document: dict[str, Any]) -> Any:
+    """The NVIDIA device a shipped bundle was tuned on, from its GPU name and its slug's
+    ``-smXY-Nsm`` tail (the slug the runtime computes for that device must be the bundle's)."""
+    from tritune.kernels.device import DeviceInfo
+
+    arch, sms = document["gpu"].rsplit("-", 2)[1:]
+    capability = (int(arch[2:-1]), int(arch[-1]))
+    return DeviceInfo(document["gpu_name"], "nvidia", capability, int(sms.removesuffix("sm")), arch)
+
+
+def test_a_bundle_ships_for_the_h200_and_the_h100():
+    assert [path.stem for path in SHIPPED_BUNDLES] == ["nvidia-h100-80gb-hbm3-sm90-132sm", "nvidia-h200-sm90-132sm"]
+
+
+@pytest.mark.parametrize("path", SHIPPED_BUNDLES, ids=lambda path: path.stem)
+def test_shipped_bundle_is_well_formed_and_current(path: Path) -> None:
+    """Each committed bundle parses entry by entry and, tuned from this source, admits on its GPU.
 
     A kernel edit changes that kernel's version and makes its entries stale: the dispatcher then
     refuses them with one warning and serves the portable path. This test names which kernels'
     entries went stale, so the bundle is re-tuned (``scripts/gpu_suite.sh``) in the same change.
     """
-    from tritune.configs_db.bundles import shipped_records
-    from tritune.kernels.device import DeviceInfo
     from tritune.kernels.winners import Rejection, admit
 
-    h200 = DeviceInfo("NVIDIA H200", "nvidia", (9, 0), 132, "sm90")
-    records, rejections = shipped_records(h200.slug)
+    device = _bundle_device(json.loads(path.read_text()))
+    assert device.slug == path.stem, "the file is named after the slug of the GPU it was tuned on"
+    records, rejections = shipped_records(device.slug)
     assert rejections == []
     assert len(records) >= 20
-    refused = [outcome.reason for outcome in (admit(r, h200) for r in records) if isinstance(outcome, Rejection)]
-    assert refused == [], "re-tune these kernels on the H200 and commit the new bundle:\n" + "\n".join(refused)
+    refused = [outcome.reason for outcome in (admit(r, device) for r in records) if isinstance(outcome, Rejection)]
+    assert refused == [], f"re-tune these kernels on {device.name} and commit the new bundle:\n" + "\n".join(refused)
