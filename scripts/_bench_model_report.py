@@ -116,7 +116,8 @@ def report(results: Results) -> str:
     tritune_chunks = (
         "every chunk eager (--no-prefill-graphs)"
         if args.get("no_prefill_graphs")
-        else f"each full chunk of {args['chunk_size']} tokens replays one CUDA graph, a shorter last chunk runs eagerly"
+        else f"each chunk of {args['chunk_size']} tokens replays one CUDA graph, a shorter last chunk the graph of "
+        "its length padded to a power of two up to 128 tokens or a multiple of 128 above"
     )
     notes = [
         f"Model: {shape}; random weights (make_llama_gguf.py), every linear Q4_K. Batch 1 unless stated.",

@@ -10,7 +10,8 @@ The model is the Llama-3-8B shape (32 layers, hidden 4096, MLP 14336, 32 query a
 file. Two models run it, one after the other so that only one is resident:
 
 - tritune (``examples/llama``): Q4_K weights through ``q4k_linear``, chunked ``prefill_attention``
-  with every full chunk replaying a CUDA graph captured once (``--no-prefill-graphs``: eager chunks),
+  with every chunk replaying a CUDA graph of its length, a shorter last chunk padded (``--no-prefill-graphs``:
+  eager chunks),
   a decode step of ``decode_attention`` captured in one CUDA graph;
 - the PyTorch baseline (``examples/llama/torch_model.py``): the same forward on the weights
   dequantized once to bf16, ``F.linear`` on cuBLAS, SDPA over the same static cache (prefill: native

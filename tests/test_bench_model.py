@@ -124,10 +124,10 @@ def test_the_report_names_the_rows_off_the_references_top1() -> None:
 
 
 def test_the_report_and_the_generators_follow_no_prefill_graphs() -> None:
-    """tritune's full chunks replay a graph unless ``--no-prefill-graphs``; PyTorch's chunks always run eagerly."""
+    """tritune's chunks replay graphs unless ``--no-prefill-graphs``; PyTorch's chunks always run eagerly."""
     results = _results(ok=True)
     text = rep.report(results)
-    assert "each full chunk of 2048 tokens replays one CUDA graph" in text
+    assert "each chunk of 2048 tokens replays one CUDA graph" in text
     assert "chunks run eagerly as SDPA needs the cache's length on the host" in text
     results.args["no_prefill_graphs"] = True
     text = rep.report(results)

@@ -565,8 +565,9 @@ def _poison_free_positions(generator: llama.Generator) -> None:
 def test_prefill_graphs_replay_full_chunks_at_any_start(
     model: llama.LlamaModel, fake_capture: Callable[[llama.LlamaModel], Captures]
 ) -> None:
-    """Full chunks of three prompts in a row (the later ones starting mid-cache, off the chunk grid)
-    replay one graph per logits mode and give the eager chunks' logits and cache; shorter chunks run eagerly."""
+    """Chunks of three prompts in a row (the later ones starting mid-cache, off the chunk grid)
+    replay one graph per (graph length, logits mode) and give the eager chunks' logits and cache;
+    a 3-token tail replays the 4-token graph, padded."""
     captures = fake_capture(model)
     graphed = llama.Generator(model, max_len=40, chunk_size=4, graphs=True)
     eager = llama.Generator(model, max_len=40, chunk_size=4, graphs=False)
@@ -586,9 +587,75 @@ def test_prefill_graphs_replay_full_chunks_at_any_start(
         assert torch.equal(graphed.cache.v[layer][:, :, :30], eager.cache.v[layer][:, :, :30])
     steps = [(graphed.decode(7).clone(), eager.decode(7).clone()), (graphed.decode().clone(), eager.decode().clone())]
     assert all(torch.equal(a, b) for a, b in steps)
-    # One graph per (length, all_logits) and one for the decode step, all in one memory pool.
-    assert [capture[:2] for capture in captures] == [(4, True), (4, False), (1, True)]
+    # One graph per (graph length, all_logits): the 11-token prompt's tail of 3 padded to 4, the
+    # 9-token one's tail of 1 and the 10-token one's of 2 at their own lengths; then the decode step.
+    # All in one memory pool.
+    assert [capture[:2] for capture in captures] == [(4, True), (4, False), (1, False), (2, True), (1, True)]
     assert len({id(capture[2]) for capture in captures}) == 1 and captures[0][2] is not None
+
+
+@pytest.mark.parametrize(
+    "count, start, length",
+    [(16, 0, 16), (1, 0, 1), (3, 0, 4), (4, 5, 4), (5, 0, 8), (9, 0, 12), (13, 0, 16), (15, 40, 16), (15, 41, None)],
+)
+def test_graph_length_pads_a_short_chunk_within_the_cache(
+    model: llama.LlamaModel,
+    fake_capture: Callable[[llama.LlamaModel], Captures],
+    count: int,
+    start: int,
+    length: int | None,
+) -> None:
+    """Powers of two up to ``graph_multiple``, its multiples above (at most ``chunk_size``), and
+    eager where the padding would run past the cache's ``max_len``."""
+    fake_capture(model)
+    generator = llama.Generator(model, max_len=56, chunk_size=16, graphs=True, graph_multiple=4)
+    assert generator.graph_length(count, start) == length
+    generator.prefill_graphs = False
+    assert generator.graph_length(count, start) is None
+
+
+def test_padded_chunks_match_the_eager_ones_and_leave_the_cache_past_length_unread(
+    model: llama.LlamaModel, fake_capture: Callable[[llama.LlamaModel], Captures]
+) -> None:
+    """Tails padded to 8 and 12 tokens (graph_multiple 4, chunk 12) give the eager logits; the
+    padding's cache writes past ``length`` are overwritten before anything reads them (NaN
+    poisoned in between), and a tail whose padding would pass ``max_len`` runs eagerly."""
+    captures = fake_capture(model)
+    graphed = llama.Generator(model, max_len=30, chunk_size=12, graphs=True, graph_multiple=4)
+    eager = llama.Generator(model, max_len=30, chunk_size=12, graphs=False)
+    rng = np.random.default_rng(11)
+    # 7 tokens (padded to 8), 9 (to 12) from position 7, then 13 more from 16: a full chunk of 12
+    # and one token at 28 whose graph length (1) fits; a decode step reads every position before it.
+    for count, all_logits in ((7, False), (9, True), (13, False)):
+        prompt = rng.integers(0, 512, count).tolist()
+        got = []
+        for generator in (graphed, eager):
+            _poison_free_positions(generator)
+            got.append(generator.prefill(prompt, all_logits=all_logits).clone())
+        assert torch.isfinite(got[0]).all() and got[0].shape == got[1].shape
+        torch.testing.assert_close(got[0], got[1], rtol=1e-5, atol=1e-5)
+    assert graphed.length == eager.length == 29
+    torch.testing.assert_close(graphed.decode(3).clone(), eager.decode(3).clone(), rtol=1e-5, atol=1e-5)
+    assert [capture[:2] for capture in captures] == [(8, False), (12, True), (12, False), (1, False), (1, True)]
+    # The padded graphs replayed with other counts at other starts: 5 tokens in the 8-token graph
+    # from position 3, then 10 in the 12-token graph (every row) from 8.
+    for count, all_logits in ((5, False), (10, True)):
+        prompt = rng.integers(0, 512, count).tolist()
+        got = []
+        for generator in (graphed, eager):
+            if count == 5:
+                generator.truncate(3)
+            _poison_free_positions(generator)
+            got.append(generator.prefill(prompt, all_logits=all_logits).clone())
+        assert torch.isfinite(got[0]).all() and got[0].shape == got[1].shape
+        torch.testing.assert_close(got[0], got[1], rtol=1e-5, atol=1e-5)
+    assert len(captures) == 5
+    # Nine more tokens fill the cache to 27 (the 12-token graph again); then three free positions:
+    # a 3-token tail's graph length (4) would pass max_len, so it runs eagerly.
+    graphed.prefill(rng.integers(0, 512, 9).tolist())
+    assert graphed.length == 27 and graphed.graph_length(3, 27) is None
+    graphed.prefill([1, 2, 3])
+    assert len(captures) == 5 and graphed.length == 30
 
 
 def test_torch_baseline_never_captures_prefill_chunks(

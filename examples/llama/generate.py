@@ -4,12 +4,15 @@ The cache is static: per layer ``[1, Hkv, max_len, D]`` K and V, allocated once,
 ``length`` positions are valid. A prefill chunk of ``C`` tokens writes its K/V at its positions and
 attends with ``kv_len = length + C`` on the device, bottom-right causal: query ``i`` of the chunk
 sits at position ``kv_len - C + i``. Its token ids, positions and ``kv_len`` are device tensors and
-the kernels' configs depend on ``C`` and ``max_len`` alone, so on a GPU a chunk of ``chunk_size``
-tokens is captured once in a CUDA graph and replayed at any start position, its inputs refilled on
-the device. A decode step is one token through the same forward, reading its token, position and
-length from device buffers, writing the next token (greedy) and advancing the position on the
-device: it never synchronises with the host, so on a GPU it is captured once in a CUDA graph and
-replayed for every later step. On the CPU (the Triton interpreter) everything runs eagerly.
+the kernels' configs depend on ``C`` and ``max_len`` alone, so on a GPU a chunk of ``C`` tokens is
+captured once in a CUDA graph and replayed at any start position, its inputs refilled on the device.
+A shorter chunk (a prompt's tail) is padded to one of a few graph lengths: its padding rows sit past
+its last token, so bottom-right causal attention keeps them out of every real row, and what they
+write to the cache lies past ``length``, where nothing reads before a later token overwrites it.
+A decode step is one token through the same forward, reading its token, position and length from
+device buffers, writing the next token (greedy) and advancing the position on the device: it never
+synchronises with the host, so on a GPU it is captured once in a CUDA graph and replayed for every
+later step. On the CPU (the Triton interpreter) everything runs eagerly.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ class _ChunkGraph:
     ids: torch.Tensor
     positions: torch.Tensor
     kv_len: torch.Tensor
+    #: int64 ``[1]``: the row whose logits a last-token chunk returns (the real tokens' last).
+    last: torch.Tensor
     logits: torch.Tensor
     graph: torch.cuda.CUDAGraph | None = None
 
@@ -57,13 +62,16 @@ class Generator:
 
     ``chunk_size`` bounds the tokens of one prefill launch. ``graphs`` (default: on a CUDA device)
     captures the decode step in a CUDA graph after its first, eager, run. ``prefill_graphs``
-    (default: ``graphs``, unless :attr:`chunk_needs_host_lengths`) does the same for prefill chunks
-    of exactly ``chunk_size`` tokens: one graph per logits mode, captured on the first such chunk
-    and replayed at any start position, so that a chunk's tens of launches per layer cost no host
-    time; a shorter (last) chunk runs eagerly. All graphs share one memory pool: they are replayed
-    one after another and read and write only static buffers allocated outside it. Attention is
-    two methods, :meth:`attend_chunk` and :meth:`attend_step`, which ``torch_model.TorchGenerator``
-    replaces with SDPA.
+    (default: ``graphs``, unless :attr:`chunk_needs_host_lengths`) does the same for prefill chunks:
+    one graph per (graph length, logits mode), captured on the first such chunk and replayed at any
+    start position, so that a chunk's tens of launches per layer cost no host time. A chunk of
+    ``chunk_size`` tokens replays its own length; a shorter one is padded to the next power of two
+    up to ``graph_multiple`` tokens, above that to the next multiple of ``graph_multiple`` (at most
+    ``chunk_size``), so that a prompt's tail is never host-bound and a few graphs serve every tail
+    length; a chunk whose padding would run past the cache runs eagerly. All graphs share one
+    memory pool: they are replayed one after another and read and write only static buffers
+    allocated outside it. Attention is two methods, :meth:`attend_chunk` and :meth:`attend_step`,
+    which ``torch_model.TorchGenerator`` replaces with SDPA.
     """
 
     #: Whether :meth:`attend_chunk` reads its host ``kv_count``: a captured chunk would replay the
@@ -78,14 +86,18 @@ class Generator:
         chunk_size: int = 256,
         graphs: bool | None = None,
         prefill_graphs: bool | None = None,
+        graph_multiple: int = 128,
     ) -> None:
         if chunk_size < 1:
             raise ValueError(f"chunk_size: expected a positive int, got {chunk_size}")
+        if graph_multiple < 1:
+            raise ValueError(f"graph_multiple: expected a positive int, got {graph_multiple}")
         max_len = max_len or model.max_positions
         if not 1 <= max_len <= model.max_positions:
             raise ValueError(f"max_len: expected 1..{model.max_positions} (the model's positions), got {max_len}")
         self.model = model
         self.chunk_size = chunk_size
+        self.graph_multiple = graph_multiple
         self.graphs = model.device.type == "cuda" if graphs is None else graphs
         if prefill_graphs and self.chunk_needs_host_lengths:
             raise ValueError(
@@ -107,7 +119,7 @@ class Generator:
         self.kv_len = torch.zeros(1, dtype=torch.int32, device=device)
         self._logits = torch.zeros(1, model.config.vocab, dtype=torch.float32, device=device)
         self._graph: torch.cuda.CUDAGraph | None = None
-        #: Captured prefill chunks by (length, all_logits).
+        #: Captured prefill chunks by (graph length, all_logits).
         self._chunk_graphs: dict[tuple[int, bool], _ChunkGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.graphs or self.prefill_graphs else None
 
@@ -181,12 +193,25 @@ class Generator:
         )  # fmt: skip
         return out
 
+    def graph_length(self, count: int, start: int) -> int | None:
+        """The captured length a prefill chunk of ``count`` tokens at ``start`` replays (None: eager)."""
+        if not self.prefill_graphs:
+            return None
+        if count == self.chunk_size:
+            length = count
+        elif count <= self.graph_multiple:
+            length = min(1 << (count - 1).bit_length(), self.chunk_size)
+        else:
+            length = min(-(-count // self.graph_multiple) * self.graph_multiple, self.chunk_size)
+        return length if start + length <= self.cache.max_len else None
+
     def _prefill_chunk(self, ids: torch.Tensor, all_logits: bool) -> torch.Tensor:
-        """The chunk's logits, replayed from a graph for a full chunk when ``prefill_graphs`` is on."""
+        """The chunk's logits, replayed from a graph when :meth:`graph_length` names one."""
         device = self.model.device
         count, start = ids.numel(), self.length
-        if self.prefill_graphs and count == self.chunk_size:
-            logits = self._replay_chunk(ids, start, all_logits)
+        length = self.graph_length(count, start)
+        if length is not None:
+            logits = self._replay_chunk(ids, start, length, all_logits)
         else:
             positions = torch.arange(start, start + count, dtype=torch.int64, device=device)
             kv_len = torch.full((1,), start + count, dtype=torch.int32, device=device)
@@ -195,40 +220,53 @@ class Generator:
         return logits
 
     def _chunk_forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, kv_len: torch.Tensor, kv_count: int, all_logits: bool
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_len: torch.Tensor,
+        kv_count: int,
+        all_logits: bool,
+        last: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Logits of every row, or of row ``last`` (int64 ``[1]``; default the chunk's last row)."""
+
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             self.cache.write(layer, positions, k, v)
             return self.attend_chunk(layer, q, kv_len, kv_count)
 
-        count = ids.numel()
-        last = None if all_logits else torch.full((1,), count - 1, dtype=torch.int64, device=ids.device)
-        return self.model.forward(ids, positions, attend, logit_rows=last)
+        if not all_logits and last is None:
+            last = torch.full((1,), ids.numel() - 1, dtype=torch.int64, device=ids.device)
+        return self.model.forward(ids, positions, attend, logit_rows=None if all_logits else last)
 
-    def _replay_chunk(self, ids: torch.Tensor, start: int, all_logits: bool) -> torch.Tensor:
-        """Fill the chunk's static inputs on the device (no sync), then replay its graph (captured on first use)."""
+    def _replay_chunk(self, ids: torch.Tensor, start: int, length: int, all_logits: bool) -> torch.Tensor:
+        """Fill the ``length``-token graph's static inputs on the device (no sync): the chunk's tokens,
+        then padding; replay the graph (captured on first use) and return the real rows' logits."""
         device, count = self.model.device, ids.numel()
-        chunk = self._chunk_graphs.get((count, all_logits))
+        chunk = self._chunk_graphs.get((length, all_logits))
         if chunk is None:
-            rows = count if all_logits else 1
-            chunk = self._chunk_graphs[(count, all_logits)] = _ChunkGraph(
-                ids=torch.zeros(count, dtype=torch.int64, device=device),
-                positions=torch.zeros(count, dtype=torch.int64, device=device),
+            rows = length if all_logits else 1
+            chunk = self._chunk_graphs[(length, all_logits)] = _ChunkGraph(
+                ids=torch.zeros(length, dtype=torch.int64, device=device),
+                positions=torch.zeros(length, dtype=torch.int64, device=device),
                 kv_len=torch.zeros(1, dtype=torch.int32, device=device),
+                last=torch.zeros(1, dtype=torch.int64, device=device),
                 logits=torch.zeros(rows, self.model.config.vocab, dtype=torch.float32, device=device),
             )
-        chunk.ids.copy_(ids)
-        torch.arange(start, start + count, out=chunk.positions)
-        chunk.kv_len.fill_(start + count)
-        if chunk.graph is not None:
+        chunk.ids[:count].copy_(ids)
+        chunk.ids[count:].zero_()
+        torch.arange(start, start + length, out=chunk.positions)
+        chunk.kv_len.fill_(start + length)
+        chunk.last.fill_(count - 1)
+        if chunk.graph is None:
+
+            def step(chunk: _ChunkGraph = chunk, kv_count: int = start + length) -> None:
+                logits = self._chunk_forward(chunk.ids, chunk.positions, chunk.kv_len, kv_count, all_logits, chunk.last)
+                chunk.logits.copy_(logits)
+
+            chunk.graph = run_then_capture(step, device, self._pool)
+        else:
             chunk.graph.replay()
-            return chunk.logits
-
-        def step(chunk: _ChunkGraph = chunk, kv_count: int = start + count) -> None:
-            chunk.logits.copy_(self._chunk_forward(chunk.ids, chunk.positions, chunk.kv_len, kv_count, all_logits))
-
-        chunk.graph = run_then_capture(step, device, self._pool)
-        return chunk.logits
+        return chunk.logits[:count] if all_logits else chunk.logits
 
     # ---- decode --------------------------------------------------------------------------------
 
