@@ -715,18 +715,28 @@ def test_decode_graph_replays_match_eager_steps(model: llama.LlamaModel) -> None
 
 @pytest.mark.gpu
 def test_prefill_graph_replays_match_eager_chunks(model: llama.LlamaModel) -> None:
-    """Captured full chunks replayed at other starts (later prompts start mid-cache) give the eager logits and cache."""
-    graphed = llama.Generator(model, max_len=64, chunk_size=4, graphs=True)
-    eager = llama.Generator(model, max_len=64, chunk_size=4, graphs=False)
+    """Captured chunks replayed at other starts (later prompts start mid-cache) give the eager
+    logits and cache: full chunks bit for bit, 3-token tails padded to the 4-token graph within
+    bf16 rounding of the logits' scale (their linears run at another M, so another config may serve)."""
+    graphed = llama.Generator(model, max_len=64, chunk_size=8, graphs=True, graph_multiple=4)
+    eager = llama.Generator(model, max_len=64, chunk_size=8, graphs=False)
     for prompt, all_logits in ((PROMPT, True), (PROMPT[:9], False), (PROMPT[::-1], True)):
         got = []
         for generator in (graphed, eager):
             _poison_free_positions(generator)
-            got.append(generator.prefill(prompt, all_logits=all_logits))
-        assert torch.isfinite(got[0]).all() and torch.equal(got[0], got[1])
+            got.append(generator.prefill(prompt, all_logits=all_logits).clone())
+        assert torch.isfinite(got[0]).all() and got[0].shape == got[1].shape
+        if all_logits:  # the first 8 rows came from a full chunk
+            assert torch.equal(got[0][:8], got[1][:8])
+        scale = got[1].abs().max().item()
+        assert (got[0] - got[1]).abs().max().item() <= 2e-2 * scale
+    assert graphed.length == 31 and graphed.graph_length(3, 20) == 4
     for layer in range(model.config.layers):
-        assert torch.equal(graphed.cache.k[layer][:, :, :31], eager.cache.k[layer][:, :, :31])
-    assert torch.equal(graphed.decode(7), eager.decode(7)) and graphed.captured
+        k, ref = graphed.cache.k[layer][:, :, :31].float(), eager.cache.k[layer][:, :, :31].float()
+        assert (k - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+    step = graphed.decode(7)
+    ref = eager.decode(7)
+    assert graphed.captured and (step - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
 
 
 @pytest.mark.gpu
