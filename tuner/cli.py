@@ -133,7 +133,8 @@ def tune(
         typer.Option(
             "--bundled",
             help="tune the keys of the bundle shipped for this GPU, each seeded from its shipped winner "
-            "(a re-tune after a Triton or torch upgrade or a kernel edit: a few --trials suffice)",
+            "(a re-tune after a Triton or torch upgrade or a kernel edit: a few --trials suffice); "
+            "on a GPU without one, the nearest GPU's bundle's keys",
         ),
     ] = False,
     trials: Annotated[int | None, typer.Option(min=1, help="measured trials per key [default: 40; 12 on cpu]")] = None,

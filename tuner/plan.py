@@ -4,7 +4,10 @@ Three sources, one per run: each kernel's default keys with the ``--key`` overri
 (:mod:`.keys`); the keys the runtime logged without a winner (``--missed``, :mod:`.missed`); or
 the keys of the bundle shipped for this GPU (``--bundled``): a re-tune after a Triton or torch
 upgrade or a kernel edit, each key seeded from its shipped winner where that winner's kernel
-version is current (:mod:`.strategy`), so a few trials a key suffice.
+version is current (:mod:`.strategy`), so a few trials a key suffice. On a GPU without a bundle of
+its own, ``--bundled`` takes the keys of the nearest GPU's bundle (:mod:`tritune.kernels.prior`,
+unless ``TRITUNE_CROSS_GPU=off``), whose winners seed each key: the way to a first bundle that
+covers the same shapes.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 
 import typer
 
+from tritune.configs_db.records import WinnerRecord
 from tritune.kernels import settings
 from tritune.kernels.device import DeviceInfo
 from tritune.kernels.spec import KernelSpec, TuningKey
@@ -76,6 +80,8 @@ def plan_bundled(specs: list[KernelSpec[Any, Any]], device: DeviceInfo) -> Plan:
     for rejection in rejections:
         console.print(f"[yellow]{plain(rejection.source)}: {plain(rejection.reason)}[/yellow]", soft_wrap=True)
     if not records:
+        records = _nearest_bundle_records(device)
+    if not records:
         raise CommandError(
             f"no bundle with winners is shipped for {device.slug} (looked for {bundles.bundle_path(device.slug)})",
             "tune the default keys (leave out --bundled), then tune export writes a bundle",
@@ -106,3 +112,21 @@ def plan_bundled(specs: list[KernelSpec[Any, Any]], device: DeviceInfo) -> Plan:
         names = ", ".join(spec.name for spec in specs)
         raise CommandError(f"the bundle shipped for {device.slug} holds no key of {names}", None)
     return plan
+
+
+def _nearest_bundle_records(device: DeviceInfo) -> list[WinnerRecord]:
+    """The records of the nearest GPU's shipped bundle, keys translated to ``device``; ``[]`` where
+    the prior does not apply or no other GPU ships one. Says which bundle's keys are taken."""
+    from tritune.kernels import prior
+
+    if not prior.active(device):
+        return []
+    nearest: list[tuple[str, list[WinnerRecord]]] = prior.prior_records(device)
+    for slug, records in nearest:
+        if records:
+            console.print(
+                f"no bundle is shipped for {plain(device.slug)}: tuning the keys of {plain(slug)}'s bundle, "
+                "each seeded from its winner there"
+            )
+            return records
+    return []
