@@ -112,24 +112,13 @@ def test_with_bundles_disabled_it_says_so(shipped, tmp_path, monkeypatch):
 def test_a_gpu_without_a_bundle_tunes_the_nearest_gpus_keys(tmp_path, monkeypatch, capsys):
     """An A100 (no bundle of its own) takes the H200 bundle's keys, translated to its own
     architecture and SM count; with ``TRITUNE_CROSS_GPU=off`` it says that no bundle is shipped."""
-    import torch
-    import triton
-
-    from tritune.configs_db.bundles import write_bundle
     from tritune.kernels.device import DeviceInfo
     from tritune.tuner.failures import CommandError
 
     h200 = DeviceInfo("NVIDIA H200", "nvidia", (9, 0), 132, "sm90")
     a100 = DeviceInfo("NVIDIA A100-SXM4-80GB", "nvidia", (8, 0), 108, "sm80")
     keys = [toy_kernel.ToyKey(h200.arch, h200.sm_count, "float32", n).to_dict() for n in (4096, 1024)]
-    records = [record(1024, gpu=h200.slug, key=key) for key in keys]
-    provenance = {"cuda": "", "driver": "", "torch": torch.__version__, "triton": triton.__version__, "tritune": "test"}
-    folder = tmp_path / "bundles"
-    folder.mkdir()
-    write_bundle(records, folder / f"{h200.slug}.json", h200.slug, h200.name, provenance)
-    monkeypatch.setattr(bundles, "shipped_bundle_dir", lambda: folder)
-    monkeypatch.setenv("TRITUNE_DISABLE_BUNDLES", "0")
-    settings.reload()
+    ship(tmp_path / "bundles", monkeypatch, *(record(1024, gpu=h200.slug, key=key) for key in keys), device=h200)
     plan = plan_keys([SPEC], KeySource(bundled=True), a100)
     assert [(key.arch, key.sm_count, key.n_bucket) for _spec, key in plan] == [("sm80", 108, 1024), ("sm80", 108, 4096)]
     assert f"tuning the keys of {h200.slug}'s bundle" in " ".join(capsys.readouterr().out.split())

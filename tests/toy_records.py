@@ -14,7 +14,7 @@ from tritune.configs_db import bundles
 from tritune.configs_db.bundles import write_bundle
 from tritune.configs_db.records import WinnerRecord
 from tritune.kernels import settings
-from tritune.kernels.device import device_info
+from tritune.kernels.device import DeviceInfo, device_info
 
 CPU = device_info("cpu")
 SPEC = toy_kernel.SPEC
@@ -47,9 +47,14 @@ def toy_record(n_bucket: int, config: dict[str, Any] = TUNED, **changes: Any) ->
 
 
 def ship(
-    folder: Path, monkeypatch: pytest.MonkeyPatch, *records: WinnerRecord, triton_version: str | None = None
+    folder: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    *records: WinnerRecord,
+    triton_version: str | None = None,
+    device: DeviceInfo = CPU,
 ) -> None:
-    """Make ``records`` the bundle shipped for the interpreter (from ``folder``; bundles enabled).
+    """Make ``records`` the bundle shipped for ``device`` (default the interpreter; from ``folder``;
+    bundles enabled).
 
     The bundle states one provenance: every record must carry ``triton_version`` (default: the
     running Triton's), the running torch's and tritune version ``"test"``.
@@ -64,4 +69,4 @@ def ship(
         "triton": triton_version or triton.__version__,
         "tritune": "test",
     }
-    write_bundle(records, folder / f"{CPU.slug}.json", CPU.slug, "cpu", provenance)
+    write_bundle(records, folder / f"{device.slug}.json", device.slug, device.name, provenance)
