@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,18 +108,20 @@ def online_phase(work: Path, device: str, smoke: bool) -> list[dict[str, Any]]:
     return rows
 
 
-def offline_phase(work: Path, device: str, rows: list[dict[str, Any]], smoke: bool, extra: list[str]) -> None:
+def offline_phase(
+    work: Path, device: str, rows: list[dict[str, Any]], smoke: bool, extra: list[str], done: Callable[[], Any]
+) -> None:
     """``tune`` at each key the online phase met, into an empty DB: ``tune``'s defaults unless ``extra``
-    (``--offline-args``) narrows them, four trials in a smoke run."""
+    (``--offline-args``) narrows them, four trials in a smoke run. ``done()`` after each key, so a run
+    stopped part-way still reports the keys tuned so far."""
     db = work / "offline.sqlite"
     db.unlink(missing_ok=True)
     extra = ["--trials", "4"] if smoke else extra
     for row in rows:
         row["offline_s"] = _tune(device, row["kernel"], row["key"], db, extra)
-    winners = _winners(db)
-    for row in rows:
-        winner = winners.get(_key_id(row["kernel"], row["key"]))
+        winner = _winners(db).get(_key_id(row["kernel"], row["key"]))
         row["offline_speedup"] = winner.speedup if winner else None
+        done()
 
 
 def provisional_phase(work: Path, device: str, smoke: bool) -> dict[str, Any]:
@@ -237,8 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = online_phase(work, args.device, args.smoke)
         save()
     if "offline" in args.phases and rows:
-        offline_phase(work, args.device, rows, args.smoke, args.offline_args.split())
-        save()
+        offline_phase(work, args.device, rows, args.smoke, args.offline_args.split(), save)
     if "provisional" in args.phases:
         provisional = provisional_phase(work, args.device, args.smoke)
         save()
