@@ -2,9 +2,10 @@
 
 The rule, in one place:
 
-1. It applies only where no bundle is shipped for this GPU (``configs_db/bundles/<slug>.json``),
-   and not at all with ``TRITUNE_DISABLE_BUNDLES=1`` (it is made of bundles) or
-   ``TRITUNE_CROSS_GPU=off``.
+1. It serves only where no bundle is shipped for this GPU (``configs_db/bundles/<slug>.json``); it
+   seeds a key wherever this GPU's shipped bundle holds no winner of the running kernel version at
+   that key (a key added after the bundle was made, such as an opt-in key tuned later). Not at all
+   with ``TRITUNE_DISABLE_BUNDLES=1`` (it is made of bundles) or ``TRITUNE_CROSS_GPU=off``.
 2. Candidates are the shipped bundles of other GPUs of the same vendor (a bundle's GPU is read from
    its slug, ``<vendor>-<name>-<arch>-<N>sm``). They are ranked by, in order: the architecture's
    distance (compute capability: major versions apart, then minor versions apart), the SM count's
@@ -121,18 +122,30 @@ def nearest_gpus(device: DeviceInfo, slugs: list[str], limit: int = PRIOR_GPUS) 
     return [gpu.slug for gpu in sorted(same, key=lambda gpu: distance(here, gpu))][:limit]
 
 
-def active(device: DeviceInfo, *, serving: bool = False) -> bool:
-    """Whether the prior applies on ``device`` under the settings in force (``serving``: to serve, too)."""
+def _allowed(device: DeviceInfo, serving: bool) -> bool:
+    """Whether the settings in force let the prior apply on ``device`` (``serving``: to serve, too)."""
     current = settings_module.settings()
     if current.disable_bundles or current.cross_gpu == "off" or (serving and current.cross_gpu != "serve"):
         return False
-    if device.is_interpreter:
+    return not device.is_interpreter
+
+
+def active(device: DeviceInfo, *, serving: bool = False) -> bool:
+    """Whether the prior applies to every key on ``device`` under the settings in force (``serving``:
+    to serve, too): a GPU without a bundle of its own."""
+    if not _allowed(device, serving):
         return False
     try:
         own = bundles.bundle_path(device.slug)
     except ValueError:
         return False
     return not os.path.lexists(own)
+
+
+def _own_bundle_holds(spec: KernelSpec[Any, Any], key_dict: dict[str, Any], device: DeviceInfo) -> bool:
+    """Whether this GPU's shipped bundle holds a winner of ``spec``'s running version at the key."""
+    records, _rejections = shipped_records(device.slug)
+    return any(r.kernel == spec.name and r.kernel_version == spec.version and r.key == key_dict for r in records)
 
 
 #: GPU slug -> (the file's path, inode, mtime and size when read, what was read): each bundle is parsed
@@ -229,11 +242,12 @@ def serving_entries(device: DeviceInfo) -> list[tuple[str, TuningKey, Entry]]:
 def seed_configs(spec: KernelSpec[Any, Any], key: TuningKey, device: DeviceInfo) -> list[dict[str, Any]]:
     """Configs the nearest GPUs' bundles hold at ``key`` (translated), feasible here, nearest first, distinct.
 
-    ``[]`` where the prior does not apply (``TRITUNE_CROSS_GPU=off``, a GPU with its own bundle, ...).
+    ``[]`` where the prior does not apply (``TRITUNE_CROSS_GPU=off``, this GPU's own bundle holding
+    a winner at ``key``, ...): a GPU's bundle seeds the keys it holds, other GPUs' the keys it lacks.
     """
-    if not active(device):
-        return []
     key_dict = key.to_dict()
+    if not active(device) and (not _allowed(device, serving=False) or _own_bundle_holds(spec, key_dict, device)):
+        return []
     limits = spec.limits(device)
     found: list[dict[str, Any]] = []
     for _slug, records in prior_records(device):

@@ -165,6 +165,54 @@ def test_the_tuner_seeds_from_the_prior(tmp_path):
         )
 
 
+def _record(device: DeviceInfo, n_bucket: int, config: dict) -> WinnerRecord:
+    return WinnerRecord(
+        kernel="toy_smem",
+        kernel_version=SMEM.version,
+        gpu=device.slug,
+        key=key(device, n_bucket).to_dict(),
+        config=config,
+        time_ms=1.0,
+        portable_ms=1.5,
+        speedup=1.5,
+        trials=5,
+        triton_version=triton.__version__,
+        torch_version=torch.__version__,
+        tritune_version=tritune_version(),
+    )
+
+
+def test_a_gpus_bundle_seeds_the_keys_it_holds_the_prior_those_it_lacks(shipped):
+    # The H100's bundle holds n_bucket 1024 only (a key added later, such as an opt-in one, is missing).
+    mine = {"BLOCK": 64, "num_warps": 4}
+    provenance = {
+        "cuda": "13.0", "driver": "", "torch": torch.__version__, "triton": triton.__version__,
+        "tritune": tritune_version(),
+    }  # fmt: skip
+    write_bundle([_record(H100, 1024, mine)], shipped / f"{H100.slug}.json", H100.slug, H100.name, provenance)
+    assert prior.seed_configs(SMEM, key(H100, 1024), H100) == []
+    assert prior.seed_configs(SMEM, key(H100, 256), H100) == [H200_WINNERS[256]]
+    with settings.override(cross_gpu="off"):
+        assert prior.seed_configs(SMEM, key(H100, 256), H100) == []
+    # Serving is unchanged: a GPU with a bundle of its own serves none of another GPU's winners (its
+    # own nearest bucket lends n_bucket 256 its winner).
+    with settings.override(cross_gpu="serve"):
+        assert served(H100, 256) == mine
+
+
+def test_the_prior_is_seeded_before_the_neighbours_winners(tmp_path):
+    """A short tune measures only the first seeds: this key's winner on the nearest GPU comes before
+    the winner this GPU's DB holds at another bucket."""
+    store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    env = environment_id(store, H100_PCIE)
+    neighbour = {"BLOCK": 64, "num_warps": 4}
+    store.offer_winner(_record(H100_PCIE, 1024, neighbour), env)
+    options = TuneOptions(trials=4, seed=0, batch=2, final_rounds=1)
+    tuner = KeyTuner(SMEM, key(H100_PCIE, 256), H100_PCIE, torch.device("cpu"), store, env, FakeTimer(len), options)
+    seeds = tuner.strategy.seeds(SMEM.space.default(), tuner.strategy.feasible, False, random.Random(0))
+    assert seeds[:3] == [DEFAULT, H200_WINNERS[256], neighbour]
+
+
 # ---- serving ----------------------------------------------------------------------------------------
 
 

@@ -7,10 +7,13 @@ before and around its proposals:
   (in the DB or the bundle shipped for this GPU; one tuned under other Triton or torch versions,
   which serves provisionally, counts), the winner at the spec's fallback key (an opt-in key's
   accurate twin, whose winner serves the key until it has its own), its winners under earlier
-  kernel versions, the winners of the nearest tuned buckets, the nearest other GPUs' bundled
-  winners at this key where this GPU has no bundle (:mod:`tritune.kernels.prior`), the spec's
+  kernel versions, the nearest other GPUs' bundled winners at this key where this GPU's bundle
+  has none (:mod:`tritune.kernels.prior`), the winners of the nearest tuned buckets, the spec's
   starting configs, then a seeded sample of feasible configs (all of them when they fit the
-  budget: an exhaustive sweep);
+  budget: an exhaustive sweep). The seeds are capped at the exploration share of the trials, so
+  their order decides which a short tune measures: this key's winner on a GPU of the same kind
+  comes before other keys' winners on this one (a path that wins on the other GPU, such as an
+  opt-in key's fp8 path, would otherwise never be measured in a five-trial tune);
 - a stand-in for each infeasible proposal: a random unseen feasible config;
 - the climb: the last ``polish`` share of the budget goes to the unseen feasible neighbours of the
   best config so far (one field moved to the next choice). TPE's proposals depend on its seed; two
@@ -151,8 +154,8 @@ class Strategy:
         """Configs enqueued before the sampler proposes any: portable default, stored winner (DB or
         shipped bundle, provisional ones included) and the kernel's variants of it, the winner at
         the spec's fallback key (what serves this key until it has its own), the key's winner under
-        an earlier kernel version, the winners of the nearest tuned buckets (DB, then shipped
-        bundle), other GPUs' winners (the prior) and the spec's starting configs first."""
+        an earlier kernel version, other GPUs' winners at this key (the prior), the winners of the
+        nearest tuned buckets (DB, then shipped bundle) and the spec's starting configs first."""
         seeds = [self.space.to_dict(default)]
         stored = self.store.winners(gpu=self.device.slug, kernel=self.spec.name)
         winners = [w for w in stored if w.kernel_version == self.spec.version]
@@ -161,8 +164,8 @@ class Strategy:
         seeds.extend(self.winner_variants(own))
         seeds.extend(self.fallback_winners(winners))
         seeds.extend(self.earlier_winners(stored + self._shipped(any_version=True)))
-        seeds.extend(self.neighbour_winners(winners + self.bundled_winners(winners)))
         seeds.extend(prior.seed_configs(self.spec, self.key, self.device))
+        seeds.extend(self.neighbour_winners(winners + self.bundled_winners(winners)))
         seeds.extend(self.space.to_dict(config) for config in self.spec.starting_configs(self.key, self.device))
         # Each seed once, and only feasible ones: a duplicate or an infeasible seed would take the
         # place of one of the sample's below the cap.
