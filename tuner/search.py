@@ -5,10 +5,11 @@ search, in phases:
 
 1. Join (under the study's lock): open or create the study; add the trials stored in the config DB
    that it lacks as finished trials (resume: a killed run loses nothing, and nothing is measured
-   twice); enqueue the seeds it lacks, once, fixed by whoever seeds first: the portable default,
-   the key's stored winner, its winners under earlier kernel versions, the winners of the nearest
-   tuned buckets, the spec's starting configs, then a seeded sample of feasible configs (the whole
-   feasible space when that fits the budget, which makes the sweep exhaustive).
+   twice); enqueue the seeds it lacks, once, fixed by whoever seeds first
+   (:meth:`~.strategy.Strategy.seeds`: the portable default, the key's stored winner, the fallback
+   key's, its winners under earlier kernel versions, other GPUs' winners at this key, the winners
+   of the nearest tuned buckets, the spec's starting configs, then a seeded sample of feasible
+   configs: the whole feasible space when that fits the budget, which makes the sweep exhaustive).
 2. Explore in batches while the study has budget left. The budget counts distinct configs with a
    result, or running, anywhere. Each batch: ask the sampler (multivariate TPE), then look before
    measuring: a config with a result is answered from it; one held by another worker's earlier trial
