@@ -245,9 +245,11 @@ def seed_configs(spec: KernelSpec[Any, Any], key: TuningKey, device: DeviceInfo)
     ``[]`` where the prior does not apply (``TRITUNE_CROSS_GPU=off``, this GPU's own bundle holding
     a winner at ``key``, ...): a GPU's bundle seeds the keys it holds, other GPUs' the keys it lacks.
     """
-    key_dict = key.to_dict()
-    if not active(device) and (not _allowed(device, serving=False) or _own_bundle_holds(spec, key_dict, device)):
+    if not _allowed(device, serving=False):
         return []
+    key_dict = key.to_dict()
+    if not active(device) and _own_bundle_holds(spec, key_dict, device):
+        return []  # this GPU's own winner seeds the key
     limits = spec.limits(device)
     found: list[dict[str, Any]] = []
     for _slug, records in prior_records(device):

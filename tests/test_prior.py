@@ -11,6 +11,7 @@ import pytest
 import torch
 import toy_kernel
 import triton
+from toy_records import ship, toy_record
 
 from tritune.configs_db import bundles
 from tritune.configs_db.bundles import write_bundle
@@ -165,31 +166,19 @@ def test_the_tuner_seeds_from_the_prior(tmp_path):
         )
 
 
-def _record(device: DeviceInfo, n_bucket: int, config: dict) -> WinnerRecord:
-    return WinnerRecord(
-        kernel="toy_smem",
-        kernel_version=SMEM.version,
-        gpu=device.slug,
-        key=key(device, n_bucket).to_dict(),
-        config=config,
-        time_ms=1.0,
-        portable_ms=1.5,
-        speedup=1.5,
-        trials=5,
-        triton_version=triton.__version__,
-        torch_version=torch.__version__,
-        tritune_version=tritune_version(),
-    )
+def _record(device: DeviceInfo, n_bucket: int, config: dict, tritune: str | None = None) -> WinnerRecord:
+    """A winner of ``toy_smem`` for ``device`` at ``n_bucket``: for the DB (this tritune), or for
+    :func:`toy_records.ship` (``tritune="test"``)."""
+    return toy_record(
+        n_bucket, config, kernel="toy_smem", kernel_version=SMEM.version, gpu=device.slug,
+        key=key(device, n_bucket).to_dict(), tritune_version=tritune or tritune_version(),
+    )  # fmt: skip
 
 
-def test_a_gpus_bundle_seeds_the_keys_it_holds_the_prior_those_it_lacks(shipped):
+def test_a_gpus_bundle_seeds_the_keys_it_holds_the_prior_those_it_lacks(shipped, monkeypatch):
     # The H100's bundle holds n_bucket 1024 only (a key added later, such as an opt-in one, is missing).
     mine = {"BLOCK": 64, "num_warps": 4}
-    provenance = {
-        "cuda": "13.0", "driver": "", "torch": torch.__version__, "triton": triton.__version__,
-        "tritune": tritune_version(),
-    }  # fmt: skip
-    write_bundle([_record(H100, 1024, mine)], shipped / f"{H100.slug}.json", H100.slug, H100.name, provenance)
+    ship(shipped, monkeypatch, _record(H100, 1024, mine, tritune="test"), device=H100)
     assert prior.seed_configs(SMEM, key(H100, 1024), H100) == []
     assert prior.seed_configs(SMEM, key(H100, 256), H100) == [H200_WINNERS[256]]
     with settings.override(cross_gpu="off"):
@@ -242,20 +231,7 @@ def test_serve_lends_feasible_configs_provisionally():
 
 def test_this_gpus_own_db_beats_the_prior():
     mine = {"BLOCK": 32, "num_warps": 2}
-    record = WinnerRecord(
-        kernel="toy_smem",
-        kernel_version=SMEM.version,
-        gpu=A100.slug,
-        key=key(A100, 1024).to_dict(),
-        config=mine,
-        time_ms=1.0,
-        portable_ms=1.2,
-        speedup=1.2,
-        trials=5,
-        triton_version=triton.__version__,
-        torch_version=torch.__version__,
-        tritune_version=tritune_version(),
-    )
+    record = _record(A100, 1024, mine)
     with ConfigStore(settings.settings().db_url) as store:
         env = environment_id(store, A100)
         store.offer_winner(record, env)
