@@ -1,7 +1,7 @@
 """Online tuning's time caps: the trial timeout is tune's own (a short budget never stores a kill
 as a failure, and a stored short timeout is retried), a locked DB and the key's seconds bound a
-sync call, a batch stops at the deadline (the portable default measured whatever the seconds left),
-a failed portable default ends the tune at once."""
+sync call, a batch stops at the deadline (the portable default measured whatever the seconds left,
+a batch already compiled in parallel measured to its end), a failed portable default ends the tune at once."""
 
 from __future__ import annotations
 
@@ -106,6 +106,44 @@ def test_a_batch_stops_at_the_time_budget(tmp_path):
         measured = [r for r in store.measured_trials(env, SPEC.name, SPEC.version, key.to_dict()) if r.status == OK]
     assert result.config is not None
     assert 1 <= len(measured) <= 3, f"{len(measured)} trials measured past a 0.3 s budget of 0.2 s trials"
+
+
+class _BatchBench:
+    """A bench whose batch takes ``compile_s`` to compile in parallel; records what it measures."""
+
+    def __init__(self, compile_s: float) -> None:
+        self.compile_s = compile_s
+        self.measured: list[tuple[dict, bool]] = []
+
+    def precompile(self, configs):
+        time.sleep(self.compile_s)
+        return [None] * len(configs)
+
+    def trial(self, values, compiled):
+        self.measured.append((values, compiled))
+        return {"status": OK, "ms": 1.0, "error": None, "fatal": False}
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_a_batch_compiled_in_parallel_is_measured_past_the_time_budget(tmp_path, parallel):
+    """Once a batch's compiles are paid, its check and timing cost milliseconds: all of it is
+    measured though the compiles outlast the budget. Compiled one by one, each trial past the
+    budget is skipped but for the owed portable default."""
+    key = _key(256)
+    options = TuneOptions(trials=12, batch=4, time_budget_s=0.2, final_rounds=1, compile_workers=4 if parallel else 1)
+    with ConfigStore(f"sqlite:///{tmp_path / 'compiled.sqlite'}") as store:
+        env = environment_id(store, CPU)
+        tuner = KeyTuner(SPEC, key, CPU, torch.device("cpu"), store, env, _SlowCost(), options)
+        tuner.torch_device = torch.device("cuda")  # a GPU's parallel compile, which the bench fakes
+        configs = [c for c in tuner.strategy.feasible if SPEC.space.to_dict(c) != PORTABLE][:3]
+        configs.append(SPEC.space.parse(PORTABLE))
+        bench = _BatchBench(compile_s=0.4)
+        tuner.started = time.monotonic() - (0.0 if parallel else 0.3)
+        tuner._measure_batch(bench, configs)
+    if parallel:
+        assert [compiled for _, compiled in bench.measured] == [True] * 4
+    else:
+        assert bench.measured == [(PORTABLE, False)]
 
 
 class _DefaultFails(FakeTimer):

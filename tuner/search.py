@@ -311,8 +311,11 @@ class KeySearch(AskTell):
 
         ``on_result(index, outcome)`` is called right after each trial is recorded. Past the time
         budget the rest of the batch is left unmeasured but for a portable default with no result
-        (a candidate under way is never killed for the budget: a kill would be stored as the
-        config's failure).
+        and the configs the batch already compiled in parallel: their compiles, the dear part of
+        a trial, are paid, and the check and timing left cost milliseconds. (A short online budget
+        spent on the first key's start-up would otherwise keep only the default of a batch whose
+        every compile had finished.) A candidate under way is never killed for the budget: a
+        kill would be stored as the config's failure.
         """
         values = [self.space.to_dict(c) for c in configs]
         early: list[TrialOutcome | None] | None = None
@@ -322,7 +325,7 @@ class KeySearch(AskTell):
         results = []
         left = 0
         for index, config in enumerate(configs):
-            if self._past_deadline() and not self._owed_default(config):
+            if early is None and self._past_deadline() and not self._owed_default(config):
                 left += 1
                 continue
             failed_early = early[index] if early is not None else None
