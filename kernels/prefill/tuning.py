@@ -25,8 +25,10 @@ __all__ = ["TUNING", "PrefillTuning"]
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 #: Error bound of :meth:`PrefillTuning.check`, relative to max|reference|.
 _TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
-#: What ``tune`` sweeps on a GPU when no key is named: bf16 causal GQA-8, Lkv >= Lq.
-_GPU_HEAD_DIMS = (64, 128)
+#: What ``tune`` sweeps on a GPU when no key is named: bf16 causal, Lkv >= Lq, at these
+#: (head dim, GQA group) layouts: Llama-3-70B's and Mistral-style 64-dim heads at 8 query heads a
+#: KV head, Llama-3-8B's 32 over 8 at head dim 128.
+_GPU_LAYOUTS = ((64, 8), (128, 8), (128, 4))
 _GPU_LQ = (512, 1024, 2048, 4096)
 _GPU_LKV = (16384, 32768, 65536, 131072)
 
@@ -93,18 +95,19 @@ class PrefillTuning(KernelTuning):
         return self.make_problem(capped, device, seed)
 
     def default_keys(self, device: DeviceInfo) -> list[PrefillKey]:
-        """GPU: bf16 causal GQA-8 at head dims 64/128, Lq 512..4096, Lkv 16K..128K (Lkv >= Lq).
+        """GPU: bf16 causal at head dim 64 with GQA 8 and at 128 with GQA 8 and 4, Lq 512..4096,
+        Lkv 16K..128K (Lkv >= Lq).
 
         The interpreter: head dim 64, Lq 16 and 32, Lkv 64, GQA 2 (tiny, so ``tune --device cpu``
         finishes quickly).
         """
         if device.is_interpreter:
-            dims, lqs, lkvs, group = (64,), (16, 32), (64,), 2
+            layouts, lqs, lkvs = ((64, 2),), (16, 32), (64,)
         else:
-            dims, lqs, lkvs, group = _GPU_HEAD_DIMS, _GPU_LQ, _GPU_LKV, 8
+            layouts, lqs, lkvs = _GPU_LAYOUTS, _GPU_LQ, _GPU_LKV
         return [
             PrefillKey(device.arch, device.sm_count, "bf16", d, group, True, pow2_bucket(a), pow2_bucket(b))
-            for d in dims
+            for d, group in layouts
             for a in lqs
             for b in lkvs
         ]
