@@ -1,11 +1,12 @@
-"""A prior from other GPUs: the winners shipped for the nearest GPUs, on a GPU without a bundle of its own.
+"""A prior from other GPUs: the winners shipped for the nearest GPUs, at keys this GPU's own bundle lacks.
 
 The rule, in one place:
 
-1. It serves only where no bundle is shipped for this GPU (``configs_db/bundles/<slug>.json``); it
-   seeds a key wherever this GPU's shipped bundle holds no winner of the running kernel version at
-   that key (a key added after the bundle was made, such as an opt-in key tuned later). Not at all
-   with ``TRITUNE_DISABLE_BUNDLES=1`` (it is made of bundles) or ``TRITUNE_CROSS_GPU=off``.
+1. It applies wherever this GPU's shipped bundle (``configs_db/bundles/<slug>.json``) holds no
+   winner of the running kernel version at a key: every key on a GPU without a bundle, else the
+   keys added after the bundle was made (a layout added to the default grid, an opt-in key tuned
+   later). Not at all with ``TRITUNE_DISABLE_BUNDLES=1`` (it is made of bundles) or
+   ``TRITUNE_CROSS_GPU=off``.
 2. Candidates are the shipped bundles of other GPUs of the same vendor (a bundle's GPU is read from
    its slug, ``<vendor>-<name>-<arch>-<N>sm``). They are ranked by, in order: the architecture's
    distance (compute capability: major versions apart, then minor versions apart), the SM count's
@@ -19,9 +20,11 @@ The rule, in one place:
 4. ``TRITUNE_CROSS_GPU=seed`` (the default): the translated configs only seed ``tune``'s search of
    the same key here (:mod:`tritune.tuner.strategy`), nearest GPU first, where they are measured
    like any other trial. ``serve``: they are also served, provisional
-   (:attr:`~.winners.Entry.provisional`), where this GPU has no winner of its own: they enter the
-   winner table before this GPU's own bundle and DB, which override them, and a nearer GPU's entry
-   overrides a farther one's. The margin is judged on the speedup measured on the other GPU.
+   (:attr:`~.winners.Entry.provisional`), at those keys: they enter the winner table before this
+   GPU's own bundle and DB, which override them, and a nearer GPU's entry overrides a farther
+   one's. Being exact entries, they come before a neighbouring bucket's winner of this GPU: the
+   same key on the nearest GPU is the closer guess. The margin is judged on the speedup measured
+   on the other GPU.
 
 Nothing here queries the GPU: the running GPU is described by its :class:`~.device.DeviceInfo`,
 read once per device, and bandwidth comes from the table below, never from NVML.
@@ -29,6 +32,7 @@ read once per device, and bandwidth comes from the table below, never from NVML.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -47,7 +51,7 @@ from .winners import Entry, admit
 
 log = logging.getLogger("tritune.dispatch")
 
-#: How many of the nearest GPUs' bundles seed (and, with ``serve``, serve) a GPU without its own.
+#: How many of the nearest GPUs' bundles seed (and, with ``serve``, serve) the keys this GPU's bundle lacks.
 PRIOR_GPUS = 2
 
 #: Peak memory bandwidth in GB/s from the vendors' datasheets, by the name part of a GPU's slug
@@ -130,10 +134,10 @@ def _allowed(device: DeviceInfo, serving: bool) -> bool:
     return not device.is_interpreter
 
 
-def active(device: DeviceInfo, *, serving: bool = False) -> bool:
-    """Whether the prior applies to every key on ``device`` under the settings in force (``serving``:
-    to serve, too): a GPU without a bundle of its own."""
-    if not _allowed(device, serving):
+def active(device: DeviceInfo) -> bool:
+    """Whether the prior applies to every key on ``device`` under the settings in force: a GPU
+    without a bundle of its own."""
+    if not _allowed(device, serving=False):
         return False
     try:
         own = bundles.bundle_path(device.slug)
@@ -219,22 +223,33 @@ def _admitted(record: WinnerRecord, source_gpu: str, device: DeviceInfo) -> tupl
     return kernel, key, replace(entry, provisional=True, tuned_under=under)
 
 
+def _own_keys(device: DeviceInfo) -> set[tuple[str, str, str]]:
+    """(kernel, kernel version, key as canonical JSON) of every winner this GPU's shipped bundle holds."""
+    records, _rejections = shipped_records(device.slug)
+    return {(r.kernel, r.kernel_version, json.dumps(r.key, sort_keys=True)) for r in records}
+
+
 def serving_entries(device: DeviceInfo) -> list[tuple[str, TuningKey, Entry]]:
-    """With ``TRITUNE_CROSS_GPU=serve``: the entries other GPUs lend ``device``, farthest GPU first
-    (a table adding them in order keeps the nearest's); ``[]`` where the prior does not apply."""
-    if not active(device, serving=True):
+    """With ``TRITUNE_CROSS_GPU=serve``: the entries other GPUs lend ``device`` at the keys its own
+    bundle lacks (every key where it has none), farthest GPU first (a table adding them in order
+    keeps the nearest's); ``[]`` where the prior does not apply."""
+    if not _allowed(device, serving=True):
         return []
+    own = _own_keys(device)
     entries = []
     for slug, records in reversed(prior_records(device)):
         for record in records:
+            if (record.kernel, record.kernel_version, json.dumps(record.key, sort_keys=True)) in own:
+                continue
             admitted = _admitted(record, slug, device)
             if admitted is not None:
                 entries.append(admitted)
     if entries:
         log.info(
-            "%s has no bundle of its own: %d config(s) of other GPUs may serve, provisionally",
+            "%s: %d config(s) of other GPUs may serve, provisionally, at keys %s",
             device.slug,
             len(entries),
+            "its own bundle lacks" if own else "it has no bundle for",
         )
     return entries
 

@@ -53,7 +53,8 @@ class Settings:
     jit_total_seconds: float = 120.0
     #: Keys resolved without an exact winner are logged to the user DB (``tune missed``).
     miss_log: bool = True
-    #: Bundles of other GPUs: ignored, seeds for tuning on this GPU, or also served provisionally.
+    #: Bundles of other GPUs at keys this GPU's bundle lacks: ignored, seeds for tuning here, or also
+    #: served provisionally.
     cross_gpu: CrossGpuMode = "seed"
     #: Launch compiled Triton kernels directly after their first launch (``kernels/_fastlaunch.py``).
     fast_launch: bool = True
@@ -213,7 +214,8 @@ ENVIRONMENT: dict[str, Variable] = {
     "TRITUNE_CROSS_GPU": Variable(
         "cross_gpu",
         "seed",
-        "off | seed | serve: other GPUs' bundles seed tuning here (seed), or also serve provisionally (serve)",
+        "off | seed | serve: other GPUs' bundles seed tuning here where this GPU's bundle lacks a key (seed), "
+        "or also serve there provisionally (serve)",
         _choice("off", "seed", "serve"),
     ),
     "TRITUNE_FAST_LAUNCH": Variable(

@@ -183,10 +183,16 @@ def test_a_gpus_bundle_seeds_the_keys_it_holds_the_prior_those_it_lacks(shipped,
     assert prior.seed_configs(SMEM, key(H100, 256), H100) == [H200_WINNERS[256]]
     with settings.override(cross_gpu="off"):
         assert prior.seed_configs(SMEM, key(H100, 256), H100) == []
-    # Serving is unchanged: a GPU with a bundle of its own serves none of another GPU's winners (its
-    # own nearest bucket lends n_bucket 256 its winner).
+    # Served only when asked: by default its own nearest bucket lends n_bucket 256 its winner;
+    # with ``serve`` the nearest GPU's winner at that very key serves, provisionally, and the keys
+    # its own bundle holds keep its own winners.
+    assert served(H100, 256) == mine
+    DISPATCHER.clear()
     with settings.override(cross_gpu="serve"):
-        assert served(H100, 256) == mine
+        assert served(H100, 256) == H200_WINNERS[256]
+        assert DISPATCHER.table(H100).exact[("toy_smem", key(H100, 256))].provisional
+        assert served(H100, 1024) == mine
+        assert not DISPATCHER.table(H100).exact[("toy_smem", key(H100, 1024))].provisional
 
 
 def test_the_prior_is_seeded_before_the_neighbours_winners(tmp_path):
