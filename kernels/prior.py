@@ -146,10 +146,19 @@ def active(device: DeviceInfo) -> bool:
     return not os.path.lexists(own)
 
 
+def _own_keys(device: DeviceInfo) -> set[tuple[str, str, str]]:
+    """(kernel, kernel version, key as canonical JSON) of every winner this GPU's shipped bundle holds."""
+    records, _rejections = shipped_records(device.slug)
+    return {_ident(r.kernel, r.kernel_version, r.key) for r in records}
+
+
+def _ident(kernel: str, version: str, key_dict: dict[str, Any]) -> tuple[str, str, str]:
+    return kernel, version, json.dumps(key_dict, sort_keys=True)
+
+
 def _own_bundle_holds(spec: KernelSpec[Any, Any], key_dict: dict[str, Any], device: DeviceInfo) -> bool:
     """Whether this GPU's shipped bundle holds a winner of ``spec``'s running version at the key."""
-    records, _rejections = shipped_records(device.slug)
-    return any(r.kernel == spec.name and r.kernel_version == spec.version and r.key == key_dict for r in records)
+    return _ident(spec.name, spec.version, key_dict) in _own_keys(device)
 
 
 #: GPU slug -> (the file's path, inode, mtime and size when read, what was read): each bundle is parsed
@@ -223,12 +232,6 @@ def _admitted(record: WinnerRecord, source_gpu: str, device: DeviceInfo) -> tupl
     return kernel, key, replace(entry, provisional=True, tuned_under=under)
 
 
-def _own_keys(device: DeviceInfo) -> set[tuple[str, str, str]]:
-    """(kernel, kernel version, key as canonical JSON) of every winner this GPU's shipped bundle holds."""
-    records, _rejections = shipped_records(device.slug)
-    return {(r.kernel, r.kernel_version, json.dumps(r.key, sort_keys=True)) for r in records}
-
-
 def serving_entries(device: DeviceInfo) -> list[tuple[str, TuningKey, Entry]]:
     """With ``TRITUNE_CROSS_GPU=serve``: the entries other GPUs lend ``device`` at the keys its own
     bundle lacks (every key where it has none), farthest GPU first (a table adding them in order
@@ -239,18 +242,14 @@ def serving_entries(device: DeviceInfo) -> list[tuple[str, TuningKey, Entry]]:
     entries = []
     for slug, records in reversed(prior_records(device)):
         for record in records:
-            if (record.kernel, record.kernel_version, json.dumps(record.key, sort_keys=True)) in own:
+            if _ident(record.kernel, record.kernel_version, record.key) in own:
                 continue
             admitted = _admitted(record, slug, device)
             if admitted is not None:
                 entries.append(admitted)
     if entries:
-        log.info(
-            "%s: %d config(s) of other GPUs may serve, provisionally, at keys %s",
-            device.slug,
-            len(entries),
-            "its own bundle lacks" if own else "it has no bundle for",
-        )
+        where = "at keys its own bundle lacks" if own else "(it has no bundle of its own)"
+        log.info("%s: %d config(s) of other GPUs may serve, provisionally, %s", device.slug, len(entries), where)
     return entries
 
 
