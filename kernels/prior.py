@@ -248,7 +248,7 @@ def serving_entries(device: DeviceInfo) -> list[tuple[str, TuningKey, Entry]]:
             if admitted is not None:
                 entries.append(admitted)
     if entries:
-        where = "at keys its own bundle lacks" if own else "(it has no bundle of its own)"
+        where = "(it has no bundle of its own)" if active(device) else "at keys its own bundle lacks"
         log.info("%s: %d config(s) of other GPUs may serve, provisionally, %s", device.slug, len(entries), where)
     return entries
 

@@ -1,8 +1,8 @@
 """The in-memory table of stored winners the dispatcher serves from, and how records get in.
 
 Records come from two places: the bundle shipped for the detected GPU and the user's config DB
-(and, with ``TRITUNE_CROSS_GPU=serve`` on a GPU without a bundle of its own, the nearest other
-GPUs' bundles: :mod:`.prior`). Each record is checked against the running environment before it
+(and, with ``TRITUNE_CROSS_GPU=serve``, the nearest other GPUs' bundles at the keys this GPU's
+bundle lacks: :mod:`.prior`). Each record is checked against the running environment before it
 is admitted: the kernel must exist, its version must match the running code, it must be for this
 GPU, and its key and config must parse strictly against the kernel's key type and search space and
 be feasible here. Anything else is refused with one logged reason, and the portable path serves

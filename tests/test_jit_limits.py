@@ -124,26 +124,27 @@ class _BatchBench:
         return {"status": OK, "ms": 1.0, "error": None, "fatal": False}
 
 
-@pytest.mark.parametrize("parallel", [False, True])
-def test_a_batch_compiled_in_parallel_is_measured_past_the_time_budget(tmp_path, parallel):
-    """Once a batch's compiles are paid, its check and timing cost milliseconds: all of it is
-    measured though the compiles outlast the budget. Compiled one by one, each trial past the
-    budget is skipped but for the owed portable default."""
+@pytest.mark.parametrize(("parallel", "compile_s", "measured"), [(False, 0.4, 1), (True, 0.4, 4), (True, 0.8, 1)])
+def test_a_batch_compiled_in_parallel_is_measured_past_the_time_budget(tmp_path, parallel, compile_s, measured):
+    """Once a batch's compiles are paid, its check and timing cost little: all of it is measured
+    though the compiles outlast the budget, up to twice the budget. Compiled one by one, each trial
+    past the budget is skipped; either way the owed portable default is measured."""
     key = _key(256)
-    options = TuneOptions(trials=12, batch=4, time_budget_s=0.2, final_rounds=1, compile_workers=4 if parallel else 1)
+    workers = 4 if parallel else 1
+    options = TuneOptions(trials=12, batch=4, time_budget_s=0.3, final_rounds=1, compile_workers=workers)
     with ConfigStore(f"sqlite:///{tmp_path / 'compiled.sqlite'}") as store:
         env = environment_id(store, CPU)
         tuner = KeyTuner(SPEC, key, CPU, torch.device("cpu"), store, env, _SlowCost(), options)
         tuner.torch_device = torch.device("cuda")  # a GPU's parallel compile, which the bench fakes
         configs = [c for c in tuner.strategy.feasible if SPEC.space.to_dict(c) != PORTABLE][:3]
         configs.append(SPEC.space.parse(PORTABLE))
-        bench = _BatchBench(compile_s=0.4)
-        tuner.started = time.monotonic() - (0.0 if parallel else 0.3)
+        bench = _BatchBench(compile_s=compile_s)
+        # Compiled one by one, the budget is spent before the batch: the same state without the pool.
+        tuner.started = time.monotonic() - (0.0 if parallel else compile_s)
         tuner._measure_batch(bench, configs)
-    if parallel:
-        assert [compiled for _, compiled in bench.measured] == [True] * 4
-    else:
-        assert bench.measured == [(PORTABLE, False)]
+    assert len(bench.measured) == measured
+    assert bench.measured[-1][0] == PORTABLE
+    assert all(compiled == parallel for _, compiled in bench.measured)
 
 
 class _DefaultFails(FakeTimer):

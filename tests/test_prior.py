@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from dataclasses import dataclass
@@ -187,12 +188,22 @@ def test_a_gpus_bundle_seeds_the_keys_it_holds_the_prior_those_it_lacks(shipped,
     # with ``serve`` the nearest GPU's winner at that very key serves, provisionally, and the keys
     # its own bundle holds keep its own winners.
     assert served(H100, 256) == mine
-    DISPATCHER.clear()
     with settings.override(cross_gpu="serve"):
+        lent = {key.n_bucket: SMEM.space.to_dict(entry.config) for _kernel, key, entry in prior.serving_entries(H100)}
+        assert lent == {256: H200_WINNERS[256]}
         assert served(H100, 256) == H200_WINNERS[256]
         assert DISPATCHER.table(H100).exact[("toy_smem", key(H100, 256))].provisional
         assert served(H100, 1024) == mine
         assert not DISPATCHER.table(H100).exact[("toy_smem", key(H100, 1024))].provisional
+
+
+def test_a_stale_winner_of_this_gpus_bundle_does_not_hold_its_key(shipped, monkeypatch):
+    """An entry of another kernel version is refused here: the key is one the bundle lacks."""
+    stale = dataclasses.replace(_record(H100, 256, {"BLOCK": 64, "num_warps": 4}, tritune="test"), kernel_version="old")
+    ship(shipped, monkeypatch, stale, device=H100)
+    assert prior.seed_configs(SMEM, key(H100, 256), H100) == [H200_WINNERS[256]]
+    with settings.override(cross_gpu="serve"):
+        assert served(H100, 256) == H200_WINNERS[256]
 
 
 def test_the_prior_is_seeded_before_the_neighbours_winners(tmp_path):

@@ -68,6 +68,10 @@ from .timing import Timer
 from .winner import offer_winner
 
 log = logging.getLogger("tritune.tuner")
+
+#: How far past the time budget, as a multiple of it, a batch already compiled in parallel is still
+#: measured: its compiles are paid, and what is left of each trial is a check and a timing.
+_COMPILED_GRACE = 2.0
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
@@ -256,10 +260,11 @@ class KeySearch(AskTell):
 
     # ---- measuring ---------------------------------------------------------------------------
 
-    def _past_deadline(self) -> bool:
-        """Whether ``--time-budget`` (online: the key's seconds) has run out since the search began."""
+    def _past_deadline(self, grace: float = 1.0) -> bool:
+        """Whether ``--time-budget`` (online: the key's seconds), times ``grace``, has run out since
+        the search began."""
         budget = self.options.time_budget_s
-        return budget is not None and self.started is not None and time.monotonic() - self.started > budget
+        return budget is not None and self.started is not None and time.monotonic() - self.started > budget * grace
 
     def _default_unsettled(self, study: optuna.Study) -> bool:
         """Whether nobody has measured the portable default or is measuring it now.
@@ -310,12 +315,12 @@ class KeySearch(AskTell):
         """Run one batch on the bench, recording each trial as soon as its outcome is in.
 
         ``on_result(index, outcome)`` is called right after each trial is recorded. Past the time
-        budget the rest of the batch is left unmeasured but for a portable default with no result
-        and the configs the batch already compiled in parallel: their compiles, the dear part of
-        a trial, are paid, and the check and timing left cost milliseconds. (A short online budget
-        spent on the first key's start-up would otherwise keep only the default of a batch whose
-        every compile had finished.) A candidate under way is never killed for the budget: a
-        kill would be stored as the config's failure.
+        budget the rest of the batch is left unmeasured but for a portable default with no result.
+        A batch compiled in parallel is measured on until twice the budget: its compiles, the
+        dear part of a trial, are paid, and a short online budget that ran out while they ran
+        would otherwise keep only the default of a batch whose every compile had finished. A
+        candidate under way is never killed for the budget (a kill would be stored as the config's
+        failure), so a trial started before a limit may finish after it.
         """
         values = [self.space.to_dict(c) for c in configs]
         early: list[TrialOutcome | None] | None = None
@@ -325,7 +330,8 @@ class KeySearch(AskTell):
         results = []
         left = 0
         for index, config in enumerate(configs):
-            if early is None and self._past_deadline() and not self._owed_default(config):
+            limit = _COMPILED_GRACE if early is not None else 1.0
+            if self._past_deadline(limit) and not self._owed_default(config):
                 left += 1
                 continue
             failed_early = early[index] if early is not None else None

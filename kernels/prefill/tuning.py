@@ -26,8 +26,8 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 #: Error bound of :meth:`PrefillTuning.check`, relative to max|reference|.
 _TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 #: What ``tune`` sweeps on a GPU when no key is named: bf16 causal, Lkv >= Lq, at these
-#: (head dim, GQA group) layouts: Llama-3-70B's and Mistral-style 64-dim heads at 8 query heads a
-#: KV head, Llama-3-8B's 32 over 8 at head dim 128.
+#: (head dim, GQA group) layouts: small 64-dim heads at GQA 8; Llama-3-70B's 128-dim heads at
+#: GQA 8; Llama-3-8B's and Mistral-7B's 128-dim heads at GQA 4.
 _GPU_LAYOUTS = ((64, 8), (128, 8), (128, 4))
 _GPU_LQ = (512, 1024, 2048, 4096)
 _GPU_LKV = (16384, 32768, 65536, 131072)
