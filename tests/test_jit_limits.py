@@ -1,7 +1,8 @@
 """Online tuning's time caps: the trial timeout is tune's own (a short budget never stores a kill
 as a failure, and a stored short timeout is retried), a locked DB and the key's seconds bound a
 sync call, a batch stops at the deadline (the portable default measured whatever the seconds left,
-a batch already compiled in parallel measured to its end), a failed portable default ends the tune at once."""
+a batch already compiled in parallel measured on up to twice the budget), a failed portable
+default ends the tune at once."""
 
 from __future__ import annotations
 
@@ -124,14 +125,14 @@ class _BatchBench:
         return {"status": OK, "ms": 1.0, "error": None, "fatal": False}
 
 
-@pytest.mark.parametrize(("parallel", "compile_s", "measured"), [(False, 0.4, 1), (True, 0.4, 4), (True, 0.8, 1)])
+@pytest.mark.parametrize(("parallel", "compile_s", "measured"), [(False, 0.7, 1), (True, 0.7, 4), (True, 1.2, 1)])
 def test_a_batch_compiled_in_parallel_is_measured_past_the_time_budget(tmp_path, parallel, compile_s, measured):
     """Once a batch's compiles are paid, its check and timing cost little: all of it is measured
     though the compiles outlast the budget, up to twice the budget. Compiled one by one, each trial
     past the budget is skipped; either way the owed portable default is measured."""
     key = _key(256)
     workers = 4 if parallel else 1
-    options = TuneOptions(trials=12, batch=4, time_budget_s=0.3, final_rounds=1, compile_workers=workers)
+    options = TuneOptions(trials=12, batch=4, time_budget_s=0.5, final_rounds=1, compile_workers=workers)
     with ConfigStore(f"sqlite:///{tmp_path / 'compiled.sqlite'}") as store:
         env = environment_id(store, CPU)
         tuner = KeyTuner(SPEC, key, CPU, torch.device("cpu"), store, env, _SlowCost(), options)
