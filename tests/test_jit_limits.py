@@ -125,13 +125,25 @@ class _BatchBench:
         return {"status": OK, "ms": 1.0, "error": None, "fatal": False}
 
 
-@pytest.mark.parametrize(("parallel", "compile_s", "measured"), [(False, 0.7, 1), (True, 0.7, 4), (True, 1.2, 1)])
-def test_a_batch_compiled_in_parallel_is_measured_past_the_time_budget(tmp_path, parallel, compile_s, measured):
+@pytest.mark.parametrize(
+    ("workers", "spent_s", "compile_s", "measured", "compiled"),
+    [
+        (1, 0.7, 0.0, 1, False),  # compiled one by one: the budget is spent before the batch
+        (4, 0.0, 0.7, 4, True),  # the parallel compiles outlast the budget, not twice it
+        (4, 0.0, 1.2, 1, True),  # ... and twice it: only the owed default
+        (4, 0.6, 0.2, 4, True),  # the budget went on start-up: the late batch is compiled and measured
+        (4, 1.1, 0.2, 1, False),  # start-up took twice the budget: the default alone, compiled by itself
+    ],
+)
+def test_a_batch_compiled_in_parallel_is_measured_past_the_time_budget(
+    tmp_path, workers, spent_s, compile_s, measured, compiled
+):
     """Once a batch's compiles are paid, its check and timing cost little: all of it is measured
-    though the compiles outlast the budget, up to twice the budget. Compiled one by one, each trial
-    past the budget is skipped; either way the owed portable default is measured."""
+    though the compiles outlast the budget, up to twice the budget, and a batch asked after the
+    budget went on start-up is still compiled in parallel, which costs the default's compile alone.
+    Compiled one by one, each trial past the budget is skipped; either way the owed portable
+    default is measured."""
     key = _key(256)
-    workers = 4 if parallel else 1
     options = TuneOptions(trials=12, batch=4, time_budget_s=0.5, final_rounds=1, compile_workers=workers)
     with ConfigStore(f"sqlite:///{tmp_path / 'compiled.sqlite'}") as store:
         env = environment_id(store, CPU)
@@ -140,12 +152,11 @@ def test_a_batch_compiled_in_parallel_is_measured_past_the_time_budget(tmp_path,
         configs = [c for c in tuner.strategy.feasible if SPEC.space.to_dict(c) != PORTABLE][:3]
         configs.append(SPEC.space.parse(PORTABLE))
         bench = _BatchBench(compile_s=compile_s)
-        # Compiled one by one, the budget is spent before the batch: the same state without the pool.
-        tuner.started = time.monotonic() - (0.0 if parallel else compile_s)
+        tuner.started = time.monotonic() - spent_s
         tuner._measure_batch(bench, configs)
     assert len(bench.measured) == measured
     assert bench.measured[-1][0] == PORTABLE
-    assert all(compiled == parallel for _, compiled in bench.measured)
+    assert all(flag == compiled for _, flag in bench.measured)
 
 
 class _DefaultFails(FakeTimer):

@@ -318,14 +318,17 @@ class KeySearch(AskTell):
         budget the rest of the batch is left unmeasured but for a portable default with no result.
         A batch compiled in parallel is measured on until twice the budget: its compiles, the
         dear part of a trial, are paid, and a short online budget that ran out while they ran
-        would otherwise keep only the default of a batch whose every compile had finished. A
-        candidate under way is never killed for the budget (a kill would be stored as the config's
-        failure), so a trial started before a limit may finish after it.
+        would otherwise keep only the default of a batch whose every compile had finished. A batch
+        asked past the budget (for the owed default) is compiled in parallel too, while within
+        twice the budget. A candidate under way is never killed for the budget (a kill would be
+        stored as the config's failure), so a trial started before a limit may finish after it.
         """
         values = [self.space.to_dict(c) for c in configs]
         early: list[TrialOutcome | None] | None = None
         parallel = self.torch_device.type == "cuda" and self.options.compile_workers > 1 and len(configs) > 1
-        if parallel and not self._past_deadline():
+        # Late too (the budget went on start-up): compiled in parallel, the batch costs about what
+        # the owed default's compile alone would, and the grace below leaves time to measure it.
+        if parallel and not self._past_deadline(_COMPILED_GRACE):
             early = bench.precompile(values)
         results = []
         left = 0
