@@ -49,7 +49,7 @@ class Settings:
     jit: JitMode = "off"
     #: Trials and seconds one online tune of a key may spend, and seconds per process in all.
     jit_trials: int = 16
-    jit_key_seconds: float = 5.0
+    jit_key_seconds: float = 4.0
     jit_total_seconds: float = 120.0
     #: Keys resolved without an exact winner are logged to the user DB (``tune missed``).
     miss_log: bool = True
@@ -204,7 +204,7 @@ ENVIRONMENT: dict[str, Variable] = {
         _choice("off", "sync", "background"),
     ),
     "TRITUNE_JIT_TRIALS": Variable("jit_trials", "16", "configs one online tune of a key may measure", _count),
-    "TRITUNE_JIT_KEY_SECONDS": Variable("jit_key_seconds", "5", "seconds one online tune of a key may take", _seconds),
+    "TRITUNE_JIT_KEY_SECONDS": Variable("jit_key_seconds", "4", "seconds one online tune of a key may take", _seconds),
     "TRITUNE_JIT_TOTAL_SECONDS": Variable(
         "jit_total_seconds", "120", "seconds of online tuning per process in all", _seconds
     ),

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -124,6 +125,16 @@ def offline_phase(
         done()
 
 
+def borrow_offline(rows: list[dict[str, Any]], earlier: Path) -> None:
+    """The offline columns of an earlier run's ``rows.json`` at the keys both runs met: an online
+    phase re-run after a change to online tuning is compared with the same offline tune."""
+    before = {(r["kernel"], json.dumps(r["key"], sort_keys=True)): r for r in json.loads(earlier.read_text())["rows"]}
+    for row in rows:
+        match = before.get((row["kernel"], json.dumps(row["key"], sort_keys=True)))
+        if match is not None:
+            row["offline_s"], row["offline_speedup"] = match.get("offline_s"), match.get("offline_speedup")
+
+
 def provisional_phase(work: Path, device: str, smoke: bool) -> dict[str, Any]:
     env = {"TRITUNE_JIT": "off", "TRITUNE_DB": str(work / "none.sqlite")}
     calls, log = _run_workload(work, "provisional", env, device, smoke, ("--fake-triton-version", FAKE_TRITON))
@@ -178,8 +189,8 @@ def report(env: dict[str, Any], rows: list[dict[str, Any]], provisional: dict | 
             f"| {bl.fmt(online, 3)} | {bl.fmt(r.get('offline_s'), 1)} | {bl.fmt(offline, 3)} "
             f"| {bl.fmt(fraction, 3)} | {bl.fmt(share, 3)} |"
         )
-    median = sorted(fractions)[len(fractions) // 2] if fractions else None
-    share_median = sorted(time_shares)[len(time_shares) // 2] if time_shares else None
+    median = statistics.median(fractions) if fractions else None
+    share_median = statistics.median(time_shares) if time_shares else None
     notes = [
         f"Online tuning in all: {sum(r['tune_s'] for r in rows):.1f} s over {len(rows)} calls; "
         f"median online/offline speedup {bl.fmt(median, 3)}, median online/offline tuning time "
@@ -212,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="tune options of the offline phase, e.g. '--time-budget 30' (default: tune's own defaults)",
     )
+    parser.add_argument(
+        "--offline-from",
+        default=None,
+        help="an earlier run's rows.json whose offline columns (same GPU, same keys) stand in for the offline phase",
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         bl.use_interpreter()
@@ -241,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         save()
     if "offline" in args.phases and rows:
         offline_phase(work, args.device, rows, args.smoke, args.offline_args.split(), save)
+    elif args.offline_from and rows:
+        borrow_offline(rows, Path(args.offline_from))
+        save()
     if "provisional" in args.phases:
         provisional = provisional_phase(work, args.device, args.smoke)
         save()

@@ -96,7 +96,7 @@ BAD_VALUES = [
     ("TRITUNE_JIT", "always", "jit", "off"),
     ("TRITUNE_JIT_TRIALS", "0", "jit_trials", 16),
     ("TRITUNE_JIT_TRIALS", "2.5", "jit_trials", 16),
-    ("TRITUNE_JIT_KEY_SECONDS", "0", "jit_key_seconds", 5.0),
+    ("TRITUNE_JIT_KEY_SECONDS", "0", "jit_key_seconds", 4.0),
     ("TRITUNE_JIT_TOTAL_SECONDS", "forever", "jit_total_seconds", 120.0),
     ("TRITUNE_MISS_LOG", "maybe", "miss_log", True),
     ("TRITUNE_CROSS_GPU", "everywhere", "cross_gpu", "seed"),
