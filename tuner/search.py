@@ -70,8 +70,10 @@ from .winner import offer_winner
 log = logging.getLogger("tritune.tuner")
 
 #: How far past the time budget, as a multiple of it, a batch already compiled in parallel is still
-#: measured: its compiles are paid, and what is left of each trial is a check and a timing.
-_COMPILED_GRACE = 2.0
+#: measured: its compiles are paid, and what is left of each trial is a check and a timing. A cold
+#: machine's first batch of a kernel (its Triton cache empty) can take twice a short online budget
+#: to compile alone.
+_COMPILED_GRACE = 3.0
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
@@ -316,12 +318,12 @@ class KeySearch(AskTell):
 
         ``on_result(index, outcome)`` is called right after each trial is recorded. Past the time
         budget the rest of the batch is left unmeasured but for a portable default with no result.
-        A batch compiled in parallel is measured on until twice the budget: its compiles, the
+        A batch compiled in parallel is measured on until three times the budget: its compiles, the
         dear part of a trial, are paid, and a short online budget that ran out while they ran
         would otherwise keep only the default of a batch whose every compile had finished. A batch
         asked past the budget (for the owed default) is compiled in parallel too, while within
-        twice the budget. A candidate under way is never killed for the budget (a kill would be
-        stored as the config's failure), so a trial started before a limit may finish after it.
+        three times the budget. A candidate under way is never killed for the budget (a kill would
+        be stored as the config's failure), so a trial started before a limit may finish after it.
         """
         values = [self.space.to_dict(c) for c in configs]
         early: list[TrialOutcome | None] | None = None
