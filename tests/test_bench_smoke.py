@@ -175,3 +175,33 @@ def test_q4k_bench_pins_the_portable_rules_tiles_where_the_default_is_dequant(mo
     tiles = KERNEL.space.to_dict(portable_default(key))
     assert bench_q4k._path_default(tiles, "portable", key, h200) == tiles
     assert tiles["BLOCK_M"] == 128 and tiles["BLOCK_N"] == 128 and tiles["BLOCK_K"] == 64
+
+
+# ---- unit rules of the online-tuning benchmark ------------------------------------------------------
+
+
+def test_an_online_rerun_borrows_the_earlier_offline_columns_key_by_key(monkeypatch, tmp_path) -> None:
+    """The offline columns come from the earlier run's row of the same kernel and key (field order
+    aside); a key that run did not meet keeps none, and the medians are the medians proper."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import bench_jit
+
+    earlier = [
+        {"kernel": "k", "key": {"a": 1, "b": 2}, "offline_s": 20.0, "offline_speedup": 2.0},
+        {"kernel": "k", "key": {"a": 1, "b": 3}, "offline_s": 40.0, "offline_speedup": 1.0},
+        {"kernel": "other", "key": {"a": 1, "b": 2}, "offline_s": 99.0, "offline_speedup": 9.0},
+    ]
+    (tmp_path / "rows.json").write_text(json.dumps({"rows": earlier, "provisional": None, "missed": None}))
+    rows = [
+        {"kernel": "k", "key": {"b": 2, "a": 1}, "label": "x", "tune_s": 5.0, "online_speedup": 1.8},
+        {"kernel": "k", "key": {"a": 1, "b": 3}, "label": "y", "tune_s": 8.0, "online_speedup": 1.0},
+        {"kernel": "k", "key": {"a": 2, "b": 3}, "label": "z", "tune_s": 4.0, "online_speedup": 1.5},
+    ]
+    bench_jit.borrow_offline(rows, tmp_path / "rows.json")
+    assert [(r.get("offline_s"), r.get("offline_speedup")) for r in rows] == [(20.0, 2.0), (40.0, 1.0), (None, None)]
+    env = {"gpu": "g", "sm_count": 1, "memory_gib": 1.0, "torch": "t", "triton": "t", "cuda": None,
+           "cudnn": None, "python": "3", "date_utc": "d", "command": "c"}  # fmt: skip
+    markdown = bench_jit.report(env, rows, None, None)
+    # Speedup fractions 0.9 and 1.0, time shares 0.25 and 0.2: their medians are the means of the two.
+    assert "median online/offline speedup 0.950" in markdown
+    assert "median online/offline tuning time 0.225" in markdown
