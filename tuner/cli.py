@@ -142,7 +142,8 @@ def tune(
         float | None,
         typer.Option(
             callback=_positive_seconds,
-            help="seconds per key (above zero); the portable default is measured even past them",
+            help="seconds per key (above zero); past them the portable default is still measured, and a batch "
+            "already compiled in parallel up to three times them",
         ),
     ] = None,
     db: Annotated[str | None, typer.Option(help="config DB (SQLAlchemy URL or file path)")] = None,
