@@ -105,6 +105,14 @@ def to_json(results: Results) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def glue(args: dict[str, Any], option: str) -> str:
+    """How a model's element-wise work ran, from its ``--*-glue`` option (PyTorch ops in a run that
+    predates the option)."""
+    if args.get(option, "torch") == "triton":
+        return "in four Triton launches a block (examples/llama/glue.py)"
+    return "in PyTorch ops (float32, one launch per op)"
+
+
 def report(results: Results) -> str:
     env, args, cfg = results.env, results.args, results.config
     shape = (
@@ -125,7 +133,9 @@ def report(results: Results) -> str:
         "per step. PyTorch bf16: the same forward on the weights dequantized once to bf16, F.linear (cuBLAS), SDPA "
         "over the same static cache (prefill: native GQA, bottom-right causal, PyTorch's backend, chunks run "
         "eagerly as SDPA needs the cache's length on the host; decode: masked, the fastest backend at that "
-        "context), its decode step in one CUDA graph too. Both keep a float32 residual stream.",
+        "context), its decode step in one CUDA graph too. Both keep a float32 residual stream. Element-wise "
+        f"work between kernels (residual adds, RMSNorm, RoPE, SwiGLU): tritune {glue(args, 'tritune_glue')}, "
+        f"PyTorch bf16 {glue(args, 'baseline_glue')}.",
         f"Prefill: the whole prompt from an empty cache in chunks of {args['chunk_size']} tokens, last-token "
         f"logits per chunk. Decode: {args['decode_steps']} greedy steps after that prompt (graph replays), "
         "tokens/s = steps / time.",

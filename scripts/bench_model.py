@@ -9,15 +9,18 @@ The model is the Llama-3-8B shape (32 layers, hidden 4096, MLP 14336, 32 query a
 ``scripts/make_llama_gguf.py`` (Llama-3.1 RoPE scaling, context 131072) unless ``--gguf`` names a
 file. Two models run it, one after the other so that only one is resident:
 
-- tritune (``examples/llama``): Q4_K weights through ``q4k_linear``, chunked ``prefill_attention``
-  with every chunk replaying a CUDA graph of its length, a shorter last chunk padded (``--no-prefill-graphs``:
-  eager chunks),
-  a decode step of ``decode_attention`` captured in one CUDA graph;
+- tritune (``examples/llama``): Q4_K weights through ``q4k_linear``, the element-wise work between
+  kernels in four Triton launches a block (``--tritune-glue torch``: PyTorch ops), chunked
+  ``prefill_attention`` with every chunk replaying a CUDA graph of its length, a shorter last chunk
+  padded (``--no-prefill-graphs``: eager chunks), a decode step of ``decode_attention`` captured in
+  one CUDA graph;
 - the PyTorch baseline (``examples/llama/torch_model.py``): the same forward on the weights
-  dequantized once to bf16, ``F.linear`` on cuBLAS, SDPA over the same static cache (prefill: native
-  GQA, bottom-right causal, PyTorch's backend choice; decode: the fastest of its backends, chosen
-  once per context), the same chunk size, its decode step captured in one CUDA graph too. Its
-  prefill chunks run eagerly: SDPA slices the cache to a host length, which a replay cannot change.
+  dequantized once to bf16, its element-wise work in PyTorch ops as a PyTorch user writes it
+  (``--baseline-glue triton``: tritune's, so that the two differ in linears and attention only),
+  ``F.linear`` on cuBLAS, SDPA over the same static cache (prefill: native GQA, bottom-right causal,
+  PyTorch's backend choice; decode: the fastest of its backends, chosen once per context), the same
+  chunk size, its decode step captured in one CUDA graph too. Its prefill chunks run eagerly: SDPA
+  slices the cache to a host length, which a replay cannot change.
 
 Per prompt length: prefill tokens/s (the whole prompt in chunks, from an empty cache) and decode
 tokens/s (``--decode-steps`` graph replays after that prompt), each the median of timed runs after
@@ -101,6 +104,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true", help="kernel-time breakdown of a prefill chunk and a decode step")
     p.add_argument("--profile-length", type=int, default=None, help="context of the profiled steps (default 8192)")
     p.add_argument("--no-prefill-graphs", action="store_true", help="tritune's prefill chunks run eagerly too")
+    p.add_argument(
+        "--tritune-glue",
+        choices=("triton", "torch"),
+        default="triton",
+        help="the tritune model's element-wise work: Triton launches (default) or PyTorch ops",
+    )
+    p.add_argument(
+        "--baseline-glue",
+        choices=("torch", "triton"),
+        default="torch",
+        help="the PyTorch model's element-wise work: PyTorch ops (default) or tritune's Triton glue",
+    )
     return p
 
 
@@ -390,7 +405,10 @@ def run_model(
         if refs is None:
             refs = references(llama, config, weights, prompts)
         model = (llama.LlamaModel if tritune else llama.TorchLlamaModel)(
-            config, weights, max_positions=max_positions(args)
+            config,
+            weights,
+            max_positions=max_positions(args),
+            glue=args.tritune_glue if tritune else args.baseline_glue,
         )
         # The model holds its own (fused or dense) copies: the file's tensors go.
         del weights

@@ -366,6 +366,22 @@ def test_prefill_in_one_chunk_then_greedy_decode_steps(model: llama.LlamaModel, 
     _check("decode steps", steps, [(full, slice(len(PROMPT) + i, len(PROMPT) + i + 1)) for i in range(3)], reference)
 
 
+def test_pytorch_glue_serves_the_same_model_and_an_unknown_glue_is_refused(
+    loaded: tuple[llama.LlamaConfig, llama.LlamaWeights], model: llama.LlamaModel, reference: Any
+) -> None:
+    with pytest.raises(ValueError, match="glue: expected one of"):
+        llama.LlamaModel(*loaded, max_positions=64, glue="numpy")
+    torch_glue = llama.LlamaModel(*loaded, max_positions=64, glue="torch")
+    assert model.glue_name == "triton" and isinstance(torch_glue.glue, llama.TorchGlue)
+    logits = {}
+    for name, candidate in (("triton glue", model), ("torch glue", torch_glue)):
+        generator = llama.Generator(candidate, max_len=32, chunk_size=8, graphs=False)
+        logits[name] = generator.prefill(PROMPT, all_logits=True)
+        _check(f"prefill, {name}", [logits[name]], [(PROMPT, slice(None))], reference)
+    # The two glues compute the same float32 formulas: their logits differ by rounding order only.
+    assert _rel(logits["triton glue"].double().cpu(), logits["torch glue"].double().cpu()) < 1e-2
+
+
 def test_prefill_in_chunks_over_a_growing_cache(model: llama.LlamaModel, reference: Any) -> None:
     generator = llama.Generator(model, max_len=32, chunk_size=4, graphs=False)
     logits = generator.prefill(PROMPT, all_logits=True)

@@ -7,9 +7,11 @@ chunked prefill, a graph-captured decode step (``generate.py``) and a batched se
 
 Per block: RMSNorm, one fused Q4_K projection for Q, K and V, RoPE, attention, the output
 projection; RMSNorm, one fused Q4_K projection for the SwiGLU gate and up halves, the down
-projection. Four ``q4k_linear`` launches per block instead of seven. A block's weights may also be
-dense tensors (``F.linear``): ``torch_model.py`` runs this same forward on bf16 weights with cuBLAS,
-so that a comparison of the two differs in the linears and attention only.
+projection. Four ``q4k_linear`` launches per block instead of seven. The element-wise work between
+them (residual adds, norms, RoPE, SwiGLU) is the model's ``glue`` (``glue.py``): four Triton
+launches a block by default, or PyTorch ops. A block's weights may also be dense tensors
+(``F.linear``): ``torch_model.py`` runs this same forward on bf16 weights with cuBLAS and PyTorch
+glue, as a PyTorch user writes the model.
 """
 
 from __future__ import annotations
@@ -23,8 +25,12 @@ import torch.nn.functional as F
 from tritune.kernels import Q4KWeight, q4k_linear
 
 from .config import LlamaConfig
-from .layers import Rope, fuse_rows, rms_norm
+from .glue import Glue, TorchGlue, TritonGlue
+from .layers import Rope, fuse_rows
 from .loader import LlamaWeights
+
+#: The glue implementations ``LlamaModel(glue=...)`` names.
+GLUES: dict[str, type[TorchGlue]] = {"triton": TritonGlue, "torch": TorchGlue}
 
 
 class Attend(Protocol):
@@ -73,7 +79,8 @@ class LlamaModel:
 
     ``dtype`` is the activations' dtype at the kernels: bfloat16 by default (on a GPU and on the
     Triton interpreter alike). ``max_positions`` bounds the positions RoPE tables cover (default:
-    the file's context length).
+    the file's context length). ``glue`` names the element-wise work's implementation
+    (:data:`GLUES`: "triton", four launches a block, or "torch", PyTorch ops).
     """
 
     def __init__(
@@ -83,7 +90,10 @@ class LlamaModel:
         *,
         dtype: torch.dtype = torch.bfloat16,
         max_positions: int | None = None,
+        glue: str = "triton",
     ) -> None:
+        if glue not in GLUES:
+            raise ValueError(f"glue: expected one of {sorted(GLUES)}, got {glue!r}")
         self.config = config
         self.dtype = dtype
         self.device = weights.device
@@ -94,6 +104,8 @@ class LlamaModel:
         # A float head runs as a dense matmul in the activations' dtype.
         self.head: Linear = weights.output if isinstance(weights.output, Q4KWeight) else weights.output.to(dtype)
         self.rope = Rope(config, weights.rope_freq_factors, self.max_positions, self.device)
+        self.glue_name = glue
+        self.glue: Glue = GLUES[glue](config.heads, config.kv_heads, config.head_dim, config.rms_eps, self.rope, dtype)
 
     def make_block(self, weights: LlamaWeights, layer: int) -> Block:
         """Block ``layer``'s parameters as this model runs them (here: fused Q4_K projections)."""
@@ -125,21 +137,21 @@ class LlamaModel:
         ``logit_rows`` (int64 ``[R]``) picks the rows that reach the output head (a prefill chunk
         needs only its last); default all ``T``. Only device tensors are read: no host sync.
         """
-        cfg = self.config
+        cfg, glue = self.config, self.glue
         tokens_count = tokens.shape[0]
         h = F.embedding(tokens, self.embedding).float()  # [T, hidden], the float32 residual stream
+        # Each residual add is fused with the norm after it: the next block's, or the output norm
+        # (of the logit rows only).
+        norms = [block.attn_norm for block in self.blocks[1:]] + [self.output_norm]
+        first = self.blocks[0].attn_norm if self.blocks else self.output_norm
+        x = glue.norm(h, first, None if self.blocks else logit_rows)
         for layer, block in enumerate(self.blocks):
-            x = rms_norm(h, block.attn_norm, cfg.rms_eps, self.dtype)
-            q, k, v = linear(x, block.qkv).split((cfg.q_width, cfg.kv_width, cfg.kv_width), dim=-1)
-            q = self.rope(q.view(tokens_count, cfg.heads, cfg.head_dim), positions)
-            k = self.rope(k.view(tokens_count, cfg.kv_heads, cfg.head_dim), positions)
-            v = v.reshape(tokens_count, cfg.kv_heads, cfg.head_dim)
+            q, k, v = glue.rope_qkv(linear(x, block.qkv), positions)
             attn = attend(layer, q, k, v).reshape(tokens_count, cfg.q_width)
-            h = h + linear(attn, block.attn_output).float()
-            x = rms_norm(h, block.ffn_norm, cfg.rms_eps, self.dtype)
-            gate, up = linear(x, block.gate_up).split((cfg.ffn, cfg.ffn), dim=-1)
-            h = h + linear((F.silu(gate.float()) * up.float()).to(self.dtype), block.ffn_down).float()
-        if logit_rows is not None:
-            h = h.index_select(0, logit_rows)
-        x = rms_norm(h, self.output_norm, cfg.rms_eps, self.dtype)
+            h_attn, x = glue.add_norm(h, linear(attn, block.attn_output), block.ffn_norm)
+            assert h_attn is not None  # no rows given: the stream continues
+            rows = logit_rows if layer + 1 == len(self.blocks) else None
+            h_next, x = glue.add_norm(h_attn, linear(glue.swiglu(linear(x, block.gate_up)), block.ffn_down),
+                                      norms[layer], rows)  # fmt: skip
+            h = h_next if h_next is not None else h_attn
         return linear(x, self.head).float()

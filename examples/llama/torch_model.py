@@ -3,8 +3,10 @@
 What a PyTorch user would write for this model, with no tritune kernel: every Q4_K weight is
 dequantized once to bf16 (projections fused as in ``model.py``) and runs through ``F.linear``
 (cuBLAS); attention is ``F.scaled_dot_product_attention`` over the same static KV cache. The
-forward itself is ``LlamaModel.forward`` (float32 residual stream, norms and RoPE in float32), so
-the two models differ in their linears and attention only.
+forward itself is ``LlamaModel.forward`` (float32 residual stream, norms and RoPE in float32) with
+PyTorch glue (``glue.TorchGlue``: the element-wise ops a PyTorch user writes, where the tritune model
+fuses them into four Triton launches a block); ``glue="triton"`` gives it tritune's glue, so that a
+comparison differs in the linears and attention only.
 
 - A prefill chunk attends with SDPA over the cache's first ``kv_count`` positions, bottom-right
   causal (``causal_lower_right``) with native GQA (``enable_gqa``): PyTorch picks the backend
@@ -91,8 +93,9 @@ class TorchLlamaModel(LlamaModel):
         *,
         dtype: torch.dtype = torch.bfloat16,
         max_positions: int | None = None,
+        glue: str = "torch",
     ) -> None:
-        super().__init__(config, weights, dtype=dtype, max_positions=max_positions)
+        super().__init__(config, weights, dtype=dtype, max_positions=max_positions, glue=glue)
         if isinstance(self.head, Q4KWeight):
             self.head = _dense(self.head, dtype=dtype)
 
