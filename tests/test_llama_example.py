@@ -372,7 +372,7 @@ def test_pytorch_glue_serves_the_same_model_and_an_unknown_glue_is_refused(
     with pytest.raises(ValueError, match="glue: expected one of"):
         llama.LlamaModel(*loaded, max_positions=64, glue="numpy")
     torch_glue = llama.LlamaModel(*loaded, max_positions=64, glue="torch")
-    assert model.glue_name == "triton" and isinstance(torch_glue.glue, llama.TorchGlue)
+    assert type(model.glue) is llama.TritonGlue and type(torch_glue.glue) is llama.TorchGlue
     logits = {}
     for name, candidate in (("triton glue", model), ("torch glue", torch_glue)):
         generator = llama.Generator(candidate, max_len=32, chunk_size=8, graphs=False)

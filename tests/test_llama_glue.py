@@ -40,9 +40,10 @@ class _RopeShape:
         self.rope_linear_factor = 2.0
 
 
-#: (query heads, KV heads, head dim, hidden width, MLP width): a Llama-like shape and one whose
-#: tiles are all padded (no power of two anywhere).
-SHAPES = [(4, 2, 64, 256, 320), (3, 1, 48, 200, 130)]
+#: (query heads, KV heads, head dim, hidden width, MLP width): a Llama-like shape, and one with no
+#: power of two in any of them (every tile padded; an MLP row spans two SwiGLU programs, the
+#: second one partial).
+SHAPES = [(4, 2, 64, 256, 320), (5, 1, 48, 200, 1100)]
 
 
 @pytest.fixture(autouse=True)
@@ -57,21 +58,24 @@ def _nan_outputs(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
-def _glues(shape: tuple[int, ...]) -> list[glue_module.TorchGlue]:
+def _glues(shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16) -> list[glue_module.GlueShape]:
+    """Both glues at ``shape``: Triton's first, then PyTorch's."""
     heads, kv_heads, head_dim, _, _ = shape
     rope = Rope(_RopeShape(head_dim), None, 64, torch.device(DEVICE))  # type: ignore[arg-type]
-    return [
-        kind(heads, kv_heads, head_dim, 1e-5, rope, torch.bfloat16)
-        for kind in (glue_module.TritonGlue, glue_module.TorchGlue)
-    ]
+    kinds = (glue_module.TritonGlue, glue_module.TorchGlue)
+    return [kind(heads, kv_heads, head_dim, 1e-5, rope, dtype) for kind in kinds]
 
 
-def _assert_rounded(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
-    """``got`` (bf16) is ``want`` (float64) rounded once, give or take float32 arithmetic."""
-    assert got.dtype == torch.bfloat16 and got.shape == want.shape, f"{name}: {got.dtype} {tuple(got.shape)}"
+#: Half an ulp, relative, of each output dtype the tests use.
+HALF_ULP = {torch.bfloat16: BF16_ROUND, torch.float16: 2.0**-11}
+
+
+def _assert_rounded(got: torch.Tensor, want: torch.Tensor, name: str, dtype: torch.dtype = torch.bfloat16) -> None:
+    """``got`` (``dtype``) is ``want`` (float64) rounded once, give or take float32 arithmetic."""
+    assert got.dtype == dtype and got.shape == want.shape, f"{name}: {got.dtype} {tuple(got.shape)}"
     got64 = got.double().cpu()
     assert torch.isfinite(got64).all(), f"{name}: non-finite (an unwritten element?)"
-    bound = BF16_ROUND * want.abs() + 1e-6 * want.abs().max()
+    bound = HALF_ULP[dtype] * want.abs() + 1e-6 * want.abs().max()
     worst = float(((got64 - want).abs() - bound).max())
     assert worst <= 0, f"{name}: off by more than a bf16 rounding ({worst:.3g} past the bound)"
 
@@ -81,25 +85,27 @@ def _rms_norm64(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps) * weight
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=["pow2", "padded"])
-def test_add_norm_and_norm_round_the_float64_values_once(shape: tuple[int, ...]) -> None:
+def test_add_norm_and_norm_round_the_float64_values_once(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     width, tokens = shape[3], 9
     h = torch.randn(tokens, width, device=DEVICE) * 3
-    delta = torch.randn(tokens, width, device=DEVICE).bfloat16()
+    delta = torch.randn(tokens, width, device=DEVICE).to(dtype)
     weight = torch.randn(width, device=DEVICE)
-    rows = torch.tensor([7, 0, 3], device=DEVICE)
+    # Every other entry of a longer index: rows with a stride.
+    rows = torch.tensor([7, 5, 0, 5, 3, 1], device=DEVICE)[::2]
     added = h + delta.float()
-    for glue in _glues(shape):
+    for glue in _glues(shape, dtype):
         name = type(glue).__name__
-        _assert_rounded(glue.norm(h, weight), _rms_norm64(h, weight, 1e-5), f"{name}.norm")
-        _assert_rounded(glue.norm(h, weight, rows), _rms_norm64(h[rows], weight, 1e-5), f"{name}.norm(rows)")
+        _assert_rounded(glue.norm(h, weight), _rms_norm64(h, weight, 1e-5), f"{name}.norm", dtype)
+        _assert_rounded(glue.norm(h, weight, rows), _rms_norm64(h[rows], weight, 1e-5), f"{name}.norm(rows)", dtype)
         h_new, x = glue.add_norm(h, delta, weight)
         assert h_new is not None and h_new.dtype == torch.float32
         assert torch.equal(h_new, added), f"{name}.add_norm: the float32 residual is not h + delta"
-        _assert_rounded(x, _rms_norm64(added, weight, 1e-5), f"{name}.add_norm")
+        _assert_rounded(x, _rms_norm64(added, weight, 1e-5), f"{name}.add_norm", dtype)
         h_none, x_rows = glue.add_norm(h, delta, weight, rows)
         assert h_none is None
-        _assert_rounded(x_rows, _rms_norm64(added[rows], weight, 1e-5), f"{name}.add_norm(rows)")
+        _assert_rounded(x_rows, _rms_norm64(added[rows], weight, 1e-5), f"{name}.add_norm(rows)", dtype)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=["pow2", "padded"])
@@ -137,9 +143,16 @@ def test_swiglu_is_silu_of_the_gate_half_times_the_up_half(shape: tuple[int, ...
 
 def test_no_rows_launch_nothing_and_return_empty_outputs() -> None:
     glue = _glues(SHAPES[0])[0]
+    weight = torch.ones(256, device=DEVICE)
     h = torch.randn(0, 256, device=DEVICE)
-    _, x = glue.add_norm(h, h.bfloat16(), torch.ones(256, device=DEVICE))
-    assert x.shape == (0, 256)
+    h_new, x = glue.add_norm(h, h.bfloat16(), weight)
+    assert h_new is not None and h_new.shape == (0, 256) and x.shape == (0, 256)
+    assert glue.norm(h, weight).shape == (0, 256)
+    some = torch.randn(3, 256, device=DEVICE)
+    no_rows = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    assert glue.add_norm(some, some.bfloat16(), weight, no_rows)[1].shape == (0, 256)
+    q, k, v = glue.rope_qkv(torch.empty(0, 512, device=DEVICE, dtype=torch.bfloat16), no_rows)
+    assert q.shape == (0, 4, 64) and k.shape == v.shape == (0, 2, 64)
     assert glue.swiglu(torch.empty(0, 640, device=DEVICE, dtype=torch.bfloat16)).shape == (0, 320)
 
 
