@@ -30,7 +30,7 @@ from .layers import Rope, fuse_rows
 from .loader import LlamaWeights
 
 #: The glue implementations ``LlamaModel(glue=...)`` names.
-GLUES: dict[str, type[TorchGlue]] = {"triton": TritonGlue, "torch": TorchGlue}
+GLUES: dict[str, type[TritonGlue] | type[TorchGlue]] = {"triton": TritonGlue, "torch": TorchGlue}
 
 
 class Attend(Protocol):
@@ -104,7 +104,6 @@ class LlamaModel:
         # A float head runs as a dense matmul in the activations' dtype.
         self.head: Linear = weights.output if isinstance(weights.output, Q4KWeight) else weights.output.to(dtype)
         self.rope = Rope(config, weights.rope_freq_factors, self.max_positions, self.device)
-        self.glue_name = glue
         self.glue: Glue = GLUES[glue](config.heads, config.kv_heads, config.head_dim, config.rms_eps, self.rope, dtype)
 
     def make_block(self, weights: LlamaWeights, layer: int) -> Block:
