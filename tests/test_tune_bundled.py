@@ -16,6 +16,7 @@ from tritune.configs_db.store import ConfigStore
 from tritune.kernels import registry, settings
 from tritune.kernels.dispatcher import DISPATCHER
 from tritune.tuner.cli import app
+from tritune.tuner.keys import parse_overrides
 from tritune.tuner.plan import KeySource, plan_keys
 
 #: A config the toy space admits that is neither its default nor TUNED: the seeds must carry it into the trials.
@@ -82,7 +83,6 @@ def test_plan_keeps_the_bundles_order_and_each_key_once(shipped):
     ("args", "message"),
     [
         (["--bundled", "--missed"], "--missed and --bundled name two sets of keys"),
-        (["--bundled", "--key", "n=100"], "--bundled tunes the bundle's keys: leave out --key"),
     ],
 )
 def test_conflicting_key_sources_are_refused(shipped, tmp_path, args, message):
@@ -90,6 +90,24 @@ def test_conflicting_key_sources_are_refused(shipped, tmp_path, args, message):
     result = tune(*args, "--db", str(tmp_path / "db.sqlite"))
     assert result.exit_code != 0
     assert message in " ".join(result.output.split())
+
+
+def test_key_values_narrow_the_bundles_keys(shipped, tmp_path):
+    """``--key`` with ``--bundled`` tunes only the bundle keys holding one of its values (an alias
+    transformed as for the default keys); values no bundle key holds are refused, naming the keys."""
+    shipped(record(1024), record(4096), record(256))
+    plan = plan_keys([SPEC], KeySource(overrides=parse_overrides(["n=4000,200"], {}), bundled=True), CPU)
+    assert sorted(key.n_bucket for _spec, key in plan) == [256, 4096]
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    result = tune("--bundled", "--key", "n_bucket=1024", "--db", url)
+    assert result.exit_code == 0, result.output
+    assert {w.key["n_bucket"] for w in ConfigStore(url).winners(kernel="toy_scale")} == {1024}
+    result = tune("--bundled", "--key", "n_bucket=64", "--db", str(tmp_path / "other.sqlite"))
+    said = " ".join(result.output.split())
+    assert result.exit_code == 1
+    assert "--key n_bucket=64: none of the 3 keys --bundled takes matches" in said
+    assert "n_bucket=1024" in said
+    assert not (tmp_path / "other.sqlite").exists()
 
 
 def test_without_a_shipped_bundle_it_says_so(shipped, tmp_path):

@@ -112,7 +112,8 @@ def tune(
         list[str] | None,
         typer.Option(
             help="FIELD=V1,V2: tune each default key with FIELD set to each value (repeatable: every "
-            "combination); FIELD is a key field or an alias (tune list shows them)"
+            "combination); FIELD is a key field or an alias (tune list shows them); with --bundled or --missed, "
+            "only their keys whose FIELD holds one of the values"
         ),
     ] = None,
     head_dim: Annotated[list[int] | None, typer.Option(min=1, help="--key head_dim=...")] = None,
@@ -203,9 +204,6 @@ def tune(
                                             "batch": batch or [], "m": m or []})  # fmt: skip
     if missed and bundled:
         raise typer.BadParameter("--missed and --bundled name two sets of keys: give one")
-    if (missed or bundled) and overrides:
-        which = "--missed tunes the logged keys" if missed else "--bundled tunes the bundle's keys"
-        raise typer.BadParameter(f"{which}: leave out --key (and --head-dim, --lq, ...)")
     where = None
     if storage is not None:
         where = StudyStorage(

@@ -8,6 +8,10 @@ an alias the tuning half declares (``key_aliases``: ``"lq": ("lq_bucket", pow2_b
 ``--batch`` and ``--m`` are ``--key`` with that name. A kernel with a new key field needs no change
 here: the field's type (int, str or bool) says how its values are read.
 
+With ``--bundled`` or ``--missed`` the overrides filter instead: of the keys those name, only the
+ones whose fields hold one of the given values are tuned (``--bundled --key t_bucket=2048,4096``
+re-tunes those bundle keys and no others), as :meth:`KeyPlan.matches` tells.
+
 A name that a kernel has neither as a field nor as an alias leaves that kernel's keys alone; a name
 that none of the kernels tuned knows, or a value its field cannot take, is a usage error naming it
 and listing the key's fields. Overrides that leave a kernel no valid key (``--lq 4096`` sets the
@@ -180,6 +184,11 @@ class KeyPlan:
                 if value not in values:
                     values.append(value)
         return given
+
+    def matches(self, spec: KernelSpec[Any, Any], key: TuningKey) -> bool:
+        """Whether each field the overrides name for ``spec`` holds one of their values in ``key``:
+        the overrides as a filter on keys from elsewhere (``--bundled``, ``--missed``)."""
+        return all(getattr(key, name) in values for name, values in self.fields_for(spec).items())
 
     def keys(self, spec: KernelSpec[Any, Any], device: DeviceInfo) -> list[TuningKey]:
         """``spec``'s default keys on ``device`` with the overrides applied, each once, the invalid dropped."""

@@ -2,7 +2,8 @@
 
 Three sources, one per run: each kernel's default keys with the ``--key`` overrides applied
 (:mod:`.keys`); the keys the runtime logged without a winner (``--missed``, :mod:`.missed`); or
-the keys of the bundle shipped for this GPU (``--bundled``): a re-tune after a Triton or torch
+the keys of the bundle shipped for this GPU (``--bundled``), either of the last two narrowed by
+the ``--key`` values (:meth:`.keys.KeyPlan.matches`): a re-tune after a Triton or torch
 upgrade or a kernel edit, each key seeded from its shipped winner where that winner's kernel
 version is current (:mod:`.strategy`), so a few trials a key suffice. On a GPU without a bundle of
 its own, ``--bundled`` takes the keys of the nearest GPU's bundle (:mod:`tritune.kernels.prior`,
@@ -24,7 +25,7 @@ from tritune.kernels.spec import KernelSpec, TuningKey
 
 from .app import console, plain
 from .failures import CommandError
-from .keys import KeyOverride, KeyPlan, NoValidKey, tuning_of
+from .keys import DEVICE_FIELDS, KeyOverride, KeyPlan, NoValidKey, tuning_of
 from .missed import plan_missed
 
 __all__ = ["KeySource", "plan_bundled", "plan_keys"]
@@ -47,11 +48,15 @@ def plan_keys(specs: list[Any], source: KeySource, device: DeviceInfo, trials: i
 
     With overrides, a kernel they leave no valid key is left out, with a note, when others are tuned.
     """
-    if source.missed_in is not None:
-        return plan_missed(specs, device, source.missed_in, trials)
-    if source.bundled:
-        return plan_bundled(specs, device)
     keys = KeyPlan(specs, source.overrides)
+    if source.missed_in is not None:
+        found, option = plan_missed(specs, device, source.missed_in, trials), "--missed"
+    elif source.bundled:
+        found, option = plan_bundled(specs, device), "--bundled"
+    else:
+        found, option = [], ""
+    if option:
+        return _filtered(found, keys, option) if keys.overrides else found
     plan: Plan = []
     for spec in specs:
         try:
@@ -63,6 +68,23 @@ def plan_keys(specs: list[Any], source: KeySource, device: DeviceInfo, trials: i
     if not plan:
         raise typer.BadParameter("no kernel has a valid key with these --key values")
     return plan
+
+
+def _filtered(found: Plan, keys: KeyPlan, option: str) -> Plan:
+    """The pairs of ``found`` whose keys the overrides match; :class:`CommandError` naming the
+    overrides and the keys there were when none does."""
+    kept = [(spec, key) for spec, key in found if keys.matches(spec, key)]
+    if not kept:
+        shown = " ".join(override.option for override in keys.overrides)
+        there = "; ".join(
+            ",".join(f"{name}={value}" for name, value in key.to_dict().items() if name not in DEVICE_FIELDS)
+            for _spec, key in found[:4]
+        )
+        more = f" and {len(found) - 4} more" if len(found) > 4 else ""
+        raise CommandError(
+            f"{shown}: none of the {len(found)} keys {option} takes matches", f"give values they hold: {there}{more}"
+        )
+    return kept
 
 
 def plan_bundled(specs: list[KernelSpec[Any, Any]], device: DeviceInfo) -> Plan:
