@@ -8,7 +8,10 @@ may leave the code words' latency exposed each K step. The variants here change 
 - ``desc``: the code words come through a tensor descriptor (TMA), which the pipeliner buffers
   ``num_stages`` deep in shared memory;
 - ``swap``: the dequantized tile is the MMA's A operand (registers) and x^T its B operand, so the
-  weight never goes through shared memory as a B operand; the tile is stored transposed.
+  weight never goes through shared memory as a B operand; the tile is stored transposed;
+- ``gluon``, ``gluon-swap``: the loop written out in Gluon (``_probe_q4k_gluon.py``): x by TMA
+  through mbarriers, the dequantized tile double-buffered in shared memory, one wgmma left in
+  flight while the next tile is dequantized, ``W x^T`` for small M with ``-swap``.
 
 Every variant is checked against ``x @ dequant(W)^T`` in float32 before it is timed, as a CUDA
 graph replay over four weight copies (past the L2), median of ``triton.testing.do_bench``.
@@ -28,6 +31,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _probe_q4k_gluon import run_gluon
 
 from tritune.kernels.q4k._triton_common import _codes_as_float, _small_as_float
 from tritune.kernels.q4k.weight import Q4KWeight
@@ -107,7 +112,28 @@ def _probe_kernel(
         tl.store(ptrs, acc, mask=mask_m[:, None])
 
 
+def _configs(variants: dict, m: int, splits: tuple[int, ...]):
+    """(variant, flags, BLOCK_M, BLOCK_N, SPLIT_K, stages) to try at ``m`` rows. The Gluon kernel
+    runs one warpgroup: its wgmma's M side (x's rows, or W's with ``SWAP``) is 64."""
+    for name, flags in variants.items():
+        if flags.get("GLUON") and flags["SWAP"]:
+            bms = [b for b in (16, 32, 64, 128) if b <= max(16, m)][-2:]
+            tiles = [(bm, 64) for bm in bms] + [(bm, 128) for bm in bms if bm <= 64]
+            stages = (3, 4)
+        elif flags.get("GLUON"):
+            tiles = [(64, 64), (64, 128)]
+            stages = (3, 4)
+        else:
+            bms = [16] if m <= 16 else [64] if m <= 64 else [64, 128]
+            tiles = list(itertools.product(bms, (64, 128)))
+            stages = (3,)
+        for (bm, bn), split, st in itertools.product(tiles, splits, stages):
+            yield name, flags, bm, bn, split, st
+
+
 def run_probe(x, w: Q4KWeight, cfg: dict, part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    if cfg.get("GLUON"):
+        return run_gluon(x, w, cfg, part, out)
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, k = x.shape
@@ -166,6 +192,8 @@ def main() -> int:
         "desc": dict(PREFETCH=False, DESC=True, SWAP=False),
         "swap": dict(PREFETCH=False, DESC=False, SWAP=True),
         "swap+prefetch": dict(PREFETCH=True, DESC=False, SWAP=True),
+        "gluon": dict(GLUON=True, SWAP=False),
+        "gluon-swap": dict(GLUON=True, SWAP=True),
     }
     for shape in args.shapes:
         k, n = (int(v) for v in shape.split("x"))
@@ -178,36 +206,34 @@ def main() -> int:
             want = x.float() @ weights[0].dequantize().float().T
             t_cublas = graph_time(lambda r, x=x, dense=dense: x @ dense[r].T)
             best: dict[str, tuple[float, str]] = {}
-            bms = [16] if m <= 16 else [64] if m <= 64 else [64, 128]
             splits = (1, 4) if k >= 8192 else (1,)
-            for name, flags in variants.items():
-                for bm, bn, split in itertools.product(bms, (64, 128), splits):
-                    bk, stages = 128, 3
-                    warps = 4 if bm * bn <= 64 * 64 else 8
-                    cfg = dict(
-                        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, SPLIT_K=split, **flags
-                    )
-                    part = torch.full((split, m, n), float("nan"), device="cuda")
-                    out = torch.empty(m, n, device="cuda")
-                    try:
-                        got = run_probe(x, weights[0], cfg, part, out)
-                        torch.cuda.synchronize()
-                    except Exception as exc:  # a config the compiler refuses: next one
-                        print(f"{shape} M={m} {name} {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
-                        continue
-                    err = float((got - want).norm() / want.norm())
-                    if not err < 2e-2:
-                        print(f"{shape} M={m} {name} {cfg}: rel err {err}", flush=True)
-                        continue
-                    t = graph_time(
-                        lambda r, x=x, w=weights, cfg=cfg, part=part, out=out: run_probe(x, w[r], cfg, part, out)
-                    )
-                    row = (
-                        f"| {shape} | {m} | {name} | {bm} | {bn} | {bk} | {warps} | {stages} | {split} "
-                        f"| {t * 1e3:.1f} | {t_cublas / t:.2f}x | {err:.1e} |"
-                    )
-                    if name not in best or t < best[name][0]:
-                        best[name] = (t, row)
+            for name, flags, bm, bn, split, stages in _configs(variants, m, splits):
+                bk = 128
+                warps = 4 if flags.get("GLUON") or bm * bn <= 64 * 64 else 8
+                cfg = dict(
+                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, SPLIT_K=split, **flags
+                )
+                part = torch.full((split, m, n), float("nan"), device="cuda")
+                out = torch.empty(m, n, device="cuda")
+                try:
+                    got = run_probe(x, weights[0], cfg, part, out)
+                    torch.cuda.synchronize()
+                except Exception as exc:  # a config the compiler refuses: next one
+                    print(f"{shape} M={m} {name} {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                    continue
+                err = float((got - want).norm() / want.norm())
+                if not err < 2e-2:
+                    print(f"{shape} M={m} {name} {cfg}: rel err {err}", flush=True)
+                    continue
+                t = graph_time(
+                    lambda r, x=x, w=weights, cfg=cfg, part=part, out=out: run_probe(x, w[r], cfg, part, out)
+                )
+                row = (
+                    f"| {shape} | {m} | {name} | {bm} | {bn} | {bk} | {warps} | {stages} | {split} "
+                    f"| {t * 1e3:.1f} | {t_cublas / t:.2f}x | {err:.1e} |"
+                )
+                if name not in best or t < best[name][0]:
+                    best[name] = (t, row)
             for _, row in best.values():
                 lines.append(row)
                 print(row, flush=True)
