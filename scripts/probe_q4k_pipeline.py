@@ -174,6 +174,7 @@ def main() -> int:
     p.add_argument("--shapes", nargs="+", default=["4096x14336", "14336x4096"], help="K x N")
     p.add_argument("--out", default=None)
     p.add_argument("--seconds", type=float, default=200.0, help="stop starting new shapes past this")
+    p.add_argument("--variants", nargs="+", default=None, help="loop variants to time (default: all)")
     args = p.parse_args()
     import time
 
@@ -195,6 +196,8 @@ def main() -> int:
         "gluon": dict(GLUON=True, SWAP=False),
         "gluon-swap": dict(GLUON=True, SWAP=True),
     }
+    if args.variants:
+        variants = {name: variants[name] for name in args.variants}
     for shape in args.shapes:
         k, n = (int(v) for v in shape.split("x"))
         weights = [Q4KWeight.quantize(torch.randn(n, k, device="cuda") * 0.02) for _ in range(4)]
