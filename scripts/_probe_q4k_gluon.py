@@ -155,10 +155,11 @@ def gluon_q4k_kernel(
             tok = warpgroup_mma(w_buf, x_buf.permute((1, 0)), acc, is_async=True)
         else:
             tok = warpgroup_mma(x_buf, w_buf.permute((1, 0)), acc, is_async=True)
-        # Leaves step i's wgmma running: step i - 1's is done, so its x stage takes tile i - 1 + NUM_STAGES.
+        # Leaves step i's wgmma running: step i - 1's is done, so its x stage takes tile i - 1 + NUM_STAGES
+        # (at i = 0 the last stage, which no tile has used yet).
         acc, _, _ = warpgroup_mma_wait(1, deps=(tok, x_buf, w_buf))
         nxt = i - 1 + NUM_STAGES
-        if (i >= 1) & (nxt < K_TILES):
+        if nxt < K_TILES:
             back = nxt % NUM_STAGES
             mbarrier.expect(ready.index(back), x_desc.block_type.nbytes)
             at = [pid_m * BLOCK_M, k_start + nxt * BLOCK_K]
