@@ -180,8 +180,129 @@ def gluon_q4k_kernel(
         gl.store(ptrs, acc, mask=(offs_m < M)[:, None])
 
 
+@gluon.jit
+def _load_scales(sc_row, mn_row, ss_row, group):
+    """Per 32-code group ``[BLOCK_N, G]``: its 6-bit scale and min, and its super-block's ``d``, ``dmin``."""
+    block = group // 8  # 256 codes a super-block
+    d = gl.load(ss_row + block * 2).to(gl.float32)
+    dmin = gl.load(ss_row + block * 2 + 1).to(gl.float32)
+    return gl.load(sc_row + group), gl.load(mn_row + group), d, dmin
+
+
+@gluon.jit
+def _issue_tile(
+    x_desc, q_desc, x_smem, q_smem, ready, tile, row_m, row_n, k_start, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr
+):
+    """TMA copies of K step ``tile``'s x tile and code words into ring stage ``tile % NUM_STAGES``."""
+    stage = tile % NUM_STAGES
+    bar = ready.index(stage)
+    mbarrier.expect(bar, x_desc.block_type.nbytes + q_desc.block_type.nbytes)
+    k = k_start + tile * BLOCK_K
+    tma.async_copy_global_to_shared(x_desc, [row_m, k], bar, x_smem.index(stage))
+    tma.async_copy_global_to_shared(q_desc, [row_n, k // 8], bar, q_smem.index(stage))
+
+
+@gluon.jit
+def gluon_q4k_tma_kernel(
+    x_desc, q_desc, sc_ptr, mn_ptr, ss_ptr, out_ptr, M, N,
+    stride_sn, stride_ssn, stride_om, stride_ok,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, K_TILES: gl.constexpr,
+    NUM_STAGES: gl.constexpr, SWAP: gl.constexpr,
+):  # fmt: skip
+    """:func:`gluon_q4k_kernel` with the code words in the TMA ring beside x (``NUM_STAGES - 1``
+    steps ahead) and the scales loaded into registers three steps ahead: no load a step waits on
+    was issued by the step before it."""
+    warps: gl.constexpr = gl.num_warps()
+    dtype: gl.constexpr = x_desc.dtype
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    pid_m = gl.program_id(2)
+    k_start = pid_k * (K_TILES * BLOCK_K)
+    row_m = pid_m * BLOCK_M
+    row_n = pid_n * BLOCK_N
+
+    G: gl.constexpr = BLOCK_K // 32
+    lanes_g: gl.constexpr = G if G < 32 else 32
+    words_layout: gl.constexpr = gl.BlockedLayout(
+        [1, G // lanes_g, 4], [32 // lanes_g, lanes_g, 1], [warps, 1, 1], [2, 1, 0]
+    )
+    flat_layout: gl.constexpr = gl.BlockedLayout([1, 4 * (G // lanes_g)], [32 // lanes_g, lanes_g], [warps, 1], [1, 0])
+    groups_layout: gl.constexpr = gl.SliceLayout(2, words_layout)
+    rows_n = (row_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, groups_layout))).to(gl.int64)
+    group = gl.arange(0, G, layout=gl.SliceLayout(0, groups_layout))[None, :] + (k_start // 32)
+    sc_row = sc_ptr + rows_n[:, None] * stride_sn
+    mn_row = mn_ptr + rows_n[:, None] * stride_sn
+    ss_row = ss_ptr + rows_n[:, None] * stride_ssn
+
+    if SWAP:
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, BLOCK_M, 16]
+        )
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
+    else:
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=acc_layout)
+
+    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
+    x_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    q_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, BLOCK_N, BLOCK_K // 8], q_desc.layout)
+    w_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_K], w_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(s), count=1)
+    fence_async_shared()
+
+    for s in gl.static_range(NUM_STAGES - 1):
+        if s < K_TILES:
+            _issue_tile(x_desc, q_desc, x_smem, q_smem, ready, s, row_m, row_n, k_start, BLOCK_K, NUM_STAGES)
+    # Scales of steps 0, 1, 2 (a step past the end reads its last step again: valid memory, unused).
+    sc0, mn0, d0, dmin0 = _load_scales(sc_row, mn_row, ss_row, group)
+    sc1, mn1, d1, dmin1 = _load_scales(sc_row, mn_row, ss_row, group + gl.minimum(1, K_TILES - 1) * G)
+    sc2, mn2, d2, dmin2 = _load_scales(sc_row, mn_row, ss_row, group + gl.minimum(2, K_TILES - 1) * G)
+    for i in range(K_TILES):
+        stage = i % NUM_STAGES
+        mbarrier.wait(ready.index(stage), (i // NUM_STAGES) & 1)
+        qw = gl.reshape(q_smem.index(stage).load(flat_layout), [BLOCK_N, G, 4])
+        qw = gl.convert_layout(qw, words_layout)
+        w_buf = w_smem.index(i % 2)
+        w_buf.store(_dequant_words(qw, sc0, mn0, d0, dmin0, BLOCK_N, BLOCK_K, dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        sc0, mn0, d0, dmin0 = sc1, mn1, d1, dmin1
+        sc1, mn1, d1, dmin1 = sc2, mn2, d2, dmin2
+        sc2, mn2, d2, dmin2 = _load_scales(sc_row, mn_row, ss_row, group + gl.minimum(i + 3, K_TILES - 1) * G)
+        x_buf = x_smem.index(stage)
+        if SWAP:
+            tok = warpgroup_mma(w_buf, x_buf.permute((1, 0)), acc, is_async=True)
+        else:
+            tok = warpgroup_mma(x_buf, w_buf.permute((1, 0)), acc, is_async=True)
+        # Step i - 1's wgmma is done: its stage (x and codes, read into registers before the
+        # barrier above) takes tile i - 1 + NUM_STAGES.
+        acc, _, _ = warpgroup_mma_wait(1, deps=(tok, x_buf, w_buf))
+        nxt = i - 1 + NUM_STAGES
+        if nxt < K_TILES:
+            _issue_tile(x_desc, q_desc, x_smem, q_smem, ready, nxt, row_m, row_n, k_start, BLOCK_K, NUM_STAGES)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(s))
+
+    if SWAP:
+        offs_n = row_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+        offs_m = row_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
+        ptrs = out_ptr + pid_k * stride_ok + offs_m[None, :].to(gl.int64) * stride_om + offs_n[:, None]
+        gl.store(ptrs, acc, mask=(offs_m < M)[None, :])
+    else:
+        offs_m = row_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        offs_n = row_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        ptrs = out_ptr + pid_k * stride_ok + offs_m[:, None].to(gl.int64) * stride_om + offs_n[None, :]
+        gl.store(ptrs, acc, mask=(offs_m < M)[:, None])
+
+
 def run_gluon(x, w, cfg: dict, part, out):
-    """Launch :func:`gluon_q4k_kernel` for ``x @ dequant(w)^T`` into ``out`` (float32) through ``part``."""
+    """Launch :func:`gluon_q4k_kernel` (``cfg["CODES_TMA"]``: :func:`gluon_q4k_tma_kernel`) for
+    ``x @ dequant(w)^T`` into ``out`` (float32) through ``part``."""
     import torch
     import triton
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -189,15 +310,24 @@ def run_gluon(x, w, cfg: dict, part, out):
     m, k = x.shape
     n = w.shape[0]
     split = cfg["SPLIT_K"]
-    bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
-    layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16)
-    x_desc = TensorDescriptor.from_tensor(x, [bm, bk], layout)
-    grid = (n // cfg["BLOCK_N"], split, triton.cdiv(m, bm))
-    gluon_q4k_kernel[grid](
-        x_desc, w.qs, w.scales, w.mins, w.super_scales, part, m, n,
-        w.qs.stride(0), w.scales.stride(0), w.super_scales.stride(0), part.stride(1), part.stride(0),
-        BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, K_TILES=k // bk // split,
-        NUM_STAGES=cfg["num_stages"], SWAP=cfg["SWAP"], num_warps=cfg["num_warps"],
-    )  # fmt: skip
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    x_desc = TensorDescriptor.from_tensor(x, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16))
+    grid = (n // bn, split, triton.cdiv(m, bm))
+    sizes = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=k // bk // split, NUM_STAGES=cfg["num_stages"])
+    if cfg.get("CODES_TMA"):
+        words = w.qs.view(torch.int32)
+        q_layout = gl.NVMMASharedLayout.get_default_for([bn, bk // 8], gl.int32)
+        q_desc = TensorDescriptor.from_tensor(words, [bn, bk // 8], q_layout)
+        gluon_q4k_tma_kernel[grid](
+            x_desc, q_desc, w.scales, w.mins, w.super_scales, part, m, n,
+            w.scales.stride(0), w.super_scales.stride(0), part.stride(1), part.stride(0),
+            **sizes, SWAP=cfg["SWAP"], num_warps=cfg["num_warps"],
+        )  # fmt: skip
+    else:
+        gluon_q4k_kernel[grid](
+            x_desc, w.qs, w.scales, w.mins, w.super_scales, part, m, n,
+            w.qs.stride(0), w.scales.stride(0), w.super_scales.stride(0), part.stride(1), part.stride(0),
+            **sizes, SWAP=cfg["SWAP"], num_warps=cfg["num_warps"],
+        )  # fmt: skip
     torch.sum(part, dim=0, out=out)
     return out

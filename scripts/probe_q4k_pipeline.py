@@ -11,7 +11,8 @@ may leave the code words' latency exposed each K step. The variants here change 
   weight never goes through shared memory as a B operand; the tile is stored transposed;
 - ``gluon``, ``gluon-swap``: the loop written out in Gluon (``_probe_q4k_gluon.py``): x by TMA
   through mbarriers, the dequantized tile double-buffered in shared memory, one wgmma left in
-  flight while the next tile is dequantized, ``W x^T`` for small M with ``-swap``.
+  flight while the next tile is dequantized, ``W x^T`` for small M with ``-swap``; ``gluon-tma``
+  adds the code words to the TMA ring and loads the scales three steps ahead.
 
 Every variant is checked against ``x @ dequant(W)^T`` in float32 before it is timed, as a CUDA
 graph replay over four weight copies (past the L2), median of ``triton.testing.do_bench``.
@@ -195,6 +196,8 @@ def main() -> int:
         "swap+prefetch": dict(PREFETCH=True, DESC=False, SWAP=True),
         "gluon": dict(GLUON=True, SWAP=False),
         "gluon-swap": dict(GLUON=True, SWAP=True),
+        "gluon-tma": dict(GLUON=True, CODES_TMA=True, SWAP=False),
+        "gluon-tma-swap": dict(GLUON=True, CODES_TMA=True, SWAP=True),
     }
     if args.variants:
         variants = {name: variants[name] for name in args.variants}
