@@ -117,8 +117,12 @@ def _configs(variants: dict, m: int, splits: tuple[int, ...]):
     """(variant, flags, BLOCK_M, BLOCK_N, SPLIT_K, stages) to try at ``m`` rows. The Gluon kernel
     runs one warpgroup: its wgmma's M side (x's rows, or W's with ``SWAP``) is 64."""
     for name, flags in variants.items():
-        if flags.get("GLUON") and flags["SWAP"]:
-            bms = [b for b in (16, 32, 64, 128) if b <= max(16, m)][-2:]
+        if flags.get("WARPS") == 8:
+            # Two warpgroups over 128 weight rows: half the dequantization a thread.
+            tiles = [(bm, 128) for bm in (64, 128) if bm <= max(64, m)]
+            stages = (2, 3)
+        elif flags.get("GLUON") and flags["SWAP"]:
+            bms = [b for b in (16, 32, 64, 128, 256) if b <= max(16, m)][-2:]
             tiles = [(bm, 64) for bm in bms] + [(bm, 128) for bm in bms if bm <= 64]
             stages = (3, 4)
         elif flags.get("GLUON"):
@@ -198,6 +202,7 @@ def main() -> int:
         "gluon-swap": dict(GLUON=True, SWAP=True),
         "gluon-tma": dict(GLUON=True, CODES_TMA=True, SWAP=False),
         "gluon-tma-swap": dict(GLUON=True, CODES_TMA=True, SWAP=True),
+        "gluon-tma-swap-8warps": dict(GLUON=True, CODES_TMA=True, SWAP=True, WARPS=8),
     }
     if args.variants:
         variants = {name: variants[name] for name in args.variants}
@@ -215,7 +220,7 @@ def main() -> int:
             splits = (1, 4) if k >= 8192 else (1,)
             for name, flags, bm, bn, split, stages in _configs(variants, m, splits):
                 bk = 128
-                warps = 4 if flags.get("GLUON") or bm * bn <= 64 * 64 else 8
+                warps = flags.get("WARPS", 4) if flags.get("GLUON") or bm * bn <= 64 * 64 else 8
                 cfg = dict(
                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, SPLIT_K=split, **flags
                 )

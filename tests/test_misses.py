@@ -453,10 +453,21 @@ def test_tune_missed_option_without_misses_says_what_to_do():
     assert "no missed keys of toy_scale on cpu-interpreter" in " ".join(result.output.split())
 
 
-def test_tune_missed_option_refuses_key_overrides():
-    result = run("--device", "cpu", "--kernel", "toy_scale", "--missed", "--key", "n=100", "--db", db())
-    assert result.exit_code == 2
-    assert "--missed tunes the logged keys" in result.output
+def test_tune_missed_option_narrowed_by_key_values():
+    """``--key`` with ``--missed`` tunes only the logged keys holding one of its values; values no
+    logged key holds are refused, naming the logged keys."""
+    serve(300)
+    serve(2000)
+    misses.flush()
+    args = ("--device", "cpu", "--kernel", "toy_scale", "--missed", "--trials", "2", "--no-isolate", "--db", db())
+    result = run(*args, "--key", "n=2000")
+    assert result.exit_code == 0, result.output
+    with ConfigStore(db()) as store:
+        assert [w.key["n_bucket"] for w in store.winners(kernel="toy_scale")] == [2048]
+    refused = run(*args, "--key", "n_bucket=64")
+    assert refused.exit_code == 1
+    said = " ".join(refused.output.split())
+    assert "--key n_bucket=64: none of the" in said and "n_bucket=512" in said
 
 
 @pytest.mark.gpu
