@@ -84,6 +84,63 @@ def _load_words(qs_row, sc_row, mn_row, ss_row, group, word):
 
 
 @gluon.jit
+def _ready_barriers(NUM_STAGES: gl.constexpr):
+    """One mbarrier per ring stage, initialised for one arrival (the TMA's byte count)."""
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(s), count=1)
+    fence_async_shared()
+    return ready
+
+
+@gluon.jit
+def _mma_step(w_buf, x_buf, acc, SWAP: gl.constexpr):
+    """Issue this K step's wgmma (``x W^T``, or ``W x^T`` with ``SWAP``) and wait until only it is in flight."""
+    if SWAP:
+        tok = warpgroup_mma(w_buf, x_buf.permute((1, 0)), acc, is_async=True)
+    else:
+        tok = warpgroup_mma(x_buf, w_buf.permute((1, 0)), acc, is_async=True)
+    acc, _, _ = warpgroup_mma_wait(1, deps=(tok, x_buf, w_buf))
+    return acc
+
+
+@gluon.jit
+def _zero_acc(BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SWAP: gl.constexpr):
+    """The float32 accumulator in wgmma's layout: ``[BLOCK_M, BLOCK_N]``, or ``[BLOCK_N, BLOCK_M]`` with ``SWAP``."""
+    warps: gl.constexpr = gl.num_warps()
+    if SWAP:
+        layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, BLOCK_M, 16]
+        )
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=layout)
+    else:
+        layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=layout)
+    return acc
+
+
+@gluon.jit
+def _store_acc(
+    acc, out_ptr, row_m, row_n, pid_k, M, stride_om, stride_ok,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SWAP: gl.constexpr,
+):  # fmt: skip
+    """Store the accumulator's valid rows of x into split ``pid_k`` of the float32 partials."""
+    layout: gl.constexpr = acc.type.layout
+    if SWAP:
+        offs_n = row_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        offs_m = row_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
+        ptrs = out_ptr + pid_k * stride_ok + offs_m[None, :].to(gl.int64) * stride_om + offs_n[:, None]
+        gl.store(ptrs, acc, mask=(offs_m < M)[None, :])
+    else:
+        offs_m = row_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        offs_n = row_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        ptrs = out_ptr + pid_k * stride_ok + offs_m[:, None].to(gl.int64) * stride_om + offs_n[None, :]
+        gl.store(ptrs, acc, mask=(offs_m < M)[:, None])
+
+
+@gluon.jit
 def gluon_q4k_kernel(
     x_desc, qs_ptr, sc_ptr, mn_ptr, ss_ptr, out_ptr, M, N,
     stride_qn, stride_sn, stride_ssn, stride_om, stride_ok,
@@ -114,24 +171,12 @@ def gluon_q4k_kernel(
     mn_row = mn_ptr + rows_n[:, None] * stride_sn
     ss_row = ss_ptr + rows_n[:, None] * stride_ssn
 
-    if SWAP:
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, BLOCK_M, 16]
-        )
-        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
-    else:
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, BLOCK_N, 16]
-        )
-        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=acc_layout)
+    acc = _zero_acc(BLOCK_M, BLOCK_N, SWAP)
 
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
     x_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
     w_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_K], w_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(s), count=1)
-    fence_async_shared()
+    ready = _ready_barriers(NUM_STAGES)
 
     # x tiles 0 .. NUM_STAGES - 2 in flight before the loop.
     for s in gl.static_range(NUM_STAGES - 1):
@@ -151,13 +196,9 @@ def gluon_q4k_kernel(
             qw, sc, mn, d, dmin = _load_words(qs_row, sc_row, mn_row, ss_row, group + (i + 1) * G, word)
         x_buf = x_smem.index(stage)
         mbarrier.wait(ready.index(stage), (i // NUM_STAGES) & 1)
-        if SWAP:
-            tok = warpgroup_mma(w_buf, x_buf.permute((1, 0)), acc, is_async=True)
-        else:
-            tok = warpgroup_mma(x_buf, w_buf.permute((1, 0)), acc, is_async=True)
         # Leaves step i's wgmma running: step i - 1's is done, so its x stage takes tile i - 1 + NUM_STAGES
         # (at i = 0 the last stage, which no tile has used yet).
-        acc, _, _ = warpgroup_mma_wait(1, deps=(tok, x_buf, w_buf))
+        acc = _mma_step(w_buf, x_buf, acc, SWAP)
         nxt = i - 1 + NUM_STAGES
         if nxt < K_TILES:
             back = nxt % NUM_STAGES
@@ -168,16 +209,7 @@ def gluon_q4k_kernel(
     for s in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(s))
 
-    if SWAP:
-        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-        offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
-        ptrs = out_ptr + pid_k * stride_ok + offs_m[None, :].to(gl.int64) * stride_om + offs_n[:, None]
-        gl.store(ptrs, acc, mask=(offs_m < M)[None, :])
-    else:
-        offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-        ptrs = out_ptr + pid_k * stride_ok + offs_m[:, None].to(gl.int64) * stride_om + offs_n[None, :]
-        gl.store(ptrs, acc, mask=(offs_m < M)[:, None])
+    _store_acc(acc, out_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, pid_k, M, stride_om, stride_ok, BLOCK_M, BLOCK_N, SWAP)
 
 
 @gluon.jit
@@ -234,25 +266,13 @@ def gluon_q4k_tma_kernel(
     mn_row = mn_ptr + rows_n[:, None] * stride_sn
     ss_row = ss_ptr + rows_n[:, None] * stride_ssn
 
-    if SWAP:
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, BLOCK_M, 16]
-        )
-        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
-    else:
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, BLOCK_N, 16]
-        )
-        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=acc_layout)
+    acc = _zero_acc(BLOCK_M, BLOCK_N, SWAP)
 
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
     x_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
     q_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, BLOCK_N, BLOCK_K // 8], q_desc.layout)
     w_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_K], w_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(s), count=1)
-    fence_async_shared()
+    ready = _ready_barriers(NUM_STAGES)
 
     for s in gl.static_range(NUM_STAGES - 1):
         if s < K_TILES:
@@ -274,13 +294,9 @@ def gluon_q4k_tma_kernel(
         sc1, mn1, d1, dmin1 = sc2, mn2, d2, dmin2
         sc2, mn2, d2, dmin2 = _load_scales(sc_row, mn_row, ss_row, group + gl.minimum(i + 3, K_TILES - 1) * G)
         x_buf = x_smem.index(stage)
-        if SWAP:
-            tok = warpgroup_mma(w_buf, x_buf.permute((1, 0)), acc, is_async=True)
-        else:
-            tok = warpgroup_mma(x_buf, w_buf.permute((1, 0)), acc, is_async=True)
         # Step i - 1's wgmma is done: its stage (x and codes, read into registers before the
         # barrier above) takes tile i - 1 + NUM_STAGES.
-        acc, _, _ = warpgroup_mma_wait(1, deps=(tok, x_buf, w_buf))
+        acc = _mma_step(w_buf, x_buf, acc, SWAP)
         nxt = i - 1 + NUM_STAGES
         if nxt < K_TILES:
             _issue_tile(x_desc, q_desc, x_smem, q_smem, ready, nxt, row_m, row_n, k_start, BLOCK_K, NUM_STAGES)
@@ -288,16 +304,7 @@ def gluon_q4k_tma_kernel(
     for s in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(s))
 
-    if SWAP:
-        offs_n = row_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-        offs_m = row_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
-        ptrs = out_ptr + pid_k * stride_ok + offs_m[None, :].to(gl.int64) * stride_om + offs_n[:, None]
-        gl.store(ptrs, acc, mask=(offs_m < M)[None, :])
-    else:
-        offs_m = row_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-        offs_n = row_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-        ptrs = out_ptr + pid_k * stride_ok + offs_m[:, None].to(gl.int64) * stride_om + offs_n[None, :]
-        gl.store(ptrs, acc, mask=(offs_m < M)[:, None])
+    _store_acc(acc, out_ptr, row_m, row_n, pid_k, M, stride_om, stride_ok, BLOCK_M, BLOCK_N, SWAP)
 
 
 def run_gluon(x, w, cfg: dict, part, out):
