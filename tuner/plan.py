@@ -49,13 +49,11 @@ def plan_keys(specs: list[Any], source: KeySource, device: DeviceInfo, trials: i
     With overrides, a kernel they leave no valid key is left out, with a note, when others are tuned.
     """
     keys = KeyPlan(specs, source.overrides)
-    if source.missed_in is not None:
-        found, option = plan_missed(specs, device, source.missed_in, trials), "--missed"
-    elif source.bundled:
-        found, option = plan_bundled(specs, device), "--bundled"
-    else:
-        found, option = [], ""
-    if option:
+    if source.missed_in is not None or source.bundled:
+        if source.missed_in is not None:
+            found, option = plan_missed(specs, device, source.missed_in, trials), "--missed"
+        else:
+            found, option = plan_bundled(specs, device), "--bundled"
         return _filtered(found, keys, option) if keys.overrides else found
     plan: Plan = []
     for spec in specs:
