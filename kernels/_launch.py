@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -40,6 +41,7 @@ __all__ = [
     "sm_count",
     "traced",
     "unchecked_descriptor",
+    "unchecked_gluon_descriptor",
     "workspace",
 ]
 
@@ -247,6 +249,22 @@ def unchecked_descriptor(t: torch.Tensor, box: list[int]) -> TensorDescriptor:
     descriptor.shape = t.shape
     descriptor.strides = t.stride()
     descriptor.block_shape = box
+    descriptor.padding = "zero"
+    return descriptor
+
+
+def unchecked_gluon_descriptor(t: torch.Tensor, box: list[int], layout: Any) -> GluonTensorDescriptor:
+    """A Gluon host descriptor over ``t``'s real shape and strides, built without the class's own
+    checks: the Gluon twin of :func:`unchecked_descriptor`, for a launch whose eligibility rule
+    established them (16-byte base and strides, unit inner stride, no empty dimension); repeating
+    them costs about 5 us a descriptor in Python. ``layout`` is the box's shared-memory layout.
+    """
+    descriptor = GluonTensorDescriptor.__new__(GluonTensorDescriptor)
+    descriptor.base = t
+    descriptor.shape = list(t.shape)
+    descriptor.strides = list(t.stride())
+    descriptor.block_shape = box
+    descriptor.layout = layout
     descriptor.padding = "zero"
     return descriptor
 

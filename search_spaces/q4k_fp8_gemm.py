@@ -1,16 +1,17 @@
 """Search space of ``q4k_fp8_gemm``: the Q4_K weight x activation GEMM, one member space per path.
 
-Six paths, each its own config type holding only the fields its launch reads (a
+Seven paths, each its own config type holding only the fields its launch reads (a
 :class:`~.base.UnionSpace` on ``path``): the portable kernel, the fp8 kernels (centred, folded
 ``SCALE_FOLD``, and folded with swapped operands ``SWAP_AB``: the dequantized weight as wgmma's
 register A operand), the staged path (the fold kernel's weights, chunk by chunk, into cuBLASLt's
 fp8 GEMM), the int8 kernel (folded weights and activations as int8 with one scale per row, int8
 tensor-core dots), the GEMV for decode-sized M (integer dot products on the CUDA cores) and the
-dequant path for large M (the exact weights in x's dtype, chunk by chunk, into cuBLAS's GEMM).
+dequant path for large M (the exact weights in x's dtype, chunk by chunk, into cuBLAS's GEMM)
+and the tma path for SM90 (the portable path's weights through a K loop written in Gluon).
 
 The fp8, staged and int8 paths miss ggml's Q4_K accuracy bound (NMSE <= 5e-4) on model-like
 activations: they are feasible only at keys with ``fp8=True`` (the ``TRITUNE_Q4K_FP8`` opt-in);
-the portable, GEMV and dequant paths meet it. A field keeps
+the portable, GEMV, dequant and tma paths meet it. A field keeps
 its name and choices on every path that has it, so the sampler's view (the union of the members'
 fields) and stored configs mean what they meant. Within the fp8 member a field that leaves the
 launch unchanged is pruned as a duplicate (``SWAP_AB`` without ``SCALE_FOLD``), ``BLOCK_M=256``
@@ -69,6 +70,13 @@ DEQUANT_MAX_SCRATCH_BYTES = 128 * 2**20
 #: Elements of its tile each thread of the dequant kernel makes (float32 in registers before the
 #: cast): past 64 the tile's codes, scales and weights no longer fit beside each other.
 DEQUANT_MAX_PER_THREAD = 64
+
+#: Registers per thread the tma kernel may spend on its accumulator plus its weight tile (each
+#: thread dequantizes ``BLOCK_N * BLOCK_K / threads`` weights a step). Fitted to ptxas for sm_90
+#: with Triton 3.6 over 49 tiles (every BLOCK_M, BLOCK_N, BLOCK_K and warp count the other rules
+#: admit, both orientations): none at or below it spills; the 128x128x128 tile at 4 warps (256)
+#: spills, and every tile above it takes all 255 registers. ``tests/test_q4k_tma.py`` rebuilds some.
+TMA_MAX_REGISTERS = 224
 
 #: K tiles of the paths whose tile divides a super-block (all but the GEMV).
 _K_TILES = (32, 64, 128, 256)
@@ -207,12 +215,36 @@ class GemvConfig:
     FUSED_REDUCE: bool = choice(False, (False, True))
 
 
+@dataclass(frozen=True)
+class TmaConfig:
+    """The tma path (SM90 only): the portable path's exact weights and bf16/fp16 wgmma, its K loop
+    written in Gluon (:mod:`tritune.kernels.q4k._gluon_tma`): x tiles and code words by TMA through
+    a ring of ``num_stages`` buffers, the scales loaded three steps ahead, the dequantized tile
+    double-buffered in shared memory with one wgmma in flight. Accurate, so it serves without the
+    opt-in; for small and mid M, where the portable loop waits on its loads and barriers."""
+
+    path: str = choice("tma", ("tma",))
+    BLOCK_M: int = choice(64, (16, 32, 64, 128))
+    BLOCK_N: int = choice(64, (64, 128))
+    BLOCK_K: int = choice(128, (64, 128, 256))
+    num_warps: int = choice(4, (4, 8))
+    num_stages: int = choice(3, (2, 3, 4))
+    SPLIT_K: int = choice(1, (1, 2, 4, 8))
+    #: True: each program computes a tile of ``out^T`` (``W x^T``), the weight rows on wgmma's
+    #: 64-row M side and the rows of x on its N side, which may be as narrow as 16; False: ``x W^T``,
+    #: which needs 64 rows of x per warpgroup.
+    SWAP_AB: bool = choice(True, (False, True))
+
+
 #: A config of any path.
-Q4KConfig = PortableConfig | Fp8Config | StagedConfig | GemvConfig | Int8Config | DequantConfig
+Q4KConfig = PortableConfig | Fp8Config | StagedConfig | GemvConfig | Int8Config | DequantConfig | TmaConfig
 
 
 class Q4KShape(Protocol):
     """The key fields feasibility looks at (the key type lives with the kernel)."""
+
+    @property
+    def arch(self) -> str: ...
 
     @property
     def m_bucket(self) -> int: ...
@@ -462,6 +494,48 @@ def gemv_feasibility(config: GemvConfig, key: Q4KShape, limits: TargetLimits) ->
     return None
 
 
+def tma_smem_bytes(config: TmaConfig) -> int:
+    """Shared memory of a tma launch: per ring stage an x tile (2 bytes an element) and its code
+    words (half a byte a weight), the two dequantized weight buffers, and a barrier per stage."""
+    bm, bn, bk = config.BLOCK_M, config.BLOCK_N, config.BLOCK_K
+    return config.num_stages * (2 * bm * bk + bn * bk // 2 + 8) + 2 * 2 * bn * bk
+
+
+def tma_feasibility(config: TmaConfig, key: Q4KShape, limits: TargetLimits) -> str | None:
+    """Why a tma ``config`` cannot (or should not) run for ``key``; ``None`` if it may.
+
+    The register rule is fitted to what ptxas makes of the kernel for sm_90 with Triton 3.6 (see
+    :data:`TMA_MAX_REGISTERS`); the shared memory is :func:`tma_smem_bytes`.
+    """
+    if limits.interpreter:
+        return "the tma path is Gluon for sm_90a: the interpreter cannot run it"
+    if key.arch != "sm90":
+        return f"the tma path needs SM90 (wgmma, TMA), not {key.arch}"
+    if key.n % config.BLOCK_N:
+        return f"BLOCK_N={config.BLOCK_N} does not divide N={key.n} (the tma path stores whole weight tiles)"
+    if config.SPLIT_K > 1 and key.m_bucket > SPLIT_K_MAX_M:
+        return f"SPLIT_K={config.SPLIT_K} only for M <= {SPLIT_K_MAX_M} (m_bucket={key.m_bucket})"
+    if (key.k // config.BLOCK_K) % config.SPLIT_K:
+        return f"SPLIT_K={config.SPLIT_K} does not divide the {key.k // config.BLOCK_K} BLOCK_K={config.BLOCK_K} tiles"
+    if max(key.m_bucket, 16) < config.BLOCK_M:
+        return f"BLOCK_M={config.BLOCK_M} exceeds m_bucket={key.m_bucket}"
+    warpgroups = config.num_warps // 4
+    side, size = ("BLOCK_N", config.BLOCK_N) if config.SWAP_AB else ("BLOCK_M", config.BLOCK_M)
+    if size < WGMMA_ROWS * warpgroups:
+        return f"wgmma's M side ({side}={size}) needs {WGMMA_ROWS} rows for each of {warpgroups} warpgroups"
+    # A thread dequantizes one 32-code group at a time: the warps must not cover more rows than the tile has.
+    rows_per_pass = 32 // min(config.BLOCK_K // 32, 32) * config.num_warps
+    if rows_per_pass > config.BLOCK_N:
+        return f"{config.num_warps} warps over a {config.BLOCK_N}x{config.BLOCK_K} weight tile leave threads idle"
+    regs = (config.BLOCK_M + config.BLOCK_K) * config.BLOCK_N // (32 * config.num_warps)
+    if regs > TMA_MAX_REGISTERS:
+        return (
+            f"the {config.BLOCK_M}x{config.BLOCK_N} accumulator and the {config.BLOCK_N}x{config.BLOCK_K} "
+            f"weight tile spill ({regs} registers per thread by the estimate, > {TMA_MAX_REGISTERS})"
+        )
+    return smem_reason(tma_smem_bytes(config), limits)
+
+
 SPACE: UnionSpace[Q4KShape] = UnionSpace(
     "q4k_fp8_gemm",
     "path",
@@ -472,5 +546,6 @@ SPACE: UnionSpace[Q4KShape] = UnionSpace(
         SearchSpace("q4k_fp8_gemm", GemvConfig, feasibility=gemv_feasibility),
         SearchSpace("q4k_fp8_gemm", Int8Config, feasibility=int8_feasibility),
         SearchSpace("q4k_fp8_gemm", DequantConfig, feasibility=dequant_feasibility),
+        SearchSpace("q4k_fp8_gemm", TmaConfig, feasibility=tma_feasibility),
     ],
 )

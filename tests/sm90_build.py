@@ -632,6 +632,46 @@ def build_gemv(k: int, n: int, config: dict[str, Any], m: int = 1, bias: bool = 
     return results
 
 
+# ---- the Gluon Q4_K kernel of the tma path with ptxas' report (tests/test_q4k_tma.py) ----------
+
+
+def build_q4k_tma(k: int, n: int, m: int, config: dict[str, Any], bias: bool = False) -> list[dict[str, Any]]:
+    """The launches of one tma-path ``q4k_fp8_gemm`` call (bf16 x ``[m, k]``, a Q4_K weight
+    ``[n, k]``) with ``config``, recorded from ``launch_tma`` on meta tensors and built for sm_90;
+    per launch: the kernel, registers, spill bytes, shared memory and the SASS counts of wgmma
+    (``HGMMA``), CTA barriers (``BAR``), mbarrier operations (``SYNCS``) and TMA loads (``UTMALDG``)."""
+    import torch
+
+    from tritune.kernels.q4k.launch_tma import launch_tma
+    from tritune.search_spaces.q4k_fp8_gemm import SPACE
+
+    meta = torch.device("meta")
+    parts = (
+        torch.empty((n, k // 2), dtype=torch.uint8, device=meta),
+        torch.empty((n, k // 32), dtype=torch.uint8, device=meta),
+        torch.empty((n, k // 32), dtype=torch.uint8, device=meta),
+        torch.empty((n, k // 256, 2), dtype=torch.float16, device=meta),
+    )
+    x = torch.empty((m, k), dtype=torch.bfloat16, device=meta)
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=meta)
+    bias_t = torch.empty((n,), dtype=torch.bfloat16, device=meta) if bias else None
+    with record_launches() as recorder:
+        launch_tma(SPACE.parse({"path": "tma", **config}), x, *parts, bias_t, out)
+    results = []
+    for recorded in recorder.launches:
+        compiled = compile_record(specialize(recorded))
+        opcodes = _sass_opcodes(_sass(compiled.asm["cubin"]))
+        results.append(
+            {
+                "kernel": recorded.kernel.fn.__name__,
+                **ptxas_report(compiled.asm["ptx"]),
+                "shared": compiled.metadata.shared,
+                "sass": {op: opcodes.get(op, 0) for op in ("HGMMA", "BAR", "SYNCS", "UTMALDG")},
+            }
+        )
+    return results
+
+
 # ---- the warp-specialized Gluon prefill kernel with ptxas' report (tests/test_prefill_ws.py) ---
 
 
@@ -714,6 +754,10 @@ def main(argv: list[str]) -> None:
     if argv[:1] == ["--gemv"]:
         for case in json.loads(argv[1]):
             print(json.dumps({"case": case, "launches": build_gemv(**case)}), flush=True)
+        return
+    if argv[:1] == ["--q4k-tma"]:
+        for case in json.loads(argv[1]):
+            print(json.dumps({"case": case, "launches": build_q4k_tma(**case)}), flush=True)
         return
     if argv[:1] == ["--prefill-ws"]:
         for head_dim, causal, has_kv_len in json.loads(argv[1]):

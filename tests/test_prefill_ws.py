@@ -27,6 +27,7 @@ import sm90_build
 import torch
 
 from tritune.kernels import prefill_attention, settings, use_config
+from tritune.kernels._launch import unchecked_gluon_descriptor
 from tritune.kernels.device import DeviceInfo, interpreter_device
 from tritune.kernels.prefill import launch as prefill_launch
 from tritune.kernels.prefill.kernel import (
@@ -225,7 +226,7 @@ def test_ws_descriptors_match_the_checked_constructor():
     q_layout, _ = prefill_launch._ws_layouts(BF16, 64, 128, 128)
     assert prefill_launch._ws_layouts(BF16, 64, 128, 128)[0] is q_layout
     for t in (torch.empty(2, 4, 96, 128, dtype=BF16), torch.empty(2, 96, 4, 128, dtype=BF16).transpose(1, 2)):
-        fast = prefill_launch._ws_descriptor(t, [1, 1, 64, 128], q_layout)
+        fast = unchecked_gluon_descriptor(t, [1, 1, 64, 128], q_layout)
         checked = TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 64, 128], q_layout)
         assert fast.base is checked.base
         for name in ("shape", "strides", "block_shape", "layout", "padding"):

@@ -23,7 +23,7 @@ import torch
 from tritune.kernels import dispatcher, settings, use_config
 from tritune.kernels.device import DeviceInfo, device_info, interpreter_device
 from tritune.kernels.dispatcher import DISPATCHER, dispatch_config
-from tritune.kernels.q4k.kernel import KERNEL, Q4KKey, accurate_key, default_config, key_for
+from tritune.kernels.q4k.kernel import KERNEL, Q4KKey, accurate_key, default_config, key_for, portable_default
 from tritune.kernels.q4k.reference import GGML_MAX_NMSE, MIN_SQNR_DB
 from tritune.kernels.q4k.tuning import TUNING
 from tritune.search_spaces.base import ConfigError, TargetLimits
@@ -36,6 +36,7 @@ from tritune.search_spaces.q4k_fp8_gemm import (
     Int8Config,
     PortableConfig,
     StagedConfig,
+    TmaConfig,
     smem_bytes,
 )
 
@@ -68,10 +69,11 @@ def test_each_path_holds_only_the_fields_its_launch_reads():
         "gemv": ("path", "BLOCK_N", "BLOCK_K", "num_warps", "SPLIT_K", "FUSE_QUANT", "FUSED_REDUCE"),
         "int8": ("path", *tiles, "SWAP_AB"),
         "dequant": ("path", "BLOCK_N", "BLOCK_K", "num_warps", "CHUNK_N"),
+        "tma": ("path", "BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K", "SWAP_AB"),
     }
     # What the sampler sees: every field with the choices stored configs have always used.
     assert SPACE.dimensions == {
-        "path": ("portable", "fp8", "staged", "gemv", "int8", "dequant"),
+        "path": ("portable", "fp8", "staged", "gemv", "int8", "dequant", "tma"),
         "BLOCK_M": (16, 32, 64, 128, 256),
         "BLOCK_N": (32, 64, 128, 256),
         "BLOCK_K": (32, 64, 128, 256, 512, 1024),
@@ -125,7 +127,7 @@ def test_the_grid_holds_each_launch_once():
     # The per-path grids, where the old flat product held 2.6 million configs.
     assert SPACE.size() == (
         4 * 4 * 4 * 3 * 3 * 5 * 4 + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 4 + 4 * 4 * 3 * 5 * 2 + 4 * 6 * 3 * 4 * 2 * 2
-        + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 2 + 4 * 4 * 3 * 6
+        + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 2 + 4 * 4 * 3 * 6 + 4 * 2 * 3 * 2 * 3 * 4 * 2
     )  # fmt: skip
 
 
@@ -170,8 +172,10 @@ DEFAULTS = {
 
 @pytest.mark.parametrize("where", sorted(DEFAULTS), ids=lambda w: "-".join(map(str, w)))
 def test_portable_defaults_by_m_bucket(where):
+    """The portable rules (what serves below M=256 where the tma path does not: off SM90, below
+    16 rows, and where no tma tile fits the weight)."""
     arch, sms, m, n, k = where
-    config = default_config(Q4KKey(arch=arch, sm_count=sms, dtype="bfloat16", m_bucket=m, n=n, k=k, fp8=False))
+    config = portable_default(Q4KKey(arch=arch, sm_count=sms, dtype="bfloat16", m_bucket=m, n=n, k=k, fp8=False))
     names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT_K")
     assert isinstance(config, PortableConfig)
     assert tuple(getattr(config, name) for name in names) == DEFAULTS[where]
@@ -203,8 +207,8 @@ def test_dequant_default_from_256_rows(where):
     config = default_config(key)
     assert config == DequantConfig(BLOCK_N=32, BLOCK_K=256, num_warps=8, CHUNK_N=DEQUANT_DEFAULTS[where])
     assert SPACE.infeasible_reason(config, key, TargetLimits()) is None
-    # One bucket lower the portable rules still choose.
-    assert isinstance(default_config(dataclasses.replace(key, m_bucket=128)), PortableConfig)
+    # One bucket lower the in-loop paths choose (portable, or tma on SM90).
+    assert isinstance(default_config(dataclasses.replace(key, m_bucket=128)), PortableConfig | TmaConfig)
 
 
 def test_gpu_keys_and_feasible_defaults():
@@ -360,8 +364,8 @@ def test_the_tuner_can_choose_every_fp8_kernel():
     limits = KERNEL.limits(H200)
     for m in (1, 16, 4096):
         key = _key(m)
-        # Never a default: an accurate path is (the dequant path from M=256 up).
-        assert KERNEL.default_config(key).path == ("portable" if m < 256 else "dequant")
+        # Never a default: an accurate path is (tma on SM90 from M=16, the dequant path from M=256 up).
+        assert KERNEL.default_config(key).path == ("portable" if m < 16 else "tma" if m < 256 else "dequant")
         fp8 = [c for c in SPACE.feasible(key, limits) if isinstance(c, Fp8Config)]
         assert any(c.SCALE_FOLD and c.BLOCK_K == 256 for c in fp8), m
         assert any(c.SWAP_AB for c in fp8) and all(c.SCALE_FOLD for c in fp8 if c.SWAP_AB), m
@@ -394,7 +398,9 @@ def test_serve_falls_back_where_a_path_cannot_run(fp8_opt_in):
     assert KERNEL.serveable(staged, interpreter_device(), facts) == staged
     # Row-wise scaled fp8 GEMMs: SM90+, bf16 out, N and K multiples of 16; else the portable default.
     for device, call in ((L40S, facts), (H200, _facts(16, 4096, 4096, "fp16")), (H200, _facts(16, 4088, 4096))):
-        assert KERNEL.serveable(staged, device, call).path == "portable", (device.arch, call)
+        # The key's default: the tma path on SM90 where a tile divides N.
+        expected = "tma" if device is H200 and call.N % 64 == 0 else "portable"
+        assert KERNEL.serveable(staged, device, call).path == expected, (device.arch, call)
     # A split that does not divide K's tiles is narrowed rather than refused at launch.
     odd = KERNEL.serveable(PortableConfig(BLOCK_K=256, SPLIT_K=8), H200, _facts(1, 4096, 768))
     assert odd == PortableConfig(BLOCK_K=256, SPLIT_K=1)
@@ -470,7 +476,9 @@ def test_8_bit_paths_are_infeasible_at_accurate_keys():
         accurate, opt_in = _key(m, fp8=False), _key(m, fp8=True)
         paths = {c.path for c in SPACE.feasible(accurate, limits)}
         # The accurate dequant path beyond SMALL_M (its dense weight costs more than it saves below).
-        assert paths == {1: {"portable", "gemv"}, 16: {"portable"}}.get(m, {"portable", "dequant"}), m
+        # The tma path at every M of an SM90 key (the tuner starts from its tiles up to M=256 only).
+        expected = {1: {"portable", "gemv", "tma"}, 16: {"portable", "tma"}}.get(m, {"portable", "dequant", "tma"})
+        assert paths == expected, m
         opt_in_feasible = set(SPACE.feasible(opt_in, limits))
         assert set(SPACE.feasible(accurate, limits)) <= opt_in_feasible
         assert {"fp8", "int8"} <= {c.path for c in opt_in_feasible}
@@ -546,13 +554,14 @@ def test_starting_configs_follow_the_rules_the_space_admits():
         for config in starts:
             assert SPACE.infeasible_reason(config, key, limits) is None, (key, config)
             assert (isinstance(config, Fp8Config) and config.SWAP_AB) or config.path in (
-                "staged", "gemv", "int8", "dequant"
+                "staged", "gemv", "int8", "dequant", "tma"
             )  # fmt: skip
+            assert config.path != "tma" or key.m_bucket <= 256, (key, config)
         fold = [c for c in starts if isinstance(c, Fp8Config)]
         if key.fp8:
             assert max(c.BLOCK_M for c in fold) == {1: 16, 16: 16, 64: 64, 512: 256, 4096: 256}[key.m_bucket]
         else:
-            assert {c.path for c in starts} <= {"gemv", "dequant"}, key
+            assert {c.path for c in starts} <= {"gemv", "dequant", "tma"}, key
         int8 = [c for c in starts if isinstance(c, Int8Config)]
         assert {(c.BLOCK_M, c.SWAP_AB) for c in int8} == (
             {(256, True), (128, True), (128, False)} if key.m_bucket > 64 and key.fp8 else set()

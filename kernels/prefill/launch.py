@@ -17,11 +17,18 @@ from typing import Any
 
 import torch
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
 from tritune.search_spaces.tma_prefill import SPACE, PortableConfig, PrefillConfig, TmaConfig, WsConfig
 
-from .._launch import LOG2E, ceil_div, next_pow2, prepare_interpreter, runs_on_interpreter, unchecked_descriptor
+from .._launch import (
+    LOG2E,
+    ceil_div,
+    next_pow2,
+    prepare_interpreter,
+    runs_on_interpreter,
+    unchecked_descriptor,
+    unchecked_gluon_descriptor,
+)
 from .._oplib import in_direct_body, register_schema_op, wrap_triton
 from ._gluon_ws import CONSUMER_WARPS, _prefill_ws_kernel
 from ._triton_portable import _prefill_fwd_kernel
@@ -187,23 +194,6 @@ def _ws_layouts(dtype: torch.dtype, rows: int, block_n: int, head_dim: int) -> t
     )
 
 
-def _ws_descriptor(t: torch.Tensor, box: list[int], layout: Any) -> GluonTensorDescriptor:
-    """A host descriptor over ``t``'s real shape and strides, built without the class's own checks.
-
-    Those checks (16-byte base and strides, unit inner stride, no empty dimension) are what the
-    ``tma_layout_ok`` fact and :func:`_run_tma` already established for this call; repeating
-    them costs about 5 us a descriptor in Python, four per launch. The boxes are powers of two.
-    """
-    descriptor = GluonTensorDescriptor.__new__(GluonTensorDescriptor)
-    descriptor.base = t
-    descriptor.shape = list(t.shape)
-    descriptor.strides = list(t.stride())
-    descriptor.block_shape = box
-    descriptor.layout = layout
-    descriptor.padding = "zero"
-    return descriptor
-
-
 def launch_ws(
     config: WsConfig,
     q: torch.Tensor,
@@ -233,8 +223,8 @@ def launch_ws(
     # M tiles on the slowest axis (at most 65535: Lq up to 8M rows), walked longest first.
     grid = (q_heads, batch, ceil_div(seqlen_q, config.BLOCK_M))
     _prefill_ws_kernel[grid](
-        _ws_descriptor(q, q_box, q_layout), _ws_descriptor(k, kv_box, kv_layout),
-        _ws_descriptor(v, kv_box, kv_layout), _ws_descriptor(out, q_box, q_layout),
+        unchecked_gluon_descriptor(q, q_box, q_layout), unchecked_gluon_descriptor(k, kv_box, kv_layout),
+        unchecked_gluon_descriptor(v, kv_box, kv_layout), unchecked_gluon_descriptor(out, q_box, q_layout),
         kv_len, _kv_len_stride(kv_len), seqlen_q, seqlen_k, qk_scale,
         GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N,
         NUM_STAGES=config.num_stages, CAUSAL=causal, HAS_KV_LEN=kv_len is not None, NEG_SCALE=neg_scale,

@@ -31,13 +31,14 @@ from tritune.search_spaces.q4k_fp8_gemm import (
     PortableConfig,
     Q4KConfig,
     StagedConfig,
+    TmaConfig,
 )
 
 from .. import settings as settings_module
 from ..declare import Kernel, Obj, Output, Rule, Tensor
 from ..device import DeviceInfo, target_supports
 from ..fit_default import fit_shared_memory, halve_first
-from ..spec import Replaced, TuningKey, pow2_bucket
+from ..spec import Replaced, TuningKey, pow2_bucket, smem_limit_bytes
 from .launch import JIT_KERNELS, launch
 from .reference import q4k_linear_reference
 from .weight import Q4KWeight
@@ -46,6 +47,9 @@ from .weight import Q4KWeight
 _KEY_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 #: The paths below ggml's accuracy bound, served only with the opt-in.
 _FP8_PATHS = ("fp8", "staged", "int8")
+#: M buckets whose untuned default on SM90 is the tma path: from 16 rows (below, the portable
+#: split tiles and the GEMV) to 128 (above, the dequant path's one GEMM).
+TMA_DEFAULT_M = (16, 128)
 #: Smallest M bucket whose untuned default is the dequant path: on an H200 it ran every Llama-3-8B
 #: shape 1.4-2.4x faster than the portable tiles at M=256 and 2.0-3.1x at M=512 (the weight's
 #: extra bf16 pass costs less there than the in-register dequantization of each M tile).
@@ -92,13 +96,15 @@ def accurate_key(key: Q4KKey) -> Q4KKey | None:
     return replace(key, fp8=False) if key.fp8 else None
 
 
-def default_config(key: Q4KKey) -> PortableConfig | DequantConfig:
+def default_config(key: Q4KKey) -> PortableConfig | DequantConfig | TmaConfig:
     """Untuned defaults by M (chosen on Llama-3-8B shapes, bf16; docs/perf/HISTORY.md).
 
     From M=256 up (:data:`DEQUANT_DEFAULT_MIN_M`): the dequant path, the weight dequantized once
     per call into cuBLAS's GEMM (:func:`dequant_default`), which runs on every GPU and meets the
     accuracy contract with the most margin; where no chunk of it is feasible (N of 32 rows or fewer,
     or K beyond 64K for the scratch cap), the portable rules below (:func:`portable_default`).
+    On SM90 from M=16 to 128 (:data:`TMA_DEFAULT_M`): the tma path (:func:`tma_default`), the
+    portable path's weights through a K loop that keeps its loads and wgmma in flight.
 
     Portable rules: up to M=64, 64-wide N tiles split along K until about 1.5 programs per SM (one
     pass over the weight; 256-deep K tiles for decode). Beyond: 128x128x64 tiles, 8 warps, except
@@ -112,7 +118,29 @@ def default_config(key: Q4KKey) -> PortableConfig | DequantConfig:
         dequant = dequant_default(key)
         if dequant is not None:
             return dequant
+    if key.arch == "sm90" and TMA_DEFAULT_M[0] <= key.m_bucket <= TMA_DEFAULT_M[1]:
+        tma = tma_default(key)
+        if tma is not None:
+            return tma
     return portable_default(key)
+
+
+def tma_default(key: Q4KKey) -> TmaConfig | None:
+    """The tma path's default at an SM90 key (the best tiles of the 2026-12-06 H100 measurements,
+    docs/perf): ``W x^T`` tiles of 64 weight rows by the whole M bucket up to 64 rows, 4 warps, 128
+    deep; at M=128 two warpgroups over 128 weight rows; K split (up to 4) until about 1.5
+    programs per SM. ``None`` where the space refuses it (N not a multiple of the tile)."""
+    if key.m_bucket > 64:
+        config = TmaConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
+    else:
+        config = TmaConfig(BLOCK_M=max(key.m_bucket, 16), BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+    tiles = triton.cdiv(key.n, config.BLOCK_N) * triton.cdiv(key.m_bucket, config.BLOCK_M)
+    split = 1
+    while split < 4 and 2 * tiles * split < 3 * key.sm_count and (key.k // config.BLOCK_K) % (2 * split) == 0:
+        split *= 2
+    config = replace(config, SPLIT_K=split)
+    limits = TargetLimits(smem_bytes=smem_limit_bytes((9, 0)))
+    return config if SPACE.infeasible_reason(config, key, limits) is None else None
 
 
 def portable_default(key: Q4KKey) -> PortableConfig:
@@ -181,6 +209,13 @@ def _unservable_reason(config: Q4KConfig, device: DeviceInfo, facts: Any) -> str
         return f"the int8 path needs int8 tensor cores (SM80+), not {device.arch}"
     if config.path == "gemv" and not gemv_supported(device):
         return f"the GEMV path issues PTX dp4a (NVIDIA SM61+), not {device.arch}"
+    if isinstance(config, TmaConfig):
+        if device.is_interpreter:
+            return "the tma path is Gluon, which the interpreter cannot run"
+        if device.capability != (9, 0) or not target_supports(device, (9, 0)):
+            return f"the tma path runs on SM90 (Hopper) only, not {device.arch}"
+        if facts.N % config.BLOCK_N:
+            return f"the tma path stores whole weight tiles: BLOCK_N={config.BLOCK_N} does not divide N={facts.N}"
     if isinstance(config, StagedConfig):
         if not (device.is_interpreter or target_supports(device, (9, 0))):
             return f"the staged path needs row-wise scaled fp8 GEMMs (SM90+), not {device.arch}"

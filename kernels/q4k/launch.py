@@ -22,10 +22,12 @@ from tritune.search_spaces.q4k_fp8_gemm import (
     PortableConfig,
     Q4KConfig,
     StagedConfig,
+    TmaConfig,
 )
 
 from .._launch import arrival_counters, ceil_div, next_pow2, traced
 from .._oplib import wrap_triton
+from ._gluon_tma import _q4k_gemm_tma_kernel
 from ._triton_dequant import _q4k_dequant_kernel
 from ._triton_fold import _q4k_gemm_fp8_fold_kernel
 from ._triton_fp8 import _q4k_gemm_fp8_kernel
@@ -35,6 +37,7 @@ from ._triton_portable import _q4k_gemm_portable_kernel
 from ._triton_quantize import _quantize_rows_fp8_kernel
 from ._triton_splitk import _splitk_reduce_kernel
 from ._triton_staged import _q4k_dequant_fp8_kernel, _staged_prepass_kernel
+from .launch_tma import dispatch_tma
 from .weight import Q4KWeight
 
 #: Every kernel :func:`launch` may run (the declaration's ``jit_kernels``).
@@ -52,6 +55,7 @@ JIT_KERNELS = (
     _int8_prepass_kernel,
     _q4k_gemm_int8_kernel,
     _q4k_dequant_kernel,
+    _q4k_gemm_tma_kernel,
 )
 
 _REDUCE_BLOCK_M = 16
@@ -143,6 +147,9 @@ def launch(config: Q4KConfig, x: torch.Tensor, weight: Q4KWeight, bias: torch.Te
         return
     if isinstance(config, DequantConfig):
         _run_dequant(config, x2d, qs, scales, mins, super_scales, bias, out2d, interpreted)
+        return
+    if isinstance(config, TmaConfig):
+        dispatch_tma(config, x2d, qs, scales, mins, super_scales, bias, out2d)
         return
     plan = _plan(config, m, n, k, bias is not None)
     bias_arg = bias if bias is not None else out2d

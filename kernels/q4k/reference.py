@@ -14,16 +14,16 @@ from .weight import Q4KWeight
 GGML_MAX_NMSE = 5e-4
 #: The paths that meet :data:`GGML_MAX_NMSE` (on Gaussian and model-like activations alike) and so
 #: serve without the ``TRITUNE_Q4K_FP8`` opt-in.
-ACCURATE_PATHS = frozenset({"portable", "gemv", "dequant"})
+ACCURATE_PATHS = frozenset({"portable", "gemv", "dequant", "tma"})
 
 #: SQNR (dB) each path must reach against the exactly dequantized float32 reference; the accurate
 #: paths must also meet :data:`GGML_MAX_NMSE`. fp8: e4m3 activations (about 31 dB on Gaussian data;
 #: 28.5 dB with SCALE_FOLD, whose weights are e4m3 too); staged: SCALE_FOLD's e4m3 weights and
 #: activations; int8: int8 weights and activations, one scale per row each (37-39 dB on Gaussian
 #: activations, 28.5 dB with outlier channels); gemv:
-#: int8 activations with one scale per 32 values against exact weights (about 43 dB); portable and
-#: dequant: bf16/fp16 rounding of the weights only.
-MIN_SQNR_DB = {"fp8": 25.0, "staged": 25.0, "int8": 25.0, "gemv": 33.0, "portable": 40.0, "dequant": 40.0}
+#: int8 activations with one scale per 32 values against exact weights (about 43 dB); portable,
+#: dequant and tma: bf16/fp16 rounding of the weights only.
+MIN_SQNR_DB = {"fp8": 25.0, "staged": 25.0, "int8": 25.0, "gemv": 33.0, "portable": 40.0, "dequant": 40.0, "tma": 40.0}
 
 
 def q4k_linear_reference(x: torch.Tensor, weight: Q4KWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -25,12 +25,13 @@ from tritune.search_spaces.q4k_fp8_gemm import (
     Int8Config,
     Q4KConfig,
     StagedConfig,
+    TmaConfig,
 )
 
 from ..declare import KernelTuning
 from ..device import DeviceInfo, target_supports
 from ..spec import Problem, pow2_bucket
-from .kernel import KERNEL, Q4KKey, gemv_supported
+from .kernel import KERNEL, Q4KKey, gemv_supported, tma_default
 from .reference import check_against_portable, check_path
 from .weight import Q4KWeight
 
@@ -42,6 +43,9 @@ _GPU_M_BUCKETS = tuple(2**i for i in range(14))
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 #: Dequant chunks measured first at a large-M key (the largest the key admits).
 _DEQUANT_STARTS = 3
+#: Largest M bucket the tma path's starting tiles are measured at: above it each M tile
+#: dequantizes the weight again and the dequant path's one GEMM wins (docs/perf, 2026-12-06).
+_TMA_MAX_START_M = 256
 #: Rows of x the reference is computed at (see :meth:`Q4KTuning.check_problem`).
 _CHECK_ROWS = 256
 
@@ -129,6 +133,10 @@ class Q4KTuning(KernelTuning):
         - at large M, on any GPU: dequant chunks, the three largest the key admits, the largest
           (the whole weight where it fits the scratch cap) first: one GEMM of the whole N is
           what cuBLAS runs fastest, smaller chunks may keep the dense chunk in L2 for the GEMM;
+        - on SM90 up to M=256, tma tiles: the key's default first, then ``W x^T`` tiles of 64
+          weight rows (and from M=64 of 128 rows over two warpgroups) by the M bucket, split
+          along K toward about two programs per SM, and the default with 4 stages (the best
+          tiles of the 2026-12-06 H100 measurements);
         - on SM90+ (wgmma), swapped folded fp8 tiles, which compile to register-A wgmma with the
           dequantization overlapping the MMA (sm_90 ptxas builds, ``tests/sm90_build.py``): one
           warpgroup per 64 weight rows (wgmma's M side); at small M 16-row x tiles with
@@ -148,6 +156,8 @@ class Q4KTuning(KernelTuning):
         if key.m_bucket > SMALL_M:
             chunks = sorted(SPACE.members["dequant"].dimensions["CHUNK_N"], reverse=True)
             starts += [DequantConfig(CHUNK_N=chunk) for chunk in chunks]
+        if device.capability == (9, 0) and target_supports(device, (9, 0)):
+            starts += self._tma_starts(key, device)
         if target_supports(device, (9, 0)):
             starts += self._swapped_starts(key, device)
             if key.m_bucket > SMALL_M:
@@ -177,6 +187,26 @@ class Q4KTuning(KernelTuning):
         # BLOCK_K <= 128 * num_warps): an eager decode step pays each launch's host time.
         fused = [dataclasses.replace(c, FUSE_QUANT=True, FUSED_REDUCE=c.SPLIT_K > 1) for c in starts]
         return fused + starts
+
+    @staticmethod
+    def _tma_starts(key: Q4KKey, device: DeviceInfo) -> list[TmaConfig]:
+        if key.m_bucket > _TMA_MAX_START_M:
+            return []
+        block_m = min(max(key.m_bucket, 16), 128)
+        one_group = TmaConfig(BLOCK_M=block_m, BLOCK_N=WGMMA_ROWS, BLOCK_K=128, num_warps=4)
+        shapes = [one_group]
+        if key.m_bucket >= 64:
+            shapes.append(dataclasses.replace(one_group, BLOCK_N=2 * WGMMA_ROWS, num_warps=8))
+        default = tma_default(key)
+        starts = [] if default is None else [default, dataclasses.replace(default, num_stages=4)]
+        for shape in shapes:
+            tiles = triton.cdiv(key.n, shape.BLOCK_N) * triton.cdiv(key.m_bucket, block_m)
+            starts += [
+                dataclasses.replace(shape, SPLIT_K=split)
+                for split in (1, 2, 4, 8)
+                if split == 1 or tiles * split <= 2 * device.sm_count
+            ]
+        return list(dict.fromkeys(starts))
 
     @staticmethod
     def _int8_starts(key: Q4KKey) -> list[Int8Config]:

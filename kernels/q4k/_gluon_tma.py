@@ -1,0 +1,231 @@
+"""The tma path of ``q4k_fp8_gemm``: the Q4_K GEMM's K loop written in Gluon for SM90.
+
+Triton's pipeliner, on the portable kernel, copies the code words asynchronously but leaves about
+eleven CTA barriers a K step and a wait for each wgmma before the next tile is dequantized
+(docs/perf/HISTORY.md has the sm_90 build). Here the schedule is explicit:
+
+- x tiles and the weight's code words come by TMA through one ring of ``NUM_STAGES`` shared
+  buffers with ready barriers (mbarriers, no CTA barrier), issued ``NUM_STAGES - 1`` steps ahead;
+- each 32-code group's scale, min and super-block ``d``/``dmin`` are loaded into registers three
+  steps ahead, so no load a step waits on was issued by the step before it;
+- the dequantized tile (``d*sc*q - dmin*m`` in x's dtype: the portable kernel's exact weights)
+  goes to one of two shared buffers, and one wgmma is left in flight (``warpgroup_mma_wait(1)``):
+  step ``i``'s tile is written while step ``i - 1``'s wgmma runs. One CTA barrier a step remains,
+  between the tile's stores and the wgmma that reads it (two with two warpgroups, see below);
+- with ``SWAP`` the product is computed transposed (``W x^T``): the weight rows fill wgmma's
+  64-row M side and the few rows of x its N side, which may be as small as 16.
+
+Gluon does not run on the interpreter, and wgmma exists on SM90 only: :func:`.kernel.serve`
+routes this path there alone.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+
+@gluon.jit
+def _word_codes(t):
+    """Four codes of the low 16 bits of ``t | 0x4F000000`` as exact floats (bits 0-3, ..., 12-15):
+    each masked code lands in a float's mantissa, and one subtraction removes the exponent."""
+    c0 = (t & 0x4B00000F).to(gl.float32, bitcast=True) - 8388608.0
+    c1 = (t & 0x490000F0).to(gl.float32, bitcast=True) - 524288.0
+    c2 = (t & 0x47000F00).to(gl.float32, bitcast=True) - 32768.0
+    c3 = (t & 0x4500F000).to(gl.float32, bitcast=True) - 2048.0
+    return c0, c1, c2, c3
+
+
+@gluon.jit
+def _small(x):
+    """Integers ``0 <= x < 2**23`` as float32 without a conversion instruction."""
+    return (x.to(gl.int32) | 0x4B000000).to(gl.float32, bitcast=True) - 8388608.0
+
+
+@gluon.jit
+def _dequant_words(qw, sc, mn, d, dmin, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, dtype: gl.constexpr):
+    """``[BLOCK_N, G, 4]`` code words (four a 32-code group) with ``[BLOCK_N, G]`` 6-bit scales and
+    mins and their super-blocks' ``d``/``dmin`` -> the ``[BLOCK_N, BLOCK_K]`` tile ``d*sc*q - dmin*mn``."""
+    scale = (d * _small(sc))[:, :, None]
+    offset = (dmin * _small(mn))[:, :, None]
+    e0, e1, e2, e3 = _word_codes(qw | 0x4F000000)
+    e4, e5, e6, e7 = _word_codes((qw >> 16) | 0x4F000000)
+    # Element 8w + j of the row is code j of word w: j = 4*j2 + 2*j1 + j0, joined most significant first.
+    w0 = (e0 * scale - offset).to(dtype)
+    w1 = (e1 * scale - offset).to(dtype)
+    w2 = (e2 * scale - offset).to(dtype)
+    w3 = (e3 * scale - offset).to(dtype)
+    w4 = (e4 * scale - offset).to(dtype)
+    w5 = (e5 * scale - offset).to(dtype)
+    w6 = (e6 * scale - offset).to(dtype)
+    w7 = (e7 * scale - offset).to(dtype)
+    even = gl.join(gl.join(w0, w4), gl.join(w2, w6))
+    odd = gl.join(gl.join(w1, w5), gl.join(w3, w7))
+    return gl.reshape(gl.join(even, odd), [BLOCK_N, BLOCK_K])
+
+
+@gluon.jit
+def _load_scales(sc_row, mn_row, ss_row, group):
+    """Per 32-code group ``[BLOCK_N, G]``: its 6-bit scale and min, and its super-block's ``d``, ``dmin``."""
+    block = group // 8  # 256 codes a super-block
+    d = gl.load(ss_row + block * 2).to(gl.float32)
+    dmin = gl.load(ss_row + block * 2 + 1).to(gl.float32)
+    return gl.load(sc_row + group), gl.load(mn_row + group), d, dmin
+
+
+@gluon.jit
+def _issue_step(x_desc, q_desc, x_smem, q_smem, ready, step, row_m, row_n, k_start, BLOCK_K: gl.constexpr):
+    """TMA copies of K step ``step``'s x tile and code words into ring stage ``step % NUM_STAGES``."""
+    stage = step % x_smem.shape[0]
+    bar = ready.index(stage)
+    mbarrier.expect(bar, x_desc.block_type.nbytes + q_desc.block_type.nbytes)
+    k = k_start + step * BLOCK_K
+    tma.async_copy_global_to_shared(x_desc, [row_m, k], bar, x_smem.index(stage))
+    # The codes are int32 words, eight a word: K column k is word column k / 8.
+    tma.async_copy_global_to_shared(q_desc, [row_n, k // 8], bar, q_smem.index(stage))
+
+
+@gluon.jit
+def _zero_acc(BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SWAP: gl.constexpr):
+    """The float32 accumulator in wgmma's layout: ``[BLOCK_M, BLOCK_N]``, or ``[BLOCK_N, BLOCK_M]`` with ``SWAP``."""
+    warps: gl.constexpr = gl.num_warps()
+    if SWAP:
+        layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, BLOCK_M, 16]
+        )
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=layout)
+    else:
+        layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=layout)
+    return acc
+
+
+@gluon.jit
+def _mma_step(w_buf, x_buf, acc, SWAP: gl.constexpr):
+    """Issue this K step's wgmma (``x W^T``, or ``W x^T`` with ``SWAP``) and wait until only it is in flight."""
+    if SWAP:
+        tok = warpgroup_mma(w_buf, x_buf.permute((1, 0)), acc, is_async=True)
+    else:
+        tok = warpgroup_mma(x_buf, w_buf.permute((1, 0)), acc, is_async=True)
+    acc, _, _ = warpgroup_mma_wait(1, deps=(tok, x_buf, w_buf))
+    return acc
+
+
+@gluon.jit
+def _store_acc(
+    acc, bias_ptr, out_ptr, row_m, row_n, pid_k, M, stride_om, stride_on, stride_ok, stride_bn,
+    HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SWAP: gl.constexpr,
+):  # fmt: skip
+    """Store the accumulator's rows of x below ``M`` (plus the bias, if any) to split ``pid_k`` of
+    ``out``, in its dtype: the output itself, or the float32 partials of a split."""
+    layout: gl.constexpr = acc.type.layout
+    if SWAP:
+        offs_n = row_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        offs_m = row_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
+        if HAS_BIAS:
+            acc = acc + gl.load(bias_ptr + offs_n * stride_bn).to(gl.float32)[:, None]
+        ptrs = out_ptr + pid_k * stride_ok + offs_m[None, :].to(gl.int64) * stride_om + offs_n[:, None] * stride_on
+        gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[None, :])
+    else:
+        offs_m = row_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        offs_n = row_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        if HAS_BIAS:
+            acc = acc + gl.load(bias_ptr + offs_n * stride_bn).to(gl.float32)[None, :]
+        ptrs = out_ptr + pid_k * stride_ok + offs_m[:, None].to(gl.int64) * stride_om + offs_n[None, :] * stride_on
+        gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None])
+
+
+@gluon.jit
+def _q4k_gemm_tma_kernel(
+    x_desc, q_desc, sc_ptr, mn_ptr, ss_ptr, bias_ptr, out_ptr, M,
+    stride_sn, stride_ssn, stride_om, stride_on, stride_ok, stride_bn,
+    HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    K_TILES: gl.constexpr, NUM_STAGES: gl.constexpr, SWAP: gl.constexpr,
+):  # fmt: skip
+    """``out[pid_k] = x[:, split] @ dequant(W)[:, split]^T (+ bias)``: one (N tile, K split, M tile) a
+    program, the program ids in that order. N is a multiple of ``BLOCK_N`` and each split
+    ``K_TILES`` steps of ``BLOCK_K`` (the launch's checks); rows of x past ``M`` read as zeros
+    (the TMA's padding) and are not stored."""
+    warps: gl.constexpr = gl.num_warps()
+    dtype: gl.constexpr = x_desc.dtype
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    pid_m = gl.program_id(2)
+    k_start = pid_k * (K_TILES * BLOCK_K)
+    row_m = pid_m * BLOCK_M
+    row_n = pid_n * BLOCK_N
+
+    # Code words as [BLOCK_N, G, 4]: a thread holds one 32-code group's four words, the groups of
+    # a row over neighbouring lanes, rows over the other lanes and the warps.
+    G: gl.constexpr = BLOCK_K // 32
+    lanes_g: gl.constexpr = G if G < 32 else 32
+    words_layout: gl.constexpr = gl.BlockedLayout(
+        [1, G // lanes_g, 4], [32 // lanes_g, lanes_g, 1], [warps, 1, 1], [2, 1, 0]
+    )
+    # The same words as the [BLOCK_N, BLOCK_K / 8] tile the TMA wrote, four consecutive ones a thread.
+    flat_layout: gl.constexpr = gl.BlockedLayout([1, 4 * (G // lanes_g)], [32 // lanes_g, lanes_g], [warps, 1], [1, 0])
+    groups_layout: gl.constexpr = gl.SliceLayout(2, words_layout)
+    rows_n = (row_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, groups_layout))).to(gl.int64)
+    group = gl.arange(0, G, layout=gl.SliceLayout(0, groups_layout))[None, :] + (k_start // 32)
+    sc_row = sc_ptr + rows_n[:, None] * stride_sn
+    mn_row = mn_ptr + rows_n[:, None] * stride_sn
+    ss_row = ss_ptr + rows_n[:, None] * stride_ssn
+
+    acc = _zero_acc(BLOCK_M, BLOCK_N, SWAP)
+
+    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
+    x_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    q_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, BLOCK_N, BLOCK_K // 8], q_desc.layout)
+    w_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_K], w_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(s), count=1)
+    fence_async_shared()
+
+    for s in gl.static_range(NUM_STAGES - 1):
+        if s < K_TILES:
+            _issue_step(x_desc, q_desc, x_smem, q_smem, ready, s, row_m, row_n, k_start, BLOCK_K)
+    # Scales of steps 0, 1, 2 (a step past the end reads the last step again: valid memory, unused).
+    sc0, mn0, d0, dmin0 = _load_scales(sc_row, mn_row, ss_row, group)
+    sc1, mn1, d1, dmin1 = _load_scales(sc_row, mn_row, ss_row, group + gl.minimum(1, K_TILES - 1) * G)
+    sc2, mn2, d2, dmin2 = _load_scales(sc_row, mn_row, ss_row, group + gl.minimum(2, K_TILES - 1) * G)
+    for i in range(K_TILES):
+        stage = i % NUM_STAGES
+        mbarrier.wait(ready.index(stage), (i // NUM_STAGES) & 1)
+        qw = gl.reshape(q_smem.index(stage).load(flat_layout), [BLOCK_N, G, 4])
+        qw = gl.convert_layout(qw, words_layout)
+        # Step i - 2's wgmma read this buffer; the wait of step i - 1 saw it done.
+        w_buf = w_smem.index(i % 2)
+        w_buf.store(_dequant_words(qw, sc0, mn0, d0, dmin0, BLOCK_N, BLOCK_K, dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        sc0, mn0, d0, dmin0 = sc1, mn1, d1, dmin1
+        sc1, mn1, d1, dmin1 = sc2, mn2, d2, dmin2
+        sc2, mn2, d2, dmin2 = _load_scales(sc_row, mn_row, ss_row, group + gl.minimum(i + 3, K_TILES - 1) * G)
+        acc = _mma_step(w_buf, x_smem.index(stage), acc, SWAP)
+        if warps > 4:
+            # Two warpgroups: each waited for its own wgmma of step i - 1 only, and the other's may
+            # still read the stage (and the weight buffer) that are written next.
+            gl.thread_barrier()
+        # Step i - 1's wgmma is done and its code words were read before the barrier above: its
+        # stage takes step i - 1 + NUM_STAGES.
+        nxt = i - 1 + NUM_STAGES
+        if nxt < K_TILES:
+            _issue_step(x_desc, q_desc, x_smem, q_smem, ready, nxt, row_m, row_n, k_start, BLOCK_K)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(s))
+
+    _store_acc(
+        acc, bias_ptr, out_ptr, row_m, row_n, pid_k, M, stride_om, stride_on, stride_ok, stride_bn,
+        HAS_BIAS, BLOCK_M, BLOCK_N, SWAP,
+    )  # fmt: skip

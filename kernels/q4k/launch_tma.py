@@ -1,0 +1,184 @@
+"""Host side of ``q4k_fp8_gemm``'s tma path: descriptors, the Gluon launch and its opaque op.
+
+The kernel (:mod:`._gluon_tma`) reads x and the code words through Gluon tensor descriptors,
+which are host objects: a tracer (``torch.compile``) cannot follow a launch that builds them, so
+the path runs in an opaque op of its own (``tritune::q4k_linear_tma``) except where the
+declaration's op body already runs on plain tensors (an eager call), which launches directly.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from triton.experimental.gluon import language as gl
+
+from tritune.search_spaces.q4k_fp8_gemm import SPACE, PortableConfig, TmaConfig
+
+from .._launch import ceil_div, unchecked_gluon_descriptor
+from .._oplib import in_direct_body, register_schema_op, wrap_triton
+from ._gluon_tma import _q4k_gemm_tma_kernel
+from ._triton_splitk import _splitk_reduce_kernel
+
+#: Gluon's names of the dtypes x may have.
+_GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+_REDUCE_BLOCK_M = 16
+_REDUCE_BLOCK_N = 128
+#: The fields the nested op carries by name: the tma member's, less ``path`` (the op's name says it).
+_OP_FIELDS = tuple(name for name in SPACE.members["tma"].dimensions if name != "path")
+_SCHEMA_TYPES = {bool: "bool", int: "int"}
+
+
+@functools.lru_cache(maxsize=64)
+def _layouts(dtype: torch.dtype, block_m: int, block_n: int, block_k: int) -> tuple[Any, Any]:
+    """The shared-memory layouts of the x box ``[BLOCK_M, BLOCK_K]`` and the code-word box
+    ``[BLOCK_N, BLOCK_K / 8]`` (int32), built once per (dtype, tiles)."""
+    return (
+        gl.NVMMASharedLayout.get_default_for([block_m, block_k], _GLUON_DTYPES[dtype]),
+        gl.NVMMASharedLayout.get_default_for([block_n, block_k // 8], gl.int32),
+    )
+
+
+def x_layout_ok(x: torch.Tensor) -> bool:
+    """Whether a descriptor can cover x ``[M, K]``: a unit inner stride, a 16-byte aligned base and row stride."""
+    return x.stride(1) == 1 and x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0
+
+
+def codes_layout_ok(qs: torch.Tensor) -> bool:
+    """Whether a descriptor can cover the code bytes ``qs`` ``[N, K/2]`` as int32 words: contiguous
+    rows, a 16-byte aligned base and row stride (what :class:`~.weight.Q4KWeight` makes)."""
+    return qs.stride(1) == 1 and qs.data_ptr() % 16 == 0 and qs.stride(0) % 16 == 0
+
+
+def launch_tma(
+    config: TmaConfig,
+    x: torch.Tensor,
+    qs: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    super_scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    """The Gluon launch (and, with a split, the reduce) on tensors :func:`x_layout_ok` and
+    :func:`codes_layout_ok` admit:
+    ``out`` ``[M, N]`` ``= x @ dequant(W)^T (+ bias)``, N a multiple of ``BLOCK_N`` and K of
+    ``BLOCK_K * SPLIT_K`` (the space and :func:`.kernel.serve` see to both)."""
+    m, k = x.shape
+    n = qs.shape[0]
+    bm, bn, bk, split = config.BLOCK_M, config.BLOCK_N, config.BLOCK_K, config.SPLIT_K
+    x_layout, q_layout = _layouts(x.dtype, bm, bn, bk)
+    x_desc = unchecked_gluon_descriptor(x, [bm, bk], x_layout)
+    q_desc = unchecked_gluon_descriptor(qs.view(torch.int32), [bn, bk // 8], q_layout)
+    if split > 1:
+        # Float32 partials from the caching allocator (a captured graph's pool under capture).
+        target = torch.empty((split, m, n), dtype=torch.float32, device=out.device)
+        stride_ok, stride_om, stride_on = target.stride()
+    else:
+        target = out
+        stride_ok, (stride_om, stride_on) = 0, out.stride()
+    stride_bn = bias.stride(0) if bias is not None else 0
+    bias_arg = bias if bias is not None else out
+    _q4k_gemm_tma_kernel[(n // bn, split, ceil_div(m, bm))](
+        x_desc, q_desc, scales, mins, super_scales, bias_arg, target, m,
+        scales.stride(0), super_scales.stride(0), stride_om, stride_on, stride_ok, stride_bn,
+        HAS_BIAS=bias is not None and split == 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=k // bk // split,
+        NUM_STAGES=config.num_stages, SWAP=config.SWAP_AB, num_warps=config.num_warps,
+    )  # fmt: skip
+    if split > 1:
+        reduce_grid = (ceil_div(m, _REDUCE_BLOCK_M), ceil_div(n, _REDUCE_BLOCK_N))
+        wrap_triton(_splitk_reduce_kernel)[reduce_grid](
+            target, bias_arg, out, m, n, target.stride(0), target.stride(1), out.stride(0), out.stride(1),
+            stride_bn, HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_M=_REDUCE_BLOCK_M, BLOCK_N=_REDUCE_BLOCK_N,
+            num_warps=4,
+        )  # fmt: skip
+
+
+def portable_stand_in(config: TmaConfig) -> PortableConfig:
+    """The portable config with the tma config's tiles: what runs where descriptors cannot cover
+    the tensors (every tile of the tma member is one the portable kernel runs)."""
+    return PortableConfig(
+        BLOCK_M=config.BLOCK_M,
+        BLOCK_N=config.BLOCK_N,
+        BLOCK_K=config.BLOCK_K,
+        GROUP_M=1,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        SPLIT_K=config.SPLIT_K,
+    )
+
+
+def _schema() -> str:
+    types = SPACE.members["tma"].field_types
+    fields = ", ".join(f"{_SCHEMA_TYPES[types[name]]} {name}" for name in _OP_FIELDS)
+    tensors = "Tensor x, Tensor qs, Tensor scales, Tensor mins, Tensor super_scales, Tensor? bias, Tensor(a!) out"
+    return f"({tensors}, *, {fields}) -> ()"
+
+
+@functools.lru_cache(maxsize=256)
+def _op_config(fields: tuple[tuple[str, Any], ...]) -> TmaConfig:
+    """The config an op call's fields stand for (built once per distinct config)."""
+    config: TmaConfig = SPACE.from_fields({"path": "tma", **dict(fields)})
+    return config
+
+
+def _body(
+    x: torch.Tensor,
+    qs: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    super_scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    **fields: Any,
+) -> None:
+    run_tma(_op_config(tuple(fields.items())), x, qs, scales, mins, super_scales, bias, out)
+
+
+_TMA_OP = register_schema_op("tritune::q4k_linear_tma", _body, _schema(), mutated=(6,), opaque=True)
+
+
+def run_tma(
+    config: TmaConfig,
+    x: torch.Tensor,
+    qs: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    super_scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    """The tma path on plain tensors: x ``[M, K]`` with a unit inner stride, ``out`` ``[M, N]``.
+
+    An x whose base or row stride is not 16-byte aligned (a slice of a wider tensor) is copied
+    once into a fresh tensor; code bytes no descriptor can cover (a direct call of the op with a
+    view) run the portable kernel with the same tiles instead.
+    """
+    if not x_layout_ok(x):
+        x = x.clone(memory_format=torch.contiguous_format)
+    if not codes_layout_ok(qs):
+        from .launch import launch
+        from .weight import Q4KWeight
+
+        launch(portable_stand_in(config), x, Q4KWeight(qs, scales, mins, super_scales), bias, out)
+        return
+    launch_tma(config, x, qs, scales, mins, super_scales, bias, out)
+
+
+def dispatch_tma(
+    config: TmaConfig,
+    x: torch.Tensor,
+    qs: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    super_scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    """From the declaration's launch: run directly on plain tensors, else through the opaque op
+    (a tracer sees one call it need not look into)."""
+    if in_direct_body():
+        run_tma(config, x, qs, scales, mins, super_scales, bias, out)
+    else:
+        _TMA_OP(x, qs, scales, mins, super_scales, bias, out, **{name: getattr(config, name) for name in _OP_FIELDS})

@@ -1,0 +1,374 @@
+"""The tma path of ``q4k_fp8_gemm``: who it serves, its space's rules, its host code, its sm_90 build, its numerics.
+
+CPU tier: the space member's feasibility rules, the gating of :func:`~tritune.kernels.q4k.kernel.serve`
+(which calls the Gluon kernel may serve, which fall back and why), the SM90 defaults and starting
+configs, the launch's grid and arguments recorded on meta tensors, the descriptors, the layout
+checks, the opaque op's schema, and an sm_90 build of the kernel at its defaults and the widest
+tiles the register rule admits (no spills, wgmma and TMA present, the shared memory the rule
+estimates), in a subprocess without ``TRITON_INTERPRET`` (Gluon has no interpreter).
+
+GPU tier (``gpu`` marker, SM90 only): the kernel against the float32 reference of the exactly
+dequantized weight (ggml's NMSE bound and the path's SQNR floor) at awkward M, both orientations,
+splits, bias, fp16, an unaligned x and a NaN-poisoned output; CUDA-graph replay and
+``torch.compile`` through the opaque op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sm90_build
+import torch
+
+from tritune.kernels import use_config
+from tritune.kernels._launch import unchecked_gluon_descriptor
+from tritune.kernels.device import DeviceInfo, interpreter_device
+from tritune.kernels.q4k import launch_tma
+from tritune.kernels.q4k.kernel import KERNEL, TMA_DEFAULT_M, Q4KKey, default_config, q4k_linear, tma_default
+from tritune.kernels.q4k.reference import check_path, nmse, q4k_linear_reference
+from tritune.kernels.q4k.tuning import TUNING
+from tritune.kernels.q4k.weight import Q4KWeight
+from tritune.kernels.spec import Replaced
+from tritune.search_spaces.base import TargetLimits
+from tritune.search_spaces.q4k_fp8_gemm import SPACE, TMA_MAX_REGISTERS, PortableConfig, TmaConfig, tma_smem_bytes
+
+H200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
+A100 = DeviceInfo(name="NVIDIA A100", vendor="nvidia", capability=(8, 0), sm_count=108, arch="sm80")
+B200 = DeviceInfo(name="NVIDIA B200", vendor="nvidia", capability=(10, 0), sm_count=148, arch="sm100")
+H200_LIMITS = KERNEL.limits(H200)
+SCRIPT = Path(__file__).with_name("sm90_build.py")
+HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
+def _key(m_bucket: int = 64, n: int = 14336, k: int = 4096, arch: str = "sm90", fp8: bool = False) -> Q4KKey:
+    return Q4KKey(arch=arch, sm_count=132, dtype="bfloat16", m_bucket=m_bucket, n=n, k=k, fp8=fp8)
+
+
+def _facts(m: int = 64, n: int = 14336, k: int = 4096, dtype: torch.dtype = BF16) -> Any:
+    """A call's facts on meta tensors (nothing allocated)."""
+    meta = torch.device("meta")
+    weight = Q4KWeight(
+        torch.empty((n, k // 2), dtype=torch.uint8, device=meta),
+        torch.empty((n, k // 32), dtype=torch.uint8, device=meta),
+        torch.empty((n, k // 32), dtype=torch.uint8, device=meta),
+        torch.empty((n, k // 256, 2), dtype=torch.float16, device=meta),
+    )
+    x = torch.empty((m, k), dtype=dtype, device=meta)
+    return KERNEL.facts(x, weight, None, out=torch.empty((m, n), dtype=dtype, device=meta))
+
+
+# ---- the space ------------------------------------------------------------------------------
+
+
+def test_tma_member_is_part_of_the_space():
+    config = SPACE.parse({"path": "tma", "BLOCK_M": 16, "SPLIT_K": 4})
+    assert isinstance(config, TmaConfig) and config.SWAP_AB and config.BLOCK_N == 64
+    assert SPACE.infeasible_reason(config, _key(16, n=4096, k=14336), H200_LIMITS) is None
+
+
+@pytest.mark.parametrize(
+    ("config", "key", "limits", "words"),
+    [
+        (TmaConfig(), _key(), TargetLimits(interpreter=True), "interpreter"),
+        (TmaConfig(), _key(arch="sm80"), H200_LIMITS, "SM90"),
+        (TmaConfig(), _key(arch="sm100"), H200_LIMITS, "SM90"),
+        (TmaConfig(BLOCK_N=128), _key(n=4160), H200_LIMITS, "does not divide N=4160"),
+        (TmaConfig(BLOCK_M=64), _key(m_bucket=32), H200_LIMITS, "exceeds m_bucket=32"),
+        (TmaConfig(SPLIT_K=2), _key(m_bucket=512), H200_LIMITS, "only for M <= 256"),
+        (TmaConfig(SPLIT_K=8, BLOCK_K=256), _key(k=1024), H200_LIMITS, "does not divide the 4"),
+        (TmaConfig(BLOCK_M=32, SWAP_AB=False), _key(), H200_LIMITS, "BLOCK_M=32"),
+        (TmaConfig(BLOCK_M=64, BLOCK_N=64, num_warps=8), _key(), H200_LIMITS, "BLOCK_N=64"),
+        (TmaConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128), _key(m_bucket=128), H200_LIMITS, "spill"),
+        (TmaConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=256, num_warps=8), _key(m_bucket=128), H200_LIMITS, "KiB"),
+        (TmaConfig(BLOCK_N=64, BLOCK_K=64, num_warps=8, SWAP_AB=False, BLOCK_M=128), _key(128), H200_LIMITS, "idle"),
+    ],
+)
+def test_tma_feasibility_names_what_is_wrong(config, key, limits, words):
+    reason = SPACE.infeasible_reason(config, key, limits)
+    assert reason is not None and words in reason, reason
+
+
+def test_tma_shared_memory_estimate_counts_every_buffer():
+    config = TmaConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_stages=3)
+    # Three stages of an x tile (64 x 128 bf16) and its code words (64 x 64 bytes) with a barrier
+    # each, and two 64 x 128 bf16 weight buffers.
+    assert tma_smem_bytes(config) == 3 * (64 * 128 * 2 + 64 * 64 + 8) + 2 * 64 * 128 * 2
+
+
+# ---- serving ----------------------------------------------------------------------------------
+
+
+def test_tma_serves_on_sm90_and_falls_back_elsewhere():
+    config = TmaConfig(BLOCK_M=16, SPLIT_K=4)
+    facts = _facts(m=16, n=4096, k=14336)
+    assert KERNEL.serve_with_reason(config, H200, facts)[0] == config
+    for device, words in ((A100, "SM90"), (B200, "SM90"), (interpreter_device(), "interpreter")):
+        served, reason = KERNEL.serve_with_reason(config, device, facts)
+        assert served.path != "tma" and words in reason, (device.arch, reason)
+
+
+def test_tma_serve_checks_the_call_shape():
+    """A borrowed winner (another N or K) that does not fit the call gives way, with the reason."""
+    served, reason = KERNEL.serve_with_reason(TmaConfig(BLOCK_N=128), H200, _facts(n=4160))
+    assert not isinstance(served, TmaConfig) or served.BLOCK_N != 128
+    assert "does not divide N=4160" in reason
+    served, reason = KERNEL.serve_with_reason(TmaConfig(BLOCK_K=256, SPLIT_K=8), H200, _facts(m=16, k=1024))
+    assert served == TmaConfig(BLOCK_K=256, SPLIT_K=4) and "SPLIT_K=8" in reason
+
+
+def test_serve_hook_returns_a_replacement_for_other_devices():
+    from tritune.kernels.q4k.kernel import serve
+
+    result = serve(TmaConfig(), A100, _facts())
+    assert isinstance(result, Replaced) and "SM90" in result.reason
+
+
+@pytest.mark.parametrize("m_bucket", [16, 32, 64, 128])
+@pytest.mark.parametrize(("k", "n"), [(4096, 14336), (14336, 4096), (4096, 4096)])
+def test_sm90_default_is_the_tma_path_from_16_to_128_rows(m_bucket, k, n):
+    key = _key(m_bucket, n=n, k=k)
+    config = default_config(key)
+    assert isinstance(config, TmaConfig) and config == tma_default(key)
+    assert SPACE.infeasible_reason(config, key, H200_LIMITS) is None
+    assert TMA_DEFAULT_M[0] <= m_bucket <= TMA_DEFAULT_M[1]
+
+
+@pytest.mark.parametrize(
+    "key",
+    [_key(8), _key(256), _key(64, arch="sm80"), _key(64, arch="sm100"), _key(64, n=4128), _key(16, n=96)],
+    ids=["m8", "m256", "sm80", "sm100", "n4128", "n96"],
+)
+def test_default_is_not_the_tma_path_elsewhere(key):
+    assert not isinstance(default_config(key), TmaConfig)
+
+
+def test_tma_starting_configs_are_feasible_and_only_where_they_may_win():
+    for m_bucket in (1, 16, 64, 128, 256):
+        key = _key(m_bucket, n=4096, k=14336)
+        starts = [c for c in TUNING.starting_configs(key, H200) if isinstance(c, TmaConfig)]
+        assert starts, m_bucket
+        assert starts[0] == tma_default(key) or tma_default(key) is None
+        assert len(set(starts)) == len(starts)
+        assert all(SPACE.infeasible_reason(c, key, H200_LIMITS) is None for c in starts)
+    assert not any(isinstance(c, TmaConfig) for c in TUNING.starting_configs(_key(512), H200))
+    assert not any(isinstance(c, TmaConfig) for c in TUNING.starting_configs(_key(64, arch="sm80"), A100))
+
+
+# ---- host code --------------------------------------------------------------------------------
+
+
+def _meta_parts(n: int, k: int) -> tuple[torch.Tensor, ...]:
+    meta = torch.device("meta")
+    return (
+        torch.empty((n, k // 2), dtype=torch.uint8, device=meta),
+        torch.empty((n, k // 32), dtype=torch.uint8, device=meta),
+        torch.empty((n, k // 32), dtype=torch.uint8, device=meta),
+        torch.empty((n, k // 256, 2), dtype=torch.float16, device=meta),
+    )
+
+
+@pytest.mark.parametrize(("split", "bias"), [(1, False), (1, True), (4, True)])
+def test_launch_grid_and_arguments(split, bias):
+    """One Gluon launch over (N tiles, splits, M tiles); with a split, float32 partials and the
+    reduce (which adds the bias) after it."""
+    m, n, k = 17, 4096, 14336
+    meta = torch.device("meta")
+    x = torch.empty((m, k), dtype=BF16, device=meta)
+    out = torch.empty((m, n), dtype=BF16, device=meta)
+    bias_t = torch.empty((n,), dtype=BF16, device=meta) if bias else None
+    config = TmaConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split)
+    with sm90_build.record_launches() as recorder:
+        launch_tma.launch_tma(config, x, *_meta_parts(n, k), bias_t, out)
+    names = [launch.kernel.fn.__name__ for launch in recorder.launches]
+    assert names == ["_q4k_gemm_tma_kernel"] + (["_splitk_reduce_kernel"] if split > 1 else [])
+    gluon = recorder.launches[0]
+    assert tuple(gluon.grid) == (n // 64, split, 1)
+    assert gluon.kwargs["K_TILES"] == k // 128 // split
+    assert gluon.kwargs["HAS_BIAS"] == (bias and split == 1)
+    x_desc, q_desc = gluon.args[:2]
+    assert x_desc.base is x and x_desc.block_shape == [32, 128]
+    assert q_desc.base.dtype == torch.int32 and list(q_desc.base.shape) == [n, k // 8]
+    assert q_desc.block_shape == [64, 16]
+    target = gluon.args[6]
+    assert target is out if split == 1 else (target.dtype == torch.float32 and target.shape == (split, m, n))
+
+
+def test_descriptors_match_the_checked_constructor():
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    x_layout, q_layout = launch_tma._layouts(BF16, 16, 64, 128)
+    assert launch_tma._layouts(BF16, 16, 64, 128)[0] is x_layout
+    qs = torch.zeros((64, 512), dtype=torch.uint8).view(torch.int32)
+    for t, box, layout in ((torch.empty(20, 1024, dtype=BF16), [16, 128], x_layout), (qs, [64, 16], q_layout)):
+        fast = unchecked_gluon_descriptor(t, box, layout)
+        checked = TensorDescriptor(t, list(t.shape), list(t.stride()), box, layout)
+        assert fast.base is checked.base
+        for name in ("shape", "strides", "block_shape", "layout", "padding"):
+            assert getattr(fast, name) == getattr(checked, name), name
+
+
+def test_layout_checks():
+    storage = torch.empty(4 * 1032 + 8, dtype=BF16)
+    assert launch_tma.x_layout_ok(storage[: 4 * 1024].view(4, 1024))
+    assert not launch_tma.x_layout_ok(storage[1 : 1 + 4 * 1024].view(4, 1024)), "base off 16 bytes"
+    assert not launch_tma.x_layout_ok(storage[: 4 * 1030].view(4, 1030)[:, :1024]), "row stride of 2060 bytes"
+    assert not launch_tma.x_layout_ok(storage[: 2 * 1024].view(1024, 2).t()), "inner stride 2"
+    codes = torch.zeros((8, 256), dtype=torch.uint8)
+    assert launch_tma.codes_layout_ok(codes)
+    assert not launch_tma.codes_layout_ok(torch.zeros(8 * 256 + 1, dtype=torch.uint8)[1:].view(8, 256))
+
+
+def test_opaque_op_carries_every_field():
+    schema = str(launch_tma._TMA_OP._schema)
+    for name in SPACE.members["tma"].dimensions:
+        assert (name in schema) == (name != "path"), name
+    fields = (("BLOCK_M", 32), ("BLOCK_N", 128), ("BLOCK_K", 64), ("num_warps", 8), ("num_stages", 2))
+    config = launch_tma._op_config((*fields, ("SPLIT_K", 2), ("SWAP_AB", False)))
+    assert config == TmaConfig(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=2, SPLIT_K=2, SWAP_AB=False)
+
+
+def test_portable_stand_in_keeps_the_tiles():
+    config = TmaConfig(BLOCK_M=32, BLOCK_N=128, BLOCK_K=256, num_warps=8, num_stages=2, SPLIT_K=4)
+    stand_in = launch_tma.portable_stand_in(config)
+    assert isinstance(stand_in, PortableConfig)
+    assert (stand_in.BLOCK_M, stand_in.BLOCK_N, stand_in.BLOCK_K, stand_in.SPLIT_K) == (32, 128, 256, 4)
+
+
+# ---- the sm_90 build ------------------------------------------------------------------------
+
+#: The defaults at M 16, 64 and 128, and the widest tiles the register rule admits.
+_BUILDS = [
+    dataclasses.asdict(tma_default(_key(16, n=4096, k=14336))),
+    dataclasses.asdict(tma_default(_key(64))),
+    dataclasses.asdict(tma_default(_key(128))),
+    dataclasses.asdict(TmaConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=2)),
+    dataclasses.asdict(TmaConfig(BLOCK_M=128, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=2, SWAP_AB=False)),
+]
+
+
+@pytest.fixture(scope="module")
+def tma_builds(tmp_path_factory):
+    """The kernel at :data:`_BUILDS`, built for sm_90 with ptxas' report (one subprocess)."""
+    reason = sm90_build.build_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    cases = [
+        {"k": 4096, "n": 14336, "m": 128, "config": {k: v for k, v in c.items() if k != "path"}, "bias": True}
+        for c in _BUILDS
+    ]
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("sm90-q4k-tma"))
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--q4k-tma", json.dumps(cases)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [json.loads(line) for line in run.stdout.splitlines()]
+
+
+def test_tma_builds_for_sm90_without_spills(tma_builds):
+    """Every build compiles to a cubin for sm_90a: no spills, wgmma and TMA loads in the loop,
+    exactly the shared memory :func:`tma_smem_bytes` estimates."""
+    assert len(tma_builds) == len(_BUILDS)
+    for build in tma_builds:
+        config = TmaConfig(**build["case"]["config"])
+        (launch,) = build["launches"]
+        where = f"{config}: {launch}"
+        assert (config.BLOCK_M + config.BLOCK_K) * config.BLOCK_N // (32 * config.num_warps) <= TMA_MAX_REGISTERS
+        assert launch["spill_bytes"] == 0, where
+        assert launch["shared"] == tma_smem_bytes(config) <= H200_LIMITS.smem_bytes, where
+        assert launch["sass"]["HGMMA"] > 0 and launch["sass"]["UTMALDG"] > 0, where
+
+
+# ---- GPU tier ---------------------------------------------------------------------------------
+
+needs_sm90 = pytest.mark.skipif(not HAS_SM90, reason="the tma path runs on SM90 only")
+
+
+def _problem(m: int, n: int, k: int, dtype: torch.dtype = BF16, bias: bool = False, seed: int = 0):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    weight = Q4KWeight.quantize(torch.randn((n, k), generator=generator, device="cuda") * 0.02)
+    x = torch.randn((m, k), generator=generator, device="cuda").to(dtype)
+    b = torch.randn((n,), generator=generator, device="cuda").to(dtype) if bias else None
+    return x, weight, b
+
+
+def _assert_accurate(out: torch.Tensor, x, weight, bias, where: str) -> None:
+    assert not torch.isnan(out).any(), f"{where}: some outputs were never written"
+    expected = q4k_linear_reference(x, weight, bias)
+    assert check_path(out.float(), expected, "tma") is None, f"{where}: NMSE {nmse(out.float(), expected):.2e}"
+    # Every row of x (M tiles and the masked tail) stays close on its own.
+    rows = ((out.float() - expected).square().sum(1) / expected.square().sum(1)).max().item()
+    assert rows < 4e-4, f"{where}: worst row NMSE {rows:.2e}"
+
+
+_GPU_CONFIGS = [
+    TmaConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, SPLIT_K=1),
+    TmaConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4, SPLIT_K=4),
+    TmaConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=2, SPLIT_K=2, SWAP_AB=False),
+    TmaConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, SPLIT_K=2),
+    TmaConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, SPLIT_K=1, SWAP_AB=False),
+]
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("config", _GPU_CONFIGS, ids=lambda c: f"{c.BLOCK_M}x{c.BLOCK_N}x{c.BLOCK_K}w{c.num_warps}"
+                         f"s{c.SPLIT_K}{'swap' if c.SWAP_AB else ''}")  # fmt: skip
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 64, 100, 128, 257])
+@pytest.mark.parametrize("bias", [False, True])
+def test_tma_matches_reference_gpu(config, m, bias):
+    n, k = 4096, 2048
+    x, weight, b = _problem(m, n, k, bias=bias, seed=m)
+    out = torch.full((m, n), float("nan"), dtype=BF16, device="cuda")
+    launch_tma.run_tma(config, x, weight.qs, weight.scales, weight.mins, weight.super_scales, b, out)
+    _assert_accurate(out, x, weight, b, f"{config}, m={m}")
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize(("k", "n", "m"), [(4096, 14336, 16), (14336, 4096, 64), (4096, 4096, 128), (4096, 6144, 33)])
+def test_tma_default_through_the_op_gpu(k, n, m):
+    """The SM90 default (the tma path) through ``q4k_linear`` at the Llama shapes, fp16 and an unaligned x too."""
+    x, weight, _ = _problem(m, n, k, seed=k + m)
+    out = torch.full((m, n), float("nan"), dtype=BF16, device="cuda")
+    assert q4k_linear(x, weight, out=out) is out
+    _assert_accurate(out, x, weight, None, f"default {k}x{n} m={m}")
+    wide = torch.randn((m, k + 1), device="cuda").to(FP16)
+    unaligned = wide[:, 1:]
+    with use_config("q4k_fp8_gemm", dataclasses.asdict(tma_default(_key(m, n=n, k=k)))):
+        result = q4k_linear(unaligned, weight)
+    _assert_accurate(result, unaligned, weight, None, f"unaligned fp16 {k}x{n} m={m}")
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_tma_graph_replay_and_compile_gpu():
+    x, weight, bias = _problem(48, 4096, 4096, bias=True)
+    config = dataclasses.asdict(TmaConfig(BLOCK_M=64, SPLIT_K=4))
+    with use_config("q4k_fp8_gemm", config):
+        eager = q4k_linear(x, weight, bias)
+        out = torch.empty_like(eager)
+        graph = torch.cuda.CUDAGraph()
+        q4k_linear(x, weight, bias, out=out)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            q4k_linear(x, weight, bias, out=out)
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_accurate(out, x, weight, bias, "graph replay with new x")
+        compiled = torch.compile(lambda a: q4k_linear(a, weight, bias), fullgraph=True)
+        _assert_accurate(compiled(x), x, weight, bias, "torch.compile")
