@@ -18,10 +18,12 @@ is reported as FAILED, a peer that cannot run as unavailable with its error):
 - FP8 ``torch._scaled_mm``: W quantized once to e4m3 with one scale per output row, x quantized to e4m3
   with one scale per row outside timing (mat2 passed column-major, as cuBLASLt wants): the fp8 GEMM
   alone, a ceiling for a kernel that also dequantizes (floor: the fp8 path's 25 dB);
-- tritune untuned: the portable default for the key, pinned with ``use_config``;
+- tritune untuned: the key's default (portable, or tma on SM90 from M=16 to 128, or dequant from
+  M=256), pinned with ``use_config``;
 - tritune per path, pinned: the accurate paths (portable; GEMV up to ``GEMV_MAX_BENCH_M`` rows;
   dequant, the exact weights in bf16 chunk by chunk into cuBLAS, at every M: it is tuned from M=128
-  up, the rows below show why) and, with ``TRITUNE_Q4K_FP8`` on, the opt-in ones (int8, fp8,
+  up, the rows below show why; on SM90 the tma path, the portable weights through the Gluon K
+  loop, at every M) and, with ``TRITUNE_Q4K_FP8`` on, the opt-in ones (int8, fp8,
   staged): the fastest tuned trial of that path in ``--db`` at the key it is tuned at (``fp8=False``
   for the accurate paths, ``fp8=True`` for the opt-in ones), or without one the untuned tiles on
   that path, else the tuner's first starting config of it (the dequant path's largest chunk), else
@@ -282,7 +284,8 @@ def _tritune_impls(x: torch.Tensor, weight, best: dict) -> list[Impl]:
         )
     ]
     gemv = ("gemv",) if x.shape[0] <= GEMV_MAX_BENCH_M else ()
-    paths = (*ACCURATE_BENCH_PATHS, *gemv, *OPT_IN_PATHS)
+    tma = ("tma",) if info.capability == (9, 0) and not info.is_interpreter else ()
+    paths = (*ACCURATE_BENCH_PATHS, *tma, *gemv, *OPT_IN_PATHS)
     for path in paths:
         opt_in = path in OPT_IN_PATHS
         key = keys[opt_in]
@@ -317,7 +320,11 @@ def _path_default(tiles: dict[str, Any], path: str, key, info) -> dict[str, Any]
     """The portable rules' ``tiles`` on ``path`` where they are feasible there, else the tuner's
     first starting config of that path at the key, else that path's own defaults."""
     from tritune.kernels.q4k.kernel import KERNEL as Q4K
+    from tritune.kernels.q4k.kernel import tma_default
 
+    if path == "tma" and tma_default(key) is not None:
+        # The tma path's own default tiles (the portable rules' are chosen for another loop).
+        return Q4K.space.to_dict(tma_default(key))
     # The tiles the path has; its own defaults for the rest.
     fields = Q4K.space.members[path].dimensions
     config = Q4K.space.to_dict(Q4K.space.parse({**{k: v for k, v in tiles.items() if k in fields}, "path": path}))
@@ -349,13 +356,14 @@ def _report(rows: list[Row], run: bl.BenchRun) -> str:
         bt.EAGER_NOTE,
         "vs cuBLAS / vs _scaled_mm: that peer's time / this time, eager and graph separately (above 1.00x is faster).",
         "SQNR (dB) and NMSE: against the float64 product with the exactly dequantized weight; checked before "
-        "timing against the floor of the path that ran: 40 dB (portable and dequant paths, bf16 cuBLAS), "
+        "timing against the floor of the path that ran: 40 dB (portable, dequant and tma paths, bf16 cuBLAS), "
         "33 dB (GEMV path) or 25 dB (int8, fp8 and staged paths, the TRITUNE_Q4K_FP8 opt-in, and _scaled_mm), "
         "and for the accurate paths and bf16 cuBLAS ggml's Q4_K bound, NMSE <= 5e-4; FAILED rows are never timed.",
         "The _scaled_mm row times the fp8 GEMM alone (weight and activation quantized outside timing): a ceiling, "
         "not a like-for-like peer.",
         f"Tuned configs and trials: {'DB ' + db if db else 'default settings (user DB and shipped bundles)'}; "
-        "untuned = portable default pinned with use_config.",
+        "untuned = the key's default (portable; tma on SM90 from M=16 to 128; dequant from M=256) pinned "
+        "with use_config.",
     ]
     notes.append(bt.HOST_NOTE)
     if not run.graphs:

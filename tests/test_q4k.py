@@ -21,9 +21,16 @@ import torch
 from tritune.kernels import Q4KWeight, q4k_linear, settings, use_config
 from tritune.kernels.device import device_info
 from tritune.kernels.q4k import launch as q4k_launch
-from tritune.kernels.q4k.kernel import DEQUANT_DEFAULT_MIN_M, KERNEL, Q4KKey
+from tritune.kernels.q4k.kernel import DEQUANT_DEFAULT_MIN_M, KERNEL, Q4KKey, portable_default
 from tritune.kernels.q4k.reference import MIN_SQNR_DB, check_path, q4k_linear_reference, sqnr_db
-from tritune.search_spaces.q4k_fp8_gemm import SPACE, DequantConfig, Fp8Config, PortableConfig, StagedConfig
+from tritune.search_spaces.q4k_fp8_gemm import (
+    SPACE,
+    DequantConfig,
+    Fp8Config,
+    PortableConfig,
+    StagedConfig,
+    TmaConfig,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -252,6 +259,8 @@ class _KernelSpy:
             q4k_launch._int8_prepass_kernel: "quantize-int8",
             q4k_launch._q4k_gemm_int8_kernel: "int8",
             q4k_launch._q4k_dequant_kernel: "dequant-dense",
+            # Launched directly (a Gluon kernel is not wrapped for tracing): never recorded here.
+            q4k_launch._q4k_gemm_tma_kernel: "tma",
         }
         assert set(names) == set(q4k_launch.JIT_KERNELS)
 
@@ -921,6 +930,12 @@ def test_gpu_portable_default_between_64_and_256_rows(k, n, m):
         default = KERNEL.default_config(key)
         if key.m_bucket >= DEQUANT_DEFAULT_MIN_M:
             assert isinstance(default, DequantConfig), default
+        elif key.arch == "sm90":
+            # SM90 serves M=16..128 through the tma path (tests/test_q4k_tma.py); the portable rules here.
+            assert isinstance(default, TmaConfig), default
+            default = portable_default(key)
+            idle = 2 * -(-n // 128) * -(-key.m_bucket // 128) < device_info("cuda").sm_count
+            assert (default.BLOCK_M == 64) == idle, default
         else:
             idle = 2 * -(-n // 128) * -(-key.m_bucket // 128) < device_info("cuda").sm_count
             assert isinstance(default, PortableConfig) and (default.BLOCK_M == 64) == idle, default

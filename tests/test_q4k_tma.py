@@ -35,7 +35,7 @@ from tritune.kernels.q4k.kernel import KERNEL, TMA_DEFAULT_M, Q4KKey, default_co
 from tritune.kernels.q4k.reference import check_path, nmse, q4k_linear_reference
 from tritune.kernels.q4k.tuning import TUNING
 from tritune.kernels.q4k.weight import Q4KWeight
-from tritune.kernels.spec import Replaced
+from tritune.kernels.spec import Replaced, pow2_bucket
 from tritune.search_spaces.base import TargetLimits
 from tritune.search_spaces.q4k_fp8_gemm import SPACE, TMA_MAX_REGISTERS, PortableConfig, TmaConfig, tma_smem_bytes
 
@@ -347,7 +347,7 @@ def test_tma_default_through_the_op_gpu(k, n, m):
     _assert_accurate(out, x, weight, None, f"default {k}x{n} m={m}")
     wide = torch.randn((m, k + 1), device="cuda").to(FP16)
     unaligned = wide[:, 1:]
-    with use_config("q4k_fp8_gemm", dataclasses.asdict(tma_default(_key(m, n=n, k=k)))):
+    with use_config("q4k_fp8_gemm", dataclasses.asdict(tma_default(_key(pow2_bucket(m, 1), n=n, k=k)))):
         result = q4k_linear(unaligned, weight)
     _assert_accurate(result, unaligned, weight, None, f"unaligned fp16 {k}x{n} m={m}")
 
