@@ -34,6 +34,7 @@ from typing import Any
 
 import triton
 from triton import knobs
+from triton.experimental.gluon._runtime import GluonJITFunction
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
@@ -172,12 +173,15 @@ class BoundKernel:
 
 
 _BOUND: dict[int, BoundKernel] = {}
+#: The kernel types :func:`bound` binds: Triton's and Gluon's, not their interpreted stand-ins.
+_BOUNDABLE = (JITFunction, GluonJITFunction)
 
 
 def bound(kernel: Any) -> Any:
     """What a direct op body launches ``kernel`` through: its :class:`BoundKernel` for a
-    ``JITFunction`` (not for subclasses, such as Gluon's), else ``kernel`` itself."""
-    if type(kernel) is not JITFunction:
+    ``JITFunction`` or a Gluon kernel (whose ``run`` is ``JITFunction.run`` with a binder of its
+    own, which the bound launch calls too), else ``kernel`` itself (an interpreted kernel)."""
+    if type(kernel) not in _BOUNDABLE:
         return kernel
     wrapper = _BOUND.get(id(kernel))
     if wrapper is None or wrapper.fn is not kernel:

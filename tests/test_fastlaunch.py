@@ -14,6 +14,8 @@ import torch
 import triton.language as tl
 from triton import knobs
 from triton.backends.compiler import GPUTarget
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
@@ -163,13 +165,56 @@ def test_op_bodies_launch_bound_kernels_and_tracers_get_torchs_wrapper() -> None
     assert not isinstance(wrap_triton(kernel), _fastlaunch.BoundKernel)
 
 
-def test_interpreted_and_gluon_kernels_are_launched_as_they_are() -> None:
+def test_interpreted_kernels_are_launched_as_they_are() -> None:
     from triton.runtime.interpreter import InterpretedFunction
 
     interpreted = InterpretedFunction(_toy)
     assert _fastlaunch.bound(interpreted) is interpreted
     kernel = JITFunction(_toy)
     assert _fastlaunch.bound(kernel) is _fastlaunch.bound(kernel)
+
+
+@gluon.jit
+def _gluon_toy(desc, out_ptr, n, BLOCK: gl.constexpr):
+    pass
+
+
+def _descriptor(rows: int, box: list[int]) -> Any:
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    t = torch.empty((rows, 64), dtype=torch.bfloat16)
+    return TensorDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16))
+
+
+def test_gluon_launches_with_descriptors_pass_what_jitfunction_run_passes(monkeypatch) -> None:
+    """A Gluon kernel is bound too: the descriptor reaches the launcher as ``JITFunction.run``
+    passes it (the launcher encodes it), and another box selects another compiled kernel."""
+    kernel = _gluon_toy
+    assert isinstance(_fastlaunch.bound(kernel), _fastlaunch.BoundKernel)
+    compiled: list[_FakeCompiled] = []
+    launches: list[tuple[Any, ...]] = []
+
+    def compile_stub(key, signature, device, constexprs, options, attrs, warmup):
+        made = kernel.device_caches[device][0][key] = _FakeCompiled(len(compiled), launches)
+        compiled.append(made)
+        return made
+
+    monkeypatch.setattr(kernel, "_do_compile", compile_stub)
+    monkeypatch.setattr(driver, "_active", _FakeDriver())
+    _fastlaunch.forget()
+    try:
+        desc, out = _descriptor(128, [32, 64]), torch.empty(8)
+        kernel[(2,)](desc, out, 128, BLOCK=32)
+        for _ in range(2):
+            _fastlaunch.bound(kernel)[(2,)](desc, out, 128, BLOCK=32)
+        assert len(compiled) == 1
+        through_triton, _, direct = launches
+        assert direct[:6] == through_triton[:6] and direct[9:] == through_triton[9:]
+        assert direct[9] is desc and direct[6:9] == (None, None, None)
+        _fastlaunch.bound(kernel)[(2,)](_descriptor(128, [64, 64]), out, 128, BLOCK=32)
+        assert len(compiled) == 2, "another box must select another compiled kernel"
+    finally:
+        _fastlaunch.forget()
 
 
 def test_a_stand_in_for_jitfunction_run_sees_every_launch(toy, monkeypatch) -> None:

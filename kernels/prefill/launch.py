@@ -20,6 +20,7 @@ from triton.experimental.gluon import language as gl
 
 from tritune.search_spaces.tma_prefill import SPACE, PortableConfig, PrefillConfig, TmaConfig, WsConfig
 
+from .._fastlaunch import bound
 from .._launch import (
     LOG2E,
     ceil_div,
@@ -222,7 +223,7 @@ def launch_ws(
     kv_box = [1, 1, config.BLOCK_N, head_dim]
     # M tiles on the slowest axis (at most 65535: Lq up to 8M rows), walked longest first.
     grid = (q_heads, batch, ceil_div(seqlen_q, config.BLOCK_M))
-    _prefill_ws_kernel[grid](
+    bound(_prefill_ws_kernel)[grid](
         unchecked_gluon_descriptor(q, q_box, q_layout), unchecked_gluon_descriptor(k, kv_box, kv_layout),
         unchecked_gluon_descriptor(v, kv_box, kv_layout), unchecked_gluon_descriptor(out, q_box, q_layout),
         kv_len, _kv_len_stride(kv_len), seqlen_q, seqlen_k, qk_scale,

@@ -16,6 +16,7 @@ from triton.experimental.gluon import language as gl
 
 from tritune.search_spaces.q4k_fp8_gemm import SPACE, PortableConfig, TmaConfig
 
+from .._fastlaunch import bound
 from .._launch import ceil_div, unchecked_gluon_descriptor
 from .._oplib import in_direct_body, register_schema_op, wrap_triton
 from ._gluon_tma import _q4k_gemm_tma_kernel
@@ -80,7 +81,8 @@ def launch_tma(
         stride_ok, (stride_om, stride_on) = 0, out.stride()
     stride_bn = bias.stride(0) if bias is not None else 0
     bias_arg = bias if bias is not None else out
-    _q4k_gemm_tma_kernel[(n // bn, split, ceil_div(m, bm))](
+    # Bound: later launches of a compiled config skip JITFunction.run's per-call Python.
+    bound(_q4k_gemm_tma_kernel)[(n // bn, split, ceil_div(m, bm))](
         x_desc, q_desc, scales, mins, super_scales, bias_arg, target, m,
         scales.stride(0), super_scales.stride(0), stride_om, stride_on, stride_ok, stride_bn,
         HAS_BIAS=bias is not None and split == 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=k // bk // split,
