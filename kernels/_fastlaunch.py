@@ -38,8 +38,6 @@ from triton.experimental.gluon._runtime import GluonJITFunction
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
-from ._tma_descriptors import cache_encodings
-from ._tma_descriptors import forget as forget_encodings
 from .settings import on_change, settings
 
 __all__ = ["MIRRORED_TRITON", "BoundKernel", "bound", "forget", "set_enabled"]
@@ -171,8 +169,6 @@ class BoundKernel:
             key = (device, *_modes(self.fn), *specialization, *options.items())
         with contextlib.suppress(TypeError):  # unhashable: nothing kept, its launches go through Triton
             self._compiled[key] = parts  # type: ignore[assignment]
-            # Host descriptors encoded once per layout, not per launch (Triton's own launches too).
-            cache_encodings(parts[0])
         return kernel
 
 
@@ -194,8 +190,6 @@ def bound(kernel: Any) -> Any:
 
 
 def forget() -> None:
-    """Drop every bound kernel's cache and the kept descriptor encodings (tests; Triton's own
-    caches are untouched)."""
+    """Drop every bound kernel's cache (tests; Triton's own caches are untouched)."""
     _BOUND.clear()
-    forget_encodings()
     _refresh()
