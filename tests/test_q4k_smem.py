@@ -53,7 +53,7 @@ def test_the_portable_default_of_every_default_key_is_feasible(device):
 def test_the_defaults_of_the_large_parts_are_not_refitted(arch):
     """The shipped speedups are measured against these defaults: fitting must leave them alone
     (from M=256 up the default is the dequant path, which has no shared-memory tiles to fit; on
-    SM90 from M=16 to 128 the tma path, whose tiles are chosen for SM90's shared memory)."""
+    SM90 from M=32 to 128 the tma path, whose tiles are chosen for SM90's shared memory)."""
     device = next(d for d in GPUS if d.arch == arch)
     for key in KERNEL.default_keys(device):
         dequant = dequant_default(key) if key.m_bucket >= DEQUANT_DEFAULT_MIN_M else None

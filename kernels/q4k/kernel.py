@@ -47,9 +47,11 @@ from .weight import Q4KWeight
 _KEY_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 #: The paths below ggml's accuracy bound, served only with the opt-in.
 _FP8_PATHS = ("fp8", "staged", "int8")
-#: M buckets whose untuned default on SM90 is the tma path: from 16 rows (below, the portable
-#: split tiles and the GEMV) to 128 (above, the dequant path's one GEMM).
-TMA_DEFAULT_M = (16, 128)
+#: M buckets whose untuned default on SM90 is the tma path: from 32 rows to 128. On an H100 its
+#: graph replays ran 1.17-1.35x bf16 cuBLAS at M=32 where the portable tiles ran 0.84-1.08x; at
+#: M=16 the portable split tiles stay ahead (1.30-1.56x against 1.27-1.36x), and above 128 the
+#: dequant path's one GEMM.
+TMA_DEFAULT_M = (32, 128)
 #: Smallest M bucket whose untuned default is the dequant path: on an H200 it ran every Llama-3-8B
 #: shape 1.4-2.4x faster than the portable tiles at M=256 and 2.0-3.1x at M=512 (the weight's
 #: extra bf16 pass costs less there than the in-register dequantization of each M tile).
@@ -103,7 +105,7 @@ def default_config(key: Q4KKey) -> PortableConfig | DequantConfig | TmaConfig:
     per call into cuBLAS's GEMM (:func:`dequant_default`), which runs on every GPU and meets the
     accuracy contract with the most margin; where no chunk of it is feasible (N of 32 rows or fewer,
     or K beyond 64K for the scratch cap), the portable rules below (:func:`portable_default`).
-    On SM90 from M=16 to 128 (:data:`TMA_DEFAULT_M`): the tma path (:func:`tma_default`), the
+    On SM90 from M=32 to 128 (:data:`TMA_DEFAULT_M`): the tma path (:func:`tma_default`), the
     portable path's weights through a K loop that keeps its loads and wgmma in flight.
 
     Portable rules: up to M=64, 64-wide N tiles split along K until about 1.5 programs per SM (one
