@@ -298,17 +298,25 @@ def smem_bytes(config: PortableConfig | Fp8Config | Int8Config) -> int:
     return max(stages - 1, 1) * per_stage + staged
 
 
-def _mma_tile_reason(
-    config: PortableConfig | Fp8Config | Int8Config, key: Q4KShape, limits: TargetLimits
-) -> str | None:
-    """The rules the MMA paths share: split-K and tiles against the key, the accumulator's
-    registers, and (on a GPU) threads the tile leaves idle; on the interpreter, small blocks."""
+def _split_and_rows_reason(config: PortableConfig | Fp8Config | Int8Config | TmaConfig, key: Q4KShape) -> str | None:
+    """Split-K only for small M and in whole K tiles; an x tile no taller than the key's M bucket."""
     if config.SPLIT_K > 1 and key.m_bucket > SPLIT_K_MAX_M:
         return f"SPLIT_K={config.SPLIT_K} only for M <= {SPLIT_K_MAX_M} (m_bucket={key.m_bucket})"
     if (key.k // config.BLOCK_K) % config.SPLIT_K:
         return f"SPLIT_K={config.SPLIT_K} does not divide the {key.k // config.BLOCK_K} BLOCK_K={config.BLOCK_K} tiles"
     if max(key.m_bucket, 16) < config.BLOCK_M:
         return f"BLOCK_M={config.BLOCK_M} exceeds m_bucket={key.m_bucket}"
+    return None
+
+
+def _mma_tile_reason(
+    config: PortableConfig | Fp8Config | Int8Config, key: Q4KShape, limits: TargetLimits
+) -> str | None:
+    """The rules the MMA paths share: split-K and tiles against the key, the accumulator's
+    registers, and (on a GPU) threads the tile leaves idle; on the interpreter, small blocks."""
+    reason = _split_and_rows_reason(config, key)
+    if reason is not None:
+        return reason
     if config.GROUP_M > 1 and key.m_bucket <= config.BLOCK_M:
         return "GROUP_M > 1 is the same launch as GROUP_M=1 when one M tile covers every row"
     acc_regs = config.BLOCK_M * config.BLOCK_N // (32 * config.num_warps)
@@ -513,12 +521,9 @@ def tma_feasibility(config: TmaConfig, key: Q4KShape, limits: TargetLimits) -> s
         return f"the tma path needs SM90 (wgmma, TMA), not {key.arch}"
     if key.n % config.BLOCK_N:
         return f"BLOCK_N={config.BLOCK_N} does not divide N={key.n} (the tma path stores whole weight tiles)"
-    if config.SPLIT_K > 1 and key.m_bucket > SPLIT_K_MAX_M:
-        return f"SPLIT_K={config.SPLIT_K} only for M <= {SPLIT_K_MAX_M} (m_bucket={key.m_bucket})"
-    if (key.k // config.BLOCK_K) % config.SPLIT_K:
-        return f"SPLIT_K={config.SPLIT_K} does not divide the {key.k // config.BLOCK_K} BLOCK_K={config.BLOCK_K} tiles"
-    if max(key.m_bucket, 16) < config.BLOCK_M:
-        return f"BLOCK_M={config.BLOCK_M} exceeds m_bucket={key.m_bucket}"
+    reason = _split_and_rows_reason(config, key)
+    if reason is not None:
+        return reason
     warpgroups = config.num_warps // 4
     side, size = ("BLOCK_N", config.BLOCK_N) if config.SWAP_AB else ("BLOCK_M", config.BLOCK_M)
     if size < WGMMA_ROWS * warpgroups:

@@ -583,6 +583,33 @@ def reductions(ttgir: str) -> list[dict[str, Any]]:
     return found
 
 
+def meta_q4k_call(m: int, n: int, k: int, bias: bool = False) -> tuple[Any, tuple[Any, ...], Any, Any]:
+    """A Q4_K call's tensors on the meta device (nothing allocated): bf16 x ``[m, k]``, the four
+    parts of a ``[n, k]`` Q4_K weight (codes, scales, mins, super-scales), the bias or None, and out."""
+    import torch
+
+    meta = torch.device("meta")
+    parts = (
+        torch.empty((n, k // 2), dtype=torch.uint8, device=meta),
+        torch.empty((n, k // 32), dtype=torch.uint8, device=meta),
+        torch.empty((n, k // 32), dtype=torch.uint8, device=meta),
+        torch.empty((n, k // 256, 2), dtype=torch.float16, device=meta),
+    )
+    x = torch.empty((m, k), dtype=torch.bfloat16, device=meta)
+    bias_t = torch.empty((n,), dtype=torch.bfloat16, device=meta) if bias else None
+    return x, parts, bias_t, torch.empty((m, n), dtype=torch.bfloat16, device=meta)
+
+
+def run_script(args: list[str], cache_dir: str, timeout: int = 600) -> list[Any]:
+    """Run this file as a script (``args`` after its path) without ``TRITON_INTERPRET`` and with
+    its own Triton cache; fail with the end of its stderr, else return its JSON lines."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = cache_dir
+    run = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [json.loads(line) for line in run.stdout.splitlines()]
+
+
 def build_gemv(k: int, n: int, config: dict[str, Any], m: int = 1, bias: bool = False) -> list[dict[str, Any]]:
     """The launches of one ``q4k_fp8_gemm`` call (bf16 x ``[m, k]``, a Q4_K weight ``[n, k]``) with
     ``config``, recorded from the real launch code on meta tensors and built for sm_90 as an H200
@@ -600,18 +627,10 @@ def build_gemv(k: int, n: int, config: dict[str, Any], m: int = 1, bias: bool = 
     from tritune.kernels.q4k.weight import Q4KWeight
 
     meta = torch.device("meta")
-    weight = Q4KWeight(
-        torch.empty((n, k // 2), dtype=torch.uint8, device=meta),
-        torch.empty((n, k // 32), dtype=torch.uint8, device=meta),
-        torch.empty((n, k // 32), dtype=torch.uint8, device=meta),
-        torch.empty((n, k // 256, 2), dtype=torch.float16, device=meta),
-    )
-    x = torch.empty((m, k), dtype=torch.bfloat16, device=meta)
-    out = torch.empty((m, n), dtype=torch.bfloat16, device=meta)
-    bias_t = torch.empty((n,), dtype=torch.bfloat16, device=meta) if bias else None
+    x, parts, bias_t, out = meta_q4k_call(m, n, k, bias)
     _launch.SM_COUNTS[meta] = 132
     with record_launches() as recorder, set_wrap_triton_enabled(False):
-        launch(KERNEL.space.parse(config), x, weight, bias_t, out)
+        launch(KERNEL.space.parse(config), x, Q4KWeight(*parts), bias_t, out)
     results = []
     for recorded in recorder.launches:
         compiled = compile_record(specialize(recorded))
@@ -640,21 +659,11 @@ def build_q4k_tma(k: int, n: int, m: int, config: dict[str, Any], bias: bool = F
     ``[n, k]``) with ``config``, recorded from ``launch_tma`` on meta tensors and built for sm_90;
     per launch: the kernel, registers, spill bytes, shared memory and the SASS counts of wgmma
     (``HGMMA``), CTA barriers (``BAR``), mbarrier operations (``SYNCS``) and TMA loads (``UTMALDG``)."""
-    import torch
 
     from tritune.kernels.q4k.launch_tma import launch_tma
     from tritune.search_spaces.q4k_fp8_gemm import SPACE
 
-    meta = torch.device("meta")
-    parts = (
-        torch.empty((n, k // 2), dtype=torch.uint8, device=meta),
-        torch.empty((n, k // 32), dtype=torch.uint8, device=meta),
-        torch.empty((n, k // 32), dtype=torch.uint8, device=meta),
-        torch.empty((n, k // 256, 2), dtype=torch.float16, device=meta),
-    )
-    x = torch.empty((m, k), dtype=torch.bfloat16, device=meta)
-    out = torch.empty((m, n), dtype=torch.bfloat16, device=meta)
-    bias_t = torch.empty((n,), dtype=torch.bfloat16, device=meta) if bias else None
+    x, parts, bias_t, out = meta_q4k_call(m, n, k, bias)
     with record_launches() as recorder:
         launch_tma(SPACE.parse({"path": "tma", **config}), x, *parts, bias_t, out)
     results = []

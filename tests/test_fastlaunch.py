@@ -52,10 +52,8 @@ class _FakeCompiled:
         return "metadata"
 
 
-@pytest.fixture
-def toy(monkeypatch):
-    """A fresh JITFunction of ``_toy`` on the fake driver; yields (kernel, compiled list, launches)."""
-    kernel = JITFunction(_toy)
+def _stub_compiles(kernel: Any, monkeypatch) -> tuple[list[_FakeCompiled], list[tuple[Any, ...]]]:
+    """Make ``kernel`` "compile" to recording fakes on the fake driver; return (compiled, launches)."""
     compiled: list[_FakeCompiled] = []
     launches: list[tuple[Any, ...]] = []
 
@@ -66,6 +64,14 @@ def toy(monkeypatch):
 
     monkeypatch.setattr(kernel, "_do_compile", compile_stub)
     monkeypatch.setattr(driver, "_active", _FakeDriver())
+    return compiled, launches
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    """A fresh JITFunction of ``_toy`` on the fake driver; yields (kernel, compiled list, launches)."""
+    kernel = JITFunction(_toy)
+    compiled, launches = _stub_compiles(kernel, monkeypatch)
     _fastlaunch.forget()
     yield kernel, compiled, launches
     _fastlaunch.forget()
@@ -191,16 +197,7 @@ def test_gluon_launches_with_descriptors_pass_what_jitfunction_run_passes(monkey
     passes it (the launcher encodes it), and another box selects another compiled kernel."""
     kernel = _gluon_toy
     assert isinstance(_fastlaunch.bound(kernel), _fastlaunch.BoundKernel)
-    compiled: list[_FakeCompiled] = []
-    launches: list[tuple[Any, ...]] = []
-
-    def compile_stub(key, signature, device, constexprs, options, attrs, warmup):
-        made = kernel.device_caches[device][0][key] = _FakeCompiled(len(compiled), launches)
-        compiled.append(made)
-        return made
-
-    monkeypatch.setattr(kernel, "_do_compile", compile_stub)
-    monkeypatch.setattr(driver, "_active", _FakeDriver())
+    compiled, launches = _stub_compiles(kernel, monkeypatch)
     _fastlaunch.forget()
     try:
         desc, out = _descriptor(128, [32, 64]), torch.empty(8)

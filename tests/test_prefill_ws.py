@@ -17,10 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import sm90_build
@@ -46,7 +42,6 @@ H200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_cou
 A100 = DeviceInfo(name="NVIDIA A100", vendor="nvidia", capability=(8, 0), sm_count=108, arch="sm80")
 B200 = DeviceInfo(name="NVIDIA B200", vendor="nvidia", capability=(10, 0), sm_count=148, arch="sm100")
 H200_LIMITS = KERNEL.limits(H200)
-SCRIPT = Path(__file__).with_name("sm90_build.py")
 HAS_CUDA = torch.cuda.is_available()
 BF16, FP16 = torch.bfloat16, torch.float16
 
@@ -243,17 +238,7 @@ def ws_builds(tmp_path_factory):
     if reason is not None:
         pytest.skip(reason)
     variants = [[128, True, True], [64, True, True], [128, False, False]]
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("sm90-ws"))
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--prefill-ws", json.dumps(variants)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return [json.loads(line) for line in run.stdout.splitlines()]
+    return sm90_build.run_script(["--prefill-ws", json.dumps(variants)], str(tmp_path_factory.mktemp("sm90-ws")))
 
 
 def test_ws_builds_for_sm90_without_spills(ws_builds):

@@ -17,10 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,7 +39,6 @@ H200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_cou
 A100 = DeviceInfo(name="NVIDIA A100", vendor="nvidia", capability=(8, 0), sm_count=108, arch="sm80")
 B200 = DeviceInfo(name="NVIDIA B200", vendor="nvidia", capability=(10, 0), sm_count=148, arch="sm100")
 H200_LIMITS = KERNEL.limits(H200)
-SCRIPT = Path(__file__).with_name("sm90_build.py")
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 BF16, FP16 = torch.bfloat16, torch.float16
 
@@ -52,17 +47,10 @@ def _key(m_bucket: int = 64, n: int = 14336, k: int = 4096, arch: str = "sm90", 
     return Q4KKey(arch=arch, sm_count=132, dtype="bfloat16", m_bucket=m_bucket, n=n, k=k, fp8=fp8)
 
 
-def _facts(m: int = 64, n: int = 14336, k: int = 4096, dtype: torch.dtype = BF16) -> Any:
-    """A call's facts on meta tensors (nothing allocated)."""
-    meta = torch.device("meta")
-    weight = Q4KWeight(
-        torch.empty((n, k // 2), dtype=torch.uint8, device=meta),
-        torch.empty((n, k // 32), dtype=torch.uint8, device=meta),
-        torch.empty((n, k // 32), dtype=torch.uint8, device=meta),
-        torch.empty((n, k // 256, 2), dtype=torch.float16, device=meta),
-    )
-    x = torch.empty((m, k), dtype=dtype, device=meta)
-    return KERNEL.facts(x, weight, None, out=torch.empty((m, n), dtype=dtype, device=meta))
+def _facts(m: int = 64, n: int = 14336, k: int = 4096) -> Any:
+    """A bf16 call's facts on meta tensors (nothing allocated)."""
+    x, parts, _, out = sm90_build.meta_q4k_call(m, n, k)
+    return KERNEL.facts(x, Q4KWeight(*parts), None, out=out)
 
 
 # ---- the space ------------------------------------------------------------------------------
@@ -165,28 +153,15 @@ def test_tma_starting_configs_are_feasible_and_only_where_they_may_win():
 # ---- host code --------------------------------------------------------------------------------
 
 
-def _meta_parts(n: int, k: int) -> tuple[torch.Tensor, ...]:
-    meta = torch.device("meta")
-    return (
-        torch.empty((n, k // 2), dtype=torch.uint8, device=meta),
-        torch.empty((n, k // 32), dtype=torch.uint8, device=meta),
-        torch.empty((n, k // 32), dtype=torch.uint8, device=meta),
-        torch.empty((n, k // 256, 2), dtype=torch.float16, device=meta),
-    )
-
-
 @pytest.mark.parametrize(("split", "bias"), [(1, False), (1, True), (4, True)])
 def test_launch_grid_and_arguments(split, bias):
     """One Gluon launch over (N tiles, splits, M tiles); with a split, float32 partials and the
     reduce (which adds the bias) after it."""
     m, n, k = 17, 4096, 14336
-    meta = torch.device("meta")
-    x = torch.empty((m, k), dtype=BF16, device=meta)
-    out = torch.empty((m, n), dtype=BF16, device=meta)
-    bias_t = torch.empty((n,), dtype=BF16, device=meta) if bias else None
+    x, parts, bias_t, out = sm90_build.meta_q4k_call(m, n, k, bias)
     config = TmaConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split)
     with sm90_build.record_launches() as recorder:
-        launch_tma.launch_tma(config, x, *_meta_parts(n, k), bias_t, out)
+        launch_tma.launch_tma(config, x, *parts, bias_t, out)
     names = [launch.kernel.fn.__name__ for launch in recorder.launches]
     assert names == ["_q4k_gemm_tma_kernel"] + (["_splitk_reduce_kernel"] if split > 1 else [])
     gluon = recorder.launches[0]
@@ -264,17 +239,7 @@ def tma_builds(tmp_path_factory):
         {"k": 4096, "n": 14336, "m": 128, "config": {k: v for k, v in c.items() if k != "path"}, "bias": True}
         for c in _BUILDS
     ]
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("sm90-q4k-tma"))
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--q4k-tma", json.dumps(cases)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return [json.loads(line) for line in run.stdout.splitlines()]
+    return sm90_build.run_script(["--q4k-tma", json.dumps(cases)], str(tmp_path_factory.mktemp("sm90-q4k-tma")))
 
 
 def test_tma_builds_for_sm90_without_spills(tma_builds):
