@@ -665,7 +665,7 @@ def build_q4k_tma(k: int, n: int, m: int, config: dict[str, Any], bias: bool = F
 
     x, parts, bias_t, out = meta_q4k_call(m, n, k, bias)
     with record_launches() as recorder:
-        launch_tma(SPACE.parse({"path": "tma", **config}), x, *parts, bias_t, out)
+        launch_tma(SPACE.parse({"path": "tma", **config}), x, parts, bias_t, out)
     results = []
     for recorded in recorder.launches:
         compiled = compile_record(specialize(recorded))

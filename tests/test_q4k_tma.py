@@ -161,7 +161,7 @@ def test_launch_grid_and_arguments(split, bias):
     x, parts, bias_t, out = sm90_build.meta_q4k_call(m, n, k, bias)
     config = TmaConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split)
     with sm90_build.record_launches() as recorder:
-        launch_tma.launch_tma(config, x, *parts, bias_t, out)
+        launch_tma.launch_tma(config, x, parts, bias_t, out)
     names = [launch.kernel.fn.__name__ for launch in recorder.launches]
     assert names == ["_q4k_gemm_tma_kernel"] + (["_splitk_reduce_kernel"] if split > 1 else [])
     gluon = recorder.launches[0]
@@ -174,6 +174,25 @@ def test_launch_grid_and_arguments(split, bias):
     assert q_desc.block_shape == [64, 16]
     target = gluon.args[6]
     assert target is out if split == 1 else (target.dtype == torch.float32 and target.shape == (split, m, n))
+
+
+def test_direct_bodies_launch_and_tracers_get_the_opaque_op(monkeypatch):
+    """In a direct op body (wrap_triton off) the path launches the Gluon kernel itself; under a
+    tracer it calls ``tritune::q4k_linear_tma`` (which tracing sees as one call) instead."""
+    from torch._library.triton import set_wrap_triton_enabled
+
+    x, parts, bias, out = sm90_build.meta_q4k_call(16, 4096, 4096, bias=True)
+    config = TmaConfig(BLOCK_M=16, SPLIT_K=2)
+    with sm90_build.record_launches() as recorder, set_wrap_triton_enabled(False):
+        launch_tma.dispatch_tma(config, x, parts, bias, out)
+    names = [launch.kernel.fn.__name__ for launch in recorder.launches]
+    assert names == ["_q4k_gemm_tma_kernel", "_splitk_reduce_kernel"]
+    called = []
+    monkeypatch.setattr(launch_tma, "_TMA_OP", lambda *args, **fields: called.append(fields))
+    with sm90_build.record_launches() as recorder:
+        launch_tma.dispatch_tma(config, x, parts, bias, out)
+    assert not recorder.launches
+    assert called == [{name: getattr(config, name) for name in launch_tma._OP_FIELDS}]
 
 
 def test_descriptors_match_the_checked_constructor():
@@ -297,7 +316,7 @@ def test_tma_matches_reference_gpu(config, m, bias):
     n, k = 4096, 2048
     x, weight, b = _problem(m, n, k, bias=bias, seed=m)
     out = torch.full((m, n), float("nan"), dtype=BF16, device="cuda")
-    launch_tma.run_tma(config, x, weight.qs, weight.scales, weight.mins, weight.super_scales, b, out)
+    launch_tma.run_tma(config, x, weight.tensors(), b, out)
     _assert_accurate(out, x, weight, b, f"{config}, m={m}")
 
 

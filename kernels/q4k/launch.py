@@ -149,7 +149,7 @@ def launch(config: Q4KConfig, x: torch.Tensor, weight: Q4KWeight, bias: torch.Te
         _run_dequant(config, x2d, qs, scales, mins, super_scales, bias, out2d, interpreted)
         return
     if isinstance(config, TmaConfig):
-        dispatch_tma(config, x2d, qs, scales, mins, super_scales, bias, out2d)
+        dispatch_tma(config, x2d, (qs, scales, mins, super_scales), bias, out2d)
         return
     plan = _plan(config, m, n, k, bias is not None)
     bias_arg = bias if bias is not None else out2d

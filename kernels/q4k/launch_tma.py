@@ -29,6 +29,9 @@ _REDUCE_BLOCK_N = 128
 #: The fields the nested op carries by name: the tma member's, less ``path`` (the op's name says it).
 _OP_FIELDS = tuple(name for name in SPACE.members["tma"].dimensions if name != "path")
 _SCHEMA_TYPES = {bool: "bool", int: "int"}
+#: A Q4_K weight's four tensors, as :class:`~.weight.Q4KWeight` holds them: codes ``[N, K/2]``,
+#: scales and mins ``[N, K/32]``, super-scales ``[N, K/256, 2]``.
+WeightParts = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @functools.lru_cache(maxsize=64)
@@ -53,19 +56,13 @@ def codes_layout_ok(qs: torch.Tensor) -> bool:
 
 
 def launch_tma(
-    config: TmaConfig,
-    x: torch.Tensor,
-    qs: torch.Tensor,
-    scales: torch.Tensor,
-    mins: torch.Tensor,
-    super_scales: torch.Tensor,
-    bias: torch.Tensor | None,
-    out: torch.Tensor,
+    config: TmaConfig, x: torch.Tensor, parts: WeightParts, bias: torch.Tensor | None, out: torch.Tensor
 ) -> None:
     """The Gluon launch (and, with a split, the reduce) on tensors :func:`x_layout_ok` and
     :func:`codes_layout_ok` admit:
     ``out`` ``[M, N]`` ``= x @ dequant(W)^T (+ bias)``, N a multiple of ``BLOCK_N`` and K of
     ``BLOCK_K * SPLIT_K`` (the space and :func:`.kernel.serve` see to both)."""
+    qs, scales, mins, super_scales = parts
     m, k = x.shape
     n = qs.shape[0]
     bm, bn, bk, split = config.BLOCK_M, config.BLOCK_N, config.BLOCK_K, config.SPLIT_K
@@ -135,21 +132,14 @@ def _body(
     out: torch.Tensor,
     **fields: Any,
 ) -> None:
-    run_tma(_op_config(tuple(fields.items())), x, qs, scales, mins, super_scales, bias, out)
+    run_tma(_op_config(tuple(fields.items())), x, (qs, scales, mins, super_scales), bias, out)
 
 
 _TMA_OP = register_schema_op("tritune::q4k_linear_tma", _body, _schema(), mutated=(6,), opaque=True)
 
 
 def run_tma(
-    config: TmaConfig,
-    x: torch.Tensor,
-    qs: torch.Tensor,
-    scales: torch.Tensor,
-    mins: torch.Tensor,
-    super_scales: torch.Tensor,
-    bias: torch.Tensor | None,
-    out: torch.Tensor,
+    config: TmaConfig, x: torch.Tensor, parts: WeightParts, bias: torch.Tensor | None, out: torch.Tensor
 ) -> None:
     """The tma path on plain tensors: x ``[M, K]`` with a unit inner stride, ``out`` ``[M, N]``.
 
@@ -159,28 +149,21 @@ def run_tma(
     """
     if not x_layout_ok(x):
         x = x.clone(memory_format=torch.contiguous_format)
-    if not codes_layout_ok(qs):
+    if not codes_layout_ok(parts[0]):
         from .launch import launch
         from .weight import Q4KWeight
 
-        launch(portable_stand_in(config), x, Q4KWeight(qs, scales, mins, super_scales), bias, out)
+        launch(portable_stand_in(config), x, Q4KWeight(*parts), bias, out)
         return
-    launch_tma(config, x, qs, scales, mins, super_scales, bias, out)
+    launch_tma(config, x, parts, bias, out)
 
 
 def dispatch_tma(
-    config: TmaConfig,
-    x: torch.Tensor,
-    qs: torch.Tensor,
-    scales: torch.Tensor,
-    mins: torch.Tensor,
-    super_scales: torch.Tensor,
-    bias: torch.Tensor | None,
-    out: torch.Tensor,
+    config: TmaConfig, x: torch.Tensor, parts: WeightParts, bias: torch.Tensor | None, out: torch.Tensor
 ) -> None:
     """From the declaration's launch: run directly on plain tensors, else through the opaque op
     (a tracer sees one call it need not look into)."""
     if in_direct_body():
-        run_tma(config, x, qs, scales, mins, super_scales, bias, out)
+        run_tma(config, x, parts, bias, out)
     else:
-        _TMA_OP(x, qs, scales, mins, super_scales, bias, out, **{name: getattr(config, name) for name in _OP_FIELDS})
+        _TMA_OP(x, *parts, bias, out, **{name: getattr(config, name) for name in _OP_FIELDS})
