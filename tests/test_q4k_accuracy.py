@@ -94,7 +94,9 @@ def test_every_path_feasible_without_the_opt_in_meets_the_bound(weight):
     by_path: dict[str, list[object]] = {}
     for config in feasible:
         by_path.setdefault(config.path, []).append(config)
-    assert set(by_path) == set(ACCURATE_PATHS), sorted(by_path)
+    # The tma path is Gluon, which the interpreter cannot run: its bound is checked on the GPU tier
+    # (tests/test_q4k_tma.py).
+    assert set(by_path) == set(ACCURATE_PATHS) - {"tma"}, sorted(by_path)
     x = torch.randn(16, K, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     rng = random.Random(0)
     for _path, configs in sorted(by_path.items()):
