@@ -112,6 +112,14 @@ def test_tma_serve_checks_the_call_shape():
     assert served == TmaConfig(BLOCK_K=256, SPLIT_K=4) and "SPLIT_K=8" in reason
 
 
+def test_tma_serve_checks_the_grid():
+    """M tiles go on the grid's z axis (at most 65535): a call with more gives way, with the reason."""
+    config = TmaConfig(BLOCK_M=16)
+    assert KERNEL.serve_with_reason(config, H200, _facts(m=16 * 65535, n=4096))[0] == config
+    served, reason = KERNEL.serve_with_reason(config, H200, _facts(m=16 * 65535 + 1, n=4096))
+    assert served != config and "65535 M tiles" in reason
+
+
 def test_serve_hook_returns_a_replacement_for_other_devices():
     from tritune.kernels.q4k.kernel import serve
 

@@ -47,6 +47,8 @@ from .weight import Q4KWeight
 _KEY_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 #: The paths below ggml's accuracy bound, served only with the opt-in.
 _FP8_PATHS = ("fp8", "staged", "int8")
+#: CUDA's cap on a grid's z extent, where the tma path puts its M tiles.
+_GRID_Z = 65535
 #: M buckets whose untuned default on SM90 is the tma path: from 32 rows to 128. On an H100 its
 #: graph replays ran 1.17-1.35x bf16 cuBLAS at M=32 where the portable tiles ran 0.84-1.08x; at
 #: M=16 the portable split tiles stay ahead (1.30-1.56x against 1.27-1.36x), and above 128 the
@@ -218,6 +220,8 @@ def _unservable_reason(config: Q4KConfig, device: DeviceInfo, facts: Any) -> str
             return f"the tma path runs on SM90 (Hopper) only, not {device.arch}"
         if facts.N % config.BLOCK_N:
             return f"the tma path stores whole weight tiles: BLOCK_N={config.BLOCK_N} does not divide N={facts.N}"
+        if -(-facts.M // config.BLOCK_M) > _GRID_Z:
+            return f"the tma grid holds at most {_GRID_Z} M tiles of BLOCK_M={config.BLOCK_M} rows, not M={facts.M}"
     if isinstance(config, StagedConfig):
         if not (device.is_interpreter or target_supports(device, (9, 0))):
             return f"the staged path needs row-wise scaled fp8 GEMMs (SM90+), not {device.arch}"
