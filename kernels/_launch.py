@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -24,6 +25,7 @@ from .device import device_info
 __all__ = [
     "COUNTERS",
     "DTYPE_NAMES",
+    "GLUON_DTYPES",
     "LOG2E",
     "MAX_SOFTMAX_SCALE",
     "MERGE_TILE",
@@ -47,6 +49,8 @@ __all__ = [
 
 log = logging.getLogger("tritune.launch")
 
+#: Gluon's names of the dtypes the Gluon kernels take (bf16 and fp16 activations).
+GLUON_DTYPES: dict[torch.dtype, Any] = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 #: Key names of the dtypes the attention kernels serve.
 DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 #: log2(e): the kernels keep scores in the log2 domain, with this folded into the softmax scale.

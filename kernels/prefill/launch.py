@@ -22,6 +22,7 @@ from tritune.search_spaces.tma_prefill import SPACE, PortableConfig, PrefillConf
 
 from .._fastlaunch import bound
 from .._launch import (
+    GLUON_DTYPES,
     LOG2E,
     ceil_div,
     next_pow2,
@@ -179,16 +180,12 @@ def launch_tma(
         )  # fmt: skip
 
 
-#: Gluon's names of the dtypes the warp-specialized path serves.
-_GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-
-
 @functools.lru_cache(maxsize=64)
 def _ws_layouts(dtype: torch.dtype, rows: int, block_n: int, head_dim: int) -> tuple[Any, Any]:
     """The shared-memory layouts of the ws path's Q/O and K/V descriptors (``[1, 1, rows, D]``
     boxes over the 4-D tensors), built once per (dtype, tiles): what a launch would otherwise
     recompute on every call."""
-    element = _GLUON_DTYPES[dtype]
+    element = GLUON_DTYPES[dtype]
     return (
         gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], element),
         gl.NVMMASharedLayout.get_default_for([1, 1, block_n, head_dim], element),

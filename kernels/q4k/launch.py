@@ -122,10 +122,10 @@ def _plan(
         constants.update(
             BLOCK_M=config.BLOCK_M, GROUP_M=config.GROUP_M, num_stages=config.num_stages
         )  # fmt: skip
-    reduce_grid = (ceil_div(m, _REDUCE_BLOCK_M), ceil_div(n, _REDUCE_BLOCK_N)) if split > 1 else None
+    reduce_at = reduce_grid(m, n) if split > 1 else None
     if fused_reduce:
         return _Plan(grid, constants, None, gemv_fused, grid[0] * grid[2])
-    return _Plan(grid, constants, reduce_grid, gemv_fused)
+    return _Plan(grid, constants, reduce_at, gemv_fused)
 
 
 def launch(config: Q4KConfig, x: torch.Tensor, weight: Q4KWeight, bias: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -201,11 +201,25 @@ def launch(config: Q4KConfig, x: torch.Tensor, weight: Q4KWeight, bias: torch.Te
             DOT_IN_FP32=interpreted, **plan.constants,
         )  # fmt: skip
     if plan.reduce_grid is not None:
-        wrap_triton(_splitk_reduce_kernel)[plan.reduce_grid](
-            target, bias_arg, out2d, m, n, target.stride(0), target.stride(1), out2d.stride(0), out2d.stride(1),
-            stride_bn, HAS_BIAS=bias is not None, SPLIT_K=config.SPLIT_K, BLOCK_M=_REDUCE_BLOCK_M,
-            BLOCK_N=_REDUCE_BLOCK_N, num_warps=4,
-        )  # fmt: skip
+        splitk_reduce(plan.reduce_grid, target, bias_arg, out2d, stride_bn, has_bias=bias is not None)
+
+
+def reduce_grid(m: int, n: int) -> tuple[int, int]:
+    """The grid of :func:`splitk_reduce` over an ``[M, N]`` output."""
+    return ceil_div(m, _REDUCE_BLOCK_M), ceil_div(n, _REDUCE_BLOCK_N)
+
+
+def splitk_reduce(
+    grid: tuple[int, int], partials: torch.Tensor, bias: torch.Tensor, out: torch.Tensor, stride_bn: int, *,
+    has_bias: bool,
+) -> None:  # fmt: skip
+    """Sum a split launch's float32 partials ``[SPLIT_K, M, N]`` (plus the bias where ``has_bias``;
+    ``bias`` is any tensor otherwise) into ``out`` ``[M, N]``, on :func:`reduce_grid`'s grid."""
+    split, m, n = partials.shape
+    wrap_triton(_splitk_reduce_kernel)[grid](
+        partials, bias, out, m, n, partials.stride(0), partials.stride(1), out.stride(0), out.stride(1), stride_bn,
+        HAS_BIAS=has_bias, SPLIT_K=split, BLOCK_M=_REDUCE_BLOCK_M, BLOCK_N=_REDUCE_BLOCK_N, num_warps=4,
+    )  # fmt: skip
 
 
 def _run_gemv_fused(
@@ -248,11 +262,7 @@ def _run_gemv_fused(
             counters.zero_()
         raise
     if split > 1 and not constants["FUSED_REDUCE"]:
-        wrap_triton(_splitk_reduce_kernel)[plan.reduce_grid](
-            part, bias, out, m, n, part.stride(0), part.stride(1), out.stride(0), out.stride(1), stride_bn,
-            HAS_BIAS=constants["HAS_BIAS"], SPLIT_K=split, BLOCK_M=_REDUCE_BLOCK_M, BLOCK_N=_REDUCE_BLOCK_N,
-            num_warps=4,
-        )  # fmt: skip
+        splitk_reduce(plan.reduce_grid, part, bias, out, stride_bn, has_bias=constants["HAS_BIAS"])
 
 
 def _prepass_block(k: int) -> int:

@@ -17,15 +17,10 @@ from triton.experimental.gluon import language as gl
 from tritune.search_spaces.q4k_fp8_gemm import SPACE, PortableConfig, TmaConfig
 
 from .._fastlaunch import bound
-from .._launch import ceil_div, unchecked_gluon_descriptor
-from .._oplib import in_direct_body, register_schema_op, wrap_triton
+from .._launch import GLUON_DTYPES, ceil_div, unchecked_gluon_descriptor
+from .._oplib import in_direct_body, register_schema_op
 from ._gluon_tma import _q4k_gemm_tma_kernel
-from ._triton_splitk import _splitk_reduce_kernel
 
-#: Gluon's names of the dtypes x may have.
-_GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-_REDUCE_BLOCK_M = 16
-_REDUCE_BLOCK_N = 128
 #: The fields the nested op carries by name: the tma member's, less ``path`` (the op's name says it).
 _OP_FIELDS = tuple(name for name in SPACE.members["tma"].dimensions if name != "path")
 _SCHEMA_TYPES = {bool: "bool", int: "int"}
@@ -39,7 +34,7 @@ def _layouts(dtype: torch.dtype, block_m: int, block_n: int, block_k: int) -> tu
     """The shared-memory layouts of the x box ``[BLOCK_M, BLOCK_K]`` and the code-word box
     ``[BLOCK_N, BLOCK_K / 8]`` (int32), built once per (dtype, tiles)."""
     return (
-        gl.NVMMASharedLayout.get_default_for([block_m, block_k], _GLUON_DTYPES[dtype]),
+        gl.NVMMASharedLayout.get_default_for([block_m, block_k], GLUON_DTYPES[dtype]),
         gl.NVMMASharedLayout.get_default_for([block_n, block_k // 8], gl.int32),
     )
 
@@ -86,12 +81,9 @@ def launch_tma(
         NUM_STAGES=config.num_stages, SWAP=config.SWAP_AB, num_warps=config.num_warps,
     )  # fmt: skip
     if split > 1:
-        reduce_grid = (ceil_div(m, _REDUCE_BLOCK_M), ceil_div(n, _REDUCE_BLOCK_N))
-        wrap_triton(_splitk_reduce_kernel)[reduce_grid](
-            target, bias_arg, out, m, n, target.stride(0), target.stride(1), out.stride(0), out.stride(1),
-            stride_bn, HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_M=_REDUCE_BLOCK_M, BLOCK_N=_REDUCE_BLOCK_N,
-            num_warps=4,
-        )  # fmt: skip
+        from .launch import reduce_grid, splitk_reduce  # launch.py imports this module
+
+        splitk_reduce(reduce_grid(m, n), target, bias_arg, out, stride_bn, has_bias=bias is not None)
 
 
 def portable_stand_in(config: TmaConfig) -> PortableConfig:
