@@ -18,7 +18,7 @@ is reported as FAILED, a peer that cannot run as unavailable with its error):
 - FP8 ``torch._scaled_mm``: W quantized once to e4m3 with one scale per output row, x quantized to e4m3
   with one scale per row outside timing (mat2 passed column-major, as cuBLASLt wants): the fp8 GEMM
   alone, a ceiling for a kernel that also dequantizes (floor: the fp8 path's 25 dB);
-- tritune untuned: the key's default (portable, or tma on SM90 from M=32 to 128, or dequant from
+- tritune untuned: the key's default (portable, or tma on SM90 from M=32 to 256, or dequant from
   M=256), pinned with ``use_config``;
 - tritune per path, pinned: the accurate paths (portable; GEMV up to ``GEMV_MAX_BENCH_M`` rows;
   dequant, the exact weights in bf16 chunk by chunk into cuBLAS, at every M: it is tuned from M=128
@@ -362,8 +362,8 @@ def _report(rows: list[Row], run: bl.BenchRun) -> str:
         "The _scaled_mm row times the fp8 GEMM alone (weight and activation quantized outside timing): a ceiling, "
         "not a like-for-like peer.",
         f"Tuned configs and trials: {'DB ' + db if db else 'default settings (user DB and shipped bundles)'}; "
-        "untuned = the key's default (portable; tma on SM90 from M=32 to 128; dequant from M=256) pinned "
-        "with use_config.",
+        "untuned = the key's default (portable; tma on SM90 from M=32 to 256; dequant from M=256, M=512 on "
+        "SM90) pinned with use_config.",
     ]
     notes.append(bt.HOST_NOTE)
     if not run.graphs:

@@ -75,8 +75,16 @@ DEQUANT_MAX_PER_THREAD = 64
 #: thread dequantizes ``BLOCK_N * BLOCK_K / threads`` weights a step). Fitted to ptxas for sm_90
 #: with Triton 3.6 over 49 tiles (every BLOCK_M, BLOCK_N, BLOCK_K and warp count the other rules
 #: admit, both orientations): none at or below it spills; the 128x128x128 tile at 4 warps (256)
-#: spills, and every tile above it takes all 255 registers. ``tests/test_q4k_tma.py`` rebuilds some.
+#: spills, and every tile above it takes all 255 registers. The 256-row tiles (wgmma's widest N)
+#: take all 255 under the estimate too, and spill in their epilogue only: up to 288 bytes a thread
+#: storing the output with a bias, 1104 storing a split's float32 partials (one store a tile,
+#: where the K loop is 16-64 steps). ``tests/test_q4k_tma.py`` rebuilds some.
 TMA_MAX_REGISTERS = 224
+#: Most accumulator values a thread may hold for the tma path's fused split-K reduce: the 256-row
+#: tiles (128 a thread) already take all 255 registers, and the arrival count and the partial
+#: sums on top spilled 920 bytes a thread in the sm_90 build (Triton 3.6); 128 x 128 tiles over
+#: 8 warps (64) build with 158 and no spill.
+TMA_FUSED_MAX_ACC = 64
 
 #: K tiles of the paths whose tile divides a super-block (all but the GEMV).
 _K_TILES = (32, 64, 128, 256)
@@ -224,7 +232,7 @@ class TmaConfig:
     opt-in; for small and mid M, where the portable loop waits on its loads and barriers."""
 
     path: str = choice("tma", ("tma",))
-    BLOCK_M: int = choice(64, (16, 32, 64, 128))
+    BLOCK_M: int = choice(64, (16, 32, 64, 128, 256))
     BLOCK_N: int = choice(64, (64, 128))
     BLOCK_K: int = choice(128, (64, 128, 256))
     num_warps: int = choice(4, (4, 8))
@@ -234,6 +242,9 @@ class TmaConfig:
     #: 64-row M side and the rows of x on its N side, which may be as narrow as 16; False: ``x W^T``,
     #: which needs 64 rows of x per warpgroup.
     SWAP_AB: bool = choice(True, (False, True))
+    #: With ``SPLIT_K > 1``: the last split of each output tile to finish sums the float32
+    #: partials (arrival counters) instead of a reduce launch after the GEMM.
+    FUSED_REDUCE: bool = choice(False, (False, True))
 
 
 #: A config of any path.
@@ -524,6 +535,13 @@ def tma_feasibility(config: TmaConfig, key: Q4KShape, limits: TargetLimits) -> s
     reason = _split_and_rows_reason(config, key)
     if reason is not None:
         return reason
+    if config.FUSED_REDUCE and config.SPLIT_K == 1:
+        return "FUSED_REDUCE only changes a launch with SPLIT_K > 1 (the same launch as FUSED_REDUCE=False)"
+    if config.FUSED_REDUCE and config.BLOCK_M * config.BLOCK_N // (32 * config.num_warps) > TMA_FUSED_MAX_ACC:
+        return (
+            f"FUSED_REDUCE with a {config.BLOCK_M}x{config.BLOCK_N} accumulator over {config.num_warps} warps "
+            f"(more than {TMA_FUSED_MAX_ACC} values a thread) spills"
+        )
     warpgroups = config.num_warps // 4
     side, size = ("BLOCK_N", config.BLOCK_N) if config.SWAP_AB else ("BLOCK_M", config.BLOCK_M)
     if size < WGMMA_ROWS * warpgroups:

@@ -921,21 +921,22 @@ def test_weight_views_off_alignment_are_copied_and_still_exact(device):
 @pytest.mark.parametrize(("k", "n"), [(14336, 4096), (4096, 4096), (4096, 6144)], ids=lambda v: str(v))
 def test_gpu_portable_default_between_64_and_256_rows(k, n, m):
     """Where 128x128 tiles would leave most SMs idle (N=4096 and N=6144 at M=128), the portable
-    default splits 64-row tiles along K; from M=256 up the default is the dequant path. Whichever it
-    picks, it serves the call, poisoned output, against the reference at that path's floor."""
+    default splits 64-row tiles along K; from M=256 up the default is the dequant path (on SM90 the
+    tma path up to M=256). Whichever it picks, it serves the call, poisoned output, against the
+    reference at that path's floor."""
     with settings.override(q4k_fp8=False):
         x, weight, bias = _problem(Case("portable", m, k, n, bias=True), "cuda", seed=m)
         out = _nan_out((m, n), x)
         key = KERNEL.key_for(device_info("cuda"), tuple(KERNEL.facts(x, weight, bias, out=out)))
         default = KERNEL.default_config(key)
-        if key.m_bucket >= DEQUANT_DEFAULT_MIN_M:
-            assert isinstance(default, DequantConfig), default
-        elif key.arch == "sm90":
-            # SM90 serves M=16..128 through the tma path (tests/test_q4k_tma.py); the portable rules here.
+        if key.arch == "sm90":
+            # SM90 serves M=32..256 through the tma path (tests/test_q4k_tma.py); the portable rules here.
             assert isinstance(default, TmaConfig), default
             default = portable_default(key)
             idle = 2 * -(-n // 128) * -(-key.m_bucket // 128) < device_info("cuda").sm_count
             assert (default.BLOCK_M == 64) == idle, default
+        elif key.m_bucket >= DEQUANT_DEFAULT_MIN_M:
+            assert isinstance(default, DequantConfig), default
         else:
             idle = 2 * -(-n // 128) * -(-key.m_bucket // 128) < device_info("cuda").sm_count
             assert isinstance(default, PortableConfig) and (default.BLOCK_M == 64) == idle, default

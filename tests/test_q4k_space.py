@@ -69,7 +69,7 @@ def test_each_path_holds_only_the_fields_its_launch_reads():
         "gemv": ("path", "BLOCK_N", "BLOCK_K", "num_warps", "SPLIT_K", "FUSE_QUANT", "FUSED_REDUCE"),
         "int8": ("path", *tiles, "SWAP_AB"),
         "dequant": ("path", "BLOCK_N", "BLOCK_K", "num_warps", "CHUNK_N"),
-        "tma": ("path", "BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K", "SWAP_AB"),
+        "tma": ("path", *tiles[:3], *tiles[4:], "SWAP_AB", "FUSED_REDUCE"),
     }
     # What the sampler sees: every field with the choices stored configs have always used.
     assert SPACE.dimensions == {
@@ -89,9 +89,10 @@ def test_each_path_holds_only_the_fields_its_launch_reads():
         "FUSED_REDUCE": (False, True),
     }
     # A field keeps its choices on every path that can launch them: 256-row x tiles exist for the
-    # swapped fp8 kernel only, K tiles beyond a super-block for the GEMV only.
+    # swapped fp8 and the tma kernels only, K tiles beyond a super-block for the GEMV only.
     assert SPACE.members["portable"].dimensions["BLOCK_M"] == (16, 32, 64, 128)
     assert SPACE.members["fp8"].dimensions["BLOCK_M"] == (16, 32, 64, 128, 256)
+    assert SPACE.members["tma"].dimensions["BLOCK_M"] == (16, 32, 64, 128, 256)
     assert max(SPACE.members["staged"].dimensions["BLOCK_K"]) == 256
     assert max(SPACE.members["gemv"].dimensions["BLOCK_K"]) == 1024
     # A whole 14336-row weight in one chunk exists for the dequant path only.
@@ -127,7 +128,7 @@ def test_the_grid_holds_each_launch_once():
     # The per-path grids, where the old flat product held 2.6 million configs.
     assert SPACE.size() == (
         4 * 4 * 4 * 3 * 3 * 5 * 4 + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 4 + 4 * 4 * 3 * 5 * 2 + 4 * 6 * 3 * 4 * 2 * 2
-        + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 2 + 4 * 4 * 3 * 6 + 4 * 2 * 3 * 2 * 3 * 4 * 2
+        + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 2 + 4 * 4 * 3 * 6 + 5 * 2 * 3 * 2 * 3 * 4 * 2 * 2
     )  # fmt: skip
 
 
@@ -184,9 +185,10 @@ def test_portable_defaults_by_m_bucket(where):
 #: (arch, SMs, m_bucket, N, K) -> the dequant default's CHUNK_N: the whole weight where its bf16
 #: scratch fits 128 MiB, else the widest chunk that does.
 DEQUANT_DEFAULTS = {
-    ("sm90", 132, 256, 4096, 4096): 4096,
-    ("sm90", 132, 256, 6144, 4096): 8192,
-    ("sm90", 132, 256, 14336, 4096): 16384,
+    ("sm90", 132, 512, 4096, 4096): 4096,
+    ("sm90", 132, 512, 6144, 4096): 8192,
+    ("sm90", 132, 512, 14336, 4096): 16384,
+    ("sm80", 108, 256, 4096, 4096): 4096,
     ("sm90", 132, 512, 4096, 14336): 4096,
     ("sm90", 132, 1024, 28672, 4096): 16384,
     ("sm90", 132, 8192, 4096, 4096): 4096,
@@ -200,8 +202,9 @@ DEQUANT_DEFAULTS = {
 
 @pytest.mark.parametrize("where", sorted(DEQUANT_DEFAULTS), ids=lambda w: "-".join(map(str, w)))
 def test_dequant_default_from_256_rows(where):
-    """From M=256 up a GPU key's default dequantizes the weight once per call into the vendor
-    GEMM (every GPU runs it, and it meets the accuracy contract), 32 x 256 tiles of 8 warps."""
+    """From M=256 up (M=512 on SM90, where the tma path's 256-row tiles serve M=256) a GPU key's
+    default dequantizes the weight once per call into the vendor GEMM (every GPU runs it, and it
+    meets the accuracy contract), 32 x 256 tiles of 8 warps."""
     arch, sms, m, n, k = where
     key = Q4KKey(arch=arch, sm_count=sms, dtype="bfloat16", m_bucket=m, n=n, k=k, fp8=False)
     config = default_config(key)

@@ -77,11 +77,21 @@ def test_tma_member_is_part_of_the_space():
         (TmaConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128), _key(m_bucket=128), H200_LIMITS, "spill"),
         (TmaConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=256, num_warps=8), _key(m_bucket=128), H200_LIMITS, "KiB"),
         (TmaConfig(BLOCK_N=64, BLOCK_K=64, num_warps=8, SWAP_AB=False, BLOCK_M=128), _key(128), H200_LIMITS, "idle"),
+        (TmaConfig(FUSED_REDUCE=True), _key(), H200_LIMITS, "SPLIT_K > 1"),
+        (TmaConfig(BLOCK_M=256, BLOCK_K=64, SPLIT_K=2, FUSED_REDUCE=True), _key(256), H200_LIMITS, "spills"),
     ],
 )
 def test_tma_feasibility_names_what_is_wrong(config, key, limits, words):
     reason = SPACE.infeasible_reason(config, key, limits)
     assert reason is not None and words in reason, reason
+
+
+def test_tma_fused_reduce_and_widest_tiles_are_admitted():
+    """The fused reduce up to 64 accumulator values a thread; 256 rows of x (wgmma's widest N side)."""
+    fused = TmaConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, SPLIT_K=2, FUSED_REDUCE=True)
+    assert SPACE.infeasible_reason(fused, _key(128), H200_LIMITS) is None
+    widest = TmaConfig(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, SPLIT_K=2)
+    assert SPACE.infeasible_reason(widest, _key(256), H200_LIMITS) is None
 
 
 def test_tma_shared_memory_estimate_counts_every_buffer():
@@ -127,9 +137,9 @@ def test_serve_hook_returns_a_replacement_for_other_devices():
     assert isinstance(result, Replaced) and "SM90" in result.reason
 
 
-@pytest.mark.parametrize("m_bucket", [32, 64, 128])
+@pytest.mark.parametrize("m_bucket", [32, 64, 128, 256])
 @pytest.mark.parametrize(("k", "n"), [(4096, 14336), (14336, 4096), (4096, 4096)])
-def test_sm90_default_is_the_tma_path_from_32_to_128_rows(m_bucket, k, n):
+def test_sm90_default_is_the_tma_path_from_32_to_256_rows(m_bucket, k, n):
     key = _key(m_bucket, n=n, k=k)
     config = default_config(key)
     assert isinstance(config, TmaConfig) and config == tma_default(key)
@@ -139,8 +149,8 @@ def test_sm90_default_is_the_tma_path_from_32_to_128_rows(m_bucket, k, n):
 
 @pytest.mark.parametrize(
     "key",
-    [_key(8), _key(16), _key(256), _key(64, arch="sm80"), _key(64, arch="sm100"), _key(64, n=4128), _key(32, n=96)],
-    ids=["m8", "m16", "m256", "sm80", "sm100", "n4128", "n96"],
+    [_key(8), _key(16), _key(512), _key(64, arch="sm80"), _key(64, arch="sm100"), _key(64, n=4128), _key(32, n=96)],
+    ids=["m8", "m16", "m512", "sm80", "sm100", "n4128", "n96"],
 )
 def test_default_is_not_the_tma_path_elsewhere(key):
     assert not isinstance(default_config(key), TmaConfig)
@@ -161,27 +171,33 @@ def test_tma_starting_configs_are_feasible_and_only_where_they_may_win():
 # ---- host code --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("split", "bias"), [(1, False), (1, True), (4, True)])
-def test_launch_grid_and_arguments(split, bias):
+@pytest.mark.parametrize(
+    ("split", "bias", "fused"), [(1, False, False), (1, True, False), (4, True, False), (4, True, True)]
+)
+def test_launch_grid_and_arguments(split, bias, fused):
     """One Gluon launch over (N tiles, splits, M tiles); with a split, float32 partials and the
-    reduce (which adds the bias) after it."""
+    reduce (which adds the bias) after it, or with ``FUSED_REDUCE`` the arrival counters instead."""
     m, n, k = 17, 4096, 14336
     x, parts, bias_t, out = sm90_build.meta_q4k_call(m, n, k, bias)
-    config = TmaConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split)
+    config = TmaConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split, FUSED_REDUCE=fused)
     with sm90_build.record_launches() as recorder:
         launch_tma.launch_tma(config, x, parts, bias_t, out)
     names = [launch.kernel.fn.__name__ for launch in recorder.launches]
-    assert names == ["_q4k_gemm_tma_kernel"] + (["_splitk_reduce_kernel"] if split > 1 else [])
+    assert names == ["_q4k_gemm_tma_kernel"] + (["_splitk_reduce_kernel"] if split > 1 and not fused else [])
     gluon = recorder.launches[0]
     assert tuple(gluon.grid) == (n // 64, split, 1)
     assert gluon.kwargs["K_TILES"] == k // 128 // split
-    assert gluon.kwargs["HAS_BIAS"] == (bias and split == 1)
+    assert gluon.kwargs["HAS_BIAS"] == bias and gluon.kwargs["SPLIT_K"] == split
+    assert gluon.kwargs["FUSED_REDUCE"] == fused
     x_desc, q_desc = gluon.args[:2]
     assert x_desc.base is x and x_desc.block_shape == [32, 128]
     assert q_desc.base.dtype == torch.int32 and list(q_desc.base.shape) == [n, k // 8]
     assert q_desc.block_shape == [64, 16]
-    target = gluon.args[6]
-    assert target is out if split == 1 else (target.dtype == torch.float32 and target.shape == (split, m, n))
+    target, part, counters = gluon.args[6:9]
+    assert target is out
+    assert part is out if split == 1 else (part.dtype == torch.float32 and part.shape == (split, m, n))
+    # One counter per output tile (N tiles x M tiles), zero, where the reduce is fused.
+    assert counters is out if not fused else (counters.dtype == torch.int32 and counters.numel() >= n // 64)
 
 
 def test_direct_bodies_launch_and_tracers_get_the_opaque_op(monkeypatch):
@@ -233,8 +249,10 @@ def test_opaque_op_carries_every_field():
     for name in SPACE.members["tma"].dimensions:
         assert (name in schema) == (name != "path"), name
     fields = (("BLOCK_M", 32), ("BLOCK_N", 128), ("BLOCK_K", 64), ("num_warps", 8), ("num_stages", 2))
-    config = launch_tma._op_config((*fields, ("SPLIT_K", 2), ("SWAP_AB", False)))
-    assert config == TmaConfig(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=2, SPLIT_K=2, SWAP_AB=False)
+    config = launch_tma._op_config((*fields, ("SPLIT_K", 2), ("SWAP_AB", False), ("FUSED_REDUCE", True)))
+    assert config == TmaConfig(
+        BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=2, SPLIT_K=2, SWAP_AB=False, FUSED_REDUCE=True
+    )
 
 
 def test_portable_stand_in_keeps_the_tiles():
@@ -242,6 +260,9 @@ def test_portable_stand_in_keeps_the_tiles():
     stand_in = launch_tma.portable_stand_in(config)
     assert isinstance(stand_in, PortableConfig)
     assert (stand_in.BLOCK_M, stand_in.BLOCK_N, stand_in.BLOCK_K, stand_in.SPLIT_K) == (32, 128, 256, 4)
+    # The portable kernel's M tiles stop at 128 rows.
+    wide = launch_tma.portable_stand_in(TmaConfig(BLOCK_M=256, BLOCK_N=64, BLOCK_K=64))
+    assert SPACE.infeasible_reason(wide, _key(256), H200_LIMITS) is None
 
 
 # ---- the sm_90 build ------------------------------------------------------------------------
@@ -253,6 +274,10 @@ _BUILDS = [
     dataclasses.asdict(tma_default(_key(128))),
     dataclasses.asdict(TmaConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=2)),
     dataclasses.asdict(TmaConfig(BLOCK_M=128, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=2, SWAP_AB=False)),
+    # wgmma's widest N side: 256 rows of x against each warpgroup's 64 weight rows.
+    dataclasses.asdict(TmaConfig(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
+    # The split's reduce in the GEMM (arrival counters).
+    dataclasses.asdict(TmaConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_stages=3, SPLIT_K=4, FUSED_REDUCE=True)),
 ]
 
 
@@ -278,7 +303,8 @@ def test_tma_builds_for_sm90_without_spills(tma_builds):
         (launch,) = build["launches"]
         where = f"{config}: {launch}"
         assert (config.BLOCK_M + config.BLOCK_K) * config.BLOCK_N // (32 * config.num_warps) <= TMA_MAX_REGISTERS
-        assert launch["spill_bytes"] == 0, where
+        # 256-row tiles spill in their epilogue only (see TMA_MAX_REGISTERS).
+        assert launch["spill_bytes"] <= (288 if config.BLOCK_M == 256 else 0), where
         assert launch["shared"] == tma_smem_bytes(config) <= H200_LIMITS.smem_bytes, where
         assert launch["sass"]["HGMMA"] > 0 and launch["sass"]["UTMALDG"] > 0, where
 
@@ -311,14 +337,17 @@ _GPU_CONFIGS = [
     TmaConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=2, SPLIT_K=2, SWAP_AB=False),
     TmaConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, SPLIT_K=2),
     TmaConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, SPLIT_K=1, SWAP_AB=False),
+    TmaConfig(BLOCK_M=256, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, SPLIT_K=2),
+    TmaConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, SPLIT_K=4, FUSED_REDUCE=True),
+    TmaConfig(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, SPLIT_K=2, FUSED_REDUCE=True),
 ]
 
 
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("config", _GPU_CONFIGS, ids=lambda c: f"{c.BLOCK_M}x{c.BLOCK_N}x{c.BLOCK_K}w{c.num_warps}"
-                         f"s{c.SPLIT_K}{'swap' if c.SWAP_AB else ''}")  # fmt: skip
-@pytest.mark.parametrize("m", [1, 3, 16, 17, 64, 100, 128, 257])
+                         f"s{c.SPLIT_K}{'swap' if c.SWAP_AB else ''}{'fused' if c.FUSED_REDUCE else ''}")  # fmt: skip
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 64, 100, 128, 257, 600])
 @pytest.mark.parametrize("bias", [False, True])
 def test_tma_matches_reference_gpu(config, m, bias):
     n, k = 4096, 2048
@@ -326,6 +355,23 @@ def test_tma_matches_reference_gpu(config, m, bias):
     out = torch.full((m, n), float("nan"), dtype=BF16, device="cuda")
     launch_tma.run_tma(config, x, weight.tensors(), b, out)
     _assert_accurate(out, x, weight, b, f"{config}, m={m}")
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("split", [2, 4, 8])
+@pytest.mark.parametrize("bias", [False, True])
+def test_tma_fused_reduce_equals_the_reduce_launch_gpu(split, bias):
+    """The last split sums the partials in split order, as the reduce launch does: the same bits,
+    call after call (the counters are back at zero after each)."""
+    x, weight, b = _problem(77, 4096, 4096, bias=bias, seed=split)
+    config = TmaConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, SPLIT_K=split)
+    expected = torch.full((77, 4096), float("nan"), dtype=BF16, device="cuda")
+    launch_tma.run_tma(config, x, weight.tensors(), b, expected)
+    for call in range(3):
+        out = torch.full_like(expected, float("nan"))
+        launch_tma.run_tma(dataclasses.replace(config, FUSED_REDUCE=True), x, weight.tensors(), b, out)
+        assert torch.equal(out, expected), f"call {call}: {(out.float() - expected.float()).abs().max()}"
 
 
 @pytest.mark.gpu
@@ -346,9 +392,12 @@ def test_tma_default_through_the_op_gpu(k, n, m):
 
 @pytest.mark.gpu
 @needs_sm90
-def test_tma_graph_replay_and_compile_gpu():
+@pytest.mark.parametrize("fused", [False, True], ids=["reduce-launch", "fused-reduce"])
+def test_tma_graph_replay_and_compile_gpu(fused):
+    """Replays with new x (the fused reduce's counters back at zero after each), and the op under
+    ``torch.compile``."""
     x, weight, bias = _problem(48, 4096, 4096, bias=True)
-    config = dataclasses.asdict(TmaConfig(BLOCK_M=64, SPLIT_K=4))
+    config = dataclasses.asdict(TmaConfig(BLOCK_M=64, SPLIT_K=4, FUSED_REDUCE=fused))
     with use_config("q4k_fp8_gemm", config):
         eager = q4k_linear(x, weight, bias)
         out = torch.empty_like(eager)
@@ -357,10 +406,11 @@ def test_tma_graph_replay_and_compile_gpu():
         torch.cuda.synchronize()
         with torch.cuda.graph(graph):
             q4k_linear(x, weight, bias, out=out)
-        x.copy_(torch.randn_like(x))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        _assert_accurate(out, x, weight, bias, "graph replay with new x")
+        for replay in range(3):
+            x.copy_(torch.randn_like(x))
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            _assert_accurate(out, x, weight, bias, f"graph replay {replay} with new x")
         compiled = torch.compile(lambda a: q4k_linear(a, weight, bias), fullgraph=True)
         _assert_accurate(compiled(x), x, weight, bias, "torch.compile")

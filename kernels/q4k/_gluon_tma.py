@@ -13,7 +13,10 @@ eleven CTA barriers a K step and a wait for each wgmma before the next tile is d
   step ``i``'s tile is written while step ``i - 1``'s wgmma runs. One CTA barrier a step remains,
   between the tile's stores and the wgmma that reads it (two with two warpgroups, see below);
 - with ``SWAP`` the product is computed transposed (``W x^T``): the weight rows fill wgmma's
-  64-row M side and the few rows of x its N side, which may be as small as 16.
+  64-row M side and the few rows of x its N side, which may be as small as 16 and as large as 256
+  (each weight tile dequantized once for 256 rows of x);
+- a K split writes float32 partials; with ``FUSED_REDUCE`` the last split of each output tile to
+  finish (arrival counters) sums them, where otherwise a reduce launch follows.
 
 Gluon does not run on the interpreter, and wgmma exists on SM90 only: :func:`.kernel.serve`
 routes this path there alone.
@@ -121,40 +124,116 @@ def _mma_step(w_buf, x_buf, acc, SWAP: gl.constexpr):
 
 
 @gluon.jit
-def _store_acc(
-    acc, bias_ptr, out_ptr, row_m, row_n, pid_k, M, stride_om, stride_on, stride_ok, stride_bn,
-    HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SWAP: gl.constexpr,
+def _tile_ptrs(
+    layout: gl.constexpr, base, row_m, row_n, M, stride_m, stride_n,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SWAP: gl.constexpr,
 ):  # fmt: skip
-    """Store the accumulator's rows of x below ``M`` (plus the bias, if any) to split ``pid_k`` of
-    ``out``, in its dtype: the output itself, or the float32 partials of a split."""
-    layout: gl.constexpr = acc.type.layout
+    """Pointers into an ``[M, N]`` matrix at ``base`` for the accumulator's elements (``layout``,
+    transposed with ``SWAP``), the mask of rows below ``M``, and the N offsets (for the bias)."""
     if SWAP:
         offs_n = row_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
         offs_m = row_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
-        if HAS_BIAS:
-            acc = acc + gl.load(bias_ptr + offs_n * stride_bn).to(gl.float32)[:, None]
-        ptrs = out_ptr + pid_k * stride_ok + offs_m[None, :].to(gl.int64) * stride_om + offs_n[:, None] * stride_on
-        gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[None, :])
+        ptrs = base + offs_m[None, :].to(gl.int64) * stride_m + offs_n[:, None] * stride_n
+        mask = (offs_m < M)[None, :]
     else:
         offs_m = row_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
         offs_n = row_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        ptrs = base + offs_m[:, None].to(gl.int64) * stride_m + offs_n[None, :] * stride_n
+        mask = (offs_m < M)[:, None]
+    return ptrs, mask, offs_n
+
+
+@gluon.jit
+def _store_out(
+    acc, bias_ptr, out_ptr, row_m, row_n, M, stride_om, stride_on, stride_bn,
+    HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SWAP: gl.constexpr,
+):  # fmt: skip
+    """Store float32 ``acc`` (plus the bias, if any) to ``out``'s rows below ``M``, in out's dtype."""
+    layout: gl.constexpr = acc.type.layout
+    ptrs, mask, offs_n = _tile_ptrs(layout, out_ptr, row_m, row_n, M, stride_om, stride_on, BLOCK_M, BLOCK_N, SWAP)
+    if HAS_BIAS:
+        bias = gl.load(bias_ptr + offs_n * stride_bn).to(gl.float32)
+        acc = acc + bias[:, None] if SWAP else acc + bias[None, :]
+    gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _epilogue(
+    acc, bias_ptr, out_ptr, part_ptr, counters_ptr, row_m, row_n, pid_k, M,
+    stride_om, stride_on, stride_pk, stride_pm, stride_bn,
+    HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SWAP: gl.constexpr,
+    SPLIT_K: gl.constexpr, FUSED_REDUCE: gl.constexpr,
+):  # fmt: skip
+    """Without a split: ``out`` (plus the bias). With one: this split's float32 partial into
+    ``part`` ``[SPLIT_K, M, N]``; with ``FUSED_REDUCE`` the tile's last split to finish then sums
+    the partials in split order (so the result does not depend on which finishes last) into
+    ``out``, where otherwise a reduce launch follows."""
+    if SPLIT_K == 1:
+        _store_out(acc, bias_ptr, out_ptr, row_m, row_n, M, stride_om, stride_on, stride_bn, HAS_BIAS, BLOCK_M,
+                   BLOCK_N, SWAP)  # fmt: skip
+    else:
+        layout: gl.constexpr = acc.type.layout
+        part, mask, _ = _tile_ptrs(layout, part_ptr, row_m, row_n, M, stride_pm, 1, BLOCK_M, BLOCK_N, SWAP)
+        gl.store(part + pid_k * stride_pk, acc, mask=mask)
+        if FUSED_REDUCE:
+            # Publish, then count (as the GEMV's fused reduce): the CTA barrier orders every
+            # thread's stores before the one atomic, whose release at gpu scope makes them
+            # visible GPU-wide before the count moves.
+            gl.thread_barrier()
+            counter = counters_ptr + gl.program_id(2) * gl.num_programs(0) + gl.program_id(0)
+            arrived = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                _sum_partials(
+                    part_ptr, bias_ptr, out_ptr, row_m, row_n, M, stride_om, stride_on, stride_pk, stride_pm,
+                    stride_bn, HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_K,
+                )  # fmt: skip
+                # Every split has counted: the next launch (or graph replay) finds the counter at 0.
+                gl.store(counter, 0)
+
+
+@gluon.jit
+def _sum_partials(
+    part_ptr, bias_ptr, out_ptr, row_m, row_n, M, stride_om, stride_on, stride_pk, stride_pm, stride_bn,
+    HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT_K: gl.constexpr,
+):  # fmt: skip
+    """The last split's sum of the tile's float32 partials, in split order, into ``out`` (plus the
+    bias). A few rows at a time in a plain layout of four consecutive N values a thread: the
+    accumulator's registers are free by now, and its layout's pointers over the whole tile would
+    not fit beside them. Every earlier split's release is acquired; reads go to L2 (``.cg``),
+    where the partials were written, never to a stale L1 line."""
+    warps: gl.constexpr = gl.num_warps()
+    lanes_n: gl.constexpr = BLOCK_N // 4 if BLOCK_N // 4 < 32 else 32
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // lanes_n, lanes_n], [warps, 1], [1, 0])
+    ROWS: gl.constexpr = (32 // lanes_n) * warps
+    offs_n = row_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    if HAS_BIAS:
+        bias = gl.load(bias_ptr + offs_n * stride_bn).to(gl.float32)
+    for first in range(0, BLOCK_M, ROWS):
+        offs_m = row_m + first + rows
+        mask = (offs_m < M)[:, None]
+        part = part_ptr + offs_m[:, None].to(gl.int64) * stride_pm + offs_n[None, :]
+        total = gl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+        for split in gl.static_range(1, SPLIT_K):
+            total += gl.load(part + split * stride_pk, mask=mask, other=0.0, cache_modifier=".cg")
         if HAS_BIAS:
-            acc = acc + gl.load(bias_ptr + offs_n * stride_bn).to(gl.float32)[None, :]
-        ptrs = out_ptr + pid_k * stride_ok + offs_m[:, None].to(gl.int64) * stride_om + offs_n[None, :] * stride_on
-        gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None])
+            total = total + bias[None, :]
+        ptrs = out_ptr + offs_m[:, None].to(gl.int64) * stride_om + offs_n[None, :] * stride_on
+        gl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
 def _q4k_gemm_tma_kernel(
-    x_desc, q_desc, sc_ptr, mn_ptr, ss_ptr, bias_ptr, out_ptr, M,
-    stride_sn, stride_ssn, stride_om, stride_on, stride_ok, stride_bn,
+    x_desc, q_desc, sc_ptr, mn_ptr, ss_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, M,
+    stride_sn, stride_ssn, stride_om, stride_on, stride_pk, stride_pm, stride_bn,
     HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    K_TILES: gl.constexpr, NUM_STAGES: gl.constexpr, SWAP: gl.constexpr,
+    K_TILES: gl.constexpr, NUM_STAGES: gl.constexpr, SWAP: gl.constexpr, SPLIT_K: gl.constexpr,
+    FUSED_REDUCE: gl.constexpr,
 ):  # fmt: skip
-    """``out[pid_k] = x[:, split] @ dequant(W)[:, split]^T (+ bias)``: one (N tile, K split, M tile) a
-    program, the program ids in that order. N is a multiple of ``BLOCK_N`` and each split
-    ``K_TILES`` steps of ``BLOCK_K`` (the launch's checks); rows of x past ``M`` read as zeros
-    (the TMA's padding) and are not stored."""
+    """``out = x @ dequant(W)^T (+ bias)``, one (N tile, K split, M tile) a program, the program ids
+    in that order; a split's partial goes to ``part[pid_k]`` (see :func:`_epilogue`). N is a
+    multiple of ``BLOCK_N`` and each split ``K_TILES`` steps of ``BLOCK_K`` (the launch's checks);
+    rows of x past ``M`` read as zeros (the TMA's padding) and are not stored."""
     warps: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = x_desc.dtype
     pid_n = gl.program_id(0)
@@ -225,7 +304,8 @@ def _q4k_gemm_tma_kernel(
     for s in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(s))
 
-    _store_acc(
-        acc, bias_ptr, out_ptr, row_m, row_n, pid_k, M, stride_om, stride_on, stride_ok, stride_bn,
-        HAS_BIAS, BLOCK_M, BLOCK_N, SWAP,
+    _epilogue(
+        acc, bias_ptr, out_ptr, part_ptr, counters_ptr, row_m, row_n, pid_k, M,
+        stride_om, stride_on, stride_pk, stride_pm, stride_bn,
+        HAS_BIAS, BLOCK_M, BLOCK_N, SWAP, SPLIT_K, FUSED_REDUCE,
     )  # fmt: skip

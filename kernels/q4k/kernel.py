@@ -49,11 +49,11 @@ _KEY_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 _FP8_PATHS = ("fp8", "staged", "int8")
 #: CUDA's cap on a grid's z extent, where the tma path puts its M tiles.
 _GRID_Z = 65535
-#: M buckets whose untuned default on SM90 is the tma path: from 32 rows to 128. On an H100 its
-#: graph replays ran 1.17-1.35x bf16 cuBLAS at M=32 where the portable tiles ran 0.84-1.08x; at
-#: M=16 the portable split tiles stay ahead (1.30-1.56x against 1.27-1.36x), and above 128 the
-#: dequant path's one GEMM.
-TMA_DEFAULT_M = (32, 128)
+#: M buckets whose untuned default on SM90 is the tma path: from 32 rows to 256. On an H100 its
+#: graph replays ran 1.17-1.35x bf16 cuBLAS at M=32 where the portable tiles ran 0.84-1.08x, and
+#: at M=256 (256-row tiles) 1.3-1.5x the dequant path; at M=16 the portable split tiles stay ahead
+#: (1.30-1.56x against 1.27-1.36x), and from M=512 the dequant path's one GEMM ties or wins.
+TMA_DEFAULT_M = (32, 256)
 #: Smallest M bucket whose untuned default is the dequant path: on an H200 it ran every Llama-3-8B
 #: shape 1.4-2.4x faster than the portable tiles at M=256 and 2.0-3.1x at M=512 (the weight's
 #: extra bf16 pass costs less there than the in-register dequantization of each M tile).
@@ -103,12 +103,13 @@ def accurate_key(key: Q4KKey) -> Q4KKey | None:
 def default_config(key: Q4KKey) -> PortableConfig | DequantConfig | TmaConfig:
     """Untuned defaults by M (chosen on Llama-3-8B shapes, bf16; docs/perf/HISTORY.md).
 
-    From M=256 up (:data:`DEQUANT_DEFAULT_MIN_M`): the dequant path, the weight dequantized once
-    per call into cuBLAS's GEMM (:func:`dequant_default`), which runs on every GPU and meets the
-    accuracy contract with the most margin; where no chunk of it is feasible (N of 32 rows or fewer,
-    or K beyond 64K for the scratch cap), the portable rules below (:func:`portable_default`).
-    On SM90 from M=32 to 128 (:data:`TMA_DEFAULT_M`): the tma path (:func:`tma_default`), the
+    On SM90 from M=32 to 256 (:data:`TMA_DEFAULT_M`): the tma path (:func:`tma_default`), the
     portable path's weights through a K loop that keeps its loads and wgmma in flight.
+    Elsewhere from M=256 up (:data:`DEQUANT_DEFAULT_MIN_M`): the dequant path, the weight
+    dequantized once per call into cuBLAS's GEMM (:func:`dequant_default`), which runs on every
+    GPU and meets the accuracy contract with the most margin; where no chunk of it is feasible (N
+    of 32 rows or fewer, or K beyond 64K for the scratch cap), the portable rules below
+    (:func:`portable_default`).
 
     Portable rules: up to M=64, 64-wide N tiles split along K until about 1.5 programs per SM (one
     pass over the weight; 256-deep K tiles for decode). Beyond: 128x128x64 tiles, 8 warps, except
@@ -118,14 +119,14 @@ def default_config(key: Q4KKey) -> PortableConfig | DequantConfig | TmaConfig:
     ones). Where a GPU gives a block less shared memory than the H200 they were chosen on
     (Turing's 64 KiB), fewer pipeline stages.
     """
-    if key.arch != "cpu-interpreter" and key.m_bucket >= DEQUANT_DEFAULT_MIN_M:
-        dequant = dequant_default(key)
-        if dequant is not None:
-            return dequant
     if key.arch == "sm90" and TMA_DEFAULT_M[0] <= key.m_bucket <= TMA_DEFAULT_M[1]:
         tma = tma_default(key)
         if tma is not None:
             return tma
+    if key.arch != "cpu-interpreter" and key.m_bucket >= DEQUANT_DEFAULT_MIN_M:
+        dequant = dequant_default(key)
+        if dequant is not None:
+            return dequant
     return portable_default(key)
 
 
@@ -133,14 +134,21 @@ def tma_default(key: Q4KKey) -> TmaConfig | None:
     """The tma path's default at an SM90 key (the best tiles of the 2026-12-06 H100 measurements,
     docs/perf): ``W x^T`` tiles of 64 weight rows by the whole M bucket up to 64 rows, 4 warps, 128
     deep; at M=128 two warpgroups over 128 weight rows; K split (up to 4) until about 1.5
-    programs per SM. ``None`` where the space refuses it (N not a multiple of the tile)."""
-    if key.m_bucket > 64:
+    programs per SM. At M=256, 256 rows of x (wgmma's widest N) against two warpgroups' 128
+    weight rows, 64 deep, split until one program per SM at most (one wave). ``None`` where the
+    space refuses it (N not a multiple of the tile)."""
+    if key.m_bucket > 128:
+        config = TmaConfig(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    elif key.m_bucket > 64:
         config = TmaConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
     else:
         config = TmaConfig(BLOCK_M=max(key.m_bucket, 16), BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
     tiles = triton.cdiv(key.n, config.BLOCK_N) * triton.cdiv(key.m_bucket, config.BLOCK_M)
     split = 1
-    while split < 4 and 2 * tiles * split < 3 * key.sm_count and (key.k // config.BLOCK_K) % (2 * split) == 0:
+    while split < 4 and (key.k // config.BLOCK_K) % (2 * split) == 0:
+        # A 256-row program holds its SM's registers alone: at most one wave of them.
+        if (2 * split * tiles > key.sm_count) if config.BLOCK_M == 256 else (2 * tiles * split >= 3 * key.sm_count):
+            break
         split *= 2
     config = replace(config, SPLIT_K=split)
     limits = TargetLimits(smem_bytes=smem_limit_bytes((9, 0)))

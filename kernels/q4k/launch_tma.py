@@ -17,7 +17,7 @@ from triton.experimental.gluon import language as gl
 from tritune.search_spaces.q4k_fp8_gemm import SPACE, PortableConfig, TmaConfig
 
 from .._fastlaunch import bound
-from .._launch import GLUON_DTYPES, ceil_div, unchecked_gluon_descriptor
+from .._launch import GLUON_DTYPES, arrival_counters, ceil_div, traced, unchecked_gluon_descriptor
 from .._oplib import in_direct_body, register_schema_op
 from ._gluon_tma import _q4k_gemm_tma_kernel
 
@@ -53,7 +53,7 @@ def codes_layout_ok(qs: torch.Tensor) -> bool:
 def launch_tma(
     config: TmaConfig, x: torch.Tensor, parts: WeightParts, bias: torch.Tensor | None, out: torch.Tensor
 ) -> None:
-    """The Gluon launch (and, with a split, the reduce) on tensors :func:`x_layout_ok` and
+    """The Gluon launch (and, with a split and without ``FUSED_REDUCE``, the reduce) on tensors :func:`x_layout_ok` and
     :func:`codes_layout_ok` admit:
     ``out`` ``[M, N]`` ``= x @ dequant(W)^T (+ bias)``, N a multiple of ``BLOCK_N`` and K of
     ``BLOCK_K * SPLIT_K`` (the space and :func:`.kernel.serve` see to both)."""
@@ -64,33 +64,37 @@ def launch_tma(
     x_layout, q_layout = _layouts(x.dtype, bm, bn, bk)
     x_desc = unchecked_gluon_descriptor(x, [bm, bk], x_layout)
     q_desc = unchecked_gluon_descriptor(qs.view(torch.int32), [bn, bk // 8], q_layout)
+    out_strides = out.stride()
     if split > 1:
         # Float32 partials from the caching allocator (a captured graph's pool under capture).
-        target = torch.empty((split, m, n), dtype=torch.float32, device=out.device)
-        stride_ok, stride_om, stride_on = target.stride()
+        part = torch.empty((split, m, n), dtype=torch.float32, device=out.device)
+        part_strides = part.stride()[:2]
     else:
-        target = out
-        stride_ok, (stride_om, stride_on) = 0, out.stride()
+        part, part_strides = out, (0, 0)
+    fused = config.FUSED_REDUCE and split > 1
+    grid = (n // bn, split, ceil_div(m, bm))
+    counters = arrival_counters(grid[0] * grid[2], out.device, fresh=traced(x)) if fused else out
     stride_bn = bias.stride(0) if bias is not None else 0
     bias_arg = bias if bias is not None else out
     # Bound: later launches of a compiled config skip JITFunction.run's per-call Python.
-    bound(_q4k_gemm_tma_kernel)[(n // bn, split, ceil_div(m, bm))](
-        x_desc, q_desc, scales, mins, super_scales, bias_arg, target, m,
-        scales.stride(0), super_scales.stride(0), stride_om, stride_on, stride_ok, stride_bn,
-        HAS_BIAS=bias is not None and split == 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=k // bk // split,
-        NUM_STAGES=config.num_stages, SWAP=config.SWAP_AB, num_warps=config.num_warps,
+    bound(_q4k_gemm_tma_kernel)[grid](
+        x_desc, q_desc, scales, mins, super_scales, bias_arg, out, part, counters, m,
+        scales.stride(0), super_scales.stride(0), *out_strides, *part_strides, stride_bn,
+        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=k // bk // split,
+        NUM_STAGES=config.num_stages, SWAP=config.SWAP_AB, SPLIT_K=split, FUSED_REDUCE=fused,
+        num_warps=config.num_warps,
     )  # fmt: skip
-    if split > 1:
+    if split > 1 and not fused:
         from .launch import reduce_grid, splitk_reduce  # launch.py imports this module
 
-        splitk_reduce(reduce_grid(m, n), target, bias_arg, out, stride_bn, has_bias=bias is not None)
+        splitk_reduce(reduce_grid(m, n), part, bias_arg, out, stride_bn, has_bias=bias is not None)
 
 
 def portable_stand_in(config: TmaConfig) -> PortableConfig:
     """The portable config with the tma config's tiles: what runs where descriptors cannot cover
-    the tensors (every tile of the tma member is one the portable kernel runs)."""
+    the tensors. Its M tile is at most the portable member's largest, 128 rows."""
     return PortableConfig(
-        BLOCK_M=config.BLOCK_M,
+        BLOCK_M=min(config.BLOCK_M, max(SPACE.members["portable"].dimensions["BLOCK_M"])),
         BLOCK_N=config.BLOCK_N,
         BLOCK_K=config.BLOCK_K,
         GROUP_M=1,

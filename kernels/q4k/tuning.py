@@ -197,10 +197,17 @@ class Q4KTuning(KernelTuning):
         shapes = [one_group]
         if key.m_bucket >= 64:
             shapes.append(dataclasses.replace(one_group, BLOCK_N=2 * WGMMA_ROWS, num_warps=8))
+        if key.m_bucket >= 256:
+            # wgmma's widest N side: 256 rows of x per weight tile, dequantized half as often.
+            widest = TmaConfig(BLOCK_M=256, BLOCK_N=WGMMA_ROWS, BLOCK_K=64, num_warps=4, num_stages=4)
+            shapes += [widest, dataclasses.replace(widest, BLOCK_N=2 * WGMMA_ROWS, num_warps=8, num_stages=3)]
         default = tma_default(key)
         starts = [] if default is None else [default, dataclasses.replace(default, num_stages=4)]
+        if default is not None and default.SPLIT_K > 1:
+            # The default's split with the other reduce: in the GEMM's last split, or a launch of its own.
+            starts.insert(1, dataclasses.replace(default, FUSED_REDUCE=not default.FUSED_REDUCE))
         for shape in shapes:
-            tiles = triton.cdiv(key.n, shape.BLOCK_N) * triton.cdiv(key.m_bucket, block_m)
+            tiles = triton.cdiv(key.n, shape.BLOCK_N) * triton.cdiv(key.m_bucket, shape.BLOCK_M)
             starts += [
                 dataclasses.replace(shape, SPLIT_K=split)
                 for split in (1, 2, 4, 8)
