@@ -19,7 +19,7 @@ is reported as FAILED, a peer that cannot run as unavailable with its error):
   with one scale per row outside timing (mat2 passed column-major, as cuBLASLt wants): the fp8 GEMM
   alone, a ceiling for a kernel that also dequantizes (floor: the fp8 path's 25 dB);
 - tritune untuned: the key's default (portable, or tma on SM90 from M=32 to 256, or dequant from
-  M=256), pinned with ``use_config``;
+  M=256, from M=512 on SM90), pinned with ``use_config``;
 - tritune per path, pinned: the accurate paths (portable; GEMV up to ``GEMV_MAX_BENCH_M`` rows;
   dequant, the exact weights in bf16 chunk by chunk into cuBLAS, at every M: it is tuned from M=128
   up, the rows below show why; on SM90 the tma path, the portable weights through the Gluon K
@@ -267,8 +267,8 @@ def _tritune_impls(x: torch.Tensor, weight, best: dict) -> list[Impl]:
             config = dispatch_config(KERNEL, x.device.type, device_index(x.device), tuple(facts))
             served[opt_in] = Q4K.space.to_dict(config)
     untuned = Q4K.space.to_dict(Q4K.default_config(keys[False]))
-    # The portable rules' tiles: the other paths' rows start from them (the default from M=256 is
-    # the dequant path, whose fields say nothing of an MMA tile).
+    # The portable rules' tiles: the other paths' rows start from them (the default may be the
+    # dequant path, whose fields say nothing of an MMA tile, or the tma path's own tiles).
     tiles = Q4K.space.to_dict(portable_default(keys[False]))
 
     def pinned(config: dict[str, Any]) -> Callable[[], torch.Tensor]:

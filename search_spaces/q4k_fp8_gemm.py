@@ -535,6 +535,8 @@ def tma_feasibility(config: TmaConfig, key: Q4KShape, limits: TargetLimits) -> s
     reason = _split_and_rows_reason(config, key)
     if reason is not None:
         return reason
+    if config.BLOCK_M == 256 and not config.SWAP_AB:
+        return "BLOCK_M=256 only for the swapped kernel (SWAP_AB), where it is wgmma's N side"
     if config.FUSED_REDUCE and config.SPLIT_K == 1:
         return "FUSED_REDUCE only changes a launch with SPLIT_K > 1 (the same launch as FUSED_REDUCE=False)"
     if config.FUSED_REDUCE and config.BLOCK_M * config.BLOCK_N // (32 * config.num_warps) > TMA_FUSED_MAX_ACC:

@@ -161,7 +161,7 @@ def test_overhead_report_header_names_versions_date_and_the_real_command(monkeyp
 
 
 def test_q4k_bench_pins_the_portable_rules_tiles_where_the_default_is_dequant(monkeypatch) -> None:
-    """From M=256 up the untuned default is the dequant path: the 'portable path (pinned)' row takes
+    """From M=256 up (M=512 on SM90) the untuned default is the dequant path: the 'portable path (pinned)' row takes
     the portable rules' tiles (what served there before), not the dequant default's fields."""
     monkeypatch.syspath_prepend(str(SCRIPTS))
     import bench_q4k

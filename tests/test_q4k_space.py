@@ -156,8 +156,9 @@ DEFAULTS = {
     ("sm90", 132, 128, 14336, 4096): (128, 128, 64, 1, 8, 3, 1),
     # 128x128 tiles would make fewer programs than half the SMs: split 64-row tiles instead.
     ("sm90", 132, 128, 4096, 14336): (64, 64, 128, 1, 4, 4, 2),
-    # From M=256 up the dequant path is the default; where no chunk of it fits the scratch cap
-    # (K=131072), the portable tiles: split where 128x128 tiles would idle most SMs, else those.
+    # Where no dequant chunk fits the scratch cap (K=131072), the portable rules' tiles are what
+    # serves from M=256 off SM90 (on SM90 the tma path up to M=256): split where 128x128 tiles
+    # would idle most SMs, else those.
     ("sm90", 132, 256, 4096, 131072): (64, 64, 128, 1, 4, 4, 1),
     ("sm90", 132, 256, 14336, 131072): (128, 128, 64, 8, 8, 3, 1),
     ("sm90", 132, 8192, 4096, 131072): (128, 128, 64, 8, 8, 3, 1),
@@ -367,8 +368,8 @@ def test_the_tuner_can_choose_every_fp8_kernel():
     limits = KERNEL.limits(H200)
     for m in (1, 16, 4096):
         key = _key(m)
-        # Never a default: an accurate path is (tma on SM90 from M=32, the dequant path from M=256 up).
-        assert KERNEL.default_config(key).path == ("portable" if m < 32 else "tma" if m < 256 else "dequant")
+        # Never a default: an accurate path is (tma on SM90 from M=32 to 256, then the dequant path).
+        assert KERNEL.default_config(key).path == ("portable" if m < 32 else "tma" if m <= 256 else "dequant")
         fp8 = [c for c in SPACE.feasible(key, limits) if isinstance(c, Fp8Config)]
         assert any(c.SCALE_FOLD and c.BLOCK_K == 256 for c in fp8), m
         assert any(c.SWAP_AB for c in fp8) and all(c.SCALE_FOLD for c in fp8 if c.SWAP_AB), m

@@ -4,8 +4,9 @@ CPU tier: the space member's feasibility rules, the gating of :func:`~tritune.ke
 (which calls the Gluon kernel may serve, which fall back and why), the SM90 defaults and starting
 configs, the launch's grid and arguments recorded on meta tensors, the descriptors, the layout
 checks, the opaque op's schema, and an sm_90 build of the kernel at its defaults and the widest
-tiles the register rule admits (no spills, wgmma and TMA present, the shared memory the rule
-estimates), in a subprocess without ``TRITON_INTERPRET`` (Gluon has no interpreter).
+tiles the register rule admits (no spills but the 256-row tiles' epilogue, wgmma and TMA present,
+the shared memory the rule estimates), in a subprocess without ``TRITON_INTERPRET`` (Gluon has no
+interpreter).
 
 GPU tier (``gpu`` marker, SM90 only): the kernel against the float32 reference of the exactly
 dequantized weight (ggml's NMSE bound and the path's SQNR floor) at awkward M, both orientations,
@@ -78,6 +79,7 @@ def test_tma_member_is_part_of_the_space():
         (TmaConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=256, num_warps=8), _key(m_bucket=128), H200_LIMITS, "KiB"),
         (TmaConfig(BLOCK_N=64, BLOCK_K=64, num_warps=8, SWAP_AB=False, BLOCK_M=128), _key(128), H200_LIMITS, "idle"),
         (TmaConfig(FUSED_REDUCE=True), _key(), H200_LIMITS, "SPLIT_K > 1"),
+        (TmaConfig(BLOCK_M=256, BLOCK_K=64, SWAP_AB=False), _key(256), H200_LIMITS, "only for the swapped kernel"),
         (TmaConfig(BLOCK_M=256, BLOCK_K=64, SPLIT_K=2, FUSED_REDUCE=True), _key(256), H200_LIMITS, "spills"),
     ],
 )
@@ -163,7 +165,12 @@ def test_tma_starting_configs_are_feasible_and_only_where_they_may_win():
         assert starts, m_bucket
         assert starts[0] == tma_default(key) or tma_default(key) is None
         assert len(set(starts)) == len(starts)
-        assert all(SPACE.infeasible_reason(c, key, H200_LIMITS) is None for c in starts)
+        # The default's split is tried with the fused reduce where the space admits it.
+        default = tma_default(key)
+        fused = default is not None and default.SPLIT_K > 1 and default.BLOCK_M < 256
+        assert (dataclasses.replace(default, FUSED_REDUCE=True) in starts) == fused, m_bucket
+        # 256-row tiles from M=256, and only there.
+        assert any(c.BLOCK_M == 256 for c in starts) == (m_bucket == 256), m_bucket
     assert not any(isinstance(c, TmaConfig) for c in TUNING.starting_configs(_key(512), H200))
     assert not any(isinstance(c, TmaConfig) for c in TUNING.starting_configs(_key(64, arch="sm80"), A100))
 
@@ -176,8 +183,9 @@ def test_tma_starting_configs_are_feasible_and_only_where_they_may_win():
 )
 def test_launch_grid_and_arguments(split, bias, fused):
     """One Gluon launch over (N tiles, splits, M tiles); with a split, float32 partials and the
-    reduce (which adds the bias) after it, or with ``FUSED_REDUCE`` the arrival counters instead."""
-    m, n, k = 17, 4096, 14336
+    reduce (which adds the bias) after it, or with ``FUSED_REDUCE`` the arrival counters instead.
+    Three M tiles (M=65), so one counter per N tile would not do."""
+    m, n, k = 65, 4096, 14336
     x, parts, bias_t, out = sm90_build.meta_q4k_call(m, n, k, bias)
     config = TmaConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split, FUSED_REDUCE=fused)
     with sm90_build.record_launches() as recorder:
@@ -185,9 +193,10 @@ def test_launch_grid_and_arguments(split, bias, fused):
     names = [launch.kernel.fn.__name__ for launch in recorder.launches]
     assert names == ["_q4k_gemm_tma_kernel"] + (["_splitk_reduce_kernel"] if split > 1 and not fused else [])
     gluon = recorder.launches[0]
-    assert tuple(gluon.grid) == (n // 64, split, 1)
+    assert tuple(gluon.grid) == (n // 64, split, 3)
     assert gluon.kwargs["K_TILES"] == k // 128 // split
-    assert gluon.kwargs["HAS_BIAS"] == bias and gluon.kwargs["SPLIT_K"] == split
+    # The kernel adds the bias where it writes the output: without a split or with the fused reduce.
+    assert gluon.kwargs["HAS_BIAS"] == (bias and (split == 1 or fused)) and gluon.kwargs["SPLIT_K"] == split
     assert gluon.kwargs["FUSED_REDUCE"] == fused
     x_desc, q_desc = gluon.args[:2]
     assert x_desc.base is x and x_desc.block_shape == [32, 128]
@@ -196,8 +205,8 @@ def test_launch_grid_and_arguments(split, bias, fused):
     target, part, counters = gluon.args[6:9]
     assert target is out
     assert part is out if split == 1 else (part.dtype == torch.float32 and part.shape == (split, m, n))
-    # One counter per output tile (N tiles x M tiles), zero, where the reduce is fused.
-    assert counters is out if not fused else (counters.dtype == torch.int32 and counters.numel() >= n // 64)
+    # One counter per output tile (N tiles x M tiles) where the reduce is fused.
+    assert counters is out if not fused else (counters.dtype == torch.int32 and counters.numel() >= n // 64 * 3)
 
 
 def test_direct_bodies_launch_and_tracers_get_the_opaque_op(monkeypatch):
@@ -255,30 +264,37 @@ def test_opaque_op_carries_every_field():
     )
 
 
-def test_portable_stand_in_keeps_the_tiles():
+def test_portable_stand_in_keeps_the_tiles_up_to_its_largest_m_tile():
     config = TmaConfig(BLOCK_M=32, BLOCK_N=128, BLOCK_K=256, num_warps=8, num_stages=2, SPLIT_K=4)
     stand_in = launch_tma.portable_stand_in(config)
     assert isinstance(stand_in, PortableConfig)
     assert (stand_in.BLOCK_M, stand_in.BLOCK_N, stand_in.BLOCK_K, stand_in.SPLIT_K) == (32, 128, 256, 4)
     # The portable kernel's M tiles stop at 128 rows.
     wide = launch_tma.portable_stand_in(TmaConfig(BLOCK_M=256, BLOCK_N=64, BLOCK_K=64))
-    assert SPACE.infeasible_reason(wide, _key(256), H200_LIMITS) is None
+    assert (wide.BLOCK_M, wide.BLOCK_N, wide.BLOCK_K) == (128, 64, 64)
 
 
 # ---- the sm_90 build ------------------------------------------------------------------------
 
-#: The defaults at M 16, 64 and 128, and the widest tiles the register rule admits.
+#: The defaults at M 16, 64, 128 and 256 (split and not), and the widest tiles the register rule admits.
 _BUILDS = [
     dataclasses.asdict(tma_default(_key(16, n=4096, k=14336))),
     dataclasses.asdict(tma_default(_key(64))),
     dataclasses.asdict(tma_default(_key(128))),
+    dataclasses.asdict(tma_default(_key(256, n=4096, k=4096))),
     dataclasses.asdict(TmaConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=2)),
     dataclasses.asdict(TmaConfig(BLOCK_M=128, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=2, SWAP_AB=False)),
     # wgmma's widest N side: 256 rows of x against each warpgroup's 64 weight rows.
     dataclasses.asdict(TmaConfig(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
-    # The split's reduce in the GEMM (arrival counters).
+    # The split's reduce in the GEMM (arrival counters), and the largest accumulator it is admitted with.
     dataclasses.asdict(TmaConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_stages=3, SPLIT_K=4, FUSED_REDUCE=True)),
+    dataclasses.asdict(
+        TmaConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, SPLIT_K=2, FUSED_REDUCE=True)
+    ),
 ]
+#: Spill bytes a thread the 256-row tiles' epilogue may take (see ``TMA_MAX_REGISTERS``): storing
+#: the output with a bias, and storing a split's float32 partials.
+_EPILOGUE_SPILLS = {False: 288, True: 1104}
 
 
 @pytest.fixture(scope="module")
@@ -294,17 +310,18 @@ def tma_builds(tmp_path_factory):
     return sm90_build.run_script(["--q4k-tma", json.dumps(cases)], str(tmp_path_factory.mktemp("sm90-q4k-tma")))
 
 
-def test_tma_builds_for_sm90_without_spills(tma_builds):
-    """Every build compiles to a cubin for sm_90a: no spills, wgmma and TMA loads in the loop,
-    exactly the shared memory :func:`tma_smem_bytes` estimates."""
+def test_tma_builds_for_sm90_spill_only_in_the_widest_tiles_epilogue(tma_builds):
+    """Every build compiles to a cubin for sm_90a: no spills but the 256-row tiles' epilogue (a
+    bounded few bytes a thread), wgmma and TMA loads in the loop, exactly the shared memory
+    :func:`tma_smem_bytes` estimates."""
     assert len(tma_builds) == len(_BUILDS)
     for build in tma_builds:
         config = TmaConfig(**build["case"]["config"])
         (launch,) = build["launches"]
         where = f"{config}: {launch}"
         assert (config.BLOCK_M + config.BLOCK_K) * config.BLOCK_N // (32 * config.num_warps) <= TMA_MAX_REGISTERS
-        # 256-row tiles spill in their epilogue only (see TMA_MAX_REGISTERS).
-        assert launch["spill_bytes"] <= (288 if config.BLOCK_M == 256 else 0), where
+        spills = _EPILOGUE_SPILLS[config.SPLIT_K > 1] if config.BLOCK_M == 256 else 0
+        assert launch["spill_bytes"] <= spills, where
         assert launch["shared"] == tma_smem_bytes(config) <= H200_LIMITS.smem_bytes, where
         assert launch["sass"]["HGMMA"] > 0 and launch["sass"]["UTMALDG"] > 0, where
 
@@ -339,7 +356,7 @@ _GPU_CONFIGS = [
     TmaConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, SPLIT_K=1, SWAP_AB=False),
     TmaConfig(BLOCK_M=256, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, SPLIT_K=2),
     TmaConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, SPLIT_K=4, FUSED_REDUCE=True),
-    TmaConfig(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, SPLIT_K=2, FUSED_REDUCE=True),
+    TmaConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, SPLIT_K=2, FUSED_REDUCE=True),
 ]
 
 
@@ -376,7 +393,9 @@ def test_tma_fused_reduce_equals_the_reduce_launch_gpu(split, bias):
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize(("k", "n", "m"), [(4096, 14336, 32), (14336, 4096, 64), (4096, 4096, 128), (4096, 6144, 33)])
+@pytest.mark.parametrize(
+    ("k", "n", "m"), [(4096, 14336, 32), (14336, 4096, 64), (4096, 4096, 128), (4096, 6144, 33), (4096, 4096, 200)]
+)
 def test_tma_default_through_the_op_gpu(k, n, m):
     """The SM90 default (the tma path) through ``q4k_linear`` at the Llama shapes, fp16 and an unaligned x too."""
     x, weight, _ = _problem(m, n, k, seed=k + m)

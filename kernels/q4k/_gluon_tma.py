@@ -205,6 +205,8 @@ def _sum_partials(
     lanes_n: gl.constexpr = BLOCK_N // 4 if BLOCK_N // 4 < 32 else 32
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // lanes_n, lanes_n], [warps, 1], [1, 0])
     ROWS: gl.constexpr = (32 // lanes_n) * warps
+    # Whole passes only: a pass past the tile would sum and store the next M tile's rows.
+    gl.static_assert(BLOCK_M % ROWS == 0, "the M tile must hold whole passes of the reduce layout")
     offs_n = row_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     if HAS_BIAS:

@@ -49,14 +49,14 @@ _KEY_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 _FP8_PATHS = ("fp8", "staged", "int8")
 #: CUDA's cap on a grid's z extent, where the tma path puts its M tiles.
 _GRID_Z = 65535
-#: M buckets whose untuned default on SM90 is the tma path: from 32 rows to 256. On an H100 its
-#: graph replays ran 1.17-1.35x bf16 cuBLAS at M=32 where the portable tiles ran 0.84-1.08x, and
-#: at M=256 (256-row tiles) 1.3-1.5x the dequant path; at M=16 the portable split tiles stay ahead
-#: (1.30-1.56x against 1.27-1.36x), and from M=512 the dequant path's one GEMM ties or wins.
+#: M buckets whose untuned default on SM90 is the tma path: from 32 rows to 256 (256-row tiles
+#: there). Below, the portable split tiles ran faster (M=16); above, the dequant path's one GEMM
+#: tied or won (docs/perf/HISTORY.md has the H100 measurements).
 TMA_DEFAULT_M = (32, 256)
-#: Smallest M bucket whose untuned default is the dequant path: on an H200 it ran every Llama-3-8B
-#: shape 1.4-2.4x faster than the portable tiles at M=256 and 2.0-3.1x at M=512 (the weight's
-#: extra bf16 pass costs less there than the in-register dequantization of each M tile).
+#: Smallest M bucket whose untuned default is the dequant path where the tma path does not serve
+#: (off SM90; on SM90 from the bucket after :data:`TMA_DEFAULT_M`): on an H200 it ran every
+#: Llama-3-8B shape 1.4-2.4x faster than the portable tiles at M=256 and 2.0-3.1x at M=512 (the
+#: weight's extra bf16 pass costs less there than the in-register dequantization of each M tile).
 DEQUANT_DEFAULT_MIN_M = 256
 
 
@@ -131,8 +131,8 @@ def default_config(key: Q4KKey) -> PortableConfig | DequantConfig | TmaConfig:
 
 
 def tma_default(key: Q4KKey) -> TmaConfig | None:
-    """The tma path's default at an SM90 key (the best tiles of the 2026-12-06 H100 measurements,
-    docs/perf): ``W x^T`` tiles of 64 weight rows by the whole M bucket up to 64 rows, 4 warps, 128
+    """The tma path's default at an SM90 key (the best tiles of the H100 measurements in
+    docs/perf/HISTORY.md): ``W x^T`` tiles of 64 weight rows by the whole M bucket up to 64 rows, 4 warps, 128
     deep; at M=128 two warpgroups over 128 weight rows; K split (up to 4) until about 1.5
     programs per SM. At M=256, 256 rows of x (wgmma's widest N) against two warpgroups' 128
     weight rows, 64 deep, split until one program per SM at most (one wave). ``None`` where the
@@ -146,8 +146,13 @@ def tma_default(key: Q4KKey) -> TmaConfig | None:
     tiles = triton.cdiv(key.n, config.BLOCK_N) * triton.cdiv(key.m_bucket, config.BLOCK_M)
     split = 1
     while split < 4 and (key.k // config.BLOCK_K) % (2 * split) == 0:
-        # A 256-row program holds its SM's registers alone: at most one wave of them.
-        if (2 * split * tiles > key.sm_count) if config.BLOCK_M == 256 else (2 * tiles * split >= 3 * key.sm_count):
+        programs = tiles * split
+        if config.BLOCK_M == 256:
+            # A 256-row program holds its SM's registers alone: one wave at most after doubling.
+            if 2 * programs > key.sm_count:
+                break
+        elif 2 * programs >= 3 * key.sm_count:
+            # About 1.5 programs an SM already.
             break
         split *= 2
     config = replace(config, SPLIT_K=split)
@@ -156,7 +161,8 @@ def tma_default(key: Q4KKey) -> TmaConfig | None:
 
 
 def portable_default(key: Q4KKey) -> PortableConfig:
-    """The portable path's tiles by the rules of :func:`default_config` (what serves below M=256),
+    """The portable path's tiles by the rules of :func:`default_config` (what serves below M=256
+    off SM90, and up to M=16 on it),
     fitted to the GPU's shared memory; small tiles on the interpreter."""
     if key.arch == "cpu-interpreter":
         block_m = 16 if key.m_bucket <= 16 else 32

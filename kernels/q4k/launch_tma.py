@@ -80,9 +80,10 @@ def launch_tma(
     bound(_q4k_gemm_tma_kernel)[grid](
         x_desc, q_desc, scales, mins, super_scales, bias_arg, out, part, counters, m,
         scales.stride(0), super_scales.stride(0), *out_strides, *part_strides, stride_bn,
-        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=k // bk // split,
-        NUM_STAGES=config.num_stages, SWAP=config.SWAP_AB, SPLIT_K=split, FUSED_REDUCE=fused,
-        num_warps=config.num_warps,
+        # A split without the fused reduce leaves the bias to the reduce launch.
+        HAS_BIAS=bias is not None and (split == 1 or fused),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=k // bk // split, NUM_STAGES=config.num_stages,
+        SWAP=config.SWAP_AB, SPLIT_K=split, FUSED_REDUCE=fused, num_warps=config.num_warps,
     )  # fmt: skip
     if split > 1 and not fused:
         from .launch import reduce_grid, splitk_reduce  # launch.py imports this module

@@ -44,7 +44,7 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 #: Dequant chunks measured first at a large-M key (the largest the key admits).
 _DEQUANT_STARTS = 3
 #: Largest M bucket the tma path's starting tiles are measured at: above it each M tile
-#: dequantizes the weight again and the dequant path's one GEMM wins (docs/perf, 2026-12-06).
+#: dequantizes the weight again and the dequant path's one GEMM wins (docs/perf/HISTORY.md).
 _TMA_MAX_START_M = 256
 #: Rows of x the reference is computed at (see :meth:`Q4KTuning.check_problem`).
 _CHECK_ROWS = 256
@@ -204,8 +204,9 @@ class Q4KTuning(KernelTuning):
         default = tma_default(key)
         starts = [] if default is None else [default, dataclasses.replace(default, num_stages=4)]
         if default is not None and default.SPLIT_K > 1:
-            # The default's split with the other reduce: in the GEMM's last split, or a launch of its own.
-            starts.insert(1, dataclasses.replace(default, FUSED_REDUCE=not default.FUSED_REDUCE))
+            # The default's split reduced by its last split instead of a launch of its own (where
+            # the space admits it: not with 256-row tiles; infeasible starts are dropped below).
+            starts.insert(1, dataclasses.replace(default, FUSED_REDUCE=True))
         for shape in shapes:
             tiles = triton.cdiv(key.n, shape.BLOCK_N) * triton.cdiv(key.m_bucket, shape.BLOCK_M)
             starts += [
