@@ -198,7 +198,7 @@ def _sum_partials(
 ):  # fmt: skip
     """The last split's sum of the tile's float32 partials, in split order, into ``out`` (plus the
     bias). A few rows at a time in a plain layout of four consecutive N values a thread: the
-    accumulator's registers are free by now, and its layout's pointers over the whole tile would
+    accumulator's registers are free at this point, and its layout's pointers over the whole tile would
     not fit beside them. Every earlier split's release is acquired; reads go to L2 (``.cg``),
     where the partials were written, never to a stale L1 line."""
     warps: gl.constexpr = gl.num_warps()
