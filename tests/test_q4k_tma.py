@@ -165,10 +165,14 @@ def test_tma_starting_configs_are_feasible_and_only_where_they_may_win():
         assert starts, m_bucket
         assert starts[0] == tma_default(key) or tma_default(key) is None
         assert len(set(starts)) == len(starts)
-        # The default's split is tried with the fused reduce where the space admits it.
+        # The default's split is tried with both reduces where the space admits the fused one.
         default = tma_default(key)
-        fused = default is not None and default.SPLIT_K > 1 and default.BLOCK_M < 256
-        assert (dataclasses.replace(default, FUSED_REDUCE=True) in starts) == fused, m_bucket
+        both = default.SPLIT_K > 1 and default.BLOCK_M < 256
+        for fused in (False, True):
+            tried = dataclasses.replace(default, FUSED_REDUCE=fused) in starts
+            assert tried == (both or fused == default.FUSED_REDUCE), (m_bucket, fused)
+        # The default sums a split's partials in the GEMM up to M=64.
+        assert default.FUSED_REDUCE is (default.SPLIT_K > 1 and m_bucket <= 64), default
         # 256-row tiles from M=256, and only there.
         assert any(c.BLOCK_M == 256 for c in starts) == (m_bucket == 256), m_bucket
     assert not any(isinstance(c, TmaConfig) for c in TUNING.starting_configs(_key(512), H200))

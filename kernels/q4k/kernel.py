@@ -134,7 +134,9 @@ def tma_default(key: Q4KKey) -> TmaConfig | None:
     """The tma path's default at an SM90 key (the best tiles of the H100 measurements in
     docs/perf/HISTORY.md): ``W x^T`` tiles of 64 weight rows by the whole M bucket up to 64 rows, 4 warps, 128
     deep; at M=128 two warpgroups over 128 weight rows; K split (up to 4) until about 1.5
-    programs per SM. At M=256, 256 rows of x (wgmma's widest N) against two warpgroups' 128
+    programs per SM, and up to M=64 a split's partials summed by its last split (``FUSED_REDUCE``:
+    on an H100 as fast or faster replayed and one launch fewer eagerly; at M=128 the reduce launch
+    replayed faster). At M=256, 256 rows of x (wgmma's widest N) against two warpgroups' 128
     weight rows, 64 deep, split until one program per SM at most (one wave). ``None`` where the
     space refuses it (N not a multiple of the tile)."""
     if key.m_bucket > 128:
@@ -155,7 +157,7 @@ def tma_default(key: Q4KKey) -> TmaConfig | None:
             # About 1.5 programs an SM already.
             break
         split *= 2
-    config = replace(config, SPLIT_K=split)
+    config = replace(config, SPLIT_K=split, FUSED_REDUCE=split > 1 and key.m_bucket <= 64)
     limits = TargetLimits(smem_bytes=smem_limit_bytes((9, 0)))
     return config if SPACE.infeasible_reason(config, key, limits) is None else None
 

@@ -204,9 +204,10 @@ class Q4KTuning(KernelTuning):
         default = tma_default(key)
         starts = [] if default is None else [default, dataclasses.replace(default, num_stages=4)]
         if default is not None and default.SPLIT_K > 1:
-            # The default's split reduced by its last split instead of a launch of its own (where
-            # the space admits it: not with 256-row tiles; infeasible starts are dropped below).
-            starts.insert(1, dataclasses.replace(default, FUSED_REDUCE=True))
+            # The default's split with the other reduce: by its last split or by a launch of its
+            # own (where the space admits it: not with 256-row tiles; infeasible starts are
+            # dropped below).
+            starts.insert(1, dataclasses.replace(default, FUSED_REDUCE=not default.FUSED_REDUCE))
         for shape in shapes:
             tiles = triton.cdiv(key.n, shape.BLOCK_N) * triton.cdiv(key.m_bucket, shape.BLOCK_M)
             starts += [
