@@ -53,10 +53,10 @@ def codes_layout_ok(qs: torch.Tensor) -> bool:
 def launch_tma(
     config: TmaConfig, x: torch.Tensor, parts: WeightParts, bias: torch.Tensor | None, out: torch.Tensor
 ) -> None:
-    """The Gluon launch (and, with a split and without ``FUSED_REDUCE``, the reduce) on tensors :func:`x_layout_ok` and
-    :func:`codes_layout_ok` admit:
-    ``out`` ``[M, N]`` ``= x @ dequant(W)^T (+ bias)``, N a multiple of ``BLOCK_N`` and K of
-    ``BLOCK_K * SPLIT_K`` (the space and :func:`.kernel.serve` see to both)."""
+    """The Gluon launch (and, with a split and without ``FUSED_REDUCE``, the reduce) on tensors
+    :func:`x_layout_ok` and :func:`codes_layout_ok` admit: ``out`` ``[M, N]`` ``= x @ dequant(W)^T
+    (+ bias)``, N a multiple of ``BLOCK_N`` and K of ``BLOCK_K * SPLIT_K`` (the space and
+    :func:`.kernel.serve` see to both)."""
     qs, scales, mins, super_scales = parts
     m, k = x.shape
     n = qs.shape[0]
