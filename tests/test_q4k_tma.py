@@ -29,7 +29,7 @@ from tritune.kernels._launch import unchecked_gluon_descriptor
 from tritune.kernels.device import DeviceInfo, interpreter_device
 from tritune.kernels.q4k import launch_tma
 from tritune.kernels.q4k.kernel import KERNEL, TMA_DEFAULT_M, Q4KKey, default_config, q4k_linear, tma_default
-from tritune.kernels.q4k.reference import check_path, nmse, q4k_linear_reference
+from tritune.kernels.q4k.reference import check_path, nmse, packed_dequantized, q4k_linear_reference, sqnr_db
 from tritune.kernels.q4k.tuning import TUNING
 from tritune.kernels.q4k.weight import Q4KWeight
 from tritune.kernels.spec import Replaced, pow2_bucket
@@ -173,6 +173,8 @@ def test_tma_starting_configs_are_feasible_and_only_where_they_may_win():
             assert tried == (both or fused == default.FUSED_REDUCE), (m_bucket, fused)
         # The default sums a split's partials in the GEMM up to M=64.
         assert default.FUSED_REDUCE is (default.SPLIT_K > 1 and m_bucket <= 64), default
+        # It dequantizes in x's dtype, and is tried with the exact float32 weights too.
+        assert default.PACKED_DEQUANT and dataclasses.replace(default, PACKED_DEQUANT=False) in starts
         # 256-row tiles from M=256, and only there.
         assert any(c.BLOCK_M == 256 for c in starts) == (m_bucket == 256), m_bucket
     assert not any(isinstance(c, TmaConfig) for c in TUNING.starting_configs(_key(512), H200))
@@ -183,15 +185,16 @@ def test_tma_starting_configs_are_feasible_and_only_where_they_may_win():
 
 
 @pytest.mark.parametrize(
-    ("split", "bias", "fused"), [(1, False, False), (1, True, False), (4, True, False), (4, True, True)]
+    ("split", "bias", "fused", "packed"),
+    [(1, False, False, False), (1, True, False, True), (4, True, False, True), (4, True, True, False)],
 )
-def test_launch_grid_and_arguments(split, bias, fused):
+def test_launch_grid_and_arguments(split, bias, fused, packed):
     """One Gluon launch over (N tiles, splits, M tiles); with a split, float32 partials and the
     reduce (which adds the bias) after it, or with ``FUSED_REDUCE`` the arrival counters instead.
     Three M tiles (M=65), so one counter per N tile would not do."""
     m, n, k = 65, 4096, 14336
     x, parts, bias_t, out = sm90_build.meta_q4k_call(m, n, k, bias)
-    config = TmaConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split, FUSED_REDUCE=fused)
+    config = TmaConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split, FUSED_REDUCE=fused, PACKED_DEQUANT=packed)
     with sm90_build.record_launches() as recorder:
         launch_tma.launch_tma(config, x, parts, bias_t, out)
     names = [launch.kernel.fn.__name__ for launch in recorder.launches]
@@ -201,7 +204,7 @@ def test_launch_grid_and_arguments(split, bias, fused):
     assert gluon.kwargs["K_TILES"] == k // 128 // split
     # The kernel adds the bias where it writes the output: without a split or with the fused reduce.
     assert gluon.kwargs["HAS_BIAS"] == (bias and (split == 1 or fused)) and gluon.kwargs["SPLIT_K"] == split
-    assert gluon.kwargs["FUSED_REDUCE"] == fused
+    assert gluon.kwargs["FUSED_REDUCE"] == fused and gluon.kwargs["PACKED_DEQUANT"] == packed
     x_desc, q_desc = gluon.args[:2]
     assert x_desc.base is x and x_desc.block_shape == [32, 128]
     assert q_desc.base.dtype == torch.int32 and list(q_desc.base.shape) == [n, k // 8]
@@ -262,10 +265,12 @@ def test_opaque_op_carries_every_field():
     for name in SPACE.members["tma"].dimensions:
         assert (name in schema) == (name != "path"), name
     fields = (("BLOCK_M", 32), ("BLOCK_N", 128), ("BLOCK_K", 64), ("num_warps", 8), ("num_stages", 2))
-    config = launch_tma._op_config((*fields, ("SPLIT_K", 2), ("SWAP_AB", False), ("FUSED_REDUCE", True)))
+    flags = (("SPLIT_K", 2), ("SWAP_AB", False), ("FUSED_REDUCE", True), ("PACKED_DEQUANT", True))
+    config = launch_tma._op_config((*fields, *flags))
     assert config == TmaConfig(
-        BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=2, SPLIT_K=2, SWAP_AB=False, FUSED_REDUCE=True
-    )
+        BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=2, SPLIT_K=2, SWAP_AB=False, FUSED_REDUCE=True,
+        PACKED_DEQUANT=True,
+    )  # fmt: skip
 
 
 def test_portable_stand_in_keeps_the_tiles_up_to_its_largest_m_tile():
@@ -286,6 +291,7 @@ _BUILDS = [
     dataclasses.asdict(tma_default(_key(64))),
     dataclasses.asdict(tma_default(_key(128))),
     dataclasses.asdict(tma_default(_key(256, n=4096, k=4096))),
+    # The widest tiles, dequantized in float32 (the defaults dequantize in x's dtype).
     dataclasses.asdict(TmaConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=2)),
     dataclasses.asdict(TmaConfig(BLOCK_M=128, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=2, SWAP_AB=False)),
     # wgmma's widest N side: 256 rows of x against each warpgroup's 64 weight rows.
@@ -361,13 +367,17 @@ _GPU_CONFIGS = [
     TmaConfig(BLOCK_M=256, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, SPLIT_K=2),
     TmaConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, SPLIT_K=4, FUSED_REDUCE=True),
     TmaConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, SPLIT_K=2, FUSED_REDUCE=True),
+    TmaConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, SPLIT_K=2, PACKED_DEQUANT=True),
+    TmaConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=2, SWAP_AB=False, PACKED_DEQUANT=True),
+    TmaConfig(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, SPLIT_K=2, PACKED_DEQUANT=True),
 ]
 
 
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("config", _GPU_CONFIGS, ids=lambda c: f"{c.BLOCK_M}x{c.BLOCK_N}x{c.BLOCK_K}w{c.num_warps}"
-                         f"s{c.SPLIT_K}{'swap' if c.SWAP_AB else ''}{'fused' if c.FUSED_REDUCE else ''}")  # fmt: skip
+                         f"s{c.SPLIT_K}{'swap' if c.SWAP_AB else ''}{'fused' if c.FUSED_REDUCE else ''}"
+                         f"{'packed' if c.PACKED_DEQUANT else ''}")  # fmt: skip
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 64, 100, 128, 257, 600])
 @pytest.mark.parametrize("bias", [False, True])
 def test_tma_matches_reference_gpu(config, m, bias):
@@ -376,6 +386,28 @@ def test_tma_matches_reference_gpu(config, m, bias):
     out = torch.full((m, n), float("nan"), dtype=BF16, device="cuda")
     launch_tma.run_tma(config, x, weight.tensors(), b, out)
     _assert_accurate(out, x, weight, b, f"{config}, m={m}")
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+@pytest.mark.parametrize("swap", [True, False])
+def test_tma_packed_dequant_computes_its_reference_weights_gpu(dtype, swap):
+    """``PACKED_DEQUANT`` multiplies by exactly :func:`packed_dequantized`'s weights: against their
+    product its output differs by the float32 accumulation and the output's rounding alone (a code
+    out of place, or a scale rounded otherwise, would show as tens of dB)."""
+    m, n, k = 70, 4096, 2048
+    x, weight, _ = _problem(m, n, k, dtype=dtype, seed=7)
+    config = TmaConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, SWAP_AB=swap, PACKED_DEQUANT=True)
+    out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+    launch_tma.run_tma(config, x, weight.tensors(), None, out)
+    expected = x.double() @ packed_dequantized(weight, dtype).double().t()
+    # The output's own rounding to ``dtype`` sets the ceiling (about 59 dB in bf16, 71 in fp16).
+    ceiling = sqnr_db(expected.to(dtype), expected)
+    assert sqnr_db(out, expected) > ceiling - 3.0, (sqnr_db(out, expected), ceiling)
+    # And against the exact weights: the accuracy the space's docs state (bf16 about 45 dB, fp16 63).
+    exact = sqnr_db(out, q4k_linear_reference(x, weight))
+    assert exact > (43.0 if dtype == BF16 else 60.0), exact
 
 
 @pytest.mark.gpu

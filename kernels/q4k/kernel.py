@@ -137,8 +137,10 @@ def tma_default(key: Q4KKey) -> TmaConfig | None:
     programs per SM, and up to M=64 a split's partials summed by its last split (``FUSED_REDUCE``:
     on an H100 as fast or faster replayed and one launch fewer eagerly; at M=128 the reduce launch
     replayed faster). At M=256, 256 rows of x (wgmma's widest N) against two warpgroups' 128
-    weight rows, 64 deep, split until one program per SM at most (one wave). ``None`` where the
-    space refuses it (N not a multiple of the tile)."""
+    weight rows, 64 deep, split until one program per SM at most (one wave). Dequantized in x's
+    dtype (``PACKED_DEQUANT``: 5-13% faster on the H100 at every tuned M, about 45 dB against the
+    exact product in bf16, 12 dB inside ggml's bound). ``None`` where the space refuses it (N not
+    a multiple of the tile)."""
     if key.m_bucket > 128:
         config = TmaConfig(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
     elif key.m_bucket > 64:
@@ -157,7 +159,7 @@ def tma_default(key: Q4KKey) -> TmaConfig | None:
             # About 1.5 programs an SM already.
             break
         split *= 2
-    config = replace(config, SPLIT_K=split, FUSED_REDUCE=split > 1 and key.m_bucket <= 64)
+    config = replace(config, SPLIT_K=split, FUSED_REDUCE=split > 1 and key.m_bucket <= 64, PACKED_DEQUANT=True)
     limits = TargetLimits(smem_bytes=smem_limit_bytes((9, 0)))
     return config if SPACE.infeasible_reason(config, key, limits) is None else None
 

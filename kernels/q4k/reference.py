@@ -22,7 +22,8 @@ ACCURATE_PATHS = frozenset({"portable", "gemv", "dequant", "tma"})
 #: activations; int8: int8 weights and activations, one scale per row each (37-39 dB on Gaussian
 #: activations, 28.5 dB with outlier channels); gemv:
 #: int8 activations with one scale per 32 values against exact weights (about 43 dB); portable,
-#: dequant and tma: bf16/fp16 rounding of the weights only.
+#: dequant and tma: bf16/fp16 rounding of the weights only (the tma path's ``PACKED_DEQUANT``
+#: rounds each group's scale and min first: about 45 dB in bf16, :func:`packed_dequantized`).
 MIN_SQNR_DB = {"fp8": 25.0, "staged": 25.0, "int8": 25.0, "gemv": 33.0, "portable": 40.0, "dequant": 40.0, "tma": 40.0}
 
 
@@ -33,6 +34,18 @@ def q4k_linear_reference(x: torch.Tensor, weight: Q4KWeight, bias: torch.Tensor 
     if bias is not None:
         out = out + bias.float()
     return out
+
+
+def packed_dequantized(weight: Q4KWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The ``[N, K]`` weights (in ``dtype``) that the tma path's ``PACKED_DEQUANT`` computes: each
+    32-code group's scale ``d*sc`` and min ``dmin*m`` rounded to ``dtype``, then ``q*scale - min``
+    rounded once (a fused multiply-add; exact in float64 before that rounding)."""
+    n, k = weight.shape
+    codes = torch.stack((weight.qs & 0xF, weight.qs >> 4), dim=-1).reshape(n, k // 32, 32).double()
+    d, dmin = weight.super_scales.double().unbind(-1)
+    scale = (d.repeat_interleave(8, dim=1) * weight.scales.double()).float().to(dtype).double()
+    offset = (dmin.repeat_interleave(8, dim=1) * weight.mins.double()).float().to(dtype).double()
+    return (codes * scale[..., None] - offset[..., None]).reshape(n, k).to(dtype)
 
 
 def sqnr_db(out: torch.Tensor, expected: torch.Tensor) -> float:

@@ -193,16 +193,21 @@ class Q4KTuning(KernelTuning):
         if key.m_bucket > _TMA_MAX_START_M:
             return []
         block_m = min(max(key.m_bucket, 16), 128)
-        one_group = TmaConfig(BLOCK_M=block_m, BLOCK_N=WGMMA_ROWS, BLOCK_K=128, num_warps=4)
+        one_group = TmaConfig(BLOCK_M=block_m, BLOCK_N=WGMMA_ROWS, BLOCK_K=128, num_warps=4, PACKED_DEQUANT=True)
         shapes = [one_group]
         if key.m_bucket >= 64:
             shapes.append(dataclasses.replace(one_group, BLOCK_N=2 * WGMMA_ROWS, num_warps=8))
         if key.m_bucket >= 256:
             # wgmma's widest N side: 256 rows of x per weight tile, dequantized half as often.
-            widest = TmaConfig(BLOCK_M=256, BLOCK_N=WGMMA_ROWS, BLOCK_K=64, num_warps=4, num_stages=4)
+            widest = TmaConfig(
+                BLOCK_M=256, BLOCK_N=WGMMA_ROWS, BLOCK_K=64, num_warps=4, num_stages=4, PACKED_DEQUANT=True
+            )
             shapes += [widest, dataclasses.replace(widest, BLOCK_N=2 * WGMMA_ROWS, num_warps=8, num_stages=3)]
         default = tma_default(key)
+        # The default, then with a stage more, then dequantized in float32 (the exact weights).
         starts = [] if default is None else [default, dataclasses.replace(default, num_stages=4)]
+        if default is not None:
+            starts.append(dataclasses.replace(default, PACKED_DEQUANT=not default.PACKED_DEQUANT))
         if default is not None and default.SPLIT_K > 1:
             # The default's split with the other reduce: by its last split or by a launch of its
             # own (where the space admits it: not with 256-row tiles; infeasible starts are
