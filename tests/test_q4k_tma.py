@@ -139,9 +139,9 @@ def test_serve_hook_returns_a_replacement_for_other_devices():
     assert isinstance(result, Replaced) and "SM90" in result.reason
 
 
-@pytest.mark.parametrize("m_bucket", [32, 64, 128, 256])
+@pytest.mark.parametrize("m_bucket", [32, 64, 128, 256, 512])
 @pytest.mark.parametrize(("k", "n"), [(4096, 14336), (14336, 4096), (4096, 4096)])
-def test_sm90_default_is_the_tma_path_from_32_to_256_rows(m_bucket, k, n):
+def test_sm90_default_is_the_tma_path_from_32_to_512_rows(m_bucket, k, n):
     key = _key(m_bucket, n=n, k=k)
     config = default_config(key)
     assert isinstance(config, TmaConfig) and config == tma_default(key)
@@ -151,15 +151,15 @@ def test_sm90_default_is_the_tma_path_from_32_to_256_rows(m_bucket, k, n):
 
 @pytest.mark.parametrize(
     "key",
-    [_key(8), _key(16), _key(512), _key(64, arch="sm80"), _key(64, arch="sm100"), _key(64, n=4128), _key(32, n=96)],
-    ids=["m8", "m16", "m512", "sm80", "sm100", "n4128", "n96"],
+    [_key(8), _key(16), _key(1024), _key(64, arch="sm80"), _key(64, arch="sm100"), _key(64, n=4128), _key(32, n=96)],
+    ids=["m8", "m16", "m1024", "sm80", "sm100", "n4128", "n96"],
 )
 def test_default_is_not_the_tma_path_elsewhere(key):
     assert not isinstance(default_config(key), TmaConfig)
 
 
 def test_tma_starting_configs_are_feasible_and_only_where_they_may_win():
-    for m_bucket in (1, 16, 64, 128, 256):
+    for m_bucket in (1, 16, 64, 128, 256, 512):
         key = _key(m_bucket, n=4096, k=14336)
         starts = [c for c in TUNING.starting_configs(key, H200) if isinstance(c, TmaConfig)]
         assert starts, m_bucket
@@ -176,8 +176,8 @@ def test_tma_starting_configs_are_feasible_and_only_where_they_may_win():
         # It dequantizes in x's dtype, and is tried with the exact float32 weights too.
         assert default.PACKED_DEQUANT and dataclasses.replace(default, PACKED_DEQUANT=False) in starts
         # 256-row tiles from M=256, and only there.
-        assert any(c.BLOCK_M == 256 for c in starts) == (m_bucket == 256), m_bucket
-    assert not any(isinstance(c, TmaConfig) for c in TUNING.starting_configs(_key(512), H200))
+        assert any(c.BLOCK_M == 256 for c in starts) == (m_bucket >= 256), m_bucket
+    assert not any(isinstance(c, TmaConfig) for c in TUNING.starting_configs(_key(1024), H200))
     assert not any(isinstance(c, TmaConfig) for c in TUNING.starting_configs(_key(64, arch="sm80"), A100))
 
 

@@ -49,10 +49,10 @@ _KEY_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 _FP8_PATHS = ("fp8", "staged", "int8")
 #: CUDA's cap on a grid's z extent, where the tma path puts its M tiles.
 _GRID_Z = 65535
-#: M buckets whose untuned default on SM90 is the tma path: from 32 rows to 256 (256-row tiles
-#: there). Below, the portable split tiles ran faster (M=16); above, the dequant path's one GEMM
-#: tied or won (docs/perf/HISTORY.md has the H100 measurements).
-TMA_DEFAULT_M = (32, 256)
+#: M buckets whose untuned default on SM90 is the tma path: from 32 rows to 512 (256-row tiles
+#: from 256). Below, the portable split tiles ran faster (M=16); above, the dequant path's one
+#: GEMM won (docs/perf/HISTORY.md has the H100 measurements).
+TMA_DEFAULT_M = (32, 512)
 #: Smallest M bucket whose untuned default is the dequant path where the tma path does not serve
 #: (off SM90; on SM90 from the bucket after :data:`TMA_DEFAULT_M`): on an H200 it ran every
 #: Llama-3-8B shape 1.4-2.4x faster than the portable tiles at M=256 and 2.0-3.1x at M=512 (the
@@ -103,7 +103,7 @@ def accurate_key(key: Q4KKey) -> Q4KKey | None:
 def default_config(key: Q4KKey) -> PortableConfig | DequantConfig | TmaConfig:
     """Untuned defaults by M (chosen on Llama-3-8B shapes, bf16; docs/perf/HISTORY.md).
 
-    On SM90 from M=32 to 256 (:data:`TMA_DEFAULT_M`): the tma path (:func:`tma_default`), the
+    On SM90 from M=32 to 512 (:data:`TMA_DEFAULT_M`): the tma path (:func:`tma_default`), the
     portable path's weights through a K loop that keeps its loads and wgmma in flight.
     Elsewhere from M=256 up (:data:`DEQUANT_DEFAULT_MIN_M`): the dequant path, the weight
     dequantized once per call into cuBLAS's GEMM (:func:`dequant_default`), which runs on every
@@ -136,8 +136,8 @@ def tma_default(key: Q4KKey) -> TmaConfig | None:
     deep; at M=128 two warpgroups over 128 weight rows; K split (up to 4) until about 1.5
     programs per SM, and up to M=64 a split's partials summed by its last split (``FUSED_REDUCE``:
     on an H100 as fast or faster replayed and one launch fewer eagerly; at M=128 the reduce launch
-    replayed faster). At M=256, 256 rows of x (wgmma's widest N) against two warpgroups' 128
-    weight rows, 64 deep, split until one program per SM at most (one wave). Dequantized in x's
+    replayed faster). From M=256, 256 rows of x (wgmma's widest N) against two warpgroups' 128
+    weight rows, 64 deep, at M=256 split until one program per SM at most (one wave). Dequantized in x's
     dtype (``PACKED_DEQUANT``: 5-13% faster on the H100 at every tuned M, about 45 dB against the
     exact product in bf16, 12 dB inside ggml's bound). ``None`` where the space refuses it (N not
     a multiple of the tile)."""
@@ -149,7 +149,7 @@ def tma_default(key: Q4KKey) -> TmaConfig | None:
         config = TmaConfig(BLOCK_M=max(key.m_bucket, 16), BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
     tiles = triton.cdiv(key.n, config.BLOCK_N) * triton.cdiv(key.m_bucket, config.BLOCK_M)
     split = 1
-    while split < 4 and (key.k // config.BLOCK_K) % (2 * split) == 0:
+    while split < 4 and key.m_bucket <= SPLIT_K_MAX_M and (key.k // config.BLOCK_K) % (2 * split) == 0:
         programs = tiles * split
         if config.BLOCK_M == 256:
             # A 256-row program holds its SM's registers alone: one wave at most after doubling.

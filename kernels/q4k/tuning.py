@@ -45,7 +45,7 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEQUANT_STARTS = 3
 #: Largest M bucket the tma path's starting tiles are measured at: above it each M tile
 #: dequantizes the weight again and the dequant path's one GEMM wins (docs/perf/HISTORY.md).
-_TMA_MAX_START_M = 256
+_TMA_MAX_START_M = 512
 #: Rows of x the reference is computed at (see :meth:`Q4KTuning.check_problem`).
 _CHECK_ROWS = 256
 
