@@ -137,7 +137,8 @@ def tma_default(key: Q4KKey) -> TmaConfig | None:
     programs per SM, and up to M=64 a split's partials summed by its last split (``FUSED_REDUCE``:
     on an H100 as fast or faster replayed and one launch fewer eagerly; at M=128 the reduce launch
     replayed faster). From M=256, 256 rows of x (wgmma's widest N) against two warpgroups' 128
-    weight rows, 64 deep, at M=256 split until one program per SM at most (one wave). Dequantized in x's
+    weight rows, 64 deep, at M=256 split until one program per SM at most (one wave); above
+    M=256, where the space admits no split, only where the programs fill a wave. Dequantized in x's
     dtype (``PACKED_DEQUANT``: 5-13% faster on the H100 at every tuned M, about 45 dB against the
     exact product in bf16, 12 dB inside ggml's bound). ``None`` where the space refuses it (N not
     a multiple of the tile)."""
@@ -148,6 +149,9 @@ def tma_default(key: Q4KKey) -> TmaConfig | None:
     else:
         config = TmaConfig(BLOCK_M=max(key.m_bucket, 16), BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
     tiles = triton.cdiv(key.n, config.BLOCK_N) * triton.cdiv(key.m_bucket, config.BLOCK_M)
+    if key.m_bucket > SPLIT_K_MAX_M and tiles < key.sm_count:
+        # No split there: fewer programs than SMs leave SMs idle, and the dequant path's GEMM wins.
+        return None
     split = 1
     while split < 4 and key.m_bucket <= SPLIT_K_MAX_M and (key.k // config.BLOCK_K) % (2 * split) == 0:
         programs = tiles * split
