@@ -17,7 +17,14 @@ import torch
 from tritune.kernels import Q4KWeight, settings
 from tritune.kernels.device import interpreter_device
 from tritune.kernels.q4k.kernel import KERNEL, key_for
-from tritune.kernels.q4k.reference import ACCURATE_PATHS, GGML_MAX_NMSE, MIN_SQNR_DB, nmse, sqnr_db
+from tritune.kernels.q4k.reference import (
+    ACCURATE_PATHS,
+    GGML_MAX_NMSE,
+    MIN_SQNR_DB,
+    nmse,
+    packed_dequantized,
+    sqnr_db,
+)
 from tritune.search_spaces.q4k_fp8_gemm import SPACE
 
 N, K = 32, 256
@@ -133,3 +140,22 @@ def test_dequant_path_in_chunks_meets_the_bound(m, bias, dtype, record_property)
     # that weight, as x's dtype holds it, is what the GEMM computes.
     dense = x.float() @ weight.dequantize().to(dtype).float().t() + (b.to(dtype).float() if b is not None else 0.0)
     torch.testing.assert_close(out.float(), dense.to(dtype).float(), rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.parametrize(("dtype", "low", "high"), [(torch.bfloat16, 42.0, 49.0), (torch.float16, 59.0, 67.0)])
+def test_packed_dequantized_weights_stay_inside_the_bound(weight, dtype, low, high):
+    """The tma path's ``PACKED_DEQUANT`` weights (each group's scale and min rounded to x's dtype,
+    then one rounding a weight): about 45 dB against the exact product in bf16 and 63 in fp16,
+    below the 52 and 70 of exact weights rounded once, and far inside ggml's bound."""
+    x = torch.randn(33, K, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    expected = x @ weight.dequantize().double().t()
+    packed = x @ packed_dequantized(weight, dtype).double().t()
+    rounded_once = x @ weight.dequantize().to(dtype).double().t()
+    assert low < sqnr_db(packed, expected) < high < sqnr_db(rounded_once, expected)
+    assert nmse(packed, expected) <= GGML_MAX_NMSE
+    # Where every group's scale and min are exact in the dtype (d, dmin powers of two: d*sc and
+    # dmin*m have at most 6 significant bits), each weight is the exact one rounded once.
+    powers = torch.tensor([2.0**-7, 2.0**-9], dtype=torch.float16).expand_as(weight.super_scales).contiguous()
+    exact_scales = Q4KWeight(weight.qs, weight.scales, weight.mins, powers)
+    assert torch.equal(packed_dequantized(exact_scales, dtype), exact_scales.dequantize().to(dtype))
+    assert not torch.equal(packed_dequantized(weight, dtype), weight.dequantize().to(dtype))
