@@ -18,16 +18,16 @@ is reported as FAILED, a peer that cannot run as unavailable with its error):
 - FP8 ``torch._scaled_mm``: W quantized once to e4m3 with one scale per output row, x quantized to e4m3
   with one scale per row outside timing (mat2 passed column-major, as cuBLASLt wants): the fp8 GEMM
   alone, a ceiling for a kernel that also dequantizes (floor: the fp8 path's 25 dB);
-- tritune untuned: the key's default (portable, or tma on SM90 from M=32 to 256, or dequant from
-  M=256, from M=512 on SM90), pinned with ``use_config``;
+- tritune untuned: the key's default (portable, or tma on SM90 from M=32 to 512, or dequant from
+  M=256, on SM90 where the tma path does not serve), pinned with ``use_config``;
 - tritune per path, pinned: the accurate paths (portable; GEMV up to ``GEMV_MAX_BENCH_M`` rows;
   dequant, the exact weights in bf16 chunk by chunk into cuBLAS, at every M: it is tuned from M=128
-  up, the rows below show why; on SM90 the tma path, the portable weights through the Gluon K
-  loop, at every M) and, with ``TRITUNE_Q4K_FP8`` on, the opt-in ones (int8, fp8,
-  staged): the fastest tuned trial of that path in ``--db`` at the key it is tuned at (``fp8=False``
-  for the accurate paths, ``fp8=True`` for the opt-in ones), or without one the untuned tiles on
-  that path, else the tuner's first starting config of it (the dequant path's largest chunk), else
-  its defaults; the accurate paths must also meet ggml's bound;
+  up, the rows below show why; on SM90 the tma path, the Gluon K loop, at every M) and, with
+  ``TRITUNE_Q4K_FP8`` on, the opt-in ones (int8, fp8, staged): the fastest tuned trial of that path
+  in ``--db`` at the key it is tuned at (``fp8=False`` for the accurate paths, ``fp8=True`` for the
+  opt-in ones), or without one the untuned tiles on that path, else the tuner's first starting
+  config of it (the dequant path's largest chunk), else its defaults; the accurate paths must also
+  meet ggml's bound;
 - tritune tuned: whatever the dispatcher serves (``--db`` on top of the shipped bundles), by default
   and with ``TRITUNE_Q4K_FP8`` on.
 
@@ -362,8 +362,8 @@ def _report(rows: list[Row], run: bl.BenchRun) -> str:
         "The _scaled_mm row times the fp8 GEMM alone (weight and activation quantized outside timing): a ceiling, "
         "not a like-for-like peer.",
         f"Tuned configs and trials: {'DB ' + db if db else 'default settings (user DB and shipped bundles)'}; "
-        "untuned = the key's default (portable; tma on SM90 from M=32 to 256; dequant from M=256, M=512 on "
-        "SM90) pinned with use_config.",
+        "untuned = the key's default (portable; tma on SM90 from M=32 to 512; dequant from M=256, on SM90 "
+        "where the tma path does not serve) pinned with use_config.",
     ]
     notes.append(bt.HOST_NOTE)
     if not run.graphs:

@@ -69,7 +69,7 @@ def test_each_path_holds_only_the_fields_its_launch_reads():
         "gemv": ("path", "BLOCK_N", "BLOCK_K", "num_warps", "SPLIT_K", "FUSE_QUANT", "FUSED_REDUCE"),
         "int8": ("path", *tiles, "SWAP_AB"),
         "dequant": ("path", "BLOCK_N", "BLOCK_K", "num_warps", "CHUNK_N"),
-        "tma": ("path", *tiles[:3], *tiles[4:], "SWAP_AB", "FUSED_REDUCE"),
+        "tma": ("path", *tiles[:3], *tiles[4:], "SWAP_AB", "FUSED_REDUCE", "PACKED_DEQUANT"),
     }
     # What the sampler sees: every field with the choices stored configs have always used.
     assert SPACE.dimensions == {
@@ -87,6 +87,7 @@ def test_each_path_holds_only_the_fields_its_launch_reads():
         "FAST_ACCUM": (False, True),
         "FUSE_QUANT": (False, True),
         "FUSED_REDUCE": (False, True),
+        "PACKED_DEQUANT": (False, True),
     }
     # A field keeps its choices on every path that can launch them: 256-row x tiles exist for the
     # swapped fp8 and the tma kernels only, K tiles beyond a super-block for the GEMV only.
@@ -128,7 +129,7 @@ def test_the_grid_holds_each_launch_once():
     # The per-path grids, where the old flat product held 2.6 million configs.
     assert SPACE.size() == (
         4 * 4 * 4 * 3 * 3 * 5 * 4 + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 4 + 4 * 4 * 3 * 5 * 2 + 4 * 6 * 3 * 4 * 2 * 2
-        + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 2 + 4 * 4 * 3 * 6 + 5 * 2 * 3 * 2 * 3 * 4 * 2 * 2
+        + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 2 + 4 * 4 * 3 * 6 + 5 * 2 * 3 * 2 * 3 * 4 * 2 * 2 * 2
     )  # fmt: skip
 
 
@@ -188,7 +189,6 @@ def test_portable_defaults_by_m_bucket(where):
 DEQUANT_DEFAULTS = {
     ("sm90", 132, 512, 4096, 4096): 4096,
     ("sm90", 132, 512, 6144, 4096): 8192,
-    ("sm90", 132, 512, 14336, 4096): 16384,
     ("sm80", 108, 256, 4096, 4096): 4096,
     ("sm90", 132, 512, 4096, 14336): 4096,
     ("sm90", 132, 1024, 28672, 4096): 16384,
@@ -203,9 +203,10 @@ DEQUANT_DEFAULTS = {
 
 @pytest.mark.parametrize("where", sorted(DEQUANT_DEFAULTS), ids=lambda w: "-".join(map(str, w)))
 def test_dequant_default_from_256_rows(where):
-    """From M=256 up (M=512 on SM90, where the tma path's 256-row tiles serve M=256) a GPU key's
-    default dequantizes the weight once per call into the vendor GEMM (every GPU runs it, and it
-    meets the accuracy contract), 32 x 256 tiles of 8 warps."""
+    """From M=256 up (on SM90 where the tma path's 256-row tiles do not serve: M=512 where they
+    would make fewer programs than SMs, and from M=1024) a GPU key's default dequantizes the weight
+    once per call into the vendor GEMM (every GPU runs it, and it meets the accuracy contract),
+    32 x 256 tiles of 8 warps."""
     arch, sms, m, n, k = where
     key = Q4KKey(arch=arch, sm_count=sms, dtype="bfloat16", m_bucket=m, n=n, k=k, fp8=False)
     config = default_config(key)
@@ -368,7 +369,7 @@ def test_the_tuner_can_choose_every_fp8_kernel():
     limits = KERNEL.limits(H200)
     for m in (1, 16, 4096):
         key = _key(m)
-        # Never a default: an accurate path is (tma on SM90 from M=32 to 256, then the dequant path).
+        # Never a default: an accurate path is (tma on SM90 from M=32 to 512, then the dequant path).
         assert KERNEL.default_config(key).path == ("portable" if m < 32 else "tma" if m <= 256 else "dequant")
         fp8 = [c for c in SPACE.feasible(key, limits) if isinstance(c, Fp8Config)]
         assert any(c.SCALE_FOLD and c.BLOCK_K == 256 for c in fp8), m
@@ -558,7 +559,7 @@ def test_starting_configs_follow_the_rules_the_space_admits():
             assert (isinstance(config, Fp8Config) and config.SWAP_AB) or config.path in (
                 "staged", "gemv", "int8", "dequant", "tma"
             )  # fmt: skip
-            assert config.path != "tma" or key.m_bucket <= 256, (key, config)
+            assert config.path != "tma" or key.m_bucket <= 512, (key, config)
         fold = [c for c in starts if isinstance(c, Fp8Config)]
         if key.fp8:
             assert max(c.BLOCK_M for c in fold) == {1: 16, 16: 16, 64: 64, 512: 256, 4096: 256}[key.m_bucket]

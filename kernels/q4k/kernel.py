@@ -54,7 +54,7 @@ _GRID_Z = 65535
 #: GEMM won (docs/perf/HISTORY.md has the H100 measurements).
 TMA_DEFAULT_M = (32, 512)
 #: Smallest M bucket whose untuned default is the dequant path where the tma path does not serve
-#: (off SM90; on SM90 from the bucket after :data:`TMA_DEFAULT_M`): on an H200 it ran every
+#: (off SM90; on SM90 where :func:`tma_default` gives none, as from M=1024): on an H200 it ran every
 #: Llama-3-8B shape 1.4-2.4x faster than the portable tiles at M=256 and 2.0-3.1x at M=512 (the
 #: weight's extra bf16 pass costs less there than the in-register dequantization of each M tile).
 DEQUANT_DEFAULT_MIN_M = 256
@@ -139,7 +139,7 @@ def tma_default(key: Q4KKey) -> TmaConfig | None:
     replayed faster). From M=256, 256 rows of x (wgmma's widest N) against two warpgroups' 128
     weight rows, 64 deep, at M=256 split until one program per SM at most (one wave); above
     M=256, where the space admits no split, only where the programs fill a wave. Dequantized in x's
-    dtype (``PACKED_DEQUANT``: 5-13% faster on the H100 at every tuned M, about 45 dB against the
+    dtype (``PACKED_DEQUANT``: 2-13% faster on the H100 at every tuned M, about 45 dB against the
     exact product in bf16, 12 dB inside ggml's bound). ``None`` where the space refuses it (N not
     a multiple of the tile)."""
     if key.m_bucket > 128:

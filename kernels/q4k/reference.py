@@ -45,7 +45,22 @@ def packed_dequantized(weight: Q4KWeight, dtype: torch.dtype) -> torch.Tensor:
     d, dmin = weight.super_scales.double().unbind(-1)
     scale = (d.repeat_interleave(8, dim=1) * weight.scales.double()).float().to(dtype).double()
     offset = (dmin.repeat_interleave(8, dim=1) * weight.mins.double()).float().to(dtype).double()
-    return (codes * scale[..., None] - offset[..., None]).reshape(n, k).to(dtype)
+    return _round_once((codes * scale[..., None] - offset[..., None]).reshape(n, k), dtype)
+
+
+def _round_once(exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 ``exact`` rounded once to the 16-bit ``dtype`` (to nearest, ties to even).
+
+    torch converts float64 to a 16-bit float through float32, which can round twice. Rounding to
+    float32 to odd first (toward zero, then the last bit set if anything was cut) keeps the one
+    rounding to ``dtype`` exact: float32 carries more than two extra bits.
+    """
+    nearest = exact.float()
+    overshot = nearest.double().abs() > exact.abs()
+    toward_zero = torch.where(overshot, torch.nextafter(nearest, torch.zeros_like(nearest)), nearest)
+    inexact = toward_zero.double() != exact
+    odd = (toward_zero.view(torch.int32) | inexact.to(torch.int32)).view(torch.float32)
+    return odd.to(dtype)
 
 
 def sqnr_db(out: torch.Tensor, expected: torch.Tensor) -> float:

@@ -204,7 +204,8 @@ class Q4KTuning(KernelTuning):
             )
             shapes += [widest, dataclasses.replace(widest, BLOCK_N=2 * WGMMA_ROWS, num_warps=8, num_stages=3)]
         default = tma_default(key)
-        # The default, then with a stage more, then dequantized in float32 (the exact weights).
+        # The default, with a stage more, with the other reduce where it splits (below), and
+        # dequantized in float32 (the exact weights).
         starts = [] if default is None else [default, dataclasses.replace(default, num_stages=4)]
         if default is not None:
             starts.append(dataclasses.replace(default, PACKED_DEQUANT=not default.PACKED_DEQUANT))
