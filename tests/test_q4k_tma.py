@@ -189,6 +189,14 @@ def test_tma_starting_configs_are_feasible_and_only_where_they_may_win():
     assert not any(isinstance(c, TmaConfig) for c in TUNING.starting_configs(_key(64, arch="sm80"), A100))
 
 
+def test_a_stored_tma_winner_is_followed_by_its_twin_with_the_other_dequantization():
+    exact = TmaConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, SPLIT_K=1)
+    packed = dataclasses.replace(exact, PACKED_DEQUANT=True)
+    assert TUNING.winner_variants(exact, _key(128), H200) == [packed]
+    assert TUNING.winner_variants(packed, _key(128), H200) == [exact]
+    assert TUNING.winner_variants(PortableConfig(), _key(128), H200) == []
+
+
 # ---- host code --------------------------------------------------------------------------------
 
 

@@ -123,6 +123,14 @@ class Q4KTuning(KernelTuning):
         shape_ok = key.k > 0 and key.k % 256 == 0 and key.n > 0 and m > 0 and m & (m - 1) == 0
         return key.dtype in _DTYPES and shape_ok and not small_opt_in
 
+    def winner_variants(self, config: Any, key: Q4KKey, device: DeviceInfo) -> list[Any]:
+        """A stored tma winner is followed by its twin with the other dequantization
+        (``PACKED_DEQUANT``, a choice the first tma winners never had), so that a short re-tune
+        seeded from the winners measures both."""
+        if isinstance(config, TmaConfig):
+            return [dataclasses.replace(config, PACKED_DEQUANT=not config.PACKED_DEQUANT)]
+        return []
+
     def starting_configs(self, key: Q4KKey, device: DeviceInfo) -> list[Q4KConfig]:
         """Rules for where the good tiles lie, measured first (the admitted ones only):
 
