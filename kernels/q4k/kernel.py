@@ -103,8 +103,8 @@ def accurate_key(key: Q4KKey) -> Q4KKey | None:
 def default_config(key: Q4KKey) -> PortableConfig | DequantConfig | TmaConfig:
     """Untuned defaults by M (chosen on Llama-3-8B shapes, bf16; docs/perf/HISTORY.md).
 
-    On SM90 from M=32 to 512 (:data:`TMA_DEFAULT_M`): the tma path (:func:`tma_default`), the
-    portable path's weights through a K loop that keeps its loads and wgmma in flight.
+    On SM90 from M=32 to 512 (:data:`TMA_DEFAULT_M`): the tma path (:func:`tma_default`), a K loop
+    that keeps its loads and wgmma in flight, dequantizing in x's dtype.
     Elsewhere from M=256 up (:data:`DEQUANT_DEFAULT_MIN_M`): the dequant path, the weight
     dequantized once per call into cuBLAS's GEMM (:func:`dequant_default`), which runs on every
     GPU and meets the accuracy contract with the most margin; where no chunk of it is feasible (N
