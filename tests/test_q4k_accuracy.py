@@ -21,6 +21,7 @@ from tritune.kernels.q4k.reference import (
     ACCURATE_PATHS,
     GGML_MAX_NMSE,
     MIN_SQNR_DB,
+    _round_once,
     nmse,
     packed_dequantized,
     sqnr_db,
@@ -159,3 +160,13 @@ def test_packed_dequantized_weights_stay_inside_the_bound(weight, dtype, low, hi
     exact_scales = Q4KWeight(weight.qs, weight.scales, weight.mins, powers)
     assert torch.equal(packed_dequantized(exact_scales, dtype), exact_scales.dequantize().to(dtype))
     assert not torch.equal(packed_dequantized(weight, dtype), weight.dequantize().to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_packed_reference_rounds_float64_once(dtype):
+    """Halfway between two ``dtype`` values plus a little below float32's precision: rounding
+    through float32 first lands on the tie and rounds to even (down); rounding once goes up."""
+    ulp = torch.finfo(dtype).eps
+    exact = torch.tensor([1 + ulp / 2 + 2.0**-40, -(1 + ulp / 2 + 2.0**-40), 1 + ulp / 2], dtype=torch.float64)
+    assert _round_once(exact, dtype).tolist() == [1 + ulp, -(1 + ulp), 1.0]
+    assert exact.to(dtype).tolist()[0] == 1.0  # torch's own conversion rounds twice here
