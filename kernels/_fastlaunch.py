@@ -11,7 +11,9 @@ A :class:`BoundKernel` runs the first launch of each specialization through ``JI
 (which compiles, caches and launches) and keeps the compiled kernel it returns. Later launches
 bind the arguments with Triton's own binder, so a pointer's alignment or an integer's
 divisibility selects the same compiled kernel Triton would, and call that kernel's launcher
-directly, with the arguments ``JITFunction.run`` would pass.
+directly, with the arguments ``JITFunction.run`` would pass. A kernel taking host tensor
+descriptors keeps each one's encoding across launches over the same tensor
+(:mod:`._descriptor_cache`).
 
 The cache key holds what ``JITFunction.run`` compiles for: the device, the debug and
 instrumentation modes, each argument's specialization (constexpr values by value: tritune's
@@ -38,6 +40,7 @@ from triton.experimental.gluon._runtime import GluonJITFunction
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
+from ._descriptor_cache import caching_launcher
 from .settings import on_change, settings
 
 __all__ = ["MIRRORED_TRITON", "BoundKernel", "bound", "forget", "set_enabled"]
@@ -167,6 +170,8 @@ class BoundKernel:
                 return kernel
             _, specialization, options = caches[-1](*args, **kwargs)
             key = (device, *_modes(self.fn), *specialization, *options.items())
+        # A kernel taking host tensor descriptors launches through one that keeps their encodings.
+        parts = (caching_launcher(parts[0]) or parts[0], *parts[1:])
         with contextlib.suppress(TypeError):  # unhashable: nothing kept, its launches go through Triton
             self._compiled[key] = parts  # type: ignore[assignment]
         return kernel

@@ -18,7 +18,8 @@ variant is called N times back to back and timed on the host, the GPU synchronis
 - through torch.library: the same call with the registered op forced (what ``torch.compile``,
   dispatch modes and autograd see);
 - launch: the kernel's own launch of the same config (the Triton launch plus its host-side
-  set-up, no checks, no dispatch), with bound launches (``kernels/_fastlaunch.py``) and without
+  set-up, no checks, no dispatch), with bound launches (``kernels/_fastlaunch.py``), with them but
+  each host tensor descriptor encoded again (``kernels/_descriptor_cache.py`` off), and without
   them (through ``JITFunction.run``);
 - lookup: the generated one-pass check + the dispatch lookup alone (what a call pays before it
   launches);
@@ -105,6 +106,20 @@ def launch_through_triton(launch: Callable[[], None]) -> Callable[[], None]:
             launch()
         finally:
             set_enabled(None)
+
+    return run
+
+
+def encoding_every_launch(launch: Callable[[], None]) -> Callable[[], None]:
+    """``launch`` with kept descriptor encodings off: each host tensor descriptor encoded again."""
+    from tritune.kernels import _descriptor_cache
+
+    def run() -> None:
+        _descriptor_cache.set_enabled(False)
+        try:
+            launch()
+        finally:
+            _descriptor_cache.set_enabled(True)
 
     return run
 
@@ -256,9 +271,10 @@ def _gpu_variants(
     public: Callable[[], object],
     args: tuple[object, ...],
     peer: tuple[str, Callable[[], object]] | None = None,
-) -> dict[str, Callable[[], object]]:
-    """The timed variants of one entry point; ``peer``: (what it is, the call) of the PyTorch call
-    computing the same output, timed in the same interleaved rounds."""
+) -> tuple[dict[str, Callable[[], object]], str]:
+    """The timed variants of one entry point and the config its public call serves; ``peer``:
+    (what it is, the call) of the PyTorch call computing the same output, timed in the same
+    interleaved rounds."""
     from tritune.kernels.dispatcher import dispatch_config_eager
 
     facts, device, checked = kernel.fast_check().fn(*args)  # type: ignore[attr-defined]
@@ -273,6 +289,7 @@ def _gpu_variants(
         "public call": public,
         "public, through torch.library": through_op,
         "the kernel's launch alone (same config)": bare,
+        "the same launch, its tensor descriptors encoded every launch": encoding_every_launch(bare),
         "the same launch through JITFunction.run (TRITUNE_FAST_LAUNCH=0)": launch_through_triton(bare),
         "fast check + dispatch lookup": lookup(kernel, *args),
     }
@@ -283,10 +300,10 @@ def _gpu_variants(
             print(f"{PEER} ({peer[0]}) left out: {type(exc).__name__}: {exc}")
         else:
             variants[f"{PEER}: {peer[0]}"] = peer[1]
-    return variants
+    return variants, bl.config_text(kernel.space.to_dict(config))  # type: ignore[attr-defined]
 
 
-def gpu_tables() -> list[tuple[str, dict[str, Callable[[], object]]]]:
+def gpu_tables() -> list[tuple[str, dict[str, Callable[[], object]], str]]:
     """The four public entry points at host-bound shapes, each beside its bare launch."""
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
@@ -313,13 +330,17 @@ def gpu_tables() -> list[tuple[str, dict[str, Callable[[], object]]]]:
     weight = Q4KWeight.quantize(torch.randn(4096, 4096, device=cuda) * 0.02)
     x, xout = torch.randn(1, 4096, device=cuda, dtype=bf16), torch.empty(1, 4096, device=cuda, dtype=bf16)
     dense = weight.dequantize().to(bf16)
+    # 32 rows over a 14336 x 4096 weight: SM90's default there is the tma path (two tensor descriptors).
+    weight_up = Q4KWeight.quantize(torch.randn(14336, 4096, device=cuda) * 0.02)
+    x32, x32_out = torch.randn(32, 4096, device=cuda, dtype=bf16), torch.empty(32, 14336, device=cuda, dtype=bf16)
+    dense_up = weight_up.dequantize().to(bf16)
     causal = causal_lower_right(16, 128)
     # As the prefill benchmark's peers: a bottom-right causal bias with the K/V heads repeated.
     k_rep, v_rep = k.repeat_interleave(8, dim=1), v.repeat_interleave(8, dim=1)
     return [
         (
             "prefill q [1, 16, 16, 64], k/v [1, 2, 128, 64] bf16",
-            _gpu_variants(
+            *_gpu_variants(
                 PREFILL,
                 lambda: prefill_attention(q, k, v, kv_len=kv_len, out=out),
                 (q, k, v, kv_len, True, None, out),
@@ -331,7 +352,7 @@ def gpu_tables() -> list[tuple[str, dict[str, Callable[[], object]]]]:
         ),
         (
             "decode q [1, 32, 1, 128], cache [1, 8, 1024, 128] bf16",
-            _gpu_variants(
+            *_gpu_variants(
                 DECODE,
                 lambda: decode_attention(dq, dk, dv, lengths, out=dout),
                 (dq, dk, dv, lengths, None, dout),
@@ -340,7 +361,7 @@ def gpu_tables() -> list[tuple[str, dict[str, Callable[[], object]]]]:
         ),
         (
             "varlen q [32, 32, 128], stores [1024, 4, 8, 128], 3 segments",
-            _gpu_variants(
+            *_gpu_variants(
                 VARLEN,
                 lambda: varlen_attention(vq, vk, vv, seq_info, out=vout),
                 (vq, vk, vv, seq_info, True, None, False, None, vout),
@@ -348,11 +369,20 @@ def gpu_tables() -> list[tuple[str, dict[str, Callable[[], object]]]]:
         ),
         (
             "q4k_linear x [1, 4096], W [4096, 4096]",
-            _gpu_variants(
+            *_gpu_variants(
                 Q4K,
                 lambda: q4k_linear(x, weight, out=xout),
                 (x, weight, None, xout),
                 ("x @ W.T, W dequantized to bf16 once", lambda: x @ dense.t()),
+            ),
+        ),
+        (
+            "q4k_linear x [32, 4096], W [14336, 4096]",
+            *_gpu_variants(
+                Q4K,
+                lambda: q4k_linear(x32, weight_up, out=x32_out),
+                (x32, weight_up, None, x32_out),
+                ("x @ W.T, W dequantized to bf16 once", lambda: x32 @ dense_up.t()),
             ),
         ),
     ]
@@ -422,12 +452,17 @@ def main() -> int:
         bl.use_interpreter()
 
     lines = [header(gpu), *host_table("cuda" if gpu else "cpu")]
-    for shape, variants in gpu_tables() if gpu else ():
+    for shape, variants, served in gpu_tables() if gpu else ():
         times = interleaved_us(variants)
         public_host, public_gpu = times["public call"]
         launch = times["the kernel's launch alone (same config)"][0]
         replay = graph_us(variants["public call"])
-        lines += [f"**{shape}**", "", "| path | host us per call | GPU us per call |", "| --- | --- | --- |"]
+        lines += [
+            f"**{shape}** (serves {served})",
+            "",
+            "| path | host us per call | GPU us per call |",
+            "| --- | --- | --- |",
+        ]
         lines += [f"| {name} | {h:.1f} | {g:.1f} |" for name, (h, g) in times.items()]
         lines += [
             f"| overhead of the public call over the bare launch | {public_host - launch:.1f} | |",
