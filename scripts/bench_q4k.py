@@ -27,7 +27,8 @@ is reported as FAILED, a peer that cannot run as unavailable with its error):
   in ``--db`` at the key it is tuned at (``fp8=False`` for the accurate paths, ``fp8=True`` for the
   opt-in ones), or without one the untuned tiles on that path, else the tuner's first starting
   config of it (the dequant path's largest chunk), else its defaults; the accurate paths must also
-  meet ggml's bound;
+  meet ggml's bound. A path that cannot serve the call (an 8-bit path below its row floor; the
+  dispatcher would run its stand-in under the pin) gets no row, and the log says so;
 - tritune tuned: whatever the dispatcher serves (``--db`` on top of the shipped bundles), by default
   and with ``TRITUNE_Q4K_FP8`` on.
 
@@ -297,6 +298,14 @@ def _tritune_impls(x: torch.Tensor, weight, best: dict) -> list[Impl]:
                 continue  # small M, fp16 or odd N: the staged path is not a candidate there
         if config == untuned:
             continue  # the untuned row already times it
+        with settings.override(q4k_fp8=opt_in):
+            served_pin = bl.served_under_pin(KERNEL, config, x.device, tuple(facts))
+        if served_pin != config:
+            # The path cannot serve this call (say, an 8-bit path below its row floor): the pin
+            # would time the stand-in under the path's name.
+            stand_in = bl.config_text(served_pin)
+            print(f"M={x.shape[0]}: the {path} path does not serve this call; no row ({stand_in} would run)")
+            continue
         name = f"tritune {path} path (pinned{', TRITUNE_Q4K_FP8=1' if opt_in else ''})"
         note = f"{origin}: {bl.config_text(config)}"
         impls.append(Impl(name, pinned(config), _floor(path), note, accurate=path in ACCURATE_PATHS, opt_in=opt_in))
