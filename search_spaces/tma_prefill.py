@@ -114,10 +114,6 @@ class WsConfig:
     #: Registers ``setmaxnreg`` gives each consumer warpgroup and the producer warp.
     CONSUMER_REGS: int = choice(232, (224, 232, 240))
     PRODUCER_REGS: int = choice(40, (24, 40, 56))
-    #: One release per K/V stage, after both PV MMAs, instead of K's after both QK^T and V's after
-    #: both PV: one barrier arrive fewer per tile for each consumer (each one a warpgroup-wide
-    #: sync in Triton 3.6's lowering), K's buffer refilled a tile later.
-    SHARED_RELEASE: bool = choice(False, (False, True))
 
 
 #: A config of any path.

@@ -745,7 +745,7 @@ def build_prefill_ws(head_dim: int, causal: bool = True, has_kv_len: bool = True
         results.append(
             {
                 "config": {name: getattr(config, name) for name in ("BLOCK_M", "BLOCK_N", "num_stages")}
-                | {name: getattr(config, name) for name in ("CONSUMER_REGS", "PRODUCER_REGS", "SHARED_RELEASE")},
+                | {"CONSUMER_REGS": config.CONSUMER_REGS, "PRODUCER_REGS": config.PRODUCER_REGS},
                 **report,
                 "shared": compiled.metadata.shared,
                 "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),

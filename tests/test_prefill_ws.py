@@ -139,8 +139,7 @@ def test_ws_pins_take_the_ws_defaults():
 
 def test_ws_configs_hold_only_the_fields_the_ws_launch_reads():
     """The ws launch takes its warps from the kernel (one consumer warpgroup), never from the config."""
-    fields = {"path", "BLOCK_M", "BLOCK_N", "num_stages", "CONSUMER_REGS", "PRODUCER_REGS", "SHARED_RELEASE"}
-    assert set(SPACE.to_dict(WS)) == fields
+    assert set(SPACE.to_dict(WS)) == {"path", "BLOCK_M", "BLOCK_N", "num_stages", "CONSUMER_REGS", "PRODUCER_REGS"}
     assert SPACE.members["ws"].default() == ws_default(_key(128))
 
 
@@ -204,17 +203,8 @@ def test_ws_feasible_configs_fit_what_ptxas_made_of_them():
 def test_starting_configs_lead_with_the_ws_default_on_sm90(head_dim):
     key = _key(head_dim)
     configs = TUNING.starting_configs(key, H200)
-    assert configs[0] == ws_default(key) and len(configs) == 3
-    # The default's twin with one release per stage comes second.
-    assert configs[1] == dataclasses.replace(configs[0], SHARED_RELEASE=True)
+    assert configs[0] == ws_default(key) and len(configs) == 2
     assert all(c.path == "ws" and SPACE.infeasible_reason(c, key, H200_LIMITS) is None for c in configs)
-
-
-def test_a_stored_ws_winner_brings_its_other_stage_release():
-    winner = dataclasses.replace(ws_default(_key(128)), BLOCK_N=64, num_stages=3)
-    (twin,) = TUNING.winner_variants(winner, _key(128), H200)
-    assert twin == dataclasses.replace(winner, SHARED_RELEASE=True)
-    assert TUNING.winner_variants(twin, _key(128), H200) == [winner]
 
 
 def test_no_ws_starting_configs_off_sm90():
@@ -256,11 +246,7 @@ def test_ws_builds_for_sm90_without_spills(ws_builds):
     register reallocation to the requested counts, TMA loads and stores, within an H200's shared memory."""
     assert [(b["head_dim"], b["causal"]) for b in ws_builds] == [(128, True), (64, True), (128, False)]
     for variant in ws_builds:
-        assert len(variant["builds"]) == 3, variant
-        # One release per stage takes fewer mbarrier operations than the two rings.
-        separate, shared = variant["builds"][:2]
-        assert (separate["config"]["SHARED_RELEASE"], shared["config"]["SHARED_RELEASE"]) == (False, True)
-        assert shared["sass"]["SYNCS"] < separate["sass"]["SYNCS"], variant
+        assert len(variant["builds"]) == 2, variant
         for build in variant["builds"]:
             config = build["config"]
             where = f"head dim {variant['head_dim']}, {config}"

@@ -107,11 +107,6 @@ def _ws_default(spec: Any, key: Any) -> Any:
     return ws_default(key)
 
 
-def _ws_shared_release(spec: Any, key: Any) -> Any:
-    """The ws starting config with one release per K/V stage (``SHARED_RELEASE``)."""
-    return dataclasses.replace(_ws_default(spec, key), SHARED_RELEASE=True)
-
-
 def _fused_default(spec: Any, key: Any) -> Any:
     """The decode kernel's portable default with the merge fused into the split launch."""
     return dataclasses.replace(spec.default_config(key), FUSED_MERGE=True)
@@ -156,13 +151,6 @@ CASES = [
         launches=("_prefill_tma_kernel",),
     ),
     Case("tma_prefill", "ws-default-d128", key={"head_dim": 128}, config=_ws_default, launches=("_prefill_ws_kernel",)),
-    Case(
-        "tma_prefill",
-        "ws-shared-release-d128",
-        key={"head_dim": 128},
-        config=_ws_shared_release,
-        launches=("_prefill_ws_kernel",),
-    ),
     Case(
         "tma_prefill",
         "ws-default-d64-noncausal",

@@ -7,9 +7,7 @@ what differs is who does what inside one program (CTA), the FlashAttention-3 sch
 - one **producer** warp (its own partition, few registers) moves tiles with TMA: both consumers'
   Q tiles once, then K and V tiles of ``BLOCK_N`` keys through a ring of ``NUM_STAGES`` buffers,
   each with a ready barrier (TMA byte count) and an empty barrier both consumers arrive on (K's
-  once both QK^T are done, V's once both PV are: K refills while PV still reads V; with
-  ``SHARED_RELEASE`` V's release frees K too, one arrive fewer per tile, each arrive being a
-  warpgroup-wide sync before one thread's arrive in Triton 3.6);
+  once both QK^T are done, V's once both PV are: K refills while PV still reads V);
 - two **consumer** warpgroups (the default partition and one worker, ``BLOCK_M // 2`` query rows
   each, the same K/V tiles) run the MMAs (async ``warpgroup_mma``) and the softmax. They take
   turns issuing their MMAs (two barriers passed back and forth: ping-pong), so one warpgroup's
@@ -104,7 +102,6 @@ def _producer(
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     NUM_STAGES: gl.constexpr,
-    SHARED_RELEASE: gl.constexpr,
 ):
     """The TMA partition: both Q tiles, then K and V tile by tile into the ring's free stages."""
     box_q: gl.constexpr = [1, 1, ROWS, HEAD_DIM]
@@ -118,18 +115,13 @@ def _producer(
         # A fresh barrier counts as having completed the phase before its first, so the ring's
         # first pass goes through.
         free_phase = ((t // NUM_STAGES) & 1) ^ 1
-        # K is released as soon as both QK^T are done, V only after both PV (separate rings), or
-        # both at once after both PV (SHARED_RELEASE: the V ring's barriers release K too).
-        if SHARED_RELEASE:
-            mbarrier.wait(v_empty.index(stage), free_phase)
-        else:
-            mbarrier.wait(k_empty.index(stage), free_phase)
+        mbarrier.wait(k_empty.index(stage), free_phase)
         start_n = t * BLOCK_N
         k_dst = k_smem.index(stage)._reinterpret(k_desc.dtype, box_kv, k_desc.layout)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [pid_b, kv_head, start_n, 0], k_ready.index(stage), k_dst)
-        if not SHARED_RELEASE:
-            mbarrier.wait(v_empty.index(stage), free_phase)
+        # K is released as soon as both QK^T are done, V only after both PV: separate rings.
+        mbarrier.wait(v_empty.index(stage), free_phase)
         v_tile = v_smem.index(stage)
         v_dst = v_tile._reinterpret(v_desc.dtype, box_kv, v_desc.layout)
         if (start_n + BLOCK_N > kv) & (kv < seqlen_k):
@@ -213,7 +205,6 @@ def _consumer(
     NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     NEG_SCALE: gl.constexpr,
-    SHARED_RELEASE: gl.constexpr,
 ):
     """Consumer ``c``: rows ``start_m + c * ROWS ..`` of the program's tile, every K/V tile."""
     dtype: gl.constexpr = o_desc.dtype
@@ -245,8 +236,7 @@ def _consumer(
         s_tok = warpgroup_mma(q, k0.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.arrive(turn.index(other))
         s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q, k0))
-        if not SHARED_RELEASE:
-            mbarrier.arrive(k_empty.index(0))
+        mbarrier.arrive(k_empty.index(0))
         p, alpha, m_i, l_i = _softmax_step(
             s, m_i, l_i, qk_scale, 0, n_full, offs_n, q_pos, kv, p_layout, dtype, BLOCK_N, CAUSAL, NEG_SCALE
         )
@@ -263,8 +253,7 @@ def _consumer(
             mbarrier.arrive(turn.index(other))
             # Groups complete in order: this waits for S_j and leaves P_{j-1} V_{j-1} running.
             s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q, k_j))
-            if not SHARED_RELEASE:
-                mbarrier.arrive(k_empty.index(stage))
+            mbarrier.arrive(k_empty.index(stage))
             p_next, alpha, m_i, l_i = _softmax_step(
                 s, m_i, l_i, qk_scale, j, n_full, offs_n, q_pos, kv, p_layout, dtype, BLOCK_N, CAUSAL, NEG_SCALE
             )
@@ -315,7 +304,6 @@ def _prefill_ws_kernel(
     NEG_SCALE: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
-    SHARED_RELEASE: gl.constexpr,
 ):
     ROWS: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_desc.dtype
@@ -379,7 +367,7 @@ def _prefill_ws_kernel(
                 (
                     0, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
                     pid_b, pid_h, start_m, q_shift, kv, n_full, n_total, qk_scale,
-                    ROWS, BLOCK_N, HEAD_DIM, NUM_STAGES, CAUSAL, NEG_SCALE, SHARED_RELEASE,
+                    ROWS, BLOCK_N, HEAD_DIM, NUM_STAGES, CAUSAL, NEG_SCALE,
                 ),
             ),
             (
@@ -387,7 +375,7 @@ def _prefill_ws_kernel(
                 (
                     1, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
                     pid_b, pid_h, start_m, q_shift, kv, n_full, n_total, qk_scale,
-                    ROWS, BLOCK_N, HEAD_DIM, NUM_STAGES, CAUSAL, NEG_SCALE, SHARED_RELEASE,
+                    ROWS, BLOCK_N, HEAD_DIM, NUM_STAGES, CAUSAL, NEG_SCALE,
                 ),
             ),
             (
@@ -395,7 +383,7 @@ def _prefill_ws_kernel(
                 (
                     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, v_raw,
                     pid_b, pid_h, kv_head, start_m, kv, seqlen_k, n_total,
-                    ROWS, BLOCK_N, HEAD_DIM, NUM_STAGES, SHARED_RELEASE,
+                    ROWS, BLOCK_N, HEAD_DIM, NUM_STAGES,
                 ),
             ),
         ],

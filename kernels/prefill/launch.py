@@ -227,7 +227,7 @@ def launch_ws(
         GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N,
         NUM_STAGES=config.num_stages, CAUSAL=causal, HAS_KV_LEN=kv_len is not None, NEG_SCALE=neg_scale,
         CONSUMER_REGS=config.CONSUMER_REGS, PRODUCER_REGS=config.PRODUCER_REGS,
-        SHARED_RELEASE=config.SHARED_RELEASE, num_warps=CONSUMER_WARPS.value,
+        num_warps=CONSUMER_WARPS.value,
     )  # fmt: skip
 
 

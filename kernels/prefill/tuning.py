@@ -113,8 +113,7 @@ class PrefillTuning(KernelTuning):
         ]
 
     def starting_configs(self, key: PrefillKey, device: DeviceInfo) -> list[Any]:
-        """On SM90 at head dims 64/128: the ws path's starting config, its twin with the other
-        stage release (``SHARED_RELEASE``), then its other tile shape.
+        """On SM90 at head dims 64/128: the ws path's starting config, then its other tile shape.
 
         128 x 128 tiles with two stages at head dim 128 (three at 64) are FlashAttention-3's
         choice for Hopper; 64-wide KV tiles with one more stage are the lighter alternative.
@@ -128,21 +127,15 @@ class PrefillTuning(KernelTuning):
             BLOCK_N=64 if first.BLOCK_N == 128 else 128,
             num_stages=first.num_stages + 1 if first.BLOCK_N == 128 else first.num_stages - 1,
         )
-        shared = dataclasses.replace(first, SHARED_RELEASE=not first.SHARED_RELEASE)
         limits = KERNEL.limits(device)
-        return [c for c in (first, shared, other) if KERNEL.space.infeasible_reason(c, key, limits) is None]
+        return [c for c in (first, other) if KERNEL.space.infeasible_reason(c, key, limits) is None]
 
     def winner_variants(self, config: Any, key: PrefillKey, device: DeviceInfo) -> list[Any]:
         """A stored TMA winner that splits the KV range (two launches and their tensor descriptors,
         host time an eager call pays) is followed by its one-launch twin (``SPLIT_KV=1``), so a
-        re-tune always measures it and the eager choice can pick it. A stored ws winner is followed
-        by its twin with the other ``SHARED_RELEASE`` (the stage release is a tile-order choice the
-        sampler would otherwise reach late)."""
-        path = getattr(config, "path", None)
-        if path == "tma" and config.SPLIT_KV > 1:
+        re-tune always measures it and the eager choice can pick it."""
+        if getattr(config, "path", None) == "tma" and config.SPLIT_KV > 1:
             return [dataclasses.replace(config, SPLIT_KV=1)]
-        if path == "ws":
-            return [dataclasses.replace(config, SHARED_RELEASE=not config.SHARED_RELEASE)]
         return []
 
     def valid_key(self, key: PrefillKey) -> bool:
