@@ -6,7 +6,8 @@ Lookup order, resolved once per (kernel, key) and then served from a dict:
    space's rule finds infeasible at the call's key gives way to the kernel's stand-in (what its
    ``serve()`` picks, else the portable default), with a warning;
 2. the stored winner at the exact key, if its speedup over the portable default is at least
-   ``1 + margin``;
+   ``1 + margin``; a winner that is the key's default itself (the tune found nothing faster)
+   serves only for its eager alternative, where it has one;
 3. with no winner at the exact key, the nearest bucket of the same kernel, GPU, dtype and head dim
    (the same key group) whose winner clears the margin, within a factor of 4 in all (sizes a key
    type names ``NEAR``, as Q4_K's weight N and K, count as bucketed lengths here);
@@ -296,6 +297,12 @@ class Dispatcher:
                 return None, f"stored winner is infeasible here ({why})"
             if exact.speedup >= threshold:
                 return _with_eager(exact, key, spec, limits), ""
+            if exact.config == spec.default_config(key):
+                # The tune found nothing faster than this key's default, but its eager alternative
+                # was timed against exactly that config: eager calls take it, the rest the default.
+                choice = _with_eager(exact, key, spec, limits)
+                if type(choice) is EagerChoice:
+                    return choice, ""
             return None, f"stored winner is only {exact.speedup:.3f}x the portable default"
         # A neighbour's winner must also be feasible at this key (e.g. a split-K config tuned for
         # small M must not be borrowed at M=8192), and near it: a config tuned for a few decode

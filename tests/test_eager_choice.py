@@ -74,7 +74,7 @@ KERNEL = Kernel(
 )
 
 
-def _record(winner: dict[str, Any], eager: dict[str, Any] | None) -> WinnerRecord:
+def _record(winner: dict[str, Any], eager: dict[str, Any] | None, speedup: float = 2.0) -> WinnerRecord:
     key = DoubleKey(CPU.arch, CPU.sm_count, 64)
     return WinnerRecord(
         kernel=KERNEL.name,
@@ -83,8 +83,8 @@ def _record(winner: dict[str, Any], eager: dict[str, Any] | None) -> WinnerRecor
         key=key.to_dict(),
         config=winner,
         time_ms=1.0,
-        portable_ms=2.0,
-        speedup=2.0,
+        portable_ms=2.0 * speedup / 2.0,
+        speedup=speedup,
         trials=4,
         triton_version=triton.__version__,
         torch_version=torch.__version__,
@@ -97,9 +97,9 @@ def _record(winner: dict[str, Any], eager: dict[str, Any] | None) -> WinnerRecor
 def stored(monkeypatch):
     """Serve one stored record (winner BLOCK=32, given eager config) for the kernel's 64-element key."""
 
-    def serve(winner: dict[str, Any], eager: dict[str, Any] | None) -> None:
+    def serve(winner: dict[str, Any], eager: dict[str, Any] | None, speedup: float = 2.0) -> None:
         DISPATCHER.clear()
-        DISPATCHER._tables[CPU.slug] = build_table([[_record(winner, eager)]], CPU)
+        DISPATCHER._tables[CPU.slug] = build_table([[_record(winner, eager, speedup)]], CPU)
 
     LAUNCHED.clear()
     WRITTEN.clear()
@@ -169,6 +169,25 @@ def test_without_a_distinct_eager_config_the_winner_serves_all(stored, eager) ->
     KERNEL(torch.randn(64))
     assert LAUNCHED == [32, 32]
     assert not isinstance(DISPATCHER.choose(KERNEL, CPU, DoubleKey(CPU.arch, CPU.sm_count, 64)), EagerChoice)
+
+
+def test_a_winner_that_is_the_default_serves_its_eager_config_to_eager_calls(stored) -> None:
+    """The tune found nothing faster than the default (BLOCK=16, speedup 1.0 under the margin), but
+    an eager config faster for plain eager calls: eager calls get it, everything else the default."""
+    stored({"BLOCK": 16}, {"BLOCK": 64}, speedup=1.0)
+    facts = _facts(torch.randn(64))
+    assert _block(dispatch_config_eager(KERNEL.name, torch.device("cpu"), facts)) == 64
+    assert _block(dispatch_config(KERNEL.name, "cpu", -1, facts)) == 16
+
+
+@pytest.mark.parametrize("eager", [None, {"BLOCK": 64}], ids=["no-eager-config", "with-eager-config"])
+def test_a_winner_under_the_margin_that_is_not_the_default_serves_nothing(stored, eager) -> None:
+    """A winner other than the default that does not clear the margin: the default serves every
+    call (an eager config timed against that winner says nothing of the default)."""
+    stored({"BLOCK": 32}, eager, speedup=1.01)
+    facts = _facts(torch.randn(64))
+    assert _block(dispatch_config_eager(KERNEL.name, torch.device("cpu"), facts)) == 16
+    assert _block(dispatch_config(KERNEL.name, "cpu", -1, facts)) == 16
 
 
 def test_a_pin_serves_eager_calls_too(stored) -> None:
