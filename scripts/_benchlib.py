@@ -192,6 +192,16 @@ def served_config(spec: Any, facts: Iterable[Any], device: torch.device) -> dict
     return spec.space.to_dict(config)
 
 
+def eager_note(spec: Any, facts: Iterable[Any], device: torch.device) -> str:
+    """``"; eager calls: <config>"`` where plain eager calls get another config than graphs (the
+    key's eager alternative), else ``""``: a dispatcher row's eager column times that config."""
+    from tritune.kernels.dispatcher import dispatch_config_eager
+
+    graph = served_config(spec, facts, device)
+    eager = spec.space.to_dict(dispatch_config_eager(spec.name, device, tuple(facts)))
+    return "" if eager == graph else f"; eager calls: {config_text(eager)}"
+
+
 def config_text(config: Mapping[str, Any]) -> str:
     """A config as ``NAME=value`` pairs, for a row's note."""
     return " ".join(f"{name}={value}" for name, value in config.items())

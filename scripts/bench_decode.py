@@ -184,7 +184,7 @@ def _tritune_impls(q, k, v, kv_len) -> list[Impl]:
     tag = "same as untuned" if served == untuned else "tuned"
     return [
         Impl(UNTUNED, run_untuned, note=bl.config_text(untuned)),
-        Impl(TUNED, run_tuned, note=f"{tag}: {bl.config_text(served)}"),
+        Impl(TUNED, run_tuned, note=f"{tag}: {bl.config_text(served)}{bl.eager_note(SPEC, facts, q.device)}"),
     ]
 
 

@@ -213,7 +213,7 @@ def served_config_text(fn: Callable[[], torch.Tensor], facts: Any, device: torch
 
     pin = getattr(fn, "pin", None)
     with use_config(SPEC.name, pin) if pin is not None else contextlib.nullcontext():
-        return "served: " + bl.config_text(bl.served_config(SPEC, facts, device))
+        return "served: " + bl.config_text(bl.served_config(SPEC, facts, device)) + bl.eager_note(SPEC, facts, device)
 
 
 def pinned(config: dict[str, Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: torch.Tensor):

@@ -262,11 +262,13 @@ def _tritune_impls(x: torch.Tensor, weight, best: dict) -> list[Impl]:
     facts = Q4K.facts(x, weight, None)
     keys = {}
     served = {}
+    eager = {}
     for opt_in in (False, True):
         with settings.override(q4k_fp8=opt_in):
             keys[opt_in] = Q4K.key_for(info, facts)
             config = dispatch_config(KERNEL, x.device.type, device_index(x.device), tuple(facts))
             served[opt_in] = Q4K.space.to_dict(config)
+            eager[opt_in] = bl.eager_note(Q4K, facts, x.device)
     untuned = Q4K.space.to_dict(Q4K.default_config(keys[False]))
     # The portable rules' tiles: the other paths' rows start from them (the default may be the
     # dequant path, whose fields say nothing of an MMA tile, or the tma path's own tiles).
@@ -317,7 +319,7 @@ def _tritune_impls(x: torch.Tensor, weight, best: dict) -> list[Impl]:
                 "tritune tuned (dispatcher" + (", TRITUNE_Q4K_FP8=1)" if opt_in else ")"),
                 lambda: q4k_linear(x, weight),
                 _floor(path),
-                f"{tag}: {bl.config_text(served[opt_in])}",
+                f"{tag}: {bl.config_text(served[opt_in])}{eager[opt_in]}",
                 accurate=path in ACCURATE_PATHS,
                 opt_in=opt_in,
             )
