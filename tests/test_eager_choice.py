@@ -238,3 +238,13 @@ def test_a_failed_winner_launch_is_tried_again(stored, monkeypatch) -> None:
         KERNEL(x)
     KERNEL(x)
     assert LAUNCHED == [32, 64]  # the second call launched the winner once more, then the eager config
+
+
+def test_tune_show_counts_a_default_with_an_eager_config_as_served() -> None:
+    """``tune show``'s verdict follows the dispatcher: a winner that is the default with an eager
+    config serves; the same without one, or a winner under the margin that is not the default, does not."""
+    from tritune.tuner.tables import serving_verdict
+
+    assert serving_verdict(_record({"BLOCK": 16}, {"BLOCK": 64}, speedup=1.0), CPU) is None
+    assert "only 1.000x" in str(serving_verdict(_record({"BLOCK": 16}, None, speedup=1.0), CPU))
+    assert "only 1.010x" in str(serving_verdict(_record({"BLOCK": 32}, {"BLOCK": 64}, speedup=1.01), CPU))

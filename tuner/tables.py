@@ -95,6 +95,11 @@ def serving_verdict(record: Any, device: Any) -> str | None:
         return str(outcome.reason).removeprefix(f"{record.source} {record.kernel}: ")
     threshold: float = 1.0 + settings.settings().margin
     if record.speedup < threshold:
+        _, key, entry = outcome
+        is_default = entry.config == registry.get_spec(record.kernel).default_config(key)
+        if is_default and entry.eager_config not in (None, entry.config):
+            # The key's default itself: graphs get it, eager calls its eager alternative.
+            return None
         return f"only {record.speedup:.3f}x the portable default (TRITUNE_MARGIN asks {threshold:.3f}x)"
     return None
 
