@@ -132,20 +132,15 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def served_under_pin(
-    kernel: str, config: dict[str, Any], device: torch.device, facts: tuple[Any, ...]
-) -> dict[str, Any]:
-    """The config a call with ``facts`` gets with ``kernel`` pinned to ``config``: the pin itself,
-    or what the dispatcher serves instead where the pin cannot serve that call (a row timing it
-    would time that stand-in under the pin's name)."""
+def served_under_pin(spec: Any, config: dict[str, Any], device: torch.device, facts: Iterable[Any]) -> dict[str, Any]:
+    """:func:`served_config` with ``spec`` pinned to ``config``: the pin itself, or what the
+    dispatcher serves instead where the pin cannot serve that call (a row timing it would time
+    that stand-in under the pin's name)."""
     from tritune.kernels import use_config
-    from tritune.kernels.dispatcher import dispatch_config_eager
-    from tritune.kernels.registry import get_spec
 
     def choose() -> dict[str, Any]:
-        with use_config(kernel, config):
-            served = dispatch_config_eager(kernel, device, tuple(facts))
-        return dict(get_spec(kernel).space.to_dict(served))
+        with use_config(spec.name, config):
+            return served_config(spec, facts, device)
 
     return contextvars.copy_context().run(choose)
 

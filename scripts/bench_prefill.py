@@ -24,7 +24,6 @@ script, with meaningless times (and no graph column).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 from collections.abc import Callable
@@ -208,12 +207,12 @@ def bench_shape(
 
 def served_config_text(fn: Callable[[], torch.Tensor], facts: Any, device: torch.device) -> str:
     """The config the dispatcher serves for this row (under the row's pin, if any), as the note says it."""
-    from tritune.kernels import use_config
     from tritune.kernels.prefill.kernel import KERNEL as SPEC
 
     pin = getattr(fn, "pin", None)
-    with use_config(SPEC.name, pin) if pin is not None else contextlib.nullcontext():
-        return "served: " + bl.config_text(bl.served_config(SPEC, facts, device)) + bl.eager_note(SPEC, facts, device)
+    if pin is not None:
+        return "served: " + bl.config_text(bl.served_under_pin(SPEC, pin, device, facts))
+    return "served: " + bl.config_text(bl.served_config(SPEC, facts, device)) + bl.eager_note(SPEC, facts, device)
 
 
 def pinned(config: dict[str, Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: torch.Tensor):

@@ -301,7 +301,7 @@ def _tritune_impls(x: torch.Tensor, weight, best: dict) -> list[Impl]:
         if config == untuned:
             continue  # the untuned row already times it
         with settings.override(q4k_fp8=opt_in):
-            served_pin = bl.served_under_pin(KERNEL, config, x.device, tuple(facts))
+            served_pin = bl.served_under_pin(Q4K, config, x.device, facts)
         if served_pin != config:
             # The path cannot serve this call (say, an 8-bit path below its row floor): the pin
             # would time the stand-in under the path's name.
