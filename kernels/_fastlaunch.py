@@ -41,6 +41,7 @@ from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
 from ._descriptor_cache import caching_launcher
+from ._recording import is_watch_hook, recording
 from .settings import on_change, settings
 
 __all__ = ["MIRRORED_TRITON", "BoundKernel", "bound", "forget", "set_enabled"]
@@ -85,9 +86,13 @@ def _modes(fn: JITFunction[Any]) -> tuple[bool, str]:
 
 
 def _launch_hooks_set() -> bool:
-    """Whether a launch hook is set: a non-empty hook chain, or a callable assigned in its place."""
+    """Whether a launch hook is set: a non-empty hook chain, or a callable assigned in its place.
+    The hook a recording of the call sets (:mod:`._recording`) does not count."""
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
+    entering = getattr(enter, "calls", enter)
+    if entering and not (type(entering) is list and len(entering) == 1 and is_watch_hook(entering[0])):
+        return True
+    return bool(getattr(leave, "calls", leave))
 
 
 class BoundKernel:
@@ -139,10 +144,14 @@ class BoundKernel:
             return self._through_triton(key, grid, args, kwargs)
         launcher, function, packed_metadata = entry
         grid_size = len(grid)
+        grid_y, grid_z = grid[1] if grid_size > 1 else 1, grid[2] if grid_size > 2 else 1
+        rec = recording()
+        if rec is not None:  # an eager call being recorded for replay (:mod:`._replay`)
+            rec.launch(launcher, function, packed_metadata, (grid[0], grid_y, grid_z), tuple(bound_args.values()))
         launcher(
             grid[0],
-            grid[1] if grid_size > 1 else 1,
-            grid[2] if grid_size > 2 else 1,
+            grid_y,
+            grid_z,
             active.get_current_stream(device),
             function,
             packed_metadata,
@@ -195,6 +204,10 @@ def bound(kernel: Any) -> Any:
 
 
 def forget() -> None:
-    """Drop every bound kernel's cache (tests; Triton's own caches are untouched)."""
+    """Drop every bound kernel's cache and the replays built on them (tests; Triton's own caches
+    are untouched)."""
+    from . import _replay  # imports this module's importers
+
     _BOUND.clear()
     _refresh()
+    _replay.forget_all()

@@ -19,6 +19,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._interpreter import fix_interpreter_index
+from ._recording import recording
 from .arguments import Rule, Scalar
 from .device import device_info
 
@@ -285,7 +286,8 @@ def traced(t: torch.Tensor) -> bool:
     An ``nn.Parameter`` is a plain tensor here (it adds no dispatch of its own)."""
     return (
         (type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter)
-        or torch._C._len_torch_dispatch_stack() > 0
+        # A recording's own dispatch mode (:mod:`._replay`) watches a plain eager call.
+        or (torch._C._len_torch_dispatch_stack() > 0 and recording() is None)
         or torch.compiler.is_compiling()
     )
 
@@ -340,4 +342,9 @@ def arrival_counters(numel: int, device: torch.device, *, fresh: bool = False) -
         # Allocated from the graph's pool: stream-ordered, and the memset is captured before the kernel.
         return torch.zeros(numel, dtype=torch.int32, device=device)
     _cached_counters((device, None), numel)
-    return _cached_counters((device, torch.cuda.current_stream(device).cuda_stream), numel)
+    slot = (device, torch.cuda.current_stream(device).cuda_stream)
+    buffer = _cached_counters(slot, numel)
+    rec = recording()
+    if rec is not None:  # a replay of this call may use the buffer while it is this stream's
+        rec.static(buffer, lambda: COUNTERS.get(slot) is buffer)
+    return buffer

@@ -33,6 +33,7 @@ from . import registry
 from ._autograd import needs_grad, warn_forward_only
 from ._launch import prepare_interpreter, same_layout
 from ._oplib import no_modes, register_schema_op, run_unwrapped
+from ._replay import LaunchPlans
 from .arguments import CheckedCall, Derived, Obj, Output, Rule, Scalar, Tensor, dim_names, dtype_name, static_dim
 from .device import DeviceInfo
 from .dispatcher import EagerChoice, dispatch_choice_eager, dispatch_config
@@ -86,6 +87,7 @@ class Kernel(KernelOp, KernelSpec[Any, Any]):
         fallback_key: Callable[[Any], Any] | None = None,
         tuning: str | KernelTuning | None = None,
         op_name: str | None = None,
+        replay: bool = True,
     ) -> None:
         self.name = name
         self.arguments = tuple(arguments)
@@ -110,9 +112,13 @@ class Kernel(KernelOp, KernelSpec[Any, Any]):
         self._outputs = tuple(a for a in self.arguments if isinstance(a, Output))
         self._output_positions = tuple(i for i, a in enumerate(self.arguments) if isinstance(a, Output))
         self._tensor_positions = tuple(i for i, a in enumerate(self.arguments) if isinstance(a, Tensor | Output))
+        self._objects = tuple((i, a.split) for i, a in enumerate(self.arguments) if isinstance(a, Obj))
+        self._scalar_positions = tuple(i for i, a in enumerate(self.arguments) if isinstance(a, Scalar))
         self._validate()
         #: Whether CPU tensors may run: the kernels were decorated under TRITON_INTERPRET=1.
         self.cpu_allowed = any(isinstance(k, InterpretedFunction) for k in self.jit_kernels)
+        #: Interpreted kernels launch nothing a recording sees: they are never replayed.
+        self._plans = LaunchPlans(name) if replay and not self.cpu_allowed else None
         self._fast: FastCheck | None = None
         self._signature = inspect.Signature(
             [
@@ -185,7 +191,7 @@ class Kernel(KernelOp, KernelSpec[Any, Any]):
         return self._call_checked(args)
 
     def _call_fast(self, facts: Any, device: torch.device, args: tuple[Any, ...]) -> Any:
-        """A call the fast check accepted: dispatch, then the direct launch or the op."""
+        """A call the fast check accepted: dispatch, then the direct launch (or its replay) or the op."""
         if _empty(args, self._output_positions):
             return self._result(args)
         config = dispatch_choice_eager(self.name, device, facts)
@@ -208,10 +214,26 @@ class Kernel(KernelOp, KernelSpec[Any, Any]):
                 self._call_op(first, scratch)
             choice.graph_loaded = True
         if direct:
-            run_unwrapped(self._launch, (config, *args), [args[i] for i in self._output_positions])
+            plans = self._plans
+            if plans is None or first is not None or not self._replayed(plans, config, args, device):
+                run_unwrapped(self._launch, (config, *args), [args[i] for i in self._output_positions])
         else:
             self._call_op(config, args)
         return self._result(args)
+
+    def _replayed(self, plans: LaunchPlans, config: Any, args: tuple[Any, ...], device: torch.device) -> bool:
+        """Run the call's launches from its layout's recording, or record them (see :mod:`._replay`).
+
+        The fast check has found the outputs apart from the inputs, as the launch function needs."""
+        tensors = [args[i] for i in self._tensor_positions]
+        for i, split in self._objects:
+            tensors += split(args[i])
+        scalars = tuple(args[i] for i in self._scalar_positions)
+        if not plans.run(self._launch, config, args, tensors, scalars, device):
+            return False
+        for i in self._output_positions:
+            torch.autograd.graph.increment_version(args[i])
+        return True
 
     def _scratch_outputs(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """``args`` with each output replaced by a fresh tensor of its dtype, shape, strides and base

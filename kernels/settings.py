@@ -58,6 +58,8 @@ class Settings:
     cross_gpu: CrossGpuMode = "seed"
     #: Launch compiled Triton kernels directly after their first launch (``kernels/_fastlaunch.py``).
     fast_launch: bool = True
+    #: Replay a plain eager call's recorded launches per argument layout (``kernels/_replay.py``).
+    eager_replay: bool = True
 
 
 def default_db_url() -> str:
@@ -222,6 +224,12 @@ ENVIRONMENT: dict[str, Variable] = {
         "fast_launch",
         "1",
         "0 launches every Triton kernel through JITFunction.run (1: directly once compiled, less host time)",
+        _flag,
+    ),
+    "TRITUNE_EAGER_REPLAY": Variable(
+        "eager_replay",
+        "1",
+        "0 runs every eager call's launch function (1: replays its launches recorded per argument layout)",
         _flag,
     ),
 }

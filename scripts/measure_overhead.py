@@ -14,7 +14,8 @@ eager decode loop pays (a CUDA graph replays none of it). For each public entry 
 variant is called N times back to back and timed on the host, the GPU synchronised before and after:
 
 - public: the public function (input checks + facts + dispatch + the op's body, called directly
-  in plain eager mode);
+  in plain eager mode, its launches replayed per argument layout: ``kernels/_replay.py``), and
+  the same with eager replay off (every call runs its launch function);
 - through torch.library: the same call with the registered op forced (what ``torch.compile``,
   dispatch modes and autograd see);
 - launch: the kernel's own launch of the same config (the Triton launch plus its host-side
@@ -120,6 +121,20 @@ def encoding_every_launch(launch: Callable[[], None]) -> Callable[[], None]:
             launch()
         finally:
             _descriptor_cache.set_enabled(True)
+
+    return run
+
+
+def replay_off(public: Callable[[], object]) -> Callable[[], object]:
+    """``public`` with eager replay off: every call runs its launch function (``TRITUNE_EAGER_REPLAY=0``)."""
+    from tritune.kernels import _replay
+
+    def run() -> object:
+        _replay.set_enabled(False)
+        try:
+            return public()
+        finally:
+            _replay.set_enabled(None)
 
     return run
 
@@ -287,6 +302,7 @@ def _gpu_variants(
     bare = bare_launch(kernel, config, *checked)
     variants = {
         "public call": public,
+        "public call, eager replay off (TRITUNE_EAGER_REPLAY=0)": replay_off(public),
         "public, through torch.library": through_op,
         "the kernel's launch alone (same config)": bare,
         "the same launch, its tensor descriptors encoded every launch": encoding_every_launch(bare),

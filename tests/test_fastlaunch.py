@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 import triton.language as tl
+from fake_triton import stub_compiles
 from triton import knobs
-from triton.backends.compiler import GPUTarget
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.runtime.driver import driver
@@ -29,49 +29,11 @@ def _toy(x_ptr, out_ptr, n, stride, scale, flag_ptr, BLOCK: tl.constexpr, EVEN: 
     pass
 
 
-class _FakeDriver:
-    def get_current_device(self) -> int:
-        return 0
-
-    def get_current_stream(self, device: int) -> int:
-        return 7
-
-    def get_current_target(self) -> GPUTarget:
-        return GPUTarget("cuda", 90, 32)
-
-
-class _FakeCompiled:
-    """What a compiled kernel offers a launch: a launcher, a function handle, packed metadata."""
-
-    def __init__(self, number: int, calls: list[tuple[Any, ...]]) -> None:
-        self.function = 1000 + number
-        self.packed_metadata = ("packed", number)
-        self.run = lambda *args: calls.append(args)
-
-    def launch_metadata(self, grid: Any, stream: int, *args: Any) -> str:
-        return "metadata"
-
-
-def _stub_compiles(kernel: Any, monkeypatch) -> tuple[list[_FakeCompiled], list[tuple[Any, ...]]]:
-    """Make ``kernel`` "compile" to recording fakes on the fake driver; return (compiled, launches)."""
-    compiled: list[_FakeCompiled] = []
-    launches: list[tuple[Any, ...]] = []
-
-    def compile_stub(key, signature, device, constexprs, options, attrs, warmup):
-        made = kernel.device_caches[device][0][key] = _FakeCompiled(len(compiled), launches)
-        compiled.append(made)
-        return made
-
-    monkeypatch.setattr(kernel, "_do_compile", compile_stub)
-    monkeypatch.setattr(driver, "_active", _FakeDriver())
-    return compiled, launches
-
-
 @pytest.fixture
 def toy(monkeypatch):
     """A fresh JITFunction of ``_toy`` on the fake driver; yields (kernel, compiled list, launches)."""
     kernel = JITFunction(_toy)
-    compiled, launches = _stub_compiles(kernel, monkeypatch)
+    compiled, launches = stub_compiles(kernel, monkeypatch)
     _fastlaunch.forget()
     yield kernel, compiled, launches
     _fastlaunch.forget()
@@ -197,7 +159,7 @@ def test_gluon_launches_with_descriptors_pass_what_jitfunction_run_passes(monkey
     passes it (the launcher encodes it), and another box selects another compiled kernel."""
     kernel = _gluon_toy
     assert isinstance(_fastlaunch.bound(kernel), _fastlaunch.BoundKernel)
-    compiled, launches = _stub_compiles(kernel, monkeypatch)
+    compiled, launches = stub_compiles(kernel, monkeypatch)
     _fastlaunch.forget()
     try:
         desc, out = _descriptor(128, [32, 64]), torch.empty(8)

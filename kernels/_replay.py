@@ -1,0 +1,340 @@
+"""Eager calls replayed per argument layout: a declared kernel's launches recorded once, then rebuilt.
+
+A plain eager call spends most of its host time between its checked arguments and the GPU: the
+launch function's Python (plans, views, strides, workspaces), Triton's binder for each launch, the
+launcher asking every tensor for its address and checking it with the driver. For one config,
+device, stream and argument *layout* (every tensor's shape, strides, dtype and address modulo 16,
+every scalar's value) all of that comes out the same at every call except the addresses. So a
+layout's first calls run the launch function under a :class:`Recording`, which notes each launch
+(compiled kernel, grid, arguments), each buffer allocated meanwhile and each persistent buffer
+used; later calls of that layout rebuild the same launches from the new addresses and call the
+launchers directly (:meth:`_Plan.replay`).
+
+A recording is kept only where replaying it does exactly what the launch function would:
+
+- every kernel launched through a bound launch (:mod:`._fastlaunch`), already compiled: a launch
+  through ``JITFunction.run`` (a compile, a launch hook, a kernel launched without ``wrap_triton``)
+  fires the launch hook the recording watches, and refuses it;
+- no torch op but views and allocations (a dispatch mode watches): a copy, a fill or an in-place
+  update on an argument would not happen again;
+- every pointer handed to a kernel lies in exactly one argument tensor, one allocation made
+  during the call (replayed as a fresh allocation of the same size), or a persistent buffer that
+  registered itself with a check of its validity (the arrival counters);
+- at least one launch.
+
+What a recording cannot see is host logic reading anything but the layout: a launch function
+that decides on tensor values it reads without a torch op, the time, or a global that changes.
+A declaration whose launch does so passes ``replay=False``. The checks still run on every call
+(an output the caller passes is found apart from the inputs each time), and nothing is replayed
+while a CUDA graph is being captured or with a launch hook set.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from triton import knobs
+from triton.runtime.driver import driver
+
+from ._oplib import run_unwrapped
+from ._recording import Recording, set_recording, watch_launch
+from .settings import on_change, settings
+
+__all__ = ["PLANS_KEPT", "RECORD_ATTEMPTS", "LaunchPlans", "forget_all", "set_enabled"]
+
+log = logging.getLogger("tritune.launch")
+
+#: Recordings tried per layout before its calls stop trying: a layout's first call may compile a
+#: kernel or allocate a persistent buffer, which a later one does not.
+RECORD_ATTEMPTS = 3
+#: Layouts kept per kernel; past it they are all dropped (a workload of ever new shapes).
+PLANS_KEPT = 512
+#: Alignment of each allocation within a replay's one scratch buffer (the caching allocator's own).
+_SCRATCH_ALIGN = 512
+
+#: Allocations a recorded call may make: replayed as fresh memory of the same size.
+_ALLOCATIONS = frozenset(
+    {
+        torch.ops.aten.empty.memory_format,
+        torch.ops.aten.empty_strided.default,
+        torch.ops.aten.empty_like.default,
+        torch.ops.aten.new_empty.default,
+        torch.ops.aten.new_empty_strided.default,
+    }
+)
+
+_capturing: Any = torch._C._cuda_isCurrentStreamCapturing if torch.cuda._is_compiled() else (lambda: False)
+
+#: Whether eager calls replay (``TRITUNE_EAGER_REPLAY``; None: read the setting at the next call).
+_enabled: bool | None = None
+_ALL: list[LaunchPlans] = []
+
+
+def set_enabled(on: bool | None) -> None:
+    """Replay eager calls or run every one through its launch function, for the process
+    (measurements); None follows ``TRITUNE_EAGER_REPLAY``."""
+    global _enabled
+    _enabled = on
+
+
+def forget_all() -> None:
+    """Drop every kernel's recorded layouts (tests; a change of settings)."""
+    global _enabled
+    _enabled = None
+    for plans in _ALL:
+        plans.clear()
+
+
+on_change(forget_all)
+
+
+def _replay_on() -> bool:
+    global _enabled
+    if _enabled is None:
+        _enabled = settings().eager_replay
+    return _enabled
+
+
+class _OpWatch(TorchDispatchMode):
+    """Lets views and allocations through a recording; any other torch op refuses it."""
+
+    def __init__(self, recording: Recording) -> None:
+        super().__init__()
+        self.recording = recording
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in _ALLOCATIONS:
+            self.recording.allocations.append(out)
+        elif not func.is_view:
+            self.recording.refuse(f"the launch runs {func}")
+        return out
+
+
+class _ReplayDescriptor:
+    """A host tensor descriptor as the launcher reads it: its base's address, shape, strides, padding."""
+
+    __slots__ = ("address", "padding", "shape", "strides")
+
+    def __init__(self, address: int, shape: Any, strides: Any, padding: str) -> None:
+        self.address, self.shape, self.strides, self.padding = address, shape, strides, padding
+
+    @property
+    def base(self) -> _ReplayDescriptor:
+        return self
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, end)`` bytes of ``t``'s elements."""
+    first = t.data_ptr()
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True) if size)
+    return first, first + extent * t.element_size()
+
+
+class _Unmapped(Exception):
+    pass
+
+
+class _Plan:
+    """The launches of one layout, rebuilt from a call's addresses."""
+
+    __slots__ = ("checks", "config", "launches", "scratch_bytes")
+
+    def __init__(self, config: Any, launches: list[Any], scratch_bytes: int, checks: list[Callable[[], bool]]) -> None:
+        #: Kept so that the config's id in the key cannot be reused by another object.
+        self.config = config
+        #: (launcher, function, packed, grid, values template, pointer slots, descriptor slots).
+        self.launches = launches
+        self.scratch_bytes = scratch_bytes
+        self.checks = checks
+
+    def replay(self, addresses: list[int], device: torch.device, stream: int) -> bool:
+        """Launch this layout's kernels on ``addresses`` (the arguments' tensors, in order)."""
+        for check in self.checks:
+            if not check():
+                return False
+        scratch = None
+        if self.scratch_bytes:
+            scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=device)
+            addresses = [*addresses, scratch.data_ptr()]
+        for launcher, function, packed, grid, template, pointers, descriptors in self.launches:
+            values = template.copy()
+            for position, source, offset in pointers:
+                values[position] = addresses[source] + offset
+            for position, source, offset, shape, strides, padding in descriptors:
+                values[position] = _ReplayDescriptor(addresses[source] + offset, shape, strides, padding)
+            launcher(grid[0], grid[1], grid[2], stream, function, packed, None, None, None, *values)
+        del scratch  # freed after the launches were queued on this stream, as the launch function's own
+        return True
+
+
+def _build_plan(config: Any, rec: Recording, tensors: Sequence[torch.Tensor | None]) -> _Plan:
+    """The plan replaying ``rec``; raises :class:`_Unmapped` where it cannot replay exactly."""
+    spans: list[tuple[int, int, int]] = []  # (first, end, source)
+    for source, t in enumerate(tensors):
+        if t is not None and t.numel():
+            first, end = _span(t)
+            spans.append((first, end, source))
+    scratch_source = len(tensors)
+    scratch_bytes = 0
+    allocation_spans: list[tuple[int, int, int]] = []  # (first, end, offset in the scratch buffer)
+    for t in rec.allocations:
+        nbytes = t.untyped_storage().nbytes()
+        if nbytes:
+            base = t.untyped_storage().data_ptr()
+            allocation_spans.append((base, base + nbytes, scratch_bytes))
+            scratch_bytes += -(-nbytes // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+    static_spans = [_span(buffer) for buffer, _ in rec.statics if buffer.numel()]
+
+    def locate(address: int) -> tuple[int, int] | None:
+        """(source, offset) of a pointer; None for a persistent buffer's (passed as it is)."""
+        found = [(source, address - first) for first, end, source in spans if first <= address < end]
+        found += [(scratch_source, at + address - lo) for lo, hi, at in allocation_spans if lo <= address < hi]
+        if len(found) == 1:
+            return found[0]
+        if found:
+            raise _Unmapped("a kernel's pointer lies in two arguments that share memory")
+        if any(first <= address < end for first, end in static_spans):
+            return None
+        raise _Unmapped("a kernel's pointer is in no argument, allocation or registered buffer")
+
+    launches = []
+    for launcher, function, packed, grid, values in rec.launches:
+        template = list(values)
+        pointers, descriptors = [], []
+        for position, value in enumerate(values):
+            if isinstance(value, torch.Tensor):
+                where = locate(value.data_ptr())
+                if where is None:
+                    template[position] = value.data_ptr()
+                else:
+                    template[position] = None
+                    pointers.append((position, *where))
+            elif hasattr(value, "block_shape") and isinstance(getattr(value, "base", None), torch.Tensor):
+                base = value.base.data_ptr()
+                where = locate(base)
+                shape, strides = tuple(value.shape), tuple(value.strides)
+                if where is None:
+                    template[position] = _ReplayDescriptor(base, shape, strides, value.padding)
+                else:
+                    template[position] = None
+                    descriptors.append((position, *where, shape, strides, value.padding))
+        launches.append((launcher, function, packed, grid, template, tuple(pointers), tuple(descriptors)))
+    return _Plan(config, launches, scratch_bytes, [check for _, check in rec.statics])
+
+
+class LaunchPlans:
+    """One kernel's recorded layouts: :meth:`run` replays a call's layout, or records it."""
+
+    __slots__ = ("_attempts", "_plans", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        #: Layout key -> its plan, or None once its recordings all failed.
+        self._plans: dict[tuple[Any, ...], _Plan | None] = {}
+        self._attempts: dict[tuple[Any, ...], int] = {}
+        _ALL.append(self)
+
+    def clear(self) -> None:
+        self._plans.clear()
+        self._attempts.clear()
+
+    def run(
+        self,
+        launch: Callable[..., None],
+        config: Any,
+        args: tuple[Any, ...],
+        tensors: Sequence[torch.Tensor | None],
+        scalars: tuple[Any, ...],
+        device: torch.device,
+    ) -> bool:
+        """Run ``launch(config, *args)``'s launches on this call's tensors, or record them; False
+        when the call must run its launch function as usual (nothing was launched then).
+
+        ``tensors``: every tensor the call hands the launch (inputs, outputs, an object's parts;
+        None for an optional one left out), in a fixed order; ``scalars``: its other arguments.
+        """
+        if not _replay_on() or _capturing() or _hooks_set():
+            return False
+        active = driver.active
+        current = active.get_current_device()
+        stream = active.get_current_stream(current)
+        key: list[Any] = [id(config), device, current, stream, *scalars]
+        addresses: list[int] = []
+        for t in tensors:
+            if t is None:
+                key.append(None)
+                addresses.append(0)
+            else:
+                address = t.data_ptr()
+                addresses.append(address)
+                key += (t.shape, t.stride(), t.dtype, address & 15)
+        layout = tuple(key)
+        plan = self._plans.get(layout)
+        if plan is not None:
+            if plan.config is config and plan.replay(addresses, device, stream):
+                return True
+            del self._plans[layout]  # a persistent buffer changed, or the id is another config's
+            return False
+        if layout in self._plans:
+            return False  # recorded and refused RECORD_ATTEMPTS times
+        self._record(layout, launch, config, args, tensors)
+        return True
+
+    def _record(
+        self,
+        layout: tuple[Any, ...],
+        launch: Callable[..., None],
+        config: Any,
+        args: tuple[Any, ...],
+        tensors: Sequence[torch.Tensor | None],
+    ) -> None:
+        """Run the launch function under a recording, and keep the plan if it can be replayed."""
+        rec = Recording()
+        set_recording(rec)
+        enter = knobs.runtime.launch_enter_hook
+        watched = hasattr(enter, "add")
+        if watched:
+            enter.add(watch_launch)
+        else:
+            rec.refuse("Triton's launch hook is not a hook chain")
+        try:
+            with _OpWatch(rec):
+                run_unwrapped(launch, (config, *args), ())
+        finally:
+            set_recording(None)
+            if watched:
+                enter.remove(watch_launch)
+        why = rec.refused
+        if why is None and not rec.launches:
+            why = "nothing was launched through a bound launch"
+        if why is None:
+            try:
+                plan: _Plan | None = _build_plan(config, rec, tensors)
+            except _Unmapped as refusal:
+                why = str(refusal)
+        if why is not None:
+            attempts = self._attempts.get(layout, 0) + 1
+            self._attempts[layout] = attempts
+            if attempts >= RECORD_ATTEMPTS:
+                log.debug("%s: eager calls of this layout run their launch function: %s", self.name, why)
+                plan = None
+            else:
+                return
+        if len(self._plans) >= PLANS_KEPT or len(self._attempts) >= PLANS_KEPT:
+            self.clear()
+        self._plans[layout] = plan
+        self._attempts.pop(layout, None)
+
+
+def _hooks_set() -> bool:
+    """Whether a launch hook is set (profilers): their launches go through Triton."""
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave))

@@ -1,0 +1,308 @@
+"""Eager calls replayed per argument layout (``kernels/_replay.py``) launch what the launch function would.
+
+No GPU: Triton's driver and compiler are replaced (:mod:`fake_triton`), so every launch reaches a
+list. A replayed call must hand the launcher the same arguments as the launch function run on the
+same tensors (addresses for tensors, the same descriptors' fields), and anything a replay could not
+repeat exactly must keep the call on its launch function.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import triton.language as tl
+from fake_triton import stub_compiles
+from triton import knobs
+from triton.runtime.jit import JITFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from tritune.kernels import _fastlaunch, _launch, _replay, settings
+from tritune.kernels._oplib import run_unwrapped, wrap_triton
+from tritune.kernels._recording import recording
+
+pytestmark = pytest.mark.skipif(not _fastlaunch._TRITON_MIRRORED, reason="bound launches mirror Triton 3.6 only")
+
+CONFIG = ("a config",)
+
+
+def _toy(x_ptr, out_ptr, n, stride, scale, flag_ptr, BLOCK: tl.constexpr, EVEN: tl.constexpr = False):
+    pass
+
+
+class Toy:
+    """A kernel on the fake driver, a launch function over it, and the launches that reached the driver."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.kernel = JITFunction(_toy)
+        _, self.launches = stub_compiles(self.kernel, monkeypatch)
+        self.plans = _replay.LaunchPlans("toy")
+        self.body_runs = 0
+
+    def launch(self, config: Any, x: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        """A launch function: two launches, a view, a workspace and a flag pointer into ``out``."""
+        self.body_runs += 1
+        n = x.shape[0]
+        ws = torch.empty(n + 3, dtype=torch.float32, device=x.device)
+        wrap_triton(self.kernel)[(4, 2)](x[2:], ws, n - 2, x.stride(0), scale, out[1:], BLOCK=32)
+        wrap_triton(self.kernel)[(n // 16,)](ws, out, n, 1, scale * 2, None, BLOCK=16, EVEN=True)
+
+    def call(self, x: torch.Tensor, scale: float = 0.5, launch: Any = None, config: Any = CONFIG) -> torch.Tensor:
+        """What a declared kernel's eager call does: allocate ``out``, replay or run the launch function."""
+        launch = launch or self.launch
+        out = torch.empty_like(x)
+        if not self.plans.run(launch, config, (x, out, scale), [x, out], (scale,), x.device):
+            run_unwrapped(launch, (config, x, out, scale), ())
+        return out
+
+    def launched_by_body(self, x: torch.Tensor, out: torch.Tensor, scale: float = 0.5) -> list[tuple[Any, ...]]:
+        """The launcher arguments the launch function itself passes on these tensors."""
+        before = len(self.launches)
+        run_unwrapped(self.launch, (CONFIG, x, out, scale), ())
+        return self.launches[before:]
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    monkeypatch.setattr(_replay, "_capturing", lambda: False)
+    _fastlaunch.forget()
+    yield Toy(monkeypatch)
+    _fastlaunch.forget()
+
+
+def _comparable(value: Any) -> Any:
+    """A launcher argument as the kernel sees it: an address for a tensor, a descriptor's fields."""
+    if isinstance(value, torch.Tensor):
+        return ("address", value.data_ptr())
+    if isinstance(value, int) and value > 1 << 20:  # a replayed pointer
+        return ("address", value)
+    if hasattr(value, "base") and hasattr(value, "strides"):
+        return ("descriptor", value.base.data_ptr(), tuple(value.shape), tuple(value.strides), value.padding)
+    return value
+
+
+def _same_launch(replayed: tuple[Any, ...], direct: tuple[Any, ...], skip: set[int] = frozenset()) -> None:
+    assert len(replayed) == len(direct)
+    for i, (a, b) in enumerate(zip(replayed, direct, strict=True)):
+        if i not in skip:
+            assert _comparable(a) == _comparable(b), f"launcher argument {i}: {a!r} against {b!r}"
+
+
+def _warm(toy: Toy, x: torch.Tensor, calls: int = 2) -> None:
+    for _ in range(calls):
+        toy.call(x)
+
+
+def test_a_replayed_call_passes_what_the_launch_function_passes(toy) -> None:
+    _warm(toy, torch.randn(64))
+    runs = toy.body_runs
+    x = torch.randn(64)
+    before = len(toy.launches)
+    out = toy.call(x)
+    assert toy.body_runs == runs, "the layout's third call must replay, not run the launch function"
+    replayed = toy.launches[before:]
+    direct = toy.launched_by_body(x, out)
+    assert len(replayed) == len(direct) == 2
+    # Leading launcher arguments: grid, stream, function, packed metadata, no metadata or hooks.
+    for r, d in zip(replayed, direct, strict=True):
+        assert r[:9] == d[:9]
+    # The workspace is fresh memory of the same size: its address differs, the rest matches.
+    _same_launch(replayed[0], direct[0], skip={9 + 1})
+    _same_launch(replayed[1], direct[1], skip={9 + 0})
+    assert replayed[0][9 + 1] == replayed[1][9 + 0], "both launches must read the one workspace"
+    assert replayed[0][9 + 0] == x.data_ptr() + 2 * x.element_size(), "a view's offset must be kept"
+    assert replayed[0][9 + 5] == out.data_ptr() + out.element_size()
+
+
+def test_each_call_gets_its_own_workspace_and_outputs(toy) -> None:
+    _warm(toy, torch.randn(64))
+    x = torch.randn(64)
+    kept = []
+    for _ in range(3):
+        kept.append(toy.call(x))
+    workspaces = {launch[9 + 1] for launch in toy.launches[-6::2]}
+    assert len({out.data_ptr() for out in kept}) == 3
+    assert len(workspaces) >= 1 and all(w > 0 for w in workspaces)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda x: (torch.randn(80), 0.5), id="shape"),
+        pytest.param(lambda x: (torch.randn(130)[1:129:2], 0.5), id="strides"),
+        pytest.param(lambda x: (torch.randn(65)[1:], 0.5), id="misaligned"),
+        pytest.param(lambda x: (x, 0.25), id="scalar"),
+    ],
+)
+def test_another_layout_runs_the_launch_function(toy, change) -> None:
+    x = torch.randn(64)
+    _warm(toy, x, 3)
+    runs = toy.body_runs
+    toy.call(*change(x))
+    assert toy.body_runs == runs + 1
+
+
+def test_another_config_runs_the_launch_function(toy) -> None:
+    x = torch.randn(64)
+    _warm(toy, x, 3)
+    runs = toy.body_runs
+    toy.call(x, config=("another config",))
+    assert toy.body_runs == runs + 1
+
+
+def _zeroes_out(toy: Toy):
+    def launch(config: Any, x: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        out.zero_()
+        toy.launch(config, x, out, scale)
+
+    return launch
+
+
+def _launches_unbound(toy: Toy):
+    def launch(config: Any, x: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        toy.launch(config, x, out, scale)
+        toy.kernel[(1,)](x, out, 8, 1, scale, None, BLOCK=32)
+
+    return launch
+
+
+_ELSEWHERE = torch.randn(256)
+
+
+def _reads_elsewhere(toy: Toy):
+    def launch(config: Any, x: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        toy.launch(config, x, out, scale)
+        wrap_triton(toy.kernel)[(1,)](_ELSEWHERE, out, 8, 1, scale, None, BLOCK=32)
+
+    return launch
+
+
+def _copies_x(toy: Toy):
+    def launch(config: Any, x: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        toy.launch(config, x.clone(), out, scale)
+
+    return launch
+
+
+@pytest.mark.parametrize(
+    "launch",
+    [
+        pytest.param(_zeroes_out, id="in-place-op"),
+        pytest.param(_copies_x, id="copy"),
+        pytest.param(_launches_unbound, id="launch-not-through-wrap-triton"),
+        pytest.param(_reads_elsewhere, id="unregistered-buffer"),
+    ],
+)
+def test_what_a_replay_could_not_repeat_keeps_the_launch_function(toy, launch) -> None:
+    body = launch(toy)
+    x = torch.randn(64)
+    for _ in range(_replay.RECORD_ATTEMPTS + 3):
+        toy.call(x, launch=body)
+    assert toy.body_runs == _replay.RECORD_ATTEMPTS + 3, "every call must run the launch function"
+
+
+def test_arguments_sharing_memory_are_not_replayed(toy) -> None:
+    def launch(config: Any, x: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        toy.launch(config, x, out, scale)
+
+    x = torch.randn(64)
+    calls = _replay.RECORD_ATTEMPTS + 2
+    for _ in range(calls):
+        out = torch.empty_like(x)
+        # x passed as two arguments: a pointer into it could come from either.
+        if not toy.plans.run(launch, CONFIG, (x, out, 0.5), [x, x, out], (0.5,), x.device):
+            run_unwrapped(launch, (CONFIG, x, out, 0.5), ())
+    assert toy.body_runs == calls
+
+
+def test_a_registered_buffer_is_replayed_while_valid(toy) -> None:
+    buffers = {"current": torch.zeros(32, dtype=torch.int32)}
+
+    def launch(config: Any, x: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        toy.body_runs += 1
+        buffer = buffers["current"]
+        rec = recording()
+        if rec is not None:
+            rec.static(buffer, lambda: buffers["current"] is buffer)
+        wrap_triton(toy.kernel)[(2,)](x, out, 64, 1, scale, buffer, BLOCK=32)
+
+    x = torch.randn(64)
+    for _ in range(3):
+        toy.call(x, launch=launch)
+    assert toy.body_runs == 2
+    assert toy.launches[-1][9 + 5] == buffers["current"].data_ptr()
+    buffers["current"] = torch.zeros(64, dtype=torch.int32)
+    toy.call(x, launch=launch)
+    assert toy.body_runs == 3, "a replaced buffer must send the call back to the launch function"
+    assert toy.launches[-1][9 + 5] is buffers["current"]
+
+
+def test_descriptors_are_rebuilt_on_the_new_address(toy) -> None:
+    def launch(config: Any, x: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        toy.body_runs += 1
+        desc = TensorDescriptor.from_tensor(x.view(4, 16), [2, 16])
+        wrap_triton(toy.kernel)[(2,)](desc, out, 64, 1, scale, None, BLOCK=32)
+
+    _warm_calls = 2
+    for _ in range(_warm_calls):
+        toy.call(torch.randn(64), launch=launch)
+    x = torch.randn(64)
+    toy.call(x, launch=launch)
+    assert toy.body_runs == _warm_calls
+    desc = toy.launches[-1][9]
+    assert desc.base.data_ptr() == x.data_ptr()
+    assert (tuple(desc.shape), tuple(desc.strides), desc.padding) == ((4, 16), (16, 1), "zero")
+
+
+def test_nothing_is_replayed_while_a_graph_captures_or_a_hook_is_set(toy, monkeypatch) -> None:
+    x = torch.randn(64)
+    _warm(toy, x, 3)
+    runs = toy.body_runs
+    monkeypatch.setattr(_replay, "_capturing", lambda: True)
+    toy.call(x)
+    monkeypatch.setattr(_replay, "_capturing", lambda: False)
+    seen: list[Any] = []
+    monkeypatch.setattr(knobs.runtime.launch_enter_hook, "calls", [seen.append])
+    toy.call(x)
+    assert toy.body_runs == runs + 2
+    assert seen, "the user's hook must see the launches"
+
+
+def test_the_setting_turns_replay_off(toy, monkeypatch) -> None:
+    x = torch.randn(64)
+    _warm(toy, x, 3)
+    monkeypatch.setenv("TRITUNE_EAGER_REPLAY", "0")
+    settings.reload()
+    try:
+        runs = toy.body_runs
+        toy.call(x)
+        assert toy.body_runs == runs + 1
+    finally:
+        monkeypatch.delenv("TRITUNE_EAGER_REPLAY")
+        settings.reload()
+
+
+def test_the_arrival_counters_register_for_their_stream(monkeypatch) -> None:
+    """An eager launch's counters are its stream's buffer: a recording may keep their address while
+    that stream's buffer stays the same object."""
+    from tritune.kernels._recording import Recording, set_recording
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: type("S", (), {"cuda_stream": 11})())
+    device = torch.device("cuda", 0)
+    kept = torch.zeros(64, dtype=torch.int32)
+    monkeypatch.setitem(_launch.COUNTERS, (device, None), kept)
+    monkeypatch.setitem(_launch.COUNTERS, (device, 11), kept)
+    monkeypatch.setattr(_launch, "_capturing_now", lambda: False, raising=False)
+    rec = Recording()
+    set_recording(rec)
+    try:
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        buffer = _launch.arrival_counters(8, device)
+    finally:
+        set_recording(None)
+    assert buffer is kept
+    [(registered, still_valid)] = rec.statics
+    assert registered is kept and still_valid()
+    _launch.COUNTERS[(device, 11)] = torch.zeros(128, dtype=torch.int32)
+    assert not still_valid()

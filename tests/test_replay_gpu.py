@@ -1,0 +1,150 @@
+"""GPU tier: eager calls replayed per argument layout compute what their launch functions compute.
+
+Each public entry point runs at shapes that pick its different paths (descriptors, workspaces,
+fused split merges with arrival counters, several launches). Each call's inputs are fresh random
+tensors of one layout; a replayed call's output must equal, bit for bit, the output of the same
+config's launch function on the same inputs (replay switched off), and the layout must have been
+recorded (a refusal would leave every call on its launch function and this test blind).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from tritune.kernels import Q4KWeight, _replay, decode_attention, prefill_attention, q4k_linear, varlen_attention
+from tritune.kernels.decode.kernel import KERNEL as DECODE
+from tritune.kernels.prefill.kernel import KERNEL as PREFILL
+from tritune.kernels.q4k.kernel import KERNEL as Q4K
+from tritune.kernels.varlen.kernel import KERNEL as VARLEN
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU tier: needs a CUDA GPU (run on the H200)"),
+]
+
+BF16 = torch.bfloat16
+
+
+def _prefill(d: int, lq: int, lkv: int, batch: int = 1) -> tuple[Any, Callable[..., Any], Callable[[], tuple]]:
+    def inputs() -> tuple:
+        q = torch.randn(batch, 16, lq, d, device="cuda", dtype=BF16)
+        k, v = (torch.randn(batch, 2, lkv, d, device="cuda", dtype=BF16) for _ in range(2))
+        kv_len = torch.randint(lkv // 2, lkv + 1, (batch,), device="cuda", dtype=torch.int32)
+        return q, k, v, kv_len
+
+    return PREFILL, lambda q, k, v, kv_len: prefill_attention(q, k, v, kv_len=kv_len), inputs
+
+
+def _decode(batch: int, lkv: int) -> tuple[Any, Callable[..., Any], Callable[[], tuple]]:
+    def inputs() -> tuple:
+        q = torch.randn(batch, 32, 1, 128, device="cuda", dtype=BF16)
+        k, v = (torch.randn(batch, 8, lkv, 128, device="cuda", dtype=BF16) for _ in range(2))
+        return q, k, v, torch.randint(1, lkv + 1, (batch,), device="cuda", dtype=torch.int32)
+
+    return DECODE, decode_attention, inputs
+
+
+def _varlen() -> tuple[Any, Callable[..., Any], Callable[[], tuple]]:
+    seq_info = torch.tensor([[0, 1, 0, 900], [1, 1, 1, 300], [2, 30, 2, 30]], device="cuda", dtype=torch.int32)
+
+    def inputs() -> tuple:
+        q = torch.randn(32, 32, 128, device="cuda", dtype=BF16)
+        k, v = (torch.randn(1024, 4, 8, 128, device="cuda", dtype=BF16) for _ in range(2))
+        return q, k, v, seq_info
+
+    return VARLEN, varlen_attention, inputs
+
+
+_WEIGHTS: dict[tuple[int, int], Q4KWeight] = {}
+
+
+def _q4k(m: int, n: int, k: int) -> tuple[Any, Callable[..., Any], Callable[[], tuple]]:
+    def inputs() -> tuple:
+        weight = _WEIGHTS.get((n, k))
+        if weight is None:
+            weight = _WEIGHTS[(n, k)] = Q4KWeight.quantize(torch.randn(n, k, device="cuda") * 0.02)
+        return torch.randn(m, k, device="cuda", dtype=BF16), weight
+
+    return Q4K, q4k_linear, inputs
+
+
+CASES = {
+    "prefill-small": lambda: _prefill(64, 16, 128),
+    "prefill-long-d128": lambda: _prefill(128, 512, 16384),
+    "prefill-batch2-d64": lambda: _prefill(64, 256, 4096, batch=2),
+    "decode-b1-1k": lambda: _decode(1, 1024),
+    "decode-b8-32k": lambda: _decode(8, 32768),
+    "varlen": _varlen,
+    "q4k-m1": lambda: _q4k(1, 4096, 4096),
+    "q4k-m32-tma": lambda: _q4k(32, 14336, 4096),
+    "q4k-m256": lambda: _q4k(256, 4096, 4096),
+}
+
+
+def _without_replay(fn: Callable[..., Any], *args: Any) -> Any:
+    _replay.set_enabled(False)
+    try:
+        return fn(*args)
+    finally:
+        _replay.set_enabled(None)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_replayed_calls_equal_their_launch_function(case: str) -> None:
+    kernel, call, inputs = CASES[case]()
+    kernel._plans.clear()
+    for _ in range(3):  # compile, record
+        call(*inputs())
+    assert any(plan is not None for plan in kernel._plans._plans.values()), f"{case}: the layout was not recorded"
+    for _ in range(3):
+        args = inputs()
+        replayed = call(*args)
+        direct = _without_replay(call, *args)
+        torch.cuda.synchronize()
+        assert not replayed.isnan().any()
+        assert torch.equal(replayed, direct), f"{case}: a replayed call differs from its launch function"
+
+
+def test_a_passed_output_is_written_and_its_version_bumped() -> None:
+    _, call, inputs = _q4k(1, 4096, 4096)
+    for _ in range(3):
+        call(*inputs())
+    x, weight = inputs()
+    out = torch.full((1, 4096), float("nan"), device="cuda", dtype=BF16)
+    version = out._version
+    q4k_linear(x, weight, out=out)
+    assert out._version > version
+    torch.testing.assert_close(out, _without_replay(q4k_linear, x, weight), rtol=0, atol=0)
+
+
+def test_another_stream_and_a_graph_capture_after_replays() -> None:
+    """Decode's fused merge keeps arrival counters per stream: a replay on another stream must use
+    that stream's, and a capture after replays must record a graph that replays correctly."""
+    _, call, inputs = _decode(1, 1024)
+    for _ in range(4):
+        call(*inputs())
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(4):
+            args = inputs()
+            got = call(*args)
+            assert torch.equal(got, _without_replay(call, *args))
+    torch.cuda.current_stream().wait_stream(stream)
+    q, k, v, lengths = inputs()
+    out = torch.empty_like(q)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(q, k, v, lengths, out=out)
+    for _ in range(2):
+        fresh = inputs()
+        for dst, src in zip((q, k, v, lengths), fresh, strict=True):
+            dst.copy_(src)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, _without_replay(call, q, k, v, lengths))
