@@ -40,11 +40,23 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from triton import knobs
 from triton.runtime.driver import driver
 
-from ._oplib import run_unwrapped
+from ._oplib import no_modes, run_unwrapped
 from ._recording import Recording, set_recording, watch_launch
 from .settings import on_change, settings
 
-__all__ = ["PLANS_KEPT", "RECORD_ATTEMPTS", "LaunchPlans", "forget_all", "set_enabled"]
+__all__ = [
+    "INPUT",
+    "OBJECT",
+    "OUTPUT",
+    "PLANS_KEPT",
+    "RAN",
+    "RECORD_ATTEMPTS",
+    "SCALAR",
+    "LaunchPlans",
+    "early_key",
+    "forget_all",
+    "set_enabled",
+]
 
 log = logging.getLogger("tritune.launch")
 
@@ -230,21 +242,129 @@ def _build_plan(config: Any, rec: Recording, tensors: Sequence[torch.Tensor | No
     return _Plan(config, launches, scratch_bytes, [check for _, check in rec.statics])
 
 
-class LaunchPlans:
-    """One kernel's recorded layouts: :meth:`run` replays a call's layout, or records it."""
+def _hooks_set() -> bool:
+    """Whether a launch hook is set (profilers): their launches go through Triton."""
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
 
-    __slots__ = ("_attempts", "_plans", "name")
+
+#: What :meth:`LaunchPlans.run` returns when the call's launch function ran (under a recording)
+#: and no plan came of it.
+RAN = object()
+
+#: Kinds of a declared argument in an early key's layout (see :func:`early_key`).
+INPUT, OUTPUT, OBJECT, SCALAR = range(4)
+
+
+class _Early:
+    """What a call of one raw-argument layout needs besides its plans: its facts, device and outputs."""
+
+    __slots__ = ("device", "facts", "outputs", "plans")
+
+    def __init__(self, facts: Any, device: torch.device, outputs: list[torch.Tensor]) -> None:
+        self.facts, self.device = facts, device
+        #: Each output's (shape, strides, dtype), allocated per call as the checks allocated it.
+        self.outputs = tuple((tuple(t.shape), t.stride(), t.dtype) for t in outputs)
+        #: id(config) -> the plan of that config (the dispatcher hands out one object per key).
+        self.plans: dict[int, _Plan] = {}
+
+
+def early_key(
+    args: tuple[Any, ...], layout: Sequence[tuple[int, int, Any]]
+) -> tuple[tuple[Any, ...], list[int]] | None:
+    """The key of a call's raw arguments, before any check, and their addresses; None when the call
+    cannot be replayed before its checks (an output passed, a tensor that needs grad or is not a
+    plain tensor, a mode, a capture, a launch hook).
+
+    ``layout``: per argument, in the order of :meth:`LaunchPlans.run`'s tensors (inputs and
+    outputs by position, then objects' parts, then scalars): (position, kind, the object's type
+    and split for :data:`OBJECT`). An output's address is left 0, for the caller to fill in.
+    """
+    for i, kind, _ in layout:
+        if kind == OUTPUT and args[i] is not None:
+            return None
+    if not _replay_on() or _capturing() or _hooks_set() or not no_modes():
+        return None
+    active = driver.active
+    current = active.get_current_device()
+    key: list[Any] = [current, active.get_current_stream(current)]
+    addresses: list[int] = []
+    for i, kind, extra in layout:
+        value = args[i]
+        if kind == SCALAR:
+            key += (type(value), value)
+            continue
+        if kind == OUTPUT:
+            addresses.append(0)
+            continue
+        if kind == OBJECT:
+            kind_type, split = extra
+            if type(value) is not kind_type:
+                return None
+            parts = split(value)
+        elif value is None:
+            key.append(None)
+            addresses.append(0)
+            continue
+        else:
+            parts = (value,)
+        for t in parts:
+            if type(t) is not torch.Tensor or t.requires_grad:
+                return None
+            address = t.data_ptr()
+            addresses.append(address)
+            key += (t.shape, t.stride(), t.dtype, t.get_device(), address & 15)
+    return tuple(key), addresses
+
+
+class LaunchPlans:
+    """One kernel's recorded layouts: :meth:`run` replays a call's layout, or records it;
+    :meth:`replay_early` replays a call from its raw arguments, before its checks."""
+
+    __slots__ = ("_attempts", "_plans", "early_entries", "name", "recording_started")
 
     def __init__(self, name: str) -> None:
         self.name = name
         #: Layout key -> its plan, or None once its recordings all failed.
         self._plans: dict[tuple[Any, ...], _Plan | None] = {}
+        #: Layout key -> recordings refused so far (0: seen once). A layout is recorded from its
+        #: second call on: a workload of ever new shapes never pays a recording.
         self._attempts: dict[tuple[Any, ...], int] = {}
+        #: Raw-argument key (:func:`early_key`) -> what its calls need, once a checked call of that
+        #: key was replayed.
+        self.early_entries: dict[tuple[Any, ...], _Early] = {}
+        #: Whether a call was recorded since the last clear: until then calls compute no early key
+        #: (and never ask Triton's driver, which a machine without a GPU lacks).
+        self.recording_started = False
         _ALL.append(self)
 
     def clear(self) -> None:
         self._plans.clear()
         self._attempts.clear()
+        self.early_entries.clear()
+        self.recording_started = False
+
+    def early(self, key: tuple[Any, ...]) -> _Early | None:
+        """What a call of raw-argument ``key`` needs, once a checked call of it was replayed."""
+        return self.early_entries.get(key)
+
+    def remember_early(
+        self,
+        key: tuple[Any, ...],
+        facts: Any,
+        device: torch.device,
+        outputs: list[torch.Tensor],
+        config: Any,
+        plan: _Plan,
+    ) -> None:
+        """Note that a checked call of raw-argument ``key`` had these facts, device and outputs,
+        and replays ``plan`` for ``config``: the key's next calls may skip their checks."""
+        entry = self.early_entries.get(key)
+        if entry is None:
+            if len(self.early_entries) >= PLANS_KEPT:
+                self.early_entries.clear()
+            entry = self.early_entries[key] = _Early(facts, device, outputs)
+        entry.plans[id(config)] = plan
 
     def run(
         self,
@@ -254,15 +374,17 @@ class LaunchPlans:
         tensors: Sequence[torch.Tensor | None],
         scalars: tuple[Any, ...],
         device: torch.device,
-    ) -> bool:
-        """Run ``launch(config, *args)``'s launches on this call's tensors, or record them; False
-        when the call must run its launch function as usual (nothing was launched then).
+    ) -> Any:
+        """Run ``launch(config, *args)``'s launches on this call's tensors, or record them.
 
-        ``tensors``: every tensor the call hands the launch (inputs, outputs, an object's parts;
-        None for an optional one left out), in a fixed order; ``scalars``: its other arguments.
+        Returns the plan that ran (replayed or just recorded), :data:`RAN` when the launch function
+        ran under a recording that gave no plan, or None when the call must run its launch function
+        as usual (nothing was launched then). ``tensors``: every tensor the call hands the launch
+        (inputs and outputs by position, then an object's parts; None for an optional one left
+        out), in a fixed order; ``scalars``: its other arguments.
         """
         if not _replay_on() or _capturing() or _hooks_set():
-            return False
+            return None
         active = driver.active
         current = active.get_current_device()
         stream = active.get_current_stream(current)
@@ -280,13 +402,38 @@ class LaunchPlans:
         plan = self._plans.get(layout)
         if plan is not None:
             if plan.config is config and plan.replay(addresses, device, stream):
-                return True
+                return plan
             del self._plans[layout]  # a persistent buffer changed, or the id is another config's
-            return False
+            return None
         if layout in self._plans:
-            return False  # recorded and refused RECORD_ATTEMPTS times
-        self._record(layout, launch, config, args, tensors)
-        return True
+            return None  # recorded and refused RECORD_ATTEMPTS times
+        if layout not in self._attempts:
+            if len(self._attempts) >= PLANS_KEPT:
+                self._attempts.clear()
+            self._attempts[layout] = 0
+            return None
+        recorded = self._record(layout, launch, config, args, tensors)
+        return RAN if recorded is None else recorded
+
+    def replay_early(
+        self, entry: _Early, config: Any, stream: int, addresses: list[int], output_slots: Sequence[int]
+    ) -> list[torch.Tensor] | None:
+        """Replay ``config``'s plan for an early key's call on ``stream`` (the key's): its outputs,
+        or None when the call must go the checked way (no plan for this config, or a persistent
+        buffer changed)."""
+        plan = entry.plans.get(id(config))
+        if plan is None or plan.config is not config:
+            return None
+        device = entry.device
+        outputs = [
+            torch.empty_strided(shape, strides, dtype=dtype, device=device) for shape, strides, dtype in entry.outputs
+        ]
+        for slot, out in zip(output_slots, outputs, strict=True):
+            addresses[slot] = out.data_ptr()
+        if not plan.replay(addresses, device, stream):
+            del entry.plans[id(config)]
+            return None
+        return outputs
 
     def _record(
         self,
@@ -295,8 +442,9 @@ class LaunchPlans:
         config: Any,
         args: tuple[Any, ...],
         tensors: Sequence[torch.Tensor | None],
-    ) -> None:
-        """Run the launch function under a recording, and keep the plan if it can be replayed."""
+    ) -> _Plan | None:
+        """Run the launch function under a recording; keep and return the plan if it can be replayed."""
+        self.recording_started = True
         rec = Recording()
         set_recording(rec)
         enter = knobs.runtime.launch_enter_hook
@@ -315,26 +463,20 @@ class LaunchPlans:
         why = rec.refused
         if why is None and not rec.launches:
             why = "nothing was launched through a bound launch"
+        plan: _Plan | None = None
         if why is None:
             try:
-                plan: _Plan | None = _build_plan(config, rec, tensors)
+                plan = _build_plan(config, rec, tensors)
             except _Unmapped as refusal:
                 why = str(refusal)
         if why is not None:
             attempts = self._attempts.get(layout, 0) + 1
             self._attempts[layout] = attempts
-            if attempts >= RECORD_ATTEMPTS:
-                log.debug("%s: eager calls of this layout run their launch function: %s", self.name, why)
-                plan = None
-            else:
-                return
-        if len(self._plans) >= PLANS_KEPT or len(self._attempts) >= PLANS_KEPT:
+            if attempts < RECORD_ATTEMPTS:
+                return None
+            log.debug("%s: eager calls of this layout run their launch function: %s", self.name, why)
+        if len(self._plans) >= PLANS_KEPT:
             self.clear()
         self._plans[layout] = plan
         self._attempts.pop(layout, None)
-
-
-def _hooks_set() -> bool:
-    """Whether a launch hook is set (profilers): their launches go through Triton."""
-    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
+        return plan

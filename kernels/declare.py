@@ -33,7 +33,7 @@ from . import registry
 from ._autograd import needs_grad, warn_forward_only
 from ._launch import prepare_interpreter, same_layout
 from ._oplib import no_modes, register_schema_op, run_unwrapped
-from ._replay import LaunchPlans
+from ._replay import INPUT, OBJECT, OUTPUT, RAN, SCALAR, LaunchPlans, early_key
 from .arguments import CheckedCall, Derived, Obj, Output, Rule, Scalar, Tensor, dim_names, dtype_name, static_dim
 from .device import DeviceInfo
 from .dispatcher import EagerChoice, dispatch_choice_eager, dispatch_config
@@ -119,6 +119,14 @@ class Kernel(KernelOp, KernelSpec[Any, Any]):
         self.cpu_allowed = any(isinstance(k, InterpretedFunction) for k in self.jit_kernels)
         #: Interpreted kernels launch nothing a recording sees: they are never replayed.
         self._plans = LaunchPlans(name) if replay and not self.cpu_allowed else None
+        # The arguments in the order of _replayed's tensors, then the scalars (see _replay.early_key).
+        self._early_layout = (
+            *((i, OUTPUT if isinstance(self.arguments[i], Output) else INPUT, None) for i in self._tensor_positions),
+            *((i, OBJECT, (self.arguments[i].type, split)) for i, split in self._objects),  # type: ignore[union-attr]
+            *((i, SCALAR, None) for i in self._scalar_positions),
+        )
+        #: Where each output's address goes among the early key's addresses.
+        self._output_slots = tuple(n for n, i in enumerate(self._tensor_positions) if i in self._output_positions)
         self._fast: FastCheck | None = None
         self._signature = inspect.Signature(
             [
@@ -178,20 +186,33 @@ class Kernel(KernelOp, KernelSpec[Any, Any]):
 
     def call(self, *args: Any) -> Any:
         """:meth:`__call__` with every argument given positionally (what the public wrappers use)."""
-        fast = self._fast
-        if fast is None:
-            if torch.compiler.is_compiling():
-                # A first call under torch.compile: dynamo cannot trace building the check (it
-                # compiles generated text), and the check would defer a traced call anyway.
-                return self._call_checked(args)
-            fast = self._fast = self.fast_check()
-        checked = fast.fn(*args)
-        if checked is not None:
-            return self._call_fast(*checked)
-        return self._call_checked(args)
+        return self.call_named(args, None)
 
-    def _call_fast(self, facts: Any, device: torch.device, args: tuple[Any, ...]) -> Any:
-        """A call the fast check accepted: dispatch, then the direct launch (or its replay) or the op."""
+    def _call_early(self, plans: LaunchPlans, early: tuple[tuple[Any, ...], list[int]]) -> Any:
+        """A call whose raw arguments' layout was replayed after its checks before: dispatch on
+        that call's facts and replay the config's plan, skipping the checks (which depend on that
+        layout alone). None: the call goes the checked way."""
+        key, addresses = early
+        entry = plans.early(key)
+        if entry is None:
+            return None
+        config = dispatch_choice_eager(self.name, entry.device, entry.facts)
+        if type(config) is EagerChoice:
+            config, first = config.for_call()
+            if first is not None:
+                return None
+        outputs = plans.replay_early(entry, config, key[1], addresses, self._output_slots)
+        if outputs is None:
+            return None
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _call_fast(
+        self, facts: Any, device: torch.device, args: tuple[Any, ...], early: tuple[Any, ...] | None = None
+    ) -> Any:
+        """A call the fast check accepted: dispatch, then the direct launch (or its replay) or the op.
+
+        ``early``: the call's raw-argument key (:func:`._replay.early_key`), remembered with its
+        facts once the call replays, so that its layout's next calls skip the checks."""
         if _empty(args, self._output_positions):
             return self._result(args)
         config = dispatch_choice_eager(self.name, device, facts)
@@ -215,25 +236,30 @@ class Kernel(KernelOp, KernelSpec[Any, Any]):
             choice.graph_loaded = True
         if direct:
             plans = self._plans
-            if plans is None or first is not None or not self._replayed(plans, config, args, device):
+            plan = None if plans is None or first is not None else self._replayed(plans, config, args, device)
+            if plan is None:
                 run_unwrapped(self._launch, (config, *args), [args[i] for i in self._output_positions])
+            elif early is not None and plan is not RAN:
+                outputs = [args[i] for i in self._output_positions]
+                plans.remember_early(early[0], facts, device, outputs, config, plan)
         else:
             self._call_op(config, args)
         return self._result(args)
 
-    def _replayed(self, plans: LaunchPlans, config: Any, args: tuple[Any, ...], device: torch.device) -> bool:
-        """Run the call's launches from its layout's recording, or record them (see :mod:`._replay`).
+    def _replayed(self, plans: LaunchPlans, config: Any, args: tuple[Any, ...], device: torch.device) -> Any:
+        """Run the call's launches from its layout's recording, or record them (see :mod:`._replay`):
+        what :meth:`LaunchPlans.run` returns (None: nothing ran).
 
         The fast check has found the outputs apart from the inputs, as the launch function needs."""
         tensors = [args[i] for i in self._tensor_positions]
         for i, split in self._objects:
             tensors += split(args[i])
         scalars = tuple(args[i] for i in self._scalar_positions)
-        if not plans.run(self._launch, config, args, tensors, scalars, device):
-            return False
-        for i in self._output_positions:
-            torch.autograd.graph.increment_version(args[i])
-        return True
+        ran = plans.run(self._launch, config, args, tensors, scalars, device)
+        if ran is not None:
+            for i in self._output_positions:
+                torch.autograd.graph.increment_version(args[i])
+        return ran
 
     def _scratch_outputs(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """``args`` with each output replaced by a fresh tensor of its dtype, shape, strides and base
@@ -265,12 +291,21 @@ class Kernel(KernelOp, KernelSpec[Any, Any]):
         self._call_op(config, args)
         return self._result(args)
 
-    def call_named(self, args: tuple[Any, ...], names: dict[str, str]) -> Any:
+    def call_named(self, args: tuple[Any, ...], names: dict[str, str] | None) -> Any:
         """Run a call whose errors name the arguments as ``names`` maps them (a wrapper's own names).
 
         ``args``: every argument, positionally (as :meth:`call` takes them). A call the fast check
-        accepts costs what :meth:`call` does: the check runs once.
+        accepts runs the check once; a call whose raw arguments' layout was replayed after its
+        checks before replays without them (:meth:`_call_early`).
         """
+        early = None
+        plans = self._plans
+        if plans is not None and plans.recording_started:
+            early = early_key(args, self._early_layout)
+            if early is not None:
+                result = self._call_early(plans, early)
+                if result is not None:
+                    return result
         fast = self._fast
         if fast is None:
             if torch.compiler.is_compiling():
@@ -280,7 +315,7 @@ class Kernel(KernelOp, KernelSpec[Any, Any]):
             fast = self._fast = self.fast_check()
         checked = fast.fn(*args)
         if checked is not None:
-            return self._call_fast(*checked)
+            return self._call_fast(*checked, early)
         return self._call_checked(args, names)
 
     def check_call(

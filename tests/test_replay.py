@@ -306,3 +306,96 @@ def test_the_arrival_counters_register_for_their_stream(monkeypatch) -> None:
     assert registered is kept and still_valid()
     _launch.COUNTERS[(device, 11)] = torch.zeros(128, dtype=torch.int32)
     assert not still_valid()
+
+
+# ---- replay before the checks: the raw arguments' key ------------------------------------------
+
+
+class _Packed:
+    """An object argument made of two tensors (as a quantized weight is)."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.a, self.b = a, b
+
+
+def _split(packed: _Packed) -> tuple[torch.Tensor, torch.Tensor]:
+    return packed.a, packed.b
+
+
+#: x (input), packed (object), scale (scalar), out (output): in the order a declared kernel lays them out.
+_LAYOUT = (
+    (0, _replay.INPUT, None),
+    (3, _replay.OUTPUT, None),
+    (1, _replay.OBJECT, (_Packed, _split)),
+    (2, _replay.SCALAR, None),
+)
+
+
+def _raw(x: torch.Tensor | None = None, scale: Any = 0.5, out: Any = None, packed: Any = None) -> tuple[Any, ...]:
+    x = torch.randn(4, 64) if x is None else x
+    packed = _Packed(torch.randn(8, 4), torch.randn(8)) if packed is None else packed
+    return (x, packed, scale, out)
+
+
+def test_the_early_key_leaves_to_the_checks_what_they_must_see(toy) -> None:
+    assert _replay.early_key(_raw(), _LAYOUT) is not None
+    refused = {
+        "an output passed": _raw(out=torch.empty(4, 8)),
+        "a tensor needing grad": _raw(x=torch.randn(4, 64, requires_grad=True)),
+        "a tensor subclass": _raw(x=torch.nn.Parameter(torch.randn(4, 64), requires_grad=False)),
+        "another object type": _raw(packed=(torch.randn(8, 4), torch.randn(8))),
+        "a part needing grad": _raw(packed=_Packed(torch.randn(8, 4, requires_grad=True), torch.randn(8))),
+    }
+    for what, args in refused.items():
+        assert _replay.early_key(args, _LAYOUT) is None, what
+
+
+def test_the_early_key_tells_layouts_apart(toy) -> None:
+    def key(**changes: Any) -> tuple[Any, ...]:
+        found = _replay.early_key(_raw(**changes), _LAYOUT)
+        assert found is not None
+        return found[0]
+
+    base = key()
+    assert key() == base, "fresh tensors of one layout must share a key"
+    others = {
+        "shape": key(x=torch.randn(5, 64)),
+        "strides": key(x=torch.randn(64, 4).t()),
+        "dtype": key(x=torch.randn(4, 64, dtype=torch.float64)),
+        "alignment": key(x=torch.randn(4 * 64 + 1)[1:].view(4, 64)),
+        "scalar value": key(scale=0.25),
+        "scalar type": key(scale=True),
+    }
+    assert key(scale=1) != key(scale=True), "True and 1 are equal: the key must still tell them apart"
+    for what, other in others.items():
+        assert other != base, what
+
+
+def test_the_early_key_lists_addresses_in_the_replay_order(toy) -> None:
+    args = _raw()
+    found = _replay.early_key(args, _LAYOUT)
+    assert found is not None
+    x, packed = args[0], args[1]
+    assert found[1] == [x.data_ptr(), 0, packed.a.data_ptr(), packed.b.data_ptr()]
+
+
+def test_an_early_replay_launches_what_the_launch_function_does(toy) -> None:
+    _warm(toy, torch.randn(64))
+    x = torch.randn(64)
+    out = toy.call(x)  # replayed after the checks: its plan is the layout's
+    [plan] = [p for p in toy.plans._plans.values() if p is not None]
+    key = ("raw key",)
+    toy.plans.remember_early(key, ("facts",), x.device, [out], CONFIG, plan)
+    entry = toy.plans.early(key)
+    assert entry is not None and entry.outputs == (((64,), (1,), torch.float32),)
+    assert toy.plans.replay_early(entry, ("another config",), 7, [x.data_ptr(), 0], (1,)) is None
+    fresh = torch.randn(64)
+    before = len(toy.launches)
+    runs = toy.body_runs
+    [early_out] = toy.plans.replay_early(entry, CONFIG, 7, [fresh.data_ptr(), 0], (1,))
+    assert toy.body_runs == runs
+    replayed = toy.launches[before:]
+    direct = toy.launched_by_body(fresh, early_out)
+    _same_launch(replayed[0], direct[0], skip={9 + 1})
+    _same_launch(replayed[1], direct[1], skip={9 + 0})
+    assert early_out.shape == (64,) and early_out.dtype == torch.float32

@@ -2,9 +2,10 @@
 
 Each public entry point runs at shapes that pick its different paths (descriptors, workspaces,
 fused split merges with arrival counters, several launches). Each call's inputs are fresh random
-tensors of one layout; a replayed call's output must equal, bit for bit, the output of the same
-config's launch function on the same inputs (replay switched off), and the layout must have been
-recorded (a refusal would leave every call on its launch function and this test blind).
+tensors of one layout; a replayed call's output (replayed before its checks, from its raw
+arguments' layout) must equal, bit for bit, the output of the same config's launch function on
+the same inputs (replay switched off), and the layout must have been recorded (a refusal would
+leave every call on its launch function and this test blind).
 """
 
 from __future__ import annotations
@@ -97,9 +98,10 @@ def _without_replay(fn: Callable[..., Any], *args: Any) -> Any:
 def test_replayed_calls_equal_their_launch_function(case: str) -> None:
     kernel, call, inputs = CASES[case]()
     kernel._plans.clear()
-    for _ in range(3):  # compile, record
+    for _ in range(4):  # compile, record, replay after the checks
         call(*inputs())
     assert any(plan is not None for plan in kernel._plans._plans.values()), f"{case}: the layout was not recorded"
+    assert kernel._plans.early_entries, f"{case}: the raw arguments' layout was not remembered"
     for _ in range(3):
         args = inputs()
         replayed = call(*args)
@@ -148,3 +150,34 @@ def test_another_stream_and_a_graph_capture_after_replays() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, _without_replay(call, q, k, v, lengths))
+
+
+def _outcome(fn: Callable[[], Any]) -> tuple[Any, ...]:
+    try:
+        result = fn()
+    except Exception as exc:  # the error a user would see
+        return ("error", type(exc), str(exc))
+    torch.cuda.synchronize()
+    return ("result", result.float().cpu())
+
+
+def test_arguments_the_checks_treat_otherwise_are_checked_as_without_replay() -> None:
+    """A replayed layout's next call with ``causal=1`` (equal to True, another type) or a passed
+    output must get what it gets with replay off: the early key tells them apart."""
+    _, call, inputs = _prefill(64, 16, 128)
+    for _ in range(4):
+        call(*inputs())
+    q, k, v, kv_len = inputs()
+    calls = {
+        "causal=1": lambda: prefill_attention(q, k, v, kv_len=kv_len, causal=1),
+        "out passed": lambda: prefill_attention(q, k, v, kv_len=kv_len, out=torch.empty_like(q)),
+        "k needs grad": lambda: prefill_attention(q, k.requires_grad_(), v, kv_len=kv_len),
+    }
+    for what, fn in calls.items():
+        replayed, plain = _outcome(fn), _outcome(lambda fn=fn: _without_replay(fn))
+        assert replayed[0] == plain[0], what
+        if replayed[0] == "result":
+            assert torch.equal(replayed[1], plain[1]), what
+        else:
+            assert replayed[1:] == plain[1:], what
+        k.requires_grad_(False)
