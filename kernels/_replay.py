@@ -32,6 +32,7 @@ while a CUDA graph is being captured or with a launch hook set.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -242,6 +243,26 @@ def _build_plan(config: Any, rec: Recording, tensors: Sequence[torch.Tensor | No
     return _Plan(config, launches, scratch_bytes, [check for _, check in rec.statics])
 
 
+_watch_lock = threading.Lock()
+_watchers = 0
+
+
+def _watch(on: bool) -> bool:
+    """Add (``on``) or drop the recordings' launch hook; threads recording at once share it, and
+    the last to finish removes it. False where Triton's hook is not a chain (nothing added)."""
+    global _watchers
+    enter = knobs.runtime.launch_enter_hook
+    if not hasattr(enter, "add"):
+        return False
+    with _watch_lock:
+        _watchers += 1 if on else -1
+        if on:
+            enter.add(watch_launch)
+        elif not _watchers:
+            enter.remove(watch_launch)
+    return True
+
+
 def _hooks_set() -> bool:
     """Whether a launch hook is set (profilers): their launches go through Triton."""
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
@@ -447,11 +468,8 @@ class LaunchPlans:
         self.recording_started = True
         rec = Recording()
         set_recording(rec)
-        enter = knobs.runtime.launch_enter_hook
-        watched = hasattr(enter, "add")
-        if watched:
-            enter.add(watch_launch)
-        else:
+        watched = _watch(True)
+        if not watched:
             rec.refuse("Triton's launch hook is not a hook chain")
         try:
             with _OpWatch(rec):
@@ -459,7 +477,7 @@ class LaunchPlans:
         finally:
             set_recording(None)
             if watched:
-                enter.remove(watch_launch)
+                _watch(False)
         why = rec.refused
         if why is None and not rec.launches:
             why = "nothing was launched through a bound launch"
