@@ -186,7 +186,7 @@ class Kernel(KernelOp, KernelSpec[Any, Any]):
 
     def call(self, *args: Any) -> Any:
         """:meth:`__call__` with every argument given positionally (what the public wrappers use)."""
-        return self.call_named(args, None)
+        return self._run(args, None)
 
     def _call_early(self, plans: LaunchPlans, early: tuple[tuple[Any, ...], list[int]]) -> Any:
         """A call whose raw arguments' layout was replayed after its checks before: dispatch on
@@ -298,6 +298,9 @@ class Kernel(KernelOp, KernelSpec[Any, Any]):
         accepts runs the check once; a call whose raw arguments' layout was replayed after its
         checks before replays without them (:meth:`_call_early`).
         """
+        return self._run(args, names)
+
+    def _run(self, args: tuple[Any, ...], names: dict[str, str] | None) -> Any:
         early = None
         plans = self._plans
         if plans is not None and plans.recording_started:
