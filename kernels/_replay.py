@@ -163,7 +163,8 @@ class _Plan:
     def __init__(self, config: Any, launches: list[Any], scratch_bytes: int, checks: list[Callable[[], bool]]) -> None:
         #: Kept so that the config's id in the key cannot be reused by another object.
         self.config = config
-        #: (launcher, function, packed, grid, values template, pointer slots, descriptor slots).
+        #: (launcher, function, the arguments before the kernel's (packed metadata and what the
+        #: launcher puts before it), grid, values template, pointer slots, descriptor slots).
         self.launches = launches
         self.scratch_bytes = scratch_bytes
         self.checks = checks
@@ -177,15 +178,30 @@ class _Plan:
         if self.scratch_bytes:
             scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=device)
             addresses = [*addresses, scratch.data_ptr()]
-        for launcher, function, packed, grid, template, pointers, descriptors in self.launches:
+        for launcher, function, head, grid, template, pointers, descriptors in self.launches:
             values = template.copy()
             for position, source, offset in pointers:
                 values[position] = addresses[source] + offset
             for position, source, offset, shape, strides, padding in descriptors:
                 values[position] = _ReplayDescriptor(addresses[source] + offset, shape, strides, padding)
-            launcher(grid[0], grid[1], grid[2], stream, function, packed, None, None, None, *values)
+            launcher(grid[0], grid[1], grid[2], stream, function, *head, *values)
         del scratch  # freed after the launches were queued on this stream, as the launch function's own
         return True
+
+
+def _direct(launcher: Any) -> tuple[Any, tuple[Any, ...]]:
+    """What a replay calls for ``launcher`` and the arguments it puts before the packed metadata.
+
+    Triton 3.6's ``CudaLauncher.__call__`` allocates no scratch for a kernel that needs none and
+    passes the cooperative-grid and PDL flags on to its raw launch: a replay calls that launch
+    itself with them. Any other launcher (the descriptor-keeping launch) is called as it is."""
+    raw = getattr(launcher, "launch", None)
+    flags = ("launch_cooperative_grid", "launch_pdl", "global_scratch_size", "profile_scratch_size")
+    if type(launcher).__name__ != "CudaLauncher" or raw is None or not all(hasattr(launcher, f) for f in flags):
+        return launcher, ()
+    if launcher.global_scratch_size or launcher.profile_scratch_size:
+        return launcher, ()
+    return raw, (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None)
 
 
 def _build_plan(config: Any, rec: Recording, tensors: Sequence[torch.Tensor | None]) -> _Plan:
@@ -219,7 +235,8 @@ def _build_plan(config: Any, rec: Recording, tensors: Sequence[torch.Tensor | No
         raise _Unmapped("a kernel's pointer is in no argument, allocation or registered buffer")
 
     launches = []
-    for launcher, function, packed, grid, values in rec.launches:
+    for recorded, function, packed, grid, values in rec.launches:
+        launcher, head = _direct(recorded)
         template = list(values)
         pointers, descriptors = [], []
         for position, value in enumerate(values):
@@ -239,7 +256,9 @@ def _build_plan(config: Any, rec: Recording, tensors: Sequence[torch.Tensor | No
                 else:
                     template[position] = None
                     descriptors.append((position, *where, shape, strides, value.padding))
-        launches.append((launcher, function, packed, grid, template, tuple(pointers), tuple(descriptors)))
+        launches.append(
+            (launcher, function, (*head, packed, None, None, None), grid, template, tuple(pointers), tuple(descriptors))
+        )
     return _Plan(config, launches, scratch_bytes, [check for _, check in rec.statics])
 
 

@@ -13,9 +13,11 @@ With a CUDA GPU, the launch-bound tables follow. At tiny shapes the host time pe
 eager decode loop pays (a CUDA graph replays none of it). For each public entry point, each
 variant is called N times back to back and timed on the host, the GPU synchronised before and after:
 
-- public: the public function (input checks + facts + dispatch + the op's body, called directly
-  in plain eager mode, its launches replayed per argument layout: ``kernels/_replay.py``), and
-  the same with eager replay off (every call runs its launch function);
+- public: the public function as a user calls it, its output allocated by the call (as the
+  PyTorch call's is): in plain eager mode a layout that replayed before replays its launches
+  without the checks (``kernels/_replay.py``); the same call into a given ``out`` (checked every
+  call, then replayed); the first with eager replay off (input checks + facts + dispatch + the
+  op's body, called directly);
 - through torch.library: the same call with the registered op forced (what ``torch.compile``,
   dispatch modes and autograd see);
 - launch: the kernel's own launch of the same config (the Triton launch plus its host-side
@@ -284,10 +286,12 @@ PEER = "the PyTorch call it replaces"
 def _gpu_variants(
     kernel: object,
     public: Callable[[], object],
+    into: Callable[[], object],
     args: tuple[object, ...],
     peer: tuple[str, Callable[[], object]] | None = None,
 ) -> tuple[dict[str, Callable[[], object]], str]:
-    """The timed variants of one entry point and the config its public call serves; ``peer``:
+    """The timed variants of one entry point and the config its public call serves. ``public``
+    allocates its output (as the PyTorch call does), ``into`` writes a given ``out``; ``peer``:
     (what it is, the call) of the PyTorch call computing the same output, timed in the same
     interleaved rounds."""
     from tritune.kernels.dispatcher import dispatch_config_eager
@@ -302,6 +306,7 @@ def _gpu_variants(
     bare = bare_launch(kernel, config, *checked)
     variants = {
         "public call": public,
+        "public call into a given `out`": into,
         "public call, eager replay off (TRITUNE_EAGER_REPLAY=0)": replay_off(public),
         "public, through torch.library": through_op,
         "the kernel's launch alone (same config)": bare,
@@ -358,6 +363,7 @@ def gpu_tables() -> list[tuple[str, dict[str, Callable[[], object]], str]]:
             "prefill q [1, 16, 16, 64], k/v [1, 2, 128, 64] bf16",
             *_gpu_variants(
                 PREFILL,
+                lambda: prefill_attention(q, k, v, kv_len=kv_len),
                 lambda: prefill_attention(q, k, v, kv_len=kv_len, out=out),
                 (q, k, v, kv_len, True, None, out),
                 (
@@ -370,6 +376,7 @@ def gpu_tables() -> list[tuple[str, dict[str, Callable[[], object]], str]]:
             "decode q [1, 32, 1, 128], cache [1, 8, 1024, 128] bf16",
             *_gpu_variants(
                 DECODE,
+                lambda: decode_attention(dq, dk, dv, lengths),
                 lambda: decode_attention(dq, dk, dv, lengths, out=dout),
                 (dq, dk, dv, lengths, None, dout),
                 ("SDPA, enable_gqa", lambda: F.scaled_dot_product_attention(dq, dk, dv, enable_gqa=True)),
@@ -379,6 +386,7 @@ def gpu_tables() -> list[tuple[str, dict[str, Callable[[], object]], str]]:
             "varlen q [32, 32, 128], stores [1024, 4, 8, 128], 3 segments",
             *_gpu_variants(
                 VARLEN,
+                lambda: varlen_attention(vq, vk, vv, seq_info),
                 lambda: varlen_attention(vq, vk, vv, seq_info, out=vout),
                 (vq, vk, vv, seq_info, True, None, False, None, vout),
             ),
@@ -387,6 +395,7 @@ def gpu_tables() -> list[tuple[str, dict[str, Callable[[], object]], str]]:
             "q4k_linear x [1, 4096], W [4096, 4096]",
             *_gpu_variants(
                 Q4K,
+                lambda: q4k_linear(x, weight),
                 lambda: q4k_linear(x, weight, out=xout),
                 (x, weight, None, xout),
                 ("x @ W.T, W dequantized to bf16 once", lambda: x @ dense.t()),
@@ -396,6 +405,7 @@ def gpu_tables() -> list[tuple[str, dict[str, Callable[[], object]], str]]:
             "q4k_linear x [32, 4096], W [14336, 4096]",
             *_gpu_variants(
                 Q4K,
+                lambda: q4k_linear(x32, weight_up),
                 lambda: q4k_linear(x32, weight_up, out=x32_out),
                 (x32, weight_up, None, x32_out),
                 ("x @ W.T, W dequantized to bf16 once", lambda: x32 @ dense_up.t()),

@@ -399,3 +399,55 @@ def test_an_early_replay_launches_what_the_launch_function_does(toy) -> None:
     _same_launch(replayed[0], direct[0], skip={9 + 1})
     _same_launch(replayed[1], direct[1], skip={9 + 0})
     assert early_out.shape == (64,) and early_out.dtype == torch.float32
+
+
+def _cuda_launcher(raw: Any, scratch: int) -> Any:
+    """A stand-in with the fields of Triton 3.6's ``CudaLauncher``, whose call and raw launch record."""
+    fields = {
+        "launch_cooperative_grid": False,
+        "launch_pdl": True,
+        "global_scratch_size": scratch,
+        "profile_scratch_size": 0,
+        "launch": staticmethod(lambda *args: raw.append(("raw", args))),
+        "__call__": lambda self, *args: raw.append(("call", args)),
+    }
+    return type("CudaLauncher", (), fields)()
+
+
+@pytest.mark.parametrize("scratch", [0, 256])
+def test_a_replay_calls_the_raw_launch_of_a_launcher_without_scratch(scratch) -> None:
+    """Without scratch, ``CudaLauncher.__call__`` only adds its flags: a replay calls the raw launch
+    with them; a kernel needing scratch keeps the launcher's own call (it allocates the scratch)."""
+    from tritune.kernels._recording import Recording
+
+    calls: list[tuple[str, tuple[Any, ...]]] = []
+    x = torch.randn(16)
+    rec = Recording()
+    rec.launch(_cuda_launcher(calls, scratch), 1001, ("packed",), (3, 1, 1), (x, 16, 32))
+    plan = _replay._build_plan(CONFIG, rec, [x])
+    fresh = torch.randn(16)
+    assert plan.replay([fresh.data_ptr()], fresh.device, 7)
+    [(kind, args)] = calls
+    if scratch:
+        assert kind == "call"
+        assert args == (3, 1, 1, 7, 1001, ("packed",), None, None, None, fresh.data_ptr(), 16, 32)
+    else:
+        assert kind == "raw"
+        assert args == (
+            3,
+            1,
+            1,
+            7,
+            1001,
+            False,
+            True,
+            None,
+            None,
+            ("packed",),
+            None,
+            None,
+            None,
+            fresh.data_ptr(),
+            16,
+            32,
+        )
