@@ -46,6 +46,9 @@ class EagerAlternative:
     #: Estimated eager milliseconds per call of ``config`` and of the winner, ``max(GPU, host)``.
     ms: float
     winner_ms: float
+    #: Whether the host times were taken with eager calls replayed per argument layout (what a
+    #: serving process does by default); older tunes timed every call's launch function.
+    replayed: bool = False
 
 
 @dataclass(frozen=True)

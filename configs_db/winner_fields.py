@@ -26,6 +26,8 @@ __all__ = [
 
 #: The fields of an entry's ``eager`` object (and of the DB's ``winners.eager_json``).
 EAGER_FIELDS = ("config", "ms", "winner_ms")
+#: Its optional fields: ``replayed`` (true where the host times were taken with eager replay).
+EAGER_OPTIONAL = ("replayed",)
 #: The longest peer name: what the DB's ``winners.peer_name`` column holds.
 MAX_PEER_NAME_CHARS = 64
 #: A peer name ("SDPA flash, KV heads expanded", "F.linear, dequantized weight"): plain words and
@@ -71,9 +73,13 @@ def eager_problem(value: object) -> str | None:
     missing = [name for name in EAGER_FIELDS if name not in value]
     if missing:
         return f"eager is missing field(s) {', '.join(missing)}"
-    unknown = sorted(str(name) for name in set(value) - set(EAGER_FIELDS))
+    unknown = sorted(str(name) for name in set(value) - set(EAGER_FIELDS) - set(EAGER_OPTIONAL))
     if unknown:
-        return f"eager has unknown field(s) {', '.join(unknown)}, expected only {', '.join(EAGER_FIELDS)}"
+        expected = ", ".join((*EAGER_FIELDS, *EAGER_OPTIONAL))
+        return f"eager has unknown field(s) {', '.join(unknown)}, expected only {expected}"
+    if "replayed" in value and value["replayed"] is not True:
+        got = "false" if value["replayed"] is False else describe(value["replayed"])
+        return f"eager.replayed is {got}, expected true (or no such field)"
     try:
         config = check_flat(value["config"], "eager.config")
     except ValueError as exc:
@@ -98,7 +104,10 @@ def eager_problem(value: object) -> str | None:
 
 def eager_fields(eager: EagerAlternative) -> dict[str, Any]:
     """``eager`` in its JSON form, unchecked: what a bundle entry's ``eager`` and ``winners.eager_json`` hold."""
-    return {"config": eager.config, "ms": eager.ms, "winner_ms": eager.winner_ms}
+    fields: dict[str, Any] = {"config": eager.config, "ms": eager.ms, "winner_ms": eager.winner_ms}
+    if eager.replayed:
+        fields["replayed"] = True
+    return fields
 
 
 def eager_alternative(value: object) -> EagerAlternative | None:
@@ -110,5 +119,8 @@ def eager_alternative(value: object) -> EagerAlternative | None:
     if not isinstance(value, dict):
         return None
     return EagerAlternative(
-        config=check_flat(value["config"], "eager.config"), ms=float(value["ms"]), winner_ms=float(value["winner_ms"])
+        config=check_flat(value["config"], "eager.config"),
+        ms=float(value["ms"]),
+        winner_ms=float(value["winner_ms"]),
+        replayed="replayed" in value,
     )

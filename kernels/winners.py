@@ -37,6 +37,7 @@ from tritune.configs_db.values import printable
 
 from .device import DeviceInfo
 from .registry import entry_points, get_spec, known
+from .settings import settings
 from .spec import TuningKey
 
 log = logging.getLogger("tritune.dispatch")
@@ -151,9 +152,8 @@ def _admit(record: WinnerRecord, device: DeviceInfo) -> tuple[str, TuningKey, En
         return Rejection(record.source, f"{where}: config infeasible on this GPU ({why})")
     if not (record.speedup > 0 and record.speedup < 1e3):
         return Rejection(record.source, f"{where}: absurd speedup {record.speedup!r}")
-    entry = Entry(
-        config=config, speedup=record.speedup, source=record.source, eager_config=_eager(record, key, spec, limits)
-    )
+    eager = _eager(record, key, spec, limits, device)
+    entry = Entry(config=config, speedup=record.speedup, source=record.source, eager_config=eager)
     under = tuned_under(record)
     if under:
         entry = replace(entry, provisional=True, tuned_under=under)
@@ -164,10 +164,28 @@ def _admit(record: WinnerRecord, device: DeviceInfo) -> tuple[str, TuningKey, En
 _refused_eager: set[str] = set()
 
 
-def _eager(record: WinnerRecord, key: TuningKey, spec: Any, limits: Any) -> Any:
-    """``record``'s eager alternative parsed and feasible at ``key``; None where it has none or it is
-    refused (logged once; its winner is admitted all the same, and serves eager calls too)."""
+#: Winners' GPU time (ms) from which an eager alternative timed without eager replay no longer
+#: serves while replay is on. Such an alternative was chosen against the host cost of running the
+#: launch function every call (50-230 us on the H100 hosts, against 20-45 us replayed). Replayed,
+#: a winner this slow is GPU-bound: its eager call costs its GPU time, which no other config beats
+#: (the winner is the fastest on the GPU). Below it, calls stay host-bound and the alternative's
+#: lighter launches still help.
+UNREPLAYED_EAGER_MAX_MS = 0.030
+
+
+def _eager(record: WinnerRecord, key: TuningKey, spec: Any, limits: Any, device: DeviceInfo) -> Any:
+    """``record``'s eager alternative parsed and feasible at ``key``; None where it has none, it is
+    refused (logged once; its winner is admitted all the same, and serves eager calls too), or its
+    host times predate eager replay and the winner is GPU-bound replayed (see
+    :data:`UNREPLAYED_EAGER_MAX_MS`; the interpreter replays nothing)."""
     if record.eager is None:
+        return None
+    if (
+        not record.eager.replayed
+        and record.time_ms >= UNREPLAYED_EAGER_MAX_MS
+        and not device.is_interpreter
+        and settings().eager_replay
+    ):
         return None
     where = f"{record.source} {record.kernel}"
     try:

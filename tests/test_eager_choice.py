@@ -12,9 +12,9 @@ import triton
 import triton.language as tl
 
 from tritune.configs_db.records import EagerAlternative, WinnerRecord
-from tritune.kernels import dispatcher, use_config
+from tritune.kernels import dispatcher, settings, use_config
 from tritune.kernels.declare import Kernel, Output, Tensor
-from tritune.kernels.device import device_info
+from tritune.kernels.device import DeviceInfo, device_info
 from tritune.kernels.dispatcher import DISPATCHER, EagerChoice, dispatch_config, dispatch_config_eager
 from tritune.kernels.spec import TuningKey, pow2_bucket
 from tritune.kernels.winners import build_table
@@ -248,3 +248,38 @@ def test_tune_show_counts_a_default_with_an_eager_config_as_served() -> None:
     assert serving_verdict(_record({"BLOCK": 16}, {"BLOCK": 64}, speedup=1.0), CPU) is None
     assert "only 1.000x" in str(serving_verdict(_record({"BLOCK": 16}, None, speedup=1.0), CPU))
     assert "only 1.010x" in str(serving_verdict(_record({"BLOCK": 32}, {"BLOCK": 64}, speedup=1.01), CPU))
+
+
+# ---- alternatives timed before eager replay -----------------------------------------------------
+
+
+GPU_INFO = DeviceInfo("NVIDIA H100 80GB HBM3", "nvidia", (9, 0), 132, "sm90")
+
+
+def _gpu_record(time_ms: float, replayed: bool) -> WinnerRecord:
+    record = _record({"BLOCK": 32}, {"BLOCK": 64})
+    key = {**record.key, "arch": GPU_INFO.arch, "sm_count": GPU_INFO.sm_count}
+    eager = dataclasses.replace(record.eager, replayed=replayed)
+    return dataclasses.replace(record, gpu=GPU_INFO.slug, key=key, time_ms=time_ms, eager=eager)
+
+
+@pytest.mark.parametrize(
+    ("time_ms", "replayed", "replay_on", "served"),
+    [
+        pytest.param(0.05, False, True, False, id="gpu-bound-winner-old-timing"),
+        pytest.param(0.02, False, True, True, id="host-bound-winner-old-timing"),
+        pytest.param(0.05, True, True, True, id="timed-with-replay"),
+        pytest.param(0.05, False, False, True, id="replay-off"),
+    ],
+)
+def test_an_alternative_timed_without_replay_leaves_a_gpu_bound_winner_to_eager_calls(
+    time_ms: float, replayed: bool, replay_on: bool, served: bool
+) -> None:
+    """Its host times came from running the launch function every call; replayed, a winner of this
+    GPU time is GPU-bound, and no config beats its GPU time."""
+    record = _gpu_record(time_ms, replayed)
+    with settings.override(eager_replay=replay_on):
+        table = build_table([[record]], GPU_INFO)
+    [entry] = table.exact.values()
+    assert entry.config == DoubleConfig(BLOCK=32)
+    assert (entry.eager_config == DoubleConfig(BLOCK=64)) is served

@@ -248,6 +248,8 @@ MALFORMED_EAGER: dict[str, tuple[Any, str]] = {
     "missing-ms": ({"config": {"BLOCK_M": 64}, "winner_ms": 0.02}, "eager is missing field(s) ms"),
     "missing-winner-ms": ({"config": {"BLOCK_M": 64}, "ms": 0.01}, "eager is missing field(s) winner_ms"),
     "extra-field": ({**GOOD, "speedup": 2.0}, "eager has unknown field(s) speedup, expected only config, ms,"),
+    "replayed-false": ({**GOOD, "replayed": False}, "eager.replayed is false, expected true (or no such field)"),
+    "replayed-string": ({**GOOD, "replayed": "yes"}, "eager.replayed is a string, expected true"),
     "nan-ms": ({**GOOD, "ms": float("nan")}, "eager.ms is NaN (not a finite number), expected a number"),
     "infinite-ms": ({**GOOD, "ms": float("inf")}, "eager.ms is Infinity (not a finite number), expected a number"),
     "huge-ms": ({**GOOD, "ms": "@LITERAL@"}, "eager.ms is an integer of 4000 digits (outside the 64-bit range)"),
@@ -376,3 +378,22 @@ def test_import_refuses_an_eager_config_outside_the_space(toy: None, tmp_path: P
     imported = CliRunner().invoke(app, ["import", str(path), "--db", str(target)])
     assert imported.exit_code != 0
     assert "eager config outside the search space" in imported.output
+
+
+def test_an_alternative_timed_with_eager_replay_says_so_in_the_db_and_the_bundle(tmp_path: Path) -> None:
+    """``replayed`` travels as an optional ``true`` (an older alternative has no such field)."""
+    replayed = replace(EAGER, replayed=True)
+    url = f"sqlite:///{tmp_path / 'c.sqlite'}"
+    with ConfigStore(url) as store:
+        env_id = store.environment(**ENV)
+        assert store.offer_winner(winner(seqlen=128, eager=replayed), env_id)
+        assert store.offer_winner(winner(seqlen=4096, eager=EAGER), env_id)
+        records = store.winners()
+    assert eagers(records) == {128: replayed, 4096: EAGER}
+    assert eagers(read_winners(url, GPU)) == {128: replayed, 4096: EAGER}
+    path = write_bundle(records, tmp_path / f"{GPU}.json", GPU, "NVIDIA H200", PROVENANCE, created=CREATED)
+    entries = {w["key"]["seqlen"]: w for w in json.loads(path.read_text())["winners"]}
+    assert entries[128]["eager"]["replayed"] is True
+    assert "replayed" not in entries[4096]["eager"]
+    read, rejections = read_bundle(path, expected_gpu=GPU)
+    assert rejections == [] and eagers(read) == {128: replayed, 4096: EAGER}

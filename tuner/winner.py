@@ -11,6 +11,7 @@ import triton
 from tritune.configs_db.records import EagerAlternative, WinnerRecord
 from tritune.configs_db.values import canonical_json, printable
 from tritune.configs_db.winner_fields import eager_fields, eager_problem, peer_problem
+from tritune.kernels.settings import settings
 
 from .candidates import Bench, RetimeOutcome
 from .options import EAGER_MAX_MS, KeyResult, TuningError, pick_winner, tritune_version
@@ -182,7 +183,8 @@ def eager_alternative(
         f"eager calls: {config} (about {best_eager * 1e3:.1f} us a call against the winner's "
         f"{winner_eager * 1e3:.1f} us, {host_ms[winner] * 1e3:.1f} us of it host work)"
     )
-    return EagerAlternative(config=config, ms=best_eager, winner_ms=winner_eager)
+    # The host times came from prepared launches, which replay as eager calls do while replay is on.
+    return EagerAlternative(config=config, ms=best_eager, winner_ms=winner_eager, replayed=settings().eager_replay)
 
 
 def _peer_at_fault(bench: Bench) -> bool:
