@@ -5,7 +5,7 @@ launch function's Python (plans, views, strides, workspaces), Triton's binder fo
 launcher asking every tensor for its address and checking it with the driver. For one config,
 device, stream and argument *layout* (every tensor's shape, strides, dtype and address modulo 16,
 every scalar's value) all of that comes out the same at every call except the addresses. So a
-layout's first calls run the launch function under a :class:`Recording`, which notes each launch
+layout's second call runs the launch function under a :class:`Recording`, which notes each launch
 (compiled kernel, grid, arguments), each buffer allocated meanwhile and each persistent buffer
 used; later calls of that layout rebuild the same launches from the new addresses and call the
 launchers directly (:meth:`_Plan.replay`).
@@ -22,11 +22,19 @@ A recording is kept only where replaying it does exactly what the launch functio
   registered itself with a check of its validity (the arrival counters);
 - at least one launch.
 
-What a recording cannot see is host logic reading anything but the layout: a launch function
-that decides on tensor values it reads without a torch op, the time, or a global that changes.
-A declaration whose launch does so passes ``replay=False``. The checks still run on every call
-(an output the caller passes is found apart from the inputs each time), and nothing is replayed
-while a CUDA graph is being captured or with a launch hook set.
+Once a layout has replayed after its checks, the call's raw arguments (before any check: each
+tensor's shape, strides, dtype, device and address modulo 16, each scalar's type and value, the
+current device and stream; :func:`early_key`) are remembered with the call's facts, device and
+outputs, and later calls with that key skip the checks as well: they dispatch on those facts,
+allocate the outputs and replay. A call that passes an output (its overlap with the inputs is
+checked each time), holds a tensor needing grad or a tensor subclass, or runs under a mode takes
+the checked way; nothing is replayed while a CUDA graph is being captured or with a launch hook
+set. A layout is recorded from its second call on, so a workload of ever new shapes never pays
+a recording.
+
+What a recording cannot see is host logic reading anything but the layout: a launch function (or
+a derived fact) that decides on tensor values it reads without a torch op, the time, or a global
+that changes. A declaration whose launch does so passes ``replay=False``.
 """
 
 from __future__ import annotations
