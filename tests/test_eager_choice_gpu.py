@@ -30,7 +30,9 @@ def served_on_gpu():
     record = _record({"BLOCK": 32}, {"BLOCK": 64})
     key = {**record.key, "arch": info.arch, "sm_count": info.sm_count}
     DISPATCHER.clear()
-    here = dataclasses.replace(record, gpu=info.slug, key=key)
+    # Timed with eager replay, as a tune on this GPU does: served whatever the winner's GPU time.
+    eager = dataclasses.replace(record.eager, replayed=True)
+    here = dataclasses.replace(record, gpu=info.slug, key=key, eager=eager)
     DISPATCHER._tables[info.slug] = build_table([[here]], info)
     LAUNCHED.clear()
     yield

@@ -14,6 +14,7 @@ import toy_kernel
 
 from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.store import ConfigStore
+from tritune.kernels import settings
 from tritune.kernels.device import device_info
 from tritune.tuner.local_bench import LocalBench
 from tritune.tuner.study import KeyTuner, TuneOptions, environment_id
@@ -58,11 +59,19 @@ def test_a_config_faster_for_eager_calls_is_stored_beside_the_winner(tmp_path, m
     assert record.eager.config == {"BLOCK": 64, "BROKEN": False, "num_warps": 2}
     assert record.eager.ms == pytest.approx(toy_kernel.toy_cost(toy_kernel.ToyConfig(64, False, 2)))
     assert record.eager.winner_ms == pytest.approx(0.5)
+    assert record.eager.replayed, "host times of prepared launches, which replay as eager calls do"
     # The winner was timed first, then again with only configs faster on the GPU than its 0.5 ms
     # eager call, in one set of rounds.
     assert bench.asked[0] == [record.config]
     assert bench.asked[1][0] == record.config
     assert all(toy_kernel.toy_cost(toy_kernel.ToyConfig(**c)) < 0.5 for c in bench.asked[1])
+
+
+def test_an_alternative_timed_with_replay_off_is_not_marked_replayed(tmp_path, monkeypatch) -> None:
+    bench = HostCostBench(lambda c: 0.5 if c["BLOCK"] == 128 else 0.1)
+    with settings.override(eager_replay=False):
+        record = _tune(bench, tmp_path, monkeypatch, time_eager=True)
+    assert record.eager is not None and not record.eager.replayed
 
 
 def test_no_alternative_where_the_winner_is_also_fastest_eagerly(tmp_path, monkeypatch) -> None:
