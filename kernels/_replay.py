@@ -34,7 +34,10 @@ a recording.
 
 What a recording cannot see is host logic reading anything but the layout: a launch function (or
 a derived fact) that decides on tensor values it reads without a torch op, the time, or a global
-that changes. A declaration whose launch does so passes ``replay=False``.
+that changes. A declaration whose launch does so passes ``replay=False``. Nor does a replay see
+Triton's debug or instrumentation mode, or a kernel's ``pre_run_hooks``, set after its layout
+was recorded: set them before the first call (or drop the recordings with
+``_fastlaunch.forget()``).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from triton import knobs
 from triton.runtime.driver import driver
 
+from ._fastlaunch import _fast_launch_on
 from ._oplib import no_modes, run_unwrapped
 from ._recording import Recording, set_recording, watch_launch
 from .settings import on_change, settings
@@ -74,6 +78,8 @@ log = logging.getLogger("tritune.launch")
 RECORD_ATTEMPTS = 3
 #: Layouts kept per kernel; past it they are all dropped (a workload of ever new shapes).
 PLANS_KEPT = 512
+#: Configs whose plans one raw-argument layout keeps; past it they are dropped.
+_CONFIGS_PER_LAYOUT = 8
 #: Alignment of each allocation within a replay's one scratch buffer (the caching allocator's own).
 _SCRATCH_ALIGN = 512
 
@@ -331,7 +337,8 @@ def early_key(
     for i, kind, _ in layout:
         if kind == OUTPUT and args[i] is not None:
             return None
-    if not _replay_on() or _capturing() or _hooks_set() or not no_modes():
+    # no_modes() first: under torch.compile it is all that is traced (the capture query is not traceable).
+    if not _replay_on() or not no_modes() or not _fast_launch_on() or _capturing() or _hooks_set():
         return None
     active = driver.active
     current = active.get_current_device()
@@ -357,8 +364,8 @@ def early_key(
         else:
             parts = (value,)
         for t in parts:
-            if type(t) is not torch.Tensor or t.requires_grad:
-                return None
+            if type(t) is not torch.Tensor or t.requires_grad or t.layout is not torch.strided:
+                return None  # the checks name what is wrong with a tensor of another layout
             address = t.data_ptr()
             addresses.append(address)
             key += (t.shape, t.stride(), t.dtype, t.get_device(), address & 15)
@@ -394,7 +401,10 @@ class LaunchPlans:
 
     def early(self, key: tuple[Any, ...]) -> _Early | None:
         """What a call of raw-argument ``key`` needs, once a checked call of it was replayed."""
-        return self.early_entries.get(key)
+        try:
+            return self.early_entries.get(key)
+        except TypeError:  # an unhashable argument: the checks say what is wrong with it
+            return None
 
     def remember_early(
         self,
@@ -412,6 +422,8 @@ class LaunchPlans:
             if len(self.early_entries) >= PLANS_KEPT:
                 self.early_entries.clear()
             entry = self.early_entries[key] = _Early(facts, device, outputs)
+        if len(entry.plans) >= _CONFIGS_PER_LAYOUT:
+            entry.plans.clear()  # config objects come and go (a dispatcher cleared, a key tuned online)
         entry.plans[id(config)] = plan
 
     def run(
@@ -431,7 +443,9 @@ class LaunchPlans:
         (inputs and outputs by position, then an object's parts; None for an optional one left
         out), in a fixed order; ``scalars``: its other arguments.
         """
-        if not _replay_on() or _capturing() or _hooks_set():
+        # Under a mode the launch function sees traced tensors and acts on it (prepared launches
+        # reach here without the call's own check).
+        if not _replay_on() or not _fast_launch_on() or _capturing() or _hooks_set() or not no_modes():
             return None
         active = driver.active
         current = active.get_current_device()
@@ -451,7 +465,7 @@ class LaunchPlans:
         if plan is not None:
             if plan.config is config and plan.replay(addresses, device, stream):
                 return plan
-            del self._plans[layout]  # a persistent buffer changed, or the id is another config's
+            self._plans.pop(layout, None)  # a persistent buffer changed, or the id is another config's
             return None
         if layout in self._plans:
             return None  # recorded and refused RECORD_ATTEMPTS times
@@ -479,7 +493,7 @@ class LaunchPlans:
         for slot, out in zip(output_slots, outputs, strict=True):
             addresses[slot] = out.data_ptr()
         if not plan.replay(addresses, device, stream):
-            del entry.plans[id(config)]
+            entry.plans.pop(id(config), None)  # another thread may have dropped it as well
             return None
         return outputs
 

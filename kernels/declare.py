@@ -303,7 +303,8 @@ class Kernel(KernelOp, KernelSpec[Any, Any]):
     def _run(self, args: tuple[Any, ...], names: dict[str, str] | None) -> Any:
         early = None
         plans = self._plans
-        if plans is not None and plans.recording_started:
+        # Not while compiling: dynamo traces this function, and a traced call has no layout to replay.
+        if plans is not None and plans.recording_started and not torch.compiler.is_compiling():
             early = early_key(args, self._early_layout)
             if early is not None:
                 result = self._call_early(plans, early)

@@ -451,3 +451,70 @@ def test_a_replay_calls_the_raw_launch_of_a_launcher_without_scratch(scratch) ->
             16,
             32,
         )
+
+
+# ---- what the review of the replay found ---------------------------------------------------------
+
+
+def test_the_early_key_traces_under_torch_compile(toy, monkeypatch) -> None:
+    """Under ``torch.compile`` the early key must stop before anything dynamo cannot trace (the
+    capture query stands in here for any such call)."""
+
+    def untraceable() -> bool:
+        raise AssertionError("the capture query must not be reached while compiling")
+
+    monkeypatch.setattr(_replay, "_capturing", untraceable)
+    args = _raw()
+    compiled = torch.compile(lambda: _replay.early_key(args, _LAYOUT) is None, fullgraph=True, backend="eager")
+    assert compiled()
+
+
+def test_an_unhashable_or_storage_less_argument_is_left_to_the_checks(toy) -> None:
+    found = _replay.early_key(_raw(scale=[0.5]), _LAYOUT)
+    assert found is not None
+    assert toy.plans.early(found[0]) is None, "an unhashable scalar must not raise here"
+    sparse = torch.randn(4, 64).to_sparse()
+    assert _replay.early_key(_raw(x=sparse), _LAYOUT) is None
+
+
+def test_a_plan_dropped_by_another_thread_is_no_error(toy) -> None:
+    """Two threads replaying one layout whose persistent buffer changed both drop its plan."""
+    x = torch.randn(64)
+    _warm(toy, x, 3)
+    [(layout, plan)] = [(k, p) for k, p in toy.plans._plans.items() if p is not None]
+
+    def dropped_elsewhere() -> bool:
+        toy.plans._plans.pop(layout, None)  # what the other thread did meanwhile
+        return False
+
+    plan.checks.append(dropped_elsewhere)
+    runs = toy.body_runs
+    toy.call(x)
+    assert toy.body_runs == runs + 1
+    entry = _replay._Early(("facts",), x.device, [torch.empty(64)])
+    entry.plans[id(CONFIG)] = plan
+
+    def entry_dropped_elsewhere() -> bool:
+        entry.plans.clear()
+        return False
+
+    plan.checks[-1] = entry_dropped_elsewhere
+    assert toy.plans.replay_early(entry, CONFIG, 7, [x.data_ptr(), 0], (1,)) is None
+
+
+def test_nothing_replays_under_a_dispatch_mode(toy) -> None:
+    """A prepared launch reaches the plans without the call's own mode check: under a user's
+    dispatch mode its launch function must run (and see the mode)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(64)
+    _warm(toy, x, 3)
+    runs = toy.body_runs
+    out = torch.empty_like(x)
+    with Passthrough():
+        assert toy.plans.run(toy.launch, CONFIG, (x, out, 0.5), [x, out], (0.5,), x.device) is None
+    assert toy.body_runs == runs
