@@ -52,7 +52,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from triton import knobs
 from triton.runtime.driver import driver
 
-from ._fastlaunch import _fast_launch_on
+from ._fastlaunch import _fast_launch_on, _launch_hooks_set
+from ._launch import _byte_span
 from ._oplib import no_modes, run_unwrapped
 from ._recording import Recording, set_recording, watch_launch
 from .settings import on_change, settings
@@ -158,13 +159,6 @@ class _ReplayDescriptor:
         return self.address
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """``[first, end)`` bytes of ``t``'s elements."""
-    first = t.data_ptr()
-    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True) if size)
-    return first, first + extent * t.element_size()
-
-
 class _Unmapped(Exception):
     pass
 
@@ -222,9 +216,9 @@ def _build_plan(config: Any, rec: Recording, tensors: Sequence[torch.Tensor | No
     """The plan replaying ``rec``; raises :class:`_Unmapped` where it cannot replay exactly."""
     spans: list[tuple[int, int, int]] = []  # (first, end, source)
     for source, t in enumerate(tensors):
-        if t is not None and t.numel():
-            first, end = _span(t)
-            spans.append((first, end, source))
+        span = None if t is None else _byte_span(t)  # None: no element
+        if span is not None:
+            spans.append((*span, source))
     scratch_source = len(tensors)
     scratch_bytes = 0
     allocation_spans: list[tuple[int, int, int]] = []  # (first, end, offset in the scratch buffer)
@@ -234,7 +228,7 @@ def _build_plan(config: Any, rec: Recording, tensors: Sequence[torch.Tensor | No
             base = t.untyped_storage().data_ptr()
             allocation_spans.append((base, base + nbytes, scratch_bytes))
             scratch_bytes += -(-nbytes // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
-    static_spans = [_span(buffer) for buffer, _ in rec.statics if buffer.numel()]
+    static_spans = [span for buffer, _ in rec.statics if (span := _byte_span(buffer)) is not None]
 
     def locate(address: int) -> tuple[int, int] | None:
         """(source, offset) of a pointer; None for a persistent buffer's (passed as it is)."""
@@ -296,12 +290,6 @@ def _watch(on: bool) -> bool:
     return True
 
 
-def _hooks_set() -> bool:
-    """Whether a launch hook is set (profilers): their launches go through Triton."""
-    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
-
-
 #: What :meth:`LaunchPlans.run` returns when the call's launch function ran (under a recording)
 #: and no plan came of it.
 RAN = object()
@@ -338,7 +326,7 @@ def early_key(
         if kind == OUTPUT and args[i] is not None:
             return None
     # no_modes() first: under torch.compile it is all that is traced (the capture query is not traceable).
-    if not _replay_on() or not no_modes() or not _fast_launch_on() or _capturing() or _hooks_set():
+    if not _replay_on() or not no_modes() or not _fast_launch_on() or _capturing() or _launch_hooks_set():
         return None
     active = driver.active
     current = active.get_current_device()
@@ -445,7 +433,7 @@ class LaunchPlans:
         """
         # Under a mode the launch function sees traced tensors and acts on it (prepared launches
         # reach here without the call's own check).
-        if not _replay_on() or not _fast_launch_on() or _capturing() or _hooks_set() or not no_modes():
+        if not _replay_on() or not _fast_launch_on() or _capturing() or _launch_hooks_set() or not no_modes():
             return None
         active = driver.active
         current = active.get_current_device()
