@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
     from .models import Environment, Trial
+    from .upserts import WinnerValues
 
 __all__ = ["ConfigStore", "StoreError", "TrialRow", "display_url", "read_winners"]
 
@@ -219,6 +220,20 @@ class ConfigStore:
         with self._session() as session:
             return self._offer(session, record, env_id)
 
+    def refresh_eager(self, record: WinnerRecord, env_id: int) -> bool:
+        """After an offer the store did not take: where the stored winner is ``record``'s config,
+        give it ``record``'s eager alternative (``None`` clears it); ``True`` if it did.
+
+        The tuner measured that very config again, and its eager calls as this tritune runs them;
+        the stored alternative may date from another way of running them (before eager replay,
+        say). The stored time, the faster one, stays.
+        """
+        with self._session() as session:
+            from . import upserts
+
+            values, _ = self._values(session, record, env_id)
+            return upserts.refresh_eager(session, values)
+
     def _offer(
         self, session: Session, record: WinnerRecord, env_id: int, current: tuple[str, str] | None = None
     ) -> bool:
@@ -227,6 +242,15 @@ class ConfigStore:
         ``current``: the (Triton, torch) versions under which a stored winner counts as current
         (not replaced unless the offer is faster); default the offer's own, as a tune's offers are.
         """
+        from . import upserts
+
+        values, environment = self._values(session, record, env_id)
+        triton_version, torch_version = current or (environment.triton_version, environment.torch_version)
+        return upserts.offer_winner(session, values, triton_version, torch_version)
+
+    def _values(self, session: Session, record: WinnerRecord, env_id: int) -> tuple[WinnerValues, Environment]:
+        """``record`` checked and in column form, and its environment row; ``ValueError`` if it is
+        inconsistent or its environment unknown."""
         problem = winner_numbers_problem(record.time_ms, record.portable_ms, record.speedup, record.trials)
         problem = problem or peer_problem(record.peer_ms, record.peer_name)
         problem = problem or eager_problem(None if record.eager is None else eager_fields(record.eager))
@@ -257,8 +281,7 @@ class ConfigStore:
             peer_name=record.peer_name,
             eager_json=None if eager is None else eager_json(eager),
         )
-        triton_version, torch_version = current or (environment.triton_version, environment.torch_version)
-        return upserts.offer_winner(session, values, triton_version, torch_version)
+        return values, environment
 
     def winners(self, gpu: str | None = None, kernel: str | None = None) -> list[WinnerRecord]:
         """Stored winners, optionally of one GPU and/or kernel."""

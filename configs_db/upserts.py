@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, Result, insert, select
+from sqlalchemy import CursorResult, Result, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -107,6 +107,30 @@ def offer_winner(session: Session, values: WinnerValues, triton_version: str, to
     if dialect not in UPSERT_DIALECTS:
         return offer_portable(session, values, triton_version, torch_version)
     return offer_upsert(session, values, triton_version, torch_version, dialect)
+
+
+def refresh_eager(session: Session, values: WinnerValues) -> bool:
+    """Give the stored winner at ``values``' key ``values``' eager alternative where its config is
+    ``values``' own; ``True`` if a row was updated.
+
+    For an offer the store did not take: a re-tune that measured the stored winner again timed
+    its eager calls as this tritune runs them (with eager replay, say), and the stored alternative
+    may date from another way of running them. The time stays the stored, faster one. One
+    conditional UPDATE, so a faster winner another worker stored meanwhile is left alone.
+    """
+    statement = (
+        update(Winner)
+        .where(
+            Winner.gpu == values.gpu,
+            Winner.kernel == values.kernel,
+            Winner.kernel_version == values.kernel_version,
+            Winner.key_json == values.key_json,
+            Winner.config_json == values.config_json,
+        )
+        .values(eager_json=values.eager_json, updated_at=utcnow())
+    )
+    result: Result[Any] = session.execute(statement)
+    return int(cast("CursorResult[Any]", result).rowcount) == 1
 
 
 def insert_trial_portable(session: Session, values: dict[str, Any]) -> bool:

@@ -164,28 +164,18 @@ def _admit(record: WinnerRecord, device: DeviceInfo) -> tuple[str, TuningKey, En
 _refused_eager: set[str] = set()
 
 
-#: Winners' GPU time (ms) from which an eager alternative timed without eager replay no longer
-#: serves while replay is on. Such an alternative was chosen against the host cost of running the
-#: launch function every call (50-230 us on the H100 hosts, against 20-45 us replayed). Replayed,
-#: a winner this slow is GPU-bound: its eager call costs its GPU time, which no other config beats
-#: (the winner is the fastest on the GPU). Below it, calls stay host-bound and the alternative's
-#: lighter launches still help.
-UNREPLAYED_EAGER_MAX_MS = 0.030
-
-
 def _eager(record: WinnerRecord, key: TuningKey, spec: Any, limits: Any, device: DeviceInfo) -> Any:
     """``record``'s eager alternative parsed and feasible at ``key``; None where it has none, it is
     refused (logged once; its winner is admitted all the same, and serves eager calls too), or its
-    host times predate eager replay and the winner is GPU-bound replayed (see
-    :data:`UNREPLAYED_EAGER_MAX_MS`; the interpreter replays nothing)."""
+    host times predate eager replay while replay is on.
+
+    Such an alternative was chosen against the host cost of running the launch function every call
+    (50-230 us a call on an H100 host, against 15-30 us replayed), which says nothing about which
+    config serves a replayed call faster: re-timed with replay, most stored alternatives lost to
+    their winner (``docs/perf/HISTORY.md``). The interpreter replays nothing."""
     if record.eager is None:
         return None
-    if (
-        not record.eager.replayed
-        and record.time_ms >= UNREPLAYED_EAGER_MAX_MS
-        and not device.is_interpreter
-        and settings().eager_replay
-    ):
+    if not record.eager.replayed and not device.is_interpreter and settings().eager_replay:
         return None
     where = f"{record.source} {record.kernel}"
     try:

@@ -15,7 +15,7 @@ from sqlalchemy.exc import IntegrityError
 
 from tritune.configs_db import storage
 from tritune.configs_db.models import Environment, Trial, Winner
-from tritune.configs_db.records import WinnerRecord
+from tritune.configs_db.records import EagerAlternative, WinnerRecord
 from tritune.configs_db.store import MAX_ERROR_CHARS, ConfigStore, display_url
 from tritune.configs_db.upserts import WinnerValues, insert_trial_portable, offer_portable
 
@@ -163,6 +163,24 @@ def test_offer_winner_keeps_the_best(store: ConfigStore, env_id: int) -> None:
     assert (stored.time_ms, stored.speedup, stored.trials) == (0.8, 2.5, 30)
     assert stored.source == f"db:{store.url}"
     assert stored.extra["gpu_name"] == "NVIDIA H200"
+
+
+def test_refresh_eager_rewrites_only_the_same_configs_alternative(store: ConfigStore, env_id: int) -> None:
+    """A kept winner found again gets the alternative timed with it now (``None`` clears the old
+    one); a stored winner of another config, or a record the store would refuse, is left alone."""
+    old = EagerAlternative(config={**CONFIG, "BLOCK_M": 32}, ms=0.05, winner_ms=0.06)
+    new = EagerAlternative(config={**CONFIG, "BLOCK_M": 64}, ms=0.04, winner_ms=0.07, replayed=True)
+    assert store.offer_winner(winner(1.0, eager=old), env_id)
+    assert not store.offer_winner(winner(1.2, eager=new), env_id)
+    assert not store.refresh_eager(winner(1.2, {**CONFIG, "BLOCK_M": 256}, eager=new), env_id)
+    assert store.winners()[0].eager == old
+    with pytest.raises(ValueError, match="time_ms"):
+        store.refresh_eager(winner(-1.0, eager=new), env_id)
+    assert store.refresh_eager(winner(1.2, eager=new), env_id)
+    [stored] = store.winners()
+    assert (stored.time_ms, stored.eager) == (1.0, new), "the faster time stays, the alternative is this run's"
+    assert store.refresh_eager(winner(1.2), env_id)
+    assert store.winners()[0].eager is None
 
 
 def test_winners_are_unique_in_the_schema(store: ConfigStore, env_id: int) -> None:

@@ -11,12 +11,14 @@ from typing import Any
 import pytest
 import torch
 import toy_kernel
+import triton
 
-from tritune.configs_db.records import WinnerRecord
+from tritune.configs_db.records import EagerAlternative, WinnerRecord
 from tritune.configs_db.store import ConfigStore
 from tritune.kernels import settings
 from tritune.kernels.device import device_info
 from tritune.tuner.local_bench import LocalBench
+from tritune.tuner.options import tritune_version
 from tritune.tuner.study import KeyTuner, TuneOptions, environment_id
 from tritune.tuner.timing import FakeTimer
 
@@ -37,12 +39,17 @@ class HostCostBench(LocalBench):
         return [self.host(c) for c in configs]
 
 
-def _tune(bench: HostCostBench, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, **options: Any) -> WinnerRecord:
+def _tune(
+    bench: HostCostBench, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, stored: Any = None, **options: Any
+) -> WinnerRecord:
+    """Tune the toy key; ``stored(store, env_id, key)`` writes what the DB holds before."""
+    store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    key = toy_kernel.SPEC.default_keys(CPU, n=[256])[0]
+    if stored is not None:
+        stored(store, environment_id(store, CPU), key)
     offered: list[WinnerRecord] = []
     original = ConfigStore.offer_winner
     monkeypatch.setattr(ConfigStore, "offer_winner", lambda self, r, e: offered.append(r) or original(self, r, e))
-    store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
-    key = toy_kernel.SPEC.default_keys(CPU, n=[256])[0]
     tuning = TuneOptions(trials=24, seed=3, batch=6, final_rounds=1, time_peer=False, **options)
     KeyTuner(toy_kernel.SPEC, key, CPU, torch.device("cpu"), store, environment_id(store, CPU), bench.timer,
              tuning, bench=bench).run()  # fmt: skip
@@ -132,3 +139,57 @@ def test_host_times_add_the_public_calls_own_cost_to_every_config(monkeypatch) -
     slow = bench.host_times([default, default])
     assert plain is not None and slow is not None
     assert all(s - p > 1.5 for s, p in zip(slow, plain, strict=True)), (plain, slow)
+
+
+WINNER = {"BLOCK": 128, "BROKEN": False, "num_warps": 2}
+
+
+def _faster_record(key: Any, config: dict[str, Any], eager: EagerAlternative) -> WinnerRecord:
+    """A winner at ``key`` faster than any the toy's fake times give, with ``eager`` beside it."""
+    return WinnerRecord(
+        kernel=toy_kernel.SPEC.name,
+        kernel_version=toy_kernel.SPEC.version,
+        gpu=CPU.slug,
+        key=key.to_dict(),
+        config=config,
+        time_ms=0.001,
+        portable_ms=0.1,
+        speedup=100.0,
+        trials=3,
+        triton_version=triton.__version__,
+        torch_version=torch.__version__,
+        tritune_version=tritune_version(),
+        eager=eager,
+    )
+
+
+@pytest.mark.parametrize("now_best_eagerly", [True, False])
+def test_a_kept_winner_found_again_gets_the_eager_alternative_timed_now(
+    tmp_path, monkeypatch, now_best_eagerly: bool
+) -> None:
+    """A faster earlier time keeps the stored winner, but the alternative stored with it was timed
+    another way (before eager replay): this run's, measured against the same config, replaces it."""
+    old = EagerAlternative(config={"BLOCK": 32, "BROKEN": False, "num_warps": 4}, ms=0.3, winner_ms=0.9)
+
+    def stored(store: ConfigStore, env_id: int, key: Any) -> None:
+        assert store.offer_winner(_faster_record(key, WINNER, old), env_id)
+
+    host = (lambda c: 0.01) if now_best_eagerly else (lambda c: 0.5 if c["BLOCK"] == 128 else 0.1)
+    offered = _tune(HostCostBench(host), tmp_path, monkeypatch, stored=stored, time_eager=True)
+    assert offered.config == WINNER
+    [kept] = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}").winners()
+    assert kept.config == WINNER and kept.time_ms < offered.time_ms, "the faster stored time stays"
+    assert kept.eager == offered.eager
+    assert (kept.eager is None) is now_best_eagerly
+
+
+def test_a_kept_winner_of_another_config_keeps_its_eager_alternative(tmp_path, monkeypatch) -> None:
+    old = EagerAlternative(config={"BLOCK": 32, "BROKEN": False, "num_warps": 4}, ms=0.3, winner_ms=0.9)
+    other = {"BLOCK": 64, "BROKEN": False, "num_warps": 2}
+
+    def stored(store: ConfigStore, env_id: int, key: Any) -> None:
+        assert store.offer_winner(_faster_record(key, other, old), env_id)
+
+    _tune(HostCostBench(lambda c: 0.01), tmp_path, monkeypatch, stored=stored, time_eager=True)
+    [kept] = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}").winners()
+    assert kept.config == other and kept.eager == old

@@ -86,7 +86,8 @@ def offer_winner(search: KeySearch, bench: Bench, default: Any) -> KeyResult:
     time_eager = search.options.time_eager
     if time_eager is None:
         time_eager = search.torch_device.type == "cuda"
-    if time_eager and best_ms < EAGER_MAX_MS:
+    eager_timed = time_eager and best_ms < EAGER_MAX_MS
+    if eager_timed:
         eager = eager_alternative(search, bench, timed, winner, default_ident, notes)
         problem = None if eager is None else eager_problem(eager_fields(eager))
         if problem is not None:  # the store would refuse the winner with it: keep the winner alone
@@ -110,6 +111,9 @@ def offer_winner(search: KeySearch, bench: Bench, default: Any) -> KeyResult:
         eager=eager,
     )
     stored = search.store.offer_winner(record, search.env_id)
+    if not stored and eager_timed and search.store.refresh_eager(record, search.env_id):
+        # The same config, measured again: its eager alternative as this tritune times it.
+        notes.append("the stored winner, faster in an earlier run, kept; its eager alternative re-timed")
     return KeyResult(
         kernel=search.spec.name,
         key=search.key,
