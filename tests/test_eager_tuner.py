@@ -141,6 +141,29 @@ def test_host_times_add_the_public_calls_own_cost_to_every_config(monkeypatch) -
     assert all(s - p > 1.5 for s, p in zip(slow, plain, strict=True)), (plain, slow)
 
 
+def test_the_public_calls_cost_is_timed_as_a_plain_eager_call_makes_it(monkeypatch) -> None:
+    """Without ``out``: a passed output takes the checked way every call, which a plain eager call
+    skips once its layout replays."""
+    from tritune.kernels.declare import Kernel
+    from tritune.kernels.registry import load
+
+    spec = load("examples/rmsnorm.py:RMSNORM")
+    bench = LocalBench(torch.device("cpu"), FakeTimer(lambda config: 1.0))
+    key = spec.default_keys(CPU)[0]
+    default = spec.space.to_dict(spec.default_config(key))
+    bench.open(spec, key, 0, default)
+    seen: list[dict[str, Any]] = []
+    real = Kernel.__call__
+
+    def watched(self, *args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Kernel, "__call__", watched)
+    assert bench.host_times([default]) is not None
+    assert seen and all(kwargs.get("out") is None for kwargs in seen)
+
+
 WINNER = {"BLOCK": 128, "BROKEN": False, "num_warps": 2}
 
 
