@@ -207,7 +207,7 @@ class ConfigStore:
 
     # ---- winners ------------------------------------------------------------------------------
 
-    def offer_winner(self, record: WinnerRecord, env_id: int) -> bool:
+    def offer_winner(self, record: WinnerRecord, env_id: int, refresh_eager: bool = False) -> bool:
         """Store ``record`` as the winner at its key unless a better one is stored; ``True`` if written.
 
         The stored winner is replaced when the offer is faster, or when the stored one was
@@ -216,23 +216,21 @@ class ConfigStore:
         exactly one row holding the best time. The record's peer time and name and its eager
         alternative travel with it: they are stored when the offer is (``None`` clears what the
         replaced winner had), and left as they are when it is not.
-        """
-        with self._session() as session:
-            return self._offer(session, record, env_id)
 
-    def refresh_eager(self, record: WinnerRecord, env_id: int) -> bool:
-        """After an offer the store did not take: where the stored winner is ``record``'s config,
-        give it ``record``'s eager alternative (``None`` clears it); ``True`` if it did.
-
-        The tuner measured that very config again, and its eager calls as this tritune runs them;
-        the stored alternative may date from another way of running them (before eager replay,
-        say). The stored time, the faster one, stays.
+        ``refresh_eager``: where the store keeps its winner and that is ``record``'s config, the
+        kept winner takes ``record``'s eager alternative (``None`` clears it), in the same
+        transaction. The tuner asks for it when it measured that very config again, and its eager
+        calls as this tritune runs them (replayed): the stored alternative may date from another
+        way of running them. The stored time, the faster one, stays.
         """
         with self._session() as session:
             from . import upserts
 
-            values, _ = self._values(session, record, env_id)
-            return upserts.refresh_eager(session, values)
+            values, environment = self._values(session, record, env_id)
+            stored = upserts.offer_winner(session, values, environment.triton_version, environment.torch_version)
+            if not stored and refresh_eager:
+                upserts.refresh_eager(session, values)
+            return stored
 
     def _offer(
         self, session: Session, record: WinnerRecord, env_id: int, current: tuple[str, str] | None = None

@@ -113,10 +113,11 @@ def refresh_eager(session: Session, values: WinnerValues) -> bool:
     """Give the stored winner at ``values``' key ``values``' eager alternative where its config is
     ``values``' own; ``True`` if a row was updated.
 
-    For an offer the store did not take: a re-tune that measured the stored winner again timed
-    its eager calls as this tritune runs them (with eager replay, say), and the stored alternative
-    may date from another way of running them. The time stays the stored, faster one. One
-    conditional UPDATE, so a faster winner another worker stored meanwhile is left alone.
+    For an offer the store did not take, in the offer's transaction (which holds the row from the
+    upsert on): a re-tune that measured the stored winner again timed its eager calls as this
+    tritune runs them (with eager replay, say), and the stored alternative may date from another
+    way of running them. The time stays the stored, faster one; a stored winner of another config
+    is left alone.
     """
     statement = (
         update(Winner)

@@ -165,22 +165,25 @@ def test_offer_winner_keeps_the_best(store: ConfigStore, env_id: int) -> None:
     assert stored.extra["gpu_name"] == "NVIDIA H200"
 
 
-def test_refresh_eager_rewrites_only_the_same_configs_alternative(store: ConfigStore, env_id: int) -> None:
-    """A kept winner found again gets the alternative timed with it now (``None`` clears the old
-    one); a stored winner of another config, or a record the store would refuse, is left alone."""
+def test_a_kept_winner_of_the_offered_config_takes_its_eager_alternative(store: ConfigStore, env_id: int) -> None:
+    """With ``refresh_eager``, a kept winner found again gets the alternative timed with it now
+    (``None`` clears the old one); a stored winner of another config or at another key, or an
+    offer without it, leaves the stored one alone."""
     old = EagerAlternative(config={**CONFIG, "BLOCK_M": 32}, ms=0.05, winner_ms=0.06)
     new = EagerAlternative(config={**CONFIG, "BLOCK_M": 64}, ms=0.04, winner_ms=0.07, replayed=True)
+    other_key = {**KEY, "seqlen": 2048}
     assert store.offer_winner(winner(1.0, eager=old), env_id)
+    assert store.offer_winner(winner(1.0, key=other_key, eager=old), env_id)
     assert not store.offer_winner(winner(1.2, eager=new), env_id)
-    assert not store.refresh_eager(winner(1.2, {**CONFIG, "BLOCK_M": 256}, eager=new), env_id)
-    assert store.winners()[0].eager == old
-    with pytest.raises(ValueError, match="time_ms"):
-        store.refresh_eager(winner(-1.0, eager=new), env_id)
-    assert store.refresh_eager(winner(1.2, eager=new), env_id)
-    [stored] = store.winners()
-    assert (stored.time_ms, stored.eager) == (1.0, new), "the faster time stays, the alternative is this run's"
-    assert store.refresh_eager(winner(1.2), env_id)
-    assert store.winners()[0].eager is None
+    assert not store.offer_winner(winner(1.2, {**CONFIG, "BLOCK_M": 256}, eager=new), env_id, refresh_eager=True)
+    assert [w.eager for w in store.winners()] == [old, old]
+    assert not store.offer_winner(winner(1.2, eager=new), env_id, refresh_eager=True)
+    by_key = {w.key["seqlen"]: w for w in store.winners()}
+    assert (by_key[KEY["seqlen"]].time_ms, by_key[KEY["seqlen"]].eager) == (1.0, new), "the faster time stays"
+    assert by_key[other_key["seqlen"]].eager == old, "another key's winner is left alone"
+    assert not store.offer_winner(winner(1.2), env_id, refresh_eager=True)
+    by_key = {w.key["seqlen"]: w for w in store.winners()}
+    assert by_key[KEY["seqlen"]].eager is None and by_key[other_key["seqlen"]].eager == old
 
 
 def test_winners_are_unique_in_the_schema(store: ConfigStore, env_id: int) -> None:

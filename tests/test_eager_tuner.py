@@ -49,7 +49,9 @@ def _tune(
         stored(store, environment_id(store, CPU), key)
     offered: list[WinnerRecord] = []
     original = ConfigStore.offer_winner
-    monkeypatch.setattr(ConfigStore, "offer_winner", lambda self, r, e: offered.append(r) or original(self, r, e))
+    monkeypatch.setattr(
+        ConfigStore, "offer_winner", lambda self, r, e, **kw: offered.append(r) or original(self, r, e, **kw)
+    )
     tuning = TuneOptions(trials=24, seed=3, batch=6, final_rounds=1, time_peer=False, **options)
     KeyTuner(toy_kernel.SPEC, key, CPU, torch.device("cpu"), store, environment_id(store, CPU), bench.timer,
              tuning, bench=bench).run()  # fmt: skip
@@ -216,3 +218,32 @@ def test_a_kept_winner_of_another_config_keeps_its_eager_alternative(tmp_path, m
     _tune(HostCostBench(lambda c: 0.01), tmp_path, monkeypatch, stored=stored, time_eager=True)
     [kept] = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}").winners()
     assert kept.config == other and kept.eager == old
+
+
+@pytest.mark.parametrize(
+    "why",
+    [
+        pytest.param("host-timing-failed", id="host-timing-failed"),
+        pytest.param("replay-off", id="timed-with-replay-off"),
+        pytest.param("not-timed", id="eager-not-timed"),
+    ],
+)
+def test_a_kept_winner_keeps_its_alternative_where_this_run_measured_none_as_eager_calls_run(
+    tmp_path, monkeypatch, why: str
+) -> None:
+    """Only an alternative measured with replay, as a serving process runs eager calls, replaces
+    the stored one: a failed host timing says nothing, and one timed without replay is the
+    stale kind."""
+    old = EagerAlternative(config={"BLOCK": 32, "BROKEN": False, "num_warps": 4}, ms=0.3, winner_ms=0.9, replayed=True)
+
+    def stored(store: ConfigStore, env_id: int, key: Any) -> None:
+        assert store.offer_winner(_faster_record(key, WINNER, old), env_id)
+
+    bench = HostCostBench(lambda c: 0.5 if c["BLOCK"] == 128 else 0.1)
+    options: dict[str, Any] = {"time_eager": why != "not-timed"}
+    if why == "host-timing-failed":
+        bench.host_times = lambda configs: None  # type: ignore[method-assign]
+    with settings.override(eager_replay=why != "replay-off"):
+        _tune(bench, tmp_path, monkeypatch, stored=stored, **options)
+    [kept] = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}").winners()
+    assert kept.config == WINNER and kept.eager == old

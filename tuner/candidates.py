@@ -348,10 +348,10 @@ class CandidateBench:
 
     def host_times(self, configs: list[dict[str, Any]]) -> list[float]:
         """Host milliseconds per eager call of each config, called back to back on an idle GPU: what
-        an eager caller pays per call where the GPU keeps up. Each config's checked launch (what
-        :meth:`_measure` times) plus what a public call adds before any launch (its checks and
-        dispatch, the same for every config: measured once, on the first config, where the kernel
-        is callable). Interleaved rounds; the median of each counts."""
+        an eager caller pays per call where the GPU keeps up. Each config's prepared launch (which
+        replays as eager calls do) plus what a plain public call adds to it (its early key or
+        checks, dispatch and output allocation, the same for every config: measured once, on the
+        first config, where the kernel is callable). Interleaved rounds; the median of each counts."""
         runs = []
         for values in configs:
             target = torch.empty_like(self.portable_out)

@@ -83,16 +83,16 @@ def offer_winner(search: KeySearch, bench: Bench, default: Any) -> KeyResult:
     best = search.space.to_dict(known.config(winner))
     best_ms, portable_ms = timed[winner], timed[default_ident]
     eager = None
+    eager_measured = False
     time_eager = search.options.time_eager
     if time_eager is None:
         time_eager = search.torch_device.type == "cuda"
-    eager_timed = time_eager and best_ms < EAGER_MAX_MS
-    if eager_timed:
-        eager = eager_alternative(search, bench, timed, winner, default_ident, notes)
+    if time_eager and best_ms < EAGER_MAX_MS:
+        eager, eager_measured = eager_alternative(search, bench, timed, winner, default_ident, notes)
         problem = None if eager is None else eager_problem(eager_fields(eager))
         if problem is not None:  # the store would refuse the winner with it: keep the winner alone
             notes.append(f"eager alternative dropped: {problem}")
-            eager = None
+            eager, eager_measured = None, False
     record = WinnerRecord(
         kernel=search.spec.name,
         kernel_version=search.spec.version,
@@ -110,9 +110,12 @@ def offer_winner(search: KeySearch, bench: Bench, default: Any) -> KeyResult:
         peer_name=peer_name,
         eager=eager,
     )
-    stored = search.store.offer_winner(record, search.env_id)
-    if not stored and eager_timed and search.store.refresh_eager(record, search.env_id):
-        # The same config, measured again: its eager alternative as this tritune times it.
+    # An alternative measured as a serving process runs eager calls (replayed) replaces the one a
+    # kept winner of the same config holds; a failed or replay-off timing leaves that one alone.
+    refresh = eager_measured and settings().eager_replay
+    stored = search.store.offer_winner(record, search.env_id, refresh_eager=refresh)
+    kept = None if stored else kept_winner(search, record)
+    if refresh and kept is not None and kept.config == record.config:
         notes.append("the stored winner, faster in an earlier run, kept; its eager alternative re-timed")
     return KeyResult(
         kernel=search.spec.name,
@@ -126,7 +129,7 @@ def offer_winner(search: KeySearch, bench: Bench, default: Any) -> KeyResult:
         pruned=known.counts["pruned"],
         notes=notes,
         stored=stored,
-        kept=None if stored else kept_winner(search, record),
+        kept=kept,
     )
 
 
@@ -144,8 +147,9 @@ def kept_winner(search: KeySearch, offered: WinnerRecord) -> WinnerRecord | None
 
 def eager_alternative(
     search: KeySearch, bench: Bench, timed: dict[Any, float], winner: Any, default: Any, notes: list[str]
-) -> EagerAlternative | None:
-    """The config serving eager calls of this key faster than the winner, or None.
+) -> tuple[EagerAlternative | None, bool]:
+    """The config serving eager calls of this key faster than the winner, or None; and whether the
+    host times were measured (False: timing failed, and None says nothing about the key).
 
     An eager caller pays about ``max(GPU time, host time)`` per call when calls follow each other
     (the host queues the next launch while the GPU runs this one). The GPU times are the trials'
@@ -161,17 +165,17 @@ def eager_alternative(
     first = bench.host_times([dict(winner)])
     if not first:
         notes.append("the launches' host cost could not be timed: no eager alternative")
-        return None
+        return None, False
     bound = max(gpu_ms[winner], first[0]) / (1 + EAGER_MARGIN)
     fastest = sorted((i for i in gpu_ms if i != winner and gpu_ms[i] < bound), key=lambda i: gpu_ms[i])
     contenders = list(dict.fromkeys([*fastest[:EAGER_CONTENDERS], *([default] if default in fastest else [])]))
     if not contenders:
-        return None  # nothing runs on the GPU faster than the winner's eager call
+        return None, True  # nothing runs on the GPU faster than the winner's eager call
     # The winner again, in the same interleaved rounds as its contenders: one clock for all.
     host = bench.host_times([dict(ident) for ident in [winner, *contenders]])
     if host is None or len(host) != len(contenders) + 1:
         notes.append("the launches' host cost could not be timed: no eager alternative")
-        return None
+        return None, False
     host_ms = dict(zip([winner, *contenders], host, strict=True))
     best = min(contenders, key=lambda ident: max(gpu_ms[ident], host_ms[ident]))
     # GPU times of the trials and of the final rounds are not one clock either: re-time the pair.
@@ -181,14 +185,17 @@ def eager_alternative(
     winner_eager = max(gpu_ms[winner], host_ms[winner])
     best_eager = max(gpu_ms[best], host_ms[best])
     if best_eager * (1 + EAGER_MARGIN) >= winner_eager:
-        return None
+        return None, True
     config = search.space.to_dict(known.config(best))
     notes.append(
         f"eager calls: {config} (about {best_eager * 1e3:.1f} us a call against the winner's "
         f"{winner_eager * 1e3:.1f} us, {host_ms[winner] * 1e3:.1f} us of it host work)"
     )
     # The host times came from prepared launches, which replay as eager calls do while replay is on.
-    return EagerAlternative(config=config, ms=best_eager, winner_ms=winner_eager, replayed=settings().eager_replay)
+    alternative = EagerAlternative(
+        config=config, ms=best_eager, winner_ms=winner_eager, replayed=settings().eager_replay
+    )
+    return alternative, True
 
 
 def _peer_at_fault(bench: Bench) -> bool:
