@@ -30,13 +30,16 @@ def recording() -> Recording | None:
 
 
 class Recording:
-    """What one call's launch function did: launches, allocations and persistent buffers used."""
+    """What one call's launch function did: launches, torch ops that write into given memory,
+    allocations and persistent buffers used."""
 
-    __slots__ = ("allocations", "launches", "refused", "statics")
+    __slots__ = ("allocations", "launches", "ops", "refused", "statics")
 
     def __init__(self) -> None:
         #: (launcher, function, packed metadata, grid, argument values) per launch, in order.
         self.launches: list[tuple[Any, Any, Any, tuple[int, int, int], tuple[Any, ...]]] = []
+        #: (launches before it, op, args, kwargs) per replayable torch op (a GEMM into ``out``).
+        self.ops: list[tuple[int, Any, tuple[Any, ...], dict[str, Any]]] = []
         self.allocations: list[torch.Tensor] = []
         #: Persistent buffers and the check that the launch function would hand out the same one.
         self.statics: list[tuple[torch.Tensor, Callable[[], bool]]] = []
@@ -46,6 +49,10 @@ class Recording:
         self, launcher: Any, function: Any, packed: Any, grid: tuple[int, int, int], values: tuple[Any, ...]
     ) -> None:
         self.launches.append((launcher, function, packed, grid, values))
+
+    def op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A torch op ran between the launches recorded so far and the next one."""
+        self.ops.append((len(self.launches), func, args, kwargs))
 
     def static(self, buffer: torch.Tensor, still_valid: Callable[[], bool]) -> None:
         """``buffer`` outlives the call; a replay may use its address while ``still_valid()``."""

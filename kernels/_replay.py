@@ -15,12 +15,16 @@ A recording is kept only where replaying it does exactly what the launch functio
 - every kernel launched through a bound launch (:mod:`._fastlaunch`), already compiled: a launch
   through ``JITFunction.run`` (a compile, a launch hook, a kernel launched without ``wrap_triton``)
   fires the launch hook the recording watches, and refuses it;
-- no torch op but views and allocations (a dispatch mode watches): a copy, a fill or an in-place
-  update on an argument would not happen again;
-- every pointer handed to a kernel lies in exactly one argument tensor, one allocation made
-  during the call (replayed as a fresh allocation of the same size), or a persistent buffer that
-  registered itself with a check of its validity (the arrival counters);
-- at least one launch.
+- no torch op but views, allocations and the GEMMs of :data:`_REPLAYED_OPS` (a dispatch mode
+  watches): a copy, a fill or an in-place update on an argument would not happen again. A GEMM
+  writing into a given ``out`` (the Q4_K dequant path's cuBLAS call) is replayed in its place
+  among the launches, on views rebuilt from the call's tensors at the recorded offsets, shapes
+  and strides;
+- every pointer handed to a kernel, and every GEMM operand, lies in exactly one argument tensor
+  (a GEMM reading it as its own dtype), one allocation made during the call (replayed as a fresh
+  allocation of the same size), or a persistent buffer that registered itself with a check of its
+  validity (the arrival counters);
+- at least one launch or GEMM.
 
 Once a layout has replayed after its checks, the call's raw arguments (before any check: each
 tensor's shape, strides, dtype, device and address modulo 16, each scalar's type and value, the
@@ -95,6 +99,11 @@ _ALLOCATIONS = frozenset(
     }
 )
 
+#: Torch ops a recorded call may run besides views and allocations: GEMMs writing into a given
+#: ``out``, replayed as the same op on the call's views (a dequantize-then-cuBLAS launch). Every
+#: tensor they touch already exists, so a replay rebuilds each as a view and calls the op again.
+_REPLAYED_OPS = frozenset({torch.ops.aten.mm.out, torch.ops.aten.addmm.out})
+
 _capturing: Any = torch._C._cuda_isCurrentStreamCapturing if torch.cuda._is_compiled() else (lambda: False)
 
 #: Whether eager calls replay (``TRITUNE_EAGER_REPLAY``; None: read the setting at the next call).
@@ -128,7 +137,8 @@ def _replay_on() -> bool:
 
 
 class _OpWatch(TorchDispatchMode):
-    """Lets views and allocations through a recording; any other torch op refuses it."""
+    """Lets views, allocations and the GEMMs of :data:`_REPLAYED_OPS` through a recording (noting
+    the latter two); any other torch op refuses it."""
 
     def __init__(self, recording: Recording) -> None:
         super().__init__()
@@ -138,6 +148,8 @@ class _OpWatch(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func in _ALLOCATIONS:
             self.recording.allocations.append(out)
+        elif func in _REPLAYED_OPS:
+            self.recording.op(func, tuple(args), dict(kwargs or {}))
         elif not func.is_view:
             self.recording.refuse(f"the launch runs {func}")
         return out
@@ -163,12 +175,43 @@ class _Unmapped(Exception):
     pass
 
 
+class _OpTensor:
+    """A tensor a replayed torch op takes: a view at a byte offset into one of the call's tensors
+    (or its scratch), rebuilt per replay."""
+
+    __slots__ = ("dtype", "offset", "shape", "source", "strides")
+
+    def __init__(self, source: int, offset: int, t: torch.Tensor) -> None:
+        self.source, self.offset = source, offset
+        self.shape, self.strides, self.dtype = tuple(t.shape), t.stride(), t.dtype
+
+    def rebuild(self, tensors: Sequence[torch.Tensor | None], scratch: torch.Tensor | None) -> torch.Tensor:
+        if self.source == len(tensors):
+            assert scratch is not None
+            typed = scratch.view(self.dtype)  # 512-byte aligned: every offset is whole elements
+            return typed.as_strided(self.shape, self.strides, self.offset // typed.element_size())
+        base = tensors[self.source]
+        assert base is not None
+        return base.as_strided(self.shape, self.strides, base.storage_offset() + self.offset // base.element_size())
+
+
+def _rebuilt(value: Any, tensors: Sequence[torch.Tensor | None], scratch: torch.Tensor | None) -> Any:
+    return value.rebuild(tensors, scratch) if type(value) is _OpTensor else value
+
+
 class _Plan:
-    """The launches of one layout, rebuilt from a call's addresses."""
+    """The launches (and replayed torch ops) of one layout, rebuilt from a call's addresses."""
 
-    __slots__ = ("checks", "config", "launches", "scratch_bytes")
+    __slots__ = ("checks", "config", "launches", "ops", "scratch_bytes")
 
-    def __init__(self, config: Any, launches: list[Any], scratch_bytes: int, checks: list[Callable[[], bool]]) -> None:
+    def __init__(
+        self,
+        config: Any,
+        launches: list[Any],
+        scratch_bytes: int,
+        checks: list[Callable[[], bool]],
+        ops: list[tuple[int, Any, tuple[Any, ...], dict[str, Any]]] | None = None,
+    ) -> None:
         #: Kept so that the config's id in the key cannot be reused by another object.
         self.config = config
         #: (launcher, function, the arguments before the kernel's (packed metadata and what the
@@ -176,25 +219,56 @@ class _Plan:
         self.launches = launches
         self.scratch_bytes = scratch_bytes
         self.checks = checks
+        #: (launches before it, op, args, kwargs), tensors as :class:`_OpTensor`: a replay needs
+        #: the call's tensors, not only their addresses.
+        self.ops = ops or []
 
-    def replay(self, addresses: list[int], device: torch.device, stream: int) -> bool:
-        """Launch this layout's kernels on ``addresses`` (the arguments' tensors, in order)."""
+    def replay(
+        self,
+        addresses: list[int],
+        device: torch.device,
+        stream: int,
+        tensors: Sequence[torch.Tensor | None] | None = None,
+    ) -> bool:
+        """Launch this layout's kernels on ``addresses`` (the arguments' tensors, in order), and run
+        its torch ops, in the recorded order, on views of ``tensors`` (the same tensors)."""
         for check in self.checks:
             if not check():
                 return False
+        ops = self.ops
+        if ops and tensors is None:
+            return False
         scratch = None
         if self.scratch_bytes:
             scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=device)
             addresses = [*addresses, scratch.data_ptr()]
-        for launcher, function, head, grid, template, pointers, descriptors in self.launches:
+        done = 0
+        for index, (launcher, function, head, grid, template, pointers, descriptors) in enumerate(self.launches):
+            while done < len(ops) and ops[done][0] <= index:
+                self._run_op(ops[done], tensors, scratch)  # type: ignore[arg-type]
+                done += 1
             values = template.copy()
             for position, source, offset in pointers:
                 values[position] = addresses[source] + offset
             for position, source, offset, shape, strides, padding in descriptors:
                 values[position] = _ReplayDescriptor(addresses[source] + offset, shape, strides, padding)
             launcher(grid[0], grid[1], grid[2], stream, function, *head, *values)
+        for op in ops[done:]:
+            self._run_op(op, tensors, scratch)  # type: ignore[arg-type]
         del scratch  # freed after the launches were queued on this stream, as the launch function's own
         return True
+
+    @staticmethod
+    def _run_op(
+        op: tuple[int, Any, tuple[Any, ...], dict[str, Any]],
+        tensors: Sequence[torch.Tensor | None],
+        scratch: torch.Tensor | None,
+    ) -> None:
+        _, func, args, kwargs = op
+        func(
+            *[_rebuilt(a, tensors, scratch) for a in args],
+            **{name: _rebuilt(v, tensors, scratch) for name, v in kwargs.items()},
+        )
 
 
 def _direct(launcher: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -267,7 +341,32 @@ def _build_plan(config: Any, rec: Recording, tensors: Sequence[torch.Tensor | No
         launches.append(
             (launcher, function, (*head, packed, None, None, None), grid, template, tuple(pointers), tuple(descriptors))
         )
-    return _Plan(config, launches, scratch_bytes, [check for _, check in rec.statics])
+
+    def op_value(value: Any) -> Any:
+        """An op's argument as a replay rebuilds it: a tensor as an :class:`_OpTensor` (a persistent
+        buffer's as itself), anything else as it is."""
+        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+            raise _Unmapped("a replayed torch op takes a sequence of tensors")
+        if not isinstance(value, torch.Tensor):
+            return value
+        where = locate(value.data_ptr())
+        if where is None:
+            return value
+        source, offset = where
+        if source < len(tensors):
+            base = tensors[source]
+            assert base is not None
+            if base.dtype != value.dtype:
+                raise _Unmapped("a replayed torch op reads an argument as another dtype")
+        if offset % value.element_size():
+            raise _Unmapped("a replayed torch op's tensor starts inside an element")
+        return _OpTensor(source, offset, value)
+
+    ops = [
+        (position, func, tuple(op_value(a) for a in args), {name: op_value(v) for name, v in kwargs.items()})
+        for position, func, args, kwargs in rec.ops
+    ]
+    return _Plan(config, launches, scratch_bytes, [check for _, check in rec.statics], ops)
 
 
 _watch_lock = threading.Lock()
@@ -313,10 +412,11 @@ class _Early:
 
 def early_key(
     args: tuple[Any, ...], layout: Sequence[tuple[int, int, Any]]
-) -> tuple[tuple[Any, ...], list[int]] | None:
-    """The key of a call's raw arguments, before any check, and their addresses; None when the call
-    cannot be replayed before its checks (an output passed, a tensor that needs grad or is not a
-    plain tensor, a mode, a capture, a launch hook).
+) -> tuple[tuple[Any, ...], list[int], list[torch.Tensor | None]] | None:
+    """The key of a call's raw arguments, before any check, their addresses and the tensors
+    themselves (in the same order); None when the call cannot be replayed before its checks (an
+    output passed, a tensor that needs grad or is not a plain tensor, a mode, a capture, a launch
+    hook).
 
     ``layout``: per argument, in the order of :meth:`LaunchPlans.run`'s tensors (inputs and
     outputs by position, then objects' parts, then scalars): (position, kind, the object's type
@@ -332,6 +432,7 @@ def early_key(
     current = active.get_current_device()
     key: list[Any] = [current, active.get_current_stream(current)]
     addresses: list[int] = []
+    tensors: list[torch.Tensor | None] = []
     for i, kind, extra in layout:
         value = args[i]
         if kind == SCALAR:
@@ -339,6 +440,7 @@ def early_key(
             continue
         if kind == OUTPUT:
             addresses.append(0)
+            tensors.append(None)
             continue
         if kind == OBJECT:
             kind_type, split = extra
@@ -348,6 +450,7 @@ def early_key(
         elif value is None:
             key.append(None)
             addresses.append(0)
+            tensors.append(None)
             continue
         else:
             parts = (value,)
@@ -356,8 +459,9 @@ def early_key(
                 return None  # the checks name what is wrong with a tensor of another layout
             address = t.data_ptr()
             addresses.append(address)
+            tensors.append(t)
             key += (t.shape, t.stride(), t.dtype, t.get_device(), address & 15)
-    return tuple(key), addresses
+    return tuple(key), addresses, tensors
 
 
 class LaunchPlans:
@@ -451,7 +555,7 @@ class LaunchPlans:
         layout = tuple(key)
         plan = self._plans.get(layout)
         if plan is not None:
-            if plan.config is config and plan.replay(addresses, device, stream):
+            if plan.config is config and plan.replay(addresses, device, stream, tensors):
                 return plan
             self._plans.pop(layout, None)  # a persistent buffer changed, or the id is another config's
             return None
@@ -466,11 +570,18 @@ class LaunchPlans:
         return RAN if recorded is None else recorded
 
     def replay_early(
-        self, entry: _Early, config: Any, stream: int, addresses: list[int], output_slots: Sequence[int]
+        self,
+        entry: _Early,
+        config: Any,
+        stream: int,
+        addresses: list[int],
+        output_slots: Sequence[int],
+        tensors: list[torch.Tensor | None] | None = None,
     ) -> list[torch.Tensor] | None:
         """Replay ``config``'s plan for an early key's call on ``stream`` (the key's): its outputs,
         or None when the call must go the checked way (no plan for this config, or a persistent
-        buffer changed)."""
+        buffer changed). ``tensors``: the call's tensors in ``addresses``' order (None at the
+        outputs' slots), for a plan that replays torch ops."""
         plan = entry.plans.get(id(config))
         if plan is None or plan.config is not config:
             return None
@@ -480,7 +591,9 @@ class LaunchPlans:
         ]
         for slot, out in zip(output_slots, outputs, strict=True):
             addresses[slot] = out.data_ptr()
-        if not plan.replay(addresses, device, stream):
+            if tensors is not None:
+                tensors[slot] = out
+        if not plan.replay(addresses, device, stream, tensors):
             entry.plans.pop(id(config), None)  # another thread may have dropped it as well
             return None
         return outputs
@@ -508,7 +621,7 @@ class LaunchPlans:
             if watched:
                 _watch(False)
         why = rec.refused
-        if why is None and not rec.launches:
+        if why is None and not rec.launches and not rec.ops:
             why = "nothing was launched through a bound launch"
         plan: _Plan | None = None
         if why is None:

@@ -188,11 +188,13 @@ class Kernel(KernelOp, KernelSpec[Any, Any]):
         """:meth:`__call__` with every argument given positionally (what the public wrappers use)."""
         return self._run(args, None)
 
-    def _call_early(self, plans: LaunchPlans, early: tuple[tuple[Any, ...], list[int]]) -> Any:
+    def _call_early(
+        self, plans: LaunchPlans, early: tuple[tuple[Any, ...], list[int], list[torch.Tensor | None]]
+    ) -> Any:
         """A call whose raw arguments' layout was replayed after its checks before: dispatch on
         that call's facts and replay the config's plan, skipping the checks (which depend on that
         layout alone). None: the call goes the checked way."""
-        key, addresses = early
+        key, addresses, tensors = early
         entry = plans.early(key)
         if entry is None:
             return None
@@ -201,7 +203,7 @@ class Kernel(KernelOp, KernelSpec[Any, Any]):
             config, first = config.for_call()
             if first is not None:
                 return None
-        outputs = plans.replay_early(entry, config, key[1], addresses, self._output_slots)
+        outputs = plans.replay_early(entry, config, key[1], addresses, self._output_slots, tensors)
         if outputs is None:
             return None
         return outputs[0] if len(outputs) == 1 else tuple(outputs)

@@ -135,12 +135,13 @@ def test_host_times_add_the_public_calls_own_cost_to_every_config(monkeypatch) -
 
     def slowed(self, values):
         pin, call = real(self, values)
-        return pin, lambda: (time.sleep(0.002), call())
+        return pin, lambda: (time.sleep(0.05), call())
 
     monkeypatch.setattr(CandidateBench, "_public_call", slowed)
     slow = bench.host_times([default, default])
     assert plain is not None and slow is not None
-    assert all(s - p > 1.5 for s, p in zip(slow, plain, strict=True)), (plain, slow)
+    # 50 ms against interpreted calls of about 20 ms, whose timing a loaded machine moves by a few.
+    assert all(s - p > 35 for s, p in zip(slow, plain, strict=True)), (plain, slow)
 
 
 def test_the_public_calls_cost_is_timed_as_a_plain_eager_call_makes_it(monkeypatch) -> None:

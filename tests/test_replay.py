@@ -518,3 +518,114 @@ def test_nothing_replays_under_a_dispatch_mode(toy) -> None:
     with Passthrough():
         assert toy.plans.run(toy.launch, CONFIG, (x, out, 0.5), [x, out], (0.5,), x.device) is None
     assert toy.body_runs == runs
+
+
+# ---- torch ops replayed: GEMMs into a given out ------------------------------------------------
+
+
+class Gemm:
+    """A launch function that launches a kernel, then runs two GEMMs: one into a workspace, one
+    from it (and the arguments, through views) into the output."""
+
+    def __init__(self, toy: Toy) -> None:
+        self.toy, self.plans, self.body_runs = toy, _replay.LaunchPlans("gemm"), 0
+
+    def launch(self, config: Any, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        self.body_runs += 1
+        ws = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+        wrap_triton(self.toy.kernel)[(2,)](x, ws, x.shape[0], 1, scale, None, BLOCK=16)
+        torch.mm(x, w.t(), out=ws)
+        torch.addmm(ws[:, 1:], x[:, 2:], w[1:, 2:].t(), alpha=scale, out=out[:, 1:])
+        torch.mm(x[:, :3], w[:1, :3].t(), out=out[:, :1])
+
+    def call(self, x: torch.Tensor, w: torch.Tensor, scale: float = 0.5) -> torch.Tensor:
+        out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+        args = (x, w, out, scale)
+        if not self.plans.run(self.launch, CONFIG, args, [x, w, out], (scale,), x.device):
+            run_unwrapped(self.launch, (CONFIG, *args), ())
+        return out
+
+
+def _expected(x: torch.Tensor, w: torch.Tensor, scale: float = 0.5) -> torch.Tensor:
+    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+    ws = x @ w.t()
+    out[:, 1:] = ws[:, 1:] + scale * (x[:, 2:] @ w[1:, 2:].t())
+    out[:, :1] = x[:, :3] @ w[:1, :3].t()
+    return out
+
+
+def test_gemms_into_a_given_out_are_replayed_on_the_calls_views(toy) -> None:
+    gemm = Gemm(toy)
+    x, w = torch.randn(6, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
+    for _ in range(2):
+        gemm.call(x, w)
+    runs, launched = gemm.body_runs, len(toy.launches)
+    [plan] = [p for p in gemm.plans._plans.values() if p is not None]
+    assert [(position, func) for position, func, _, _ in plan.ops] == [
+        (1, torch.ops.aten.mm.out),
+        (1, torch.ops.aten.addmm.out),
+        (1, torch.ops.aten.mm.out),
+    ], "the GEMMs come after the kernel's launch, in order"
+    for _ in range(3):
+        x, w = torch.randn(6, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
+        out = gemm.call(x, w)
+        torch.testing.assert_close(out, _expected(x, w), rtol=0, atol=1e-12)
+    assert gemm.body_runs == runs, "a layout's third call on must replay, not run the launch function"
+    assert len(toy.launches) == launched + 3, "the kernel's launch is replayed too"
+    # Arguments that are views into larger storages (the same layout): rebuilt at their own offsets.
+    x, w = torch.randn(8, 8, dtype=torch.float64)[2:], torch.randn(7, 8, dtype=torch.float64)[2:]
+    torch.testing.assert_close(gemm.call(x, w), _expected(x, w), rtol=0, atol=1e-12)
+    assert gemm.body_runs == runs
+
+
+def test_an_early_replay_of_gemms_builds_its_views_on_the_calls_tensors(toy) -> None:
+    gemm = Gemm(toy)
+    x, w = torch.randn(6, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
+    for _ in range(3):
+        out = gemm.call(x, w)
+    [plan] = [p for p in gemm.plans._plans.values() if p is not None]
+    gemm.plans.remember_early(("raw key",), ("facts",), x.device, [out], CONFIG, plan)
+    entry = gemm.plans.early(("raw key",))
+    assert entry is not None
+    x, w = torch.randn(6, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
+    addresses = [x.data_ptr(), w.data_ptr(), 0]
+    runs = gemm.body_runs
+    [early_out] = gemm.plans.replay_early(entry, CONFIG, 7, list(addresses), (2,), [x, w, None])
+    assert gemm.body_runs == runs
+    torch.testing.assert_close(early_out, _expected(x, w), rtol=0, atol=1e-12)
+
+
+def _gemm_without_out(gemm: Gemm):
+    def launch(config: Any, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        gemm.body_runs += 1
+        wrap_triton(gemm.toy.kernel)[(2,)](x, out, x.shape[0], 1, scale, None, BLOCK=16)
+        out[:, :1] = torch.mm(x[:, :3], w[:1, :3].t())
+
+    return launch
+
+
+def _gemm_as_another_dtype(gemm: Gemm):
+    def launch(config: Any, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        gemm.body_runs += 1
+        ws = torch.empty(x.shape[0], 4, dtype=torch.float32, device=x.device)
+        wrap_triton(gemm.toy.kernel)[(2,)](x, out, x.shape[0], 1, scale, None, BLOCK=16)
+        torch.mm(x.view(torch.float32)[:, :2], w.view(torch.float32)[:4, :2].t(), out=ws)
+
+    return launch
+
+
+@pytest.mark.parametrize(
+    "launch",
+    [
+        pytest.param(_gemm_without_out, id="gemm-allocating-its-result"),
+        pytest.param(_gemm_as_another_dtype, id="argument-read-as-another-dtype"),
+    ],
+)
+def test_a_gemm_a_replay_could_not_rebuild_keeps_the_launch_function(toy, launch) -> None:
+    gemm = Gemm(toy)
+    gemm.launch = launch(gemm)  # type: ignore[method-assign]
+    x, w = torch.randn(6, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
+    for _ in range(_replay.RECORD_ATTEMPTS + 3):
+        gemm.call(x, w)
+    assert gemm.body_runs == _replay.RECORD_ATTEMPTS + 3
+    assert all(p is None for p in gemm.plans._plans.values())

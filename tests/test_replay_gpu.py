@@ -83,6 +83,10 @@ CASES = {
     "q4k-m1": lambda: _q4k(1, 4096, 4096),
     "q4k-m32-tma": lambda: _q4k(32, 14336, 4096),
     "q4k-m256": lambda: _q4k(256, 4096, 4096),
+    # The dequant path (SM90 bundles from M=512): a dequantization launch, then cuBLAS into out
+    # (replayed torch ops), whole and in chunks of weight rows.
+    "q4k-m512-dequant": lambda: _q4k(512, 4096, 4096),
+    "q4k-m1024-dequant-chunks": lambda: _q4k(1024, 14336, 4096),
 }
 
 
