@@ -296,7 +296,10 @@ def _build_plan(config: Any, rec: Recording, tensors: Sequence[torch.Tensor | No
     scratch_source = len(tensors)
     scratch_bytes = 0
     allocation_spans: list[tuple[int, int, int]] = []  # (first, end, offset in the scratch buffer)
+    devices = {t.device for t in tensors if t is not None}
     for t in rec.allocations:
+        if t.device not in devices:
+            raise _Unmapped(f"the launch allocates on {t.device}, which no argument is on")
         nbytes = t.untyped_storage().nbytes()
         if nbytes:
             base = t.untyped_storage().data_ptr()
@@ -343,16 +346,20 @@ def _build_plan(config: Any, rec: Recording, tensors: Sequence[torch.Tensor | No
         )
 
     def op_value(value: Any) -> Any:
-        """An op's argument as a replay rebuilds it: a tensor as an :class:`_OpTensor` (a persistent
-        buffer's as itself), anything else as it is."""
+        """An op's argument as a replay rebuilds it: a tensor as an :class:`_OpTensor`, anything
+        else as it is."""
         if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
             raise _Unmapped("a replayed torch op takes a sequence of tensors")
         if not isinstance(value, torch.Tensor):
             return value
+        span = _byte_span(value)
         where = locate(value.data_ptr())
-        if where is None:
-            return value
+        if where is None or span is None:
+            # A persistent buffer would be kept alive by the plan; an empty operand has no address.
+            raise _Unmapped("a replayed torch op takes a registered buffer or an empty tensor")
         source, offset = where
+        if locate(span[1] - 1) != (source, offset + span[1] - 1 - span[0]):
+            raise _Unmapped("a replayed torch op's operand reaches past the memory it starts in")
         if source < len(tensors):
             base = tensors[source]
             assert base is not None
@@ -576,7 +583,7 @@ class LaunchPlans:
         stream: int,
         addresses: list[int],
         output_slots: Sequence[int],
-        tensors: list[torch.Tensor | None] | None = None,
+        tensors: list[torch.Tensor | None],
     ) -> list[torch.Tensor] | None:
         """Replay ``config``'s plan for an early key's call on ``stream`` (the key's): its outputs,
         or None when the call must go the checked way (no plan for this config, or a persistent
@@ -591,8 +598,7 @@ class LaunchPlans:
         ]
         for slot, out in zip(output_slots, outputs, strict=True):
             addresses[slot] = out.data_ptr()
-            if tensors is not None:
-                tensors[slot] = out
+            tensors[slot] = out
         if not plan.replay(addresses, device, stream, tensors):
             entry.plans.pop(id(config), None)  # another thread may have dropped it as well
             return None

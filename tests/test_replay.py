@@ -388,11 +388,11 @@ def test_an_early_replay_launches_what_the_launch_function_does(toy) -> None:
     toy.plans.remember_early(key, ("facts",), x.device, [out], CONFIG, plan)
     entry = toy.plans.early(key)
     assert entry is not None and entry.outputs == (((64,), (1,), torch.float32),)
-    assert toy.plans.replay_early(entry, ("another config",), 7, [x.data_ptr(), 0], (1,)) is None
+    assert toy.plans.replay_early(entry, ("another config",), 7, [x.data_ptr(), 0], (1,), [x, None]) is None
     fresh = torch.randn(64)
     before = len(toy.launches)
     runs = toy.body_runs
-    [early_out] = toy.plans.replay_early(entry, CONFIG, 7, [fresh.data_ptr(), 0], (1,))
+    [early_out] = toy.plans.replay_early(entry, CONFIG, 7, [fresh.data_ptr(), 0], (1,), [fresh, None])
     assert toy.body_runs == runs
     replayed = toy.launches[before:]
     direct = toy.launched_by_body(fresh, early_out)
@@ -499,7 +499,7 @@ def test_a_plan_dropped_by_another_thread_is_no_error(toy) -> None:
         return False
 
     plan.checks[-1] = entry_dropped_elsewhere
-    assert toy.plans.replay_early(entry, CONFIG, 7, [x.data_ptr(), 0], (1,)) is None
+    assert toy.plans.replay_early(entry, CONFIG, 7, [x.data_ptr(), 0], (1,), [x, None]) is None
 
 
 def test_nothing_replays_under_a_dispatch_mode(toy) -> None:
@@ -533,8 +533,8 @@ class Gemm:
     def launch(self, config: Any, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scale: float) -> None:
         self.body_runs += 1
         ws = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-        wrap_triton(self.toy.kernel)[(2,)](x, ws, x.shape[0], 1, scale, None, BLOCK=16)
         torch.mm(x, w.t(), out=ws)
+        wrap_triton(self.toy.kernel)[(2,)](x, ws, x.shape[0], 1, scale, None, BLOCK=16)
         torch.addmm(ws[:, 1:], x[:, 2:], w[1:, 2:].t(), alpha=scale, out=out[:, 1:])
         torch.mm(x[:, :3], w[:1, :3].t(), out=out[:, :1])
 
@@ -554,24 +554,30 @@ def _expected(x: torch.Tensor, w: torch.Tensor, scale: float = 0.5) -> torch.Ten
     return out
 
 
-def test_gemms_into_a_given_out_are_replayed_on_the_calls_views(toy) -> None:
+def test_gemms_into_a_given_out_are_replayed_on_the_calls_views(toy, monkeypatch) -> None:
     gemm = Gemm(toy)
     x, w = torch.randn(6, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
     for _ in range(2):
         gemm.call(x, w)
-    runs, launched = gemm.body_runs, len(toy.launches)
+    runs = gemm.body_runs
     [plan] = [p for p in gemm.plans._plans.values() if p is not None]
     assert [(position, func) for position, func, _, _ in plan.ops] == [
-        (1, torch.ops.aten.mm.out),
+        (0, torch.ops.aten.mm.out),
         (1, torch.ops.aten.addmm.out),
         (1, torch.ops.aten.mm.out),
-    ], "the GEMMs come after the kernel's launch, in order"
+    ], "each GEMM is noted with the launches before it"
+    # The replay runs them in that order among the launches: one log for both.
+    run_op = _replay._Plan._run_op
+    logged_op = staticmethod(lambda op, *rest: (toy.launches.append(op[1]), run_op(op, *rest)))
+    monkeypatch.setattr(_replay._Plan, "_run_op", logged_op)
     for _ in range(3):
         x, w = torch.randn(6, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
+        before = len(toy.launches)
         out = gemm.call(x, w)
         torch.testing.assert_close(out, _expected(x, w), rtol=0, atol=1e-12)
+        logged = ["launch" if isinstance(entry, tuple) else entry for entry in toy.launches[before:]]
+        assert logged == [torch.ops.aten.mm.out, "launch", torch.ops.aten.addmm.out, torch.ops.aten.mm.out]
     assert gemm.body_runs == runs, "a layout's third call on must replay, not run the launch function"
-    assert len(toy.launches) == launched + 3, "the kernel's launch is replayed too"
     # Arguments that are views into larger storages (the same layout): rebuilt at their own offsets.
     x, w = torch.randn(8, 8, dtype=torch.float64)[2:], torch.randn(7, 8, dtype=torch.float64)[2:]
     torch.testing.assert_close(gemm.call(x, w), _expected(x, w), rtol=0, atol=1e-12)
@@ -599,7 +605,55 @@ def _gemm_without_out(gemm: Gemm):
     def launch(config: Any, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scale: float) -> None:
         gemm.body_runs += 1
         wrap_triton(gemm.toy.kernel)[(2,)](x, out, x.shape[0], 1, scale, None, BLOCK=16)
-        out[:, :1] = torch.mm(x[:, :3], w[:1, :3].t())
+        product = torch.mm(x[:, :3], w[:1, :3].t())
+        torch.mm(product, w[:1, :1], out=out[:, :1])
+
+    return launch
+
+
+_PERSISTENT = torch.randn(5, 8, dtype=torch.float64)
+
+
+def _gemm_on_a_buffer_no_argument_holds(gemm: Gemm):
+    def launch(config: Any, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        gemm.body_runs += 1
+        wrap_triton(gemm.toy.kernel)[(2,)](x, out, x.shape[0], 1, scale, None, BLOCK=16)
+        torch.mm(x, _PERSISTENT.t(), out=out)
+
+    return launch
+
+
+def _gemm_on_a_registered_buffer(gemm: Gemm):
+    """A persistent buffer registered for the launches: a plan holding it as a GEMM operand would
+    keep it alive after its owner dropped it."""
+
+    def launch(config: Any, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        gemm.body_runs += 1
+        rec = recording()
+        if rec is not None:
+            rec.static(_PERSISTENT, lambda: True)
+        wrap_triton(gemm.toy.kernel)[(2,)](x, out, x.shape[0], 1, scale, None, BLOCK=16)
+        torch.mm(x, _PERSISTENT.t(), out=out)
+
+    return launch
+
+
+def _allocates_elsewhere(gemm: Gemm):
+    def launch(config: Any, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        gemm.body_runs += 1
+        torch.empty(16, device="meta")
+        wrap_triton(gemm.toy.kernel)[(2,)](x, out, x.shape[0], 1, scale, None, BLOCK=16)
+
+    return launch
+
+
+def _gemm_past_its_argument(gemm: Gemm):
+    def launch(config: Any, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        gemm.body_runs += 1
+        wrap_triton(gemm.toy.kernel)[(2,)](x, out, x.shape[0], 1, scale, None, BLOCK=16)
+        # x's last row and, past it, memory x does not hold (its storage is larger).
+        beyond = x.as_strided((2, 8), (8, 1), x.storage_offset() + 5 * 8)
+        torch.mm(beyond, w[:2].t(), out=out[:2, :2])
 
     return launch
 
@@ -619,12 +673,16 @@ def _gemm_as_another_dtype(gemm: Gemm):
     [
         pytest.param(_gemm_without_out, id="gemm-allocating-its-result"),
         pytest.param(_gemm_as_another_dtype, id="argument-read-as-another-dtype"),
+        pytest.param(_gemm_on_a_buffer_no_argument_holds, id="operand-in-no-argument"),
+        pytest.param(_gemm_on_a_registered_buffer, id="operand-in-a-registered-buffer"),
+        pytest.param(_allocates_elsewhere, id="allocation-on-another-device"),
+        pytest.param(_gemm_past_its_argument, id="operand-past-its-argument"),
     ],
 )
 def test_a_gemm_a_replay_could_not_rebuild_keeps_the_launch_function(toy, launch) -> None:
     gemm = Gemm(toy)
     gemm.launch = launch(gemm)  # type: ignore[method-assign]
-    x, w = torch.randn(6, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
+    x, w = torch.randn(8, 8, dtype=torch.float64)[:6], torch.randn(5, 8, dtype=torch.float64)
     for _ in range(_replay.RECORD_ATTEMPTS + 3):
         gemm.call(x, w)
     assert gemm.body_runs == _replay.RECORD_ATTEMPTS + 3
