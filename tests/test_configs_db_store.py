@@ -166,7 +166,7 @@ def test_offer_winner_keeps_the_best(store: ConfigStore, env_id: int) -> None:
 
 
 def test_a_kept_winner_of_the_offered_config_takes_its_eager_alternative(store: ConfigStore, env_id: int) -> None:
-    """With ``refresh_eager``, a kept winner found again gets the alternative timed with it now
+    """With ``refresh_eager``, a kept winner found again gets the alternative timed in this run
     (``None`` clears the old one); a stored winner of another config or at another key, or an
     offer without it, leaves the stored one alone."""
     old = EagerAlternative(config={**CONFIG, "BLOCK_M": 32}, ms=0.05, winner_ms=0.06)
