@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 import toy_kernel
-import triton
+from toy_records import toy_record
 
 from tritune.configs_db.records import EagerAlternative, WinnerRecord
 from tritune.configs_db.store import ConfigStore
@@ -172,21 +172,8 @@ WINNER = {"BLOCK": 128, "BROKEN": False, "num_warps": 2}
 
 def _faster_record(key: Any, config: dict[str, Any], eager: EagerAlternative) -> WinnerRecord:
     """A winner at ``key`` faster than any the toy's fake times give, with ``eager`` beside it."""
-    return WinnerRecord(
-        kernel=toy_kernel.SPEC.name,
-        kernel_version=toy_kernel.SPEC.version,
-        gpu=CPU.slug,
-        key=key.to_dict(),
-        config=config,
-        time_ms=0.001,
-        portable_ms=0.1,
-        speedup=100.0,
-        trials=3,
-        triton_version=triton.__version__,
-        torch_version=torch.__version__,
-        tritune_version=tritune_version(),
-        eager=eager,
-    )
+    fast = {"time_ms": 0.001, "portable_ms": 0.1, "speedup": 100.0, "tritune_version": tritune_version()}
+    return toy_record(key.n_bucket, config, eager=eager, **fast)
 
 
 @pytest.mark.parametrize("now_best_eagerly", [True, False])
