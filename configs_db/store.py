@@ -224,16 +224,15 @@ class ConfigStore:
         way of running them. The stored time, the faster one, stays.
         """
         with self._session() as session:
-            from . import upserts
-
-            values, environment = self._values(session, record, env_id)
-            stored = upserts.offer_winner(session, values, environment.triton_version, environment.torch_version)
-            if not stored and refresh_eager:
-                upserts.refresh_eager(session, values)
-            return stored
+            return self._offer(session, record, env_id, refresh_eager=refresh_eager)
 
     def _offer(
-        self, session: Session, record: WinnerRecord, env_id: int, current: tuple[str, str] | None = None
+        self,
+        session: Session,
+        record: WinnerRecord,
+        env_id: int,
+        current: tuple[str, str] | None = None,
+        refresh_eager: bool = False,
     ) -> bool:
         """:meth:`offer_winner` inside the caller's transaction; ``ValueError`` before anything is written.
 
@@ -244,7 +243,10 @@ class ConfigStore:
 
         values, environment = self._values(session, record, env_id)
         triton_version, torch_version = current or (environment.triton_version, environment.torch_version)
-        return upserts.offer_winner(session, values, triton_version, torch_version)
+        stored = upserts.offer_winner(session, values, triton_version, torch_version)
+        if not stored and refresh_eager:
+            upserts.refresh_eager(session, values)
+        return stored
 
     def _values(self, session: Session, record: WinnerRecord, env_id: int) -> tuple[WinnerValues, Environment]:
         """``record`` checked and in column form, and its environment row; ``ValueError`` if it is

@@ -228,7 +228,7 @@ class _Plan:
         addresses: list[int],
         device: torch.device,
         stream: int,
-        tensors: Sequence[torch.Tensor | None] | None = None,
+        tensors: Sequence[torch.Tensor | None],
     ) -> bool:
         """Launch this layout's kernels on ``addresses`` (the arguments' tensors, in order), and run
         its torch ops, in the recorded order, on views of ``tensors`` (the same tensors)."""
@@ -236,8 +236,6 @@ class _Plan:
             if not check():
                 return False
         ops = self.ops
-        if ops and tensors is None:
-            return False
         scratch = None
         if self.scratch_bytes:
             scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=device)
@@ -245,7 +243,7 @@ class _Plan:
         done = 0
         for index, (launcher, function, head, grid, template, pointers, descriptors) in enumerate(self.launches):
             while done < len(ops) and ops[done][0] <= index:
-                self._run_op(ops[done], tensors, scratch)  # type: ignore[arg-type]
+                self._run_op(ops[done], tensors, scratch)
                 done += 1
             values = template.copy()
             for position, source, offset in pointers:
@@ -254,7 +252,7 @@ class _Plan:
                 values[position] = _ReplayDescriptor(addresses[source] + offset, shape, strides, padding)
             launcher(grid[0], grid[1], grid[2], stream, function, *head, *values)
         for op in ops[done:]:
-            self._run_op(op, tensors, scratch)  # type: ignore[arg-type]
+            self._run_op(op, tensors, scratch)
         del scratch  # freed after the launches were queued on this stream, as the launch function's own
         return True
 
