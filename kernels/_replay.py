@@ -17,7 +17,8 @@ A recording is kept only where replaying it does exactly what the launch functio
   fires the launch hook the recording watches, and refuses it;
 - no torch op but views, allocations and the GEMMs of :data:`_REPLAYED_OPS` (a dispatch mode
   watches): a copy, a fill or an in-place update on an argument would not happen again. A GEMM
-  writing into a given ``out`` (the Q4_K dequant path's cuBLAS call) is replayed in its place
+  writing into a given ``out`` (the Q4_K dequant path's cuBLAS call, the staged path's scaled
+  fp8 one) is replayed in its place
   among the launches, on views rebuilt from the call's tensors at the recorded offsets, shapes
   and strides;
 - every pointer handed to a kernel, and every GEMM operand, lies in exactly one argument tensor
@@ -102,7 +103,7 @@ _ALLOCATIONS = frozenset(
 #: Torch ops a recorded call may run besides views and allocations: GEMMs writing into a given
 #: ``out``, replayed as the same op on the call's views (a dequantize-then-cuBLAS launch). Every
 #: tensor they touch already exists, so a replay rebuilds each as a view and calls the op again.
-_REPLAYED_OPS = frozenset({torch.ops.aten.mm.out, torch.ops.aten.addmm.out})
+_REPLAYED_OPS = frozenset({torch.ops.aten.mm.out, torch.ops.aten.addmm.out, torch.ops.aten._scaled_mm.out})
 
 _capturing: Any = torch._C._cuda_isCurrentStreamCapturing if torch.cuda._is_compiled() else (lambda: False)
 

@@ -601,6 +601,53 @@ def test_an_early_replay_of_gemms_builds_its_views_on_the_calls_tensors(toy) -> 
     torch.testing.assert_close(early_out, _expected(x, w), rtol=0, atol=1e-12)
 
 
+def _scaled_gemm_in_chunks(toy: Toy, calls: list[int]):
+    """The staged Q4_K path's shape: a launch, then a row-wise scaled e4m3 GEMM per chunk of
+    weight rows into that chunk's columns of ``out``, its column scales a view of an argument."""
+
+    def launch(config: Any, xq, wq, row_scale, col_scale, out, scale: float) -> None:
+        calls[0] += 1
+        wrap_triton(toy.kernel)[(2,)](xq, out, xq.shape[0], 1, scale, None, BLOCK=16)
+        for row0 in (0, 3):
+            rows = slice(row0, min(row0 + 3, wq.shape[0]))
+            torch._scaled_mm(
+                xq, wq[rows].t(), scale_a=row_scale, scale_b=col_scale[:, rows], out_dtype=out.dtype,
+                out=out[:, rows],
+            )  # fmt: skip
+
+    return launch
+
+
+def test_scaled_fp8_gemms_into_a_given_out_are_replayed(toy) -> None:
+    calls = [0]
+    launch = _scaled_gemm_in_chunks(toy, calls)
+    plans = _replay.LaunchPlans("scaled gemm")
+
+    def inputs() -> tuple[torch.Tensor, ...]:
+        xq = (torch.randn(4, 32) * 4).to(torch.float8_e4m3fn)
+        wq = (torch.randn(5, 32) * 4).to(torch.float8_e4m3fn)
+        return xq, wq, torch.rand(4, 1) + 0.5, torch.rand(1, 5) + 0.5
+
+    def call(xq, wq, row_scale, col_scale) -> torch.Tensor:
+        out = torch.full((4, 5), float("nan"), dtype=torch.bfloat16)  # every element must be written
+        args = (xq, wq, row_scale, col_scale, out, 0.5)
+        if not plans.run(launch, CONFIG, args, list(args[:5]), (0.5,), xq.device):
+            run_unwrapped(launch, (CONFIG, *args), ())
+        return out
+
+    for _ in range(2):
+        call(*inputs())
+    runs = calls[0]
+    [plan] = [p for p in plans._plans.values() if p is not None]
+    assert [func for _, func, _, _ in plan.ops] == [torch.ops.aten._scaled_mm.out] * 2
+    for _ in range(3):
+        xq, wq, row_scale, col_scale = inputs()
+        out = call(xq, wq, row_scale, col_scale)
+        expected = (xq.double() * row_scale.double()) @ (wq.double() * col_scale.double().t()).t()
+        torch.testing.assert_close(out.double(), expected.to(torch.bfloat16).double(), rtol=1e-2, atol=1e-2)
+    assert calls[0] == runs, "a layout's third call on must replay, not run the launch function"
+
+
 def _gemm_without_out(gemm: Gemm):
     def launch(config: Any, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scale: float) -> None:
         gemm.body_runs += 1

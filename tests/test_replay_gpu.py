@@ -16,7 +16,15 @@ from typing import Any
 import pytest
 import torch
 
-from tritune.kernels import Q4KWeight, _replay, decode_attention, prefill_attention, q4k_linear, varlen_attention
+from tritune.kernels import (
+    Q4KWeight,
+    _replay,
+    decode_attention,
+    prefill_attention,
+    q4k_linear,
+    settings,
+    varlen_attention,
+)
 from tritune.kernels.decode.kernel import KERNEL as DECODE
 from tritune.kernels.pins import use_config
 from tritune.kernels.prefill.kernel import KERNEL as PREFILL
@@ -79,11 +87,18 @@ def _q4k(m: int, n: int, k: int) -> tuple[Any, Callable[..., Any], Callable[[], 
 DEQUANT_IN_CHUNKS = {"path": "dequant", "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 8, "CHUNK_N": 4096}
 
 
-def _pinned(case: tuple[Any, Callable[..., Any], Callable[[], tuple]], config: dict[str, Any]) -> tuple:
+#: The staged path (fp8 opt-in) in chunks of 2048 weight rows (seven at N=14336): a prepass, then per chunk a
+#: dequantization launch and cuBLASLt's scaled fp8 GEMM into a view of out.
+STAGED_IN_CHUNKS = {"path": "staged", "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "CHUNK_N": 2048}
+
+
+def _pinned(
+    case: tuple[Any, Callable[..., Any], Callable[[], tuple]], config: dict[str, Any], **changed_settings: Any
+) -> tuple:
     kernel, call, inputs = case
 
     def pinned(*args: Any) -> Any:
-        with use_config(kernel.name, config):
+        with settings.override(**changed_settings), use_config(kernel.name, config):
             return call(*args)
 
     return kernel, pinned, inputs
@@ -103,6 +118,7 @@ CASES = {
     # (replayed torch ops), whole and in chunks of weight rows.
     "q4k-m512-dequant": lambda: _q4k(512, 4096, 4096),
     "q4k-m1024-dequant-chunks": lambda: _pinned(_q4k(1024, 14336, 4096), DEQUANT_IN_CHUNKS),
+    "q4k-m1024-staged-chunks": lambda: _pinned(_q4k(1024, 14336, 4096), STAGED_IN_CHUNKS, q4k_fp8=True),
 }
 
 
