@@ -31,9 +31,10 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from . import registry
 from ._autograd import needs_grad, warn_forward_only
+from ._early_key import build_early_key
 from ._launch import prepare_interpreter, same_layout
 from ._oplib import no_modes, register_schema_op, run_unwrapped
-from ._replay import INPUT, OBJECT, OUTPUT, RAN, SCALAR, LaunchPlans, early_key
+from ._replay import INPUT, OBJECT, OUTPUT, RAN, SCALAR, LaunchPlans
 from .arguments import CheckedCall, Derived, Obj, Output, Rule, Scalar, Tensor, dim_names, dtype_name, static_dim
 from .device import DeviceInfo
 from .dispatcher import EagerChoice, dispatch_choice_eager, dispatch_config
@@ -125,6 +126,8 @@ class Kernel(KernelOp, KernelSpec[Any, Any]):
             *((i, OBJECT, (self.arguments[i].type, split)) for i, split in self._objects),  # type: ignore[union-attr]
             *((i, SCALAR, None) for i in self._scalar_positions),
         )
+        optional = frozenset(i for i in self._tensor_positions if getattr(self.arguments[i], "optional", False))
+        self._early_key = build_early_key(self._early_layout, optional)
         #: Where each output's address goes among the early key's addresses.
         self._output_slots = tuple(n for n, i in enumerate(self._tensor_positions) if i in self._output_positions)
         self._fast: FastCheck | None = None
@@ -307,7 +310,7 @@ class Kernel(KernelOp, KernelSpec[Any, Any]):
         plans = self._plans
         # Not while compiling: dynamo traces this function, and a traced call has no layout to replay.
         if plans is not None and plans.recording_started and not torch.compiler.is_compiling():
-            early = early_key(args, self._early_layout)
+            early = self._early_key(args)
             if early is not None:
                 result = self._call_early(plans, early)
                 if result is not None:

@@ -19,6 +19,7 @@ from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tritune.kernels import _fastlaunch, _launch, _replay, settings
+from tritune.kernels._early_key import build_early_key
 from tritune.kernels._oplib import run_unwrapped, wrap_triton
 from tritune.kernels._recording import recording
 
@@ -337,8 +338,19 @@ def _raw(x: torch.Tensor | None = None, scale: Any = 0.5, out: Any = None, packe
     return (x, packed, scale, out)
 
 
-def test_the_early_key_leaves_to_the_checks_what_they_must_see(toy) -> None:
-    assert _replay.early_key(_raw(), _LAYOUT) is not None
+def _generated_early_key(args: tuple[Any, ...], layout: Any) -> Any:
+    return build_early_key(layout)(args)
+
+
+@pytest.fixture(params=[_replay.early_key, _generated_early_key], ids=["loop", "generated"])
+def early_key(request):
+    """Both readings of a layout: the loop over it, and the function generated for it (what a
+    declared kernel calls)."""
+    return request.param
+
+
+def test_the_early_key_leaves_to_the_checks_what_they_must_see(toy, early_key) -> None:
+    assert early_key(_raw(), _LAYOUT) is not None
     refused = {
         "an output passed": _raw(out=torch.empty(4, 8)),
         "a tensor needing grad": _raw(x=torch.randn(4, 64, requires_grad=True)),
@@ -347,12 +359,12 @@ def test_the_early_key_leaves_to_the_checks_what_they_must_see(toy) -> None:
         "a part needing grad": _raw(packed=_Packed(torch.randn(8, 4, requires_grad=True), torch.randn(8))),
     }
     for what, args in refused.items():
-        assert _replay.early_key(args, _LAYOUT) is None, what
+        assert early_key(args, _LAYOUT) is None, what
 
 
-def test_the_early_key_tells_layouts_apart(toy) -> None:
+def test_the_early_key_tells_layouts_apart(toy, early_key) -> None:
     def key(**changes: Any) -> tuple[Any, ...]:
-        found = _replay.early_key(_raw(**changes), _LAYOUT)
+        found = early_key(_raw(**changes), _LAYOUT)
         assert found is not None
         return found[0]
 
@@ -371,12 +383,28 @@ def test_the_early_key_tells_layouts_apart(toy) -> None:
         assert other != base, what
 
 
-def test_the_early_key_lists_addresses_in_the_replay_order(toy) -> None:
+def test_the_early_key_lists_addresses_in_the_replay_order(toy, early_key) -> None:
     args = _raw()
-    found = _replay.early_key(args, _LAYOUT)
+    found = early_key(args, _LAYOUT)
     assert found is not None
     x, packed = args[0], args[1]
     assert found[1] == [x.data_ptr(), 0, packed.a.data_ptr(), packed.b.data_ptr()]
+
+
+def test_the_generated_early_key_equals_the_loops(toy) -> None:
+    """An optional input (position 4) read both ways: absent and present, and the whole key, the
+    addresses and the tensors alike; a required tensor left None gives no key."""
+    layout = (*_LAYOUT[:1], (4, _replay.INPUT, None), *_LAYOUT[1:])
+    generated = build_early_key(layout, optional=frozenset({4}))
+    for bias in (None, torch.randn(8), torch.randn(9, dtype=torch.float64)[1:]):
+        args = (*_raw(), bias)
+        expected, found = _replay.early_key(args, layout), generated(args)
+        assert expected is not None and found is not None
+        assert found[0] == expected[0] and hash(found[0]) == hash(expected[0])
+        assert found[1] == expected[1]
+        assert all(a is b for a, b in zip(found[2], expected[2], strict=True))
+    assert generated((None, *_raw()[1:], None)) is None
+    assert generated((*_raw(), torch.randn(8, requires_grad=True))) is None
 
 
 def test_an_early_replay_launches_what_the_launch_function_does(toy) -> None:
@@ -456,7 +484,7 @@ def test_a_replay_calls_the_raw_launch_of_a_launcher_without_scratch(scratch) ->
 # ---- what the review of the replay found ---------------------------------------------------------
 
 
-def test_the_early_key_traces_under_torch_compile(toy, monkeypatch) -> None:
+def test_the_early_key_traces_under_torch_compile(toy, monkeypatch, early_key) -> None:
     """Under ``torch.compile`` the early key must stop before anything dynamo cannot trace (the
     capture query stands in here for any such call)."""
 
@@ -465,16 +493,18 @@ def test_the_early_key_traces_under_torch_compile(toy, monkeypatch) -> None:
 
     monkeypatch.setattr(_replay, "_capturing", untraceable)
     args = _raw()
-    compiled = torch.compile(lambda: _replay.early_key(args, _LAYOUT) is None, fullgraph=True, backend="eager")
+    # The generated function is built with the kernel's declaration, outside any compiled code.
+    read = build_early_key(_LAYOUT) if early_key is _generated_early_key else (lambda a: early_key(a, _LAYOUT))
+    compiled = torch.compile(lambda: read(args) is None, fullgraph=True, backend="eager")
     assert compiled()
 
 
-def test_an_unhashable_or_storage_less_argument_is_left_to_the_checks(toy) -> None:
-    found = _replay.early_key(_raw(scale=[0.5]), _LAYOUT)
+def test_an_unhashable_or_storage_less_argument_is_left_to_the_checks(toy, early_key) -> None:
+    found = early_key(_raw(scale=[0.5]), _LAYOUT)
     assert found is not None
     assert toy.plans.early(found[0]) is None, "an unhashable scalar must not raise here"
     sparse = torch.randn(4, 64).to_sparse()
-    assert _replay.early_key(_raw(x=sparse), _LAYOUT) is None
+    assert early_key(_raw(x=sparse), _LAYOUT) is None
 
 
 def test_a_plan_dropped_by_another_thread_is_no_error(toy) -> None:

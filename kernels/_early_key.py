@@ -1,0 +1,125 @@
+"""The early key of one argument layout as a generated straight-line function.
+
+:func:`._replay.early_key` reads a call's raw arguments by looping over their layout: per
+argument a tuple unpacked and two or three branches on its kind, then the tensor's attributes.
+For a call that replays, that loop is a quarter of the host time before the launch. A kernel's
+layout is fixed by its declaration, so this module writes the function the loop amounts to for
+that layout (each argument read by name, each attribute once, the key one tuple display) and
+compiles it once per kernel, as :mod:`.fastcheck` does for the checks.
+
+The generated function returns what :func:`._replay.early_key` returns for the same arguments
+(the same key, addresses and tensors), or None where that returns None; and also None where a
+required tensor is None (there the loop's key holds a None that no remembered layout has, so the
+call goes the checked way either way). The tests hold the two to that contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from . import _replay
+from ._replay import OBJECT, OUTPUT, SCALAR
+
+__all__ = ["EarlyKey", "build_early_key"]
+
+EarlyKey = Callable[[tuple[Any, ...]], "tuple[tuple[Any, ...], list[int], list[torch.Tensor | None]] | None"]
+
+_TENSOR_OK = "type({t}) is not _Tensor or {t}.requires_grad or {t}.layout is not _strided"
+
+
+def _object_parts(parts: Sequence[Any]) -> tuple[tuple[Any, ...], list[int], list[torch.Tensor]] | None:
+    """An object's tensors (its split) as key fields, addresses and tensors; None for a part the
+    checks must see (not a plain strided tensor, or needing grad)."""
+    key: list[Any] = []
+    addresses: list[int] = []
+    for t in parts:
+        if type(t) is not torch.Tensor or t.requires_grad or t.layout is not torch.strided:
+            return None
+        address = t.data_ptr()
+        addresses.append(address)
+        key += (t.shape, t.stride(), t.dtype, t.get_device(), address & 15)
+    return tuple(key), addresses, list(parts)
+
+
+def build_early_key(layout: Sequence[tuple[int, int, Any]], optional: frozenset[int] = frozenset()) -> EarlyKey:
+    """The early key of ``layout`` (as :func:`._replay.early_key` reads it) as one generated function.
+
+    ``optional``: positions of input tensors that may be None (the others are required: a None
+    there returns None).
+    """
+    names: dict[str, Any] = {
+        "_replay": _replay,
+        "_Tensor": torch.Tensor,
+        "_strided": torch.strided,
+        "_object_parts": _object_parts,
+    }
+    lines = ["def early_key(args):"]
+
+    def emit(line: str, depth: int = 1) -> None:
+        lines.append("    " * depth + line)
+
+    for i in sorted({i for i, _, _ in layout}):
+        emit(f"a{i} = args[{i}]")
+    for i, kind, _ in layout:
+        if kind == OUTPUT:
+            emit(f"if a{i} is not None:")
+            emit("return None", 2)
+    # As in _replay.early_key: no_modes() first, the capture query never while compiling.
+    emit(
+        "if not _replay._replay_on() or not _replay.no_modes() or not _replay._fast_launch_on() "
+        "or _replay._capturing() or _replay._launch_hooks_set():"
+    )
+    emit("return None", 2)
+    emit("_active = _replay.driver.active")
+    emit("_current = _active.get_current_device()")
+    key = ["_current", "_active.get_current_stream(_current)"]
+    addresses: list[str] = []
+    tensors: list[str] = []
+    for i, kind, extra in layout:
+        a = f"a{i}"
+        if kind == SCALAR:
+            key += [f"type({a})", a]
+        elif kind == OUTPUT:
+            addresses.append("0")
+            tensors.append("None")
+        elif kind == OBJECT:
+            kind_type, split = extra
+            names[f"_type{i}"], names[f"_split{i}"] = kind_type, split
+            emit(f"if type({a}) is not _type{i}:")
+            emit("return None", 2)
+            emit(f"_parts{i} = _object_parts(_split{i}({a}))")
+            emit(f"if _parts{i} is None:")
+            emit("return None", 2)
+            emit(f"_k{i}, _p{i}, _t{i} = _parts{i}")
+            key.append(f"*_k{i}")
+            addresses.append(f"*_p{i}")
+            tensors.append(f"*_t{i}")
+        elif i in optional:
+            emit(f"if {a} is None:")
+            emit(f"_k{i}, _p{i} = _NONE, 0", 2)
+            emit("else:")
+            emit(f"if {_TENSOR_OK.format(t=a)}:", 2)
+            emit("return None", 3)
+            emit(f"_p{i} = {a}.data_ptr()", 2)
+            emit(f"_k{i} = ({a}.shape, {a}.stride(), {a}.dtype, {a}.get_device(), _p{i} & 15)", 2)
+            names["_NONE"] = (None,)
+            key.append(f"*_k{i}")
+            addresses.append(f"_p{i}")
+            tensors.append(a)
+        else:
+            emit(f"if {_TENSOR_OK.format(t=a)}:")
+            emit("return None", 2)
+            emit(f"_p{i} = {a}.data_ptr()")
+            key += [f"{a}.shape", f"{a}.stride()", f"{a}.dtype", f"{a}.get_device()", f"_p{i} & 15"]
+            addresses.append(f"_p{i}")
+            tensors.append(a)
+    emit(f"return ({', '.join(key)},), [{', '.join(addresses)}], [{', '.join(tensors)}]")
+    source = "\n".join(lines) + "\n"
+    code = compile(source, "<tritune early key>", "exec")
+    exec(code, names)  # our own generated text, from a declaration in code: nothing read from a file
+    fn: EarlyKey = names["early_key"]
+    fn.source = source  # type: ignore[attr-defined]
+    return fn
