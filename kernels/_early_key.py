@@ -15,7 +15,7 @@ call goes the checked way either way). The tests hold the two to that contract.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -30,18 +30,20 @@ EarlyKey = Callable[[tuple[Any, ...]], "tuple[tuple[Any, ...], list[int], list[t
 _TENSOR_OK = "type({t}) is not _Tensor or {t}.requires_grad or {t}.layout is not _strided"
 
 
-def _object_parts(parts: Sequence[Any]) -> tuple[tuple[Any, ...], list[int], list[torch.Tensor]] | None:
+def _object_parts(parts: Iterable[Any]) -> tuple[tuple[Any, ...], list[int], list[torch.Tensor]] | None:
     """An object's tensors (its split) as key fields, addresses and tensors; None for a part the
     checks must see (not a plain strided tensor, or needing grad)."""
     key: list[Any] = []
     addresses: list[int] = []
-    for t in parts:
+    tensors: list[torch.Tensor] = []
+    for t in parts:  # once: a split may return an iterator
         if type(t) is not torch.Tensor or t.requires_grad or t.layout is not torch.strided:
             return None
         address = t.data_ptr()
         addresses.append(address)
+        tensors.append(t)
         key += (t.shape, t.stride(), t.dtype, t.get_device(), address & 15)
-    return tuple(key), addresses, list(parts)
+    return tuple(key), addresses, tensors
 
 
 def build_early_key(layout: Sequence[tuple[int, int, Any]], optional: frozenset[int] = frozenset()) -> EarlyKey:

@@ -127,7 +127,7 @@ class Kernel(KernelOp, KernelSpec[Any, Any]):
             *((i, SCALAR, None) for i in self._scalar_positions),
         )
         optional = frozenset(i for i in self._tensor_positions if getattr(self.arguments[i], "optional", False))
-        self._early_key = build_early_key(self._early_layout, optional)
+        self._early_key = None if self._plans is None else build_early_key(self._early_layout, optional)
         #: Where each output's address goes among the early key's addresses.
         self._output_slots = tuple(n for n, i in enumerate(self._tensor_positions) if i in self._output_positions)
         self._fast: FastCheck | None = None
@@ -310,7 +310,7 @@ class Kernel(KernelOp, KernelSpec[Any, Any]):
         plans = self._plans
         # Not while compiling: dynamo traces this function, and a traced call has no layout to replay.
         if plans is not None and plans.recording_started and not torch.compiler.is_compiling():
-            early = self._early_key(args)
+            early = self._early_key(args)  # type: ignore[misc]  # built wherever there are plans
             if early is not None:
                 result = self._call_early(plans, early)
                 if result is not None:

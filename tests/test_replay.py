@@ -404,6 +404,13 @@ def test_the_generated_early_key_equals_the_loops(toy) -> None:
         assert found[1] == expected[1]
         assert all(a is b for a, b in zip(found[2], expected[2], strict=True))
     assert generated((None, *_raw()[1:], None)) is None
+    # A split that returns an iterator: its tensors listed as the loop lists them.
+    once = (*_LAYOUT[:2], (1, _replay.OBJECT, (_Packed, lambda p: iter((p.a, p.b)))), *_LAYOUT[3:])
+    args = _raw()
+    expected, found = _replay.early_key(args, once), build_early_key(once)(args)
+    assert expected is not None and found is not None
+    assert found[0] == expected[0] and found[1] == expected[1]
+    assert all(a is b for a, b in zip(found[2], expected[2], strict=True))
     assert generated((*_raw(), torch.randn(8, requires_grad=True))) is None
 
 
