@@ -15,6 +15,4 @@ ruff check .
 ruff format --check .
 # Strict typing where the style asks for it (settings in pyproject.toml).
 mypy --strict tuner configs_db search_spaces
-# Test files spread over TRITUNE_TEST_WORKERS processes (default 2, the CI machine's cores; each
-# file stays in one process, so its module-level fixtures build once); -n 0 runs them in this one.
-exec python -m pytest -n "${TRITUNE_TEST_WORKERS:-2}" --dist loadfile "$@"
+exec python -m pytest "$@"
