@@ -1,16 +1,20 @@
-"""The early key of one argument layout as a generated straight-line function.
+"""The early key of a call: its raw arguments read before any check, by a function generated per layout.
 
-:func:`._replay.early_key` reads a call's raw arguments by looping over their layout: per
-argument a tuple unpacked and two or three branches on its kind, then the tensor's attributes.
-For a call that replays, that loop is a quarter of the host time before the launch. A kernel's
-layout is fixed by its declaration, so this module writes the function the loop amounts to for
-that layout (each argument read by name, each attribute once, the key one tuple display) and
-compiles it once per kernel, as :mod:`.fastcheck` does for the checks.
+A call whose layout replayed after its checks before (:mod:`._replay`) skips the checks; what
+identifies the layout is read from the raw arguments: the current device and stream, then per
+argument in the layout's order each tensor's shape, strides, dtype, device index and address
+modulo 16 (None for an absent optional tensor), each object's tensors (its split) alike, and each
+scalar's type and value. The same read also gives each tensor's address and the tensor itself, in
+that order (0 and None at an output's slot), for the replay.
 
-The generated function returns what :func:`._replay.early_key` returns for the same arguments
-(the same key, addresses and tensors), or None where that returns None; and also None where a
-required tensor is None (there the loop's key holds a None that no remembered layout has, so the
-call goes the checked way either way). The tests hold the two to that contract.
+There is no key (None: the checked way) where an output is passed, a tensor needs grad or is not
+a plain strided tensor, a required tensor is None, an object is not of its declared type, or
+replay cannot run now (off, a dispatch, function or compiler mode, a capture, a launch hook).
+
+This is on every replayed call's path, so it is not a loop over the layout (a tuple unpacked and
+branches on each argument's kind): a kernel's layout is fixed by its declaration, and this module
+writes the straight-line function for it (each argument read by name, each attribute once, the
+key one tuple display) and compiles it once per kernel, as :mod:`.fastcheck` does for the checks.
 """
 
 from __future__ import annotations
@@ -47,10 +51,13 @@ def _object_parts(parts: Iterable[Any]) -> tuple[tuple[Any, ...], list[int], lis
 
 
 def build_early_key(layout: Sequence[tuple[int, int, Any]], optional: frozenset[int] = frozenset()) -> EarlyKey:
-    """The early key of ``layout`` (as :func:`._replay.early_key` reads it) as one generated function.
+    """The function reading the early key of calls laid out as ``layout``: ``fn(args) -> (key,
+    addresses, tensors) | None`` (see the module docstring).
 
-    ``optional``: positions of input tensors that may be None (the others are required: a None
-    there returns None).
+    ``layout``: per argument, in the order of :meth:`._replay.LaunchPlans.run`'s tensors (inputs
+    and outputs by position, then objects' parts, then scalars): (position, kind, the object's
+    type and split for ``OBJECT``). ``optional``: positions of input tensors that may be None (the
+    others are required: a None there returns None).
     """
     names: dict[str, Any] = {
         "_replay": _replay,
@@ -69,7 +76,7 @@ def build_early_key(layout: Sequence[tuple[int, int, Any]], optional: frozenset[
         if kind == OUTPUT:
             emit(f"if a{i} is not None:")
             emit("return None", 2)
-    # As in _replay.early_key: no_modes() first, the capture query never while compiling.
+    # no_modes() before the capture query: under torch.compile it returns False, and the query is not traceable.
     emit(
         "if not _replay._replay_on() or not _replay.no_modes() or not _replay._fast_launch_on() "
         "or _replay._capturing() or _replay._launch_hooks_set():"

@@ -18,9 +18,8 @@ A recording is kept only where replaying it does exactly what the launch functio
 - no torch op but views, allocations and the GEMMs of :data:`_REPLAYED_OPS` (a dispatch mode
   watches): a copy, a fill or an in-place update on an argument would not happen again. A GEMM
   writing into a given ``out`` (the Q4_K dequant path's cuBLAS call, the staged path's scaled
-  fp8 one) is replayed in its place
-  among the launches, on views rebuilt from the call's tensors at the recorded offsets, shapes
-  and strides;
+  fp8 one) is replayed in its place among the launches, on views rebuilt from the call's tensors
+  at the recorded offsets, shapes and strides;
 - every pointer handed to a kernel, and every GEMM operand, lies in exactly one argument tensor
   (a GEMM reading it as its own dtype), one allocation made during the call (replayed as a fresh
   allocation of the same size), or a persistent buffer that registered itself with a check of its
@@ -29,7 +28,7 @@ A recording is kept only where replaying it does exactly what the launch functio
 
 Once a layout has replayed after its checks, the call's raw arguments (before any check: each
 tensor's shape, strides, dtype, device and address modulo 16, each scalar's type and value, the
-current device and stream; :func:`early_key`) are remembered with the call's facts, device and
+current device and stream; :mod:`._early_key`) are remembered with the call's facts, device and
 outputs, and later calls with that key skip the checks as well: they dispatch on those facts,
 allocate the outputs and replay. A call that passes an output (its overlap with the inputs is
 checked each time), holds a tensor needing grad or a tensor subclass, or runs under a mode takes
@@ -72,7 +71,6 @@ __all__ = [
     "RECORD_ATTEMPTS",
     "SCALAR",
     "LaunchPlans",
-    "early_key",
     "forget_all",
     "set_enabled",
 ]
@@ -399,7 +397,7 @@ def _watch(on: bool) -> bool:
 #: and no plan came of it.
 RAN = object()
 
-#: Kinds of a declared argument in an early key's layout (see :func:`early_key`).
+#: Kinds of a declared argument in an early key's layout (see :mod:`._early_key`).
 INPUT, OUTPUT, OBJECT, SCALAR = range(4)
 
 
@@ -416,60 +414,6 @@ class _Early:
         self.plans: dict[int, _Plan] = {}
 
 
-def early_key(
-    args: tuple[Any, ...], layout: Sequence[tuple[int, int, Any]]
-) -> tuple[tuple[Any, ...], list[int], list[torch.Tensor | None]] | None:
-    """The key of a call's raw arguments, before any check, their addresses and the tensors
-    themselves (in the same order); None when the call cannot be replayed before its checks (an
-    output passed, a tensor that needs grad or is not a plain tensor, a mode, a capture, a launch
-    hook).
-
-    ``layout``: per argument, in the order of :meth:`LaunchPlans.run`'s tensors (inputs and
-    outputs by position, then objects' parts, then scalars): (position, kind, the object's type
-    and split for :data:`OBJECT`). An output's address is left 0, for the caller to fill in.
-    """
-    for i, kind, _ in layout:
-        if kind == OUTPUT and args[i] is not None:
-            return None
-    # no_modes() first: under torch.compile it is all that is traced (the capture query is not traceable).
-    if not _replay_on() or not no_modes() or not _fast_launch_on() or _capturing() or _launch_hooks_set():
-        return None
-    active = driver.active
-    current = active.get_current_device()
-    key: list[Any] = [current, active.get_current_stream(current)]
-    addresses: list[int] = []
-    tensors: list[torch.Tensor | None] = []
-    for i, kind, extra in layout:
-        value = args[i]
-        if kind == SCALAR:
-            key += (type(value), value)
-            continue
-        if kind == OUTPUT:
-            addresses.append(0)
-            tensors.append(None)
-            continue
-        if kind == OBJECT:
-            kind_type, split = extra
-            if type(value) is not kind_type:
-                return None
-            parts = split(value)
-        elif value is None:
-            key.append(None)
-            addresses.append(0)
-            tensors.append(None)
-            continue
-        else:
-            parts = (value,)
-        for t in parts:
-            if type(t) is not torch.Tensor or t.requires_grad or t.layout is not torch.strided:
-                return None  # the checks name what is wrong with a tensor of another layout
-            address = t.data_ptr()
-            addresses.append(address)
-            tensors.append(t)
-            key += (t.shape, t.stride(), t.dtype, t.get_device(), address & 15)
-    return tuple(key), addresses, tensors
-
-
 class LaunchPlans:
     """One kernel's recorded layouts: :meth:`run` replays a call's layout, or records it;
     :meth:`replay_early` replays a call from its raw arguments, before its checks."""
@@ -483,7 +427,7 @@ class LaunchPlans:
         #: Layout key -> recordings refused so far (0: seen once). A layout is recorded from its
         #: second call on: a workload of ever new shapes never pays a recording.
         self._attempts: dict[tuple[Any, ...], int] = {}
-        #: Raw-argument key (:func:`early_key`) -> what its calls need, once a checked call of that
+        #: Raw-argument key (:mod:`._early_key`) -> what its calls need, once a checked call of that
         #: key was replayed.
         self.early_entries: dict[tuple[Any, ...], _Early] = {}
         #: Whether a call was recorded since the last clear: until then calls compute no early key

@@ -120,7 +120,7 @@ class Kernel(KernelOp, KernelSpec[Any, Any]):
         self.cpu_allowed = any(isinstance(k, InterpretedFunction) for k in self.jit_kernels)
         #: Interpreted kernels launch nothing a recording sees: they are never replayed.
         self._plans = LaunchPlans(name) if replay and not self.cpu_allowed else None
-        # The arguments in the order of _replayed's tensors, then the scalars (see _replay.early_key).
+        # The arguments in the order of _replayed's tensors, then the scalars (see _early_key).
         self._early_layout = (
             *((i, OUTPUT if isinstance(self.arguments[i], Output) else INPUT, None) for i in self._tensor_positions),
             *((i, OBJECT, (self.arguments[i].type, split)) for i, split in self._objects),  # type: ignore[union-attr]
@@ -216,7 +216,7 @@ class Kernel(KernelOp, KernelSpec[Any, Any]):
     ) -> Any:
         """A call the fast check accepted: dispatch, then the direct launch (or its replay) or the op.
 
-        ``early``: the call's raw-argument key (:func:`._replay.early_key`), remembered with its
+        ``early``: the call's raw-argument key (:mod:`._early_key`), remembered with its
         facts once the call replays, so that its layout's next calls skip the checks."""
         if _empty(args, self._output_positions):
             return self._result(args)

@@ -338,18 +338,12 @@ def _raw(x: torch.Tensor | None = None, scale: Any = 0.5, out: Any = None, packe
     return (x, packed, scale, out)
 
 
-def _generated_early_key(args: tuple[Any, ...], layout: Any) -> Any:
-    return build_early_key(layout)(args)
+def early_key(args: tuple[Any, ...], layout: Any, optional: frozenset[int] = frozenset()) -> Any:
+    """The key a declared kernel of ``layout`` reads from ``args`` (its function built per call here)."""
+    return build_early_key(layout, optional)(args)
 
 
-@pytest.fixture(params=[_replay.early_key, _generated_early_key], ids=["loop", "generated"])
-def early_key(request):
-    """Both readings of a layout: the loop over it, and the function generated for it (what a
-    declared kernel calls)."""
-    return request.param
-
-
-def test_the_early_key_leaves_to_the_checks_what_they_must_see(toy, early_key) -> None:
+def test_the_early_key_leaves_to_the_checks_what_they_must_see(toy) -> None:
     assert early_key(_raw(), _LAYOUT) is not None
     refused = {
         "an output passed": _raw(out=torch.empty(4, 8)),
@@ -362,7 +356,7 @@ def test_the_early_key_leaves_to_the_checks_what_they_must_see(toy, early_key) -
         assert early_key(args, _LAYOUT) is None, what
 
 
-def test_the_early_key_tells_layouts_apart(toy, early_key) -> None:
+def test_the_early_key_tells_layouts_apart(toy) -> None:
     def key(**changes: Any) -> tuple[Any, ...]:
         found = early_key(_raw(**changes), _LAYOUT)
         assert found is not None
@@ -383,7 +377,7 @@ def test_the_early_key_tells_layouts_apart(toy, early_key) -> None:
         assert other != base, what
 
 
-def test_the_early_key_lists_addresses_in_the_replay_order(toy, early_key) -> None:
+def test_the_early_key_lists_addresses_in_the_replay_order(toy) -> None:
     args = _raw()
     found = early_key(args, _LAYOUT)
     assert found is not None
@@ -391,27 +385,40 @@ def test_the_early_key_lists_addresses_in_the_replay_order(toy, early_key) -> No
     assert found[1] == [x.data_ptr(), 0, packed.a.data_ptr(), packed.b.data_ptr()]
 
 
-def test_the_generated_early_key_equals_the_loops(toy) -> None:
-    """An optional input (position 4) read both ways: absent and present, and the whole key, the
-    addresses and the tensors alike; a required tensor left None gives no key."""
-    layout = (*_LAYOUT[:1], (4, _replay.INPUT, None), *_LAYOUT[1:])
-    generated = build_early_key(layout, optional=frozenset({4}))
+def _fields(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15)
+
+
+@pytest.mark.parametrize("split", [_split, lambda p: iter((p.a, p.b))], ids=["tuple", "iterator"])
+def test_the_early_key_reads_every_argument_in_the_layouts_order(toy, split) -> None:
+    """x, an optional input (absent, present, a view), the output's slot, an object's parts (its
+    split a tuple or an iterator), the scalar: the whole key, the addresses and the tensors."""
+    from triton.runtime.driver import driver
+
+    layout = (
+        (0, _replay.INPUT, None),
+        (4, _replay.INPUT, None),
+        (3, _replay.OUTPUT, None),
+        (1, _replay.OBJECT, (_Packed, split)),
+        (2, _replay.SCALAR, None),
+    )
+    read = build_early_key(layout, optional=frozenset({4}))
+    device = driver.active.get_current_device()
+    stream = driver.active.get_current_stream(device)
     for bias in (None, torch.randn(8), torch.randn(9, dtype=torch.float64)[1:]):
         args = (*_raw(), bias)
-        expected, found = _replay.early_key(args, layout), generated(args)
-        assert expected is not None and found is not None
-        assert found[0] == expected[0] and hash(found[0]) == hash(expected[0])
-        assert found[1] == expected[1]
-        assert all(a is b for a, b in zip(found[2], expected[2], strict=True))
-    assert generated((None, *_raw()[1:], None)) is None
-    # A split that returns an iterator: its tensors listed as the loop lists them.
-    once = (*_LAYOUT[:2], (1, _replay.OBJECT, (_Packed, lambda p: iter((p.a, p.b)))), *_LAYOUT[3:])
-    args = _raw()
-    expected, found = _replay.early_key(args, once), build_early_key(once)(args)
-    assert expected is not None and found is not None
-    assert found[0] == expected[0] and found[1] == expected[1]
-    assert all(a is b for a, b in zip(found[2], expected[2], strict=True))
-    assert generated((*_raw(), torch.randn(8, requires_grad=True))) is None
+        x, packed, scale = args[0], args[1], args[2]
+        found = read(args)
+        assert found is not None
+        key, addresses, tensors = found
+        bias_fields = (None,) if bias is None else _fields(bias)
+        expected = (device, stream, *_fields(x), *bias_fields, *_fields(packed.a), *_fields(packed.b), float, scale)
+        assert key == expected and hash(key) == hash(expected)
+        bias_address = 0 if bias is None else bias.data_ptr()
+        assert addresses == [x.data_ptr(), bias_address, 0, packed.a.data_ptr(), packed.b.data_ptr()]
+        assert all(a is b for a, b in zip(tensors, [x, bias, None, packed.a, packed.b], strict=True))
+    assert read((None, *_raw()[1:], None)) is None, "a required tensor left None"
+    assert read((*_raw(), torch.randn(8, requires_grad=True))) is None, "an optional tensor needing grad"
 
 
 def test_an_early_replay_launches_what_the_launch_function_does(toy) -> None:
@@ -491,7 +498,7 @@ def test_a_replay_calls_the_raw_launch_of_a_launcher_without_scratch(scratch) ->
 # ---- what the review of the replay found ---------------------------------------------------------
 
 
-def test_the_early_key_traces_under_torch_compile(toy, monkeypatch, early_key) -> None:
+def test_the_early_key_traces_under_torch_compile(toy, monkeypatch) -> None:
     """Under ``torch.compile`` the early key must stop before anything dynamo cannot trace (the
     capture query stands in here for any such call)."""
 
@@ -501,12 +508,12 @@ def test_the_early_key_traces_under_torch_compile(toy, monkeypatch, early_key) -
     monkeypatch.setattr(_replay, "_capturing", untraceable)
     args = _raw()
     # The generated function is built with the kernel's declaration, outside any compiled code.
-    read = build_early_key(_LAYOUT) if early_key is _generated_early_key else (lambda a: early_key(a, _LAYOUT))
+    read = build_early_key(_LAYOUT)
     compiled = torch.compile(lambda: read(args) is None, fullgraph=True, backend="eager")
     assert compiled()
 
 
-def test_an_unhashable_or_storage_less_argument_is_left_to_the_checks(toy, early_key) -> None:
+def test_an_unhashable_or_storage_less_argument_is_left_to_the_checks(toy) -> None:
     found = early_key(_raw(scale=[0.5]), _LAYOUT)
     assert found is not None
     assert toy.plans.early(found[0]) is None, "an unhashable scalar must not raise here"
