@@ -55,8 +55,9 @@ def build_early_key(layout: Sequence[tuple[int, int, Any]], optional: frozenset[
     addresses, tensors) | None`` (see the module docstring).
 
     ``layout``: per argument, in the order of :meth:`._replay.LaunchPlans.run`'s tensors (inputs
-    and outputs by position, then objects' parts, then scalars): (position, kind, the object's
-    type and split for ``OBJECT``). ``optional``: positions of input tensors that may be None (the
+    and outputs by position, then objects' parts, then scalars): (position, kind, and for ``OBJECT``
+    the object's type, split and optionally its number of parts: given, the split must return a
+    tuple of that many tensors, each read in line). ``optional``: positions of input tensors that may be None (the
     others are required: a None there returns None).
     """
     names: dict[str, Any] = {
@@ -95,17 +96,33 @@ def build_early_key(layout: Sequence[tuple[int, int, Any]], optional: frozenset[
             addresses.append("0")
             tensors.append("None")
         elif kind == OBJECT:
-            kind_type, split = extra
+            kind_type, split, *count = extra
             names[f"_type{i}"], names[f"_split{i}"] = kind_type, split
             emit(f"if type({a}) is not _type{i}:")
             emit("return None", 2)
-            emit(f"_parts{i} = _object_parts(_split{i}({a}))")
-            emit(f"if _parts{i} is None:")
-            emit("return None", 2)
-            emit(f"_k{i}, _p{i}, _t{i} = _parts{i}")
-            key.append(f"*_k{i}")
-            addresses.append(f"*_p{i}")
-            tensors.append(f"*_t{i}")
+            if count and count[0] > 0:
+                # A declared number of parts: each read in line, as an input tensor is.
+                parts = [f"{a}_{j}" for j in range(count[0])]
+                emit(f"_s{i} = _split{i}({a})")
+                emit(f"if type(_s{i}) is not tuple or len(_s{i}) != {count[0]}:")
+                emit("return None", 2)
+                emit(f"{', '.join(parts)}, = _s{i}")
+                for part in parts:
+                    emit(f"if {_TENSOR_OK.format(t=part)}:")
+                    emit("return None", 2)
+                    emit(f"_p_{part} = {part}.data_ptr()")
+                    key += [f"{part}.shape", f"{part}.stride()", f"{part}.dtype", f"{part}.get_device()"]
+                    key.append(f"_p_{part} & 15")
+                    addresses.append(f"_p_{part}")
+                    tensors.append(part)
+            else:
+                emit(f"_parts{i} = _object_parts(_split{i}({a}))")
+                emit(f"if _parts{i} is None:")
+                emit("return None", 2)
+                emit(f"_k{i}, _p{i}, _t{i} = _parts{i}")
+                key.append(f"*_k{i}")
+                addresses.append(f"*_p{i}")
+                tensors.append(f"*_t{i}")
         elif i in optional:
             emit(f"if {a} is None:")
             emit(f"_k{i}, _p{i} = _NONE, 0", 2)

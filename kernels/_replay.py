@@ -21,8 +21,9 @@ A recording is kept only where replaying it does exactly what the launch functio
   fp8 one) is replayed in its place among the launches, on views rebuilt from the call's tensors
   at the recorded offsets, shapes and strides;
 - every pointer handed to a kernel, and every GEMM operand, lies in exactly one argument tensor
-  (a GEMM reading it as its own dtype), one allocation made during the call (replayed as a fresh
-  allocation of the same size), or a persistent buffer that registered itself with a check of its
+  (a GEMM reading it as its own dtype), one allocation made during the call (replayed at the same
+  offset of one scratch buffer, which a small one shares with the thread's earlier replays on
+  its stream), or a persistent buffer that registered itself with a check of its
   validity (the arrival counters);
 - at least one launch or GEMM.
 
@@ -86,6 +87,10 @@ PLANS_KEPT = 512
 _CONFIGS_PER_LAYOUT = 8
 #: Alignment of each allocation within a replay's one scratch buffer (the caching allocator's own).
 _SCRATCH_ALIGN = 512
+#: A replay's scratch of at most this many bytes is kept between replays (see :func:`_kept_scratch`);
+#: a bigger one, which comes with GPU work that dwarfs an allocation, is allocated per replay.
+KEPT_SCRATCH_BYTES = 16 << 20
+_kept = threading.local()
 
 #: Allocations a recorded call may make: replayed as fresh memory of the same size.
 _ALLOCATIONS = frozenset(
@@ -123,6 +128,7 @@ def forget_all() -> None:
     _enabled = None
     for plans in _ALL:
         plans.clear()
+    _kept.__dict__.pop("buffers", None)
 
 
 on_change(forget_all)
@@ -237,7 +243,10 @@ class _Plan:
         ops = self.ops
         scratch = None
         if self.scratch_bytes:
-            scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=device)
+            if self.scratch_bytes <= KEPT_SCRATCH_BYTES:
+                scratch = _kept_scratch(self.scratch_bytes, device, stream)
+            else:
+                scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=device)
             addresses = [*addresses, scratch.data_ptr()]
         done = 0
         for index, (launcher, function, head, grid, template, pointers, descriptors) in enumerate(self.launches):
@@ -252,7 +261,7 @@ class _Plan:
             launcher(grid[0], grid[1], grid[2], stream, function, *head, *values)
         for op in ops[done:]:
             self._run_op(op, tensors, scratch)
-        del scratch  # freed after the launches were queued on this stream, as the launch function's own
+        del scratch  # one of this replay's own is freed after its launches were queued, as the launch function's
         return True
 
     @staticmethod
@@ -266,6 +275,24 @@ class _Plan:
             *[_rebuilt(a, tensors, scratch) for a in args],
             **{name: _rebuilt(v, tensors, scratch) for name, v in kwargs.items()},
         )
+
+
+def _kept_scratch(nbytes: int, device: torch.device, stream: int) -> torch.Tensor:
+    """At least ``nbytes`` of scratch for a replay on ``stream``, the same buffer at every replay
+    of this thread on that stream (grown as needed), which saves an allocation a call.
+
+    Reuse is safe as the caching allocator's is: everything a replay queues runs on its stream,
+    in order, so a replay's launches find the scratch after the previous replay's launches are
+    done with it. Per thread as well: two threads replaying on one stream interleave their
+    launches. A buffer outgrown is freed to the caching allocator, which hands it out on this
+    stream only. Nothing is replayed during a capture, so no graph holds a kept buffer."""
+    buffers: dict[tuple[torch.device, int], torch.Tensor] | None = getattr(_kept, "buffers", None)
+    if buffers is None:
+        buffers = _kept.buffers = {}
+    buffer = buffers.get((device, stream))
+    if buffer is None or buffer.numel() < nbytes:
+        buffer = buffers[(device, stream)] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buffer
 
 
 def _direct(launcher: Any) -> tuple[Any, tuple[Any, ...]]:

@@ -121,9 +121,10 @@ class Kernel(KernelOp, KernelSpec[Any, Any]):
         #: Interpreted kernels launch nothing a recording sees: they are never replayed.
         self._plans = LaunchPlans(name) if replay and not self.cpu_allowed else None
         # The arguments in the order of _replayed's tensors, then the scalars (see _early_key).
+        objects = [(i, a) for i, a in enumerate(self.arguments) if isinstance(a, Obj)]
         self._early_layout = (
             *((i, OUTPUT if isinstance(self.arguments[i], Output) else INPUT, None) for i in self._tensor_positions),
-            *((i, OBJECT, (self.arguments[i].type, split)) for i, split in self._objects),  # type: ignore[union-attr]
+            *((i, OBJECT, (obj.type, obj.split, len(obj.parts))) for i, obj in objects),
             *((i, SCALAR, None) for i in self._scalar_positions),
         )
         optional = frozenset(i for i in self._tensor_positions if getattr(self.arguments[i], "optional", False))

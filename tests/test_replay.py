@@ -116,15 +116,49 @@ def test_a_replayed_call_passes_what_the_launch_function_passes(toy) -> None:
     assert replayed[0][9 + 5] == out.data_ptr() + out.element_size()
 
 
-def test_each_call_gets_its_own_workspace_and_outputs(toy) -> None:
+def _next_workspace(toy: Toy, x: torch.Tensor) -> int:
+    """The workspace address the next call's first launch gets."""
+    before = len(toy.launches)
+    toy.call(x)
+    return toy.launches[before][9 + 1]
+
+
+def test_each_call_gets_its_own_outputs_and_a_kept_workspace_per_thread_and_stream(toy, monkeypatch) -> None:
+    """Outputs are the caller's, so fresh at every call; the workspace is reused by replays on one
+    stream of one thread (their launches run in order there), never shared across streams or
+    threads, whose launches may interleave."""
+    import threading
+
+    from triton.runtime.driver import driver
+
+    _replay.forget_all()
     _warm(toy, torch.randn(64))
     x = torch.randn(64)
-    kept = []
-    for _ in range(3):
-        kept.append(toy.call(x))
-    workspaces = {launch[9 + 1] for launch in toy.launches[-6::2]}
-    assert len({out.data_ptr() for out in kept}) == 3
-    assert len(workspaces) >= 1 and all(w > 0 for w in workspaces)
+    outputs = [toy.call(x) for _ in range(3)]
+    assert len({out.data_ptr() for out in outputs}) == 3
+    kept = _next_workspace(toy, x)
+    assert _next_workspace(toy, x) == kept, "a replay on the same stream and thread reuses the workspace"
+    in_thread: list[int] = []
+    worker = threading.Thread(target=lambda: in_thread.append(_next_workspace(toy, x)))
+    worker.start()
+    worker.join()
+    assert in_thread and in_thread[0] != kept, "another thread gets its own workspace"
+    monkeypatch.setattr(driver.active, "get_current_stream", lambda device: 8)
+    _warm(toy, x)  # another stream is another layout
+    assert _next_workspace(toy, x) != kept, "another stream gets its own workspace"
+    monkeypatch.undo()
+
+
+def test_a_big_workspace_is_allocated_per_replay(toy, monkeypatch) -> None:
+    _replay.forget_all()
+    monkeypatch.setattr(_replay, "KEPT_SCRATCH_BYTES", 64)
+    _warm(toy, torch.randn(64))
+    x = torch.randn(64)
+    toy.call(x)
+    assert not getattr(_replay._kept, "buffers", None), "a workspace over the limit must not be kept"
+    monkeypatch.setattr(_replay, "KEPT_SCRATCH_BYTES", 1024)
+    toy.call(x)
+    assert [b.numel() for b in _replay._kept.buffers.values()] == [512]
 
 
 @pytest.mark.parametrize(
@@ -389,17 +423,22 @@ def _fields(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15)
 
 
-@pytest.mark.parametrize("split", [_split, lambda p: iter((p.a, p.b))], ids=["tuple", "iterator"])
-def test_the_early_key_reads_every_argument_in_the_layouts_order(toy, split) -> None:
+@pytest.mark.parametrize(
+    "obj",
+    [(_Packed, _split), (_Packed, lambda p: iter((p.a, p.b))), (_Packed, _split, 2)],
+    ids=["tuple", "iterator", "counted parts"],
+)
+def test_the_early_key_reads_every_argument_in_the_layouts_order(toy, obj) -> None:
     """x, an optional input (absent, present, a view), the output's slot, an object's parts (its
-    split a tuple or an iterator), the scalar: the whole key, the addresses and the tensors."""
+    split a tuple or an iterator, or a declared number of parts), the scalar: the whole key, the
+    addresses and the tensors."""
     from triton.runtime.driver import driver
 
     layout = (
         (0, _replay.INPUT, None),
         (4, _replay.INPUT, None),
         (3, _replay.OUTPUT, None),
-        (1, _replay.OBJECT, (_Packed, split)),
+        (1, _replay.OBJECT, obj),
         (2, _replay.SCALAR, None),
     )
     read = build_early_key(layout, optional=frozenset({4}))
@@ -419,6 +458,18 @@ def test_the_early_key_reads_every_argument_in_the_layouts_order(toy, split) -> 
         assert all(a is b for a, b in zip(tensors, [x, bias, None, packed.a, packed.b], strict=True))
     assert read((None, *_raw()[1:], None)) is None, "a required tensor left None"
     assert read((*_raw(), torch.randn(8, requires_grad=True))) is None, "an optional tensor needing grad"
+    assert read((*_raw(packed=_Packed(torch.randn(8, 4), None)), None)) is None, "a part left None"  # type: ignore[arg-type]
+
+
+def test_an_object_of_declared_parts_must_split_into_that_many(toy) -> None:
+    """With a number of parts declared, a split returning another number, or no tuple, leaves the
+    call to the checks instead of keying a part short or reading one too many."""
+    packed = _Packed(torch.randn(8, 4), torch.randn(8))
+    for split in (lambda p: (p.a,), lambda p: (p.a, p.b, p.a), lambda p: [p.a, p.b], lambda p: iter((p.a, p.b))):
+        read = build_early_key(((0, _replay.INPUT, None), (1, _replay.OBJECT, (_Packed, split, 2))))
+        assert read((torch.randn(4, 64), packed)) is None
+    read = build_early_key(((0, _replay.INPUT, None), (1, _replay.OBJECT, (_Packed, _split, 2))))
+    assert read((torch.randn(4, 64), packed)) is not None
 
 
 def test_an_early_replay_launches_what_the_launch_function_does(toy) -> None:
