@@ -10,7 +10,9 @@ activation buffer the caching allocator hands out again) can pass the map encode
 
 :func:`caching_launcher` builds, from a compiled kernel's launcher, a launch that keeps the
 encoded arguments per descriptor position, keyed by exactly those inputs, and otherwise passes
-what the launcher would. Triton's own ``make_tensordesc_arg`` encodes every miss.
+what the launcher would. Triton's own ``make_tensordesc_arg`` encodes every miss. A replayed
+launch (:mod:`._replay`) calls the raw launch itself and looks each descriptor's encoding up from
+its address, shape, strides and padding (:meth:`_Slot.expand`), building no descriptor object.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 from triton.backends.nvidia import driver as nvidia_driver
 
-__all__ = ["DESCRIPTORS_KEPT", "caching_launcher", "set_enabled"]
+__all__ = ["DESCRIPTORS_KEPT", "AddressedDescriptor", "caching_launcher", "set_enabled"]
 
 #: Encoded descriptors kept per descriptor position of one compiled kernel; past it they are all
 #: dropped (a workload cycling through more tensors than this gains nothing from keeping them).
@@ -36,6 +38,23 @@ def set_enabled(on: bool) -> None:
     (overhead measurements time both in one process)."""
     global _enabled
     _enabled = on
+
+
+class AddressedDescriptor:
+    """A host tensor descriptor as the launcher reads it, built from an address instead of a
+    tensor: its base (itself, whose ``data_ptr`` is the address), shape, strides and padding."""
+
+    __slots__ = ("address", "padding", "shape", "strides")
+
+    def __init__(self, address: int, shape: Any, strides: Any, padding: str) -> None:
+        self.address, self.shape, self.strides, self.padding = address, shape, strides, padding
+
+    @property
+    def base(self) -> AddressedDescriptor:
+        return self
+
+    def data_ptr(self) -> int:
+        return self.address
 
 
 class _Slot:
@@ -60,6 +79,15 @@ class _Slot:
                 self.kept.clear()
             self.kept[key] = expanded
         return expanded
+
+    def expand(self, address: int, shape: tuple[int, ...], strides: tuple[int, ...], padding: str) -> list[Any]:
+        """:meth:`encode` of a descriptor given by its fields (a replayed launch's), without
+        building one where its encoding is kept."""
+        if _enabled:
+            expanded = self.kept.get((address, shape, strides, padding))
+            if expanded is not None:
+                return expanded
+        return self.encode(AddressedDescriptor(address, shape, strides, padding))
 
 
 def _wrapper_cells(launch: Any) -> dict[str, Any] | None:
@@ -103,4 +131,7 @@ def caching_launcher(launcher: Any) -> Callable[..., None] | None:
         args.extend(kernel_args[start:])
         raw(grid_x, grid_y, grid_z, stream, function, cooperative, pdl, None, None, packed_metadata, *args)
 
+    # What a replayed launch (:mod:`._replay`) calls instead: the raw launch with the flags, and
+    # each descriptor position's kept encodings, expanded there in place of the descriptor.
+    launch.descriptor_parts = (raw, slots, cooperative, pdl)  # type: ignore[attr-defined]
     return launch

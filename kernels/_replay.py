@@ -57,6 +57,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from triton import knobs
 from triton.runtime.driver import driver
 
+from ._descriptor_cache import AddressedDescriptor
 from ._fastlaunch import _fast_launch_on, _launch_hooks_set
 from ._launch import _byte_span
 from ._oplib import no_modes, run_unwrapped
@@ -160,22 +161,6 @@ class _OpWatch(TorchDispatchMode):
         return out
 
 
-class _ReplayDescriptor:
-    """A host tensor descriptor as the launcher reads it: its base's address, shape, strides, padding."""
-
-    __slots__ = ("address", "padding", "shape", "strides")
-
-    def __init__(self, address: int, shape: Any, strides: Any, padding: str) -> None:
-        self.address, self.shape, self.strides, self.padding = address, shape, strides, padding
-
-    @property
-    def base(self) -> _ReplayDescriptor:
-        return self
-
-    def data_ptr(self) -> int:
-        return self.address
-
-
 class _Unmapped(Exception):
     pass
 
@@ -256,8 +241,13 @@ class _Plan:
             values = template.copy()
             for position, source, offset in pointers:
                 values[position] = addresses[source] + offset
-            for position, source, offset, shape, strides, padding in descriptors:
-                values[position] = _ReplayDescriptor(addresses[source] + offset, shape, strides, padding)
+            for position, source, offset, shape, strides, padding, slot, width in descriptors:
+                if slot is None:
+                    values[position] = AddressedDescriptor(addresses[source] + offset, shape, strides, padding)
+                else:  # the launcher's kept encoding, expanded in place
+                    values[position : position + width] = slot.expand(
+                        addresses[source] + offset, shape, strides, padding
+                    )
             launcher(grid[0], grid[1], grid[2], stream, function, *head, *values)
         for op in ops[done:]:
             self._run_op(op, tensors, scratch)
@@ -310,6 +300,22 @@ def _direct(launcher: Any) -> tuple[Any, tuple[Any, ...]]:
     return raw, (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None)
 
 
+def _descriptor_slots(launcher: Any, values: tuple[Any, ...]) -> dict[int, Any] | None:
+    """Per descriptor position, the slot of the descriptor-keeping launch ``launcher``
+    (:func:`._descriptor_cache.caching_launcher`) that keeps its encodings; None for any other
+    launcher, or where the recorded arguments hold no descriptor at a slot's position."""
+    parts = getattr(launcher, "descriptor_parts", None)
+    if parts is None:
+        return None
+    slots = {slot.position: slot for slot in parts[1]}
+    return slots if {i for i, v in enumerate(values) if _is_descriptor(v)} == set(slots) else None
+
+
+def _is_descriptor(value: Any) -> bool:
+    """Whether a launch argument is a host tensor descriptor (Triton's or Gluon's) over a tensor."""
+    return hasattr(value, "block_shape") and isinstance(getattr(value, "base", None), torch.Tensor)
+
+
 def _build_plan(config: Any, rec: Recording, tensors: Sequence[torch.Tensor | None]) -> _Plan:
     """The plan replaying ``rec``; raises :class:`_Unmapped` where it cannot replay exactly."""
     spans: list[tuple[int, int, int]] = []  # (first, end, source)
@@ -346,25 +352,37 @@ def _build_plan(config: Any, rec: Recording, tensors: Sequence[torch.Tensor | No
     launches = []
     for recorded, function, packed, grid, values in rec.launches:
         launcher, head = _direct(recorded)
-        template = list(values)
+        slots = _descriptor_slots(recorded, values)
+        if slots is not None:
+            # The descriptor-keeping launch: its raw launch called directly, each descriptor
+            # expanded in place into its kept encoding (a map, then its shape and strides).
+            launcher, _, cooperative, pdl = recorded.descriptor_parts
+            head = (cooperative, pdl, None, None)
+        template: list[Any] = []
         pointers, descriptors = [], []
         for position, value in enumerate(values):
+            at = len(template)  # where the value goes among the launcher's arguments
             if isinstance(value, torch.Tensor):
                 where = locate(value.data_ptr())
-                if where is None:
-                    template[position] = value.data_ptr()
-                else:
-                    template[position] = None
-                    pointers.append((position, *where))
-            elif hasattr(value, "block_shape") and isinstance(getattr(value, "base", None), torch.Tensor):
+                template.append(value.data_ptr() if where is None else None)
+                if where is not None:
+                    pointers.append((at, *where))
+            elif _is_descriptor(value):
                 base = value.base.data_ptr()
                 where = locate(base)
                 shape, strides = tuple(value.shape), tuple(value.strides)
-                if where is None:
-                    template[position] = _ReplayDescriptor(base, shape, strides, value.padding)
+                slot = None if slots is None else slots[position]
+                if slot is None:
+                    fields = [AddressedDescriptor(base, shape, strides, value.padding)]
                 else:
-                    template[position] = None
-                    descriptors.append((position, *where, shape, strides, value.padding))
+                    fields = slot.expand(base, shape, strides, value.padding)
+                if where is None:  # a persistent buffer's: its fields are fixed
+                    template += fields
+                else:
+                    template += [None] * len(fields)
+                    descriptors.append((at, *where, shape, strides, value.padding, slot, len(fields)))
+            else:
+                template.append(value)
         launches.append(
             (launcher, function, (*head, packed, None, None, None), grid, template, tuple(pointers), tuple(descriptors))
         )

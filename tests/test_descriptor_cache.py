@@ -132,3 +132,44 @@ def test_switched_off_it_encodes_every_launch(encodes) -> None:
     launch(*_call_args(a, b, p))
     assert len(encodes) == 2 * 2 + 2, "off: both descriptors each launch; back on: encoded once more, then kept"
     assert calls[0] == calls[1] == calls[2]
+
+
+def test_a_replay_passes_the_raw_launch_what_the_kept_launch_passes(encodes) -> None:
+    """A replayed launch (``kernels/_replay.py``) calls the raw launch itself, each descriptor
+    expanded in place from the kept encodings: on fresh tensors it passes exactly what the
+    descriptor-keeping launch passes on them, and a persistent buffer's descriptor stays fixed."""
+    from tritune.kernels import _replay
+    from tritune.kernels._recording import Recording
+
+    recorded_calls: list[tuple[Any, ...]] = []
+    launch = _descriptor_cache.caching_launcher(_launcher(recorded_calls))
+    assert launch is not None
+    a, b, p = torch.randn(32, 64), torch.randint(0, 9, (64, 8), dtype=torch.int32), torch.randn(4)
+    args = _call_args(a, b, p)
+    launch(*args)  # the recorded call itself
+    rec = Recording()
+    rec.launch(launch, args[4], args[5], args[:3], args[9:])
+    rec.static(b, lambda: True)  # b stands for a persistent buffer: passed as recorded
+    plan = _replay._build_plan(("config",), rec, [a, p])
+    assert plan.launches[0][0] is launch.descriptor_parts[0], "the replay calls the raw launch itself"
+    encoded = len(encodes)
+    kept = []  # fresh tensors stay alive: each has its own address
+    for _ in range(2):
+        fresh_a, fresh_p = torch.randn(32, 64), torch.randn(4)
+        kept += [fresh_a, fresh_p]
+        direct: list[tuple[Any, ...]] = []
+        direct_launch = _descriptor_cache.caching_launcher(_launcher(direct))
+        assert direct_launch is not None
+        direct_launch(*_call_args(fresh_a, b, fresh_p))
+        before = len(recorded_calls)
+        assert plan.replay([fresh_a.data_ptr(), fresh_p.data_ptr()], fresh_a.device, 7, [fresh_a, fresh_p])
+        [replayed] = recorded_calls[before:]
+        assert _addresses(replayed) == _addresses(direct[0])
+    # Each direct launch encodes both descriptors (a launcher of its own); the replay only each
+    # fresh a: b, a persistent buffer, was encoded once when the plan was built.
+    assert [call[2] for call in encodes[encoded:]] == ["a", "b", "a", "a", "b", "a"]
+
+
+def _addresses(call: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A raw launch's arguments with each tensor as its address (a replay passes addresses)."""
+    return tuple(v.data_ptr() if isinstance(v, torch.Tensor) else v for v in call)
