@@ -93,9 +93,14 @@ def record_launches() -> Iterator[Recorder]:
     Patches ``run`` of both kernel classes (``InterpretedFunction`` under ``TRITON_INTERPRET``,
     ``JITFunction`` otherwise), which every launch reaches, whether through ``kernel[grid]`` or
     torch's ``wrap_triton``. Nothing runs, so the arguments may be meta tensors.
+
+    The arrival counters that launches in the block ask for come from buffers of their own, kept
+    out of the process's (``_launch.COUNTERS``): a buffer on meta holds no values to check.
     """
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
+
+    from tritune.kernels import _launch
 
     recorder = Recorder()
 
@@ -103,11 +108,14 @@ def record_launches() -> Iterator[Recorder]:
         recorder.launches.append(Launch(self, args, kwargs, grid))
 
     saved = {cls: cls.__dict__["run"] for cls in (InterpretedFunction, JITFunction)}
+    counters, retired = _launch.COUNTERS, _launch._RETIRED_COUNTERS
     try:
+        _launch.COUNTERS, _launch._RETIRED_COUNTERS = {}, []
         for cls in saved:
             cls.run = run
         yield recorder
     finally:
+        _launch.COUNTERS, _launch._RETIRED_COUNTERS = counters, retired
         for cls, original in saved.items():
             cls.run = original
 

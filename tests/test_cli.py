@@ -69,7 +69,7 @@ def test_import_refuses_entries_outside_the_space(toy, tmp_path):
 
 def test_list_shows_spaces(toy):
     result = _run("list")
-    assert result.exit_code == 0
+    assert result.exit_code == 0, result.output
     assert "toy_scale" in result.output and "BLOCK" in result.output
 
 

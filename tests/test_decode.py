@@ -83,9 +83,14 @@ def run_and_compare(q, k, v, kv_len, config=None, **kwargs):
 
 @pytest.fixture(autouse=True)
 def counters_stay_zero():
-    """A fused launch resets each counter it used: after any test, every counter buffer is zero again."""
+    """A fused launch resets each counter it used: after any test, every counter buffer is zero again.
+
+    Buffers on the meta device hold no values (launches recorded on meta tensors run nothing): only
+    the others are read."""
     yield
     for slot, buffer in COUNTERS.items():
+        if buffer.device.type == "meta":
+            continue
         nonzero = int(torch.count_nonzero(buffer))
         # Zeroed so that one failure does not cascade into later tests.
         buffer.zero_()

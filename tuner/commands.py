@@ -57,15 +57,21 @@ def list_kernels(
             _list_kernel(spec)
         return
     for name in registry.kernel_names():
+        # A kernel of an installed package that fails to import (its declaration, or the tuning
+        # half it names) must not hide the other kernels.
         try:
             spec = registry.find(name)
         except Exception as exc:
             if name in registry.builtin_names():
                 raise
-            # An installed package that fails to import must not hide the other kernels.
             console.print(f"[yellow]{plain(name)}: its declaration cannot be imported ({plain(exc)})[/yellow]")
             continue
-        _list_kernel(spec)
+        try:
+            _list_kernel(spec)
+        except Exception as exc:
+            if name in registry.builtin_names():
+                raise
+            console.print(f"[yellow]{plain(name)}: {plain(exc)}[/yellow]")
 
 
 def _list_kernel(spec: Any) -> None:
@@ -74,6 +80,7 @@ def _list_kernel(spec: Any) -> None:
 
     from .keys import describe_key
 
+    key = describe_key(spec)  # first: it imports the tuning half a declaration names, which may fail
     space = spec.space
     title = f"{spec.name} (version {spec.version}, protocol {spec.protocol}, {space.size()} configs before pruning)"
     # Its own line: a table title wraps at the table's width.
@@ -92,7 +99,7 @@ def _list_kernel(spec: Any) -> None:
             row.append(", ".join(path for path, member in members.items() if field in member.dimensions))
         table.add_row(*map(plain, row))
     console.print(table)
-    console.print(f"  key: {plain(describe_key(spec))}", soft_wrap=True)
+    console.print(f"  key: {plain(key)}", soft_wrap=True)
     console.print(f"  declared at {plain(registry.target_of(spec) or 'an unknown module')}", soft_wrap=True)
 
 
