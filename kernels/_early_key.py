@@ -3,13 +3,16 @@
 A call whose layout replayed after its checks before (:mod:`._replay`) skips the checks; what
 identifies the layout is read from the raw arguments: the current device and stream, then per
 argument in the layout's order each tensor's shape, strides, dtype, device index and address
-modulo 16 (None for an absent optional tensor), each object's tensors (its split) alike, and each
-scalar's type and value. The same read also gives each tensor's address and the tensor itself, in
-that order (0 and None at an output's slot), for the replay.
+modulo 16 (None for an absent optional tensor or an output left to be allocated), each object's
+tensors (its split) alike, and each scalar's type and value. The same read also gives each
+tensor's address and the tensor itself, in that order (0 and None for an absent one), for the
+replay.
 
-There is no key (None: the checked way) where an output is passed, a tensor needs grad or is not
-a plain strided tensor, a required tensor is None, an object is not of its declared type, or
-replay cannot run now (off, a dispatch, function or compiler mode, a capture, a launch hook).
+There is no key (None: the checked way) where a tensor needs grad or is not a plain strided
+tensor, a required tensor is None, an object is not of its declared type, or replay cannot run
+now (off, a dispatch, function or compiler mode, a capture, a launch hook). A passed output's
+layout is keyed as an input's; that it shares no memory with the inputs is checked at each
+replay (:meth:`._replay.LaunchPlans.replay_early`).
 
 This is on every replayed call's path, so it is not a loop over the layout (a tuple unpacked and
 branches on each argument's kind): a kernel's layout is fixed by its declaration, and this module
@@ -73,10 +76,6 @@ def build_early_key(layout: Sequence[tuple[int, int, Any]], optional: frozenset[
 
     for i in sorted({i for i, _, _ in layout}):
         emit(f"a{i} = args[{i}]")
-    for i, kind, _ in layout:
-        if kind == OUTPUT:
-            emit(f"if a{i} is not None:")
-            emit("return None", 2)
     # no_modes() before the capture query: under torch.compile it returns False, and the query is not traceable.
     emit(
         "if not _replay._replay_on() or not _replay.no_modes() or not _replay._fast_launch_on() "
@@ -93,8 +92,19 @@ def build_early_key(layout: Sequence[tuple[int, int, Any]], optional: frozenset[
         if kind == SCALAR:
             key += [f"type({a})", a]
         elif kind == OUTPUT:
-            addresses.append("0")
-            tensors.append("None")
+            # Passed or not (allocated by the replay): its layout is part of the key; whether it
+            # overlaps an input depends on the addresses, which the replay checks per call.
+            emit(f"if {a} is None:")
+            emit(f"_k{i}, _p{i} = _NONE, 0", 2)
+            emit("else:")
+            emit(f"if {_TENSOR_OK.format(t=a)}:", 2)
+            emit("return None", 3)
+            emit(f"_p{i} = {a}.data_ptr()", 2)
+            emit(f"_k{i} = ({a}.shape, {a}.stride(), {a}.dtype, {a}.get_device(), _p{i} & 15)", 2)
+            names["_NONE"] = (None,)
+            key.append(f"*_k{i}")
+            addresses.append(f"_p{i}")
+            tensors.append(a)
         elif kind == OBJECT:
             kind_type, split, *count = extra
             names[f"_type{i}"], names[f"_split{i}"] = kind_type, split

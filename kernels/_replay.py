@@ -31,9 +31,9 @@ Once a layout has replayed after its checks, the call's raw arguments (before an
 tensor's shape, strides, dtype, device and address modulo 16, each scalar's type and value, the
 current device and stream; :mod:`._early_key`) are remembered with the call's facts, device and
 outputs, and later calls with that key skip the checks as well: they dispatch on those facts,
-allocate the outputs and replay. A call that passes an output (its overlap with the inputs is
-checked each time), holds a tensor needing grad or a tensor subclass, or runs under a mode takes
-the checked way; nothing is replayed while a CUDA graph is being captured or with a launch hook
+allocate the outputs (or take the passed ones, once each is found apart from the inputs: that
+depends on the addresses) and replay. A call that holds a tensor needing grad or a tensor
+subclass, or runs under a mode, takes the checked way; nothing is replayed while a CUDA graph is being captured or with a launch hook
 set. A layout is recorded from its second call on, so a workload of ever new shapes never pays
 a recording.
 
@@ -59,7 +59,7 @@ from triton.runtime.driver import driver
 
 from ._descriptor_cache import AddressedDescriptor
 from ._fastlaunch import _fast_launch_on, _launch_hooks_set
-from ._launch import _byte_span
+from ._launch import _byte_span, out_is_separate
 from ._oplib import no_modes, run_unwrapped
 from ._recording import Recording, set_recording, watch_launch
 from .settings import on_change, settings
@@ -574,22 +574,33 @@ class LaunchPlans:
         tensors: list[torch.Tensor | None],
     ) -> list[torch.Tensor] | None:
         """Replay ``config``'s plan for an early key's call on ``stream`` (the key's): its outputs,
-        or None when the call must go the checked way (no plan for this config, or a persistent
-        buffer changed). ``tensors``: the call's tensors in ``addresses``' order (None at the
-        outputs' slots), for a plan that replays torch ops."""
+        or None when the call must go the checked way (no plan for this config, a persistent
+        buffer changed, or a passed output shares memory with an input). ``tensors``: the call's
+        tensors in ``addresses``' order (None at the slot of an output to allocate), for a plan
+        that replays torch ops."""
         plan = entry.plans.get(id(config))
         if plan is None or plan.config is not config:
             return None
         device = entry.device
-        outputs = [
-            torch.empty_strided(shape, strides, dtype=dtype, device=device) for shape, strides, dtype in entry.outputs
-        ]
-        for slot, out in zip(output_slots, outputs, strict=True):
-            addresses[slot] = out.data_ptr()
-            tensors[slot] = out
+        outputs = []
+        passed = []
+        for slot, (shape, strides, dtype) in zip(output_slots, entry.outputs, strict=True):
+            out = tensors[slot]
+            if out is None:
+                out = tensors[slot] = torch.empty_strided(shape, strides, dtype=dtype, device=device)
+                addresses[slot] = out.data_ptr()
+            else:
+                passed.append(out)
+            outputs.append(out)
+        if passed:
+            inputs = tuple(t for n, t in enumerate(tensors) if n not in output_slots)
+            if not all(out_is_separate(out, inputs) for out in passed):
+                return None  # the checks name the overlap
         if not plan.replay(addresses, device, stream, tensors):
             entry.plans.pop(id(config), None)  # another thread may have dropped it as well
             return None
+        for out in passed:  # written in place, as the launch function's op would mark it
+            torch.autograd.graph.increment_version(out)
         return outputs
 
     def _record(

@@ -380,7 +380,8 @@ def early_key(args: tuple[Any, ...], layout: Any, optional: frozenset[int] = fro
 def test_the_early_key_leaves_to_the_checks_what_they_must_see(toy) -> None:
     assert early_key(_raw(), _LAYOUT) is not None
     refused = {
-        "an output passed": _raw(out=torch.empty(4, 8)),
+        "an output needing grad": _raw(out=torch.empty(4, 8, requires_grad=True)),
+        "an output of a tensor subclass": _raw(out=torch.nn.Parameter(torch.empty(4, 8), requires_grad=False)),
         "a tensor needing grad": _raw(x=torch.randn(4, 64, requires_grad=True)),
         "a tensor subclass": _raw(x=torch.nn.Parameter(torch.randn(4, 64), requires_grad=False)),
         "another object type": _raw(packed=(torch.randn(8, 4), torch.randn(8))),
@@ -451,11 +452,20 @@ def test_the_early_key_reads_every_argument_in_the_layouts_order(toy, obj) -> No
         assert found is not None
         key, addresses, tensors = found
         bias_fields = (None,) if bias is None else _fields(bias)
-        expected = (device, stream, *_fields(x), *bias_fields, *_fields(packed.a), *_fields(packed.b), float, scale)
+        parts = (*_fields(packed.a), *_fields(packed.b))
+        expected = (device, stream, *_fields(x), *bias_fields, None, *parts, float, scale)
         assert key == expected and hash(key) == hash(expected)
         bias_address = 0 if bias is None else bias.data_ptr()
         assert addresses == [x.data_ptr(), bias_address, 0, packed.a.data_ptr(), packed.b.data_ptr()]
         assert all(a is b for a, b in zip(tensors, [x, bias, None, packed.a, packed.b], strict=True))
+    out = torch.empty(4, 8)[:, 1:]  # a passed output: keyed, addressed and handed on as an input is
+    args = (*_raw(out=out), None)
+    found = read(args)
+    assert found is not None
+    key, addresses, tensors = found
+    assert key[2 + 5 + 1 : 2 + 5 + 1 + 5] == _fields(out)
+    assert addresses[2] == out.data_ptr() and tensors[2] is out
+    assert key != read((*_raw(), None))[0], "an output passed and one to allocate are two layouts"
     assert read((None, *_raw()[1:], None)) is None, "a required tensor left None"
     assert read((*_raw(), torch.randn(8, requires_grad=True))) is None, "an optional tensor needing grad"
     assert read((*_raw(packed=_Packed(torch.randn(8, 4), None)), None)) is None, "a part left None"  # type: ignore[arg-type]
@@ -492,6 +502,33 @@ def test_an_early_replay_launches_what_the_launch_function_does(toy) -> None:
     _same_launch(replayed[0], direct[0], skip={9 + 1})
     _same_launch(replayed[1], direct[1], skip={9 + 0})
     assert early_out.shape == (64,) and early_out.dtype == torch.float32
+
+
+def test_an_early_replay_writes_a_passed_output_unless_it_overlaps_an_input(toy) -> None:
+    """A call passing its output replays into that tensor (nothing allocated, its version bumped
+    as an in-place write's); one sharing memory with an input goes the checked way, which names
+    the overlap."""
+    _warm(toy, torch.randn(64))
+    x = torch.randn(64)
+    out = toy.call(x)
+    [plan] = [p for p in toy.plans._plans.values() if p is not None]
+    toy.plans.remember_early(("raw key",), ("facts",), x.device, [out], CONFIG, plan)
+    entry = toy.plans.early(("raw key",))
+    assert entry is not None
+    fresh, given = torch.randn(64), torch.empty(64)
+    version = given._version
+    before = len(toy.launches)
+    [early_out] = toy.plans.replay_early(entry, CONFIG, 7, [fresh.data_ptr(), given.data_ptr()], (1,), [fresh, given])
+    assert early_out is given and given._version > version
+    replayed = toy.launches[before:]
+    _same_launch(replayed[0], toy.launched_by_body(fresh, given)[0], skip={9 + 1})
+    assert replayed[1][9 + 1] == given.data_ptr(), "the second launch writes the passed output"
+    before = len(toy.launches)
+    both = torch.randn(128)
+    overlapping = toy.plans.replay_early(
+        entry, CONFIG, 7, [both.data_ptr(), both[32:].data_ptr()], (1,), [both[:64], both[32:96]]
+    )
+    assert overlapping is None and len(toy.launches) == before
 
 
 def _cuda_launcher(raw: Any, scratch: int) -> Any:

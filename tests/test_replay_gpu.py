@@ -164,6 +164,53 @@ def test_a_passed_output_is_written_and_its_version_bumped() -> None:
     torch.testing.assert_close(out, _without_replay(q4k_linear, x, weight), rtol=0, atol=0)
 
 
+#: Calls passing their output: (the case, the call with ``out`` last, which input ``out`` may alias).
+OUT_CASES = {
+    "decode": (lambda: _decode(1, 1024), lambda q, k, v, n, out: decode_attention(q, k, v, n, out=out), 0),
+    "prefill": (
+        lambda: _prefill(64, 16, 128),
+        lambda q, k, v, n, out: prefill_attention(q, k, v, kv_len=n, out=out),
+        0,
+    ),
+    "q4k-tma": (lambda: _q4k(32, 14336, 4096), lambda x, w, out: q4k_linear(x, w, out=out), None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OUT_CASES))
+def test_calls_passing_their_output_replay_before_the_checks(case: str) -> None:
+    """Once a layout with a passed output has replayed, its calls skip the checks and write that
+    output, bit for bit what the launch function writes; an output aliasing an input still gets
+    the checks' error."""
+    make, with_out, aliased = OUT_CASES[case]
+    kernel, call, inputs = make()
+    kernel._plans.clear()
+
+    def fresh_out(args: tuple) -> torch.Tensor:
+        return torch.full_like(_without_replay(call, *args), float("nan"))
+
+    for _ in range(4):
+        args = inputs()
+        with_out(*args, fresh_out(args))
+    checks = kernel._fast
+    counted: list[int] = []
+    kernel._fast = type("Counted", (), {"fn": staticmethod(lambda *a: counted.append(1) or checks.fn(*a))})()
+    try:
+        for _ in range(3):
+            args = inputs()
+            out = fresh_out(args)
+            assert with_out(*args, out) is out
+            torch.cuda.synchronize()
+            assert torch.equal(out, _without_replay(call, *args)), f"{case}: the passed output differs"
+        assert not counted, f"{case}: a call passing its output went through the checks"
+    finally:
+        kernel._fast = checks
+    if aliased is not None:
+        args = inputs()
+        replayed = _outcome(lambda: with_out(*args, args[aliased]))
+        plain = _outcome(lambda: _without_replay(with_out, *args, args[aliased]))
+        assert replayed[0] == plain[0] == "error" and replayed[1:] == plain[1:]
+
+
 def test_another_stream_and_a_graph_capture_after_replays() -> None:
     """Decode's fused merge keeps arrival counters per stream: a replay on another stream must use
     that stream's, and a capture after replays must record a graph that replays correctly."""
