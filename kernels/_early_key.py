@@ -10,7 +10,8 @@ replay.
 
 There is no key (None: the checked way) where a tensor needs grad or is not a plain strided
 tensor, a required tensor is None, an object is not of its declared type, or replay cannot run
-now (off, a dispatch, function or compiler mode, a capture, a launch hook). A passed output's
+now (off, a dispatch, function or compiler mode, a capture, a launch hook), an object with a
+declared number of parts splits into another number, or a read raises. A passed output's
 layout is keyed as an input's; that it shares no memory with the inputs is checked at each
 replay (:meth:`._replay.LaunchPlans.replay_early`).
 
@@ -60,8 +61,8 @@ def build_early_key(layout: Sequence[tuple[int, int, Any]], optional: frozenset[
     ``layout``: per argument, in the order of :meth:`._replay.LaunchPlans.run`'s tensors (inputs
     and outputs by position, then objects' parts, then scalars): (position, kind, and for ``OBJECT``
     the object's type, split and optionally its number of parts: given, the split must return a
-    tuple of that many tensors, each read in line). ``optional``: positions of input tensors that may be None (the
-    others are required: a None there returns None).
+    tuple or list of that many tensors, each read in line). ``optional``: positions of input
+    tensors that may be None (the others are required: a None there returns None).
     """
     names: dict[str, Any] = {
         "_replay": _replay,
@@ -114,7 +115,7 @@ def build_early_key(layout: Sequence[tuple[int, int, Any]], optional: frozenset[
                 # A declared number of parts: each read in line, as an input tensor is.
                 parts = [f"{a}_{j}" for j in range(count[0])]
                 emit(f"_s{i} = _split{i}({a})")
-                emit(f"if type(_s{i}) is not tuple or len(_s{i}) != {count[0]}:")
+                emit(f"if not isinstance(_s{i}, (tuple, list)) or len(_s{i}) != {count[0]}:")
                 emit("return None", 2)
                 emit(f"{', '.join(parts)}, = _s{i}")
                 for part in parts:
@@ -153,6 +154,9 @@ def build_early_key(layout: Sequence[tuple[int, int, Any]], optional: frozenset[
             addresses.append(f"_p{i}")
             tensors.append(a)
     emit(f"return ({', '.join(key)},), [{', '.join(addresses)}], [{', '.join(tensors)}]")
+    # A tensor whose layout cannot be read (a nested one has no sizes) raises: no key either.
+    body = ["    " + line for line in lines[1:]]
+    lines = [lines[0], "    try:", *body, "    except Exception:", "        return None"]
     source = "\n".join(lines) + "\n"
     code = compile(source, "<tritune early key>", "exec")
     exec(code, names)  # our own generated text, from a declaration in code: nothing read from a file

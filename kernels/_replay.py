@@ -33,9 +33,9 @@ current device and stream; :mod:`._early_key`) are remembered with the call's fa
 outputs, and later calls with that key skip the checks as well: they dispatch on those facts,
 allocate the outputs (or take the passed ones, once each is found apart from the inputs: that
 depends on the addresses) and replay. A call that holds a tensor needing grad or a tensor
-subclass, or runs under a mode, takes the checked way; nothing is replayed while a CUDA graph is being captured or with a launch hook
-set. A layout is recorded from its second call on, so a workload of ever new shapes never pays
-a recording.
+subclass, or runs under a mode, takes the checked way; nothing is replayed while a CUDA graph
+is being captured or with a launch hook set. A layout is recorded from its second call on, so a
+workload of ever new shapes never pays a recording.
 
 What a recording cannot see is host logic reading anything but the layout: a launch function (or
 a derived fact) that decides on tensor values it reads without a torch op, the time, or a global
@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -91,7 +92,21 @@ _SCRATCH_ALIGN = 512
 #: A replay's scratch of at most this many bytes is kept between replays (see :func:`_kept_scratch`);
 #: a bigger one, which comes with GPU work that dwarfs an allocation, is allocated per replay.
 KEPT_SCRATCH_BYTES = 16 << 20
+
+
+class _KeptScratch:
+    """One thread's kept scratch: per device, the stream it serves and the buffer."""
+
+    __slots__ = ("__weakref__", "by_device")
+
+    def __init__(self) -> None:
+        self.by_device: dict[torch.device, tuple[int, torch.Tensor]] = {}
+
+
 _kept = threading.local()
+#: Every thread's :class:`_KeptScratch`, for :func:`forget_all` (a thread's goes with the thread).
+_kept_all: weakref.WeakSet[_KeptScratch] = weakref.WeakSet()
+_kept_lock = threading.Lock()
 
 #: Allocations a recorded call may make: replayed as fresh memory of the same size.
 _ALLOCATIONS = frozenset(
@@ -129,7 +144,9 @@ def forget_all() -> None:
     _enabled = None
     for plans in _ALL:
         plans.clear()
-    _kept.__dict__.pop("buffers", None)
+    with _kept_lock:
+        for kept in list(_kept_all):
+            kept.by_device.clear()
 
 
 on_change(forget_all)
@@ -242,12 +259,11 @@ class _Plan:
             for position, source, offset in pointers:
                 values[position] = addresses[source] + offset
             for position, source, offset, shape, strides, padding, slot, width in descriptors:
+                address = offset if source is None else addresses[source] + offset
                 if slot is None:
-                    values[position] = AddressedDescriptor(addresses[source] + offset, shape, strides, padding)
+                    values[position] = AddressedDescriptor(address, shape, strides, padding)
                 else:  # the launcher's kept encoding, expanded in place
-                    values[position : position + width] = slot.expand(
-                        addresses[source] + offset, shape, strides, padding
-                    )
+                    values[position : position + width] = slot.expand(address, shape, strides, padding)
             launcher(grid[0], grid[1], grid[2], stream, function, *head, *values)
         for op in ops[done:]:
             self._run_op(op, tensors, scratch)
@@ -268,20 +284,26 @@ class _Plan:
 
 
 def _kept_scratch(nbytes: int, device: torch.device, stream: int) -> torch.Tensor:
-    """At least ``nbytes`` of scratch for a replay on ``stream``, the same buffer at every replay
-    of this thread on that stream (grown as needed), which saves an allocation a call.
+    """At least ``nbytes`` of scratch for a replay on ``stream``: the buffer this thread's last
+    replay on ``device`` used, where it served the same stream and is big enough; else a new one,
+    which replaces it. That saves an allocation a call.
 
-    Reuse is safe as the caching allocator's is: everything a replay queues runs on its stream,
-    in order, so a replay's launches find the scratch after the previous replay's launches are
-    done with it. Per thread as well: two threads replaying on one stream interleave their
-    launches. A buffer outgrown is freed to the caching allocator, which hands it out on this
-    stream only. Nothing is replayed during a capture, so no graph holds a kept buffer."""
-    buffers: dict[tuple[torch.device, int], torch.Tensor] | None = getattr(_kept, "buffers", None)
-    if buffers is None:
-        buffers = _kept.buffers = {}
-    buffer = buffers.get((device, stream))
-    if buffer is None or buffer.numel() < nbytes:
-        buffer = buffers[(device, stream)] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    Reuse is safe as the caching allocator's is: a replay's launches and GEMMs are queued on the
+    current stream, in order, so they find the scratch after the previous replay's are done with
+    it. Per thread: two threads replaying on one stream interleave their launches. A buffer
+    replaced goes back to the caching allocator, which hands it out again only on the stream it
+    was allocated on. At most one buffer per thread and device is held, dropped by
+    :func:`forget_all`. Nothing is replayed during a capture, so no graph holds a kept buffer."""
+    kept = getattr(_kept, "scratch", None)
+    if kept is None:
+        kept = _kept.scratch = _KeptScratch()
+        with _kept_lock:
+            _kept_all.add(kept)
+    held = kept.by_device.get(device)
+    if held is not None and held[0] == stream and held[1].numel() >= nbytes:
+        return held[1]
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    kept.by_device[device] = (stream, buffer)
     return buffer
 
 
@@ -290,7 +312,8 @@ def _direct(launcher: Any) -> tuple[Any, tuple[Any, ...]]:
 
     Triton 3.6's ``CudaLauncher.__call__`` allocates no scratch for a kernel that needs none and
     passes the cooperative-grid and PDL flags on to its raw launch: a replay calls that launch
-    itself with them. Any other launcher (the descriptor-keeping launch) is called as it is."""
+    itself with them. Any other launcher is called as it is (the descriptor-keeping launch's raw
+    launch is called by :func:`_build_plan`'s plan, see :func:`_descriptor_slots`)."""
     raw = getattr(launcher, "launch", None)
     flags = ("launch_cooperative_grid", "launch_pdl", "global_scratch_size", "profile_scratch_size")
     if type(launcher).__name__ != "CudaLauncher" or raw is None or not all(hasattr(launcher, f) for f in flags):
@@ -376,11 +399,16 @@ def _build_plan(config: Any, rec: Recording, tensors: Sequence[torch.Tensor | No
                     fields = [AddressedDescriptor(base, shape, strides, value.padding)]
                 else:
                     fields = slot.expand(base, shape, strides, value.padding)
-                if where is None:  # a persistent buffer's: its fields are fixed
+                if where is None and slot is None:  # a persistent buffer's, encoded by the launcher
                     template += fields
                 else:
+                    # A persistent buffer's (source None, its address as the offset) is looked up
+                    # each time as well: with the kept encodings off, every launch encodes.
+                    source, offset = (None, base) if where is None else where
                     template += [None] * len(fields)
-                    descriptors.append((at, *where, shape, strides, value.padding, slot, len(fields)))
+                    descriptors.append((at, source, offset, shape, strides, value.padding, slot, len(fields)))
+            elif hasattr(value, "data_ptr") or hasattr(value, "block_shape"):
+                raise _Unmapped("a launch argument holds an address through an object the replay cannot rebuild")
             else:
                 template.append(value)
         launches.append(

@@ -15,9 +15,9 @@ variant is called N times back to back and timed on the host, the GPU synchronis
 
 - public: the public function as a user calls it, its output allocated by the call (as the
   PyTorch call's is): in plain eager mode a layout that replayed before replays its launches
-  without the checks (``kernels/_replay.py``); the same call into a given ``out`` (checked every
-  call, then replayed); the first with eager replay off (input checks + facts + dispatch + the
-  op's body, called directly);
+  without the checks (``kernels/_replay.py``); the same call into a given ``out`` (replayed
+  without the checks as well, ``out`` checked against the inputs' memory each call); the first
+  with eager replay off (input checks + facts + dispatch + the op's body, called directly);
 - through torch.library: the same call with the registered op forced (what ``torch.compile``,
   dispatch modes and autograd see);
 - launch: the kernel's own launch of the same config (the Triton launch plus its host-side

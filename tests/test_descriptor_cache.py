@@ -173,3 +173,27 @@ def test_a_replay_passes_the_raw_launch_what_the_kept_launch_passes(encodes) -> 
 def _addresses(call: tuple[Any, ...]) -> tuple[Any, ...]:
     """A raw launch's arguments with each tensor as its address (a replay passes addresses)."""
     return tuple(v.data_ptr() if isinstance(v, torch.Tensor) else v for v in call)
+
+
+def test_switched_off_a_replay_encodes_every_launch_a_persistent_buffers_descriptor_too(encodes) -> None:
+    """With the kept encodings off (the overhead measurement's baseline), a replay encodes each
+    descriptor at every launch, a persistent buffer's included."""
+    from tritune.kernels import _replay
+    from tritune.kernels._recording import Recording
+
+    launch = _descriptor_cache.caching_launcher(_launcher([]))
+    assert launch is not None
+    a, b, p = torch.randn(32, 64), torch.randint(0, 9, (64, 8), dtype=torch.int32), torch.randn(4)
+    args = _call_args(a, b, p)
+    rec = Recording()
+    rec.launch(launch, args[4], args[5], args[:3], args[9:])
+    rec.static(b, lambda: True)
+    plan = _replay._build_plan(("config",), rec, [a, p])
+    before = len(encodes)
+    _descriptor_cache.set_enabled(False)
+    try:
+        for _ in range(2):
+            assert plan.replay([a.data_ptr(), p.data_ptr()], a.device, 7, [a, p])
+    finally:
+        _descriptor_cache.set_enabled(True)
+    assert [call[2] for call in encodes[before:]] == ["a", "b", "a", "b"]

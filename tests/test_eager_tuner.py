@@ -145,8 +145,8 @@ def test_host_times_add_the_public_calls_own_cost_to_every_config(monkeypatch) -
 
 
 def test_the_public_calls_cost_is_timed_as_a_plain_eager_call_makes_it(monkeypatch) -> None:
-    """Without ``out``: a passed output takes the checked way every call, which a plain eager call
-    skips once its layout replays."""
+    """Without ``out``: the call allocates its output, as the PyTorch call it is compared with
+    does (a passed output would also be checked against the inputs' memory at every call)."""
     from tritune.kernels.declare import Kernel
     from tritune.kernels.registry import load
 

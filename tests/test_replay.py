@@ -8,7 +8,7 @@ repeat exactly must keep the call on its launch function.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -149,16 +149,49 @@ def test_each_call_gets_its_own_outputs_and_a_kept_workspace_per_thread_and_stre
     monkeypatch.undo()
 
 
+def test_one_workspace_is_held_per_thread_and_device_and_forget_all_drops_every_threads(toy, monkeypatch) -> None:
+    """A thread replaying on ever new streams holds one buffer, not one per stream; forget_all
+    drops the buffers of every living thread, not only its caller's."""
+    import threading
+
+    from triton.runtime.driver import driver
+
+    _replay.forget_all()
+    x = torch.randn(64)
+    for stream in (7, 8, 9):
+        monkeypatch.setattr(driver.active, "get_current_stream", lambda device, stream=stream: stream)
+        _warm(toy, x, calls=3)
+    assert [held[0] for held in _replay._kept.scratch.by_device.values()] == [9]
+    started, release = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        _next_workspace(toy, x)
+        started.set()
+        release.wait(10)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    try:
+        assert started.wait(10)
+        assert sum(len(kept.by_device) for kept in list(_replay._kept_all)) == 2
+        _replay.forget_all()
+        assert all(not kept.by_device for kept in list(_replay._kept_all))
+    finally:
+        release.set()
+        thread.join()
+
+
 def test_a_big_workspace_is_allocated_per_replay(toy, monkeypatch) -> None:
     _replay.forget_all()
     monkeypatch.setattr(_replay, "KEPT_SCRATCH_BYTES", 64)
     _warm(toy, torch.randn(64))
     x = torch.randn(64)
     toy.call(x)
-    assert not getattr(_replay._kept, "buffers", None), "a workspace over the limit must not be kept"
+    kept = getattr(_replay._kept, "scratch", None)
+    assert kept is None or not kept.by_device, "a workspace over the limit must not be kept"
     monkeypatch.setattr(_replay, "KEPT_SCRATCH_BYTES", 1024)
     toy.call(x)
-    assert [b.numel() for b in _replay._kept.buffers.values()] == [512]
+    assert [b.numel() for _, b in _replay._kept.scratch.by_device.values()] == [512]
 
 
 @pytest.mark.parametrize(
@@ -475,11 +508,25 @@ def test_an_object_of_declared_parts_must_split_into_that_many(toy) -> None:
     """With a number of parts declared, a split returning another number, or no tuple, leaves the
     call to the checks instead of keying a part short or reading one too many."""
     packed = _Packed(torch.randn(8, 4), torch.randn(8))
-    for split in (lambda p: (p.a,), lambda p: (p.a, p.b, p.a), lambda p: [p.a, p.b], lambda p: iter((p.a, p.b))):
+    for split in (lambda p: (p.a,), lambda p: (p.a, p.b, p.a), lambda p: iter((p.a, p.b))):
         read = build_early_key(((0, _replay.INPUT, None), (1, _replay.OBJECT, (_Packed, split, 2))))
         assert read((torch.randn(4, 64), packed)) is None
-    read = build_early_key(((0, _replay.INPUT, None), (1, _replay.OBJECT, (_Packed, _split, 2))))
-    assert read((torch.randn(4, 64), packed)) is not None
+    for split in (_split, lambda p: [p.a, p.b], lambda p: _Pair(p.a, p.b)):
+        read = build_early_key(((0, _replay.INPUT, None), (1, _replay.OBJECT, (_Packed, split, 2))))
+        found = read((torch.randn(4, 64), packed))
+        assert found is not None and found[2][1:] == [packed.a, packed.b]
+
+
+class _Pair(NamedTuple):
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+def test_an_argument_whose_layout_cannot_be_read_is_left_to_the_checks(toy) -> None:
+    """A tensor the key cannot read (a nested tensor has no sizes) gives no key instead of an
+    error from inside the replay machinery."""
+    nested = torch.nested.nested_tensor([torch.randn(2, 64), torch.randn(3, 64)])
+    assert early_key(_raw(x=nested), _LAYOUT) is None
 
 
 def test_an_early_replay_launches_what_the_launch_function_does(toy) -> None:
@@ -529,6 +576,26 @@ def test_an_early_replay_writes_a_passed_output_unless_it_overlaps_an_input(toy)
         entry, CONFIG, 7, [both.data_ptr(), both[32:].data_ptr()], (1,), [both[:64], both[32:96]]
     )
     assert overlapping is None and len(toy.launches) == before
+
+
+def test_an_address_held_by_another_object_refuses_the_recording() -> None:
+    """An argument holding an address through an object a replay cannot rebuild (Triton's
+    ``reinterpret`` wrapper, a descriptor over something other than a tensor) would be replayed
+    with the recorded call's address: the recording is refused."""
+    from types import SimpleNamespace
+
+    from tritune.kernels._recording import Recording
+
+    x = torch.randn(16)
+    holders = {
+        "a tensor wrapper": SimpleNamespace(data_ptr=x.data_ptr, dtype=torch.float32),
+        "a descriptor over a wrapper": SimpleNamespace(block_shape=[4], base=SimpleNamespace(data_ptr=x.data_ptr)),
+    }
+    for holder in holders.values():
+        rec = Recording()
+        rec.launch(_cuda_launcher([], 0), 1001, ("packed",), (1, 1, 1), (holder, 5))
+        with pytest.raises(_replay._Unmapped, match="holds an address"):
+            _replay._build_plan(CONFIG, rec, [x])
 
 
 def _cuda_launcher(raw: Any, scratch: int) -> Any:
