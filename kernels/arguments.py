@@ -254,6 +254,7 @@ class CheckedCall:
             if not isinstance(value, torch.Tensor):
                 wanted = "a torch.Tensor or None" if arg.optional else "a torch.Tensor"
                 raise TypeError(f"{name}: expected {wanted}, got {type(value).__name__}")
+            _check_dense(value, name)
             self._check_dtype(arg, value, name)
             shape: tuple[Any, ...] = tuple(value.shape)
         else:
@@ -396,6 +397,7 @@ class CheckedCall:
         like = self.values[arg.like]
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(value).__name__}")
+        _check_dense(value, name)
         if value.dtype != like.dtype:
             raise TypeError(
                 f"{name}: expected dtype {like.dtype} (the dtype of {self.label(arg.like)}), got {value.dtype}"
@@ -463,3 +465,11 @@ def static_dim(n: Any, dynamic: bool) -> int:
         # sizing shares with a dim that specialised) is still symbolic, and int() keeps it so.
         return operator.index(n) if has_static_value(n) else DYNAMIC
     return operator.index(n)
+
+
+def _check_dense(value: torch.Tensor, name: str) -> None:
+    """Refuse a tensor the kernels cannot address element by element: nested, sparse or another layout."""
+    if value.is_nested:
+        raise TypeError(f"{name}: expected a dense strided tensor, got a nested tensor")
+    if value.layout is not torch.strided:
+        raise TypeError(f"{name}: expected a dense strided tensor, got layout {value.layout}")

@@ -150,7 +150,9 @@ def build_fast_check(
     first = inputs[0]
     if not isinstance(first, Tensor) or first.optional:
         raise TypeError("the first input of a kernel must be a required tensor (its dtype and device lead)")
-    w.names.update(_Tensor=torch.Tensor, _is_compiling=torch.compiler.is_compiling, _prod=math.prod)
+    w.names.update(
+        _Tensor=torch.Tensor, _strided=torch.strided, _is_compiling=torch.compiler.is_compiling, _prod=math.prod
+    )
     w.names.update(_empty=torch.empty, _empty_like=torch.empty_like, _separate=out_is_separate)
     w.lines.append(f"def fast_check({', '.join(params)}):")
     # Types first: everything below reads attributes that only plain tensors are known to have.
@@ -180,6 +182,8 @@ def build_fast_check(
             depth = 2
             w.emit(f"if type({a.name}) is not _Tensor: return None", depth)
         if isinstance(a, Tensor):
+            # A sparse (or other non-strided) tensor: the detailed checks name it.
+            w.emit(f"if {a.name}.layout is not _strided: return None", depth)
             if a is not first:
                 if a.dtype_of is not None:
                     # The first tensor's dtype was read once already.
@@ -247,7 +251,8 @@ def build_fast_check(
             w.emit(f"{a.name} = _empty({shape}, dtype={like_dtype}, device=_device)", 2)
         w.emit("else:")
         w.emit(
-            f"if type({a.name}) is not _Tensor or {a.name}.dtype is not {like_dtype} or {a.name}.device != _device"
+            f"if type({a.name}) is not _Tensor or {a.name}.layout is not _strided or {a.name}.dtype is not {like_dtype}"
+            f" or {a.name}.device != _device"
             f" or {a.name}.shape != {shape}: return None",
             2,
         )

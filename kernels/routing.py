@@ -64,17 +64,20 @@ def attention(
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     decode_step = False
     if causal and isinstance(q, torch.Tensor) and isinstance(kv_len, torch.Tensor):
-        shape = q.shape
-        # Decode's layout rule, read inline: a generated check's call would cost every call.
-        decode_step = (
-            len(shape) == 4
-            and 1 <= shape[2] <= MAX_QUERY_TOKENS
-            and kv_len.dim() == 1
-            and q.stride()[3] == 1
-            and _serves_layout(k)
-            and _serves_layout(v)
-            and (out is None or _serves_layout(out))
-        )
+        try:
+            shape = q.shape
+            # Decode's layout rule, read inline: a generated check's call would cost every call.
+            decode_step = (
+                len(shape) == 4
+                and 1 <= shape[2] <= MAX_QUERY_TOKENS
+                and kv_len.dim() == 1
+                and q.stride()[3] == 1
+                and _serves_layout(k)
+                and _serves_layout(v)
+                and (out is None or _serves_layout(out))
+            )
+        except Exception:  # a tensor without sizes or strides (nested, sparse): prefill's checks name it
+            decode_step = False
     if decode_step:
         return DECODE.call_named((q, k, v, kv_len, softmax_scale, out), _DECODE_NAMES)  # type: ignore[no-any-return]
     return _prefill_attention()(q, k, v, causal=causal, kv_len=kv_len, softmax_scale=softmax_scale, out=out)

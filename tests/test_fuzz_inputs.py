@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -111,6 +112,23 @@ def mutate_dtype(name: str, partners: tuple[str, ...] | None = None) -> Mutation
 def mutate_type(name: str) -> Mutation:
     def mutation(draw: Any, call: dict[str, Any]) -> set[str]:
         call[name] = draw(st.sampled_from(NOT_TENSORS))
+        return {name}
+
+    return mutation
+
+
+def mutate_layout(names: tuple[str, ...]) -> Mutation:
+    """One of ``names`` (a tensor in the call) made sparse, or nested over its first dim."""
+
+    def mutation(draw: Any, call: dict[str, Any]) -> set[str]:
+        name = draw(st.sampled_from([n for n in names if isinstance(call.get(n), torch.Tensor)]))
+        t = call[name]
+        if draw(st.booleans(), label="nested"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # nested tensors are a prototype API
+                call[name] = torch.nested.nested_tensor(list(t.unbind(0)))
+        else:
+            call[name] = t.to_sparse()
         return {name}
 
     return mutation
@@ -274,6 +292,7 @@ def attention_mutations(kv: tuple[str, str], with_causal: bool) -> dict[str, Mut
         "out-dtype": mutate_out("dtype"),
         "out-meta": mutate_out("device"),
         "out-type": mutate_out("type"),
+        "layout": mutate_layout(("q", k, v, "out")),
     }
     if with_causal:
         mutations["causal"] = mutate_scalar("causal", BAD_FLAGS)
@@ -417,6 +436,7 @@ Q4K = {
     "out-meta": _q4k_out("device"),
     "out-strided": _q4k_out("strided"),
     "out-type": _q4k_out("type"),
+    "layout": mutate_layout(("x", "bias", "out")),
 }
 
 
@@ -536,6 +556,7 @@ VARLEN = {
     "out-shape": mutate_out_shape,
     "out-dtype": mutate_out("dtype"),
     "out-type": mutate_out("type"),
+    "layout": mutate_layout(("q", "k_store", "v_store", "seq_info", "out")),
 }
 
 
