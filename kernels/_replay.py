@@ -108,7 +108,7 @@ _kept = threading.local()
 _kept_all: weakref.WeakSet[_KeptScratch] = weakref.WeakSet()
 _kept_lock = threading.Lock()
 
-#: Allocations a recorded call may make: replayed as fresh memory of the same size.
+#: Allocations a recorded call may make: replayed at their offsets in the replay's scratch buffer.
 _ALLOCATIONS = frozenset(
     {
         torch.ops.aten.empty.memory_format,
