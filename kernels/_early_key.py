@@ -88,44 +88,34 @@ def build_early_key(layout: Sequence[tuple[int, int, Any]], optional: frozenset[
     key = ["_current", "_active.get_current_stream(_current)"]
     addresses: list[str] = []
     tensors: list[str] = []
+
+    def read_required(t: str) -> None:
+        """A tensor that must be there: refused unless plain, then keyed and addressed."""
+        emit(f"if {_TENSOR_OK.format(t=t)}:")
+        emit("return None", 2)
+        emit(f"_p_{t} = {t}.data_ptr()")
+        key.extend([f"{t}.shape", f"{t}.stride()", f"{t}.dtype", f"{t}.get_device()", f"_p_{t} & 15"])
+        addresses.append(f"_p_{t}")
+        tensors.append(t)
+
     for i, kind, extra in layout:
         a = f"a{i}"
         if kind == SCALAR:
             key += [f"type({a})", a]
-        elif kind == OUTPUT:
-            # Passed or not (allocated by the replay): its layout is part of the key; whether it
-            # overlaps an input depends on the addresses, which the replay checks per call.
-            emit(f"if {a} is None:")
-            emit(f"_k{i}, _p{i} = _NONE, 0", 2)
-            emit("else:")
-            emit(f"if {_TENSOR_OK.format(t=a)}:", 2)
-            emit("return None", 3)
-            emit(f"_p{i} = {a}.data_ptr()", 2)
-            emit(f"_k{i} = ({a}.shape, {a}.stride(), {a}.dtype, {a}.get_device(), _p{i} & 15)", 2)
-            names["_NONE"] = (None,)
-            key.append(f"*_k{i}")
-            addresses.append(f"_p{i}")
-            tensors.append(a)
         elif kind == OBJECT:
             kind_type, split, *count = extra
             names[f"_type{i}"], names[f"_split{i}"] = kind_type, split
             emit(f"if type({a}) is not _type{i}:")
             emit("return None", 2)
             if count and count[0] > 0:
-                # A declared number of parts: each read in line, as an input tensor is.
+                # A declared number of parts: each read in line, as a required input is.
                 parts = [f"{a}_{j}" for j in range(count[0])]
                 emit(f"_s{i} = _split{i}({a})")
                 emit(f"if not isinstance(_s{i}, (tuple, list)) or len(_s{i}) != {count[0]}:")
                 emit("return None", 2)
                 emit(f"{', '.join(parts)}, = _s{i}")
                 for part in parts:
-                    emit(f"if {_TENSOR_OK.format(t=part)}:")
-                    emit("return None", 2)
-                    emit(f"_p_{part} = {part}.data_ptr()")
-                    key += [f"{part}.shape", f"{part}.stride()", f"{part}.dtype", f"{part}.get_device()"]
-                    key.append(f"_p_{part} & 15")
-                    addresses.append(f"_p_{part}")
-                    tensors.append(part)
+                    read_required(part)
             else:
                 emit(f"_parts{i} = _object_parts(_split{i}({a}))")
                 emit(f"if _parts{i} is None:")
@@ -134,7 +124,10 @@ def build_early_key(layout: Sequence[tuple[int, int, Any]], optional: frozenset[
                 key.append(f"*_k{i}")
                 addresses.append(f"*_p{i}")
                 tensors.append(f"*_t{i}")
-        elif i in optional:
+        elif kind == OUTPUT or i in optional:
+            # An optional input, or an output passed or left to the replay to allocate: None is a
+            # layout of its own. A passed output's overlap with the inputs depends on the
+            # addresses, which the replay checks per call.
             emit(f"if {a} is None:")
             emit(f"_k{i}, _p{i} = _NONE, 0", 2)
             emit("else:")
@@ -147,12 +140,7 @@ def build_early_key(layout: Sequence[tuple[int, int, Any]], optional: frozenset[
             addresses.append(f"_p{i}")
             tensors.append(a)
         else:
-            emit(f"if {_TENSOR_OK.format(t=a)}:")
-            emit("return None", 2)
-            emit(f"_p{i} = {a}.data_ptr()")
-            key += [f"{a}.shape", f"{a}.stride()", f"{a}.dtype", f"{a}.get_device()", f"_p{i} & 15"]
-            addresses.append(f"_p{i}")
-            tensors.append(a)
+            read_required(a)
     emit(f"return ({', '.join(key)},), [{', '.join(addresses)}], [{', '.join(tensors)}]")
     # A tensor whose layout cannot be read (a nested one has no sizes) raises: no key either.
     body = ["    " + line for line in lines[1:]]
