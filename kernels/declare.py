@@ -36,7 +36,7 @@ from ._launch import prepare_interpreter, same_layout
 from ._oplib import no_modes, register_schema_op, run_unwrapped
 from ._replay import INPUT, OBJECT, OUTPUT, RAN, SCALAR, LaunchPlans
 from .arguments import CheckedCall, Derived, Obj, Output, Rule, Scalar, Tensor, dim_names, dtype_name, static_dim
-from .device import DeviceInfo
+from .device import DeviceInfo, make_current
 from .dispatcher import EagerChoice, dispatch_choice_eager, dispatch_config
 from .fastcheck import FastCheck, build_fast_check
 from .kernel_op import KernelOp
@@ -218,7 +218,15 @@ class Kernel(KernelOp, KernelSpec[Any, Any]):
         """A call the fast check accepted: dispatch, then the direct launch (or its replay) or the op.
 
         ``early``: the call's raw-argument key (:mod:`._early_key`), remembered with its
-        facts once the call replays, so that its layout's next calls skip the checks."""
+        facts once the call replays, so that its layout's next calls skip the checks.
+
+        Tensors on another GPU than the current one: the call runs with their device made current
+        (Triton launches on the current device), and its layout is never remembered for an early
+        replay, which launches on the current device and stream its key holds."""
+        current = make_current(device)
+        if current is not None:
+            with current:
+                return self._call_fast(facts, device, args)
         if _empty(args, self._output_positions):
             return self._result(args)
         config = dispatch_choice_eager(self.name, device, facts)
@@ -294,7 +302,12 @@ class Kernel(KernelOp, KernelSpec[Any, Any]):
         config = dispatch_config(self.name, device.type, index, tuple(facts))
         if device.type == "cpu":
             _prepare_interpreter()
-        self._call_op(config, args)
+        current = make_current(device)
+        if current is None:
+            self._call_op(config, args)
+        else:
+            with current:  # tensors on another GPU than the current one (see _call_fast)
+                self._call_op(config, args)
         return self._result(args)
 
     def call_named(self, args: tuple[Any, ...], names: dict[str, str] | None) -> Any:

@@ -62,6 +62,21 @@ def interpreter_device() -> DeviceInfo:
     return DeviceInfo(name=CPU_INTERPRETER, vendor="cpu", capability=(0, 0), sm_count=1, arch=CPU_INTERPRETER)
 
 
+def make_current(device: torch.device) -> torch.cuda.device | None:
+    """A context that makes CUDA ``device`` the current device, or None where it already is (or
+    ``device`` is not a CUDA device with an index).
+
+    Triton launches on the current device and its stream, where torch's own ops run on their
+    tensors' device: a call whose tensors sit on another GPU than the current one (a model spread
+    over the GPUs of one process, as ``device_map`` loaders place it) runs under this context.
+    """
+    index = device.index
+    # While torch.compile traces: Inductor's generated code enters its own device guard per device.
+    if index is None or device.type != "cuda" or torch.compiler.is_compiling():
+        return None
+    return None if index == torch.cuda.current_device() else torch.cuda.device(index)
+
+
 def _cuda_index(device: torch.device | int | str | None) -> int:
     if device is None:
         return torch.cuda.current_device()

@@ -120,6 +120,56 @@ def test_a_call_matches_its_reference_and_fills_a_poisoned_output():
     torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("path", ["fast", "checked"])
+def test_tensors_on_another_device_launch_with_it_current(monkeypatch, path):
+    """Triton launches on the current device: a call whose tensors are on another one launches
+    inside the context that makes their device current (both the fast and the checked way), and
+    its layout is never remembered for an early replay, which would launch on the current one."""
+    from tritune.kernels import declare
+
+    inside: list[bool] = [False]
+    entered: list[torch.device] = []
+
+    class Current:
+        def __init__(self, device: torch.device) -> None:
+            self.device = device
+
+        def __enter__(self) -> None:
+            entered.append(self.device)
+            inside[0] = True
+
+        def __exit__(self, *exc: object) -> None:
+            inside[0] = False
+
+    # Stands in for tensors on another GPU: every call's device is "another" until made current.
+    monkeypatch.setattr(declare, "make_current", lambda device: None if inside[0] else Current(device))
+    launched_inside: list[bool] = []
+    run_unwrapped, call_op = declare.run_unwrapped, KERNEL._call_op
+
+    def spy_run(*a: Any, **k: Any) -> Any:
+        launched_inside.append(inside[0])
+        return run_unwrapped(*a, **k)
+
+    def spy_op(*a: Any, **k: Any) -> Any:
+        launched_inside.append(inside[0])
+        return call_op(*a, **k)
+
+    monkeypatch.setattr(declare, "run_unwrapped", spy_run)
+    monkeypatch.setattr(KERNEL, "_call_op", spy_op)
+    remembered: list[Any] = []
+    monkeypatch.setattr(declare.LaunchPlans, "remember_early", lambda self, *a: remembered.append(a))
+    if path == "checked":
+        monkeypatch.setattr(KERNEL, "_fast", type("Refuse", (), {"fn": staticmethod(lambda *a: None)})())
+    args = _call()
+    for _ in range(3):
+        out = torch.full_like(args[0], float("nan"))
+        assert KERNEL.call(*args[:-1], out) is out
+        torch.testing.assert_close(out.double(), _reference(*args[:-1]), rtol=1e-6, atol=1e-6)
+    assert launched_inside and all(launched_inside), launched_inside
+    assert entered == [args[0].device] * 3
+    assert not remembered, "a call on another device was remembered for an early replay"
+
+
 def test_none_resolves_from_the_dims_and_keywords_bind_by_name():
     x, table = _call()[:2]
     out = KERNEL(x, table, alpha=None)

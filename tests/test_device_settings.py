@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tritune.kernels import settings
-from tritune.kernels.device import DeviceInfo, device_info, parse_arch_list, target_supports
+from tritune.kernels.device import DeviceInfo, device_info, make_current, parse_arch_list, target_supports
 
 H200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
 A100 = DeviceInfo(name="NVIDIA A100-SXM4-80GB", vendor="nvidia", capability=(8, 0), sm_count=108, arch="sm80")
@@ -258,3 +258,16 @@ def test_a_db_path_names_its_own_file_whatever_its_characters(tmp_path, name):
     with ConfigStore(url) as store:
         store.environment(gpu="g", torch_version="t", triton_version="3", tritune_version="0")
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".sqlite"] == [name]
+
+
+def test_make_current_switches_only_to_another_cuda_device(monkeypatch):
+    """A CUDA device other than the current one gets a context making it current; the current
+    device, a CPU or meta device, and no CUDA device at all get None (nothing to switch)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert make_current(torch.device("cpu")) is None
+    assert make_current(torch.device("meta")) is None
+    assert make_current(torch.device("cuda", 1)) is None
+    other = make_current(torch.device("cuda", 2))
+    assert isinstance(other, torch.cuda.device) and other.idx == 2

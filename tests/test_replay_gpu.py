@@ -272,3 +272,25 @@ def test_arguments_the_checks_treat_otherwise_are_checked_as_without_replay() ->
         else:
             assert replayed[1:] == plain[1:], what
         k.requires_grad_(False)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("case", ["prefill-small", "decode-b1-1k", "varlen", "q4k-m1", "q4k-m32-tma"])
+def test_calls_on_another_gpu_run_there(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors on GPU 1 while GPU 0 is current (a model spread over the GPUs of one process): every
+    call, repeated past the point where calls replay, writes on GPU 1 the bits the same call makes
+    with GPU 1 current."""
+    # The weight cache holds tensors of the current device: this test's live on GPU 1.
+    monkeypatch.setitem(globals(), "_WEIGHTS", {})
+    other = torch.device("cuda", 1)
+    with torch.cuda.device(other):
+        _, call, inputs = CASES[case]()
+        args = inputs()
+        expected = call(*args).clone()
+        torch.cuda.synchronize()
+    assert torch.cuda.current_device() != other.index
+    for _ in range(5):
+        got = call(*args)
+        assert got.device == other
+        torch.cuda.synchronize(other)
+        assert torch.equal(got, expected), f"{case}: a call from another current device differs"
