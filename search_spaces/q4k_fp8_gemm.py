@@ -221,6 +221,11 @@ class GemvConfig:
     #: With ``SPLIT_K > 1``: the last program of each output tile to finish sums the tile's
     #: partials (arrival counters), instead of a reduce launch.
     FUSED_REDUCE: bool = choice(False, (False, True))
+    #: True: a warp's lanes run along K, each reading 16 consecutive bytes of codes of one weight
+    #: row (a warp reads whole rows' K tiles) and each super-block's (d, dmin) as one word; False:
+    #: they run across BLOCK_N rows, 16 bytes of each, and gather d and dmin per sub-block. True
+    #: runs the one-launch kernel (with the pre-pass and the reduce where the other fields ask).
+    K_LANES: bool = choice(False, (False, True))
 
 
 @dataclass(frozen=True)

@@ -298,27 +298,29 @@ def record_winners(
     import torch
     from torch._library.triton import set_wrap_triton_enabled
 
-    from tritune.kernels import _launch
+    from tritune.kernels import _launch, settings
     from tritune.kernels.registry import get_spec
 
     spec = get_spec(kernel)
     meta = torch.device("meta")
     distinct: dict[str, dict[str, Any]] = {}
     saved = _launch.SM_COUNTS.get(meta)
+    # Replayed launches would go around the interception: every call runs its launch function.
     try:
-        for index, (key_fields, config) in enumerate(entries):
-            key = spec.key_type(**key_fields)
-            # Launch plans read the SM count of the tensors' device: the key's GPU's.
-            _launch.SM_COUNTS[meta] = key.sm_count
-            problem = meta_problem(spec, key)
-            with record_launches() as recorder, set_wrap_triton_enabled(not direct_body):
-                spec.launch(spec.space.parse(config), *problem.args, **problem.kwargs)
-            for launch in recorder.launches:
-                if launch.kernel.fn.__name__ != jit_kernel:
-                    continue
-                record = specialize(launch)
-                identity = json.dumps(record, sort_keys=True)
-                distinct.setdefault(identity, {"record": record, "entries": []})["entries"].append(index)
+        with settings.override(eager_replay=False):
+            for index, (key_fields, config) in enumerate(entries):
+                key = spec.key_type(**key_fields)
+                # Launch plans read the SM count of the tensors' device: the key's GPU's.
+                _launch.SM_COUNTS[meta] = key.sm_count
+                problem = meta_problem(spec, key)
+                with record_launches() as recorder, set_wrap_triton_enabled(not direct_body):
+                    spec.launch(spec.space.parse(config), *problem.args, **problem.kwargs)
+                for launch in recorder.launches:
+                    if launch.kernel.fn.__name__ != jit_kernel:
+                        continue
+                    record = specialize(launch)
+                    identity = json.dumps(record, sort_keys=True)
+                    distinct.setdefault(identity, {"record": record, "entries": []})["entries"].append(index)
     finally:
         if saved is None:
             _launch.SM_COUNTS.pop(meta, None)
@@ -591,6 +593,27 @@ def reductions(ttgir: str) -> list[dict[str, Any]]:
     return found
 
 
+#: A load in TTGIR: its pointers' shape, element type and layout (an alias or an inline layout).
+_LOAD = re.compile(r"= tt\.load [^:]*: tensor<([\dx]+)x!tt\.ptr<(\w+)>, (#\w+)>")
+
+
+def global_loads(ttgir: str) -> list[dict[str, Any]]:
+    """Every ``tt.load`` of a kernel's TTGIR whose layout is a blocked one: the shape and element type
+    of its pointers, and the blocked layout's fields (``per_thread``, ``lanes``, ``warps``, ``order``),
+    which fix how many rows and how many consecutive bytes one warp's load instruction reads."""
+    aliases = dict(_LAYOUT_ALIAS.findall(ttgir))
+    found = []
+    for shape, element, layout in _LOAD.findall(ttgir):
+        resolved = _resolve_layout(layout, aliases)
+        blocked = _BLOCKED_FIELDS.search(resolved)
+        if not resolved.startswith("#ttg.blocked<") or blocked is None:
+            continue
+        per_thread, lanes, warps, order = ([int(v) for v in f.split(", ")] for f in blocked.groups())
+        entry = {"shape": [int(d) for d in shape.split("x")], "type": element}
+        found.append({**entry, "per_thread": per_thread, "lanes": lanes, "warps": warps, "order": order})
+    return found
+
+
 def meta_q4k_call(m: int, n: int, k: int, bias: bool = False) -> tuple[Any, tuple[Any, ...], Any, Any]:
     """A Q4_K call's tensors on the meta device (nothing allocated): bf16 x ``[m, k]``, the four
     parts of a ``[n, k]`` Q4_K weight (codes, scales, mins, super-scales), the bias or None, and out."""
@@ -623,7 +646,8 @@ def build_gemv(k: int, n: int, config: dict[str, Any], m: int = 1, bias: bool = 
     ``config``, recorded from the real launch code on meta tensors and built for sm_90 as an H200
     launch would specialize them; per launch: the kernel, registers, spill bytes, shared memory,
     atomics, L2-only (``.cg``) loads, digests of the normalized PTX (:func:`normalized_ptx`) and
-    of the SASS, and the kernel's reductions (:func:`reductions`). Run without ``TRITON_INTERPRET``."""
+    of the SASS, the kernel's reductions (:func:`reductions`) and its loads' layouts
+    (:func:`global_loads`). Run without ``TRITON_INTERPRET``."""
     import hashlib
 
     import torch
@@ -654,6 +678,7 @@ def build_gemv(k: int, n: int, config: dict[str, Any], m: int = 1, bias: bool = 
                 "ptx_sha256": hashlib.sha256(normalized_ptx(ptx).encode()).hexdigest(),
                 "sass_sha256": hashlib.sha256(_sass(compiled.asm["cubin"]).encode()).hexdigest(),
                 "reductions": reductions(compiled.asm["ttgir"]),
+                "loads": global_loads(compiled.asm["ttgir"]),
             }
         )
     return results

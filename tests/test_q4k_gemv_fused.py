@@ -1,5 +1,5 @@
-"""The Q4_K GEMV in fewer launches (``FUSE_QUANT``, ``FUSED_REDUCE``): the same bits as the
-pre-pass, GEMV and reduce launches it replaces.
+"""The Q4_K GEMV in fewer launches (``FUSE_QUANT``, ``FUSED_REDUCE``) and with its lanes along K
+(``K_LANES``): the same bits as the pre-pass, GEMV and reduce launches it replaces.
 
 CPU tier: the kernels on the Triton interpreter at N=64, K=512 (bias, ``out=`` poisoned with NaN,
 bf16 and fp16 x, one, two and four splits), repeated calls (the arrival counters go back to zero)
@@ -38,7 +38,7 @@ def _ids(case: tuple[str, bool, bool, int]) -> str:
 
 
 def _unfused(config: GemvConfig) -> GemvConfig:
-    return dataclasses.replace(config, FUSE_QUANT=False, FUSED_REDUCE=False)
+    return dataclasses.replace(config, FUSE_QUANT=False, FUSED_REDUCE=False, K_LANES=False)
 
 
 def _problem(device: str, dtype: torch.dtype, seed: int, m: int = 1, n: int = N, k: int = K):
@@ -87,18 +87,36 @@ def _counters_are_zero(device: torch.device) -> bool:
     return all(not buffer.any() for (where, _), buffer in _launch.COUNTERS.items() if where == device)
 
 
+@pytest.mark.parametrize("lanes", [False, True], ids=["", "k-lanes"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_fused_variants_give_the_unfused_bits(case, dtype, device):
-    """Each variant writes every element of a NaN-poisoned ``out=`` with exactly the bits of the
-    pre-pass, GEMV and reduce launches (with a bias, which the reduce or the last split adds)."""
+def test_fused_variants_give_the_unfused_bits(case, dtype, lanes, device):
+    """Each variant, with its lanes along K or not, writes every element of a NaN-poisoned
+    ``out=`` with exactly the bits of the pre-pass, GEMV and reduce launches (with a bias, which
+    the reduce or the last split adds)."""
     _name, quant, reduce, split = case
     x, weight, bias = _problem(device, dtype, seed=split)
-    config = GemvConfig(BLOCK_N=32, BLOCK_K=128, SPLIT_K=split, FUSE_QUANT=quant, FUSED_REDUCE=reduce)
+    config = GemvConfig(BLOCK_N=32, BLOCK_K=128, SPLIT_K=split, FUSE_QUANT=quant, FUSED_REDUCE=reduce, K_LANES=lanes)
     expected = _run(_unfused(config), x, weight, bias)
     out = _run(config, x, weight, bias)
     assert not torch.isnan(out).any(), "some outputs were never written"
     assert _agrees(out, expected), (out - expected).abs().max()
+    assert check_path(out.float(), q4k_linear_reference(x, weight, bias), "gemv") is None
+
+
+@pytest.mark.parametrize("block_k", [64, 256, 512], ids=lambda v: f"bk{v}")
+@pytest.mark.parametrize("split", [1, 2])
+def test_k_lanes_alone_gives_the_unfused_bits(block_k, split, device):
+    """``K_LANES`` without the other two fields: the pre-pass, the one-launch kernel reading its
+    words, and the reduce launch where split; K tiles of a quarter, one and two super-blocks (each
+    super-block's (d, dmin) read as one word, shared by a tile's sub-blocks)."""
+    x, weight, bias = _problem(device, torch.bfloat16, seed=11 * split + block_k, k=2 * K)
+    config = GemvConfig(BLOCK_N=32, BLOCK_K=block_k, SPLIT_K=split, K_LANES=True)
+    out = _run(config, x, weight, bias)
+    assert not torch.isnan(out).any(), "some outputs were never written"
+    assert _agrees(out, _run(_unfused(config), x, weight, bias)), (
+        (out - _run(_unfused(config), x, weight, bias)).abs().max()
+    )
     assert check_path(out.float(), q4k_linear_reference(x, weight, bias), "gemv") is None
 
 
@@ -147,21 +165,27 @@ def test_repeated_calls_reset_the_arrival_counters(split, quant, device):
 
 
 @pytest.mark.parametrize(
-    ("quant", "reduce", "split", "launched"),
+    ("quant", "reduce", "split", "lanes", "launched"),
     [
-        (False, False, 2, ["_quantize_rows_gemv_kernel", "_q4k_gemv_kernel", "_splitk_reduce_kernel"]),
-        (True, False, 2, ["_q4k_gemv_fused_kernel", "_splitk_reduce_kernel"]),
-        (False, True, 2, ["_quantize_rows_gemv_kernel", "_q4k_gemv_fused_kernel"]),
-        (True, True, 2, ["_q4k_gemv_fused_kernel"]),
-        (True, False, 1, ["_q4k_gemv_fused_kernel"]),
-        (False, False, 1, ["_quantize_rows_gemv_kernel", "_q4k_gemv_kernel"]),
+        (False, False, 2, False, ["_quantize_rows_gemv_kernel", "_q4k_gemv_kernel", "_splitk_reduce_kernel"]),
+        (True, False, 2, False, ["_q4k_gemv_fused_kernel", "_splitk_reduce_kernel"]),
+        (False, True, 2, False, ["_quantize_rows_gemv_kernel", "_q4k_gemv_fused_kernel"]),
+        (True, True, 2, False, ["_q4k_gemv_fused_kernel"]),
+        (True, False, 1, False, ["_q4k_gemv_fused_kernel"]),
+        (False, False, 1, False, ["_quantize_rows_gemv_kernel", "_q4k_gemv_kernel"]),
+        (False, False, 2, True, ["_quantize_rows_gemv_kernel", "_q4k_gemv_fused_kernel", "_splitk_reduce_kernel"]),
+        (True, True, 2, True, ["_q4k_gemv_fused_kernel"]),
     ],
-    ids=["unfused-split", "fuse-quant-split", "fused-reduce", "one-launch-split", "fuse-quant", "unfused"],
-)
-def test_each_variant_launches_what_it_does_not_fuse(quant, reduce, split, launched, device):
-    """With both fields (or FUSE_QUANT without a split) a call is one kernel launch."""
+    ids=[
+        "unfused-split", "fuse-quant-split", "fused-reduce", "one-launch-split", "fuse-quant", "unfused",
+        "k-lanes-split", "k-lanes-one-launch-split",
+    ],
+)  # fmt: skip
+def test_each_variant_launches_what_it_does_not_fuse(quant, reduce, split, lanes, launched, device):
+    """With both fields (or FUSE_QUANT without a split) a call is one kernel launch; ``K_LANES``
+    runs the one-launch kernel with whatever launches the other two fields leave."""
     x, weight, bias = _problem(device, torch.bfloat16, seed=3)
-    config = GemvConfig(BLOCK_N=32, BLOCK_K=128, SPLIT_K=split, FUSE_QUANT=quant, FUSED_REDUCE=reduce)
+    config = GemvConfig(BLOCK_N=32, BLOCK_K=128, SPLIT_K=split, FUSE_QUANT=quant, FUSED_REDUCE=reduce, K_LANES=lanes)
     out = torch.empty((1, N), dtype=x.dtype, device=x.device)
     with sm90_build.record_launches() as recorder:
         KERNEL.launch(config, x, weight, bias, out=out)
@@ -175,9 +199,10 @@ WINNER_SHAPES = [(14336, 4096, 4), (4096, 14336, 1), (4096, 4096, 4)]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lanes", [False, True], ids=["", "k-lanes"])
 @pytest.mark.parametrize(("k", "n", "split"), WINNER_SHAPES, ids=lambda v: str(v))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gpu_one_launch_agrees_with_the_unfused_launches(k, n, split, dtype):
+def test_gpu_one_launch_agrees_with_the_unfused_launches(k, n, split, dtype, lanes):
     """On sm_90 the one launch rounds as the unfused launches do to within one unit in the last
     place (or one unit of the row's RMS, for outputs near zero), three calls in a row, and meets
     the GEMV's floor against the reference.
@@ -187,7 +212,7 @@ def test_gpu_one_launch_agrees_with_the_unfused_launches(k, n, split, dtype):
     its own units, never by more than one unit of its row's magnitude); which operation rounds
     differently on sm_90 is not located."""
     x, weight, bias = _problem("cuda", dtype, seed=k + n, n=n, k=k)
-    config = GemvConfig(BLOCK_N=32, BLOCK_K=256, SPLIT_K=split, FUSE_QUANT=True, FUSED_REDUCE=split > 1)
+    config = GemvConfig(BLOCK_N=32, BLOCK_K=256, SPLIT_K=split, FUSE_QUANT=True, FUSED_REDUCE=split > 1, K_LANES=lanes)
     for call in range(3):
         x = (x.float().roll(call + 1, dims=1) * 0.5 * (call + 1)).to(dtype)
         for with_bias in (bias, None):
@@ -198,12 +223,13 @@ def test_gpu_one_launch_agrees_with_the_unfused_launches(k, n, split, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lanes", [False, True], ids=["", "k-lanes"])
 @pytest.mark.parametrize(("k", "n", "split"), WINNER_SHAPES, ids=lambda v: str(v))
-def test_gpu_graph_replays_of_the_one_launch_gemv(k, n, split):
+def test_gpu_graph_replays_of_the_one_launch_gemv(k, n, split, lanes):
     """A captured one-launch call replayed three times with new x: each replay agrees with the
     unfused launches as in the eager test above and meets the GEMV's floor against the reference."""
     x, weight, bias = _problem("cuda", torch.bfloat16, seed=k, n=n, k=k)
-    config = GemvConfig(BLOCK_N=32, BLOCK_K=256, SPLIT_K=split, FUSE_QUANT=True, FUSED_REDUCE=split > 1)
+    config = GemvConfig(BLOCK_N=32, BLOCK_K=256, SPLIT_K=split, FUSE_QUANT=True, FUSED_REDUCE=split > 1, K_LANES=lanes)
     out = torch.empty((1, n), dtype=x.dtype, device="cuda")
     # Compiles, and sizes the counters a capture uses, outside the capture.
     KERNEL.launch(config, x, weight, bias, out=out)

@@ -66,7 +66,7 @@ def test_each_path_holds_only_the_fields_its_launch_reads():
         "portable": ("path", *tiles),
         "fp8": ("path", *tiles, "SCALE_FOLD", "SWAP_AB"),
         "staged": ("path", "BLOCK_N", "BLOCK_K", "num_warps", "CHUNK_N", "FAST_ACCUM"),
-        "gemv": ("path", "BLOCK_N", "BLOCK_K", "num_warps", "SPLIT_K", "FUSE_QUANT", "FUSED_REDUCE"),
+        "gemv": ("path", "BLOCK_N", "BLOCK_K", "num_warps", "SPLIT_K", "FUSE_QUANT", "FUSED_REDUCE", "K_LANES"),
         "int8": ("path", *tiles, "SWAP_AB"),
         "dequant": ("path", "BLOCK_N", "BLOCK_K", "num_warps", "CHUNK_N"),
         "tma": ("path", *tiles[:3], *tiles[4:], "SWAP_AB", "FUSED_REDUCE", "PACKED_DEQUANT"),
@@ -87,6 +87,7 @@ def test_each_path_holds_only_the_fields_its_launch_reads():
         "FAST_ACCUM": (False, True),
         "FUSE_QUANT": (False, True),
         "FUSED_REDUCE": (False, True),
+        "K_LANES": (False, True),
         "PACKED_DEQUANT": (False, True),
     }
     # A field keeps its choices on every path that can launch them: 256-row x tiles exist for the
@@ -128,7 +129,7 @@ def test_the_grid_holds_each_launch_once():
     assert all(SPACE.parse(SPACE.to_dict(c)) == c for c in grid[::97])
     # The per-path grids, where the old flat product held 2.6 million configs.
     assert SPACE.size() == (
-        4 * 4 * 4 * 3 * 3 * 5 * 4 + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 4 + 4 * 4 * 3 * 5 * 2 + 4 * 6 * 3 * 4 * 2 * 2
+        4 * 4 * 4 * 3 * 3 * 5 * 4 + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 4 + 4 * 4 * 3 * 5 * 2 + 4 * 6 * 3 * 4 * 2 * 2 * 2
         + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 2 + 4 * 4 * 3 * 6 + 5 * 2 * 3 * 2 * 3 * 4 * 2 * 2 * 2
     )  # fmt: skip
 
@@ -362,6 +363,7 @@ def test_gemv_one_launch_rules():
     # Stored configs without the fields (bundles written before them) are today's launches.
     assert KERNEL.pinned_config({"path": "gemv", "SPLIT_K": 4}) == GemvConfig(SPLIT_K=4)
     assert GemvConfig().FUSE_QUANT is False and GemvConfig().FUSED_REDUCE is False
+    assert GemvConfig().K_LANES is False
 
 
 def test_the_tuner_can_choose_every_fp8_kernel():

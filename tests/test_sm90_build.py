@@ -703,6 +703,54 @@ def test_gemv_one_launch_builds_as_the_unfused_launches_add(tmp_path: Path) -> N
         assert fused_final == gemv_final, where
 
 
+#: (K, N, BLOCK_K, BLOCK_N, num_warps, SPLIT_K) of GEMV tiles built with and without ``K_LANES``.
+K_LANES_TILES = [(4096, 14336, 512, 32, 4, 1), (14336, 4096, 256, 128, 4, 8), (4096, 4096, 1024, 64, 8, 1)]
+
+
+def test_gemv_k_lanes_reads_whole_rows_per_warp(tmp_path: Path) -> None:
+    """With ``K_LANES`` one warp's load of code words reads whole K tiles of weight rows: 4 words
+    (16 bytes) a thread and the lanes along K, so one instruction reads BLOCK_K / 2 consecutive
+    bytes of each of 32 * 16 / BLOCK_K rows. Without it the 32 lanes run across 32 weight rows,
+    16 bytes of each, and d and dmin are gathered per sub-block (2-byte loads, 32 rows an
+    instruction): the uncoalesced reads Nsight Compute counted at the shipped M=1 winners. The
+    K_LANES builds spill nothing and load no 2-byte d or dmin."""
+    reason = sm90_build.build_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    cases = []
+    for k, n, block_k, block_n, warps, split in K_LANES_TILES:
+        tile = {"path": "gemv", "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "SPLIT_K": split}
+        for lanes in (False, True):
+            config = {**tile, "FUSE_QUANT": True, "FUSED_REDUCE": split > 1, "K_LANES": lanes}
+            cases.append({"k": k, "n": n, "config": config})
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--gemv", json.dumps(cases)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [json.loads(line)["launches"] for line in run.stdout.splitlines()]
+    assert len(lines) == len(cases)
+    for case, (launch,) in zip(cases, lines, strict=True):
+        config = case["config"]
+        where = f"K={case['k']} N={case['n']} {config}"
+        assert launch["kernel"] == Q4K_GEMV_FUSED, where
+        assert launch["spill_bytes"] == 0, (where, launch)
+        words = config["BLOCK_K"] // 8
+        codes = [load for load in launch["loads"] if load["type"] == "i32" and len(load["shape"]) > 2]
+        assert codes, (where, launch["loads"])
+        halves = [load for load in launch["loads"] if load["type"] == "f16"]
+        for load in codes:
+            assert load["per_thread"][-1] == 4, (where, load)
+            if config["K_LANES"]:
+                assert load["shape"] == [1, config["BLOCK_N"], words], (where, load)
+                assert load["lanes"][-1] == min(32, words // 4), (where, load)
+            else:
+                assert load["shape"] == [1, config["BLOCK_N"], words // 4, 4], (where, load)
+                assert load["lanes"][1] == 32, (where, load)
+        assert bool(halves) is not config["K_LANES"], (where, halves)
+
+
 def test_q4k_dequantization_converts_no_codes(tmp_path: Path) -> None:
     """The small-M Q4_K tiles (portable, and swapped folded fp8) make their float codes with bit
     operations: the int-to-float conversions (a quarter of the ALU rate on Hopper) in the main loop

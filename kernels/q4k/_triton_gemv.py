@@ -231,12 +231,26 @@ def _q4k_gemv_kernel(
 
 
 @triton.jit
-def _gemv_weights(q_ptrs, sc_ptrs, mn_ptrs, ss_row, k_start, i, W: tl.constexpr, G: tl.constexpr):
+def _gemv_weights(
+    q_ptrs, sc_ptrs, mn_ptrs, ss_row, k_start, i, W: tl.constexpr, G: tl.constexpr, K_LANES: tl.constexpr = False
+):  # fmt: skip
     """The weight half of :func:`_gemv_tile`: code words (at ``q_ptrs``' shape), ``s`` and ``o`` ``[BLOCK_N, G]``."""
     qw = tl.load(q_ptrs + i * W)
-    d_ptrs = ss_row + ((k_start // 32 + i * G + tl.arange(0, G)) // 8 * 2)[None, :]
-    s = tl.load(d_ptrs).to(tl.float32) * _small_as_float(tl.load(sc_ptrs + i * G))
-    o = tl.load(d_ptrs + 1).to(tl.float32) * _small_as_float(tl.load(mn_ptrs + i * G))
+    if K_LANES:
+        qw = tl.reshape(qw, (qw.shape[0], qw.shape[1], G, 4))
+        SUPERS: tl.constexpr = (G + 7) // 8
+        pairs = tl.load(ss_row + ((k_start + i * (G * 32)) // 256 + tl.arange(0, SUPERS))[None, :])
+        pairs = tl.reshape(
+            tl.broadcast_to(pairs[:, :, None], (pairs.shape[0], SUPERS, G // SUPERS)), (pairs.shape[0], G)
+        )
+        d = pairs.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = (pairs >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        s = d * _small_as_float(tl.load(sc_ptrs + i * G))
+        o = dmin * _small_as_float(tl.load(mn_ptrs + i * G))
+    else:
+        d_ptrs = ss_row + ((k_start // 32 + i * G + tl.arange(0, G)) // 8 * 2)[None, :]
+        s = tl.load(d_ptrs).to(tl.float32) * _small_as_float(tl.load(sc_ptrs + i * G))
+        o = tl.load(d_ptrs + 1).to(tl.float32) * _small_as_float(tl.load(mn_ptrs + i * G))
     return qw, s, o
 
 
@@ -318,6 +332,7 @@ def _q4k_gemv_fused_kernel(
     FUSE_QUANT: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
     COPIES: tl.constexpr,
+    K_LANES: tl.constexpr = False,
 ):
     """:func:`_q4k_gemv_kernel`'s products with the pre-pass (``FUSE_QUANT``) and the split-K reduce
     (``FUSED_REDUCE``) in the same launch: with both, a decode step's GEMV is one launch.
@@ -370,10 +385,17 @@ def _q4k_gemv_fused_kernel(
     # The codes are read at the products' rank, [1, BLOCK_N, G, 4]: that load's layout is then the
     # one _q4k_gemv_kernel's x load gives its products (and so the order of its final sum), and
     # the small x words are what Triton converts, not the codes.
-    q_ptrs = q_row[None, :, None, None] + offs_w[None, None, :, :]
+    if K_LANES:
+        q_ptrs = q_row[None, :, None] + tl.arange(0, G * 4)[None, None, :]
+    else:
+        q_ptrs = q_row[None, :, None, None] + offs_w[None, None, :, :]
     sc_ptrs = sc_ptr + rows_n[:, None] * stride_sn + (k_start // 32 + offs_g)[None, :]  # [BLOCK_N, G]
     mn_ptrs = mn_ptr + rows_n[:, None] * stride_sn + (k_start // 32 + offs_g)[None, :]
-    ss_row = ss_ptr + rows_n[:, None] * stride_ssn
+    if K_LANES:
+        # Each super-block's (d, dmin) as one 32-bit word.
+        ss_row = (ss_ptr + rows_n[:, None] * stride_ssn).to(tl.pointer_type(tl.int32))
+    else:
+        ss_row = ss_ptr + rows_n[:, None] * stride_ssn
 
     acc = tl.zeros((ROWS, BLOCK_N, G), dtype=tl.float32)
     # As in _q4k_gemv_kernel, every load of an iteration is issued one iteration ahead. The codes'
@@ -381,7 +403,7 @@ def _q4k_gemv_fused_kernel(
     # layout of the last of those in program order first, and the products, the accumulator and
     # its final sum must take the codes' (as in _q4k_gemv_kernel, so the final sum's order is its).
     xa, xb, xc, xd, xf = _gemv_x(x_tile, x_even, xs_ptr, xlost_ptr, xsum_ptr, xg, K, 0, FUSE_QUANT, BLOCK_K, W, G)
-    qw, s, o = _gemv_weights(q_ptrs, sc_ptrs, mn_ptrs, ss_row, k_start, 0, W, G)
+    qw, s, o = _gemv_weights(q_ptrs, sc_ptrs, mn_ptrs, ss_row, k_start, 0, W, G, K_LANES)
     for i in range(K_TILES):
         ahead = tl.minimum(i + 1, K_TILES - 1)
         next_xa, next_xb, next_xc, next_xd, next_xf = _gemv_x(
@@ -391,7 +413,7 @@ def _q4k_gemv_fused_kernel(
             xe, xo, xs, lost, xsum = _quantize_tile(xa, ROWS, BLOCK_N, G, COPIES)
         else:
             xe, xo, xs, lost, xsum = xa, xb, xc, xd, xf
-        next_qw, next_s, next_o = _gemv_weights(q_ptrs, sc_ptrs, mn_ptrs, ss_row, k_start, ahead, W, G)
+        next_qw, next_s, next_o = _gemv_weights(q_ptrs, sc_ptrs, mn_ptrs, ss_row, k_start, ahead, W, G, K_LANES)
         shape: tl.constexpr = (ROWS, BLOCK_N, G, 4)
         lo = tl.broadcast_to(qw & 0x0F0F0F0F, shape)
         hi = tl.broadcast_to((qw >> 4) & 0x0F0F0F0F, shape)

@@ -79,7 +79,7 @@ class _Plan(NamedTuple):
     #: The kernel's constexpr arguments and launch options.
     constants: dict[str, Any]
     reduce_grid: tuple[int, int] | None
-    #: GEMV only: the fused kernel runs (``FUSE_QUANT``, or ``FUSED_REDUCE`` with a split).
+    #: GEMV only: the fused kernel runs (``FUSE_QUANT``, ``K_LANES``, or ``FUSED_REDUCE`` with a split).
     gemv_fused: bool = False
     #: Arrival counters a fused reduce needs (one per output tile); 0: no fused reduce.
     counters: int = 0
@@ -111,12 +111,15 @@ def _plan(
         grid: tuple[int, ...] = (ceil_div(n, config.BLOCK_N), split, ceil_div(m, rows))
         constants["ROWS"] = rows
         fused_reduce = config.FUSED_REDUCE and split > 1
-        gemv_fused = config.FUSE_QUANT or fused_reduce
+        gemv_fused = config.FUSE_QUANT or fused_reduce or config.K_LANES
         if gemv_fused:
             # Copies of the tile's x values quantized at once: enough to give each thread
             # _GEMV_VALUES_PER_THREAD of them where the tile alone has fewer.
             copies = max(1, 32 * config.num_warps * _GEMV_VALUES_PER_THREAD // (rows * config.BLOCK_K))
             constants.update(FUSE_QUANT=config.FUSE_QUANT, FUSED_REDUCE=fused_reduce, COPIES=copies)
+            if config.K_LANES:
+                # Only where set: the kernel's default keeps every other config's build as it was.
+                constants["K_LANES"] = True
     else:
         grid = (ceil_div(m, config.BLOCK_M) * ceil_div(n, config.BLOCK_N), split)
         constants.update(
