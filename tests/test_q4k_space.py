@@ -593,17 +593,21 @@ def test_starting_configs_follow_the_rules_the_space_admits():
             programs = -(-key.n // config.BLOCK_N) * config.SPLIT_K
             assert programs <= 4 * H200.sm_count or config.SPLIT_K == 1, config
         if gemv:
-            # One launch first (fused quantization, and the fused reduce where split), then the
-            # same tiles as two or three launches; each fused tile has its unfused twin.
-            one_launch = [c for c in gemv if c.FUSE_QUANT and (c.FUSED_REDUCE or c.SPLIT_K == 1)]
-            assert one_launch and gemv[: len(one_launch)] == one_launch, key
+            # One launch first (fused quantization, and the fused reduce where split) with the
+            # lanes along K, then without, then the same tiles as two or three launches; each
+            # tile has its twins.
+            along_k = [c for c in gemv if c.K_LANES]
+            one_launch = [c for c in gemv if c.FUSE_QUANT and (c.FUSED_REDUCE or c.SPLIT_K == 1) and not c.K_LANES]
+            assert along_k and gemv[: len(along_k)] == along_k, key
+            assert gemv[len(along_k) : len(along_k) + len(one_launch)] == one_launch, key
+            assert [dataclasses.replace(c, K_LANES=False) for c in along_k] == one_launch, key
             unfused = {c for c in gemv if not c.FUSE_QUANT and not c.FUSED_REDUCE}
-            assert len(one_launch) + len(unfused) == len(gemv), key
+            assert len(along_k) + len(one_launch) + len(unfused) == len(gemv), key
             assert {dataclasses.replace(c, FUSE_QUANT=False, FUSED_REDUCE=False) for c in one_launch} <= unfused
             assert {c.BLOCK_K for c in one_launch} == {256, 512}, key
     decode = KERNEL.starting_configs(key_for(L40S, _facts(1, 14336, 4096)), L40S)
     assert decode and {c.path for c in decode} == {"gemv"}
-    assert decode[0].FUSE_QUANT, decode[0]
+    assert decode[0].FUSE_QUANT and decode[0].K_LANES, decode[0]
     prefill = KERNEL.starting_configs(key_for(L40S, _facts(4096, 14336, 4096)), L40S)
     assert [(c.path, c.CHUNK_N) for c in prefill] == [("dequant", 16384), ("dequant", 8192), ("dequant", 4096)]
     cpu = device_info("cpu")

@@ -34,7 +34,14 @@ from tritune.kernels.q4k.tuning import TUNING
 from tritune.kernels.q4k.weight import Q4KWeight
 from tritune.kernels.spec import Replaced, pow2_bucket
 from tritune.search_spaces.base import TargetLimits
-from tritune.search_spaces.q4k_fp8_gemm import SPACE, TMA_MAX_REGISTERS, PortableConfig, TmaConfig, tma_smem_bytes
+from tritune.search_spaces.q4k_fp8_gemm import (
+    SPACE,
+    TMA_MAX_REGISTERS,
+    GemvConfig,
+    PortableConfig,
+    TmaConfig,
+    tma_smem_bytes,
+)
 
 H200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
 A100 = DeviceInfo(name="NVIDIA A100", vendor="nvidia", capability=(8, 0), sm_count=108, arch="sm80")
@@ -189,12 +196,14 @@ def test_tma_starting_configs_are_feasible_and_only_where_they_may_win():
     assert not any(isinstance(c, TmaConfig) for c in TUNING.starting_configs(_key(64, arch="sm80"), A100))
 
 
-def test_a_stored_tma_winner_is_followed_by_its_twin_with_the_other_dequantization():
+def test_a_stored_winner_is_followed_by_its_twin_with_the_newer_choice():
     exact = TmaConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, SPLIT_K=1)
     packed = dataclasses.replace(exact, PACKED_DEQUANT=True)
     assert TUNING.winner_variants(exact, _key(128), H200) == [packed]
     assert TUNING.winner_variants(packed, _key(128), H200) == [exact]
     assert TUNING.winner_variants(PortableConfig(), _key(128), H200) == []
+    gemv = GemvConfig(BLOCK_N=32, BLOCK_K=512, FUSE_QUANT=True)
+    assert TUNING.winner_variants(gemv, _key(1), H200) == [dataclasses.replace(gemv, K_LANES=True)]
 
 
 # ---- host code --------------------------------------------------------------------------------

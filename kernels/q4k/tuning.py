@@ -125,10 +125,13 @@ class Q4KTuning(KernelTuning):
 
     def winner_variants(self, config: Any, key: Q4KKey, device: DeviceInfo) -> list[Any]:
         """A stored tma winner is followed by its twin with the other dequantization
-        (``PACKED_DEQUANT``, a choice the first tma winners never had), so that a short re-tune
-        seeded from the winners measures both."""
+        (``PACKED_DEQUANT``), a GEMV winner by its twin with the other lane order (``K_LANES``):
+        choices the first winners never had, so that a short re-tune seeded from the winners
+        measures both."""
         if isinstance(config, TmaConfig):
             return [dataclasses.replace(config, PACKED_DEQUANT=not config.PACKED_DEQUANT)]
+        if isinstance(config, GemvConfig):
+            return [dataclasses.replace(config, K_LANES=not config.K_LANES)]
         return []
 
     def starting_configs(self, key: Q4KKey, device: DeviceInfo) -> list[Q4KConfig]:
@@ -136,8 +139,8 @@ class Q4KTuning(KernelTuning):
 
         - one row of x, on an NVIDIA GPU (PTX ``dp4a``): GEMV tiles of the narrowest and next row counts at each K depth
           from one super-block up, each split along K until about four programs per SM; first
-          each as one launch (``FUSE_QUANT``, and ``FUSED_REDUCE`` where split), then as today's
-          two or three;
+          each as one launch (``FUSE_QUANT``, and ``FUSED_REDUCE`` where split) with the lanes
+          along K (``K_LANES``), then as one launch without, then as two or three;
         - at large M, on any GPU: dequant chunks, the three largest the key admits, the largest
           (the whole weight where it fits the scratch cap) first: one GEMM of the whole N is
           what cuBLAS runs fastest, smaller chunks may keep the dense chunk in L2 for the GEMM;
@@ -192,9 +195,11 @@ class Q4KTuning(KernelTuning):
                     split *= 2
                 starts.append(GemvConfig(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, SPLIT_K=split))
         # The same tiles in one launch first (where the space admits them: FUSE_QUANT needs
-        # BLOCK_K <= 128 * num_warps): an eager decode step pays each launch's host time.
+        # BLOCK_K <= 128 * num_warps): an eager decode step pays each launch's host time; and
+        # before those, with the lanes along K (whole row slices a load instruction).
         fused = [dataclasses.replace(c, FUSE_QUANT=True, FUSED_REDUCE=c.SPLIT_K > 1) for c in starts]
-        return fused + starts
+        along_k = [dataclasses.replace(c, K_LANES=True) for c in fused]
+        return along_k + fused + starts
 
     @staticmethod
     def _tma_starts(key: Q4KKey, device: DeviceInfo) -> list[TmaConfig]:
