@@ -322,15 +322,29 @@ CASES = [
         "q4k_fp8_gemm",
         "gemv-m1",
         key={"k": 14336, "m_bucket": 1},
-        config={"path": "gemv", "SPLIT_K": 1, "FUSE_QUANT": False, "FUSED_REDUCE": False},
+        config={"path": "gemv", "SPLIT_K": 1, "FUSE_QUANT": False, "FUSED_REDUCE": False, "K_LANES": False},
         launches=Q4K_GEMV,
     ),
     Case(
         "q4k_fp8_gemm",
         "gemv-splitk-m1",
         key={"k": 14336, "m_bucket": 1},
-        config={"path": "gemv", "SPLIT_K": _more_than_one, "FUSE_QUANT": False, "FUSED_REDUCE": False},
+        config={
+            "path": "gemv",
+            "SPLIT_K": _more_than_one,
+            "FUSE_QUANT": False,
+            "FUSED_REDUCE": False,
+            "K_LANES": False,
+        },
         launches=(*Q4K_GEMV, "_splitk_reduce_kernel"),
+    ),
+    # The lanes along K: the one-launch kernel reading the pre-pass's words, then the reduce.
+    Case(
+        "q4k_fp8_gemm",
+        "gemv-k-lanes-splitk-m1",
+        key={"k": 14336, "m_bucket": 1},
+        config={"path": "gemv", "SPLIT_K": _more_than_one, "FUSE_QUANT": False, "FUSED_REDUCE": False, "K_LANES": True},
+        launches=("_quantize_rows_gemv_kernel", Q4K_GEMV_FUSED, "_splitk_reduce_kernel"),
     ),
     # The GEMV in fewer launches: quantizing x itself, reducing its splits itself, and both.
     Case(
