@@ -52,10 +52,20 @@ FOLD_MAX_REGISTERS = 224
 SWAP_MAX_REGISTERS = 176
 #: Rows per warpgroup on wgmma's M side: in the swapped kernel that side is BLOCK_N.
 WGMMA_ROWS = 64
-#: Largest M bucket the GEMV path is tried at. Its integer dot products grow with every row of x,
-#: and each row's words are loaded at the products' full shape: two or more rows spill registers
-#: and run far slower than the portable kernel.
+#: Largest M bucket the GEMV path is tried at with its lanes across weight rows. Its integer dot
+#: products grow with every row of x, and each row's words are loaded at the products' full shape:
+#: two or more rows spill registers and run far slower than the portable kernel.
 GEMV_MAX_M = 1
+#: Largest M bucket of the one-launch GEMV with its lanes along K (``K_LANES`` and ``FUSE_QUANT``):
+#: each row's words are made in registers from x, its code-word loads coalesced, and up to four
+#: rows build without spilling for sm_90 at the register rule below. Measured on an H100 at M=2
+#: and 4 it beats the portable tiles the bundle served there; at M=8 it loses.
+GEMV_K_LANES_MAX_M = 4
+#: Product words a thread (rows x BLOCK_N x BLOCK_K / 8 / threads) at one row, and with
+#: ``K_LANES`` at several: past these ptxas for sm_90 spills, or fills the registers so that
+#: fewer than two programs fit on an SM.
+GEMV_WORDS_PER_THREAD = 32
+GEMV_K_LANES_WORDS_PER_THREAD = 64
 #: x values a GEMV program quantizes per warp with ``FUSE_QUANT`` where one row of x has
 #: ``BLOCK_K`` (4 a thread, as in the pre-pass, which makes the sums bit-identical on sm_90).
 GEMV_FUSED_VALUES = 128
@@ -200,8 +210,9 @@ class Int8Config:
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """The GEMV path: decode-sized M (up to ``GEMV_MAX_M`` rows) on the CUDA cores, int8 x (one
-    scale per 32 values) against the exact codes with ``dp4a``, no MMA (any CUDA GPU).
+    """The GEMV path: decode-sized M (one row; up to ``GEMV_K_LANES_MAX_M`` as one launch with
+    ``K_LANES``) on the CUDA cores, int8 x (one scale per 32 values) against the exact codes with
+    ``dp4a``, no MMA (any CUDA GPU).
 
     Its loads are issued one iteration ahead by the kernel itself (no dot: Triton's pipeliner
     leaves them alone), so it has no ``num_stages``. With ``FUSE_QUANT`` and ``FUSED_REDUCE`` a
@@ -502,8 +513,12 @@ def gemv_feasibility(config: GemvConfig, key: Q4KShape, limits: TargetLimits) ->
         if config.BLOCK_N > 64 or config.BLOCK_K > 128:
             return "the interpreter only runs small blocks (BLOCK_N <= 64, BLOCK_K <= 128)"
         return None
-    if key.m_bucket > GEMV_MAX_M:
-        return f"the GEMV path is for M <= {GEMV_MAX_M} (m_bucket={key.m_bucket})"
+    several_rows = config.K_LANES and config.FUSE_QUANT
+    max_m = GEMV_K_LANES_MAX_M if several_rows else GEMV_MAX_M
+    if key.m_bucket > max_m:
+        if key.m_bucket <= GEMV_K_LANES_MAX_M:
+            return f"the GEMV path is for M <= {GEMV_MAX_M} (m_bucket={key.m_bucket}) without K_LANES and FUSE_QUANT"
+        return f"the GEMV path is for M <= {GEMV_K_LANES_MAX_M} (m_bucket={key.m_bucket})"
     if config.FUSE_QUANT and config.BLOCK_K // config.num_warps > GEMV_FUSED_VALUES:
         # Deeper, each thread would hold more values of a sub-block than the pre-pass's threads do,
         # and the float sums of a sub-block would be added in another order (other last bits).
@@ -514,11 +529,12 @@ def gemv_feasibility(config: GemvConfig, key: Q4KShape, limits: TargetLimits) ->
     words = config.BLOCK_N * config.BLOCK_K // 8  # 32-bit words of codes per tile
     if words < 4 * 32 * config.num_warps:
         return f"{config.num_warps} warps for {words} words of codes leave threads without a sub-block"
-    # Each product word of every row stays live with its code and x words: past 32 words a thread
-    # ptxas for sm_90 spills.
-    per_thread = min(key.m_bucket, GEMV_MAX_M) * words // (32 * config.num_warps)
-    if per_thread > 32:
-        return f"{per_thread} product words a thread (rows x BLOCK_N x BLOCK_K / 8 / threads) exceed 32"
+    # Each product word of every row stays live with its code and x words.
+    rows = min(key.m_bucket, max_m)
+    per_thread = rows * words // (32 * config.num_warps)
+    limit = GEMV_K_LANES_WORDS_PER_THREAD if rows > 1 else GEMV_WORDS_PER_THREAD
+    if per_thread > limit:
+        return f"{per_thread} product words a thread (rows x BLOCK_N x BLOCK_K / 8 / threads) exceed {limit}"
     return None
 
 

@@ -120,10 +120,11 @@ def test_k_lanes_alone_gives_the_unfused_bits(block_k, split, device):
     assert check_path(out.float(), q4k_linear_reference(x, weight, bias), "gemv") is None
 
 
-def test_fuse_quant_gives_the_unfused_bits_with_several_rows(device):
+@pytest.mark.parametrize("lanes", [False, True], ids=["", "k-lanes"])
+def test_fuse_quant_gives_the_unfused_bits_with_several_rows(lanes, device):
     """Three rows of x in one program (4 rows of the tile, one masked) and no bias."""
     x, weight, _ = _problem(device, torch.bfloat16, seed=5, m=3)
-    config = GemvConfig(BLOCK_N=32, BLOCK_K=64, SPLIT_K=2, FUSE_QUANT=True, FUSED_REDUCE=True)
+    config = GemvConfig(BLOCK_N=32, BLOCK_K=64, SPLIT_K=2, FUSE_QUANT=True, FUSED_REDUCE=True, K_LANES=lanes)
     assert _agrees(_run(config, x, weight, None), _run(_unfused(config), x, weight, None))
 
 

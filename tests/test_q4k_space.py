@@ -366,6 +366,26 @@ def test_gemv_one_launch_rules():
     assert GemvConfig().K_LANES is False
 
 
+def test_gemv_takes_up_to_four_rows_only_as_one_launch_along_k():
+    """Two to four rows of x: the one-launch GEMV with its lanes along K only, at up to 64 product
+    words a thread; one row keeps every GEMV form at 32; eight rows none."""
+    along_k = GemvConfig(BLOCK_N=64, BLOCK_K=256, SPLIT_K=8, FUSE_QUANT=True, FUSED_REDUCE=True, K_LANES=True)
+    for m in (2, 4):
+        assert SPACE.infeasible_reason(along_k, _key(m), LIMITS) is None, m
+        for other in (dataclasses.replace(along_k, K_LANES=False), dataclasses.replace(along_k, FUSE_QUANT=False)):
+            assert "without K_LANES and FUSE_QUANT" in SPACE.infeasible_reason(other, _key(m), LIMITS), (m, other)
+        starts = [c for c in KERNEL.starting_configs(_key(m), H200) if isinstance(c, GemvConfig)]
+        assert starts and all(c.K_LANES and c.FUSE_QUANT for c in starts), (m, starts)
+    assert "M <= 4" in SPACE.infeasible_reason(along_k, _key(8), LIMITS)
+    # 4 rows x 64 x 512 / 8 words over 128 threads: 128 product words a thread.
+    deep = dataclasses.replace(along_k, BLOCK_K=512)
+    assert "128 product words a thread" in SPACE.infeasible_reason(deep, _key(4), LIMITS)
+    assert SPACE.infeasible_reason(deep, _key(2), LIMITS) is None
+    # One row: 128 x 512 / 8 words over 128 threads is 64, past the one-row rule.
+    wide = dataclasses.replace(along_k, BLOCK_N=128, BLOCK_K=512, SPLIT_K=1, FUSED_REDUCE=False)
+    assert "exceed 32" in SPACE.infeasible_reason(wide, _key(1), LIMITS)
+
+
 def test_the_tuner_can_choose_every_fp8_kernel():
     """SCALE_FOLD and SWAP_AB are dimensions: feasible at decode and prefill sizes, never a default."""
     limits = KERNEL.limits(H200)
@@ -588,7 +608,7 @@ def test_starting_configs_follow_the_rules_the_space_admits():
         }[key.n]
         assert dequant == (whole if key.m_bucket > 64 else []), key
         gemv = [c for c in starts if isinstance(c, GemvConfig)]
-        assert bool(gemv) == (key.m_bucket == 1), key
+        assert bool(gemv) == (key.m_bucket <= 4), key
         for config in gemv:
             programs = -(-key.n // config.BLOCK_N) * config.SPLIT_K
             assert programs <= 4 * H200.sm_count or config.SPLIT_K == 1, config

@@ -717,8 +717,15 @@ def test_gemv_one_launch_builds_as_the_unfused_launches_add(tmp_path: Path) -> N
         assert fused_final == gemv_final, where
 
 
-#: (K, N, BLOCK_K, BLOCK_N, num_warps, SPLIT_K) of GEMV tiles built with and without ``K_LANES``.
-K_LANES_TILES = [(4096, 14336, 512, 32, 4, 1), (14336, 4096, 256, 128, 4, 8), (4096, 4096, 1024, 64, 8, 1)]
+#: (K, N, BLOCK_K, BLOCK_N, num_warps, SPLIT_K, M) of GEMV tiles built with ``K_LANES`` (and, at
+#: one row, without it).
+K_LANES_TILES = [
+    (4096, 14336, 512, 32, 4, 1, 1),
+    (14336, 4096, 256, 128, 4, 8, 1),
+    (4096, 4096, 1024, 64, 8, 1, 1),
+    (4096, 4096, 512, 128, 8, 8, 2),
+    (4096, 14336, 256, 64, 4, 8, 4),
+]
 
 
 def test_gemv_k_lanes_reads_whole_rows_per_warp(tmp_path: Path) -> None:
@@ -727,16 +734,17 @@ def test_gemv_k_lanes_reads_whole_rows_per_warp(tmp_path: Path) -> None:
     bytes of each of 32 * 16 / BLOCK_K rows. Without it the 32 lanes run across 32 weight rows,
     16 bytes of each, and d and dmin are gathered per sub-block (2-byte loads, 32 rows an
     instruction): the uncoalesced reads Nsight Compute counted at the shipped M=1 winners. The
-    K_LANES builds spill nothing and load no 2-byte d or dmin."""
+    K_LANES builds spill nothing and load no 2-byte d or dmin, at one row and at the most the
+    space's register rule admits at two and four rows (64 product words a thread)."""
     reason = sm90_build.build_reason()
     if reason is not None:
         pytest.skip(reason)
     cases = []
-    for k, n, block_k, block_n, warps, split in K_LANES_TILES:
+    for k, n, block_k, block_n, warps, split, m in K_LANES_TILES:
         tile = {"path": "gemv", "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "SPLIT_K": split}
-        for lanes in (False, True):
+        for lanes in (False, True) if m == 1 else (True,):
             config = {**tile, "FUSE_QUANT": True, "FUSED_REDUCE": split > 1, "K_LANES": lanes}
-            cases.append({"k": k, "n": n, "config": config})
+            cases.append({"k": k, "n": n, "m": m, "config": config})
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     run = subprocess.run(

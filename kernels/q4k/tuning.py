@@ -13,6 +13,7 @@ import torch
 import triton
 
 from tritune.search_spaces.q4k_fp8_gemm import (
+    GEMV_K_LANES_MAX_M,
     GEMV_MAX_M,
     MIN_CHUNK_N,
     OPT_IN_MIN_M,
@@ -137,10 +138,12 @@ class Q4KTuning(KernelTuning):
     def starting_configs(self, key: Q4KKey, device: DeviceInfo) -> list[Q4KConfig]:
         """Rules for where the good tiles lie, measured first (the admitted ones only):
 
-        - one row of x, on an NVIDIA GPU (PTX ``dp4a``): GEMV tiles of the narrowest and next row counts at each K depth
-          from one super-block up, each split along K until about four programs per SM; first
-          each as one launch (``FUSE_QUANT``, and ``FUSED_REDUCE`` where split) with the lanes
-          along K (``K_LANES``), then as one launch without, then as two or three;
+        - one row of x, on an NVIDIA GPU (PTX ``dp4a``): GEMV tiles of the narrowest and next
+          row counts at each K depth from one super-block up, each split along K until about
+          four programs per SM; first each as one launch (``FUSE_QUANT``, and ``FUSED_REDUCE``
+          where split) with the lanes along K (``K_LANES``), then as one launch without, then as
+          two or three; at two to four rows, the one launch with the lanes along K only, and
+          each also split eight ways;
         - at large M, on any GPU: dequant chunks, the three largest the key admits, the largest
           (the whole weight where it fits the scratch cap) first: one GEMM of the whole N is
           what cuBLAS runs fastest, smaller chunks may keep the dense chunk in L2 for the GEMM;
@@ -184,7 +187,7 @@ class Q4KTuning(KernelTuning):
 
     @staticmethod
     def _gemv_starts(key: Q4KKey, device: DeviceInfo) -> list[GemvConfig]:
-        if key.m_bucket > GEMV_MAX_M or not gemv_supported(device):
+        if key.m_bucket > GEMV_K_LANES_MAX_M or not gemv_supported(device):
             return []
         starts = []
         for block_k in (256, 512, 1024):
@@ -199,6 +202,11 @@ class Q4KTuning(KernelTuning):
         # before those, with the lanes along K (whole row slices a load instruction).
         fused = [dataclasses.replace(c, FUSE_QUANT=True, FUSED_REDUCE=c.SPLIT_K > 1) for c in starts]
         along_k = [dataclasses.replace(c, K_LANES=True) for c in fused]
+        if key.m_bucket > GEMV_MAX_M:
+            # Several rows: only the one launch with its lanes along K (the space's rule), and
+            # a deeper split, where the rows' products leave fewer programs per SM.
+            deeper = [dataclasses.replace(c, SPLIT_K=8, FUSED_REDUCE=True) for c in along_k if c.SPLIT_K < 8]
+            return along_k + [c for c in deeper if c not in along_k]
         return along_k + fused + starts
 
     @staticmethod
