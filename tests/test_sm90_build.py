@@ -669,6 +669,18 @@ GEMV_WINNER_SASS = {
 }
 
 
+def _build_gemv(cases: list[dict[str, Any]], cache: Path) -> list[list[dict[str, Any]]]:
+    """Each case's launches built for sm_90 by the script's ``--gemv`` (in a process without the
+    interpreter, compiling into ``cache``)."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(cache)
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--gemv", json.dumps(cases)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [json.loads(line)["launches"] for line in run.stdout.splitlines()]
+
+
 def _float_sums(launch: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in launch["reductions"] if r["type"] == "f32" and r["combine"] == "addf"]
 
@@ -689,13 +701,7 @@ def test_gemv_one_launch_builds_as_the_unfused_launches_add(tmp_path: Path) -> N
         cases.append({"k": k, "n": n, "config": {**tile, "SPLIT_K": split}})
         fused = {**tile, "SPLIT_K": split, "FUSE_QUANT": True, "FUSED_REDUCE": split > 1}
         cases.append({"k": k, "n": n, "config": fused})
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--gemv", json.dumps(cases)], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = [json.loads(line)["launches"] for line in run.stdout.splitlines()]
+    lines = _build_gemv(cases, tmp_path)
     assert len(lines) == 2 * len(GEMV_WINNERS)
     for (k, n, split), unfused, (fused,) in zip(GEMV_WINNERS, lines[::2], lines[1::2], strict=True):
         where = f"K={k} N={n} SPLIT_K={split}"
@@ -745,13 +751,7 @@ def test_gemv_k_lanes_reads_whole_rows_per_warp(tmp_path: Path) -> None:
         for lanes in (False, True) if m == 1 else (True,):
             config = {**tile, "FUSE_QUANT": True, "FUSED_REDUCE": split > 1, "K_LANES": lanes}
             cases.append({"k": k, "n": n, "m": m, "config": config})
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--gemv", json.dumps(cases)], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = [json.loads(line)["launches"] for line in run.stdout.splitlines()]
+    lines = _build_gemv(cases, tmp_path)
     assert len(lines) == len(cases)
     for case, (launch,) in zip(cases, lines, strict=True):
         config = case["config"]
