@@ -348,6 +348,15 @@ def _q4k_gemv_fused_kernel(
     the pre-pass path (``tests/test_sm90_build.py`` checks both layouts on sm_90, where
     ``ROWS * BLOCK_K <= 128 * num_warps``: the search space's rule at one row).
 
+    ``K_LANES``: Triton lays a load's lanes along its pointers' contiguous last axis. At the
+    products' rank that axis is a sub-block's 4 code words, so a warp's 32 lanes read 16 bytes of
+    each of 32 weight rows an instruction, and the per-sub-block d and dmin gather 2 bytes of 32
+    rows; Nsight Compute counted about two thirds of such a kernel's global sectors as excess,
+    with the L1 the busiest unit. With ``K_LANES`` the lanes read consecutive 16-byte pieces of
+    each row's K tile, and each super-block's (d, dmin) is one 32-bit load shared by its sub-blocks
+    in registers. The values are the same; the final sum over the K tile adds in the new layout's
+    order, so the results differ from the other layout's in the last bits.
+
     ``FUSED_REDUCE`` (``SPLIT_K > 1``): each program writes its float32 partial to ``part_ptr``
     (``[SPLIT_K, M, N]``), then counts itself on its output tile's arrival counter; the last to
     arrive sums the tile's partials in split order (as :func:`_splitk_reduce_kernel`, so the result
@@ -384,7 +393,9 @@ def _q4k_gemv_fused_kernel(
     q_row = (qs_ptr + rows_n * stride_qn + k_start // 2).to(tl.pointer_type(tl.int32))
     # The codes are read at the products' rank, [1, BLOCK_N, G, 4]: that load's layout is then the
     # one _q4k_gemv_kernel's x load gives its products (and so the order of its final sum), and
-    # the small x words are what Triton converts, not the codes.
+    # the small x words are what Triton converts, not the codes. With K_LANES they are read as
+    # [1, BLOCK_N, G * 4], whose contiguous last axis puts the lanes along K, then reshaped (in
+    # registers) to the products' rank, which then take that layout.
     if K_LANES:
         q_ptrs = q_row[None, :, None] + tl.arange(0, G * 4)[None, None, :]
     else:
