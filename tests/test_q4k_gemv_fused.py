@@ -4,8 +4,9 @@
 CPU tier: the kernels on the Triton interpreter at N=64, K=512 (bias, ``out=`` poisoned with NaN,
 bf16 and fp16 x, one, two and four splits), repeated calls (the arrival counters go back to zero)
 and the launches each variant makes. GPU tier (``gpu``): the Llama-3-8B shapes of the shipped
-GEMV winners eagerly, and a captured CUDA graph replayed with new x. The sm_90 builds (no spills,
-the atomics, the reductions' layouts) are ``test_sm90_build.py``'s.
+GEMV winners eagerly, each with and without ``K_LANES``, a captured CUDA graph replayed with new
+x, and ``K_LANES`` at two to four rows. The sm_90 builds (no spills, the atomics, the reductions'
+and loads' layouts) are ``test_sm90_build.py``'s.
 """
 
 from __future__ import annotations
@@ -247,3 +248,21 @@ def test_gpu_graph_replays_of_the_one_launch_gemv(k, n, split, lanes):
         expected = _run(_unfused(config), x, weight, bias)
         assert _agrees(out, expected), (replay, (out - expected).abs().max())
         assert check_path(out.float(), q4k_linear_reference(x, weight, bias), "gemv") is None, replay
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [2, 3, 4])
+@pytest.mark.parametrize(("k", "n", "split"), WINNER_SHAPES, ids=lambda v: str(v))
+def test_gpu_k_lanes_takes_several_rows(k, n, split, m):
+    """Two to four rows of x (three: a masked fourth row of the tile) through the one launch with
+    its lanes along K, the form the space admits there: each call agrees with the unfused launches
+    as above and meets the GEMV's floor against the reference, with and without a bias."""
+    x, weight, bias = _problem("cuda", torch.bfloat16, seed=k + m, m=m, n=n, k=k)
+    config = GemvConfig(BLOCK_N=64, BLOCK_K=256, SPLIT_K=split, FUSE_QUANT=True, FUSED_REDUCE=split > 1, K_LANES=True)
+    for with_bias in (bias, None):
+        out = _run(config, x, weight, with_bias)
+        assert not torch.isnan(out).any(), "some outputs were never written"
+        expected = _run(_unfused(config), x, weight, with_bias)
+        assert _agrees(out, expected), (with_bias is not None, (out - expected).abs().max())
+        reference = q4k_linear_reference(x, weight, with_bias)
+        assert check_path(out.float(), reference, "gemv") is None, with_bias is not None
