@@ -734,6 +734,41 @@ K_LANES_TILES = [
 ]
 
 
+#: Records the given bundle entries' launches of one JIT kernel, as ``--bundle-winners`` does.
+_RECORD = """
+import json, sys
+sys.path.insert(0, "tests")
+import sm90_build
+from tritune.configs_db.values import strict_loads
+
+bundle, path, jit_kernel = sys.argv[1:]
+winners = strict_loads(open(bundle).read())["winners"]
+entries = [(w["key"], w["config"]) for w in winners if w["kernel"] == "q4k_fp8_gemm" and w["config"]["path"] == path]
+found = sm90_build.record_winners("q4k_fp8_gemm", entries[:2], jit_kernel)
+print(json.dumps([len(f["entries"]) for f in found]))
+"""
+
+
+@pytest.mark.parametrize(("path", "jit_kernel"), [("gemv", Q4K_GEMV_FUSED), ("staged", "_staged_prepass_kernel")])
+def test_recording_a_bundles_winners_sees_their_launches(path: str, jit_kernel: str) -> None:
+    """The recording half of ``--bundle-winners`` in a process without the interpreter (as the
+    script runs): two shipped H200 winners of ``path`` are recorded. Eager replay is off there (a
+    replayed call would go around the interception and reach for a GPU), and a staged call's fp8
+    GEMM, which has no meta kernel, ends the call after its pre-pass was recorded."""
+    reason = sm90_build.build_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    root = Path(__file__).parents[1]
+    bundle = root / "configs_db" / "bundles" / "nvidia-h200-sm90-132sm.json"
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", _RECORD, str(bundle), path, jit_kernel],
+        env=env, capture_output=True, text=True, timeout=300, cwd=root,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert sum(json.loads(run.stdout.splitlines()[-1])) == 2, run.stdout
+
+
 def test_gemv_k_lanes_reads_whole_rows_per_warp(tmp_path: Path) -> None:
     """With ``K_LANES`` one warp's load of code words reads whole K tiles of weight rows: 4 words
     (16 bytes) a thread and the lanes along K, so one instruction reads BLOCK_K / 2 consecutive
