@@ -18,8 +18,9 @@ is reported as FAILED, a peer that cannot run as unavailable with its error):
 - FP8 ``torch._scaled_mm``: W quantized once to e4m3 with one scale per output row, x quantized to e4m3
   with one scale per row outside timing (mat2 passed column-major, as cuBLASLt wants): the fp8 GEMM
   alone, a ceiling for a kernel that also dequantizes (floor: the fp8 path's 25 dB);
-- tritune untuned: the key's default (portable, or tma on SM90 from M=32 to 512, or dequant from
-  M=256, on SM90 where the tma path does not serve), pinned with ``use_config``;
+- tritune untuned: the key's default (the one-launch GEMV up to M=4 on NVIDIA GPUs, then portable,
+  or tma on SM90 from M=32 to 512, or dequant from M=256, on SM90 where the tma path does not
+  serve), pinned with ``use_config``;
 - tritune per path, pinned: the accurate paths (portable; GEMV up to ``GEMV_MAX_BENCH_M`` rows;
   dequant, the exact weights in bf16 chunk by chunk into cuBLAS, at every M: it is tuned from M=128
   up, the rows below show why; on SM90 the tma path, the Gluon K loop, at every M) and, with

@@ -17,6 +17,7 @@ from tritune.kernels.q4k.kernel import (
     TMA_DEFAULT_M,
     _h200_default,
     dequant_default,
+    gemv_default,
     tma_default,
 )
 from tritune.kernels.spec import smem_limit_bytes
@@ -52,10 +53,12 @@ def test_the_portable_default_of_every_default_key_is_feasible(device):
 @pytest.mark.parametrize("arch", ["sm90", "sm80"])
 def test_the_defaults_of_the_large_parts_are_not_refitted(arch):
     """The shipped speedups are measured against these defaults: fitting must leave them alone
-    (on SM90 from M=32 to 512 the tma path, whose tiles are chosen for SM90's shared memory;
-    elsewhere from M=256 up the dequant path, which has no shared-memory tiles to fit)."""
+    (up to M=4 the GEMV path, which keeps no tiles in shared memory; on SM90 from M=32 to 512 the
+    tma path, whose tiles are chosen for SM90's shared memory; elsewhere from M=256 up the dequant
+    path, which has no shared-memory tiles to fit)."""
     device = next(d for d in GPUS if d.arch == arch)
     for key in KERNEL.default_keys(device):
         dequant = dequant_default(key) if key.m_bucket >= DEQUANT_DEFAULT_MIN_M else None
         tma = tma_default(key) if arch == "sm90" and TMA_DEFAULT_M[0] <= key.m_bucket <= TMA_DEFAULT_M[1] else None
-        assert KERNEL.default_config(key) == (tma or dequant or _h200_default(key)), key
+        gemv = gemv_default(key)
+        assert KERNEL.default_config(key) == (gemv or tma or dequant or _h200_default(key)), key

@@ -23,7 +23,16 @@ import torch
 from tritune.kernels import dispatcher, settings, use_config
 from tritune.kernels.device import DeviceInfo, device_info, interpreter_device
 from tritune.kernels.dispatcher import DISPATCHER, dispatch_config
-from tritune.kernels.q4k.kernel import KERNEL, Q4KKey, accurate_key, default_config, key_for, portable_default
+from tritune.kernels.q4k.kernel import (
+    KERNEL,
+    Q4KKey,
+    accurate_default,
+    accurate_key,
+    default_config,
+    gemv_default,
+    key_for,
+    portable_default,
+)
 from tritune.kernels.q4k.reference import GGML_MAX_NMSE, MIN_SQNR_DB
 from tritune.kernels.q4k.tuning import TUNING
 from tritune.search_spaces.base import ConfigError, TargetLimits
@@ -183,6 +192,65 @@ def test_portable_defaults_by_m_bucket(where):
     names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT_K")
     assert isinstance(config, PortableConfig)
     assert tuple(getattr(config, name) for name in names) == DEFAULTS[where]
+
+
+#: (arch, SMs, m_bucket, N, K) -> the GEMV default's (BLOCK_N, BLOCK_K, SPLIT_K). At M=1 on SM90
+#: these are the tiles the five Llama-3-8B keys' re-tune on an H100 chose.
+GEMV_DEFAULTS = {
+    ("sm90", 132, 1, 14336, 4096): (64, 512, 2),
+    ("sm90", 132, 1, 4096, 14336): (32, 512, 4),
+    ("sm90", 132, 1, 4096, 4096): (64, 512, 8),
+    ("sm90", 132, 1, 6144, 4096): (64, 512, 8),
+    ("sm90", 132, 1, 28672, 4096): (64, 512, 1),
+    ("sm90", 132, 2, 14336, 4096): (64, 512, 2),
+    # From M=3 (bucket 4) four rows of 64-row tiles would be 128 product words a thread.
+    ("sm90", 132, 4, 14336, 4096): (32, 512, 1),
+    ("sm90", 132, 4, 4096, 4096): (32, 512, 4),
+    ("sm80", 108, 1, 4096, 4096): (64, 512, 8),
+    ("sm61", 20, 1, 4096, 4096): (64, 512, 1),
+    # 512 does not divide K: 256-deep tiles. Splitting stops short of 3 programs an SM: the most.
+    ("sm90", 132, 1, 4096, 768): (32, 256, 1),
+    ("sm90", 132, 1, 512, 4096): (32, 512, 8),
+}
+
+
+@pytest.mark.parametrize("where", sorted(GEMV_DEFAULTS), ids=lambda w: "-".join(map(str, w)))
+def test_gemv_default_up_to_four_rows_on_nvidia(where):
+    """Up to M=4 on an NVIDIA GPU (dp4a, SM61+) the default is the one-launch GEMV with its lanes
+    along K: 4 warps, the split (then the narrower tile) raised until about three programs an SM."""
+    arch, sms, m, n, k = where
+    key = Q4KKey(arch=arch, sm_count=sms, dtype="bfloat16", m_bucket=m, n=n, k=k, fp8=False)
+    config = default_config(key)
+    assert isinstance(config, GemvConfig)
+    assert GEMV_DEFAULTS[where] == (config.BLOCK_N, config.BLOCK_K, config.SPLIT_K)
+    assert config.K_LANES and config.FUSE_QUANT and config.num_warps == 4
+    assert (config.SPLIT_K > 1) == config.FUSED_REDUCE
+    assert SPACE.infeasible_reason(config, key, TargetLimits(smem_bytes=228 * 1024)) is None
+
+
+@pytest.mark.parametrize(
+    "arch, m, k",
+    [("sm90", 8, 4096), ("sm60", 1, 4096), ("sm75", 16, 4096), ("gfx942", 1, 4096), ("cpu-interpreter", 1, 256)],
+)
+def test_no_gemv_default_past_four_rows_or_without_dp4a(arch, m, k):
+    """From M=8, on GPUs without dp4a (before SM61, ROCm) and on the interpreter the default is
+    the accurate rule's (the portable tiles at these M)."""
+    key = Q4KKey(arch=arch, sm_count=8, dtype="bfloat16", m_bucket=m, n=4096, k=k, fp8=False)
+    assert gemv_default(key) is None
+    assert default_config(key) == accurate_default(key) == portable_default(key)
+
+
+def test_a_gemv_default_the_build_cannot_issue_gives_way_to_the_portable_tiles(monkeypatch):
+    """Where TORCH_CUDA_ARCH_LIST also names a GPU without dp4a, the GEMV may not serve: its
+    default's stand-in is the accurate rule's, not the GEMV again."""
+    facts = _facts(1, 4096, 4096)
+    default = KERNEL.default_config(key_for(H200, facts))
+    assert isinstance(default, GemvConfig)
+    assert KERNEL.serve_with_reason(default, H200, facts) == (default, None)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "6.0;9.0")
+    served, why = KERNEL.serve_with_reason(default, H200, facts)
+    assert served == accurate_default(key_for(H200, facts)) and served.path == "portable"
+    assert why is not None and "dp4a" in why
 
 
 #: (arch, SMs, m_bucket, N, K) -> the dequant default's CHUNK_N: the whole weight where its bf16
@@ -391,8 +459,10 @@ def test_the_tuner_can_choose_every_fp8_kernel():
     limits = KERNEL.limits(H200)
     for m in (1, 16, 4096):
         key = _key(m)
-        # Never a default: an accurate path is (tma on SM90 from M=32 to 512, then the dequant path).
-        assert KERNEL.default_config(key).path == ("portable" if m < 32 else "tma" if m <= 256 else "dequant")
+        # Never a default: an accurate path is (the GEMV up to M=4, then portable, tma on SM90 from
+        # M=32 to 512, then the dequant path).
+        expected = "gemv" if m <= 4 else "portable" if m < 32 else "tma" if m <= 256 else "dequant"
+        assert KERNEL.default_config(key).path == expected
         fp8 = [c for c in SPACE.feasible(key, limits) if isinstance(c, Fp8Config)]
         assert any(c.SCALE_FOLD and c.BLOCK_K == 256 for c in fp8), m
         assert any(c.SWAP_AB for c in fp8) and all(c.SCALE_FOLD for c in fp8 if c.SWAP_AB), m

@@ -23,11 +23,13 @@ import triton
 from tritune.search_spaces.base import TargetLimits
 from tritune.search_spaces.q4k_fp8_gemm import (
     FP8_OPT_IN_REASON,
+    GEMV_K_LANES_MAX_M,
     OPT_IN_MIN_M,
     SMALL_M,
     SPACE,
     SPLIT_K_MAX_M,
     DequantConfig,
+    GemvConfig,
     PortableConfig,
     Q4KConfig,
     StagedConfig,
@@ -100,8 +102,21 @@ def accurate_key(key: Q4KKey) -> Q4KKey | None:
     return replace(key, fp8=False) if key.fp8 else None
 
 
-def default_config(key: Q4KKey) -> PortableConfig | DequantConfig | TmaConfig:
+def default_config(key: Q4KKey) -> PortableConfig | DequantConfig | TmaConfig | GemvConfig:
     """Untuned defaults by M (chosen on Llama-3-8B shapes, bf16; docs/perf/HISTORY.md).
+
+    On NVIDIA GPUs up to M=4 (:data:`GEMV_K_LANES_MAX_M`): the one-launch GEMV with its lanes
+    along K (:func:`gemv_default`), a pass over the exact codes at close to the memory's speed,
+    where the portable tiles spend most of their time in dequantizing MMA tiles padded to 16 rows.
+    Otherwise :func:`accurate_default`.
+    """
+    gemv = gemv_default(key)
+    return gemv if gemv is not None else accurate_default(key)
+
+
+def accurate_default(key: Q4KKey) -> PortableConfig | DequantConfig | TmaConfig:
+    """The untuned default by M on the paths every GPU runs (chosen on Llama-3-8B shapes, bf16;
+    docs/perf/HISTORY.md), where :func:`gemv_default` gives none.
 
     On SM90 from M=32 to 512 (:data:`TMA_DEFAULT_M`): the tma path (:func:`tma_default`), a K loop
     that keeps its loads and wgmma in flight, dequantizing in x's dtype.
@@ -128,6 +143,50 @@ def default_config(key: Q4KKey) -> PortableConfig | DequantConfig | TmaConfig:
         if dequant is not None:
             return dequant
     return portable_default(key)
+
+
+def _gemv_capable_arch(arch: str) -> bool:
+    """Whether a key's ``arch`` names an NVIDIA GPU with ``dp4a`` (SM61+): "sm90" does, "gfx942"
+    and the interpreter do not (the interpreter's default stays the portable path's small tiles)."""
+    if not (arch.startswith("sm") and arch[2:].isdigit() and len(arch) >= 4):
+        return False
+    return (int(arch[2:-1]), int(arch[-1])) >= (6, 1)
+
+
+def gemv_default(key: Q4KKey) -> GemvConfig | None:
+    """The GEMV path's default up to M=4 on an NVIDIA GPU: the one launch (x quantized by each
+    program, split partials summed by the last program of a tile) with its lanes along K, 512-deep
+    K tiles over 4 warps, 64 weight rows a program (32 from M=3, where four rows' product words
+    would not fit in registers). The split and, where splitting stops short, the narrower tile go
+    up until about three programs an SM, else the most programs (the five M=1 keys re-tuned on an
+    H100 chose exactly these tiles; docs/perf/HISTORY.md); 256-deep tiles where 512 does not divide
+    K. ``None`` off such GPUs, above M=4, or where no such tile divides K."""
+    if not _gemv_capable_arch(key.arch) or key.m_bucket > GEMV_K_LANES_MAX_M:
+        return None
+    limits = TargetLimits(smem_bytes=smem_limit_bytes((9, 0)))
+    for block_k in (512, 256):
+        most: tuple[int, GemvConfig] | None = None
+        for block_n in (64, 32):
+            for split in (1, 2, 4, 8):
+                config = GemvConfig(
+                    BLOCK_N=block_n,
+                    BLOCK_K=block_k,
+                    num_warps=4,
+                    SPLIT_K=split,
+                    FUSE_QUANT=True,
+                    FUSED_REDUCE=split > 1,
+                    K_LANES=True,
+                )
+                if SPACE.infeasible_reason(config, key, limits) is not None:
+                    continue
+                programs = triton.cdiv(key.n, block_n) * split
+                if programs >= 3 * key.sm_count:
+                    return config
+                if most is None or programs > most[0]:
+                    most = (programs, config)
+        if most is not None:
+            return most[1]
+    return None
 
 
 def tma_default(key: Q4KKey) -> TmaConfig | None:
@@ -254,6 +313,16 @@ def _unservable_reason(config: Q4KConfig, device: DeviceInfo, facts: Any) -> str
     return None
 
 
+def _stand_in(device: DeviceInfo, facts: Any) -> Q4KConfig:
+    """What serves a call its config cannot: the key's default, unless that is the GEMV path and
+    this build may not issue ``dp4a`` (``TORCH_CUDA_ARCH_LIST`` naming a GPU older than SM61)."""
+    key = key_for(device, facts)
+    default = default_config(key)
+    if isinstance(default, GemvConfig) and not gemv_supported(device):
+        return accurate_default(key)
+    return default
+
+
 def serve(config: Q4KConfig, device: DeviceInfo, facts: Any) -> Q4KConfig | Replaced:
     """The fp8, staged and int8 paths serve only with the opt-in (``TRITUNE_Q4K_FP8=1``; a stored
     winner of theirs is infeasible at a key without it, so only a pin gets here). The fp8 path
@@ -269,13 +338,13 @@ def serve(config: Q4KConfig, device: DeviceInfo, facts: Any) -> Q4KConfig | Repl
     """
     reason = _unservable_reason(config, device, facts)
     if reason is not None:
-        return Replaced(default_config(key_for(device, facts)), reason)
+        return Replaced(_stand_in(device, facts), reason)
     if isinstance(config, StagedConfig | DequantConfig):
         return config
     if facts.K % config.BLOCK_K:
         # A deep GEMV tile (512, 1024) need not divide a K of a few super-blocks.
         why = f"BLOCK_K={config.BLOCK_K} does not divide K={facts.K}"
-        return Replaced(default_config(key_for(device, facts)), why)
+        return Replaced(_stand_in(device, facts), why)
     tiles = facts.K // config.BLOCK_K
     split = config.SPLIT_K
     while split > 1 and tiles % split:
