@@ -252,10 +252,12 @@ CASES = [
     Case("varlen_sdpa", "kv-tma-winner-d128-m128", key={"head_dim": 128, "t_bucket": 4096}, config=_varlen_tma_winner),
     # q4k_fp8_gemm: the default keys are the Llama-3-8B shapes over M buckets (K=14336, N=4096 here),
     # accurate ones first; the fp8 and staged paths are feasible at opt-in keys (fp8=True) only.
+    Case("q4k_fp8_gemm", "gemv-default-m1", key={"k": 14336, "m_bucket": 1}, launches=(Q4K_GEMV_FUSED,)),
+    Case("q4k_fp8_gemm", "gemv-default-m4", key={"k": 14336, "m_bucket": 4}, launches=(Q4K_GEMV_FUSED,)),
     Case(
         "q4k_fp8_gemm",
-        "portable-default-m1-splitk",
-        key={"k": 14336, "m_bucket": 1},
+        "portable-default-m16-splitk",
+        key={"k": 14336, "m_bucket": 16},
         launches=("_q4k_gemm_portable_kernel", "_splitk_reduce_kernel"),
     ),
     Case("q4k_fp8_gemm", "portable-default-m64", key={"k": 14336, "m_bucket": 64}),
