@@ -18,7 +18,7 @@ import sm90_build
 import torch
 
 from tritune.kernels import Q4KWeight, _launch
-from tritune.kernels.q4k.kernel import KERNEL
+from tritune.kernels.q4k.kernel import KERNEL, Q4KKey, gemv_default
 from tritune.kernels.q4k.reference import check_path, q4k_linear_reference
 from tritune.search_spaces.q4k_fp8_gemm import GemvConfig
 
@@ -127,6 +127,25 @@ def test_fuse_quant_gives_the_unfused_bits_with_several_rows(lanes, device):
     x, weight, _ = _problem(device, torch.bfloat16, seed=5, m=3)
     config = GemvConfig(BLOCK_N=32, BLOCK_K=64, SPLIT_K=2, FUSE_QUANT=True, FUSED_REDUCE=True, K_LANES=lanes)
     assert _agrees(_run(config, x, weight, None), _run(_unfused(config), x, weight, None))
+
+
+@pytest.mark.parametrize(("m", "n"), [(1, 64), (3, 64), (4, 128)])
+def test_the_default_tiles_of_a_gpu_key_give_the_unfused_bits(m, n, device):
+    """The GEMV default of an SM90 key (512-deep K tiles, its lanes along K, one launch, split
+    where K allows) computes the unfused launches' bits and meets the GEMV's floor, at one, three
+    (a masked fourth) and four rows."""
+    key = Q4KKey(
+        arch="sm90", sm_count=132, dtype="bfloat16", m_bucket=1 << (m - 1).bit_length(), n=n, k=2 * K, fp8=False
+    )
+    config = gemv_default(key)
+    assert config is not None and config.BLOCK_K == 512 and config.K_LANES and config.FUSE_QUANT
+    # So few weight rows never make three programs an SM: the most programs, 32-row tiles split in two.
+    assert config.SPLIT_K == 2 and config.FUSED_REDUCE and config.BLOCK_N == 32
+    x, weight, bias = _problem(device, torch.bfloat16, seed=31 * m, m=m, n=n, k=2 * K)
+    out = _run(config, x, weight, bias)
+    assert not torch.isnan(out).any(), "some outputs were never written"
+    assert _agrees(out, _run(_unfused(config), x, weight, bias))
+    assert check_path(out.float(), q4k_linear_reference(x, weight, bias), "gemv") is None
 
 
 @pytest.mark.parametrize("quant", [False, True], ids=["fused-reduce", "one-launch"])
