@@ -3,11 +3,11 @@
 
 CPU tier: the kernels on the Triton interpreter at N=64, K=512 (bias, ``out=`` poisoned with NaN,
 bf16 and fp16 x, one, two and four splits), the default tiles of a GPU key at one to four rows,
-repeated calls (the arrival counters go back to zero) and the launches each variant makes. GPU tier (``gpu``): the Llama-3-8B shapes of the shipped
-GEMV winners eagerly, each with and without ``K_LANES``, a captured CUDA graph replayed with new
-x, and ``K_LANES`` at two to four rows. The sm_90 builds (no spills, the atomics, the reductions'
-and loads' layouts) are ``test_sm90_build.py``'s.
-"""
+repeated calls (the arrival counters go back to zero) and the launches each variant makes. GPU
+tier (``gpu``): the Llama-3-8B shapes of the shipped GEMV winners eagerly, each with and without
+``K_LANES``, a captured CUDA graph replayed with new x, and ``K_LANES`` at two to four rows. The
+sm_90 builds (no spills, the atomics, the reductions' and loads' layouts) are
+``test_sm90_build.py``'s."""
 
 from __future__ import annotations
 
