@@ -374,8 +374,8 @@ def _report(rows: list[Row], run: bl.BenchRun) -> str:
         "The _scaled_mm row times the fp8 GEMM alone (weight and activation quantized outside timing): a ceiling, "
         "not a like-for-like peer.",
         f"Tuned configs and trials: {'DB ' + db if db else 'default settings (user DB and shipped bundles)'}; "
-        "untuned = the key's default (portable; tma on SM90 from M=32 to 512; dequant from M=256, on SM90 "
-        "where the tma path does not serve) pinned with use_config.",
+        "untuned = the key's default (the one-launch GEMV up to M=4 on NVIDIA GPUs, then portable; tma on SM90 "
+        "from M=32 to 512; dequant from M=256, on SM90 where the tma path does not serve) pinned with use_config.",
     ]
     notes.append(bt.HOST_NOTE)
     if not run.graphs:

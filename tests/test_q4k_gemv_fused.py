@@ -131,16 +131,18 @@ def test_fuse_quant_gives_the_unfused_bits_with_several_rows(lanes, device):
 
 @pytest.mark.parametrize(("m", "n"), [(1, 64), (3, 64), (4, 128)])
 def test_the_default_tiles_of_a_gpu_key_give_the_unfused_bits(m, n, device):
-    """The GEMV default of an SM90 key (512-deep K tiles, its lanes along K, one launch, split
-    where K allows) computes the unfused launches' bits and meets the GEMV's floor, at one, three
-    (a masked fourth) and four rows."""
+    """The GEMV default of an SM90 key (its lanes along K, one launch, split where K allows)
+    computes the unfused launches' bits and meets the GEMV's floor, at one, three (a masked fourth)
+    and four rows."""
     key = Q4KKey(
         arch="sm90", sm_count=132, dtype="bfloat16", m_bucket=1 << (m - 1).bit_length(), n=n, k=2 * K, fp8=False
     )
     config = gemv_default(key)
-    assert config is not None and config.BLOCK_K == 512 and config.K_LANES and config.FUSE_QUANT
-    # So few weight rows never make three programs an SM: the most programs, 32-row tiles split in two.
-    assert config.SPLIT_K == 2 and config.FUSED_REDUCE and config.BLOCK_N == 32
+    assert config is not None and config.K_LANES and config.FUSE_QUANT and config.FUSED_REDUCE
+    # So few weight rows never make three programs an SM: the most programs, 32-row tiles split
+    # over K's two 512-deep tiles (at one row) or four 256-deep ones (from three rows).
+    tiles = (config.BLOCK_N, config.BLOCK_K, config.SPLIT_K)
+    assert tiles == ((32, 512, 2) if m == 1 else (32, 256, 4))
     x, weight, bias = _problem(device, torch.bfloat16, seed=31 * m, m=m, n=n, k=2 * K)
     out = _run(config, x, weight, bias)
     assert not torch.isnan(out).any(), "some outputs were never written"

@@ -194,8 +194,8 @@ def test_portable_defaults_by_m_bucket(where):
     assert tuple(getattr(config, name) for name in names) == DEFAULTS[where]
 
 
-#: (arch, SMs, m_bucket, N, K) -> the GEMV default's (BLOCK_N, BLOCK_K, SPLIT_K). At M=1 on SM90
-#: these are the tiles the five Llama-3-8B keys' re-tune on an H100 chose.
+#: (arch, SMs, m_bucket, N, K) -> the GEMV default's (BLOCK_N, BLOCK_K, SPLIT_K). On SM90 at M=1,
+#: and at M=4 for N=14336 and for K=14336, these are the tiles the re-tunes on an H100 chose.
 GEMV_DEFAULTS = {
     ("sm90", 132, 1, 14336, 4096): (64, 512, 2),
     ("sm90", 132, 1, 4096, 14336): (32, 512, 4),
@@ -203,9 +203,10 @@ GEMV_DEFAULTS = {
     ("sm90", 132, 1, 6144, 4096): (64, 512, 8),
     ("sm90", 132, 1, 28672, 4096): (64, 512, 1),
     ("sm90", 132, 2, 14336, 4096): (64, 512, 2),
-    # From M=3 (bucket 4) four rows of 64-row tiles would be 128 product words a thread.
-    ("sm90", 132, 4, 14336, 4096): (32, 512, 1),
-    ("sm90", 132, 4, 4096, 4096): (32, 512, 4),
+    # From M=3 (bucket 4) 256-deep tiles: 512-deep ones of 64 rows would be 128 product words a thread.
+    ("sm90", 132, 4, 14336, 4096): (64, 256, 2),
+    ("sm90", 132, 4, 4096, 14336): (64, 256, 8),
+    ("sm90", 132, 4, 4096, 4096): (64, 256, 8),
     ("sm80", 108, 1, 4096, 4096): (64, 512, 8),
     ("sm61", 20, 1, 4096, 4096): (64, 512, 1),
     # 512 does not divide K: 256-deep tiles. Splitting stops short of 3 programs an SM: the most.

@@ -155,16 +155,18 @@ def _gemv_capable_arch(arch: str) -> bool:
 
 def gemv_default(key: Q4KKey) -> GemvConfig | None:
     """The GEMV path's default up to M=4 on an NVIDIA GPU: the one launch (x quantized by each
-    program, split partials summed by the last program of a tile) with its lanes along K, 512-deep
-    K tiles over 4 warps, 64 weight rows a program (32 from M=3, where four rows' product words
-    would not fit in registers). The split and, where splitting stops short, the narrower tile go
-    up until about three programs an SM, else the most programs (the five M=1 keys re-tuned on an
-    H100 chose exactly these tiles; docs/perf/HISTORY.md); 256-deep tiles where 512 does not divide
-    K. ``None`` off such GPUs, above M=4, or where no such tile divides K."""
+    program, split partials summed by the last program of a tile) with its lanes along K over 4
+    warps, 64 weight rows a program, 512 deep at one and two rows of x and 256 from three (four
+    rows' product words of a 512-deep tile would not fit in registers). The split and, where
+    splitting stops short, the narrower tile (32 rows) go up until about three programs an SM, else
+    the most programs; 256-deep tiles where 512 does not divide K. On an H100 at the five Llama-3-8B
+    shapes the re-tunes chose these tiles at every M=1 key and three of five M=4 keys, the others
+    a split apart (docs/perf/HISTORY.md). ``None`` off such GPUs, above M=4, or where no such tile
+    divides K."""
     if not _gemv_capable_arch(key.arch) or key.m_bucket > GEMV_K_LANES_MAX_M:
         return None
     limits = TargetLimits(smem_bytes=smem_limit_bytes((9, 0)))
-    for block_k in (512, 256):
+    for block_k in (512, 256) if key.m_bucket <= 2 else (256,):
         most: tuple[int, GemvConfig] | None = None
         for block_n in (64, 32):
             for split in (1, 2, 4, 8):
