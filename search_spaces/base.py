@@ -327,6 +327,21 @@ def _sortable(values: list[Value]) -> bool:
     return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
 
 
+def nvidia_capability(arch: str) -> tuple[int, int] | None:
+    """The compute capability a key's ``arch`` names: (9, 0) for "sm90", (12, 0) for "sm120";
+    ``None`` for anything that is not an NVIDIA architecture ("gfx942", "cpu-interpreter")."""
+    digits = arch.removeprefix("sm")
+    if not arch.startswith("sm") or len(digits) < 2 or not digits.isdigit():
+        return None
+    return int(digits[:-1]), int(digits[-1])
+
+
+def hopper_or_newer(arch: str) -> bool:
+    """Whether a key's ``arch`` is an NVIDIA GPU of SM90 or later (TMA, tensor descriptors)."""
+    capability = nvidia_capability(arch)
+    return capability is not None and capability >= (9, 0)
+
+
 def tile_smem_bytes(*tiles: tuple[int, int, int]) -> int:
     """Bytes of shared memory for tiles given as (rows, cols, element_bytes)."""
     return sum(r * c * b for r, c, b in tiles)

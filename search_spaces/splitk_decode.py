@@ -37,6 +37,7 @@ from .base import (
     TargetLimits,
     attention_smem_bytes,
     choice,
+    hopper_or_newer,
     padded_head_dim,
     pointer_attention_reason,
     smem_reason,
@@ -131,12 +132,6 @@ def kv_tma_smem_bytes(block_m: int, block_n: int, head_dim_pad: int, num_stages:
     return attention_smem_bytes(block_m, block_n, head_dim_pad, num_warps, num_stages, kv_tma=True)
 
 
-def _hopper_or_newer(arch: str) -> bool:
-    """Whether a key's ``arch`` ("sm90", "sm100", ...; "rocm..." never) has tensor-memory loads."""
-    number = arch.removeprefix("sm")
-    return arch.startswith("sm") and number.isdigit() and int(number) >= 90
-
-
 def _representative(value: int, field: str, same: Callable[[int], bool]) -> int:
     """The one value kept of ``field``'s options that act like ``value`` (the default where it is one)."""
     options = [v for v in _OPTIONS[field] if same(v)]
@@ -184,7 +179,7 @@ def feasibility(config: DecodeConfig, key: _DecodeKeyFields, limits: TargetLimit
         if padded_head_dim(key.head_dim) != key.head_dim:
             return f"KV_TMA needs a power-of-two head dim, not {key.head_dim}"
         # The interpreter runs host-side descriptors on the CPU.
-        if not limits.interpreter and not _hopper_or_newer(key.arch):
+        if not limits.interpreter and not hopper_or_newer(key.arch):
             return f"KV_TMA needs SM90 or newer, not {key.arch}"
 
     if limits.interpreter:

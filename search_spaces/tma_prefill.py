@@ -24,6 +24,7 @@ from .base import (
     TargetLimits,
     UnionSpace,
     choice,
+    hopper_or_newer,
     padded_head_dim,
     register_reason,
     smem_reason,
@@ -132,12 +133,6 @@ class _PrefillKeyFields(Protocol):
     lkv_bucket: int
 
 
-def _arch_number(arch: str) -> int | None:
-    """90 for "sm90"; None for anything that is not an NVIDIA architecture."""
-    digits = arch.removeprefix("sm")
-    return int(digits) if arch.startswith("sm") and digits.isdigit() else None
-
-
 def pack_gqa_applies(config: TmaConfig, group: int) -> bool:
     """Whether packing ``group`` query heads into one M tile is possible for this config."""
     return group > 1 and group & (group - 1) == 0 and group <= config.BLOCK_M
@@ -192,8 +187,7 @@ def tma_feasibility(config: TmaConfig, key: _PrefillKeyFields, limits: TargetLim
         return "the tma path serves causal attention only"
     if key.head_dim not in TMA_HEAD_DIMS:
         return f"the tma path covers head dims {TMA_HEAD_DIMS}, not {key.head_dim}"
-    arch = _arch_number(key.arch)
-    if not limits.interpreter and (arch is None or arch < 90):
+    if not limits.interpreter and not hopper_or_newer(key.arch):
         return f"the tma path needs SM90 or newer, not {key.arch}"
     if config.PACK_GQA and not pack_gqa_applies(config, key.gqa_group):
         return f"PACK_GQA needs a power-of-two group in 2..BLOCK_M, not {key.gqa_group}"

@@ -34,7 +34,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .base import HEAD_DIMS, SearchSpace, TargetLimits, choice, padded_head_dim, pointer_attention_reason
+from .base import (
+    HEAD_DIMS,
+    SearchSpace,
+    TargetLimits,
+    choice,
+    hopper_or_newer,
+    padded_head_dim,
+    pointer_attention_reason,
+)
 
 __all__ = [
     "HEAD_DIMS",
@@ -106,12 +114,6 @@ def split_budget(config: VarlenConfig, sm_count: int, kv_heads: int) -> int:
     return max(1, sm_count * config.TARGET_WAVES // max(kv_heads, 1))
 
 
-def _hopper_or_newer(arch: str) -> bool:
-    """Whether a key's ``arch`` ("sm90", "sm100", ...; "rocm..." never) has tensor-memory loads."""
-    number = arch.removeprefix("sm")
-    return arch.startswith("sm") and number.isdigit() and int(number) >= 90
-
-
 def duplicate_reason(config: VarlenConfig, key: _VarlenKeyFields) -> str | None:
     """Why ``config`` launches what another config of the space launches at ``key``, if it does."""
     g = 1 << (max(key.gqa_group, 1) - 1).bit_length()
@@ -139,7 +141,7 @@ def feasibility(config: VarlenConfig, key: _VarlenKeyFields, limits: TargetLimit
             return "KV_TMA needs a flat store (a ring's tiles may wrap past its last row)"
         if padded_head_dim(key.head_dim) != key.head_dim:
             return f"KV_TMA needs a power-of-two head dim, not {key.head_dim}"
-        if not limits.interpreter and not _hopper_or_newer(key.arch):
+        if not limits.interpreter and not hopper_or_newer(key.arch):
             return f"KV_TMA needs SM90 or newer, not {key.arch}"
     if limits.interpreter:
         if config.BLOCK_M > _INTERPRETER_MAX_BLOCK or config.BLOCK_N > _INTERPRETER_MAX_BLOCK:

@@ -8,7 +8,15 @@ from typing import Any
 import pytest
 
 from tritune.kernels.versioning import space_fingerprint
-from tritune.search_spaces.base import ConfigError, SearchSpace, TargetLimits, UnionSpace, choice
+from tritune.search_spaces.base import (
+    ConfigError,
+    SearchSpace,
+    TargetLimits,
+    UnionSpace,
+    choice,
+    hopper_or_newer,
+    nvidia_capability,
+)
 
 
 @dataclass(frozen=True)
@@ -107,3 +115,21 @@ def test_the_fingerprint_sees_each_members_structure():
 
     wider = UnionSpace("toy", "path", [SearchSpace("toy", Tiled), SearchSpace("toy", Vector)])
     assert fingerprint(wider) != fingerprint(SPACE)  # the tiled member lost its rule
+
+
+@pytest.mark.parametrize(
+    ("arch", "capability", "hopper"),
+    [
+        ("sm61", (6, 1), False),
+        ("sm90", (9, 0), True),
+        ("sm120", (12, 0), True),
+        ("sm9", None, False),
+        ("gfx942", None, False),
+        ("cpu-interpreter", None, False),
+        ("smx0", None, False),
+    ],
+)
+def test_the_capability_a_key_arch_names(arch, capability, hopper):
+    """The spaces' rules read a key's ``arch`` through one parser: NVIDIA's "sm<major><minor>" only."""
+    assert nvidia_capability(arch) == capability
+    assert hopper_or_newer(arch) is hopper

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 import triton
 
-from tritune.search_spaces.base import TargetLimits
+from tritune.search_spaces.base import TargetLimits, nvidia_capability
 from tritune.search_spaces.q4k_fp8_gemm import (
     FP8_OPT_IN_REASON,
     GEMV_K_LANES_MAX_M,
@@ -145,14 +145,6 @@ def accurate_default(key: Q4KKey) -> PortableConfig | DequantConfig | TmaConfig:
     return portable_default(key)
 
 
-def _gemv_capable_arch(arch: str) -> bool:
-    """Whether a key's ``arch`` names an NVIDIA GPU with ``dp4a`` (SM61+): "sm90" does, "gfx942"
-    and the interpreter do not (the interpreter's default stays the portable path's small tiles)."""
-    if not (arch.startswith("sm") and arch[2:].isdigit() and len(arch) >= 4):
-        return False
-    return (int(arch[2:-1]), int(arch[-1])) >= (6, 1)
-
-
 def gemv_default(key: Q4KKey) -> GemvConfig | None:
     """The GEMV path's default up to M=4 on an NVIDIA GPU: the one launch (x quantized by each
     program, split partials summed by the last program of a tile) with its lanes along K over 4
@@ -163,7 +155,8 @@ def gemv_default(key: Q4KKey) -> GemvConfig | None:
     shapes the re-tunes chose these tiles at every M=1 key and three of five M=4 keys, the others
     a split apart (docs/perf/HISTORY.md). ``None`` off such GPUs, above M=4, or where no such tile
     divides K."""
-    if not _gemv_capable_arch(key.arch) or key.m_bucket > GEMV_K_LANES_MAX_M:
+    # dp4a: NVIDIA SM61+ (not ROCm; the interpreter keeps the portable path's small tiles).
+    if (nvidia_capability(key.arch) or (0, 0)) < (6, 1) or key.m_bucket > GEMV_K_LANES_MAX_M:
         return None
     limits = TargetLimits(smem_bytes=smem_limit_bytes((9, 0)))
     for block_k in (512, 256) if key.m_bucket <= 2 else (256,):
