@@ -51,6 +51,20 @@ _TMA_MAX_START_M = 512
 _CHECK_ROWS = 256
 
 
+def _each_path_first(starts: list[Q4KConfig]) -> list[Q4KConfig]:
+    """``starts`` with the first start of each path moved to the front, in the paths' order.
+
+    At large M several paths compete (dequant, tma, and under the opt-in fp8, int8 and staged),
+    and a short tune measures only the first few seeds: one of each path comes before a second
+    of any, so that no path's best tile is left unmeasured behind another path's variations.
+    """
+    firsts: dict[str, Q4KConfig] = {}
+    for config in starts:
+        firsts.setdefault(config.path, config)
+    lead = list(firsts.values())
+    return lead + [c for c in starts if c not in lead]
+
+
 class Q4KTuning(KernelTuning):
     """Llama-3-8B shapes over M buckets on a GPU, one tiny key on the interpreter."""
 
@@ -162,7 +176,8 @@ class Q4KTuning(KernelTuning):
           operands, register-A wgmma) and one unswapped 128x128 tile.
 
         The fp8, staged and int8 starts are dropped at accurate keys (``fp8=False``), where the
-        space makes them infeasible.
+        space makes them infeasible. Above ``SMALL_M`` the first start of each path leads
+        (:func:`_each_path_first`).
         """
         if device.is_interpreter:
             return []
@@ -183,7 +198,8 @@ class Q4KTuning(KernelTuning):
         limits = KERNEL.limits(device)
         feasible = [c for c in starts if SPACE.infeasible_reason(c, key, limits) is None]
         dequant = [c for c in feasible if isinstance(c, DequantConfig)]
-        return [c for c in feasible if not isinstance(c, DequantConfig) or c in dequant[:_DEQUANT_STARTS]]
+        starts = [c for c in feasible if not isinstance(c, DequantConfig) or c in dequant[:_DEQUANT_STARTS]]
+        return _each_path_first(starts) if key.m_bucket > SMALL_M else starts
 
     @staticmethod
     def _gemv_starts(key: Q4KKey, device: DeviceInfo) -> list[GemvConfig]:
