@@ -4,7 +4,10 @@ The kernel has one path (any CUDA GPU). Its grid is sized from static facts and 
 decides on the device, from the runtime ``kv_len``, whether its split has work:
 
 - ``TARGET_WAVES``: how many programs per SM the split count aims for,
-  ``splits_target = max(1, sm_count * TARGET_WAVES // (batch * kv_heads * row_blocks))``;
+  ``splits_target = max(1, sm_count * TARGET_WAVES // (batch * kv_heads * row_blocks))``. The
+  large targets (8 to 32) split a large batch's long caches too, where two programs an SM would
+  leave one split each: smaller splits balance the SMs' shares of unequal lengths, and at equal
+  lengths free the SMs of the launch's last wave sooner;
 - ``MIN_CHUNK``: the fewest keys a split is given, so short sequences are not shredded into
   splits whose merge costs more than they save;
 - ``BLOCK_N``: keys per tile of the inner loop (the chunk is rounded up to a multiple of it);
@@ -71,7 +74,7 @@ _INTERPRETER_TARGET_WAVES = (2, 4)
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    TARGET_WAVES: int = choice(2, (1, 2, 4))
+    TARGET_WAVES: int = choice(2, (1, 2, 4, 8, 16, 32))
     MIN_CHUNK: int = choice(128, (64, 128, 256, 512, 1024, 2048))
     BLOCK_N: int = choice(64, (16, 32, 64, 128))
     num_warps: int = choice(4, (2, 4, 8))

@@ -184,10 +184,10 @@ def test_fused_merge_is_moot_with_one_split():
     # B=1 x 8 KV heads at 4K: up to 32 splits, so both merges stay in the space.
     assert SPACE.infeasible_reason(fused, _key(), H200_LIMITS) is None
     assert {c.FUSED_MERGE for c in SPACE.feasible(_key(), H200_LIMITS)} == {False, True}
-    # B=64 fills the GPU without splitting.
+    # B=64 fills the GPU twice without splitting; only the wave targets from 8 up split it.
     b64 = _key(bh_bucket=512)
     assert "FUSED_MERGE is moot" in SPACE.infeasible_reason(fused, b64, H200_LIMITS)
-    assert not any(c.FUSED_MERGE for c in SPACE.feasible(b64, H200_LIMITS))
+    assert {c.TARGET_WAVES for c in SPACE.feasible(b64, H200_LIMITS) if c.FUSED_MERGE} == {8, 16, 32}
     # A 128-key cache splits only with chunks below 128 keys.
     short = _key(lkv_bucket=128)
     assert "FUSED_MERGE is moot" in SPACE.infeasible_reason(fused, short, H200_LIMITS)

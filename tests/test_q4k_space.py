@@ -461,9 +461,10 @@ def test_the_tuner_can_choose_every_fp8_kernel():
     for m in (1, 16, 4096):
         key = _key(m)
         # Never a default: an accurate path is (the GEMV up to M=4, then portable, tma on SM90 from
-        # M=32 to 512, then the dequant path).
-        expected = "gemv" if m <= 4 else "portable" if m < 32 else "tma" if m <= 256 else "dequant"
+        # M=32 to 512, then the dequant path), or under the opt-in from M=1024 the staged path.
+        expected = "gemv" if m <= 4 else "portable" if m < 32 else "tma" if m <= 256 else "staged"
         assert KERNEL.default_config(key).path == expected
+        assert KERNEL.default_config(_key(m, fp8=False)).path == expected.replace("staged", "dequant")
         fp8 = [c for c in SPACE.feasible(key, limits) if isinstance(c, Fp8Config)]
         assert any(c.SCALE_FOLD and c.BLOCK_K == 256 for c in fp8), m
         assert any(c.SWAP_AB for c in fp8) and all(c.SCALE_FOLD for c in fp8 if c.SWAP_AB), m

@@ -60,6 +60,11 @@ TMA_DEFAULT_M = (32, 512)
 #: Llama-3-8B shape 1.4-2.4x faster than the portable tiles at M=256 and 2.0-3.1x at M=512 (the
 #: weight's extra bf16 pass costs less there than the in-register dequantization of each M tile).
 DEQUANT_DEFAULT_MIN_M = 256
+#: Smallest M bucket whose untuned default under the fp8 opt-in (a key with ``fp8=True``) is the
+#: staged path, on SM90 or newer: an H100 ran it 0.84-1.01x bf16 cuBLAS at M=1024 and 1.17-1.46x
+#: from M=2048 on three Llama-3-8B shapes, where the accurate default (the dequant path) ran
+#: 0.74-0.96x (docs/perf/HISTORY.md).
+STAGED_DEFAULT_MIN_M = 1024
 
 
 @dataclass(frozen=True)
@@ -102,16 +107,17 @@ def accurate_key(key: Q4KKey) -> Q4KKey | None:
     return replace(key, fp8=False) if key.fp8 else None
 
 
-def default_config(key: Q4KKey) -> PortableConfig | DequantConfig | TmaConfig | GemvConfig:
+def default_config(key: Q4KKey) -> PortableConfig | DequantConfig | TmaConfig | GemvConfig | StagedConfig:
     """Untuned defaults by M (chosen on Llama-3-8B shapes, bf16; docs/perf/HISTORY.md).
 
     On NVIDIA GPUs up to M=4 (:data:`GEMV_K_LANES_MAX_M`): the one-launch GEMV with its lanes
     along K (:func:`gemv_default`), a pass over the exact codes at close to the memory's speed,
     where the portable tiles spend most of their time in dequantizing MMA tiles padded to 16 rows.
+    Under the fp8 opt-in from M=1024 on SM90+: the staged path (:func:`staged_default`).
     Otherwise :func:`accurate_default`.
     """
-    gemv = gemv_default(key)
-    return gemv if gemv is not None else accurate_default(key)
+    chosen = gemv_default(key) or staged_default(key)
+    return chosen if chosen is not None else accurate_default(key)
 
 
 def accurate_default(key: Q4KKey) -> PortableConfig | DequantConfig | TmaConfig:
@@ -143,6 +149,20 @@ def accurate_default(key: Q4KKey) -> PortableConfig | DequantConfig | TmaConfig:
         if dequant is not None:
             return dequant
     return portable_default(key)
+
+
+def staged_default(key: Q4KKey) -> StagedConfig | None:
+    """The staged path's default at an opt-in key (``fp8=True``) from M=1024
+    (:data:`STAGED_DEFAULT_MIN_M`) on SM90 or newer: 2048-row chunks of e4m3 weights into
+    cuBLASLt's row-wise scaled fp8 GEMM, made by 128 x 64 tiles of 8 warps (the tiles the H100
+    measurements ran). The fp8 GEMM runs at about twice bf16's rate, which from these sizes pays
+    for writing and reading back each chunk. ``None`` elsewhere, or where the space refuses the
+    tiles (fp16 x, N below two chunks)."""
+    capability = nvidia_capability(key.arch)
+    if not key.fp8 or key.m_bucket < STAGED_DEFAULT_MIN_M or capability is None or capability < (9, 0):
+        return None
+    config = StagedConfig(BLOCK_N=128, BLOCK_K=64, num_warps=8, CHUNK_N=2048)
+    return config if SPACE.infeasible_reason(config, key, TargetLimits()) is None else None
 
 
 def gemv_default(key: Q4KKey) -> GemvConfig | None:
@@ -309,11 +329,12 @@ def _unservable_reason(config: Q4KConfig, device: DeviceInfo, facts: Any) -> str
 
 
 def _stand_in(device: DeviceInfo, facts: Any) -> Q4KConfig:
-    """What serves a call its config cannot: the key's default, unless that is the GEMV path and
-    this build may not issue ``dp4a`` (``TORCH_CUDA_ARCH_LIST`` naming a GPU older than SM61)."""
+    """What serves a call its config cannot: the key's default, unless that is the GEMV or the
+    staged path and this build cannot run it (``TORCH_CUDA_ARCH_LIST`` naming a GPU older than
+    SM61, or than SM90 for the staged path's fp8 GEMM): then :func:`accurate_default`."""
     key = key_for(device, facts)
     default = default_config(key)
-    if isinstance(default, GemvConfig) and not gemv_supported(device):
+    if isinstance(default, GemvConfig | StagedConfig) and _unservable_reason(default, device, facts) is not None:
         return accurate_default(key)
     return default
 
