@@ -171,6 +171,22 @@ def test_a_key_with_its_own_winner_ignores_the_fallback(monkeypatch):
     assert _served(100)["BLOCK"] == 64
 
 
+def test_a_key_tuned_without_gain_keeps_its_default_over_the_fallback(monkeypatch):
+    """A key whose own tune found nothing clearing the margin serves its default, not the
+    fallback key's winner: that winner's speedup was measured against another default."""
+    spec = toy_kernel.SPEC
+    monkeypatch.setattr(
+        spec, "fallback_key", lambda key: dataclasses.replace(key, dtype="float32") if key.dtype != "float32" else None
+    )
+    half_key = toy_kernel.ToyKey(CPU.arch, CPU.sm_count, "float16", 128).to_dict()
+    _store(
+        _winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5),
+        _winner(128, {"BLOCK": 16, "BROKEN": False, "num_warps": 1}, speedup=1.01, key=half_key),
+    )
+    assert _served(100, torch.float16)["BLOCK"] == 32
+    assert _served(100)["BLOCK"] == 64
+
+
 def test_the_fallback_keys_portable_default_never_serves_for_a_key(monkeypatch, caplog):
     """With no winner at the fallback key either, the key's own portable default serves, logged for the key."""
     spec = toy_kernel.SPEC

@@ -254,6 +254,52 @@ def test_a_gemv_default_the_build_cannot_issue_gives_way_to_the_portable_tiles(m
     assert why is not None and "dp4a" in why
 
 
+#: (arch, m_bucket, N, K) of an opt-in key -> the staged default's CHUNK_N (the largest at most
+#: half of N), or None where the accurate default serves under the opt-in too.
+STAGED_DEFAULTS = {
+    ("sm90", 1024, 4096, 4096): 2048,
+    ("sm90", 2048, 14336, 4096): 4096,
+    ("sm90", 8192, 28672, 4096): 8192,
+    ("sm90", 4096, 6144, 4096): 2048,
+    ("sm90", 4096, 4096, 14336): 2048,
+    ("sm100", 2048, 4096, 4096): 2048,
+    ("sm90", 512, 4096, 4096): None,
+    ("sm89", 2048, 4096, 4096): None,
+    ("sm80", 2048, 4096, 4096): None,
+    ("sm90", 2048, 1024, 4096): None,
+}
+
+
+@pytest.mark.parametrize(("arch", "m", "n", "k"), list(STAGED_DEFAULTS))
+def test_the_staged_path_is_the_opt_in_default_from_1024_rows_on_sm90(arch, m, n, k):
+    """Under the opt-in from M=1024 on SM90+, the staged path with its largest admitted chunk; its
+    accurate twin keeps the accurate rule, and so does an opt-in key below SM90 or M=1024."""
+    key = Q4KKey(arch=arch, sm_count=132, dtype="bfloat16", m_bucket=m, n=n, k=k, fp8=True)
+    chunk = STAGED_DEFAULTS[(arch, m, n, k)]
+    default = KERNEL.default_config(key)
+    if chunk is None:
+        assert default == accurate_default(key) and default.path != "staged"
+    else:
+        assert default == StagedConfig(BLOCK_N=128, BLOCK_K=64, num_warps=8, CHUNK_N=chunk)
+        assert SPACE.infeasible_reason(default, key, KERNEL.limits(H200)) is None
+    assert KERNEL.default_config(dataclasses.replace(key, fp8=False)).path in ("dequant", "tma")
+    assert KERNEL.default_config(dataclasses.replace(key, dtype="float16")).path != "staged"
+
+
+def test_a_staged_default_the_build_cannot_run_gives_way_to_the_accurate_tiles(monkeypatch):
+    """Where TORCH_CUDA_ARCH_LIST also names a GPU before SM90 (no row-wise scaled fp8 GEMM), the
+    staged default's stand-in is the accurate rule's, not the staged path again."""
+    facts = _facts(2048, 14336, 4096)
+    with settings.override(q4k_fp8=True):
+        default = KERNEL.default_config(key_for(H200, facts))
+        assert isinstance(default, StagedConfig)
+        assert KERNEL.serve_with_reason(default, H200, facts) == (default, None)
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+        served, why = KERNEL.serve_with_reason(default, H200, facts)
+        assert served == accurate_default(key_for(H200, facts)) and served.path == "dequant"
+        assert why is not None and "SM90" in why
+
+
 #: (arch, SMs, m_bucket, N, K) -> the dequant default's CHUNK_N: the whole weight where its bf16
 #: scratch fits 128 MiB, else the widest chunk that does.
 DEQUANT_DEFAULTS = {
