@@ -100,6 +100,10 @@ TMA_FUSED_MAX_ACC = 64
 _K_TILES = (32, 64, 128, 256)
 #: The dequant path's chunks, ascending.
 _DEQUANT_CHUNKS = (32, 1024, 2048, 4096, 8192, 16384)
+#: The staged path's chunks: up to 32768 rows, so that the widest Llama-3-8B projection (28672
+#: rows, 117 MiB of e4m3 at K=4096) can be one GEMM, whose eager call pays one ``_scaled_mm``'s
+#: host time where 2048-row chunks pay fourteen.
+_STAGED_CHUNKS = (32, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 @dataclass(frozen=True)
@@ -161,8 +165,9 @@ class StagedConfig:
     BLOCK_K: int = choice(256, _K_TILES)
     num_warps: int = choice(4, (2, 4, 8))
     #: Weight rows dequantized per chunk (the scratch holds CHUNK_N x K e4m3 bytes: 8 MiB at
-    #: 2048 x 4096). Small chunks (below ``MIN_CHUNK_N``) are for the interpreter.
-    CHUNK_N: int = choice(2048, (32, 1024, 2048, 4096, 8192))
+    #: 2048 x 4096); at or above N the whole weight at once (one GEMM), the smallest such choice
+    #: only. Small chunks (below ``MIN_CHUNK_N``) are for the interpreter.
+    CHUNK_N: int = choice(2048, _STAGED_CHUNKS)
     #: cuBLASLt's fast fp8 accumulation (``use_fast_accum``), checked by the SQNR gate.
     FAST_ACCUM: bool = choice(False, (False, True))
 
@@ -442,8 +447,16 @@ def staged_feasibility(config: StagedConfig, key: Q4KShape, limits: TargetLimits
         return FP8_OPT_IN_REASON
     if key.dtype != "bfloat16":
         return f"the staged path's GEMM writes bfloat16 only (row-wise scaled fp8), not {key.dtype}"
-    if key.n < 2 * config.CHUNK_N:
-        return f"CHUNK_N={config.CHUNK_N} would stage half or more of the N={key.n} weight rows at once"
+    chunk, whole = config.CHUNK_N, next((c for c in _STAGED_CHUNKS if c >= key.n), None)
+    if whole is not None and chunk > whole:
+        return f"CHUNK_N={chunk} is the same launch as CHUNK_N={whole} (the whole N={key.n} rows at once)"
+    if chunk < key.n < 2 * chunk:
+        return f"CHUNK_N={chunk} would stage half or more of the N={key.n} weight rows, but not all, at once"
+    if min(chunk, key.n) * key.k > DEQUANT_MAX_SCRATCH_BYTES:
+        return (
+            f"CHUNK_N={chunk} at K={key.k} needs a {min(chunk, key.n) * key.k / 2**20:.0f} MiB scratch "
+            f"(at most {DEQUANT_MAX_SCRATCH_BYTES // 2**20} MiB)"
+        )
     if key.n % 16 or key.k % 16:
         return "cuBLASLt's fp8 GEMM needs N and K multiples of 16"
     if limits.interpreter:

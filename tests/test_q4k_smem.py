@@ -14,10 +14,12 @@ from tritune.kernels.device import DeviceInfo
 from tritune.kernels.q4k.kernel import (
     DEQUANT_DEFAULT_MIN_M,
     KERNEL,
+    STAGED_DEFAULT_MIN_M,
     TMA_DEFAULT_M,
     _h200_default,
     dequant_default,
     gemv_default,
+    staged_default,
     tma_default,
 )
 from tritune.kernels.spec import smem_limit_bytes
@@ -53,12 +55,14 @@ def test_the_portable_default_of_every_default_key_is_feasible(device):
 @pytest.mark.parametrize("arch", ["sm90", "sm80"])
 def test_the_defaults_of_the_large_parts_are_not_refitted(arch):
     """The shipped speedups are measured against these defaults: fitting must leave them alone
-    (up to M=4 the GEMV path, which keeps no tiles in shared memory; on SM90 from M=32 to 512 the
-    tma path, whose tiles are chosen for SM90's shared memory; elsewhere from M=256 up the dequant
-    path, which has no shared-memory tiles to fit)."""
+    (up to M=4 the GEMV path, which keeps no tiles in shared memory; under the opt-in from M=1024
+    on SM90 the staged path, whose GEMM is cuBLASLt's; on SM90 from M=32 to 512 the tma path, whose
+    tiles are chosen for SM90's shared memory; elsewhere from M=256 up the dequant path, which has
+    no shared-memory tiles to fit)."""
     device = next(d for d in GPUS if d.arch == arch)
     for key in KERNEL.default_keys(device):
         dequant = dequant_default(key) if key.m_bucket >= DEQUANT_DEFAULT_MIN_M else None
         tma = tma_default(key) if arch == "sm90" and TMA_DEFAULT_M[0] <= key.m_bucket <= TMA_DEFAULT_M[1] else None
-        gemv = gemv_default(key)
-        assert KERNEL.default_config(key) == (gemv or tma or dequant or _h200_default(key)), key
+        gemv, staged = gemv_default(key), staged_default(key)
+        assert (staged is not None) == (arch == "sm90" and key.fp8 and key.m_bucket >= STAGED_DEFAULT_MIN_M), key
+        assert KERNEL.default_config(key) == (gemv or staged or tma or dequant or _h200_default(key)), key

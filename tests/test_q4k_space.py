@@ -92,7 +92,7 @@ def test_each_path_holds_only_the_fields_its_launch_reads():
         "SPLIT_K": (1, 2, 4, 8),
         "SCALE_FOLD": (False, True),
         "SWAP_AB": (False, True),
-        "CHUNK_N": (32, 1024, 2048, 4096, 8192, 16384),
+        "CHUNK_N": (32, 1024, 2048, 4096, 8192, 16384, 32768),
         "FAST_ACCUM": (False, True),
         "FUSE_QUANT": (False, True),
         "FUSED_REDUCE": (False, True),
@@ -106,8 +106,8 @@ def test_each_path_holds_only_the_fields_its_launch_reads():
     assert SPACE.members["tma"].dimensions["BLOCK_M"] == (16, 32, 64, 128, 256)
     assert max(SPACE.members["staged"].dimensions["BLOCK_K"]) == 256
     assert max(SPACE.members["gemv"].dimensions["BLOCK_K"]) == 1024
-    # A whole 14336-row weight in one chunk exists for the dequant path only.
-    assert SPACE.members["staged"].dimensions["CHUNK_N"] == (32, 1024, 2048, 4096, 8192)
+    # The staged path's e4m3 chunk holds a whole 28672-row weight, the dequant path's bf16 one 14336 rows.
+    assert SPACE.members["staged"].dimensions["CHUNK_N"] == (32, 1024, 2048, 4096, 8192, 16384, 32768)
     assert SPACE.members["dequant"].dimensions["CHUNK_N"] == (32, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -138,18 +138,18 @@ def test_the_grid_holds_each_launch_once():
     assert all(SPACE.parse(SPACE.to_dict(c)) == c for c in grid[::97])
     # The per-path grids, where the old flat product held 2.6 million configs.
     assert SPACE.size() == (
-        4 * 4 * 4 * 3 * 3 * 5 * 4 + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 4 + 4 * 4 * 3 * 5 * 2 + 4 * 6 * 3 * 4 * 2 * 2 * 2
+        4 * 4 * 4 * 3 * 3 * 5 * 4 + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 4 + 4 * 4 * 3 * 7 * 2 + 4 * 6 * 3 * 4 * 2 * 2 * 2
         + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 2 + 4 * 4 * 3 * 6 + 5 * 2 * 3 * 2 * 3 * 4 * 2 * 2 * 2
     )  # fmt: skip
 
 
 def test_a_proposal_keeps_its_paths_fields():
     proposal = {name: options[-1] for name, options in SPACE.dimensions.items()}
-    staged = SPACE.from_proposal({**proposal, "path": "staged", "BLOCK_K": 128, "CHUNK_N": 8192})
-    assert staged == StagedConfig(BLOCK_N=256, BLOCK_K=128, num_warps=8, CHUNK_N=8192, FAST_ACCUM=True)
-    with pytest.raises(ConfigError, match="CHUNK_N=16384 is not in the space"):
-        SPACE.from_proposal({**proposal, "path": "staged", "BLOCK_K": 128})
-    dequant = SPACE.from_proposal({**proposal, "path": "dequant", "BLOCK_K": 256})
+    staged = SPACE.from_proposal({**proposal, "path": "staged", "BLOCK_K": 128})
+    assert staged == StagedConfig(BLOCK_N=256, BLOCK_K=128, num_warps=8, CHUNK_N=32768, FAST_ACCUM=True)
+    with pytest.raises(ConfigError, match="CHUNK_N=32768 is not in the space"):
+        SPACE.from_proposal({**proposal, "path": "dequant", "BLOCK_K": 256})
+    dequant = SPACE.from_proposal({**proposal, "path": "dequant", "BLOCK_K": 256, "CHUNK_N": 16384})
     assert dequant == DequantConfig(BLOCK_N=256, BLOCK_K=256, num_warps=8, CHUNK_N=16384)
     with pytest.raises(ConfigError, match="BLOCK_K=1024 is not in the space"):
         SPACE.from_proposal({**proposal, "path": "staged"})
@@ -254,19 +254,22 @@ def test_a_gemv_default_the_build_cannot_issue_gives_way_to_the_portable_tiles(m
     assert why is not None and "dp4a" in why
 
 
-#: (arch, m_bucket, N, K) of an opt-in key -> the staged default's CHUNK_N (the largest at most
-#: half of N), or None where the accurate default serves under the opt-in too.
+#: (arch, m_bucket, N, K) of an opt-in key -> the staged default's CHUNK_N (the whole weight where
+#: its e4m3 scratch fits 128 MiB, else the largest chunk at most half of N that does), or None
+#: where the accurate default serves under the opt-in too.
 STAGED_DEFAULTS = {
-    ("sm90", 1024, 4096, 4096): 2048,
-    ("sm90", 2048, 14336, 4096): 4096,
-    ("sm90", 8192, 28672, 4096): 8192,
-    ("sm90", 4096, 6144, 4096): 2048,
-    ("sm90", 4096, 4096, 14336): 2048,
-    ("sm100", 2048, 4096, 4096): 2048,
+    ("sm90", 1024, 4096, 4096): 4096,
+    ("sm90", 2048, 14336, 4096): 16384,
+    ("sm90", 8192, 28672, 4096): 32768,
+    ("sm90", 4096, 6144, 4096): 8192,
+    ("sm90", 4096, 4096, 14336): 4096,
+    ("sm90", 4096, 16384, 16384): 8192,
+    ("sm100", 2048, 4096, 4096): 4096,
     ("sm90", 512, 4096, 4096): None,
     ("sm89", 2048, 4096, 4096): None,
     ("sm80", 2048, 4096, 4096): None,
-    ("sm90", 2048, 1024, 4096): None,
+    ("sm90", 2048, 1024, 4096): 1024,
+    ("sm90", 2048, 1000, 4096): None,
 }
 
 

@@ -156,10 +156,11 @@ def staged_default(key: Q4KKey) -> StagedConfig | None:
     (:data:`STAGED_DEFAULT_MIN_M`) on SM90 or newer: chunks of e4m3 weights into cuBLASLt's
     row-wise scaled fp8 GEMM, made by 128 x 64 tiles of 8 warps (the tiles the H100 measurements
     ran). The fp8 GEMM runs at about twice bf16's rate, which from these sizes pays for writing and
-    reading back each chunk. The chunk is the largest the space admits (at most half of N): each
-    chunk costs an eager call about 40 us of host time in its two launches, and on an H100 the
-    GPU time of 4096- and 8192-row chunks was within 5% of 2048-row ones. ``None`` elsewhere, or
-    where the space refuses every chunk (fp16 x, N below two chunks)."""
+    reading back the weight. The chunk is the largest the space admits, the whole weight where its
+    e4m3 scratch fits (one GEMM): each chunk costs an eager call 40-80 us of host time in its two
+    launches, and on an H100 the whole weight's GPU time was within 4% of 2048-row chunks' or
+    less at four Llama-3-8B shapes (docs/perf/HISTORY.md). ``None`` elsewhere, or where the space
+    refuses every chunk (fp16 x, N not a multiple of 16)."""
     capability = nvidia_capability(key.arch)
     if not key.fp8 or key.m_bucket < STAGED_DEFAULT_MIN_M or capability is None or capability < (9, 0):
         return None
