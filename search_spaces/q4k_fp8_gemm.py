@@ -101,7 +101,7 @@ _K_TILES = (32, 64, 128, 256)
 #: The dequant path's chunks, ascending.
 _DEQUANT_CHUNKS = (32, 1024, 2048, 4096, 8192, 16384)
 #: The staged path's chunks: up to 32768 rows, so that the widest Llama-3-8B projection (28672
-#: rows, 117 MiB of e4m3 at K=4096) can be one GEMM, whose eager call pays one ``_scaled_mm``'s
+#: rows, 112 MiB of e4m3 at K=4096) can be one GEMM, whose eager call pays one ``_scaled_mm``'s
 #: host time where 2048-row chunks pay fourteen.
 _STAGED_CHUNKS = (32, 1024, 2048, 4096, 8192, 16384, 32768)
 

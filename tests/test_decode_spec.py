@@ -179,6 +179,29 @@ def test_infeasible_reasons():
     assert "MIN_CHUNK" in SPACE.infeasible_reason(DecodeConfig(MIN_CHUNK=64, BLOCK_N=128), _key(), limits)
 
 
+@pytest.mark.parametrize("bh_bucket", [128, 256, 512])
+def test_a_large_batch_tune_starts_with_split_caches(bh_bucket):
+    """Where the default's wave target leaves a sequence one or two splits, a tune starts at the
+    two largest wave targets (each splitting a sequence 4 ways or more, with 3 and 4 stages), then
+    the 32-key tiles of 2 warps; every start feasible and none the default."""
+    key = _key(bh_bucket=bh_bucket, lkv_bucket=131072)
+    default = SPEC.default_config(key)
+    assert splits_target(default, key.sm_count, key.bh_bucket, 4) <= 2
+    starts = TUNING.starting_configs(key, H200)
+    assert [(c.TARGET_WAVES, c.num_stages) for c in starts[:4]] == [(32, 3), (32, 4), (16, 3), (16, 4)]
+    assert starts[4] == dataclasses.replace(default, BLOCK_N=32, num_warps=2)
+    assert all(splits_target(c, key.sm_count, key.bh_bucket, 4) >= 4 for c in starts[:4])
+    assert all(SPACE.infeasible_reason(c, key, H200_LIMITS) is None for c in starts)
+    assert default not in starts
+
+
+def test_a_small_batch_tune_has_no_such_starts():
+    """Where the default already splits each sequence more than twice, or on the interpreter, none."""
+    assert TUNING.starting_configs(_key(bh_bucket=64, lkv_bucket=131072), H200) == []
+    assert TUNING.starting_configs(_key(bh_bucket=8), H200) == []
+    assert TUNING.starting_configs(_key(arch="cpu-interpreter", sm_count=1, bh_bucket=512), CPU) == []
+
+
 def test_fused_merge_is_moot_with_one_split():
     fused = DecodeConfig(FUSED_MERGE=True)
     # B=1 x 8 KV heads at 4K: up to 32 splits, so both merges stay in the space.

@@ -400,7 +400,8 @@ def test_mma_tile_rules():
 
 def test_staged_rules():
     """The staged path varies its dequantization tile, chunk and accumulation only, at large M,
-    bf16 and N, K multiples of 16, with at least two chunks (never the whole weight at once)."""
+    bf16 and N, K multiples of 16: at most half the weight a chunk, or the whole weight at once
+    (the smallest chunk that holds it, one GEMM) where its e4m3 scratch fits 128 MiB."""
     key = _key(4096)
     staged = StagedConfig(BLOCK_N=32, BLOCK_K=256, CHUNK_N=2048)
     assert SPACE.infeasible_reason(staged, key, LIMITS) is None
@@ -412,6 +413,14 @@ def test_staged_rules():
     assert "multiples of 16" in SPACE.infeasible_reason(staged, _key(4096, n=14328), LIMITS)
     assert "below 1024" in SPACE.infeasible_reason(dataclasses.replace(staged, CHUNK_N=32), key, LIMITS)
     assert "BLOCK_K >= 64" in SPACE.infeasible_reason(dataclasses.replace(staged, BLOCK_K=32), key, LIMITS)
+    whole = dataclasses.replace(staged, CHUNK_N=4096)
+    assert SPACE.infeasible_reason(whole, _key(4096, n=4096), LIMITS) is None
+    assert "same launch as CHUNK_N=4096" in SPACE.infeasible_reason(
+        dataclasses.replace(staged, CHUNK_N=8192), _key(4096, n=4096), LIMITS
+    )
+    widest = dataclasses.replace(staged, CHUNK_N=32768)
+    assert SPACE.infeasible_reason(widest, _key(4096, n=28672), LIMITS) is None  # 112 MiB of e4m3
+    assert "224 MiB scratch" in SPACE.infeasible_reason(widest, _key(4096, n=28672, k=8192), LIMITS)
     # The interpreter tries it at its tiny keys, with its small chunk.
     tiny_key = Q4KKey(arch="cpu-interpreter", sm_count=1, dtype="bfloat16", m_bucket=16, n=64, k=256, fp8=True)
     tiny = dataclasses.replace(staged, BLOCK_K=64, CHUNK_N=32)
