@@ -14,8 +14,9 @@ feasible, and where such a key has no winner of its own the accurate key's winne
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import triton
@@ -45,6 +46,8 @@ from .launch import JIT_KERNELS, launch
 from .reference import q4k_linear_reference
 from .weight import Q4KWeight
 
+#: A config of a path that works in chunks of weight rows.
+_Chunked = TypeVar("_Chunked", StagedConfig, DequantConfig)
 #: Key dtype names (stored bundle keys spell them out) of the facts' short dtype names.
 _KEY_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 #: The paths below ggml's accuracy bound, served only with the opt-in.
@@ -164,12 +167,7 @@ def staged_default(key: Q4KKey) -> StagedConfig | None:
     capability = nvidia_capability(key.arch)
     if not key.fp8 or key.m_bucket < STAGED_DEFAULT_MIN_M or capability is None or capability < (9, 0):
         return None
-    limits = TargetLimits()
-    for chunk in sorted(SPACE.members["staged"].dimensions["CHUNK_N"], reverse=True):
-        config = StagedConfig(BLOCK_N=128, BLOCK_K=64, num_warps=8, CHUNK_N=chunk)
-        if SPACE.infeasible_reason(config, key, limits) is None:
-            return config
-    return None
+    return _widest_chunk(key, "staged", lambda n: StagedConfig(BLOCK_N=128, BLOCK_K=64, num_warps=8, CHUNK_N=n))
 
 
 def gemv_default(key: Q4KKey) -> GemvConfig | None:
@@ -265,10 +263,15 @@ def dequant_default(key: Q4KKey) -> DequantConfig | None:
     weight where its scratch fits, one GEMM; else the widest chunk under the scratch cap), 32 x 256
     dequantization tiles of 8 warps (the tiles most of the H200's tuned dequant winners chose; the
     tile matters little next to the GEMM). ``None`` where no chunk fits the scratch cap."""
-    # The dequant rule asks nothing of the target's shared memory (its GEMM is cuBLAS's).
+    return _widest_chunk(key, "dequant", lambda n: DequantConfig(BLOCK_N=32, BLOCK_K=256, num_warps=8, CHUNK_N=n))
+
+
+def _widest_chunk(key: Q4KKey, path: str, make: Callable[[int], _Chunked]) -> _Chunked | None:
+    """``make(chunk)`` with the largest ``CHUNK_N`` of ``path`` that the space admits at ``key``, or
+    ``None``. The rule asks nothing of the target's shared memory: these paths' GEMM is the vendor's."""
     limits = TargetLimits()
-    for chunk in sorted(SPACE.members["dequant"].dimensions["CHUNK_N"], reverse=True):
-        config = DequantConfig(BLOCK_N=32, BLOCK_K=256, num_warps=8, CHUNK_N=chunk)
+    for chunk in sorted(SPACE.members[path].dimensions["CHUNK_N"], reverse=True):
+        config = make(chunk)
         if SPACE.infeasible_reason(config, key, limits) is None:
             return config
     return None
