@@ -145,54 +145,40 @@ def test_other_group_never_borrows():
     assert _served(100, torch.float64)["BLOCK"] == 32
 
 
-def test_a_key_without_a_winner_serves_its_fallback_keys_winner(monkeypatch):
-    """float16 calls fall back to the float32 key's winner (a stricter contract) when they have none."""
-    spec = toy_kernel.SPEC
+@pytest.fixture
+def float32_fallback(monkeypatch):
+    """Keys of other dtypes fall back to the float32 key (as Q4_K's opt-in keys to the accurate ones)."""
     monkeypatch.setattr(
-        spec, "fallback_key", lambda key: dataclasses.replace(key, dtype="float32") if key.dtype != "float32" else None
+        toy_kernel.SPEC,
+        "fallback_key",
+        lambda key: dataclasses.replace(key, dtype="float32") if key.dtype != "float32" else None,
     )
+
+
+def test_a_key_without_a_winner_serves_its_fallback_keys_winner(float32_fallback):
+    """float16 calls fall back to the float32 key's winner (a stricter contract) when they have none."""
     _store(_winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5))
     assert _served(100, torch.float16)["BLOCK"] == 64
     with settings.override(disable_tuned=True):
         assert _served(100, torch.float16)["BLOCK"] == 32
 
 
-def test_a_key_with_its_own_winner_ignores_the_fallback(monkeypatch):
-    spec = toy_kernel.SPEC
-    monkeypatch.setattr(
-        spec, "fallback_key", lambda key: dataclasses.replace(key, dtype="float32") if key.dtype != "float32" else None
-    )
+@pytest.mark.parametrize(("speedup", "served"), [(1.5, 16), (1.01, 32)], ids=["own-winner", "own-default"])
+def test_a_key_with_its_own_winner_ignores_the_fallback(float32_fallback, speedup, served):
+    """A key with a winner of its own never serves the fallback key's: its winner where that clears
+    the margin, else its own default (the fallback's speedup was measured against another default)."""
     half_key = toy_kernel.ToyKey(CPU.arch, CPU.sm_count, "float16", 128).to_dict()
     _store(
         _winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5),
-        _winner(128, {"BLOCK": 16, "BROKEN": False, "num_warps": 1}, speedup=1.5, key=half_key),
+        _winner(128, {"BLOCK": 16, "BROKEN": False, "num_warps": 1}, speedup=speedup, key=half_key),
     )
-    assert _served(100, torch.float16)["BLOCK"] == 16
+    assert _served(100, torch.float16)["BLOCK"] == served
     assert _served(100)["BLOCK"] == 64
 
 
-def test_a_key_tuned_without_gain_keeps_its_default_over_the_fallback(monkeypatch):
-    """A key whose own tune found nothing clearing the margin serves its default, not the
-    fallback key's winner: that winner's speedup was measured against another default."""
-    spec = toy_kernel.SPEC
-    monkeypatch.setattr(
-        spec, "fallback_key", lambda key: dataclasses.replace(key, dtype="float32") if key.dtype != "float32" else None
-    )
-    half_key = toy_kernel.ToyKey(CPU.arch, CPU.sm_count, "float16", 128).to_dict()
-    _store(
-        _winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5),
-        _winner(128, {"BLOCK": 16, "BROKEN": False, "num_warps": 1}, speedup=1.01, key=half_key),
-    )
-    assert _served(100, torch.float16)["BLOCK"] == 32
-    assert _served(100)["BLOCK"] == 64
-
-
-def test_the_fallback_keys_portable_default_never_serves_for_a_key(monkeypatch, caplog):
+def test_the_fallback_keys_portable_default_never_serves_for_a_key(float32_fallback, monkeypatch, caplog):
     """With no winner at the fallback key either, the key's own portable default serves, logged for the key."""
     spec = toy_kernel.SPEC
-    monkeypatch.setattr(
-        spec, "fallback_key", lambda key: dataclasses.replace(key, dtype="float32") if key.dtype != "float32" else None
-    )
     # A key-dependent portable default: the float32 key's would be BLOCK=64.
     own_default = spec.default_config
 
