@@ -64,9 +64,9 @@ TMA_DEFAULT_M = (32, 512)
 #: weight's extra bf16 pass costs less there than the in-register dequantization of each M tile).
 DEQUANT_DEFAULT_MIN_M = 256
 #: Smallest M bucket whose untuned default under the fp8 opt-in (a key with ``fp8=True``) is the
-#: staged path, on SM90 or newer: an H100 ran it 0.84-1.01x bf16 cuBLAS at M=1024 and 1.17-1.46x
-#: from M=2048 on three Llama-3-8B shapes, where the accurate default (the dequant path) ran
-#: 0.74-0.96x (docs/perf/HISTORY.md).
+#: staged path, on SM90 or newer: on an H100 the whole weight in one chunk ran 0.97-1.14x bf16
+#: cuBLAS at M=1024 and 1.15-1.59x from M=2048 on three Llama-3-8B shapes, where the accurate
+#: default (the dequant path) ran 0.74-0.96x (docs/perf/HISTORY.md).
 STAGED_DEFAULT_MIN_M = 1024
 
 
