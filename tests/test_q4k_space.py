@@ -241,17 +241,28 @@ def test_no_gemv_default_past_four_rows_or_without_dp4a(arch, m, k):
     assert default_config(key) == accurate_default(key) == portable_default(key)
 
 
-def test_a_gemv_default_the_build_cannot_issue_gives_way_to_the_portable_tiles(monkeypatch):
-    """Where TORCH_CUDA_ARCH_LIST also names a GPU without dp4a, the GEMV may not serve: its
-    default's stand-in is the accurate rule's, not the GEMV again."""
-    facts = _facts(1, 4096, 4096)
-    default = KERNEL.default_config(key_for(H200, facts))
-    assert isinstance(default, GemvConfig)
-    assert KERNEL.serve_with_reason(default, H200, facts) == (default, None)
-    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "6.0;9.0")
-    served, why = KERNEL.serve_with_reason(default, H200, facts)
-    assert served == accurate_default(key_for(H200, facts)) and served.path == "portable"
-    assert why is not None and "dp4a" in why
+#: (rows of x, N, K, opt-in, TORCH_CUDA_ARCH_LIST naming an older GPU too) -> (the default's path,
+#: the stand-in's path, a word of the reason): the GEMV needs dp4a (SM61), the staged path SM90.
+BUILD_STAND_INS = {
+    (1, 4096, 4096, False, "6.0;9.0"): ("gemv", "portable", "dp4a"),
+    (2048, 14336, 4096, True, "8.0;9.0"): ("staged", "dequant", "SM90"),
+}
+
+
+@pytest.mark.parametrize(("m", "n", "k", "opt_in", "arch_list"), list(BUILD_STAND_INS))
+def test_a_default_the_build_cannot_run_gives_way_to_the_accurate_tiles(monkeypatch, m, n, k, opt_in, arch_list):
+    """Where TORCH_CUDA_ARCH_LIST also names a GPU the default's path cannot run on, its stand-in
+    is the accurate rule's, not that path again."""
+    path, stand_in, reason = BUILD_STAND_INS[(m, n, k, opt_in, arch_list)]
+    facts = _facts(m, n, k)
+    with settings.override(q4k_fp8=opt_in):
+        default = KERNEL.default_config(key_for(H200, facts))
+        assert default.path == path
+        assert KERNEL.serve_with_reason(default, H200, facts) == (default, None)
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch_list)
+        served, why = KERNEL.serve_with_reason(default, H200, facts)
+        assert served == accurate_default(key_for(H200, facts)) and served.path == stand_in
+        assert why is not None and reason in why
 
 
 #: (arch, m_bucket, N, K) of an opt-in key -> the staged default's CHUNK_N (the whole weight where
@@ -287,20 +298,6 @@ def test_the_staged_path_is_the_opt_in_default_from_1024_rows_on_sm90(arch, m, n
         assert SPACE.infeasible_reason(default, key, KERNEL.limits(H200)) is None
     assert KERNEL.default_config(dataclasses.replace(key, fp8=False)).path in ("dequant", "tma")
     assert KERNEL.default_config(dataclasses.replace(key, dtype="float16")).path != "staged"
-
-
-def test_a_staged_default_the_build_cannot_run_gives_way_to_the_accurate_tiles(monkeypatch):
-    """Where TORCH_CUDA_ARCH_LIST also names a GPU before SM90 (no row-wise scaled fp8 GEMM), the
-    staged default's stand-in is the accurate rule's, not the staged path again."""
-    facts = _facts(2048, 14336, 4096)
-    with settings.override(q4k_fp8=True):
-        default = KERNEL.default_config(key_for(H200, facts))
-        assert isinstance(default, StagedConfig)
-        assert KERNEL.serve_with_reason(default, H200, facts) == (default, None)
-        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
-        served, why = KERNEL.serve_with_reason(default, H200, facts)
-        assert served == accurate_default(key_for(H200, facts)) and served.path == "dequant"
-        assert why is not None and "SM90" in why
 
 
 #: (arch, SMs, m_bucket, N, K) -> the dequant default's CHUNK_N: the whole weight where its bf16
