@@ -12,9 +12,10 @@ Lookup order, resolved once per (kernel, key) and then served from a dict:
    (the same key group) whose winner clears the margin, within a factor of 4 in all (sizes a key
    type names ``NEAR``, as Q4_K's weight N and K, count as bucketed lengths here);
 4. where the kernel names a fallback key (a key with a stricter numerics contract, see
-   :meth:`~.spec.KernelSpec.fallback_key`) and the key holds no winner of its own, that key's
-   stored winner (exact or nearest, as in 2 and 3; never its portable default). A key whose own
-   winner falls short of the margin was tuned and found its default as good: the default serves;
+   :meth:`~.spec.KernelSpec.fallback_key`) whose portable default is the key's own, and the key
+   holds no winner of its own, that key's stored winner (exact or nearest, as in 2 and 3; never
+   its portable default). A winner's speedup was measured against its key's default, and a key
+   whose own winner falls short of the margin was tuned and found its default as good;
 5. the key's own portable default, logged once per key.
 
 A stored winner (2 to 4) may come with an eager alternative
@@ -251,9 +252,9 @@ class Dispatcher:
             reason = "tuned configs disabled (TRITUNE_DISABLE_TUNED)"
         else:
             config, reason = self._stored(spec, device, key, where)
-            # A tune of the key itself that found nothing clearing the margin says its own default
-            # is as good as the best it measured there: the fallback key's winner does not replace it.
-            fallback = spec.fallback_key(key) if config is None and not self._tuned_here(spec, device, key) else None
+            fallback = spec.fallback_key(key) if config is None else None
+            if fallback is not None and fallback != key and not self._may_fall_back(spec, device, key, fallback):
+                fallback = None
             if fallback is not None and fallback != key:
                 # Only a winner stored for the fallback key serves here; its portable default does
                 # not: this key's own default serves then, and says so below.
@@ -269,13 +270,20 @@ class Dispatcher:
                 self._resolved[(spec.name, device.slug, key)] = config
         return config
 
-    def _tuned_here(self, spec: KernelSpec[Any, Any], device: DeviceInfo, key: TuningKey) -> bool:
-        """Whether ``key`` holds a winner of its own that is feasible here (a provisional one too:
-        it measured this key's configs, as the fallback key's winner measured that key's)."""
-        exact = self.table(device).exact.get((spec.name, key))
-        if exact is None:
+    def _may_fall_back(
+        self, spec: KernelSpec[Any, Any], device: DeviceInfo, key: TuningKey, fallback: TuningKey
+    ) -> bool:
+        """Whether the fallback key's winner may serve ``key``, which has none clearing the margin.
+
+        Its speedup was measured against the fallback key's default, so it says nothing where
+        ``key``'s own default differs (Q4_K's staged default under the opt-in from M=1024). And a
+        winner of ``key``'s own (a provisional one too) that falls short of the margin says its
+        default is as good as the best its tune measured there.
+        """
+        if spec.default_config(fallback) != spec.default_config(key):
             return False
-        return spec.space.infeasible_reason(exact.config, key, spec.limits(device)) is None
+        exact = self.table(device).exact.get((spec.name, key))
+        return exact is None or spec.space.infeasible_reason(exact.config, key, spec.limits(device)) is not None
 
     def _stored(
         self, spec: KernelSpec[Any, Any], device: DeviceInfo, key: TuningKey, where: torch.device | None

@@ -176,6 +176,21 @@ def test_a_key_with_its_own_winner_ignores_the_fallback(float32_fallback, speedu
     assert _served(100)["BLOCK"] == 64
 
 
+def test_a_fallback_winner_measured_against_another_default_does_not_serve(float32_fallback, monkeypatch):
+    """Where the key's portable default differs from the fallback key's (as Q4_K's staged default
+    under the opt-in), the fallback key's winner, timed against its own default, does not serve."""
+    spec = toy_kernel.SPEC
+    own_default = spec.default_config
+
+    def default_config(key):
+        return dataclasses.replace(own_default(key), BLOCK=128) if key.dtype == "float16" else own_default(key)
+
+    monkeypatch.setattr(spec, "default_config", default_config)
+    _store(_winner(128, {"BLOCK": 64, "BROKEN": False, "num_warps": 2}, speedup=1.5))
+    assert _served(100, torch.float16)["BLOCK"] == 128
+    assert _served(100)["BLOCK"] == 64
+
+
 def test_the_fallback_keys_portable_default_never_serves_for_a_key(float32_fallback, monkeypatch, caplog):
     """With no winner at the fallback key either, the key's own portable default serves, logged for the key."""
     spec = toy_kernel.SPEC

@@ -515,8 +515,9 @@ def test_the_tuner_can_choose_every_fp8_kernel():
     limits = KERNEL.limits(H200)
     for m in (1, 16, 4096):
         key = _key(m)
-        # Never a default: an accurate path is (the GEMV up to M=4, then portable, tma on SM90 from
-        # M=32 to 512, then the dequant path), or under the opt-in from M=1024 the staged path.
+        # The fp8 path is never a default: an accurate path is (the GEMV up to M=4, then portable,
+        # tma on SM90 from M=32 to 512, then the dequant path), or under the opt-in from M=1024 the
+        # staged path.
         expected = "gemv" if m <= 4 else "portable" if m < 32 else "tma" if m <= 256 else "staged"
         assert KERNEL.default_config(key).path == expected
         assert KERNEL.default_config(_key(m, fp8=False)).path == expected.replace("staged", "dequant")
@@ -693,7 +694,7 @@ def test_starting_configs_follow_the_rules_the_space_admits():
     """On an H200: one row of x starts from GEMV tiles split toward four programs per SM; every
     opt-in key from swapped folded fp8 tiles (16-row x tiles at small M, 256 and 128 rows at large
     M); large M from int8 tiles (swapped 256 and 128 rows, one plain 128x128) and the two largest
-    staged chunks the key admits. Accurate keys get none of these 8-bit tensor-core starts. Large M
+    staged chunks the key admits (the whole weight, then at most half of it). Accurate keys get none of these 8-bit tensor-core starts. Large M
     on any GPU, accurate or not, starts from the three largest dequant chunks the key admits, the
     whole weight first. Before Hopper only the GEMV tiles and dequant chunks remain; the
     interpreter gets none."""
@@ -719,9 +720,9 @@ def test_starting_configs_follow_the_rules_the_space_admits():
             {(256, True), (128, True), (128, False)} if key.m_bucket > 64 and key.fp8 else set()
         )
         staged = sorted(c.CHUNK_N for c in starts if isinstance(c, StagedConfig))
-        # Chunks of at most half the weight rows.
+        # The whole weight (one GEMM), then the largest chunk of at most half the weight rows.
         large = key.m_bucket > 64 and key.fp8
-        chunks = {28672: [4096, 8192], 14336: [2048, 4096], 6144: [1024, 2048], 4096: [1024, 2048]}
+        chunks = {28672: [8192, 32768], 14336: [4096, 16384], 6144: [2048, 8192], 4096: [2048, 4096]}
         expected = chunks[key.n] if large else []
         assert staged == expected, key
         dequant = [c.CHUNK_N for c in starts if isinstance(c, DequantConfig)]

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import torch
 from torch.nn.attention.bias import CausalBias
 
-from tritune.search_spaces.splitk_decode import HEAD_DIMS, SPACE, DecodeConfig, splits_target
+from tritune.search_spaces.splitk_decode import HEAD_DIMS, SPACE, DecodeConfig, max_splits
 
 from .._sdpa_peer import SdpaCall, bottom_right_causal, bound_arguments, fastest_sdpa
 from ..declare import KernelTuning
@@ -134,12 +134,17 @@ class DecodeTuning(KernelTuning):
             return []
         default = KERNEL.default_config(key)
         rows = key.gqa_group * key.lq
-        if splits_target(default, key.sm_count, key.bh_bucket, rows) > 2:
+
+        def splits(config: DecodeConfig) -> int:
+            """Splits of a cache of the key's full length (the split target, capped by MIN_CHUNK)."""
+            return max_splits(config, key.sm_count, key.bh_bucket, rows, key.lkv_bucket)
+
+        if splits(default) > 2:
             return []
         starts: list[DecodeConfig] = []
         for waves in sorted(SPACE.dimensions["TARGET_WAVES"], reverse=True)[:2]:
             wider = dataclasses.replace(default, TARGET_WAVES=waves)
-            if splits_target(wider, key.sm_count, key.bh_bucket, rows) >= 4:
+            if splits(wider) >= 4:
                 starts += [wider, dataclasses.replace(wider, num_stages=4)]
         starts.append(dataclasses.replace(default, BLOCK_N=32, num_warps=2))
         limits = KERNEL.limits(device)

@@ -15,7 +15,6 @@ import triton
 from tritune.search_spaces.q4k_fp8_gemm import (
     GEMV_K_LANES_MAX_M,
     GEMV_MAX_M,
-    MIN_CHUNK_N,
     OPT_IN_MIN_M,
     SMALL_M,
     SPACE,
@@ -170,8 +169,9 @@ class Q4KTuning(KernelTuning):
           warpgroup per 64 weight rows (wgmma's M side); at small M 16-row x tiles with
           super-block-deep K tiles split along K toward about one program per SM, and one M tile
           of the whole bucket; at large M x tiles as wide as wgmma's N side allows (256 rows);
-        - at large M, staged chunks: the largest the key admits (large chunks amortise the
-          GEMM's launch; the dequantization tile matters little, so the path's own);
+        - at large M, staged chunks: the two largest the key admits, the whole weight first where
+          its scratch fits (large chunks amortise each GEMM's launch and host time; the
+          dequantization tile matters little, so the path's own);
         - at large M on SM90+, int8 tiles as the swapped fp8 ones (the same loop with int8
           operands, register-A wgmma) and one unswapped 128x128 tile.
 
@@ -191,11 +191,13 @@ class Q4KTuning(KernelTuning):
             starts += self._swapped_starts(key, device)
             if key.m_bucket > SMALL_M:
                 starts += self._int8_starts(key)
-                # The staged member's own chunks: the union's CHUNK_N also holds the dequant path's.
-                staged = SPACE.members["staged"].dimensions["CHUNK_N"]
-                chunks = [c for c in staged if MIN_CHUNK_N <= c <= key.n // 2]
-                starts += [StagedConfig(CHUNK_N=chunk) for chunk in sorted(chunks, reverse=True)[:2]]
         limits = KERNEL.limits(device)
+        if target_supports(device, (9, 0)) and key.m_bucket > SMALL_M:
+            # The staged member's own chunks (the union's CHUNK_N also holds the dequant path's):
+            # the two largest the key admits, the whole weight first where it fits.
+            chunks = sorted(SPACE.members["staged"].dimensions["CHUNK_N"], reverse=True)
+            staged = [StagedConfig(CHUNK_N=c) for c in chunks]
+            starts += [c for c in staged if SPACE.infeasible_reason(c, key, limits) is None][:2]
         feasible = [c for c in starts if SPACE.infeasible_reason(c, key, limits) is None]
         dequant = [c for c in feasible if isinstance(c, DequantConfig)]
         starts = [c for c in feasible if not isinstance(c, DequantConfig) or c in dequant[:_DEQUANT_STARTS]]
