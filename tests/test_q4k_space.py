@@ -694,10 +694,10 @@ def test_starting_configs_follow_the_rules_the_space_admits():
     """On an H200: one row of x starts from GEMV tiles split toward four programs per SM; every
     opt-in key from swapped folded fp8 tiles (16-row x tiles at small M, 256 and 128 rows at large
     M); large M from int8 tiles (swapped 256 and 128 rows, one plain 128x128) and the two largest
-    staged chunks the key admits (the whole weight, then at most half of it). Accurate keys get none of these 8-bit tensor-core starts. Large M
-    on any GPU, accurate or not, starts from the three largest dequant chunks the key admits, the
-    whole weight first. Before Hopper only the GEMV tiles and dequant chunks remain; the
-    interpreter gets none."""
+    staged chunks the key admits (the whole weight, then at most half of it). Accurate keys get
+    none of these 8-bit tensor-core starts. Large M on any GPU, accurate or not, starts from the
+    three largest dequant chunks the key admits, the whole weight first. Before Hopper only the
+    GEMV tiles and dequant chunks remain; the interpreter gets none."""
     limits = KERNEL.limits(H200)
     keys = [k for k in KERNEL.default_keys(H200) if k.m_bucket in (1, 16, 64, 512, 4096)]
     keys += [dataclasses.replace(k, fp8=True) for k in keys if k.m_bucket < 64]
