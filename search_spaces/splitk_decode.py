@@ -48,6 +48,7 @@ from .base import (
 
 __all__ = [
     "HEAD_DIMS",
+    "LARGE_BATCH_WAVES",
     "MAX_BLOCK_M",
     "SPACE",
     "DecodeConfig",
@@ -62,6 +63,8 @@ __all__ = [
     "splits_target",
 ]
 
+#: Smallest of the wave targets that split a large batch's caches (see ``TARGET_WAVES``).
+LARGE_BATCH_WAVES = 8
 #: Most query rows (query heads of one group x new tokens) one program packs into its M tile.
 MAX_BLOCK_M = 64
 #: Per-thread fp32 registers the accumulator and score tiles may take before the rule calls it a spill.
@@ -145,7 +148,9 @@ def _representative(value: int, field: str, same: Callable[[int], bool]) -> int:
 def duplicate_reason(config: DecodeConfig, key: _DecodeKeyFields) -> str | None:
     """Why ``config`` launches exactly what another config of the space launches at ``key``, if it does.
 
-    Split policies collapse: wave targets that give the same split count, a ``MIN_CHUNK`` that can
+    Split policies collapse: wave targets that give the same split count (a large target, from
+    :data:`LARGE_BATCH_WAVES`, also one whose split count only passes what ``MIN_CHUNK`` lets a
+    cache of the key's length take), a ``MIN_CHUNK`` that can
     never matter (one split target) or that always means one split (not below the cache length).
     Of each such set only the default's value, or else the smallest, stays in the space.
     ``FUSED_MERGE`` is moot where no length up to the cache's can take more than one split.
@@ -160,6 +165,15 @@ def duplicate_reason(config: DecodeConfig, key: _DecodeKeyFields) -> str | None:
     kept = _representative(waves, "TARGET_WAVES", lambda w: target(w) == now)
     if waves != kept:
         return f"TARGET_WAVES={waves} gives the same {now} split target as TARGET_WAVES={kept}"
+    if waves >= LARGE_BATCH_WAVES:
+        # A cache of up to lkv_bucket keys never takes more splits than chunks of MIN_CHUNK keys,
+        # so targets at or past that launch alike (every split gets MIN_CHUNK keys). The large
+        # targets are for splitting large batches: one that splits no more than a smaller target
+        # is that target's duplicate (the small targets keep the rule above alone).
+        cap = -(-key.lkv_bucket // chunk)
+        same = [w for w in _OPTIONS["TARGET_WAVES"] if w < waves and min(target(w), cap) == min(now, cap)]
+        if same:
+            return f"TARGET_WAVES={waves} gives the same {min(now, cap)} splits as TARGET_WAVES={same[0]}"
     if now == 1 and chunk != _DEFAULTS["MIN_CHUNK"]:
         return "MIN_CHUNK is moot with a split target of 1"
     if chunk >= key.lkv_bucket:

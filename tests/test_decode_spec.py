@@ -179,6 +179,19 @@ def test_infeasible_reasons():
     assert "MIN_CHUNK" in SPACE.infeasible_reason(DecodeConfig(MIN_CHUNK=64, BLOCK_N=128), _key(), limits)
 
 
+def test_a_large_wave_target_past_the_chunk_cap_is_a_duplicate():
+    """Where a cache of the key's length takes at most 8 chunks of MIN_CHUNK keys, the large wave
+    targets launch as a small one does; at a large batch's long caches they split and stay."""
+    short = _key(lkv_bucket=1024)  # B=1 x 8 KV heads: targets 16, 33, 66, ... split 8 ways at most
+    for waves in (8, 16, 32):
+        reason = SPACE.infeasible_reason(DecodeConfig(TARGET_WAVES=waves), short, H200_LIMITS)
+        assert reason == f"TARGET_WAVES={waves} gives the same 8 splits as TARGET_WAVES=1"
+    # The small targets keep their own rule (stored winners stay admitted).
+    assert SPACE.infeasible_reason(DecodeConfig(TARGET_WAVES=4), short, H200_LIMITS) is None
+    long = _key(bh_bucket=512, lkv_bucket=131072)
+    assert {c.TARGET_WAVES for c in SPACE.feasible(long, H200_LIMITS)} == {2, 8, 16, 32}
+
+
 @pytest.mark.parametrize("bh_bucket", [128, 256, 512])
 def test_a_large_batch_tune_starts_with_split_caches(bh_bucket):
     """Where the default's wave target leaves a sequence one or two splits, a tune starts at the
