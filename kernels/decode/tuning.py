@@ -127,9 +127,10 @@ class DecodeTuning(KernelTuning):
     def starting_configs(self, key: DecodeKey, device: DeviceInfo) -> list[Any]:
         """Where the default's wave target leaves one or two splits per sequence (a large batch),
         the default tiles at the two largest wave targets (where they split each cache 4 ways or
-        more), each also with a stage more: an H100 at B=64 (8 KV heads) ran 8 splits of a 128K cache 6%
-        faster than one over lengths drawn from [64K, 128K] and 10% faster at equal lengths
-        (docs/perf/HISTORY.md). Then the 32-key tiles of 2 warps, the shipped winners at such keys."""
+        more), each also with a stage more: an H100 at B=64 (8 KV heads) ran 8 splits of a 128K
+        cache 6% faster than one over lengths drawn from [64K, 128K] and 10% faster at equal
+        lengths (docs/perf/HISTORY.md). Then the default's split with 32-key tiles of 2 warps, the
+        best unsplit tiles there."""
         if device.is_interpreter:
             return []
         default = KERNEL.default_config(key)
