@@ -194,18 +194,41 @@ def test_a_large_wave_target_past_the_chunk_cap_is_a_duplicate():
 
 @pytest.mark.parametrize("bh_bucket", [128, 256, 512])
 def test_a_large_batch_tune_starts_with_split_caches(bh_bucket):
-    """Where the default's wave target leaves a sequence one or two splits, a tune starts at the
-    two largest wave targets (each splitting a sequence 4 ways or more, with 3 and 4 stages), then
-    the 32-key tiles of 2 warps; every start feasible and none the default."""
+    """Where the space's default wave target leaves a sequence one or two splits, a tune starts at
+    the two largest wave targets (each splitting a sequence 4 ways or more, with 3 and 4 stages),
+    then the unsplit 32-key tiles of 2 warps, and the unsplit launch with 4 stages where the
+    default splits; every start feasible and none the default."""
     key = _key(bh_bucket=bh_bucket, lkv_bucket=131072)
     default = SPEC.default_config(key)
-    assert splits_target(default, key.sm_count, key.bh_bucket, 4) <= 2
+    unsplit = dataclasses.replace(default, TARGET_WAVES=2)
+    assert splits_target(unsplit, key.sm_count, key.bh_bucket, 4) <= 2
     starts = TUNING.starting_configs(key, H200)
-    assert [(c.TARGET_WAVES, c.num_stages) for c in starts[:4]] == [(32, 3), (32, 4), (16, 3), (16, 4)]
-    assert starts[4] == dataclasses.replace(default, BLOCK_N=32, num_warps=2)
-    assert all(splits_target(c, key.sm_count, key.bh_bucket, 4) >= 4 for c in starts[:4])
+    wide = [(32, 3), (32, 4), (16, 3), (16, 4)]
+    if default != unsplit:  # the default is the first of them, which every tune measures anyway
+        wide.remove((default.TARGET_WAVES, default.num_stages))
+    assert [(c.TARGET_WAVES, c.num_stages) for c in starts[: len(wide)]] == wide
+    assert all(splits_target(c, key.sm_count, key.bh_bucket, 4) >= 4 for c in starts[: len(wide)])
+    unsplit_starts = [dataclasses.replace(unsplit, BLOCK_N=32, num_warps=2)]
+    if default != unsplit:
+        unsplit_starts.append(dataclasses.replace(unsplit, num_stages=4))
+    assert starts[len(wide) :] == unsplit_starts
     assert all(SPACE.infeasible_reason(c, key, H200_LIMITS) is None for c in starts)
     assert default not in starts
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("bh_bucket, lkv_bucket, waves", [
+    (512, 16384, 32), (512, 131072, 32), (1024, 32768, 32), (2048, 32768, 32),
+    (512, 8192, 2), (256, 131072, 2), (128, 131072, 2), (8192, 131072, 2),
+])  # fmt: skip
+def test_the_default_splits_a_large_batch_over_long_caches(head_dim, bh_bucket, lkv_bucket, waves):
+    """Past two unsplit programs per SM, from 16K keys, the default takes the largest wave target;
+    below either, or where even that target leaves one split (8192 sequence-heads), the space's."""
+    key = _key(head_dim=head_dim, bh_bucket=bh_bucket, lkv_bucket=lkv_bucket)
+    default = SPEC.default_config(key)
+    assert default == dataclasses.replace(DecodeConfig(), TARGET_WAVES=waves)
+    assert SPACE.infeasible_reason(default, key, H200_LIMITS) is None
+    assert SPEC.default_config(dataclasses.replace(key, arch=CPU.arch, sm_count=1)).TARGET_WAVES == 2
 
 
 def test_a_small_batch_tune_has_no_such_starts():

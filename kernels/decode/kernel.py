@@ -25,7 +25,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from tritune.search_spaces.splitk_decode import HEAD_DIMS, SPACE, DecodeConfig, portable_config
+from tritune.search_spaces.base import TargetLimits
+from tritune.search_spaces.splitk_decode import HEAD_DIMS, SPACE, DecodeConfig, portable_config, row_blocks
 
 from .._launch import SOFTMAX_SCALE, gqa_rule
 from ..declare import Kernel, Output, Rule, Tensor
@@ -40,6 +41,8 @@ __all__ = ["KERNEL", "MAX_QUERY_TOKENS", "DecodeKey", "decode_attention", "lq_bu
 
 #: Most new tokens per sequence one call serves (speculative / multi-token decode steps).
 MAX_QUERY_TOKENS = 8
+#: Cache length bucket from which a large batch's default splits each cache (:func:`default_config`).
+LONG_CACHE = 16384
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -80,10 +83,32 @@ def _key(device: DeviceInfo, f: Any) -> DecodeKey:
 def default_config(key: DecodeKey) -> DecodeConfig:
     """The portable default: the space's defaults where they fit every CUDA GPU, else smaller tiles;
     with fewer stages, then narrower KV tiles, where a block of the GPU the key names has less
-    shared memory than they need (Turing's 64 KiB, Pascal's 48 KiB: two stages at head dim 128)."""
+    shared memory than they need (Turing's 64 KiB, Pascal's 48 KiB: two stages at head dim 128).
+    A large batch over long caches splits each cache (:func:`_split_large_batch`)."""
     if key.arch == "cpu-interpreter":
         return portable_config(key, interpreter=True)
-    return fit_shared_memory(portable_config(key, interpreter=False), key, SPACE, halve_first("BLOCK_N"))
+    config = fit_shared_memory(portable_config(key, interpreter=False), key, SPACE, halve_first("BLOCK_N"))
+    return _split_large_batch(config, key)
+
+
+def _split_large_batch(config: DecodeConfig, key: DecodeKey) -> DecodeConfig:
+    """``config`` at the space's largest wave target where the unsplit launch is more than two
+    programs per SM and the caches reach :data:`LONG_CACHE` keys; else ``config``.
+
+    Why: more programs than fit one resident wave leave a tail, and how ragged it runs depends on
+    the exact batch and on the occupancy the tiles get (an H100 ran B=64 x 8 KV heads unsplit at
+    0.90x cuDNN with 3 stages and 1.00x with 4, while B=48 ran best with 3). Eight or so splits a
+    cache make that tail small at every batch of the bucket and balance sequences of unequal
+    lengths: on an H100 (D=64 and 128, B=48 to 128, caches of 16K to 128K) the largest target
+    ran within 2.2% of the best of the wave targets 2 to 32 at equal lengths, and 0-9% faster
+    than the unsplit default on lengths drawn from [L/2, L]. Short caches keep the default: there
+    the splits' merge cost 5-12% (docs/perf/HISTORY.md)."""
+    rows = key.gqa_group * key.lq
+    if key.lkv_bucket < LONG_CACHE or key.bh_bucket * row_blocks(rows) <= 2 * key.sm_count:
+        return config
+    split = dataclasses.replace(config, TARGET_WAVES=max(SPACE.dimensions["TARGET_WAVES"]))
+    # A batch so large that even the largest target leaves one split keeps the default.
+    return split if SPACE.infeasible_reason(split, key, TargetLimits()) is None else config
 
 
 def _serve(config: DecodeConfig, device: DeviceInfo, facts: Any) -> DecodeConfig:

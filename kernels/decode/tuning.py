@@ -125,31 +125,36 @@ class DecodeTuning(KernelTuning):
         return variants
 
     def starting_configs(self, key: DecodeKey, device: DeviceInfo) -> list[Any]:
-        """Where the default's wave target leaves one or two splits per sequence (a large batch),
-        the default tiles at the two largest wave targets (where they split each cache 4 ways or
-        more), each also with a stage more: an H100 at B=64 (8 KV heads) ran 8 splits of a 128K
-        cache 6% faster than one over lengths drawn from [64K, 128K] and 10% faster at equal
-        lengths (docs/perf/HISTORY.md). Then the default's split with 32-key tiles of 2 warps, the
-        best unsplit tiles there."""
+        """Where the space's default wave target leaves one or two splits per sequence (a large
+        batch), the default tiles at the two largest wave targets (where they split each cache 4
+        ways or more), each also with a stage more: an H100 at B=64 (8 KV heads) ran 8 splits of a
+        128K cache 6% faster than one over lengths drawn from [64K, 128K] and 10% faster at equal
+        lengths (docs/perf/HISTORY.md). Then the unsplit launch with 32-key tiles of 2 warps, the
+        best unsplit tiles there, and, where the default splits (a batch past two programs per
+        SM), the unsplit launch with 4 stages, which tied the splits at equal lengths at B=64.
+        The default itself is never a start (every tune measures it)."""
         if device.is_interpreter:
             return []
         default = KERNEL.default_config(key)
+        unsplit = dataclasses.replace(default, TARGET_WAVES=DecodeConfig().TARGET_WAVES)
         rows = key.gqa_group * key.lq
 
         def splits(config: DecodeConfig) -> int:
             """Splits of a cache of the key's full length (the split target, capped by MIN_CHUNK)."""
             return max_splits(config, key.sm_count, key.bh_bucket, rows, key.lkv_bucket)
 
-        if splits(default) > 2:
+        if splits(unsplit) > 2:
             return []
         starts: list[DecodeConfig] = []
         for waves in sorted(SPACE.dimensions["TARGET_WAVES"], reverse=True)[:2]:
-            wider = dataclasses.replace(default, TARGET_WAVES=waves)
+            wider = dataclasses.replace(unsplit, TARGET_WAVES=waves)
             if splits(wider) >= 4:
                 starts += [wider, dataclasses.replace(wider, num_stages=4)]
-        starts.append(dataclasses.replace(default, BLOCK_N=32, num_warps=2))
+        starts.append(dataclasses.replace(unsplit, BLOCK_N=32, num_warps=2))
+        if default != unsplit:
+            starts.append(dataclasses.replace(unsplit, num_stages=4))
         limits = KERNEL.limits(device)
-        feasible = [c for c in starts if SPACE.infeasible_reason(c, key, limits) is None]
+        feasible = [c for c in starts if c != default and SPACE.infeasible_reason(c, key, limits) is None]
         return list(dict.fromkeys(feasible))
 
     def valid_key(self, key: DecodeKey) -> bool:
