@@ -101,8 +101,8 @@ def _split_large_batch(config: DecodeConfig, key: DecodeKey) -> DecodeConfig:
     cache make that tail small at every batch of the bucket and balance sequences of unequal
     lengths: on an H100 (D=64 and 128, B=48 to 128, caches of 16K to 128K) the largest target
     ran within 2.2% of the best of the wave targets 2 to 32 at equal lengths, and 0-9% faster
-    than the unsplit default on lengths drawn from [L/2, L]. Short caches keep the default: there
-    the splits' merge cost 5-12% (docs/perf/HISTORY.md)."""
+    than the unsplit default on lengths drawn from [L/2, L]. Short caches keep the default: below
+    16K keys that target ran 3-14% behind the best of them (docs/perf/HISTORY.md)."""
     rows = key.gqa_group * key.lq
     if key.lkv_bucket < LONG_CACHE or key.bh_bucket * row_blocks(rows) <= 2 * key.sm_count:
         return config
