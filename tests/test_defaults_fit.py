@@ -76,7 +76,7 @@ _CHOSEN = {
 
 def _split_large_batch(family: str, key: Any, chosen: Any) -> Any:
     """``chosen`` at wave target 32 for a decode key past two sequence-heads per SM with 16K keys or
-    more, where that target splits a cache at all (32 waves of 30 SMs leave 512 of them one)."""
+    more, where that target splits a cache at all (on 30 SMs it gives 512 sequence-heads one split)."""
     splits = key.sm_count * 32 // key.bh_bucket if family == "decode" else 0
     if splits >= 2 and key.bh_bucket > 2 * key.sm_count and key.lkv_bucket >= 16384:
         return dataclasses.replace(chosen, TARGET_WAVES=32)
@@ -87,8 +87,8 @@ def _split_large_batch(family: str, key: Any, chosen: Any) -> Any:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_h200_and_a100_defaults_unchanged(family, arch):
     """Except decode's large batches over long caches (more than two unsplit programs per SM, 16K
-    keys or more), whose default splits each cache at the largest wave target; the bundles'
-    winners there were measured against the unsplit default and serve as before."""
+    keys or more), whose default splits each cache at the largest wave target (the bundles'
+    winners there were measured against the unsplit default; those past the margin still serve)."""
     kernel = FAMILIES[family]
     for key in kernel.default_keys(GPUS[arch]):
         assert kernel.default_config(key) == _split_large_batch(family, key, _CHOSEN[family]), key
