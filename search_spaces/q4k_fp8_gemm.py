@@ -52,6 +52,9 @@ FOLD_MAX_REGISTERS = 224
 SWAP_MAX_REGISTERS = 176
 #: Rows per warpgroup on wgmma's M side: in the swapped kernel that side is BLOCK_N.
 WGMMA_ROWS = 64
+#: wgmma's N side: at most 256, and the tma kernel takes x in tiles of 16 rows or more.
+WGMMA_MAX_N = 256
+WGMMA_MIN_N = 16
 #: Largest M bucket the GEMV path is tried at with its lanes across weight rows. Its integer dot
 #: products grow with every row of x, and each row's words are loaded at the products' full shape:
 #: two or more rows spill registers and run far slower than the portable kernel.
@@ -253,7 +256,7 @@ class TmaConfig:
     opt-in; for small and mid M, where the portable loop waits on its loads and barriers."""
 
     path: str = choice("tma", ("tma",))
-    BLOCK_M: int = choice(64, (16, 32, 64, 128, 256))
+    BLOCK_M: int = choice(64, (16, 32, 64, 128, 256, 512))
     BLOCK_N: int = choice(64, (64, 128))
     BLOCK_K: int = choice(128, (64, 128, 256))
     num_warps: int = choice(4, (4, 8))
@@ -558,6 +561,22 @@ def tma_smem_bytes(config: TmaConfig) -> int:
     return config.num_stages * (2 * bm * bk + bn * bk // 2 + 8) + 2 * 2 * bn * bk
 
 
+def tma_x_warpgroups(block_n: int, num_warps: int) -> int:
+    """Warpgroups of the swapped tma kernel along the rows of x: each warpgroup takes 64 weight
+    rows (wgmma's M side) and those the weight tile leaves over share out x instead, each
+    multiplying the same dequantized tile by its own rows of x."""
+    return max(1, num_warps // 4 // (block_n // WGMMA_ROWS))
+
+
+def tma_word_lanes(block_n: int, block_k: int, num_warps: int) -> int:
+    """Lanes of the tma kernel sharing one 32-code group's four code words as it dequantizes: one
+    while the weight tile has a group for every thread, else as many as leave no thread idle (at
+    most four, a word each)."""
+    groups = block_n * block_k // 32
+    threads = 32 * num_warps
+    return 1 if groups >= threads else min(4, threads // groups)
+
+
 def tma_feasibility(config: TmaConfig, key: Q4KShape, limits: TargetLimits) -> str | None:
     """Why a tma ``config`` cannot (or should not) run for ``key``; ``None`` if it may.
 
@@ -573,8 +592,8 @@ def tma_feasibility(config: TmaConfig, key: Q4KShape, limits: TargetLimits) -> s
     reason = _split_and_rows_reason(config, key)
     if reason is not None:
         return reason
-    if config.BLOCK_M == 256 and not config.SWAP_AB:
-        return "BLOCK_M=256 only for the swapped kernel (SWAP_AB), where it is wgmma's N side"
+    if config.BLOCK_M >= 256 and not config.SWAP_AB:
+        return f"BLOCK_M={config.BLOCK_M} only for the swapped kernel (SWAP_AB), where it is wgmma's N side"
     if config.FUSED_REDUCE and config.SPLIT_K == 1:
         return "FUSED_REDUCE only changes a launch with SPLIT_K > 1 (the same launch as FUSED_REDUCE=False)"
     if config.FUSED_REDUCE and config.BLOCK_M * config.BLOCK_N // (32 * config.num_warps) > TMA_FUSED_MAX_ACC:
@@ -583,11 +602,18 @@ def tma_feasibility(config: TmaConfig, key: Q4KShape, limits: TargetLimits) -> s
             f"(more than {TMA_FUSED_MAX_ACC} values a thread) spills"
         )
     warpgroups = config.num_warps // 4
-    side, size = ("BLOCK_N", config.BLOCK_N) if config.SWAP_AB else ("BLOCK_M", config.BLOCK_M)
-    if size < WGMMA_ROWS * warpgroups:
-        return f"wgmma's M side ({side}={size}) needs {WGMMA_ROWS} rows for each of {warpgroups} warpgroups"
-    # A thread dequantizes one 32-code group at a time: the warps must not cover more rows than the tile has.
-    rows_per_pass = 32 // min(config.BLOCK_K // 32, 32) * config.num_warps
+    if config.SWAP_AB:
+        x_rows = config.BLOCK_M // tma_x_warpgroups(config.BLOCK_N, config.num_warps)
+        if x_rows > WGMMA_MAX_N:
+            return f"BLOCK_M={config.BLOCK_M} over {config.num_warps} warps gives a warpgroup {x_rows} rows of x (wgmma's N side, at most {WGMMA_MAX_N})"
+        if x_rows < WGMMA_MIN_N:
+            return f"BLOCK_M={config.BLOCK_M} over {config.num_warps} warps gives a warpgroup {x_rows} rows of x (fewer than {WGMMA_MIN_N})"
+    elif config.BLOCK_M < WGMMA_ROWS * warpgroups:
+        return f"wgmma's M side (BLOCK_M={config.BLOCK_M}) needs {WGMMA_ROWS} rows for each of {warpgroups} warpgroups"
+    # A thread dequantizes one 32-code group (or a share of its words) at a time: the warps must
+    # not cover more rows than the tile has.
+    lanes = tma_word_lanes(config.BLOCK_N, config.BLOCK_K, config.num_warps)
+    rows_per_pass = 32 // min(config.BLOCK_K // 32 * lanes, 32) * config.num_warps
     if rows_per_pass > config.BLOCK_N:
         return f"{config.num_warps} warps over a {config.BLOCK_N}x{config.BLOCK_K} weight tile leave threads idle"
     regs = (config.BLOCK_M + config.BLOCK_K) * config.BLOCK_N // (32 * config.num_warps)

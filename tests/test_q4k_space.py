@@ -83,7 +83,7 @@ def test_each_path_holds_only_the_fields_its_launch_reads():
     # What the sampler sees: every field with the choices stored configs have always used.
     assert SPACE.dimensions == {
         "path": ("portable", "fp8", "staged", "gemv", "int8", "dequant", "tma"),
-        "BLOCK_M": (16, 32, 64, 128, 256),
+        "BLOCK_M": (16, 32, 64, 128, 256, 512),
         "BLOCK_N": (32, 64, 128, 256),
         "BLOCK_K": (32, 64, 128, 256, 512, 1024),
         "GROUP_M": (1, 4, 8),

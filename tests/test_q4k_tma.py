@@ -397,6 +397,10 @@ _GPU_CONFIGS = [
     TmaConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, SPLIT_K=2, PACKED_DEQUANT=True),
     TmaConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=2, SWAP_AB=False, PACKED_DEQUANT=True),
     TmaConfig(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, SPLIT_K=2, PACKED_DEQUANT=True),
+    # One 64-row weight tile for both warpgroups' rows of x: 2 x 128, and 2 x 256 in two TMA boxes.
+    TmaConfig(BLOCK_M=256, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=4, SPLIT_K=2),
+    TmaConfig(BLOCK_M=512, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3, PACKED_DEQUANT=True),
+    TmaConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=3),
 ]
 
 
@@ -457,7 +461,9 @@ def test_tma_fused_reduce_equals_the_reduce_launch_gpu(split, bias):
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize(
-    ("k", "n", "m"), [(4096, 14336, 32), (14336, 4096, 64), (4096, 4096, 128), (4096, 6144, 33), (4096, 4096, 200)]
+    ("k", "n", "m"),
+    [(4096, 14336, 32), (14336, 4096, 64), (4096, 4096, 128), (4096, 6144, 33), (4096, 4096, 200),
+     (4096, 14336, 500), (4096, 4096, 300)],
 )
 def test_tma_default_through_the_op_gpu(k, n, m):
     """The SM90 default (the tma path) through ``q4k_linear`` at the Llama shapes, fp16 and an unaligned x too."""

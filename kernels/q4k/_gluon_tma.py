@@ -38,6 +38,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from tritune.search_spaces.q4k_fp8_gemm import tma_word_lanes, tma_x_warpgroups
+
+
+#: Warpgroups along x and lanes a code group (the space's rules, as the kernel's constexprs).
+x_warpgroups = gluon.constexpr_function(tma_x_warpgroups)
+word_lanes = gluon.constexpr_function(tma_word_lanes)
+
 
 @gluon.jit
 def _word_codes(t):
@@ -165,20 +172,30 @@ def _issue_step(x_desc, q_desc, x_smem, q_smem, ready, step, row_m, row_n, k_sta
     """TMA copies of K step ``step``'s x tile and code words into ring stage ``step % NUM_STAGES``."""
     stage = step % x_smem.shape[0]
     bar = ready.index(stage)
-    mbarrier.expect(bar, x_desc.block_type.nbytes + q_desc.block_type.nbytes)
+    # A TMA box spans at most 256 rows: a wider x tile comes in several boxes.
+    BOX_M: gl.constexpr = x_desc.block_type.shape[0]
+    BOXES: gl.constexpr = x_smem.shape[1] // BOX_M
+    mbarrier.expect(bar, BOXES * x_desc.block_type.nbytes + q_desc.block_type.nbytes)
     k = k_start + step * BLOCK_K
-    tma.async_copy_global_to_shared(x_desc, [row_m, k], bar, x_smem.index(stage))
+    x_buf = x_smem.index(stage)
+    for box in gl.static_range(BOXES):
+        tma.async_copy_global_to_shared(x_desc, [row_m + box * BOX_M, k], bar, x_buf.slice(box * BOX_M, BOX_M))
     # The codes are int32 words, eight a word: K column k is word column k / 8.
     tma.async_copy_global_to_shared(q_desc, [row_n, k // 8], bar, q_smem.index(stage))
 
 
 @gluon.jit
 def _zero_acc(BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SWAP: gl.constexpr):
-    """The float32 accumulator in wgmma's layout: ``[BLOCK_M, BLOCK_N]``, or ``[BLOCK_N, BLOCK_M]`` with ``SWAP``."""
+    """The float32 accumulator in wgmma's layout: ``[BLOCK_M, BLOCK_N]``, or ``[BLOCK_N, BLOCK_M]`` with ``SWAP``.
+
+    Swapped, the warpgroups share out the weight rows 64 each; where the weight tile has fewer
+    rows than that, they share out the rows of x instead (:func:`x_warpgroups`), each warpgroup
+    multiplying the same dequantized tile by its own part of x."""
     warps: gl.constexpr = gl.num_warps()
     if SWAP:
+        split: gl.constexpr = x_warpgroups(BLOCK_N, warps)
         layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, BLOCK_M, 16]
+            version=[3, 0], warps_per_cta=[warps // split, split], instr_shape=[16, BLOCK_M // split, 16]
         )
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=layout)
     else:
@@ -325,12 +342,18 @@ def _q4k_gemm_tma_kernel(
     # Code words as [BLOCK_N, G, 4]: a thread holds one 32-code group's four words, the groups of
     # a row over neighbouring lanes, rows over the other lanes and the warps.
     G: gl.constexpr = BLOCK_K // 32
-    lanes_g: gl.constexpr = G if G < 32 else 32
+    # A tile with fewer groups than threads shares each group's words out over WORD_LANES lanes.
+    WORD_LANES: gl.constexpr = word_lanes(BLOCK_N, BLOCK_K, warps)
+    lanes_g: gl.constexpr = G if G < 32 // WORD_LANES else 32 // WORD_LANES
     words_layout: gl.constexpr = gl.BlockedLayout(
-        [1, G // lanes_g, 4], [32 // lanes_g, lanes_g, 1], [warps, 1, 1], [2, 1, 0]
+        [1, G // lanes_g, 4 // WORD_LANES], [32 // (lanes_g * WORD_LANES), lanes_g, WORD_LANES], [warps, 1, 1],
+        [2, 1, 0],
     )
-    # The same words as the [BLOCK_N, BLOCK_K / 8] tile the TMA wrote, four consecutive ones a thread.
-    flat_layout: gl.constexpr = gl.BlockedLayout([1, 4 * (G // lanes_g)], [32 // lanes_g, lanes_g], [warps, 1], [1, 0])
+    # The same words as the [BLOCK_N, BLOCK_K / 8] tile the TMA wrote, a group's words of a thread consecutive.
+    flat_layout: gl.constexpr = gl.BlockedLayout(
+        [1, 4 // WORD_LANES * (G // lanes_g)], [32 // (lanes_g * WORD_LANES), lanes_g * WORD_LANES], [warps, 1],
+        [1, 0],
+    )
     groups_layout: gl.constexpr = gl.SliceLayout(2, words_layout)
     rows_n = (row_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, groups_layout))).to(gl.int64)
     group = gl.arange(0, G, layout=gl.SliceLayout(0, groups_layout))[None, :] + (k_start // 32)

@@ -29,6 +29,7 @@ from tritune.search_spaces.q4k_fp8_gemm import (
     SMALL_M,
     SPACE,
     SPLIT_K_MAX_M,
+    WGMMA_ROWS,
     DequantConfig,
     GemvConfig,
     PortableConfig,
@@ -216,11 +217,13 @@ def tma_default(key: Q4KKey) -> TmaConfig | None:
     programs per SM, and up to M=64 a split's partials summed by its last split (``FUSED_REDUCE``:
     on an H100 as fast or faster replayed and one launch fewer eagerly; at M=128 the reduce launch
     replayed faster). From M=256, 256 rows of x (wgmma's widest N) against two warpgroups' 128
-    weight rows, 64 deep, at M=256 split until one program per SM at most (one wave); above
-    M=256, where the space admits no split, only where the programs fill a wave. Dequantized in x's
+    weight rows, 64 deep, split until one program per SM at most (one wave); above M=256, where
+    the space admits no split, :func:`_tma_wide_default`. Dequantized in x's
     dtype (``PACKED_DEQUANT``: 2-13% faster on the H100 at every tuned M, about 45 dB against the
     exact product in bf16, 12 dB inside ggml's bound). ``None`` where the space refuses it (N not
     a multiple of the tile)."""
+    if key.m_bucket > SPLIT_K_MAX_M:
+        return _tma_wide_default(key)
     if key.m_bucket > 128:
         config = TmaConfig(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
     elif key.m_bucket > 64:
@@ -228,11 +231,8 @@ def tma_default(key: Q4KKey) -> TmaConfig | None:
     else:
         config = TmaConfig(BLOCK_M=max(key.m_bucket, 16), BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
     tiles = triton.cdiv(key.n, config.BLOCK_N) * triton.cdiv(key.m_bucket, config.BLOCK_M)
-    if key.m_bucket > SPLIT_K_MAX_M and tiles < key.sm_count:
-        # No split there: fewer programs than SMs leave SMs idle, and the dequant path's GEMM wins.
-        return None
     split = 1
-    while split < 4 and key.m_bucket <= SPLIT_K_MAX_M and (key.k // config.BLOCK_K) % (2 * split) == 0:
+    while split < 4 and (key.k // config.BLOCK_K) % (2 * split) == 0:
         programs = tiles * split
         if config.BLOCK_M == 256:
             # A 256-row program holds its SM's registers alone: one wave at most after doubling.
@@ -243,6 +243,25 @@ def tma_default(key: Q4KKey) -> TmaConfig | None:
             break
         split *= 2
     config = replace(config, SPLIT_K=split, FUSED_REDUCE=split > 1 and key.m_bucket <= 64, PACKED_DEQUANT=True)
+    limits = TargetLimits(smem_bytes=smem_limit_bytes((9, 0)))
+    return config if SPACE.infeasible_reason(config, key, limits) is None else None
+
+
+def _tma_wide_default(key: Q4KKey) -> TmaConfig | None:
+    """:func:`tma_default` above the split's M: one dequantized 64-row weight tile for the rows of
+    x of both warpgroups, 512 of them where those programs fill the SMs, else 256 over 4 stages
+    where they nearly do (0.9 of the SMs), else none (the dequant path's GEMM wins where SMs idle).
+    Against 128 weight rows by 256 of x, the dequantization per product halves (the H100
+    measurements at M=512 in docs/perf/HISTORY.md)."""
+    tiles = key.n // WGMMA_ROWS
+    if key.n % WGMMA_ROWS:
+        return None
+    if tiles * triton.cdiv(key.m_bucket, 512) >= key.sm_count:
+        config = TmaConfig(BLOCK_M=512, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3, PACKED_DEQUANT=True)
+    elif 10 * tiles * triton.cdiv(key.m_bucket, 256) >= 9 * key.sm_count:
+        config = TmaConfig(BLOCK_M=256, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=4, PACKED_DEQUANT=True)
+    else:
+        return None
     limits = TargetLimits(smem_bytes=smem_limit_bytes((9, 0)))
     return config if SPACE.infeasible_reason(config, key, limits) is None else None
 

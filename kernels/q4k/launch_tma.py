@@ -27,6 +27,8 @@ _SCHEMA_TYPES = {bool: "bool", int: "int"}
 #: A Q4_K weight's four tensors, as :class:`~.weight.Q4KWeight` holds them: codes ``[N, K/2]``,
 #: scales and mins ``[N, K/32]``, super-scales ``[N, K/256, 2]``.
 WeightParts = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+#: Most rows a TMA box may span: a taller x tile is copied as several boxes of this many rows.
+TMA_BOX_ROWS = 256
 
 
 @functools.lru_cache(maxsize=64)
@@ -61,8 +63,9 @@ def launch_tma(
     m, k = x.shape
     n = qs.shape[0]
     bm, bn, bk, split = config.BLOCK_M, config.BLOCK_N, config.BLOCK_K, config.SPLIT_K
-    x_layout, q_layout = _layouts(x.dtype, bm, bn, bk)
-    x_desc = unchecked_gluon_descriptor(x, [bm, bk], x_layout)
+    x_box = min(bm, TMA_BOX_ROWS)
+    x_layout, q_layout = _layouts(x.dtype, x_box, bn, bk)
+    x_desc = unchecked_gluon_descriptor(x, [x_box, bk], x_layout)
     q_desc = unchecked_gluon_descriptor(qs.view(torch.int32), [bn, bk // 8], q_layout)
     out_strides = out.stride()
     if split > 1:

@@ -45,7 +45,7 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEQUANT_STARTS = 3
 #: Largest M bucket the tma path's starting tiles are measured at: above it each M tile
 #: dequantizes the weight again and the dequant path's one GEMM wins (docs/perf/HISTORY.md).
-_TMA_MAX_START_M = 512
+_TMA_MAX_START_M = 1024
 #: Rows of x the reference is computed at (see :meth:`Q4KTuning.check_problem`).
 _CHECK_ROWS = 256
 
@@ -160,10 +160,11 @@ class Q4KTuning(KernelTuning):
         - at large M, on any GPU: dequant chunks, the three largest the key admits, the largest
           (the whole weight where it fits the scratch cap) first: one GEMM of the whole N is
           what cuBLAS runs fastest, smaller chunks may keep the dense chunk in L2 for the GEMM;
-        - on SM90 up to M=256, tma tiles: the key's default first, then ``W x^T`` tiles of 64
+        - on SM90 up to M=1024, tma tiles: the key's default first, then ``W x^T`` tiles of 64
           weight rows (and from M=64 of 128 rows over two warpgroups) by the M bucket, split
           along K toward about two programs per SM, and the default with 4 stages (the best
-          tiles of the 2026-12-06 H100 measurements);
+          tiles of the 2026-12-06 H100 measurements); from M=256 also 256 rows of x, and one
+          64-row weight tile for two warpgroups' rows of x (256, from M=512 also 512);
         - on SM90+ (wgmma), swapped folded fp8 tiles, which compile to register-A wgmma with the
           dequantization overlapping the MMA (sm_90 ptxas builds, ``tests/sm90_build.py``): one
           warpgroup per 64 weight rows (wgmma's M side); at small M 16-row x tiles with
@@ -237,11 +238,18 @@ class Q4KTuning(KernelTuning):
         if key.m_bucket >= 64:
             shapes.append(dataclasses.replace(one_group, BLOCK_N=2 * WGMMA_ROWS, num_warps=8))
         if key.m_bucket >= 256:
-            # wgmma's widest N side: 256 rows of x per weight tile, dequantized half as often.
+            # wgmma's widest N side: 256 rows of x per weight tile, dequantized half as often; and
+            # one 64-row weight tile for two warpgroups' rows of x (256, or 512 where M fills them).
             widest = TmaConfig(
                 BLOCK_M=256, BLOCK_N=WGMMA_ROWS, BLOCK_K=64, num_warps=4, num_stages=4, PACKED_DEQUANT=True
             )
-            shapes += [widest, dataclasses.replace(widest, BLOCK_N=2 * WGMMA_ROWS, num_warps=8, num_stages=3)]
+            shapes += [
+                widest,
+                dataclasses.replace(widest, BLOCK_N=2 * WGMMA_ROWS, num_warps=8, num_stages=3),
+                dataclasses.replace(widest, num_warps=8),
+            ]
+        if key.m_bucket >= 512:
+            shapes.append(TmaConfig(BLOCK_M=512, BLOCK_N=WGMMA_ROWS, BLOCK_K=64, num_warps=8, PACKED_DEQUANT=True))
         default = tma_default(key)
         # The default, with a stage more, with the other reduce where it splits (below), and
         # dequantized in float32 (the exact weights).
