@@ -605,17 +605,17 @@ def tma_feasibility(config: TmaConfig, key: Q4KShape, limits: TargetLimits) -> s
     if config.SWAP_AB:
         x_rows = config.BLOCK_M // tma_x_warpgroups(config.BLOCK_N, config.num_warps)
         if x_rows > WGMMA_MAX_N:
-            return f"BLOCK_M={config.BLOCK_M} over {config.num_warps} warps gives a warpgroup {x_rows} rows of x (wgmma's N side, at most {WGMMA_MAX_N})"
+            return (
+                f"BLOCK_M={config.BLOCK_M} over {config.num_warps} warps gives a warpgroup {x_rows} rows of x "
+                f"(wgmma's N side, at most {WGMMA_MAX_N})"
+            )
         if x_rows < WGMMA_MIN_N:
-            return f"BLOCK_M={config.BLOCK_M} over {config.num_warps} warps gives a warpgroup {x_rows} rows of x (fewer than {WGMMA_MIN_N})"
-    elif config.BLOCK_M < WGMMA_ROWS * warpgroups:
+            return (
+                f"BLOCK_M={config.BLOCK_M} over {config.num_warps} warps gives a warpgroup {x_rows} rows of x "
+                f"(fewer than {WGMMA_MIN_N})"
+            )
+    elif WGMMA_ROWS * warpgroups > config.BLOCK_M:
         return f"wgmma's M side (BLOCK_M={config.BLOCK_M}) needs {WGMMA_ROWS} rows for each of {warpgroups} warpgroups"
-    # A thread dequantizes one 32-code group (or a share of its words) at a time: the warps must
-    # not cover more rows than the tile has.
-    lanes = tma_word_lanes(config.BLOCK_N, config.BLOCK_K, config.num_warps)
-    rows_per_pass = 32 // min(config.BLOCK_K // 32 * lanes, 32) * config.num_warps
-    if rows_per_pass > config.BLOCK_N:
-        return f"{config.num_warps} warps over a {config.BLOCK_N}x{config.BLOCK_K} weight tile leave threads idle"
     regs = (config.BLOCK_M + config.BLOCK_K) * config.BLOCK_N // (32 * config.num_warps)
     if regs > TMA_MAX_REGISTERS:
         return (

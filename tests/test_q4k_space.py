@@ -103,7 +103,7 @@ def test_each_path_holds_only_the_fields_its_launch_reads():
     # swapped fp8 and the tma kernels only, K tiles beyond a super-block for the GEMV only.
     assert SPACE.members["portable"].dimensions["BLOCK_M"] == (16, 32, 64, 128)
     assert SPACE.members["fp8"].dimensions["BLOCK_M"] == (16, 32, 64, 128, 256)
-    assert SPACE.members["tma"].dimensions["BLOCK_M"] == (16, 32, 64, 128, 256)
+    assert SPACE.members["tma"].dimensions["BLOCK_M"] == (16, 32, 64, 128, 256, 512)
     assert max(SPACE.members["staged"].dimensions["BLOCK_K"]) == 256
     assert max(SPACE.members["gemv"].dimensions["BLOCK_K"]) == 1024
     # The staged path's e4m3 chunk holds a whole 28672-row weight, the dequant path's bf16 one 14336 rows.
@@ -139,7 +139,7 @@ def test_the_grid_holds_each_launch_once():
     # The per-path grids, where the old flat product held 2.6 million configs.
     assert SPACE.size() == (
         4 * 4 * 4 * 3 * 3 * 5 * 4 + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 4 + 4 * 4 * 3 * 7 * 2 + 4 * 6 * 3 * 4 * 2 * 2 * 2
-        + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 2 + 4 * 4 * 3 * 6 + 5 * 2 * 3 * 2 * 3 * 4 * 2 * 2 * 2
+        + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 2 + 4 * 4 * 3 * 6 + 6 * 2 * 3 * 2 * 3 * 4 * 2 * 2 * 2
     )  # fmt: skip
 
 
@@ -303,13 +303,13 @@ def test_the_staged_path_is_the_opt_in_default_from_1024_rows_on_sm90(arch, m, n
 #: (arch, SMs, m_bucket, N, K) -> the dequant default's CHUNK_N: the whole weight where its bf16
 #: scratch fits 128 MiB, else the widest chunk that does.
 DEQUANT_DEFAULTS = {
-    ("sm90", 132, 512, 4096, 4096): 4096,
-    ("sm90", 132, 512, 6144, 4096): 8192,
+    ("sm90", 132, 1024, 4096, 4096): 4096,
+    ("sm90", 132, 1024, 6144, 4096): 8192,
     ("sm80", 108, 256, 4096, 4096): 4096,
-    ("sm90", 132, 512, 4096, 14336): 4096,
+    ("sm90", 132, 1024, 4096, 14336): 4096,
     ("sm90", 132, 1024, 28672, 4096): 16384,
     ("sm90", 132, 8192, 4096, 4096): 4096,
-    ("sm90", 132, 512, 4096, 65536): 1024,
+    ("sm90", 132, 1024, 4096, 65536): 1024,
     ("sm90", 132, 512, 512, 4096): 1024,
     ("sm80", 108, 2048, 14336, 4096): 16384,
     ("sm75", 40, 256, 4096, 4096): 4096,
@@ -319,8 +319,8 @@ DEQUANT_DEFAULTS = {
 
 @pytest.mark.parametrize("where", sorted(DEQUANT_DEFAULTS), ids=lambda w: "-".join(map(str, w)))
 def test_dequant_default_from_256_rows(where):
-    """From M=256 up (on SM90 where the tma path's 256-row tiles do not serve: M=512 where they
-    would make fewer programs than SMs, and from M=1024) a GPU key's default dequantizes the weight
+    """From M=256 up (on SM90 where the tma path's wide tiles do not serve: M=512 where they
+    would leave most SMs idle, and from M=1024) a GPU key's default dequantizes the weight
     once per call into the vendor GEMM (every GPU runs it, and it meets the accuracy contract),
     32 x 256 tiles of 8 warps."""
     arch, sms, m, n, k = where

@@ -37,10 +37,13 @@ from tritune.search_spaces.base import TargetLimits
 from tritune.search_spaces.q4k_fp8_gemm import (
     SPACE,
     TMA_MAX_REGISTERS,
+    DequantConfig,
     GemvConfig,
     PortableConfig,
     TmaConfig,
     tma_smem_bytes,
+    tma_word_lanes,
+    tma_x_warpgroups,
 )
 
 H200 = DeviceInfo(name="NVIDIA H200", vendor="nvidia", capability=(9, 0), sm_count=132, arch="sm90")
@@ -81,10 +84,12 @@ def test_tma_member_is_part_of_the_space():
         (TmaConfig(SPLIT_K=2), _key(m_bucket=512), H200_LIMITS, "only for M <= 256"),
         (TmaConfig(SPLIT_K=8, BLOCK_K=256), _key(k=1024), H200_LIMITS, "does not divide the 4"),
         (TmaConfig(BLOCK_M=32, SWAP_AB=False), _key(), H200_LIMITS, "BLOCK_M=32"),
-        (TmaConfig(BLOCK_M=64, BLOCK_N=64, num_warps=8), _key(), H200_LIMITS, "BLOCK_N=64"),
+        (TmaConfig(BLOCK_M=64, num_warps=8, SWAP_AB=False), _key(), H200_LIMITS, "BLOCK_M=64"),
+        (TmaConfig(BLOCK_M=512, BLOCK_K=64), _key(512), H200_LIMITS, "512 rows of x"),
+        (TmaConfig(BLOCK_M=16, num_warps=8), _key(16), H200_LIMITS, "8 rows of x"),
+        (TmaConfig(BLOCK_M=512, BLOCK_K=64, num_warps=8, SWAP_AB=False), _key(512), H200_LIMITS, "swapped"),
         (TmaConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128), _key(m_bucket=128), H200_LIMITS, "spill"),
         (TmaConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=256, num_warps=8), _key(m_bucket=128), H200_LIMITS, "KiB"),
-        (TmaConfig(BLOCK_N=64, BLOCK_K=64, num_warps=8, SWAP_AB=False, BLOCK_M=128), _key(128), H200_LIMITS, "idle"),
         (TmaConfig(FUSED_REDUCE=True), _key(), H200_LIMITS, "SPLIT_K > 1"),
         (TmaConfig(BLOCK_M=256, BLOCK_K=64, SWAP_AB=False), _key(256), H200_LIMITS, "only for the swapped kernel"),
         (TmaConfig(BLOCK_M=256, BLOCK_K=64, SPLIT_K=2, FUSED_REDUCE=True), _key(256), H200_LIMITS, "spills"),
@@ -96,11 +101,34 @@ def test_tma_feasibility_names_what_is_wrong(config, key, limits, words):
 
 
 def test_tma_fused_reduce_and_widest_tiles_are_admitted():
-    """The fused reduce up to 64 accumulator values a thread; 256 rows of x (wgmma's widest N side)."""
+    """The fused reduce up to 64 accumulator values a thread; 256 rows of x (wgmma's widest N side)
+    a warpgroup, 512 where two warpgroups share one 64-row weight tile."""
     fused = TmaConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, SPLIT_K=2, FUSED_REDUCE=True)
     assert SPACE.infeasible_reason(fused, _key(128), H200_LIMITS) is None
     widest = TmaConfig(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, SPLIT_K=2)
     assert SPACE.infeasible_reason(widest, _key(256), H200_LIMITS) is None
+    shared = TmaConfig(BLOCK_M=512, BLOCK_N=64, BLOCK_K=64, num_warps=8)
+    assert SPACE.infeasible_reason(shared, _key(512), H200_LIMITS) is None
+    # The same tile is refused one M bucket lower (an x tile taller than the bucket).
+    assert "exceeds m_bucket=256" in SPACE.infeasible_reason(shared, _key(256), H200_LIMITS)
+
+
+@pytest.mark.parametrize(("block_n", "num_warps", "expected"), [(64, 4, 1), (128, 4, 1), (64, 8, 2), (128, 8, 1)])
+def test_tma_warpgroups_share_out_x_where_the_weight_tile_is_narrow(block_n, num_warps, expected):
+    assert tma_x_warpgroups(block_n, num_warps) == expected
+
+
+def test_tma_dequantization_leaves_no_thread_idle():
+    """Every tile of the space: the weight tile's 32-code groups, each shared by its word lanes,
+    cover every thread, and a lane takes whole words (four a group)."""
+    member = SPACE.members["tma"].dimensions
+    for block_n in member["BLOCK_N"]:
+        for block_k in member["BLOCK_K"]:
+            for warps in member["num_warps"]:
+                lanes = tma_word_lanes(block_n, block_k, warps)
+                assert 4 % lanes == 0
+                assert block_n * block_k // 32 * lanes >= 32 * warps, (block_n, block_k, warps)
+                assert lanes == 1 or block_n * block_k // 32 < 32 * warps
 
 
 def test_tma_shared_memory_estimate_counts_every_buffer():
@@ -149,16 +177,30 @@ def test_serve_hook_returns_a_replacement_for_other_devices():
 @pytest.mark.parametrize("m_bucket", [32, 64, 128, 256, 512])
 @pytest.mark.parametrize(("k", "n"), [(4096, 14336), (14336, 4096), (4096, 4096)])
 def test_sm90_default_is_the_tma_path_from_32_to_512_rows(m_bucket, k, n):
-    if m_bucket == 512 and n == 4096:
-        # 64 unsplit 256x128 programs for 132 SMs: the dequant path.
-        assert tma_default(_key(m_bucket, n=n, k=k)) is None
-        assert not isinstance(default_config(_key(m_bucket, n=n, k=k)), TmaConfig)
-        return
     key = _key(m_bucket, n=n, k=k)
     config = default_config(key)
     assert isinstance(config, TmaConfig) and config == tma_default(key)
     assert SPACE.infeasible_reason(config, key, H200_LIMITS) is None
     assert TMA_DEFAULT_M[0] <= m_bucket <= TMA_DEFAULT_M[1]
+    if m_bucket == 512:
+        # One 64-row weight tile for both warpgroups: 512 rows of x where 224 programs (N=14336)
+        # fill the SMs, 256 where 512 rows would leave them half idle (N=4096: 64 programs).
+        assert (config.BLOCK_N, config.num_warps, config.SPLIT_K) == (64, 8, 1)
+        assert (512 if n == 14336 else 256) == config.BLOCK_M
+
+
+@pytest.mark.parametrize(
+    ("n", "expected"),
+    [(28672, 512), (14336, 512), (6144, 512), (5632, 512), (5568, 256), (4096, 256), (3712, None), (512, None)],
+)
+def test_wide_tma_default_follows_the_programs_per_sm(n, expected):
+    """At M=512 the 512-row tiles where their N/64 programs cover two thirds of 132 SMs (88), the
+    256-row ones where twice as many cover 0.9 of them (119), else the dequant path."""
+    key = _key(512, n=n, k=4096)
+    default = tma_default(key)
+    assert (default.BLOCK_M if default else None) == expected
+    if expected is None:
+        assert isinstance(default_config(key), DequantConfig)
 
 
 @pytest.mark.parametrize(
@@ -180,9 +222,6 @@ def test_tma_starting_configs_are_feasible_and_only_where_they_may_win():
         # 256-row tiles from M=256, and only there.
         assert any(c.BLOCK_M == 256 for c in starts) == (m_bucket >= 256), m_bucket
         default = tma_default(key)
-        if default is None:  # at M=512 over N=4096 too few programs for the default (the tiles are tried)
-            assert m_bucket == 512
-            continue
         # The default's split is tried with both reduces where the space admits the fused one.
         both = default.SPLIT_K > 1 and default.BLOCK_M < 256
         for fused in (False, True):
@@ -192,7 +231,9 @@ def test_tma_starting_configs_are_feasible_and_only_where_they_may_win():
         assert default.FUSED_REDUCE is (default.SPLIT_K > 1 and m_bucket <= 64), default
         # It dequantizes in x's dtype, and is tried with the exact float32 weights too.
         assert default.PACKED_DEQUANT and dataclasses.replace(default, PACKED_DEQUANT=False) in starts
-    assert not any(isinstance(c, TmaConfig) for c in TUNING.starting_configs(_key(1024), H200))
+    # Up to M=1024 (the shared weight tile's 512 rows of x among them), none above.
+    assert any(c.BLOCK_M == 512 for c in TUNING.starting_configs(_key(1024), H200) if isinstance(c, TmaConfig))
+    assert not any(isinstance(c, TmaConfig) for c in TUNING.starting_configs(_key(2048), H200))
     assert not any(isinstance(c, TmaConfig) for c in TUNING.starting_configs(_key(64, arch="sm80"), A100))
 
 
@@ -462,8 +503,15 @@ def test_tma_fused_reduce_equals_the_reduce_launch_gpu(split, bias):
 @needs_sm90
 @pytest.mark.parametrize(
     ("k", "n", "m"),
-    [(4096, 14336, 32), (14336, 4096, 64), (4096, 4096, 128), (4096, 6144, 33), (4096, 4096, 200),
-     (4096, 14336, 500), (4096, 4096, 300)],
+    [
+        (4096, 14336, 32),
+        (14336, 4096, 64),
+        (4096, 4096, 128),
+        (4096, 6144, 33),
+        (4096, 4096, 200),
+        (4096, 14336, 500),
+        (4096, 4096, 300),
+    ],
 )
 def test_tma_default_through_the_op_gpu(k, n, m):
     """The SM90 default (the tma path) through ``q4k_linear`` at the Llama shapes, fp16 and an unaligned x too."""

@@ -40,7 +40,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from tritune.search_spaces.q4k_fp8_gemm import tma_word_lanes, tma_x_warpgroups
 
-
 #: Warpgroups along x and lanes a code group (the space's rules, as the kernel's constexprs).
 x_warpgroups = gluon.constexpr_function(tma_x_warpgroups)
 word_lanes = gluon.constexpr_function(tma_word_lanes)

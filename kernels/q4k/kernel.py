@@ -249,14 +249,15 @@ def tma_default(key: Q4KKey) -> TmaConfig | None:
 
 def _tma_wide_default(key: Q4KKey) -> TmaConfig | None:
     """:func:`tma_default` above the split's M: one dequantized 64-row weight tile for the rows of
-    x of both warpgroups, 512 of them where those programs fill the SMs, else 256 over 4 stages
-    where they nearly do (0.9 of the SMs), else none (the dequant path's GEMM wins where SMs idle).
+    x of both warpgroups: 512 of them where those programs cover two thirds of the SMs or more,
+    else 256 over 4 stages where those cover 0.9 of them, else none (the dequant path's GEMM wins
+    where SMs idle).
     Against 128 weight rows by 256 of x, the dequantization per product halves (the H100
     measurements at M=512 in docs/perf/HISTORY.md)."""
     tiles = key.n // WGMMA_ROWS
     if key.n % WGMMA_ROWS:
         return None
-    if tiles * triton.cdiv(key.m_bucket, 512) >= key.sm_count:
+    if 3 * tiles * triton.cdiv(key.m_bucket, 512) >= 2 * key.sm_count:
         config = TmaConfig(BLOCK_M=512, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3, PACKED_DEQUANT=True)
     elif 10 * tiles * triton.cdiv(key.m_bucket, 256) >= 9 * key.sm_count:
         config = TmaConfig(BLOCK_M=256, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=4, PACKED_DEQUANT=True)
