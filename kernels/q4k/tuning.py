@@ -249,7 +249,10 @@ class Q4KTuning(KernelTuning):
                 dataclasses.replace(widest, num_warps=8),
             ]
         if key.m_bucket >= 512:
-            shapes.append(TmaConfig(BLOCK_M=512, BLOCK_N=WGMMA_ROWS, BLOCK_K=64, num_warps=8, PACKED_DEQUANT=True))
+            # First there: the one tma tile a short large-M tune measures (each path's first
+            # start leads), and the widest the space holds.
+            shared = TmaConfig(BLOCK_M=512, BLOCK_N=WGMMA_ROWS, BLOCK_K=64, num_warps=8, PACKED_DEQUANT=True)
+            shapes = [shared, dataclasses.replace(widest, num_warps=8), *shapes]
         default = tma_default(key)
         # The default, with a stage more, with the other reduce where it splits (below), and
         # dequantized in float32 (the exact weights).
