@@ -18,7 +18,9 @@ eleven CTA barriers a K step and a wait for each wgmma before the next tile is d
   follows, for weights whose scale and min were rounded to that dtype first;
 - with ``SWAP`` the product is computed transposed (``W x^T``): the weight rows fill wgmma's
   64-row M side and the few rows of x its N side, which may be as small as 16 and as large as 256
-  (each weight tile dequantized once for 256 rows of x);
+  (each weight tile dequantized once for 256 rows of x). Two warpgroups over a 64-row weight tile
+  share out the rows of x instead (up to 512: each tile dequantized once for all of them, the
+  x tile copied as two TMA boxes);
 - a K split writes float32 partials; with ``FUSED_REDUCE`` the last split of each output tile to
   finish (arrival counters) sums them, where otherwise a reduce launch follows.
 
