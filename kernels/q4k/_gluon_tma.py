@@ -340,7 +340,7 @@ def _q4k_gemm_tma_kernel(
     row_m = pid_m * BLOCK_M
     row_n = pid_n * BLOCK_N
 
-    # Code words as [BLOCK_N, G, 4]: a thread holds one 32-code group's four words, the groups of
+    # Code words as [BLOCK_N, G, 4]: a thread holds one 32-code group's four words (or its share), the groups of
     # a row over neighbouring lanes, rows over the other lanes and the warps.
     G: gl.constexpr = BLOCK_K // 32
     # A tile with fewer groups than threads shares each group's words out over WORD_LANES lanes.
