@@ -345,8 +345,8 @@ def test_gpu_keys_and_feasible_defaults():
     assert 512 in {k.m_bucket for k in keys if not k.fp8}
     limits = KERNEL.limits(H200)
     for key in keys:
+        # A feasible default is a member of the space's feasible configs: the key can be tuned.
         assert SPACE.infeasible_reason(KERNEL.default_config(key), key, limits) is None, key
-        assert SPACE.feasible(key, limits), key
     assert key_for(H200, _facts(3, 14336, 4096)) == _key(4, fp8=False)
     assert key_for(H200, _facts(3, 14336, 4096, "fp16")).dtype == "float16"
     with settings.override(q4k_fp8=True):
