@@ -251,9 +251,8 @@ def _tma_wide_default(key: Q4KKey) -> TmaConfig | None:
     """:func:`tma_default` above the split's M: one dequantized 64-row weight tile for the rows of
     x of both warpgroups: 512 of them where those programs cover two thirds of the SMs or more,
     else 256 over 4 stages where those cover 0.9 of them, else none (the dequant path's GEMM wins
-    where SMs idle).
-    Against 128 weight rows by 256 of x, the dequantization per product halves (the H100
-    measurements at M=512 in docs/perf/HISTORY.md)."""
+    where SMs idle). Against 128 weight rows by 256 of x, the dequantization per product halves
+    (the H100 measurements at M=512 in docs/perf/HISTORY.md)."""
     tiles = key.n // WGMMA_ROWS
     if key.n % WGMMA_ROWS:
         return None

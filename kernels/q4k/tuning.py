@@ -243,16 +243,15 @@ class Q4KTuning(KernelTuning):
             widest = TmaConfig(
                 BLOCK_M=256, BLOCK_N=WGMMA_ROWS, BLOCK_K=64, num_warps=4, num_stages=4, PACKED_DEQUANT=True
             )
-            shapes += [
-                widest,
-                dataclasses.replace(widest, BLOCK_N=2 * WGMMA_ROWS, num_warps=8, num_stages=3),
-                dataclasses.replace(widest, num_warps=8),
-            ]
-        if key.m_bucket >= 512:
-            # First there: the one tma tile a short large-M tune measures (each path's first
-            # start leads), and the widest the space holds.
-            shared = TmaConfig(BLOCK_M=512, BLOCK_N=WGMMA_ROWS, BLOCK_K=64, num_warps=8, PACKED_DEQUANT=True)
-            shapes = [shared, dataclasses.replace(widest, num_warps=8), *shapes]
+            wide = [widest, dataclasses.replace(widest, BLOCK_N=2 * WGMMA_ROWS, num_warps=8, num_stages=3)]
+            shared = [dataclasses.replace(widest, num_warps=8)]
+            if key.m_bucket >= 512:
+                # The widest the space holds, 512 rows, first of all there: the one tma tile a
+                # short large-M tune measures (each path's first start leads).
+                shared.insert(0, dataclasses.replace(shared[0], BLOCK_M=512, num_stages=3))
+                shapes = shared + shapes + wide
+            else:
+                shapes += wide + shared
         default = tma_default(key)
         # The default, with a stage more, with the other reduce where it splits (below), and
         # dequantized in float32 (the exact weights).
