@@ -252,8 +252,8 @@ class TmaConfig:
     """The tma path (SM90 only): the portable path's exact weights and bf16/fp16 wgmma, its K loop
     written in Gluon (:mod:`tritune.kernels.q4k._gluon_tma`): x tiles and code words by TMA through
     a ring of ``num_stages`` buffers, the scales loaded three steps ahead, the dequantized tile
-    in shared memory with one or two wgmmas in flight. Accurate, so it serves without the opt-in;
-    for small and mid M, where the portable loop waits on its loads and barriers."""
+    double-buffered in shared memory with one wgmma in flight. Accurate, so it serves without the
+    opt-in; for small and mid M, where the portable loop waits on its loads and barriers."""
 
     path: str = choice("tma", ("tma",))
     BLOCK_M: int = choice(64, (16, 32, 64, 128, 256, 512))
@@ -273,10 +273,6 @@ class TmaConfig:
     #: to it and each weight rounded once (about 45 dB against the exact product in bfloat16, 63
     #: in float16); False: in float32, each weight exact before its one rounding (52 dB, 70 dB).
     PACKED_DEQUANT: bool = choice(False, (False, True))
-    #: wgmmas left in flight while the next step's tile is dequantized (each a weight buffer of
-    #: its own): 2 keeps the tensor cores fed through a step's barriers and TMA issue where one
-    #: step's multiply is short, at the cost of refilling each ring stage a step later.
-    WGMMA_IN_FLIGHT: int = choice(1, (1, 2))
 
 
 #: A config of any path.
@@ -560,10 +556,9 @@ def gemv_feasibility(config: GemvConfig, key: Q4KShape, limits: TargetLimits) ->
 
 def tma_smem_bytes(config: TmaConfig) -> int:
     """Shared memory of a tma launch: per ring stage an x tile (2 bytes an element) and its code
-    words (half a byte a weight), the dequantized weight buffers (one more than the wgmmas in
-    flight), and a barrier per stage."""
+    words (half a byte a weight), the two dequantized weight buffers, and a barrier per stage."""
     bm, bn, bk = config.BLOCK_M, config.BLOCK_N, config.BLOCK_K
-    return config.num_stages * (2 * bm * bk + bn * bk // 2 + 8) + (config.WGMMA_IN_FLIGHT + 1) * 2 * bn * bk
+    return config.num_stages * (2 * bm * bk + bn * bk // 2 + 8) + 2 * 2 * bn * bk
 
 
 def tma_x_warpgroups(block_n: int, num_warps: int) -> int:
@@ -601,11 +596,6 @@ def tma_feasibility(config: TmaConfig, key: Q4KShape, limits: TargetLimits) -> s
         return f"BLOCK_M={config.BLOCK_M} only for the swapped kernel (SWAP_AB), where it is wgmma's N side"
     if config.FUSED_REDUCE and config.SPLIT_K == 1:
         return "FUSED_REDUCE only changes a launch with SPLIT_K > 1 (the same launch as FUSED_REDUCE=False)"
-    if config.num_stages <= config.WGMMA_IN_FLIGHT:
-        return (
-            f"num_stages={config.num_stages} leaves no ring stage to fill ahead of "
-            f"WGMMA_IN_FLIGHT={config.WGMMA_IN_FLIGHT} wgmmas in flight"
-        )
     if config.FUSED_REDUCE and config.BLOCK_M * config.BLOCK_N // (32 * config.num_warps) > TMA_FUSED_MAX_ACC:
         return (
             f"FUSED_REDUCE with a {config.BLOCK_M}x{config.BLOCK_N} accumulator over {config.num_warps} warps "

@@ -93,7 +93,6 @@ def test_tma_member_is_part_of_the_space():
         (TmaConfig(FUSED_REDUCE=True), _key(), H200_LIMITS, "SPLIT_K > 1"),
         (TmaConfig(BLOCK_M=256, BLOCK_K=64, SWAP_AB=False), _key(256), H200_LIMITS, "only for the swapped kernel"),
         (TmaConfig(BLOCK_M=256, BLOCK_K=64, SPLIT_K=2, FUSED_REDUCE=True), _key(256), H200_LIMITS, "spills"),
-        (TmaConfig(num_stages=2, WGMMA_IN_FLIGHT=2), _key(), H200_LIMITS, "no ring stage to fill ahead"),
     ],
 )
 def test_tma_feasibility_names_what_is_wrong(config, key, limits, words):
@@ -137,9 +136,6 @@ def test_tma_shared_memory_estimate_counts_every_buffer():
     # Three stages of an x tile (64 x 128 bf16) and its code words (64 x 64 bytes) with a barrier
     # each, and two 64 x 128 bf16 weight buffers.
     assert tma_smem_bytes(config) == 3 * (64 * 128 * 2 + 64 * 64 + 8) + 2 * 64 * 128 * 2
-    # Two wgmmas in flight: a third weight buffer.
-    deeper = dataclasses.replace(config, num_stages=4, WGMMA_IN_FLIGHT=2)
-    assert tma_smem_bytes(deeper) == 4 * (64 * 128 * 2 + 64 * 64 + 8) + 3 * 64 * 128 * 2
 
 
 # ---- serving ----------------------------------------------------------------------------------
@@ -336,10 +332,10 @@ def test_opaque_op_carries_every_field():
         assert (name in schema) == (name != "path"), name
     fields = (("BLOCK_M", 32), ("BLOCK_N", 128), ("BLOCK_K", 64), ("num_warps", 8), ("num_stages", 2))
     flags = (("SPLIT_K", 2), ("SWAP_AB", False), ("FUSED_REDUCE", True), ("PACKED_DEQUANT", True))
-    config = launch_tma._op_config((*fields, *flags, ("WGMMA_IN_FLIGHT", 2)))
+    config = launch_tma._op_config((*fields, *flags))
     assert config == TmaConfig(
         BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=2, SPLIT_K=2, SWAP_AB=False, FUSED_REDUCE=True,
-        PACKED_DEQUANT=True, WGMMA_IN_FLIGHT=2,
+        PACKED_DEQUANT=True,
     )  # fmt: skip
 
 
@@ -372,12 +368,6 @@ _BUILDS = [
     dataclasses.asdict(TmaConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_stages=3, SPLIT_K=4, FUSED_REDUCE=True)),
     dataclasses.asdict(
         TmaConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, SPLIT_K=2, FUSED_REDUCE=True)
-    ),
-    # Two wgmmas in flight (a third weight buffer), on the shared 64-row weight tile.
-    dataclasses.asdict(
-        TmaConfig(
-            BLOCK_M=256, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=4, PACKED_DEQUANT=True, WGMMA_IN_FLIGHT=2
-        )
     ),
 ]
 #: Spill bytes a thread the 256-row tiles' epilogue may take (see ``TMA_MAX_REGISTERS``): storing
@@ -452,13 +442,6 @@ _GPU_CONFIGS = [
     TmaConfig(BLOCK_M=256, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=4, SPLIT_K=2),
     TmaConfig(BLOCK_M=512, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3, PACKED_DEQUANT=True),
     TmaConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=3),
-    # Two wgmmas in flight: ring stages refilled a step later, three weight buffers; and a split
-    # whose programs run one K step (fewer steps than the ring fills ahead).
-    TmaConfig(BLOCK_M=256, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=4, PACKED_DEQUANT=True, WGMMA_IN_FLIGHT=2),
-    TmaConfig(
-        BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, SPLIT_K=2, FUSED_REDUCE=True, WGMMA_IN_FLIGHT=2
-    ),
-    TmaConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3, SPLIT_K=8, WGMMA_IN_FLIGHT=2),
 ]
 
 
@@ -466,7 +449,7 @@ _GPU_CONFIGS = [
 @needs_sm90
 @pytest.mark.parametrize("config", _GPU_CONFIGS, ids=lambda c: f"{c.BLOCK_M}x{c.BLOCK_N}x{c.BLOCK_K}w{c.num_warps}"
                          f"s{c.SPLIT_K}{'swap' if c.SWAP_AB else ''}{'fused' if c.FUSED_REDUCE else ''}"
-                         f"{'packed' if c.PACKED_DEQUANT else ''}f{c.WGMMA_IN_FLIGHT}")  # fmt: skip
+                         f"{'packed' if c.PACKED_DEQUANT else ''}")  # fmt: skip
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 64, 100, 128, 257, 600])
 @pytest.mark.parametrize("bias", [False, True])
 def test_tma_matches_reference_gpu(config, m, bias):

@@ -8,13 +8,10 @@ eleven CTA barriers a K step and a wait for each wgmma before the next tile is d
   buffers with ready barriers (mbarriers, no CTA barrier), issued ``NUM_STAGES - 1`` steps ahead;
 - each 32-code group's scale, min and super-block ``d``/``dmin`` are loaded into registers three
   steps ahead, so no load a step waits on was issued by the step before it;
-- the dequantized tile (``d*sc*q - dmin*m`` in x's dtype) goes to one of ``WGMMA_IN_FLIGHT + 1``
-  shared buffers, and that many wgmmas are left in flight (``warpgroup_mma_wait``): step ``i``'s
-  tile is written while steps ``i - 1`` (and ``i - 2``) multiply, so the tensor cores have work
-  queued for as long as a step's dequantization, TMA issue and barriers take. A ring stage is
-  refilled once the wgmma that read it is done, ``NUM_STAGES - WGMMA_IN_FLIGHT`` steps ahead. One
-  CTA barrier a step remains, between the tile's stores and the wgmma that reads it (two with two
-  warpgroups, see below);
+- the dequantized tile (``d*sc*q - dmin*m`` in x's dtype) goes to one of two shared buffers,
+  and one wgmma is left in flight (``warpgroup_mma_wait(1)``): step ``i``'s tile is written while
+  step ``i - 1``'s wgmma runs. One CTA barrier a step remains, between the tile's stores and the
+  wgmma that reads it (two with two warpgroups, see below);
 - the tile is dequantized in float32, each weight exact before its one rounding (the portable
   kernel's weights), or with ``PACKED_DEQUANT`` in x's 16-bit dtype, two codes an instruction
   (:func:`_dequant_words_packed`): about half the instructions a weight, which the K loop's time
@@ -211,14 +208,13 @@ def _zero_acc(BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SWAP: gl.constexpr):
 
 
 @gluon.jit
-def _mma_step(w_buf, x_buf, acc, SWAP: gl.constexpr, IN_FLIGHT: gl.constexpr):
-    """Issue this K step's wgmma (``x W^T``, or ``W x^T`` with ``SWAP``) and wait until at most
-    ``IN_FLIGHT`` (it and the steps just before it) are in flight."""
+def _mma_step(w_buf, x_buf, acc, SWAP: gl.constexpr):
+    """Issue this K step's wgmma (``x W^T``, or ``W x^T`` with ``SWAP``) and wait until only it is in flight."""
     if SWAP:
         tok = warpgroup_mma(w_buf, x_buf.permute((1, 0)), acc, is_async=True)
     else:
         tok = warpgroup_mma(x_buf, w_buf.permute((1, 0)), acc, is_async=True)
-    acc, _, _ = warpgroup_mma_wait(IN_FLIGHT, deps=(tok, x_buf, w_buf))
+    acc, _, _ = warpgroup_mma_wait(1, deps=(tok, x_buf, w_buf))
     return acc
 
 
@@ -329,7 +325,7 @@ def _q4k_gemm_tma_kernel(
     stride_sn, stride_ssn, stride_om, stride_on, stride_pk, stride_pm, stride_bn,
     HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     K_TILES: gl.constexpr, NUM_STAGES: gl.constexpr, SWAP: gl.constexpr, SPLIT_K: gl.constexpr,
-    FUSED_REDUCE: gl.constexpr, PACKED_DEQUANT: gl.constexpr, WGMMA_IN_FLIGHT: gl.constexpr,
+    FUSED_REDUCE: gl.constexpr, PACKED_DEQUANT: gl.constexpr,
 ):  # fmt: skip
     """``out = x @ dequant(W)^T (+ bias)``, one (N tile, K split, M tile) a program, the program ids
     in that order; a split's partial goes to ``part[pid_k]`` (see :func:`_epilogue`). N is a
@@ -371,16 +367,13 @@ def _q4k_gemm_tma_kernel(
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
     x_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
     q_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, BLOCK_N, BLOCK_K // 8], q_desc.layout)
-    W_BUFFERS: gl.constexpr = WGMMA_IN_FLIGHT + 1
-    w_smem = gl.allocate_shared_memory(dtype, [W_BUFFERS, BLOCK_N, BLOCK_K], w_layout)
+    w_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_K], w_layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(s), count=1)
     fence_async_shared()
 
-    # A stage is refilled once the wgmma that read it is done: WGMMA_IN_FLIGHT steps after its own.
-    AHEAD: gl.constexpr = NUM_STAGES - WGMMA_IN_FLIGHT
-    for s in gl.static_range(AHEAD):
+    for s in gl.static_range(NUM_STAGES - 1):
         if s < K_TILES:
             _issue_step(x_desc, q_desc, x_smem, q_smem, ready, s, row_m, row_n, k_start, BLOCK_K)
     # Scales of steps 0, 1, 2 (a step past the end reads the last step again: valid memory, unused).
@@ -392,8 +385,8 @@ def _q4k_gemm_tma_kernel(
         mbarrier.wait(ready.index(stage), (i // NUM_STAGES) & 1)
         qw = gl.reshape(q_smem.index(stage).load(flat_layout), [BLOCK_N, G, 4])
         qw = gl.convert_layout(qw, words_layout)
-        # Step i - W_BUFFERS's wgmma read this buffer; the wait of step i - 1 saw it done.
-        w_buf = w_smem.index(i % W_BUFFERS)
+        # Step i - 2's wgmma read this buffer; the wait of step i - 1 saw it done.
+        w_buf = w_smem.index(i % 2)
         if PACKED_DEQUANT:
             w_buf.store(_dequant_words_packed(qw, sc0, mn0, d0, dmin0, BLOCK_N, BLOCK_K, dtype))
         else:
@@ -403,14 +396,14 @@ def _q4k_gemm_tma_kernel(
         sc0, mn0, d0, dmin0 = sc1, mn1, d1, dmin1
         sc1, mn1, d1, dmin1 = sc2, mn2, d2, dmin2
         sc2, mn2, d2, dmin2 = _load_scales(sc_row, mn_row, ss_row, group + gl.minimum(i + 3, K_TILES - 1) * G)
-        acc = _mma_step(w_buf, x_smem.index(stage), acc, SWAP, WGMMA_IN_FLIGHT)
+        acc = _mma_step(w_buf, x_smem.index(stage), acc, SWAP)
         if warps > 4:
-            # Two warpgroups: each waited for its own wgmma of step i - WGMMA_IN_FLIGHT only, and
-            # the other's may still read the stage (and the weight buffer) that are written next.
+            # Two warpgroups: each waited for its own wgmma of step i - 1 only, and the other's may
+            # still read the stage (and the weight buffer) that are written next.
             gl.thread_barrier()
-        # Step i + AHEAD's stage held step i - WGMMA_IN_FLIGHT, whose wgmma is done and whose code
-        # words were read before the barrier above (or, in the first steps, no step yet).
-        nxt = i + AHEAD
+        # Step i - 1's wgmma is done and its code words were read before the barrier above: its
+        # stage takes step i - 1 + NUM_STAGES.
+        nxt = i - 1 + NUM_STAGES
         if nxt < K_TILES:
             _issue_step(x_desc, q_desc, x_smem, q_smem, ready, nxt, row_m, row_n, k_start, BLOCK_K)
     acc = warpgroup_mma_wait(0, deps=(acc,))

@@ -87,7 +87,7 @@ def launch_tma(
         HAS_BIAS=bias is not None and (split == 1 or fused),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=k // bk // split, NUM_STAGES=config.num_stages,
         SWAP=config.SWAP_AB, SPLIT_K=split, FUSED_REDUCE=fused, PACKED_DEQUANT=config.PACKED_DEQUANT,
-        WGMMA_IN_FLIGHT=config.WGMMA_IN_FLIGHT, num_warps=config.num_warps,
+        num_warps=config.num_warps,
     )  # fmt: skip
     if split > 1 and not fused:
         from .launch import reduce_grid, splitk_reduce  # launch.py imports this module
