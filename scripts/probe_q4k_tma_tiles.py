@@ -1,23 +1,23 @@
-"""Time the tma path's shared weight tile (two warpgroups over one 64-row weight tile, each with
-its own rows of x) against the 128 x 256 tiles it sits beside, bf16 cuBLAS and the call's default.
+"""Time pinned tiles of the Q4_K tma path against bf16 cuBLAS and the call's default.
 
 On the GPU machine:
 
-    python scripts/probe_q4k_shared_tile.py --json F.json
+    python scripts/probe_q4k_tma_tiles.py --json F.json [--tile 256x64x64-w8-s4-p ...]
 
-Shapes (K x N) 4096 x 14336, 14336 x 4096 and 4096 x 4096; M 512 to 4096. Each tile is pinned
-unsplit with ``launch_tma`` (no feasibility check, so the probe sees what the space would admit
-or refuse): 256 rows of x over 128 weight rows (8 warps, 3 stages), 512 rows over 64 (8 warps, 2
-or 3 stages), 256 rows over 64 shared by two warpgroups (4 stages; and 128-deep K tiles, 3 stages),
-packed (bf16 dequantization, ``-p``) or in float32. Times: the replay of one call captured in a
-CUDA graph (``triton.testing.do_bench``, median); NMSE against the float64 product with the
-exactly dequantized weight. A probe of the tiles, not a benchmark record.
+Shapes (K x N) 4096 x 14336, 14336 x 4096 and 4096 x 4096 (``--shape``); M 256 to 4096 (``--m``).
+Each tile is pinned, swapped and unsplit, with ``launch_tma`` (no feasibility check, so the probe
+sees what the space would admit or refuse). A tile is named ``BMxBNxBK-wW-sS[-p]``: rows of x x
+weight rows x K depth, warps, ring stages, ``-p`` dequantized in x's dtype (``PACKED_DEQUANT``, else
+float32). Times: the replay of one call captured in a CUDA graph (``triton.testing.do_bench``,
+median); NMSE against the float64 product with the exactly dequantized weight. A probe of the
+tiles, not a benchmark record.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections.abc import Callable
 
 import torch
@@ -28,16 +28,29 @@ from tritune.kernels.q4k.launch_tma import launch_tma
 from tritune.kernels.q4k.weight import Q4KWeight
 from tritune.search_spaces.q4k_fp8_gemm import TmaConfig
 
-#: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, PACKED_DEQUANT) of each pinned tile.
+#: The tiles pinned when no ``--tile`` is given: the M >= 512 defaults, the 128-row weight tile,
+#: and tiles small enough for two CTAs an SM.
 TILES = [
-    (256, 128, 64, 8, 3, True),
-    (256, 128, 64, 8, 3, False),
-    (512, 64, 64, 8, 3, True),
-    (512, 64, 64, 8, 3, False),
-    (512, 64, 64, 8, 2, True),
-    (256, 64, 64, 8, 4, True),
-    (256, 64, 128, 8, 3, True),
+    "512x64x64-w8-s3-p",
+    "256x64x64-w8-s4-p",
+    "256x128x64-w8-s3-p",
+    "256x64x64-w8-s2-p",
+    "256x64x128-w8-s2-p",
+    "128x64x64-w4-s4-p",
 ]
+_TILE = re.compile(r"(\d+)x(\d+)x(\d+)-w(\d+)-s(\d+)(-p)?")
+
+
+def tile_config(name: str) -> TmaConfig:
+    """The swapped, unsplit tma config a tile name stands for (see the module's docstring)."""
+    match = _TILE.fullmatch(name)
+    if match is None:
+        raise SystemExit(f"--tile {name!r}: expected BMxBNxBK-wW-sS[-p], as 256x64x64-w8-s4-p")
+    bm, bn, bk, warps, stages = (int(v) for v in match.groups()[:5])
+    return TmaConfig(
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, SWAP_AB=True,
+        PACKED_DEQUANT=match.group(6) is not None,
+    )  # fmt: skip
 
 
 def graph_us(fn: Callable[[], object]) -> float:
@@ -55,7 +68,9 @@ def graph_us(fn: Callable[[], object]) -> float:
     return 1e3 * float(triton.testing.do_bench(graph.replay, warmup=10, rep=50))
 
 
-def _cells(x: torch.Tensor, weight: Q4KWeight, out: torch.Tensor) -> list[tuple[str, Callable[[], object]]]:
+def _cells(
+    x: torch.Tensor, weight: Q4KWeight, out: torch.Tensor, tiles: list[str]
+) -> list[tuple[str, Callable[[], object]]]:
     """The calls timed at one (shape, M): cuBLAS on the dequantized weight, the served call, each tile."""
     dense = weight.dequantize().to(torch.bfloat16)
     parts = (weight.qs, weight.scales, weight.mins, weight.super_scales)
@@ -63,16 +78,13 @@ def _cells(x: torch.Tensor, weight: Q4KWeight, out: torch.Tensor) -> list[tuple[
         ("cublas", lambda: torch.mm(x, dense.t(), out=out)),
         ("served", lambda: q4k_linear(x, weight, out=out)),
     ]
-    for bm, bn, bk, warps, stages, packed in TILES:
-        config = TmaConfig(
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, SWAP_AB=True, PACKED_DEQUANT=packed
-        )
-        name = f"tma-{bm}x{bn}x{bk}-w{warps}-s{stages}{'-p' if packed else ''}"
+    for name in tiles:
+        config = tile_config(name)
         cells.append((name, lambda config=config: launch_tma(config, x, parts, None, out)))
     return cells
 
 
-def probe(shapes: list[tuple[int, int]], ms: list[int]) -> list[dict[str, object]]:
+def probe(shapes: list[tuple[int, int]], ms: list[int], tiles: list[str]) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     torch.manual_seed(0)
     for k, n in shapes:
@@ -81,7 +93,7 @@ def probe(shapes: list[tuple[int, int]], ms: list[int]) -> list[dict[str, object
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             expected = torch.mm(x.double(), weight.dequantize().double().t())
-            for name, fn in _cells(x, weight, out):
+            for name, fn in _cells(x, weight, out, tiles):
                 try:
                     out.fill_(float("nan"))
                     fn()
@@ -101,9 +113,13 @@ def main() -> None:
     parser.add_argument("--json", required=True, help="file to write the rows to")
     parser.add_argument("--shape", action="append", help="K x N, as 4096x14336 (repeatable)")
     parser.add_argument("--m", action="append", type=int, help="rows of x (repeatable)")
+    parser.add_argument("--tile", action="append", help="a tile to pin, as 256x64x64-w8-s4-p (repeatable)")
     args = parser.parse_args()
+    tiles = args.tile or TILES
+    for name in tiles:
+        tile_config(name)
     shapes = [tuple(int(v) for v in s.split("x")) for s in (args.shape or ["4096x14336", "14336x4096", "4096x4096"])]
-    rows = probe([(k, n) for k, n in shapes], args.m or [512, 1024, 2048, 4096])
+    rows = probe([(k, n) for k, n in shapes], args.m or [256, 512, 1024, 2048, 4096], tiles)
     meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__}
     with open(args.json, "w") as fh:
         json.dump({**meta, "rows": rows}, fh, indent=1)
