@@ -251,7 +251,7 @@ class GemvConfig:
 class TmaConfig:
     """The tma path (SM90 only): the portable path's exact weights and bf16/fp16 wgmma, its K loop
     written in Gluon (:mod:`tritune.kernels.q4k._gluon_tma`): x tiles and code words by TMA through
-    a ring of ``num_stages`` buffers, the scales loaded three steps ahead, the dequantized tile
+    a ring of ``num_stages`` buffers, the scales by TMA in chunks (or loaded three steps ahead), the dequantized tile
     double-buffered in shared memory with one wgmma in flight. Accurate, so it serves without the
     opt-in; for small and mid M, where the portable loop waits on its loads and barriers."""
 
@@ -554,11 +554,27 @@ def gemv_feasibility(config: GemvConfig, key: Q4KShape, limits: TargetLimits) ->
     return None
 
 
-def tma_smem_bytes(config: TmaConfig) -> int:
+#: K of one chunk of scales the tma kernel copies by TMA: 32 scale bytes and 16 bytes of super-block
+#: scales a weight row, the narrowest boxes that make whole 16-byte rows.
+TMA_SCALE_CHUNK_K = 1024
+
+
+def tma_scales_by_tma(config: TmaConfig, k: int) -> bool:
+    """Whether the tma kernel copies the scales by TMA at this K: each split's K whole chunks of
+    :data:`TMA_SCALE_CHUNK_K` (the launch also needs the scale tensors' rows 16-byte aligned,
+    which K then makes them)."""
+    return (k // config.SPLIT_K) % TMA_SCALE_CHUNK_K == 0
+
+
+def tma_smem_bytes(config: TmaConfig, scale_chunks: bool = False) -> int:
     """Shared memory of a tma launch: per ring stage an x tile (2 bytes an element) and its code
-    words (half a byte a weight), the two dequantized weight buffers, and a barrier per stage."""
+    words (half a byte a weight), the two dequantized weight buffers, and a barrier per stage;
+    with ``scale_chunks`` (:func:`tma_scales_by_tma`) two slots of a scale chunk with a barrier each."""
     bm, bn, bk = config.BLOCK_M, config.BLOCK_N, config.BLOCK_K
-    return config.num_stages * (2 * bm * bk + bn * bk // 2 + 8) + 2 * 2 * bn * bk
+    ring = config.num_stages * (2 * bm * bk + bn * bk // 2 + 8) + 2 * 2 * bn * bk
+    if scale_chunks:
+        ring += 2 * (bn * (2 * TMA_SCALE_CHUNK_K // 32 + 2 * TMA_SCALE_CHUNK_K // 128) + 8)
+    return ring
 
 
 def tma_x_warpgroups(block_n: int, num_warps: int) -> int:
@@ -622,7 +638,7 @@ def tma_feasibility(config: TmaConfig, key: Q4KShape, limits: TargetLimits) -> s
             f"the {config.BLOCK_M}x{config.BLOCK_N} accumulator and the {config.BLOCK_N}x{config.BLOCK_K} "
             f"weight tile spill ({regs} registers per thread by the estimate, > {TMA_MAX_REGISTERS})"
         )
-    return smem_reason(tma_smem_bytes(config), limits)
+    return smem_reason(tma_smem_bytes(config, tma_scales_by_tma(config, key.k)), limits)
 
 
 SPACE: UnionSpace[Q4KShape] = UnionSpace(

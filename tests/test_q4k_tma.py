@@ -41,6 +41,7 @@ from tritune.search_spaces.q4k_fp8_gemm import (
     GemvConfig,
     PortableConfig,
     TmaConfig,
+    tma_scales_by_tma,
     tma_smem_bytes,
     tma_word_lanes,
     tma_x_warpgroups,
@@ -136,6 +137,28 @@ def test_tma_shared_memory_estimate_counts_every_buffer():
     # Three stages of an x tile (64 x 128 bf16) and its code words (64 x 64 bytes) with a barrier
     # each, and two 64 x 128 bf16 weight buffers.
     assert tma_smem_bytes(config) == 3 * (64 * 128 * 2 + 64 * 64 + 8) + 2 * 64 * 128 * 2
+    # With the scales by TMA: two slots of a chunk (1024 codes: 32 scale and 32 min bytes and 16
+    # bytes of super-block scales a row) with a barrier each.
+    assert tma_smem_bytes(config, scale_chunks=True) == tma_smem_bytes(config) + 2 * (64 * 80 + 8)
+
+
+@pytest.mark.parametrize(
+    ("k", "split", "expected"),
+    [(4096, 1, True), (4096, 4, True), (4096, 8, False), (14336, 2, True), (14336, 4, False), (2560, 1, False)],
+)
+def test_scales_come_by_tma_where_each_split_holds_whole_chunks(k, split, expected):
+    config = TmaConfig(BLOCK_K=128 if k // split >= 1024 else 64, SPLIT_K=split)
+    assert tma_scales_by_tma(config, k) == expected
+    _, parts, _, _ = sm90_build.meta_q4k_call(16, 4096, k)
+    assert launch_tma.scales_by_tma_ok(config, parts, k) == expected
+
+
+def test_scales_by_tma_need_contiguous_scale_tensors():
+    _, parts, _, _ = sm90_build.meta_q4k_call(16, 4096, 4096)
+    config = TmaConfig()
+    wide = torch.empty((4096, 256), dtype=torch.uint8, device="meta")[:, :128]
+    assert launch_tma.scales_by_tma_ok(config, parts, 4096)
+    assert not launch_tma.scales_by_tma_ok(config, (parts[0], wide, parts[2], parts[3]), 4096)
 
 
 # ---- serving ----------------------------------------------------------------------------------
@@ -275,7 +298,13 @@ def test_launch_grid_and_arguments(split, bias, fused, packed):
     assert x_desc.base is x and x_desc.block_shape == [32, 128]
     assert q_desc.base.dtype == torch.int32 and list(q_desc.base.shape) == [n, k // 8]
     assert q_desc.block_shape == [64, 16]
-    target, part, counters = gluon.args[6:9]
+    # K=14336 per split is 14 chunks of scales (by TMA); split in 4 it is not a whole chunk.
+    assert gluon.kwargs["SCALES_TMA"] == (split == 1)
+    sc_desc, mn_desc, ss_desc = gluon.args[2:5]
+    if split == 1:
+        assert sc_desc.base is parts[1] and mn_desc.base is parts[2] and sc_desc.block_shape == [64, 32]
+        assert list(ss_desc.base.shape) == [n, k // 128] and ss_desc.block_shape == [64, 8]
+    target, part, counters = gluon.args[9:12]
     assert target is out
     assert part is out if split == 1 else (part.dtype == torch.float32 and part.shape == (split, m, n))
     # One counter per output tile (N tiles x M tiles) where the reduce is fused.
@@ -371,8 +400,9 @@ _BUILDS = [
     ),
 ]
 #: Spill bytes a thread the 256-row tiles' epilogue may take (see ``TMA_MAX_REGISTERS``): storing
-#: the output with a bias, and storing a split's float32 partials.
-_EPILOGUE_SPILLS = {False: 288, True: 1104}
+#: the output with a bias, and storing a split's float32 partials. Every spill instruction lies
+#: after the last wgmma (checked on the 256 x 128 tile with the scales by TMA: 360 bytes).
+_EPILOGUE_SPILLS = {False: 384, True: 1104}
 
 
 @pytest.fixture(scope="module")
@@ -400,7 +430,8 @@ def test_tma_builds_for_sm90_spill_only_in_the_widest_tiles_epilogue(tma_builds)
         assert (config.BLOCK_M + config.BLOCK_K) * config.BLOCK_N // (32 * config.num_warps) <= TMA_MAX_REGISTERS
         spills = _EPILOGUE_SPILLS[config.SPLIT_K > 1] if config.BLOCK_M == 256 else 0
         assert launch["spill_bytes"] <= spills, where
-        assert launch["shared"] == tma_smem_bytes(config) <= H200_LIMITS.smem_bytes, where
+        chunks = tma_scales_by_tma(config, build["case"]["k"])
+        assert launch["shared"] == tma_smem_bytes(config, chunks) <= H200_LIMITS.smem_bytes, where
         assert launch["sass"]["HGMMA"] > 0 and launch["sass"]["UTMALDG"] > 0, where
 
 
@@ -458,6 +489,33 @@ def test_tma_matches_reference_gpu(config, m, bias):
     out = torch.full((m, n), float("nan"), dtype=BF16, device="cuda")
     launch_tma.run_tma(config, x, weight.tensors(), b, out)
     _assert_accurate(out, x, weight, b, f"{config}, m={m}")
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize(
+    "config",
+    [
+        TmaConfig(BLOCK_M=512, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3, PACKED_DEQUANT=True),
+        TmaConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, SPLIT_K=2, FUSED_REDUCE=True),
+        TmaConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=2, SWAP_AB=False, PACKED_DEQUANT=True),
+    ],
+    ids=["512x64", "64x128-split2", "64x64x256-noswap"],
+)
+def test_scales_by_tma_compute_what_scales_in_registers_do_gpu(config):
+    """The scales copied by TMA in chunks and read from shared memory give the very weights the
+    registers' loads give: the outputs are equal bit for bit (K=6144: six chunks, three a split
+    where it splits in two, so both slots serve and each is refilled)."""
+    m, n, k = 300, 4096, 6144
+    x, weight, b = _problem(m, n, k, bias=True, seed=7)
+    assert launch_tma.scales_by_tma_ok(config, weight.tensors(), k)
+    outs = []
+    for by_tma in (True, False):
+        out = torch.full((m, n), float("nan"), dtype=BF16, device="cuda")
+        launch_tma.launch_tma(config, x, weight.tensors(), b, out, scales_tma=by_tma)
+        outs.append(out)
+    _assert_accurate(outs[0], x, weight, b, f"{config} with the scales by TMA")
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.gpu

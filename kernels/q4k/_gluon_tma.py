@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from tritune.search_spaces.q4k_fp8_gemm import tma_word_lanes, tma_x_warpgroups
+from tritune.search_spaces.q4k_fp8_gemm import TMA_SCALE_CHUNK_K, tma_word_lanes, tma_x_warpgroups
 
 #: Warpgroups along x and lanes a code group (the space's rules, as the kernel's constexprs).
 x_warpgroups = gluon.constexpr_function(tma_x_warpgroups)
@@ -319,18 +319,102 @@ def _sum_partials(
         gl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+#: K a chunk of scales covers when they come by TMA (``SCALES_TMA``): the narrowest boxes the TMA
+#: copies are 16 bytes of a row, and 1024 codes have 32 sub-block scales (bytes) and 4 super-blocks'
+#: ``(d, dmin)`` (16 bytes of float16). The space's constant, as the kernel's.
+SCALE_CHUNK_K = gl.constexpr(TMA_SCALE_CHUNK_K)
+
+
+@gluon.jit
+def _issue_scales(sc_desc, mn_desc, ss_desc, sc_smem, mn_smem, ss_smem, bars, chunk, row_n, k_start):
+    """TMA copies of scale chunk ``chunk`` (K from ``k_start + chunk * SCALE_CHUNK_K``) into slot
+    ``chunk % 2``, whose barrier is the one after the ring's in ``bars``."""
+    slot = chunk % 2
+    bar = bars.index(bars.shape[0] - 2 + slot)
+    mbarrier.expect(bar, sc_desc.block_type.nbytes + mn_desc.block_type.nbytes + ss_desc.block_type.nbytes)
+    k = k_start + chunk * SCALE_CHUNK_K
+    tma.async_copy_global_to_shared(sc_desc, [row_n, k // 32], bar, sc_smem.index(slot))
+    tma.async_copy_global_to_shared(mn_desc, [row_n, k // 32], bar, mn_smem.index(slot))
+    # (d, dmin) of each 256-code super-block, two float16 a super-block: column k / 128.
+    tma.async_copy_global_to_shared(ss_desc, [row_n, k // 128], bar, ss_smem.index(slot))
+
+
+@gluon.jit
+def _chunk_scales(sc_smem, mn_smem, ss_smem, slot, j: gl.constexpr, layout: gl.constexpr, BLOCK_K: gl.constexpr):
+    """Step ``j`` of a scale chunk's slot: ``[BLOCK_N, G]`` scales and mins, ``[BLOCK_N, 1]`` d and dmin."""
+    G: gl.constexpr = BLOCK_K // 32
+    block: gl.constexpr = j * BLOCK_K // 256
+    sc = sc_smem.index(slot).slice(j * G, G, dim=1).load(layout)
+    mn = mn_smem.index(slot).slice(j * G, G, dim=1).load(layout)
+    d = ss_smem.index(slot).slice(2 * block, 1, dim=1).load(layout).to(gl.float32)
+    dmin = ss_smem.index(slot).slice(2 * block + 1, 1, dim=1).load(layout).to(gl.float32)
+    return sc, mn, d, dmin
+
+
+@gluon.jit
+def _dequant_step(
+    i, q_smem, w_smem, ready, sc, mn, d, dmin, flat_layout: gl.constexpr, words_layout: gl.constexpr,
+    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, PACKED_DEQUANT: gl.constexpr, dtype: gl.constexpr,
+):  # fmt: skip
+    """Wait for step ``i``'s stage, dequantize its code words into weight buffer ``i % 2``, and
+    make the tile visible to wgmma (the stores fenced, then a CTA barrier); the buffer."""
+    NUM_STAGES: gl.constexpr = q_smem.shape[0]
+    G: gl.constexpr = BLOCK_K // 32
+    stage = i % NUM_STAGES
+    mbarrier.wait(ready.index(stage), (i // NUM_STAGES) & 1)
+    qw = gl.reshape(q_smem.index(stage).load(flat_layout), [BLOCK_N, G, 4])
+    qw = gl.convert_layout(qw, words_layout)
+    # Step i - 2's wgmma read this buffer; the wait of step i - 1 saw it done.
+    w_buf = w_smem.index(i % 2)
+    if PACKED_DEQUANT:
+        w_buf.store(_dequant_words_packed(qw, sc, mn, d, dmin, BLOCK_N, BLOCK_K, dtype))
+    else:
+        w_buf.store(_dequant_words(qw, sc, mn, d, dmin, BLOCK_N, BLOCK_K, dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    return w_buf
+
+
+@gluon.jit
+def _mma_and_refill(
+    i, w_buf, acc, x_desc, q_desc, x_smem, q_smem, ready, row_m, row_n, k_start,
+    BLOCK_K: gl.constexpr, K_TILES: gl.constexpr, SWAP: gl.constexpr,
+):  # fmt: skip
+    """Step ``i``'s wgmma (step ``i - 1``'s then done), and the TMA copies of step ``i - 1 + NUM_STAGES``
+    into the stage step ``i - 1`` left."""
+    NUM_STAGES: gl.constexpr = x_smem.shape[0]
+    acc = _mma_step(w_buf, x_smem.index(i % NUM_STAGES), acc, SWAP)
+    if gl.num_warps() > 4:
+        # Two warpgroups: each waited for its own wgmma of step i - 1 only, and the other's may
+        # still read the stage (and the weight buffer) that are written next.
+        gl.thread_barrier()
+    # Step i - 1's wgmma is done and its code words were read before the barrier above: its
+    # stage takes step i - 1 + NUM_STAGES.
+    nxt = i - 1 + NUM_STAGES
+    if nxt < K_TILES:
+        _issue_step(x_desc, q_desc, x_smem, q_smem, ready, nxt, row_m, row_n, k_start, BLOCK_K)
+    return acc
+
+
 @gluon.jit
 def _q4k_gemm_tma_kernel(
-    x_desc, q_desc, sc_ptr, mn_ptr, ss_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, M,
-    stride_sn, stride_ssn, stride_om, stride_on, stride_pk, stride_pm, stride_bn,
+    x_desc, q_desc, sc_desc, mn_desc, ss_desc, sc_ptr, mn_ptr, ss_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr,
+    M, stride_sn, stride_ssn, stride_om, stride_on, stride_pk, stride_pm, stride_bn,
     HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     K_TILES: gl.constexpr, NUM_STAGES: gl.constexpr, SWAP: gl.constexpr, SPLIT_K: gl.constexpr,
-    FUSED_REDUCE: gl.constexpr, PACKED_DEQUANT: gl.constexpr,
+    FUSED_REDUCE: gl.constexpr, PACKED_DEQUANT: gl.constexpr, SCALES_TMA: gl.constexpr,
 ):  # fmt: skip
     """``out = x @ dequant(W)^T (+ bias)``, one (N tile, K split, M tile) a program, the program ids
     in that order; a split's partial goes to ``part[pid_k]`` (see :func:`_epilogue`). N is a
     multiple of ``BLOCK_N`` and each split ``K_TILES`` steps of ``BLOCK_K`` (the launch's checks);
-    rows of x past ``M`` read as zeros (the TMA's padding) and are not stored."""
+    rows of x past ``M`` read as zeros (the TMA's padding) and are not stored.
+
+    With ``SCALES_TMA`` (each split's K a multiple of :data:`SCALE_CHUNK_K`, the scale tensors'
+    rows 16-byte aligned: the launch's checks) the scales come by TMA too, a chunk of
+    ``SCALE_CHUNK_K`` codes at a time into two slots, and each step reads them from shared memory.
+    Loaded into registers instead, each step's fence waits for the loads still in flight (it
+    orders every earlier memory access), and under the x tiles' traffic a scale load outlasts a step.
+    The K loop then runs a chunk's steps unrolled, so each reads its scales at a fixed offset."""
     warps: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = x_desc.dtype
     pid_n = gl.program_id(0)
@@ -356,11 +440,6 @@ def _q4k_gemm_tma_kernel(
         [1, 0],
     )
     groups_layout: gl.constexpr = gl.SliceLayout(2, words_layout)
-    rows_n = (row_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, groups_layout))).to(gl.int64)
-    group = gl.arange(0, G, layout=gl.SliceLayout(0, groups_layout))[None, :] + (k_start // 32)
-    sc_row = sc_ptr + rows_n[:, None] * stride_sn
-    mn_row = mn_ptr + rows_n[:, None] * stride_sn
-    ss_row = ss_ptr + rows_n[:, None] * stride_ssn
 
     acc = _zero_acc(BLOCK_M, BLOCK_N, SWAP)
 
@@ -368,46 +447,72 @@ def _q4k_gemm_tma_kernel(
     x_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
     q_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, BLOCK_N, BLOCK_K // 8], q_desc.layout)
     w_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_K], w_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_STAGES):
+    if SCALES_TMA:
+        CHUNK_STEPS: gl.constexpr = SCALE_CHUNK_K // BLOCK_K
+        CHUNKS: gl.constexpr = K_TILES // CHUNK_STEPS
+        sc_smem = gl.allocate_shared_memory(gl.uint8, [2, BLOCK_N, SCALE_CHUNK_K // 32], sc_desc.layout)
+        mn_smem = gl.allocate_shared_memory(gl.uint8, [2, BLOCK_N, SCALE_CHUNK_K // 32], mn_desc.layout)
+        ss_smem = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, SCALE_CHUNK_K // 128], ss_desc.layout)
+    # One array of barriers: the ring's, then the scale slots' (no padding between two arrays).
+    BARRIERS: gl.constexpr = NUM_STAGES + 2 if SCALES_TMA else NUM_STAGES
+    ready = gl.allocate_shared_memory(gl.int64, [BARRIERS, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(BARRIERS):
         mbarrier.init(ready.index(s), count=1)
     fence_async_shared()
 
     for s in gl.static_range(NUM_STAGES - 1):
         if s < K_TILES:
             _issue_step(x_desc, q_desc, x_smem, q_smem, ready, s, row_m, row_n, k_start, BLOCK_K)
-    # Scales of steps 0, 1, 2 (a step past the end reads the last step again: valid memory, unused).
-    sc0, mn0, d0, dmin0 = _load_scales(sc_row, mn_row, ss_row, group)
-    sc1, mn1, d1, dmin1 = _load_scales(sc_row, mn_row, ss_row, group + gl.minimum(1, K_TILES - 1) * G)
-    sc2, mn2, d2, dmin2 = _load_scales(sc_row, mn_row, ss_row, group + gl.minimum(2, K_TILES - 1) * G)
-    for i in range(K_TILES):
-        stage = i % NUM_STAGES
-        mbarrier.wait(ready.index(stage), (i // NUM_STAGES) & 1)
-        qw = gl.reshape(q_smem.index(stage).load(flat_layout), [BLOCK_N, G, 4])
-        qw = gl.convert_layout(qw, words_layout)
-        # Step i - 2's wgmma read this buffer; the wait of step i - 1 saw it done.
-        w_buf = w_smem.index(i % 2)
-        if PACKED_DEQUANT:
-            w_buf.store(_dequant_words_packed(qw, sc0, mn0, d0, dmin0, BLOCK_N, BLOCK_K, dtype))
-        else:
-            w_buf.store(_dequant_words(qw, sc0, mn0, d0, dmin0, BLOCK_N, BLOCK_K, dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        sc0, mn0, d0, dmin0 = sc1, mn1, d1, dmin1
-        sc1, mn1, d1, dmin1 = sc2, mn2, d2, dmin2
-        sc2, mn2, d2, dmin2 = _load_scales(sc_row, mn_row, ss_row, group + gl.minimum(i + 3, K_TILES - 1) * G)
-        acc = _mma_step(w_buf, x_smem.index(stage), acc, SWAP)
-        if warps > 4:
-            # Two warpgroups: each waited for its own wgmma of step i - 1 only, and the other's may
-            # still read the stage (and the weight buffer) that are written next.
-            gl.thread_barrier()
-        # Step i - 1's wgmma is done and its code words were read before the barrier above: its
-        # stage takes step i - 1 + NUM_STAGES.
-        nxt = i - 1 + NUM_STAGES
-        if nxt < K_TILES:
-            _issue_step(x_desc, q_desc, x_smem, q_smem, ready, nxt, row_m, row_n, k_start, BLOCK_K)
+    if SCALES_TMA:
+        for c in gl.static_range(2):
+            if c < CHUNKS:
+                _issue_scales(sc_desc, mn_desc, ss_desc, sc_smem, mn_smem, ss_smem, ready, c, row_n, k_start)
+        for c in range(CHUNKS):
+            slot = c % 2
+            mbarrier.wait(ready.index(NUM_STAGES + slot), (c // 2) & 1)
+            for j in gl.static_range(CHUNK_STEPS):
+                i = c * CHUNK_STEPS + j
+                sc, mn, d, dmin = _chunk_scales(sc_smem, mn_smem, ss_smem, slot, j, groups_layout, BLOCK_K)
+                w_buf = _dequant_step(
+                    i, q_smem, w_smem, ready, sc, mn, d, dmin, flat_layout, words_layout, BLOCK_N, BLOCK_K,
+                    PACKED_DEQUANT, dtype,
+                )  # fmt: skip
+                # A compile-time test (the chunk's last step), then a run-time one: kept apart.
+                if j == CHUNK_STEPS - 1:  # noqa: SIM102
+                    # Every thread read this chunk's last scales before the barrier just passed.
+                    if c + 2 < CHUNKS:
+                        _issue_scales(
+                            sc_desc, mn_desc, ss_desc, sc_smem, mn_smem, ss_smem, ready, c + 2, row_n, k_start
+                        )  # fmt: skip
+                acc = _mma_and_refill(
+                    i, w_buf, acc, x_desc, q_desc, x_smem, q_smem, ready, row_m, row_n, k_start, BLOCK_K, K_TILES,
+                    SWAP,
+                )  # fmt: skip
+    else:
+        rows_n = (row_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, groups_layout))).to(gl.int64)
+        group = gl.arange(0, G, layout=gl.SliceLayout(0, groups_layout))[None, :] + (k_start // 32)
+        sc_row = sc_ptr + rows_n[:, None] * stride_sn
+        mn_row = mn_ptr + rows_n[:, None] * stride_sn
+        ss_row = ss_ptr + rows_n[:, None] * stride_ssn
+        # Scales of steps 0, 1, 2 (a step past the end reads the last step again: valid memory, unused).
+        sc0, mn0, d0, dmin0 = _load_scales(sc_row, mn_row, ss_row, group)
+        sc1, mn1, d1, dmin1 = _load_scales(sc_row, mn_row, ss_row, group + gl.minimum(1, K_TILES - 1) * G)
+        sc2, mn2, d2, dmin2 = _load_scales(sc_row, mn_row, ss_row, group + gl.minimum(2, K_TILES - 1) * G)
+        for i in range(K_TILES):
+            w_buf = _dequant_step(
+                i, q_smem, w_smem, ready, sc0, mn0, d0, dmin0, flat_layout, words_layout, BLOCK_N, BLOCK_K,
+                PACKED_DEQUANT, dtype,
+            )  # fmt: skip
+            sc0, mn0, d0, dmin0 = sc1, mn1, d1, dmin1
+            sc1, mn1, d1, dmin1 = sc2, mn2, d2, dmin2
+            sc2, mn2, d2, dmin2 = _load_scales(
+                sc_row, mn_row, ss_row, group + gl.minimum(i + 3, K_TILES - 1) * G
+            )  # fmt: skip
+            acc = _mma_and_refill(
+                i, w_buf, acc, x_desc, q_desc, x_smem, q_smem, ready, row_m, row_n, k_start, BLOCK_K, K_TILES, SWAP
+            )  # fmt: skip
     acc = warpgroup_mma_wait(0, deps=(acc,))
-    for s in gl.static_range(NUM_STAGES):
+    for s in gl.static_range(BARRIERS):
         mbarrier.invalidate(ready.index(s))
 
     _epilogue(

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from triton.experimental.gluon import language as gl
 
-from tritune.search_spaces.q4k_fp8_gemm import SPACE, PortableConfig, TmaConfig
+from tritune.search_spaces.q4k_fp8_gemm import SPACE, TMA_SCALE_CHUNK_K, PortableConfig, TmaConfig, tma_scales_by_tma
 
 from .._fastlaunch import bound
 from .._launch import GLUON_DTYPES, arrival_counters, ceil_div, traced, unchecked_gluon_descriptor
@@ -41,6 +41,25 @@ def _layouts(dtype: torch.dtype, block_m: int, block_n: int, block_k: int) -> tu
     )
 
 
+@functools.lru_cache(maxsize=1)
+def _scale_layouts() -> tuple[Any, Any]:
+    """The shared-memory layouts of the scale chunks' boxes (uint8 scales and mins, float16
+    super-block scales): unswizzled, so a step's columns are a plain slice."""
+    return (
+        gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2),
+        gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2),
+    )
+
+
+def scales_by_tma_ok(config: TmaConfig, parts: WeightParts, k: int) -> bool:
+    """Whether the kernel may copy the scales by TMA (``SCALES_TMA``): each split's K whole
+    chunks (:func:`tma_scales_by_tma`, which also makes the rows of k/32 and k/64 bytes 16-byte
+    multiples), and contiguous scales, mins and super-scales on 16-byte aligned bases."""
+    return tma_scales_by_tma(config, k) and all(
+        part.is_contiguous() and part.data_ptr() % 16 == 0 for part in parts[1:]
+    )
+
+
 def x_layout_ok(x: torch.Tensor) -> bool:
     """Whether a descriptor can cover x ``[M, K]``: a unit inner stride, a 16-byte aligned base and row stride."""
     return x.stride(1) == 1 and x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0
@@ -53,12 +72,18 @@ def codes_layout_ok(qs: torch.Tensor) -> bool:
 
 
 def launch_tma(
-    config: TmaConfig, x: torch.Tensor, parts: WeightParts, bias: torch.Tensor | None, out: torch.Tensor
+    config: TmaConfig,
+    x: torch.Tensor,
+    parts: WeightParts,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    scales_tma: bool | None = None,
 ) -> None:
     """The Gluon launch (and, with a split and without ``FUSED_REDUCE``, the reduce) on tensors
     :func:`x_layout_ok` and :func:`codes_layout_ok` admit: ``out`` ``[M, N]`` ``= x @ dequant(W)^T
     (+ bias)``, N a multiple of ``BLOCK_N`` and K of ``BLOCK_K * SPLIT_K`` (the space and
-    :func:`.kernel.serve` see to both)."""
+    :func:`.kernel.serve` see to both). The scales come by TMA wherever :func:`scales_by_tma_ok`
+    allows it (``scales_tma=False`` loads them into registers instead, for a comparison)."""
     qs, scales, mins, super_scales = parts
     m, k = x.shape
     n = qs.shape[0]
@@ -67,6 +92,15 @@ def launch_tma(
     x_layout, q_layout = _layouts(x.dtype, x_box, bn, bk)
     x_desc = unchecked_gluon_descriptor(x, [x_box, bk], x_layout)
     q_desc = unchecked_gluon_descriptor(qs.view(torch.int32), [bn, bk // 8], q_layout)
+    by_tma = scales_tma is not False and scales_by_tma_ok(config, parts, k)
+    if by_tma:
+        byte_layout, half_layout = _scale_layouts()
+        sc_desc = unchecked_gluon_descriptor(scales, [bn, TMA_SCALE_CHUNK_K // 32], byte_layout)
+        mn_desc = unchecked_gluon_descriptor(mins, [bn, TMA_SCALE_CHUNK_K // 32], byte_layout)
+        # (d, dmin) pairs as one row of k / 128 float16 per weight row.
+        ss_desc = unchecked_gluon_descriptor(super_scales.view(n, -1), [bn, TMA_SCALE_CHUNK_K // 128], half_layout)
+    else:
+        sc_desc = mn_desc = ss_desc = q_desc  # not read
     out_strides = out.stride()
     if split > 1:
         # Float32 partials from the caching allocator (a captured graph's pool under capture).
@@ -81,13 +115,13 @@ def launch_tma(
     bias_arg = bias if bias is not None else out
     # Bound: later launches of a compiled config skip JITFunction.run's per-call Python.
     bound(_q4k_gemm_tma_kernel)[grid](
-        x_desc, q_desc, scales, mins, super_scales, bias_arg, out, part, counters, m,
+        x_desc, q_desc, sc_desc, mn_desc, ss_desc, scales, mins, super_scales, bias_arg, out, part, counters, m,
         scales.stride(0), super_scales.stride(0), *out_strides, *part_strides, stride_bn,
         # A split without the fused reduce leaves the bias to the reduce launch.
         HAS_BIAS=bias is not None and (split == 1 or fused),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=k // bk // split, NUM_STAGES=config.num_stages,
         SWAP=config.SWAP_AB, SPLIT_K=split, FUSED_REDUCE=fused, PACKED_DEQUANT=config.PACKED_DEQUANT,
-        num_warps=config.num_warps,
+        SCALES_TMA=by_tma, num_warps=config.num_warps,
     )  # fmt: skip
     if split > 1 and not fused:
         from .launch import reduce_grid, splitk_reduce  # launch.py imports this module
