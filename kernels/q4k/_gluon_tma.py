@@ -6,8 +6,10 @@ eleven CTA barriers a K step and a wait for each wgmma before the next tile is d
 
 - x tiles and the weight's code words come by TMA through one ring of ``NUM_STAGES`` shared
   buffers with ready barriers (mbarriers, no CTA barrier), issued ``NUM_STAGES - 1`` steps ahead;
-- each 32-code group's scale, min and super-block ``d``/``dmin`` are loaded into registers three
-  steps ahead, so no load a step waits on was issued by the step before it;
+- the scales, mins and super-block ``d``/``dmin`` come by TMA as well, 1024 codes' worth at a time
+  into two shared-memory slots (``SCALES_TMA``, where each K split is whole chunks), each step
+  reading its own; otherwise each 32-code group's are loaded into registers three steps ahead.
+  Loads in flight hold up every step's fence (see the kernel's docstring);
 - the dequantized tile (``d*sc*q - dmin*m`` in x's dtype) goes to one of two shared buffers,
   and one wgmma is left in flight (``warpgroup_mma_wait(1)``): step ``i``'s tile is written while
   step ``i - 1``'s wgmma runs. One CTA barrier a step remains, between the tile's stores and the
