@@ -77,7 +77,7 @@ def launch_tma(
     parts: WeightParts,
     bias: torch.Tensor | None,
     out: torch.Tensor,
-    scales_tma: bool | None = None,
+    scales_tma: bool = True,
 ) -> None:
     """The Gluon launch (and, with a split and without ``FUSED_REDUCE``, the reduce) on tensors
     :func:`x_layout_ok` and :func:`codes_layout_ok` admit: ``out`` ``[M, N]`` ``= x @ dequant(W)^T
@@ -92,7 +92,7 @@ def launch_tma(
     x_layout, q_layout = _layouts(x.dtype, x_box, bn, bk)
     x_desc = unchecked_gluon_descriptor(x, [x_box, bk], x_layout)
     q_desc = unchecked_gluon_descriptor(qs.view(torch.int32), [bn, bk // 8], q_layout)
-    by_tma = scales_tma is not False and scales_by_tma_ok(config, parts, k)
+    by_tma = scales_tma and scales_by_tma_ok(config, parts, k)
     if by_tma:
         byte_layout, half_layout = _scale_layouts()
         sc_desc = unchecked_gluon_descriptor(scales, [bn, TMA_SCALE_CHUNK_K // 32], byte_layout)
