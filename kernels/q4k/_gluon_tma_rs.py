@@ -31,19 +31,29 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ._gluon_tma import SCALE_CHUNK_K, _chunk_scales, _epilogue, _pair, _small, _zero_acc, x_warpgroups
+from ._gluon_tma import (
+    SCALE_CHUNK_K,
+    _chunk_scales,
+    _epilogue,
+    _issue_scales,
+    _issue_step,
+    _pair,
+    _small,
+    _zero_acc,
+    x_warpgroups,
+)
 from ._gluon_tma_loader import LOADER_REGS, LOADER_WARPS, _loader
 
 
 @gluon.constexpr_function
-def pair_layout(block_n: int, block_k: int, warps: int, word_dims: int) -> gl.DistributedLinearLayout:
+def pair_layout(block_n: int, block_k: int, warps: int, split: int, word_dims: int) -> gl.DistributedLinearLayout:
     """The layout of ``[BLOCK_N, BLOCK_K / 8, 4]`` (row, word, pair) whose two halves, joined as a
     last dimension and reshaped to ``[BLOCK_N, BLOCK_K]`` (code ``8 * word + 2 * pair + half``),
-    are wgmma's A layout for the swapped accumulator (:func:`._gluon_tma._zero_acc`).
+    are wgmma's A layout for the swapped accumulator (:func:`._gluon_tma._zero_acc`) of ``warps``
+    warps, ``split`` warpgroups of them along the rows of x (:func:`._gluon_tma.x_warpgroups`).
 
     ``word_dims`` 1 gives it as written; 2 splits the word dimension into (group, word of the
     group), ``[BLOCK_N, BLOCK_K / 32, 4, 4]``, the form the per-group scales broadcast over."""
-    split = x_warpgroups(block_n, warps)
     row_warps = warps // split
     words = block_k // 8
     # wgmma's A: 16 rows a warp; a tile taller than the warps' rows holds the rest in registers.
@@ -118,29 +128,40 @@ def _dequant_a(words, sel, sc, mn, d, dmin, a_layout: gl.constexpr, word_layout:
 
 @gluon.jit
 def _consumer_rs(
-    x_smem, q_smem, sc_smem, mn_smem, ss_smem, ready, empty, scales_ready, scales_empty,
-    bias_ptr, out_ptr, part_ptr, counters_ptr, row_m, row_n, pid_k, M,
-    stride_om, stride_on, stride_pk, stride_pm, stride_bn,
+    x_desc, q_desc, sc_desc, mn_desc, ss_desc, x_smem, q_smem, sc_smem, mn_smem, ss_smem,
+    ready, empty, scales_ready, scales_empty, bias_ptr, out_ptr, part_ptr, counters_ptr,
+    row_m, row_n, pid_k, k_start, M, stride_om, stride_on, stride_pk, stride_pm, stride_bn,
     HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    K_TILES: gl.constexpr, SPLIT_K: gl.constexpr, FUSED_REDUCE: gl.constexpr,
+    K_TILES: gl.constexpr, SPLIT_K: gl.constexpr, FUSED_REDUCE: gl.constexpr, LOADER: gl.constexpr,
 ):  # fmt: skip
     """Each step's tile dequantized into registers and multiplied by x from shared memory, one
-    wgmma in flight; stages and scale slots released to the loader; then the epilogue."""
+    wgmma in flight; then the epilogue. With ``LOADER`` the stages and scale slots are released
+    to the loader warp; without, these warps issue the copies themselves, the plain kernel's way
+    (``NUM_STAGES - 1`` steps and two scale chunks ahead)."""
     warps: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = x_smem.dtype
     NUM_STAGES: gl.constexpr = x_smem.shape[0]
     CHUNK_STEPS: gl.constexpr = SCALE_CHUNK_K // BLOCK_K
-    pairs_layout: gl.constexpr = pair_layout(BLOCK_N, BLOCK_K, warps, 1)
+    CHUNKS: gl.constexpr = K_TILES // CHUNK_STEPS
+    split: gl.constexpr = x_warpgroups(BLOCK_N, warps)
+    pairs_layout: gl.constexpr = pair_layout(BLOCK_N, BLOCK_K, warps, split, 1)
     word_layout: gl.constexpr = gl.SliceLayout(2, pairs_layout)
     # Per-group values [BLOCK_N, G], which _words_wide widens through [BLOCK_N, G, 4] (the group's words).
-    scales_layout: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, pair_layout(BLOCK_N, BLOCK_K, warps, 2)))
+    scales_layout: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, pair_layout(BLOCK_N, BLOCK_K, warps, split, 2)))
 
     acc = _zero_acc(BLOCK_M, BLOCK_N, True)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
     # Each lane's byte-permute selector: its pair p of every word (see _PAIR_ASM_TEMPLATE).
     pair = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, pairs_layout)))
     sel = gl.expand_dims(gl.expand_dims(0x0400 + 0x0101 * pair, 0), 0)
-    for c in range(K_TILES // CHUNK_STEPS):
+    if not LOADER:
+        for s in gl.static_range(NUM_STAGES - 1):
+            if s < K_TILES:
+                _issue_step(x_desc, q_desc, x_smem, q_smem, ready, s, row_m, row_n, k_start, BLOCK_K)
+        for s in gl.static_range(2):
+            if s < CHUNKS:
+                _issue_scales(sc_desc, mn_desc, ss_desc, sc_smem, mn_smem, ss_smem, scales_ready, s, row_n, k_start)
+    for c in range(CHUNKS):
         slot = c % 2
         mbarrier.wait(scales_ready.index(slot), (c // 2) & 1)
         for j in gl.static_range(CHUNK_STEPS):
@@ -153,15 +174,23 @@ def _consumer_rs(
             x_buf = x_smem.index(stage)
             tok = warpgroup_mma(a, x_buf.permute((1, 0)), acc, is_async=True)
             acc, _, _ = warpgroup_mma_wait(1, deps=(tok, x_buf, a))
-            # Every warp of a warpgroup reached this step's wgmma, so read step i - 1's code words and
-            # this chunk's scales; with two warpgroups the barrier also waits for the other one's
-            # wgmma of step i - 1.
-            if warps > 4:
-                gl.thread_barrier()
-            if j == CHUNK_STEPS - 1:
-                mbarrier.arrive(scales_empty.index(slot))
-            if i > 0:
-                mbarrier.arrive(empty.index((i - 1) % NUM_STAGES))
+            # Past the barrier every warp has read step i - 1's code words and this chunk's scales,
+            # and every warpgroup's wgmma of step i - 1 is done: its stage may be refilled.
+            gl.thread_barrier()
+            if LOADER:
+                if j == CHUNK_STEPS - 1:
+                    mbarrier.arrive(scales_empty.index(slot))
+                if i > 0:
+                    mbarrier.arrive(empty.index((i - 1) % NUM_STAGES))
+            else:
+                if j == CHUNK_STEPS - 1:  # noqa: SIM102 (a compile-time test, then a run-time one)
+                    if c + 2 < CHUNKS:
+                        _issue_scales(
+                            sc_desc, mn_desc, ss_desc, sc_smem, mn_smem, ss_smem, scales_ready, c + 2, row_n, k_start
+                        )  # fmt: skip
+                nxt = i - 1 + NUM_STAGES
+                if nxt < K_TILES:
+                    _issue_step(x_desc, q_desc, x_smem, q_smem, ready, nxt, row_m, row_n, k_start, BLOCK_K)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     _epilogue(
         acc, bias_ptr, out_ptr, part_ptr, counters_ptr, row_m, row_n, pid_k, M,
@@ -176,11 +205,11 @@ def _q4k_gemm_tma_rs_kernel(
     M, stride_sn, stride_ssn, stride_om, stride_on, stride_pk, stride_pm, stride_bn,
     HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     K_TILES: gl.constexpr, NUM_STAGES: gl.constexpr, SWAP: gl.constexpr, SPLIT_K: gl.constexpr,
-    FUSED_REDUCE: gl.constexpr, PACKED_DEQUANT: gl.constexpr, SCALES_TMA: gl.constexpr,
+    FUSED_REDUCE: gl.constexpr, PACKED_DEQUANT: gl.constexpr, SCALES_TMA: gl.constexpr, LOADER: gl.constexpr,
 ):  # fmt: skip
     """:func:`._gluon_tma._q4k_gemm_tma_kernel`'s grid and arguments with the weight tile in
-    registers and the copies from a loader warp; swapped, packed and with the scales by TMA only
-    (the launch's check)."""
+    registers, and with ``LOADER`` the copies from a loader warp; swapped, packed and with the
+    scales by TMA only (the launch's check)."""
     gl.static_assert(SCALES_TMA and SWAP and PACKED_DEQUANT, "swapped, packed, with the scales by TMA")
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
@@ -207,26 +236,34 @@ def _q4k_gemm_tma_rs_kernel(
     fence_async_shared()
 
     # fmt: off
-    gl.warp_specialize(
-        [
-            (
-                _consumer_rs,
+    if LOADER:
+        gl.warp_specialize(
+            [
                 (
-                    x_smem, q_smem, sc_smem, mn_smem, ss_smem, ready, empty, scales_ready, scales_empty,
-                    bias_ptr, out_ptr, part_ptr, counters_ptr, row_m, row_n, pid_k, M,
-                    stride_om, stride_on, stride_pk, stride_pm, stride_bn,
-                    HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, SPLIT_K, FUSED_REDUCE,
+                    _consumer_rs,
+                    (
+                        x_desc, q_desc, sc_desc, mn_desc, ss_desc, x_smem, q_smem, sc_smem, mn_smem, ss_smem,
+                        ready, empty, scales_ready, scales_empty, bias_ptr, out_ptr, part_ptr, counters_ptr,
+                        row_m, row_n, pid_k, k_start, M, stride_om, stride_on, stride_pk, stride_pm, stride_bn,
+                        HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, SPLIT_K, FUSED_REDUCE, LOADER,
+                    ),
                 ),
-            ),
-            (
-                _loader,
                 (
-                    x_desc, q_desc, sc_desc, mn_desc, ss_desc, x_smem, q_smem, sc_smem, mn_smem, ss_smem,
-                    ready, empty, scales_ready, scales_empty, row_m, row_n, k_start, BLOCK_K, K_TILES,
+                    _loader,
+                    (
+                        x_desc, q_desc, sc_desc, mn_desc, ss_desc, x_smem, q_smem, sc_smem, mn_smem, ss_smem,
+                        ready, empty, scales_ready, scales_empty, row_m, row_n, k_start, BLOCK_K, K_TILES,
+                    ),
                 ),
-            ),
-        ],
-        [LOADER_WARPS],
-        [LOADER_REGS],
-    )
+            ],
+            [LOADER_WARPS],
+            [LOADER_REGS],
+        )
+    else:
+        _consumer_rs(
+            x_desc, q_desc, sc_desc, mn_desc, ss_desc, x_smem, q_smem, sc_smem, mn_smem, ss_smem,
+            ready, empty, scales_ready, scales_empty, bias_ptr, out_ptr, part_ptr, counters_ptr,
+            row_m, row_n, pid_k, k_start, M, stride_om, stride_on, stride_pk, stride_pm, stride_bn,
+            HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, SPLIT_K, FUSED_REDUCE, LOADER,
+        )
     # fmt: on

@@ -120,8 +120,9 @@ def launch_tma(
     stride_bn = bias.stride(0) if bias is not None else 0
     bias_arg = bias if bias is not None else out
     # Bound: later launches of a compiled config skip JITFunction.run's per-call Python.
+    extra: dict[str, Any] = {}
     if w_registers and by_tma and config.SWAP_AB and config.PACKED_DEQUANT:
-        kernel = _q4k_gemm_tma_rs_kernel
+        kernel, extra = _q4k_gemm_tma_rs_kernel, {"LOADER": loader_warp}
     elif loader_warp and by_tma:
         kernel = _q4k_gemm_tma_loader_kernel
     else:
@@ -133,7 +134,7 @@ def launch_tma(
         HAS_BIAS=bias is not None and (split == 1 or fused),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=k // bk // split, NUM_STAGES=config.num_stages,
         SWAP=config.SWAP_AB, SPLIT_K=split, FUSED_REDUCE=fused, PACKED_DEQUANT=config.PACKED_DEQUANT,
-        SCALES_TMA=by_tma, num_warps=config.num_warps,
+        SCALES_TMA=by_tma, num_warps=config.num_warps, **extra,
     )  # fmt: skip
     if split > 1 and not fused:
         from .launch import reduce_grid, splitk_reduce  # launch.py imports this module
