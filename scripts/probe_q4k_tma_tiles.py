@@ -6,11 +6,9 @@ On the GPU machine:
 
 Shapes (K x N) 4096 x 14336, 14336 x 4096 and 4096 x 4096 (``--shape``); M 256 to 4096 (``--m``).
 Each tile is pinned, swapped and unsplit, with ``launch_tma`` (no feasibility check, so the probe
-sees what the space would admit or refuse). A tile is named ``BMxBNxBK-wW-sS[-p][-l|-lw|-rs]``: rows
-of x x weight rows x K depth, warps, ring stages, ``-p`` dequantized in x's dtype
-(``PACKED_DEQUANT``, else float32), ``-l`` the scales loaded into registers (else by TMA where the
-launch allows it), ``-lw`` the copies issued by a loader warp (``launch_tma(..., loader_warp=True)``), ``-rs`` the
-weight tile in registers as wgmma's A (``w_registers=True``; packed only), ``-lwrs`` both.
+sees what the space would admit or refuse). A tile is named ``BMxBNxBK-wW-sS[-p][-l]``: rows of x
+x weight rows x K depth, warps, ring stages, ``-p`` dequantized in x's dtype (``PACKED_DEQUANT``,
+else float32), ``-l`` the scales loaded into registers (else by TMA where the launch allows it).
 Times: the replay of one call captured in a CUDA graph (``triton.testing.do_bench``, median);
 NMSE against the float64 product with the exactly dequantized weight. A probe of the tiles, not a
 benchmark record.
@@ -41,14 +39,14 @@ TILES = [
     "256x64x128-w8-s2-p",
     "128x64x64-w4-s4-p",
 ]
-_TILE = re.compile(r"(\d+)x(\d+)x(\d+)-w(\d+)-s(\d+)(-p)?(-l|-lw|-rs|-lwrs)?")
+_TILE = re.compile(r"(\d+)x(\d+)x(\d+)-w(\d+)-s(\d+)(-p)?(-l)?")
 
 
 def tile_config(name: str) -> TmaConfig:
     """The swapped, unsplit tma config a tile name stands for (see the module's docstring)."""
     match = _TILE.fullmatch(name)
     if match is None:
-        raise SystemExit(f"--tile {name!r}: expected BMxBNxBK-wW-sS[-p][-l|-lw|-rs|-lwrs], as 256x64x64-w8-s4-p")
+        raise SystemExit(f"--tile {name!r}: expected BMxBNxBK-wW-sS[-p][-l], as 256x64x64-w8-s4-p")
     bm, bn, bk, warps, stages = (int(v) for v in match.groups()[:5])
     return TmaConfig(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, SWAP_AB=True,
@@ -82,12 +80,8 @@ def _cells(
         ("served", lambda: q4k_linear(x, weight, out=out)),
     ]
     for name in tiles:
-        config, by_tma, suffix = tile_config(name), not name.endswith("-l"), name.rsplit("-", 1)[-1]
-
-        def call(c: TmaConfig = config, t: bool = by_tma, lw: bool = "lw" in suffix, rs: bool = "rs" in suffix) -> None:
-            launch_tma(c, x, parts, None, out, scales_tma=t, loader_warp=lw, w_registers=rs)
-
-        cells.append((name, call))
+        config, by_tma = tile_config(name), not name.endswith("-l")
+        cells.append((name, lambda config=config, by_tma=by_tma: launch_tma(config, x, parts, None, out, by_tma)))
     return cells
 
 

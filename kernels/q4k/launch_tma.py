@@ -20,8 +20,6 @@ from .._fastlaunch import bound
 from .._launch import GLUON_DTYPES, arrival_counters, ceil_div, traced, unchecked_gluon_descriptor
 from .._oplib import in_direct_body, register_schema_op
 from ._gluon_tma import _q4k_gemm_tma_kernel
-from ._gluon_tma_loader import _q4k_gemm_tma_loader_kernel
-from ._gluon_tma_rs import _q4k_gemm_tma_rs_kernel
 
 #: The fields the nested op carries by name: the tma member's, less ``path`` (the op's name says it).
 _OP_FIELDS = tuple(name for name in SPACE.members["tma"].dimensions if name != "path")
@@ -80,16 +78,12 @@ def launch_tma(
     bias: torch.Tensor | None,
     out: torch.Tensor,
     scales_tma: bool = True,
-    loader_warp: bool = False,
-    w_registers: bool = False,
 ) -> None:
     """The Gluon launch (and, with a split and without ``FUSED_REDUCE``, the reduce) on tensors
     :func:`x_layout_ok` and :func:`codes_layout_ok` admit: ``out`` ``[M, N]`` ``= x @ dequant(W)^T
     (+ bias)``, N a multiple of ``BLOCK_N`` and K of ``BLOCK_K * SPLIT_K`` (the space and
     :func:`.kernel.serve` see to both). The scales come by TMA wherever :func:`scales_by_tma_ok`
-    allows it (``scales_tma=False`` loads them into registers instead, for a comparison); with
-    ``loader_warp`` (and the scales by TMA) a warp of its own issues the copies
-    (:mod:`._gluon_tma_loader`)."""
+    allows it (``scales_tma=False`` loads them into registers instead, for a comparison)."""
     qs, scales, mins, super_scales = parts
     m, k = x.shape
     n = qs.shape[0]
@@ -120,21 +114,14 @@ def launch_tma(
     stride_bn = bias.stride(0) if bias is not None else 0
     bias_arg = bias if bias is not None else out
     # Bound: later launches of a compiled config skip JITFunction.run's per-call Python.
-    extra: dict[str, Any] = {}
-    if w_registers and by_tma and config.SWAP_AB and config.PACKED_DEQUANT:
-        kernel, extra = _q4k_gemm_tma_rs_kernel, {"LOADER": loader_warp}
-    elif loader_warp and by_tma:
-        kernel = _q4k_gemm_tma_loader_kernel
-    else:
-        kernel = _q4k_gemm_tma_kernel
-    bound(kernel)[grid](
+    bound(_q4k_gemm_tma_kernel)[grid](
         x_desc, q_desc, sc_desc, mn_desc, ss_desc, scales, mins, super_scales, bias_arg, out, part, counters, m,
         scales.stride(0), super_scales.stride(0), *out_strides, *part_strides, stride_bn,
         # A split without the fused reduce leaves the bias to the reduce launch.
         HAS_BIAS=bias is not None and (split == 1 or fused),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=k // bk // split, NUM_STAGES=config.num_stages,
         SWAP=config.SWAP_AB, SPLIT_K=split, FUSED_REDUCE=fused, PACKED_DEQUANT=config.PACKED_DEQUANT,
-        SCALES_TMA=by_tma, num_warps=config.num_warps, **extra,
+        SCALES_TMA=by_tma, num_warps=config.num_warps,
     )  # fmt: skip
     if split > 1 and not fused:
         from .launch import reduce_grid, splitk_reduce  # launch.py imports this module
