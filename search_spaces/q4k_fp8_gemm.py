@@ -571,10 +571,10 @@ def tma_smem_bytes(config: TmaConfig, scale_chunks: bool = False) -> int:
     words (half a byte a weight), the two dequantized weight buffers, and a barrier per stage;
     with ``scale_chunks`` (:func:`tma_scales_by_tma`) two slots of a scale chunk with a barrier each."""
     bm, bn, bk = config.BLOCK_M, config.BLOCK_N, config.BLOCK_K
-    ring = config.num_stages * (2 * bm * bk + bn * bk // 2 + 8) + 2 * 2 * bn * bk
+    total = config.num_stages * (2 * bm * bk + bn * bk // 2 + 8) + 2 * 2 * bn * bk
     if scale_chunks:
-        ring += 2 * (bn * (2 * TMA_SCALE_CHUNK_K // 32 + 2 * TMA_SCALE_CHUNK_K // 128) + 8)
-    return ring
+        total += 2 * (bn * (2 * TMA_SCALE_CHUNK_K // 32 + 2 * TMA_SCALE_CHUNK_K // 128) + 8)
+    return total
 
 
 def tma_x_warpgroups(block_n: int, num_warps: int) -> int:
