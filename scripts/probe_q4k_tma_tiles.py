@@ -6,9 +6,11 @@ On the GPU machine:
 
 Shapes (K x N) 4096 x 14336, 14336 x 4096 and 4096 x 4096 (``--shape``); M 256 to 4096 (``--m``).
 Each tile is pinned, swapped and unsplit, with ``launch_tma`` (no feasibility check, so the probe
-sees what the space would admit or refuse). A tile is named ``BMxBNxBK-wW-sS[-p][-l]``: rows of x
-x weight rows x K depth, warps, ring stages, ``-p`` dequantized in x's dtype (``PACKED_DEQUANT``,
-else float32), ``-l`` the scales loaded into registers (else by TMA where the launch allows it).
+sees what the space would admit or refuse). A tile is named ``BMxBNxBK-wW-sS[-p][-l|-lw|-rs|-lwrs]``:
+rows of x x weight rows x K depth, warps, ring stages, ``-p`` dequantized in x's dtype
+(``PACKED_DEQUANT``, else float32), ``-l`` the scales loaded into registers (else by TMA where the
+launch allows it), ``-lw`` the copies issued by a loader warp (``LOADER_WARP``), ``-rs`` the weight
+tile in wgmma's A registers (``W_REGISTERS``; packed only), ``-lwrs`` both.
 Times: the replay of one call captured in a CUDA graph (``triton.testing.do_bench``, median);
 NMSE against the float64 product with the exactly dequantized weight. A probe of the tiles, not a
 benchmark record.
@@ -39,18 +41,19 @@ TILES = [
     "256x64x128-w8-s2-p",
     "128x64x64-w4-s4-p",
 ]
-_TILE = re.compile(r"(\d+)x(\d+)x(\d+)-w(\d+)-s(\d+)(-p)?(-l)?")
+_TILE = re.compile(r"(\d+)x(\d+)x(\d+)-w(\d+)-s(\d+)(-p)?(-l|-lw|-rs|-lwrs)?")
 
 
 def tile_config(name: str) -> TmaConfig:
     """The swapped, unsplit tma config a tile name stands for (see the module's docstring)."""
     match = _TILE.fullmatch(name)
     if match is None:
-        raise SystemExit(f"--tile {name!r}: expected BMxBNxBK-wW-sS[-p][-l], as 256x64x64-w8-s4-p")
+        raise SystemExit(f"--tile {name!r}: expected BMxBNxBK-wW-sS[-p][-l|-lw|-rs|-lwrs], as 256x64x64-w8-s4-p")
     bm, bn, bk, warps, stages = (int(v) for v in match.groups()[:5])
     return TmaConfig(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, SWAP_AB=True,
-        PACKED_DEQUANT=match.group(6) is not None,
+        PACKED_DEQUANT=match.group(6) is not None, LOADER_WARP=match.group(7) in ("-lw", "-lwrs"),
+        W_REGISTERS=match.group(7) in ("-rs", "-lwrs"),
     )  # fmt: skip
 
 

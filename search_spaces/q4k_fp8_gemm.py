@@ -273,6 +273,14 @@ class TmaConfig:
     #: to it and each weight rounded once (about 45 dB against the exact product in bfloat16, 63
     #: in float16); False: in float32, each weight exact before its one rounding (52 dB, 70 dB).
     PACKED_DEQUANT: bool = choice(False, (False, True))
+    #: True: one warp of its own (``warp_specialize``, few registers) issues every TMA copy, the
+    #: others only wait for stages and release them; their steps then pass two or three CTA
+    #: barriers instead of six. Needs the scales by TMA (:func:`tma_scales_by_tma`).
+    LOADER_WARP: bool = choice(False, (False, True))
+    #: True: each warpgroup dequantizes the weight tile straight into wgmma's A registers: no
+    #: weight tile in shared memory, no store, fence or barrier for it. Swapped, packed
+    #: (``SWAP_AB``, ``PACKED_DEQUANT``) and with the scales by TMA only; the same weights bit for bit.
+    W_REGISTERS: bool = choice(False, (False, True))
 
 
 #: A config of any path.
@@ -566,14 +574,39 @@ def tma_scales_by_tma(config: TmaConfig, k: int) -> bool:
     return (k // config.SPLIT_K) % TMA_SCALE_CHUNK_K == 0
 
 
+#: Shared memory Triton 3.6 adds to a kernel with a ``warp_specialize`` loader warp, beside its
+#: buffers and barriers: the worker partitions' state word and what the partitions exchange (the
+#: sm_90 builds of every loader-warp tile tested measure the same 228 bytes).
+TMA_LOADER_STATE_BYTES = 228
+
+
+def _barrier_array_bytes(count: int) -> int:
+    """An array of ``count`` mbarriers (8 bytes each), as the allocator places it (16-byte multiples)."""
+    return -(-8 * count // 16) * 16
+
+
 def tma_smem_bytes(config: TmaConfig, scale_chunks: bool = False) -> int:
     """Shared memory of a tma launch: per ring stage an x tile (2 bytes an element) and its code
-    words (half a byte a weight), the two dequantized weight buffers, and a barrier per stage;
-    with ``scale_chunks`` (:func:`tma_scales_by_tma`) two slots of a scale chunk with a barrier each."""
-    bm, bn, bk = config.BLOCK_M, config.BLOCK_N, config.BLOCK_K
-    total = config.num_stages * (2 * bm * bk + bn * bk // 2 + 8) + 2 * 2 * bn * bk
+    words (half a byte a weight), the two dequantized weight buffers (none with ``W_REGISTERS``),
+    and a barrier per stage; with ``scale_chunks`` (:func:`tma_scales_by_tma`) two slots of a
+    scale chunk with a barrier each.
+
+    The kernels of ``LOADER_WARP`` and ``W_REGISTERS`` (with the scales by TMA) keep four barrier
+    arrays, the stages' and the slots' filled and emptied, and with the loader warp
+    :data:`TMA_LOADER_STATE_BYTES` more; the plain kernel one array of all its barriers."""
+    bm, bn, bk, stages = config.BLOCK_M, config.BLOCK_N, config.BLOCK_K, config.num_stages
+    total = stages * (2 * bm * bk + bn * bk // 2)
+    slot_bytes = 2 * bn * (2 * TMA_SCALE_CHUNK_K // 32 + 2 * TMA_SCALE_CHUNK_K // 128)
+    if scale_chunks and (config.LOADER_WARP or config.W_REGISTERS):
+        total += slot_bytes + 2 * _barrier_array_bytes(stages) + 2 * _barrier_array_bytes(2)
+        if not config.W_REGISTERS:
+            total += 2 * 2 * bn * bk
+        if config.LOADER_WARP:
+            total += TMA_LOADER_STATE_BYTES
+        return total
+    total += 2 * 2 * bn * bk + 8 * stages
     if scale_chunks:
-        total += 2 * (bn * (2 * TMA_SCALE_CHUNK_K // 32 + 2 * TMA_SCALE_CHUNK_K // 128) + 8)
+        total += slot_bytes + 8 * 2
     return total
 
 
@@ -591,6 +624,21 @@ def tma_word_lanes(block_n: int, block_k: int, num_warps: int) -> int:
     groups = block_n * block_k // 32
     threads = 32 * num_warps
     return 1 if groups >= threads else min(4, threads // groups)
+
+
+def _tma_k_loop_reason(config: TmaConfig, key: Q4KShape) -> str | None:
+    """Why the loader warp or the weight tile in registers cannot run at ``key``; ``None`` if they may."""
+    if not (config.LOADER_WARP or config.W_REGISTERS):
+        return None
+    field = "W_REGISTERS" if config.W_REGISTERS else "LOADER_WARP"
+    if not tma_scales_by_tma(config, key.k):
+        return (
+            f"{field} needs the scales by TMA: K={key.k} over SPLIT_K={config.SPLIT_K} is not whole "
+            f"chunks of {TMA_SCALE_CHUNK_K}"
+        )
+    if config.W_REGISTERS and not (config.SWAP_AB and config.PACKED_DEQUANT):
+        return "W_REGISTERS needs SWAP_AB and PACKED_DEQUANT (wgmma's A is the weight tile, in x's dtype)"
+    return None
 
 
 def tma_feasibility(config: TmaConfig, key: Q4KShape, limits: TargetLimits) -> str | None:
@@ -632,6 +680,9 @@ def tma_feasibility(config: TmaConfig, key: Q4KShape, limits: TargetLimits) -> s
             )
     elif WGMMA_ROWS * warpgroups > config.BLOCK_M:
         return f"wgmma's M side (BLOCK_M={config.BLOCK_M}) needs {WGMMA_ROWS} rows for each of {warpgroups} warpgroups"
+    reason = _tma_k_loop_reason(config, key)
+    if reason is not None:
+        return reason
     regs = (config.BLOCK_M + config.BLOCK_K) * config.BLOCK_N // (32 * config.num_warps)
     if regs > TMA_MAX_REGISTERS:
         return (

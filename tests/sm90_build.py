@@ -708,16 +708,41 @@ def build_q4k_tma(k: int, n: int, m: int, config: dict[str, Any], bias: bool = F
     results = []
     for recorded in recorder.launches:
         compiled = compile_record(specialize(recorded))
-        opcodes = _sass_opcodes(_sass(compiled.asm["cubin"]))
+        sass = _sass(compiled.asm["cubin"])
+        opcodes = _sass_opcodes(sass)
         results.append(
             {
                 "kernel": recorded.kernel.fn.__name__,
                 **ptxas_report(compiled.asm["ptx"]),
                 "shared": compiled.metadata.shared,
+                "num_warps": compiled.metadata.num_warps,
                 "sass": {op: opcodes.get(op, 0) for op in ("HGMMA", "BAR", "SYNCS", "UTMALDG")},
+                "reads_before_drain": reads_before_drain(sass),
             }
         )
     return results
+
+
+#: An instruction that reads accumulator registers on the way out of a GEMM: a conversion to
+#: 16 bits, a float add or multiply (bias, partial sums), a global or shared store.
+_ACC_READ = re.compile(r"\b(F2FP|FADD|FMUL|FFMA|STG|STS)\b")
+
+
+def reads_before_drain(sass: str) -> int:
+    """Instructions between the last wgmma (``HGMMA``) and the first full drain after it
+    (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) that may read the accumulator (:data:`_ACC_READ`); 0 in a
+    correct build. Such reads see registers the last wgmma may still be writing (ptxas moved an
+    epilogue's conversions above a drain that followed the K loop, in warp-specialized builds)."""
+    lines = sass.splitlines()
+    last = max((i for i, line in enumerate(lines) if "HGMMA" in line), default=None)
+    if last is None:
+        return 0
+    reads = 0
+    for line in lines[last + 1 :]:
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line:
+            return reads
+        reads += bool(_ACC_READ.search(line))
+    return reads
 
 
 # ---- the warp-specialized Gluon prefill kernel with ptxas' report (tests/test_prefill_ws.py) ---

@@ -261,6 +261,8 @@ class _KernelSpy:
             q4k_launch._q4k_dequant_kernel: "dequant-dense",
             # Launched directly (a Gluon kernel is not wrapped for tracing): never recorded here.
             q4k_launch._q4k_gemm_tma_kernel: "tma",
+            q4k_launch._q4k_gemm_tma_loader_kernel: "tma-loader",
+            q4k_launch._q4k_gemm_tma_rs_kernel: "tma-registers",
         }
         assert set(names) == set(q4k_launch.JIT_KERNELS)
 

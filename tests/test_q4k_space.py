@@ -78,7 +78,16 @@ def test_each_path_holds_only_the_fields_its_launch_reads():
         "gemv": ("path", "BLOCK_N", "BLOCK_K", "num_warps", "SPLIT_K", "FUSE_QUANT", "FUSED_REDUCE", "K_LANES"),
         "int8": ("path", *tiles, "SWAP_AB"),
         "dequant": ("path", "BLOCK_N", "BLOCK_K", "num_warps", "CHUNK_N"),
-        "tma": ("path", *tiles[:3], *tiles[4:], "SWAP_AB", "FUSED_REDUCE", "PACKED_DEQUANT"),
+        "tma": (
+            "path",
+            *tiles[:3],
+            *tiles[4:],
+            "SWAP_AB",
+            "FUSED_REDUCE",
+            "PACKED_DEQUANT",
+            "LOADER_WARP",
+            "W_REGISTERS",
+        ),
     }
     # What the sampler sees: every field with the choices stored configs have always used.
     assert SPACE.dimensions == {
@@ -98,6 +107,8 @@ def test_each_path_holds_only_the_fields_its_launch_reads():
         "FUSED_REDUCE": (False, True),
         "K_LANES": (False, True),
         "PACKED_DEQUANT": (False, True),
+        "LOADER_WARP": (False, True),
+        "W_REGISTERS": (False, True),
     }
     # A field keeps its choices on every path that can launch them: 256-row x tiles exist for the
     # swapped fp8 and the tma kernels only, K tiles beyond a super-block for the GEMV only.
@@ -139,7 +150,7 @@ def test_the_grid_holds_each_launch_once():
     # The per-path grids, where the old flat product held 2.6 million configs.
     assert SPACE.size() == (
         4 * 4 * 4 * 3 * 3 * 5 * 4 + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 4 + 4 * 4 * 3 * 7 * 2 + 4 * 6 * 3 * 4 * 2 * 2 * 2
-        + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 2 + 4 * 4 * 3 * 6 + 6 * 2 * 3 * 2 * 3 * 4 * 2 * 2 * 2
+        + 5 * 4 * 4 * 3 * 3 * 5 * 4 * 2 + 4 * 4 * 3 * 6 + 6 * 2 * 3 * 2 * 3 * 4 * 2 * 2 * 2 * 2 * 2
     )  # fmt: skip
 
 

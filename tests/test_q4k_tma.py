@@ -36,6 +36,7 @@ from tritune.kernels.spec import Replaced, pow2_bucket
 from tritune.search_spaces.base import TargetLimits
 from tritune.search_spaces.q4k_fp8_gemm import (
     SPACE,
+    TMA_LOADER_STATE_BYTES,
     TMA_MAX_REGISTERS,
     DequantConfig,
     GemvConfig,
@@ -94,6 +95,11 @@ def test_tma_member_is_part_of_the_space():
         (TmaConfig(FUSED_REDUCE=True), _key(), H200_LIMITS, "SPLIT_K > 1"),
         (TmaConfig(BLOCK_M=256, BLOCK_K=64, SWAP_AB=False), _key(256), H200_LIMITS, "only for the swapped kernel"),
         (TmaConfig(BLOCK_M=256, BLOCK_K=64, SPLIT_K=2, FUSED_REDUCE=True), _key(256), H200_LIMITS, "spills"),
+        # K=14336 in four splits is not whole chunks of 1024: no scales by TMA for the loader.
+        (TmaConfig(SPLIT_K=4, LOADER_WARP=True), _key(k=14336), H200_LIMITS, "LOADER_WARP needs the scales by TMA"),
+        (TmaConfig(SPLIT_K=4, W_REGISTERS=True, PACKED_DEQUANT=True), _key(k=14336), H200_LIMITS, "W_REGISTERS"),
+        (TmaConfig(W_REGISTERS=True), _key(), H200_LIMITS, "needs SWAP_AB and PACKED_DEQUANT"),
+        (TmaConfig(BLOCK_M=64, SWAP_AB=False, W_REGISTERS=True, PACKED_DEQUANT=True), _key(), H200_LIMITS, "SWAP_AB"),
     ],
 )
 def test_tma_feasibility_names_what_is_wrong(config, key, limits, words):
@@ -140,6 +146,18 @@ def test_tma_shared_memory_estimate_counts_every_buffer():
     # With the scales by TMA: two slots of a chunk (1024 codes: 32 scale and 32 min bytes and 16
     # bytes of super-block scales a row) with a barrier each.
     assert tma_smem_bytes(config, scale_chunks=True) == tma_smem_bytes(config) + 2 * (64 * 80 + 8)
+    # The loader warp's kernel: a second barrier a stage and slot, each array of them 16-byte
+    # aligned (three stages: 24 bytes, so 32), and Triton's warp-specialization state.
+    loader = dataclasses.replace(config, LOADER_WARP=True)
+    buffers = 3 * (64 * 128 * 2 + 64 * 64) + 2 * 64 * 128 * 2 + 2 * 64 * 80
+    assert tma_smem_bytes(loader, scale_chunks=True) == buffers + 2 * 32 + 2 * 16 + TMA_LOADER_STATE_BYTES
+    # The weight tile in registers: no weight buffers (with or without the loader warp).
+    registers = dataclasses.replace(config, W_REGISTERS=True, PACKED_DEQUANT=True)
+    assert tma_smem_bytes(registers, scale_chunks=True) == buffers - 2 * 64 * 128 * 2 + 2 * 32 + 2 * 16
+    both = dataclasses.replace(registers, LOADER_WARP=True)
+    assert tma_smem_bytes(both, scale_chunks=True) == tma_smem_bytes(registers, True) + TMA_LOADER_STATE_BYTES
+    # Without the scales by TMA they run the plain kernel, and take its shared memory.
+    assert tma_smem_bytes(both) == tma_smem_bytes(config)
 
 
 @pytest.mark.parametrize(
@@ -254,6 +272,15 @@ def test_tma_starting_configs_are_feasible_and_only_where_they_may_win():
         assert default.FUSED_REDUCE is (default.SPLIT_K > 1 and m_bucket <= 64), default
         # It dequantizes in x's dtype, and is tried with the exact float32 weights too.
         assert default.PACKED_DEQUANT and dataclasses.replace(default, PACKED_DEQUANT=False) in starts
+    # From M=256 each wide tile is also tried with the loader warp and its weight tile in registers.
+    for m_bucket in (128, 256, 1024):
+        starts = [c for c in TUNING.starting_configs(_key(m_bucket), H200) if isinstance(c, TmaConfig)]
+        split = [c for c in starts if c.LOADER_WARP or c.W_REGISTERS]
+        assert all(c.LOADER_WARP and c.W_REGISTERS and c.BLOCK_M >= 256 for c in split), m_bucket
+        assert bool(split) == (m_bucket >= 256), m_bucket
+        tile = lambda c: (c.BLOCK_M, c.BLOCK_N, c.BLOCK_K, c.num_warps, c.SPLIT_K)  # noqa: E731
+        wide = {tile(c) for c in starts if c.BLOCK_M >= 256 and not c.LOADER_WARP}
+        assert wide <= {tile(c) for c in split}, m_bucket
     # Up to M=1024 (the shared weight tile's 512 rows of x among them), none above.
     assert any(c.BLOCK_M == 512 for c in TUNING.starting_configs(_key(1024), H200) if isinstance(c, TmaConfig))
     assert not any(isinstance(c, TmaConfig) for c in TUNING.starting_configs(_key(2048), H200))
@@ -263,8 +290,19 @@ def test_tma_starting_configs_are_feasible_and_only_where_they_may_win():
 def test_a_stored_winner_is_followed_by_its_twin_with_the_newer_choice():
     exact = TmaConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, SPLIT_K=1)
     packed = dataclasses.replace(exact, PACKED_DEQUANT=True)
-    assert TUNING.winner_variants(exact, _key(128), H200) == [packed]
-    assert TUNING.winner_variants(packed, _key(128), H200) == [exact]
+    loader = dataclasses.replace(exact, LOADER_WARP=True)
+    assert TUNING.winner_variants(exact, _key(128), H200) == [packed, loader]
+    # A swapped, packed winner is also tried with the loader warp and its weight tile in registers.
+    both = dataclasses.replace(packed, LOADER_WARP=True, W_REGISTERS=True)
+    assert TUNING.winner_variants(packed, _key(128), H200) == [
+        exact,
+        dataclasses.replace(packed, LOADER_WARP=True),
+        both,
+    ]
+    assert TUNING.winner_variants(both, _key(128), H200) == [
+        dataclasses.replace(both, PACKED_DEQUANT=False),
+        dataclasses.replace(both, LOADER_WARP=False),
+    ]
     assert TUNING.winner_variants(PortableConfig(), _key(128), H200) == []
     gemv = GemvConfig(BLOCK_N=32, BLOCK_K=512, FUSE_QUANT=True)
     assert TUNING.winner_variants(gemv, _key(1), H200) == [dataclasses.replace(gemv, K_LANES=True)]
@@ -309,6 +347,30 @@ def test_launch_grid_and_arguments(split, bias, fused, packed):
     assert part is out if split == 1 else (part.dtype == torch.float32 and part.shape == (split, m, n))
     # One counter per output tile (N tiles x M tiles) where the reduce is fused.
     assert counters is out if not fused else (counters.dtype == torch.int32 and counters.numel() >= n // 64 * 3)
+
+
+@pytest.mark.parametrize(
+    ("fields", "k", "kernel", "loader"),
+    [
+        ({"LOADER_WARP": True}, 4096, "_q4k_gemm_tma_loader_kernel", None),
+        ({"W_REGISTERS": True}, 4096, "_q4k_gemm_tma_rs_kernel", False),
+        ({"W_REGISTERS": True, "LOADER_WARP": True}, 4096, "_q4k_gemm_tma_rs_kernel", True),
+        # K=4352 is no whole chunk of scales: they come into registers, and the plain kernel runs.
+        ({"W_REGISTERS": True, "LOADER_WARP": True}, 4352, "_q4k_gemm_tma_kernel", None),
+        ({}, 4096, "_q4k_gemm_tma_kernel", None),
+    ],
+)
+def test_launch_runs_the_k_loop_the_config_names(fields, k, kernel, loader):
+    """``LOADER_WARP`` and ``W_REGISTERS`` pick the Gluon kernel (same grid and arguments) where the
+    scales come by TMA; the register-A kernel gets the loader warp as a constexpr."""
+    x, parts, bias_t, out = sm90_build.meta_q4k_call(300, 4096, k, True)
+    config = TmaConfig(BLOCK_M=256, BLOCK_N=64, BLOCK_K=64, num_warps=8, PACKED_DEQUANT=True, **fields)
+    with sm90_build.record_launches() as recorder:
+        launch_tma.launch_tma(config, x, parts, bias_t, out)
+    (gluon,) = recorder.launches
+    assert gluon.kernel.fn.__name__ == kernel
+    assert gluon.kwargs.get("LOADER") == loader
+    assert gluon.kwargs["SCALES_TMA"] == (k % 1024 == 0) and tuple(gluon.grid) == (4096 // 64, 1, 2)
 
 
 def test_direct_bodies_launch_and_tracers_get_the_opaque_op(monkeypatch):
@@ -361,10 +423,11 @@ def test_opaque_op_carries_every_field():
         assert (name in schema) == (name != "path"), name
     fields = (("BLOCK_M", 32), ("BLOCK_N", 128), ("BLOCK_K", 64), ("num_warps", 8), ("num_stages", 2))
     flags = (("SPLIT_K", 2), ("SWAP_AB", False), ("FUSED_REDUCE", True), ("PACKED_DEQUANT", True))
-    config = launch_tma._op_config((*fields, *flags))
+    loop = (("LOADER_WARP", True), ("W_REGISTERS", False))
+    config = launch_tma._op_config((*fields, *flags, *loop))
     assert config == TmaConfig(
         BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=2, SPLIT_K=2, SWAP_AB=False, FUSED_REDUCE=True,
-        PACKED_DEQUANT=True,
+        PACKED_DEQUANT=True, LOADER_WARP=True,
     )  # fmt: skip
 
 
@@ -398,11 +461,26 @@ _BUILDS = [
     dataclasses.asdict(
         TmaConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, SPLIT_K=2, FUSED_REDUCE=True)
     ),
+    # The K loops of the loader warp and of the weight tile in registers, on one and two warpgroups.
+    *(
+        dataclasses.asdict(TmaConfig(**tile, PACKED_DEQUANT=True, LOADER_WARP=lw, W_REGISTERS=rs))
+        for tile, lw, rs in [
+            ({"BLOCK_M": 512, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8}, True, True),
+            ({"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8}, True, False),
+            ({"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "SPLIT_K": 2}, False, True),
+            (
+                {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "SPLIT_K": 2, "FUSED_REDUCE": True},
+                True,
+                True,
+            ),
+        ]
+    ),
 ]
-#: Spill bytes a thread the 256-row tiles' epilogue may take (see ``TMA_MAX_REGISTERS``): storing
-#: the output with a bias, and storing a split's float32 partials. Every spill instruction lies
-#: after the last wgmma (checked on the 256 x 128 tile with the scales by TMA: 360 bytes).
-_EPILOGUE_SPILLS = {False: 384, True: 1104}
+#: Spill bytes a thread the epilogue of tiles with 256 rows of x or more may take (see
+#: ``TMA_MAX_REGISTERS``), by the K loop's registers (255, or 240 beside a loader warp) and the
+#: split: storing the output with a bias, and storing a split's float32 partials. On every such
+#: build with the scales by TMA, each spill instruction lies after the last wgmma.
+_EPILOGUE_SPILLS = {(False, False): 384, (False, True): 1104, (True, False): 1024, (True, True): 1104}
 
 
 @pytest.fixture(scope="module")
@@ -421,14 +499,21 @@ def tma_builds(tmp_path_factory):
 def test_tma_builds_for_sm90_spill_only_in_the_widest_tiles_epilogue(tma_builds):
     """Every build compiles to a cubin for sm_90a: no spills but the 256-row tiles' epilogue (a
     bounded few bytes a thread), wgmma and TMA loads in the loop, exactly the shared memory
-    :func:`tma_smem_bytes` estimates."""
+    :func:`tma_smem_bytes` estimates, and no read of the accumulator before the last wgmma's
+    drain (:func:`sm90_build.reads_before_drain`). The loader warp's kernels run a warpgroup more
+    (Triton pads the one loader warp to a warpgroup for the register reallocation)."""
     assert len(tma_builds) == len(_BUILDS)
     for build in tma_builds:
         config = TmaConfig(**build["case"]["config"])
         (launch,) = build["launches"]
         where = f"{config}: {launch}"
+        assert launch["reads_before_drain"] == 0, where
+        expected = launch_tma.tma_kernel_for(config, scales_by_tma=True)[0].fn.__name__
+        assert launch["kernel"] == expected, where
+        assert launch["num_warps"] == config.num_warps + (4 if config.LOADER_WARP else 0), where
         assert (config.BLOCK_M + config.BLOCK_K) * config.BLOCK_N // (32 * config.num_warps) <= TMA_MAX_REGISTERS
-        spills = _EPILOGUE_SPILLS[config.SPLIT_K > 1] if config.BLOCK_M == 256 else 0
+        wide = config.BLOCK_M >= 256
+        spills = _EPILOGUE_SPILLS[config.LOADER_WARP or config.BLOCK_M > 256, config.SPLIT_K > 1] if wide else 0
         assert launch["spill_bytes"] <= spills, where
         chunks = tma_scales_by_tma(config, build["case"]["k"])
         assert launch["shared"] == tma_smem_bytes(config, chunks) <= H200_LIMITS.smem_bytes, where
@@ -608,3 +693,61 @@ def test_tma_graph_replay_and_compile_gpu(fused):
             _assert_accurate(out, x, weight, bias, f"graph replay {replay} with new x")
         compiled = torch.compile(lambda a: q4k_linear(a, weight, bias), fullgraph=True)
         _assert_accurate(compiled(x), x, weight, bias, "torch.compile")
+
+
+_K_LOOP_TILES = [
+    TmaConfig(BLOCK_M=512, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3, PACKED_DEQUANT=True),
+    TmaConfig(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, PACKED_DEQUANT=True),
+    TmaConfig(BLOCK_M=256, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4, PACKED_DEQUANT=True),
+    TmaConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, PACKED_DEQUANT=True, SPLIT_K=2),
+    TmaConfig(
+        BLOCK_M=128,
+        BLOCK_N=128,
+        BLOCK_K=128,
+        num_warps=8,
+        num_stages=3,
+        PACKED_DEQUANT=True,
+        SPLIT_K=2,
+        FUSED_REDUCE=True,
+    ),
+]
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("tile", _K_LOOP_TILES, ids=lambda c: f"{c.BLOCK_M}x{c.BLOCK_N}x{c.BLOCK_K}w{c.num_warps}")
+@pytest.mark.parametrize(("loader", "registers"), [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize(("m", "k"), [(300, 4096), (1024, 6144)])
+def test_tma_k_loops_compute_the_plain_kernels_outputs_gpu(tile, loader, registers, m, k):
+    """The loader warp's and the register-A K loops give the plain kernel's outputs bit for bit
+    (the same weights, the same wgmma order), over many programs and K steps, with a bias."""
+    x, weight, bias = _problem(m, 4096, k, bias=True, seed=m + k)
+    outs = []
+    for config in (tile, dataclasses.replace(tile, LOADER_WARP=loader, W_REGISTERS=registers)):
+        out = torch.full((m, 4096), float("nan"), device="cuda", dtype=BF16)
+        launch_tma.launch_tma(config, x, weight.tensors(), bias, out)
+        outs.append(out)
+    torch.cuda.synchronize()
+    _assert_accurate(outs[1], x, weight, bias, "variant")
+    assert torch.equal(outs[0], outs[1]), f"{int((outs[0] != outs[1]).sum())} outputs differ from the plain kernel's"
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_tma_register_a_k_loop_replays_in_a_graph_gpu():
+    """The loader warp with the weight tile in registers, captured and replayed with new x."""
+    x, weight, bias = _problem(512, 4096, 4096, bias=True)
+    config = dataclasses.replace(_K_LOOP_TILES[0], LOADER_WARP=True, W_REGISTERS=True)
+    with use_config("q4k_fp8_gemm", dataclasses.asdict(config)):
+        out = torch.empty((512, 4096), device="cuda", dtype=BF16)
+        q4k_linear(x, weight, bias, out=out)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            q4k_linear(x, weight, bias, out=out)
+        for replay in range(3):
+            x.copy_(torch.randn_like(x))
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            _assert_accurate(out, x, weight, bias, f"graph replay {replay} with new x")

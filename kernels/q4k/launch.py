@@ -28,6 +28,8 @@ from tritune.search_spaces.q4k_fp8_gemm import (
 from .._launch import arrival_counters, ceil_div, next_pow2, traced
 from .._oplib import wrap_triton
 from ._gluon_tma import _q4k_gemm_tma_kernel
+from ._gluon_tma_loader import _q4k_gemm_tma_loader_kernel
+from ._gluon_tma_rs import _q4k_gemm_tma_rs_kernel
 from ._triton_dequant import _q4k_dequant_kernel
 from ._triton_fold import _q4k_gemm_fp8_fold_kernel
 from ._triton_fp8 import _q4k_gemm_fp8_kernel
@@ -56,6 +58,8 @@ JIT_KERNELS = (
     _q4k_gemm_int8_kernel,
     _q4k_dequant_kernel,
     _q4k_gemm_tma_kernel,
+    _q4k_gemm_tma_loader_kernel,
+    _q4k_gemm_tma_rs_kernel,
 )
 
 _REDUCE_BLOCK_M = 16

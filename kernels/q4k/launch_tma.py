@@ -20,6 +20,8 @@ from .._fastlaunch import bound
 from .._launch import GLUON_DTYPES, arrival_counters, ceil_div, traced, unchecked_gluon_descriptor
 from .._oplib import in_direct_body, register_schema_op
 from ._gluon_tma import _q4k_gemm_tma_kernel
+from ._gluon_tma_loader import _q4k_gemm_tma_loader_kernel
+from ._gluon_tma_rs import _q4k_gemm_tma_rs_kernel
 
 #: The fields the nested op carries by name: the tma member's, less ``path`` (the op's name says it).
 _OP_FIELDS = tuple(name for name in SPACE.members["tma"].dimensions if name != "path")
@@ -83,7 +85,9 @@ def launch_tma(
     :func:`x_layout_ok` and :func:`codes_layout_ok` admit: ``out`` ``[M, N]`` ``= x @ dequant(W)^T
     (+ bias)``, N a multiple of ``BLOCK_N`` and K of ``BLOCK_K * SPLIT_K`` (the space and
     :func:`.kernel.serve` see to both). The scales come by TMA wherever :func:`scales_by_tma_ok`
-    allows it (``scales_tma=False`` loads them into registers instead, for a comparison)."""
+    allows it (``scales_tma=False`` loads them into registers instead, for a comparison); where
+    they cannot, ``LOADER_WARP`` and ``W_REGISTERS`` configs run the plain kernel
+    (:func:`tma_kernel_for`)."""
     qs, scales, mins, super_scales = parts
     m, k = x.shape
     n = qs.shape[0]
@@ -113,20 +117,33 @@ def launch_tma(
     counters = arrival_counters(grid[0] * grid[2], out.device, fresh=traced(x)) if fused else out
     stride_bn = bias.stride(0) if bias is not None else 0
     bias_arg = bias if bias is not None else out
+    kernel, extra = tma_kernel_for(config, by_tma)
     # Bound: later launches of a compiled config skip JITFunction.run's per-call Python.
-    bound(_q4k_gemm_tma_kernel)[grid](
+    bound(kernel)[grid](
         x_desc, q_desc, sc_desc, mn_desc, ss_desc, scales, mins, super_scales, bias_arg, out, part, counters, m,
         scales.stride(0), super_scales.stride(0), *out_strides, *part_strides, stride_bn,
         # A split without the fused reduce leaves the bias to the reduce launch.
         HAS_BIAS=bias is not None and (split == 1 or fused),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=k // bk // split, NUM_STAGES=config.num_stages,
         SWAP=config.SWAP_AB, SPLIT_K=split, FUSED_REDUCE=fused, PACKED_DEQUANT=config.PACKED_DEQUANT,
-        SCALES_TMA=by_tma, num_warps=config.num_warps,
+        SCALES_TMA=by_tma, num_warps=config.num_warps, **extra,
     )  # fmt: skip
     if split > 1 and not fused:
         from .launch import reduce_grid, splitk_reduce  # launch.py imports this module
 
         splitk_reduce(reduce_grid(m, n), part, bias_arg, out, stride_bn, has_bias=bias is not None)
+
+
+def tma_kernel_for(config: TmaConfig, scales_by_tma: bool) -> tuple[Any, dict[str, bool]]:
+    """The Gluon kernel a config's K loop runs and the constexprs it adds to the plain kernel's:
+    with the scales by TMA, the weight tile in registers (``W_REGISTERS``, with or without the
+    loader warp) or the loader warp alone (``LOADER_WARP``); otherwise the plain kernel, whose
+    outputs are the same."""
+    if scales_by_tma and config.W_REGISTERS and config.SWAP_AB and config.PACKED_DEQUANT:
+        return _q4k_gemm_tma_rs_kernel, {"LOADER": config.LOADER_WARP}
+    if scales_by_tma and config.LOADER_WARP:
+        return _q4k_gemm_tma_loader_kernel, {}
+    return _q4k_gemm_tma_kernel, {}
 
 
 def portable_stand_in(config: TmaConfig) -> PortableConfig:

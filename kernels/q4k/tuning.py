@@ -64,6 +64,15 @@ def _each_path_first(starts: list[Q4KConfig]) -> list[Q4KConfig]:
     return lead + [c for c in starts if c not in lead]
 
 
+def _with_loader_and_registers(shapes: list[TmaConfig]) -> list[TmaConfig]:
+    """Each tma shape followed by its twin with the loader warp and the weight tile in registers."""
+    return [
+        variant
+        for shape in shapes
+        for variant in (shape, dataclasses.replace(shape, LOADER_WARP=True, W_REGISTERS=True))
+    ]
+
+
 class Q4KTuning(KernelTuning):
     """Llama-3-8B shapes over M buckets on a GPU, one tiny key on the interpreter."""
 
@@ -139,11 +148,19 @@ class Q4KTuning(KernelTuning):
 
     def winner_variants(self, config: Any, key: Q4KKey, device: DeviceInfo) -> list[Any]:
         """A stored tma winner is followed by its twin with the other dequantization
-        (``PACKED_DEQUANT``), a GEMV winner by its twin with the other lane order (``K_LANES``):
+        (``PACKED_DEQUANT``) and by its K loop with the other copy issue (``LOADER_WARP``) and
+        with the loader warp and the weight tile in registers (``W_REGISTERS``, where it is
+        swapped and packed); a GEMV winner by its twin with the other lane order (``K_LANES``):
         choices the first winners never had, so that a short re-tune seeded from the winners
-        measures both."""
+        measures them (the infeasible ones are dropped)."""
         if isinstance(config, TmaConfig):
-            return [dataclasses.replace(config, PACKED_DEQUANT=not config.PACKED_DEQUANT)]
+            variants = [
+                dataclasses.replace(config, PACKED_DEQUANT=not config.PACKED_DEQUANT),
+                dataclasses.replace(config, LOADER_WARP=not config.LOADER_WARP),
+            ]
+            if config.SWAP_AB and config.PACKED_DEQUANT and not (config.LOADER_WARP and config.W_REGISTERS):
+                variants.append(dataclasses.replace(config, LOADER_WARP=True, W_REGISTERS=True))
+            return variants
         if isinstance(config, GemvConfig):
             return [dataclasses.replace(config, K_LANES=not config.K_LANES)]
         return []
@@ -249,9 +266,9 @@ class Q4KTuning(KernelTuning):
                 # The widest the space holds, 512 rows, first of all there: the one tma tile a
                 # short large-M tune measures (each path's first start leads).
                 shared.insert(0, dataclasses.replace(shared[0], BLOCK_M=512, num_stages=3))
-                shapes = shared + shapes + wide
-            else:
-                shapes += wide + shared
+            # Each also with its copies from a loader warp and its weight tile in registers.
+            wide, shared = (_with_loader_and_registers(group) for group in (wide, shared))
+            shapes = shared + shapes + wide if key.m_bucket >= 512 else shapes + wide + shared
         default = tma_default(key)
         # The default, with a stage more, with the other reduce where it splits (below), and
         # dequantized in float32 (the exact weights).
