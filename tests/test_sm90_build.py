@@ -410,6 +410,21 @@ CASES = [
         config={"path": "int8"},
         launches=Q4K_INT8,
     ),
+    # The tma path's other K loops (scales by TMA: K per split whole chunks of 1024 codes).
+    Case(
+        "q4k_fp8_gemm",
+        "tma-loader-warp-m256",
+        key={"k": 4096, "n": 14336, "m_bucket": 256},
+        config={"path": "tma", "LOADER_WARP": True, "W_REGISTERS": False, "SPLIT_K": 1},
+        launches=("_q4k_gemm_tma_loader_kernel",),
+    ),
+    Case(
+        "q4k_fp8_gemm",
+        "tma-register-a-m512",
+        key={"k": 14336, "n": 4096, "m_bucket": 512},
+        config={"path": "tma", "W_REGISTERS": True, "SPLIT_K": 1},
+        launches=("_q4k_gemm_tma_rs_kernel",),
+    ),
     # The dequant path: each chunk's GEMM is cuBLAS's (torch.mm), not a Triton launch.
     Case(
         "q4k_fp8_gemm",
