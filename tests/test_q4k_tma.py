@@ -669,6 +669,23 @@ def test_tma_default_through_the_op_gpu(k, n, m):
     _assert_accurate(result, unaligned, weight, None, f"unaligned fp16 {k}x{n} m={m}")
 
 
+def _replays_with_new_x(x: torch.Tensor, weight: Q4KWeight, bias: torch.Tensor | None) -> None:
+    """One call captured in a CUDA graph (after an eager warm-up), replayed three times with new
+    x into a NaN-poisoned output, each replay checked."""
+    out = torch.empty((x.shape[0], weight.qs.shape[0]), device="cuda", dtype=x.dtype)
+    q4k_linear(x, weight, bias, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q4k_linear(x, weight, bias, out=out)
+    for replay in range(3):
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_accurate(out, x, weight, bias, f"graph replay {replay} with new x")
+
+
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("fused", [False, True], ids=["reduce-launch", "fused-reduce"])
@@ -678,19 +695,7 @@ def test_tma_graph_replay_and_compile_gpu(fused):
     x, weight, bias = _problem(48, 4096, 4096, bias=True)
     config = dataclasses.asdict(TmaConfig(BLOCK_M=64, SPLIT_K=4, FUSED_REDUCE=fused))
     with use_config("q4k_fp8_gemm", config):
-        eager = q4k_linear(x, weight, bias)
-        out = torch.empty_like(eager)
-        graph = torch.cuda.CUDAGraph()
-        q4k_linear(x, weight, bias, out=out)
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            q4k_linear(x, weight, bias, out=out)
-        for replay in range(3):
-            x.copy_(torch.randn_like(x))
-            out.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            _assert_accurate(out, x, weight, bias, f"graph replay {replay} with new x")
+        _replays_with_new_x(x, weight, bias)
         compiled = torch.compile(lambda a: q4k_linear(a, weight, bias), fullgraph=True)
         _assert_accurate(compiled(x), x, weight, bias, "torch.compile")
 
@@ -739,15 +744,4 @@ def test_tma_register_a_k_loop_replays_in_a_graph_gpu():
     x, weight, bias = _problem(512, 4096, 4096, bias=True)
     config = dataclasses.replace(_K_LOOP_TILES[0], LOADER_WARP=True, W_REGISTERS=True)
     with use_config("q4k_fp8_gemm", dataclasses.asdict(config)):
-        out = torch.empty((512, 4096), device="cuda", dtype=BF16)
-        q4k_linear(x, weight, bias, out=out)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            q4k_linear(x, weight, bias, out=out)
-        for replay in range(3):
-            x.copy_(torch.randn_like(x))
-            out.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            _assert_accurate(out, x, weight, bias, f"graph replay {replay} with new x")
+        _replays_with_new_x(x, weight, bias)

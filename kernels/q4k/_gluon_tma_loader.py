@@ -136,6 +136,33 @@ def _consumer(
 
 
 @gluon.jit
+def scale_slots(sc_desc, mn_desc, ss_desc, BLOCK_N: gl.constexpr):
+    """Two slots of a scale chunk for ``BLOCK_N`` weight rows: scales, mins, super-block (d, dmin)."""
+    sc_smem = gl.allocate_shared_memory(gl.uint8, [2, BLOCK_N, SCALE_CHUNK_K // 32], sc_desc.layout)
+    mn_smem = gl.allocate_shared_memory(gl.uint8, [2, BLOCK_N, SCALE_CHUNK_K // 32], mn_desc.layout)
+    ss_smem = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, SCALE_CHUNK_K // 128], ss_desc.layout)
+    return sc_smem, mn_smem, ss_smem
+
+
+@gluon.jit
+def split_barriers(NUM_STAGES: gl.constexpr):
+    """The barriers between a loader and the warps it feeds, initialized and fenced: each ring
+    stage's filled (``ready``) and emptied (``empty``), each scale slot's filled and emptied."""
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    scales_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    scales_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    for s in gl.static_range(2):
+        mbarrier.init(scales_ready.index(s), count=1)
+        mbarrier.init(scales_empty.index(s), count=1)
+    fence_async_shared()
+    return ready, empty, scales_ready, scales_empty
+
+
+@gluon.jit
 def _q4k_gemm_tma_loader_kernel(
     x_desc, q_desc, sc_desc, mn_desc, ss_desc, sc_ptr, mn_ptr, ss_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr,
     M, stride_sn, stride_ssn, stride_om, stride_on, stride_pk, stride_pm, stride_bn,
@@ -159,20 +186,8 @@ def _q4k_gemm_tma_loader_kernel(
     x_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
     q_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, BLOCK_N, BLOCK_K // 8], q_desc.layout)
     w_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_K], w_layout)
-    sc_smem = gl.allocate_shared_memory(gl.uint8, [2, BLOCK_N, SCALE_CHUNK_K // 32], sc_desc.layout)
-    mn_smem = gl.allocate_shared_memory(gl.uint8, [2, BLOCK_N, SCALE_CHUNK_K // 32], mn_desc.layout)
-    ss_smem = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, SCALE_CHUNK_K // 128], ss_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    scales_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    scales_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    for s in gl.static_range(2):
-        mbarrier.init(scales_ready.index(s), count=1)
-        mbarrier.init(scales_empty.index(s), count=1)
-    fence_async_shared()
+    sc_smem, mn_smem, ss_smem = scale_slots(sc_desc, mn_desc, ss_desc, BLOCK_N)
+    ready, empty, scales_ready, scales_empty = split_barriers(NUM_STAGES)
 
     # fmt: off
     gl.warp_specialize(

@@ -27,7 +27,6 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -44,7 +43,7 @@ from ._gluon_tma import (
     _zero_acc,
     x_warpgroups,
 )
-from ._gluon_tma_loader import LOADER_REGS, LOADER_WARPS, _drain, _loader
+from ._gluon_tma_loader import LOADER_REGS, LOADER_WARPS, _drain, _loader, scale_slots, split_barriers
 
 
 @gluon.constexpr_function
@@ -224,20 +223,8 @@ def _q4k_gemm_tma_rs_kernel(
 
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
     q_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, BLOCK_N, BLOCK_K // 8], q_desc.layout)
-    sc_smem = gl.allocate_shared_memory(gl.uint8, [2, BLOCK_N, SCALE_CHUNK_K // 32], sc_desc.layout)
-    mn_smem = gl.allocate_shared_memory(gl.uint8, [2, BLOCK_N, SCALE_CHUNK_K // 32], mn_desc.layout)
-    ss_smem = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, SCALE_CHUNK_K // 128], ss_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    scales_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    scales_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    for s in gl.static_range(2):
-        mbarrier.init(scales_ready.index(s), count=1)
-        mbarrier.init(scales_empty.index(s), count=1)
-    fence_async_shared()
+    sc_smem, mn_smem, ss_smem = scale_slots(sc_desc, mn_desc, ss_desc, BLOCK_N)
+    ready, empty, scales_ready, scales_empty = split_barriers(NUM_STAGES)
 
     # fmt: off
     if LOADER:
