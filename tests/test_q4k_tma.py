@@ -745,3 +745,27 @@ def test_tma_register_a_k_loop_replays_in_a_graph_gpu():
     config = dataclasses.replace(_K_LOOP_TILES[0], LOADER_WARP=True, W_REGISTERS=True)
     with use_config("q4k_fp8_gemm", dataclasses.asdict(config)):
         _replays_with_new_x(x, weight, bias)
+
+
+#: The end of a K loop and the start of its epilogue as ``nvdisasm -c`` prints them (from an
+#: sm_90 build of the loader-warp kernel whose conversions ptxas placed above the final drain).
+_HOISTED_SASS = """
+        /*9930*/                   HGMMA.64x256x16.F32.BF16 R24, gdesc[UR8], R24, gsb0 ;
+        /*9940*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+        /*9950*/                   BAR.SYNC.DEFER_BLOCKING 0x0, 0x100 ;
+        /*9970*/               @P1 BRA `(.L_x_31) ;
+        /*99b0*/                   F2FP.BF16.F32.PACK_AB R151, R151, R150 ;
+        /*9ec0*/                   F2FP.BF16.F32.PACK_AB R2, R25, R24 ;
+        /*9ed0*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*9ee0*/                   STG.E.U16 desc[UR4][R2.64], R5 ;
+"""
+
+
+def test_the_drain_check_sees_accumulator_reads_above_the_drain():
+    """:func:`sm90_build.reads_before_drain` counts the conversions between the last wgmma and the
+    drain, and none once the drain comes first (as in a build that drains in the loop)."""
+    assert sm90_build.reads_before_drain(_HOISTED_SASS) == 2
+    lines = _HOISTED_SASS.splitlines()
+    drained = "\n".join([*lines[:3], lines[7], *lines[3:7], *lines[8:]])
+    assert sm90_build.reads_before_drain(drained) == 0
+    assert sm90_build.reads_before_drain("") == 0
