@@ -245,6 +245,22 @@ def test_wide_tma_default_follows_the_programs_per_sm(n, expected):
 
 
 @pytest.mark.parametrize(
+    ("k", "n", "registers"),
+    [(4096, 14336, True), (14336, 28672, True), (4352, 14336, False), (4096, 4096, False), (14336, 4096, False)],
+    ids=["unsplit", "unsplit-k14336", "k-not-whole-chunks", "split-4096", "split-14336"],
+)
+def test_unsplit_256_row_default_takes_the_loader_warp_and_register_a(k, n, registers):
+    """At M=256 the unsplit 256 x 128 tile comes with its loader warp and register-A K loop where
+    each K is whole 1024-code chunks (the scales by TMA); split or otherwise, the plain K loop."""
+    key = _key(256, n=n, k=k)
+    config = tma_default(key)
+    assert (config.BLOCK_M, config.BLOCK_N) == (256, 128)
+    assert (config.SPLIT_K == 1) == (n != 4096)
+    assert config.LOADER_WARP is registers and config.W_REGISTERS is registers
+    assert SPACE.infeasible_reason(config, key, H200_LIMITS) is None
+
+
+@pytest.mark.parametrize(
     "key",
     [_key(8), _key(16), _key(1024), _key(64, arch="sm80"), _key(64, arch="sm100"), _key(64, n=4128), _key(32, n=96)],
     ids=["m8", "m16", "m1024", "sm80", "sm100", "n4128", "n96"],

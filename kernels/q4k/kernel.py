@@ -218,7 +218,10 @@ def tma_default(key: Q4KKey) -> TmaConfig | None:
     on an H100 as fast or faster replayed and one launch fewer eagerly; at M=128 the reduce launch
     replayed faster). From M=256, 256 rows of x (wgmma's widest N) against two warpgroups' 128
     weight rows, 64 deep, split until one program per SM at most (one wave); above M=256, where
-    the space admits no split, :func:`_tma_wide_default`. Dequantized in x's
+    the space admits no split, :func:`_tma_wide_default`. Unsplit 256-row tiles with their copies
+    from a loader warp and the weight tile dequantized into wgmma's A registers where the space
+    admits them (each K split whole 1024-code chunks): on an H100 the re-tunes picked that twin of
+    this tile at all three unsplit M=256 keys, 0.77-0.87x its time. Dequantized in x's
     dtype (``PACKED_DEQUANT``: 2-13% faster on the H100 at every tuned M, about 45 dB against the
     exact product in bf16, 12 dB inside ggml's bound). ``None`` where the space refuses it (N not
     a multiple of the tile)."""
@@ -244,6 +247,11 @@ def tma_default(key: Q4KKey) -> TmaConfig | None:
         split *= 2
     config = replace(config, SPLIT_K=split, FUSED_REDUCE=split > 1 and key.m_bucket <= 64, PACKED_DEQUANT=True)
     limits = TargetLimits(smem_bytes=smem_limit_bytes((9, 0)))
+    if config.BLOCK_M == 256 and split == 1:
+        # Unsplit 256-row tiles: the copies from a loader warp, the weight tile in wgmma's A registers.
+        registers = replace(config, SWAP_AB=True, LOADER_WARP=True, W_REGISTERS=True)
+        if SPACE.infeasible_reason(registers, key, limits) is None:
+            return registers
     return config if SPACE.infeasible_reason(config, key, limits) is None else None
 
 
