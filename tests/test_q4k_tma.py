@@ -669,6 +669,7 @@ def test_tma_fused_reduce_equals_the_reduce_launch_gpu(split, bias):
         (4096, 6144, 33),
         (4096, 4096, 200),
         (4096, 14336, 500),
+        (4096, 14336, 256),
         (4096, 4096, 300),
     ],
 )
