@@ -242,6 +242,16 @@ def test_wide_tma_default_follows_the_programs_per_sm(n, expected):
     assert (default.BLOCK_M if default else None) == expected
     if expected is None:
         assert isinstance(default_config(key), DequantConfig)
+    else:
+        assert default.LOADER_WARP and not default.W_REGISTERS
+
+
+def test_wide_tma_default_keeps_the_plain_k_loop_where_the_scales_cannot_come_by_tma():
+    """K=4352 is not whole 1024-code chunks: no loader warp, the plain 512-row tile."""
+    key = _key(512, n=14336, k=4352)
+    default = tma_default(key)
+    assert default.BLOCK_M == 512 and not default.LOADER_WARP
+    assert SPACE.infeasible_reason(default, key, H200_LIMITS) is None
 
 
 @pytest.mark.parametrize(
@@ -288,13 +298,19 @@ def test_tma_starting_configs_are_feasible_and_only_where_they_may_win():
         assert default.FUSED_REDUCE is (default.SPLIT_K > 1 and m_bucket <= 64), default
         # It dequantizes in x's dtype, and is tried with the exact float32 weights too.
         assert default.PACKED_DEQUANT and dataclasses.replace(default, PACKED_DEQUANT=False) in starts
-    # From M=256 each wide tile is also tried with the loader warp and its weight tile in registers.
+    # From M=256 each wide tile is also tried with the loader warp and its weight tile in registers
+    # (the shared-tile default with the loader warp alone), and the default with the plain K loop.
     for m_bucket in (128, 256, 1024):
         starts = [c for c in TUNING.starting_configs(_key(m_bucket), H200) if isinstance(c, TmaConfig)]
-        split = [c for c in starts if c.LOADER_WARP or c.W_REGISTERS]
-        assert all(c.LOADER_WARP and c.W_REGISTERS and c.BLOCK_M >= 256 for c in split), m_bucket
-        assert bool(split) == (m_bucket >= 256), m_bucket
         tile = lambda c: (c.BLOCK_M, c.BLOCK_N, c.BLOCK_K, c.num_warps, c.SPLIT_K)  # noqa: E731
+        default = tma_default(_key(m_bucket))
+        split = [c for c in starts if c.LOADER_WARP or c.W_REGISTERS]
+        assert all(c.LOADER_WARP and c.BLOCK_M >= 256 for c in split), m_bucket
+        # Register-A, save the shared tile's default and the default's float32 twin.
+        assert all(c.W_REGISTERS or c.BLOCK_N == 64 or tile(c) == tile(default) for c in split), m_bucket
+        assert bool(split) == (m_bucket >= 256), m_bucket
+        plain = dataclasses.replace(default, LOADER_WARP=False, W_REGISTERS=False)
+        assert plain in starts, m_bucket
         wide = {tile(c) for c in starts if c.BLOCK_M >= 256 and not c.LOADER_WARP}
         assert wide <= {tile(c) for c in split}, m_bucket
     # Up to M=1024 (the shared weight tile's 512 rows of x among them), none above.

@@ -260,7 +260,11 @@ def _tma_wide_default(key: Q4KKey) -> TmaConfig | None:
     x of both warpgroups: 512 of them where those programs cover two thirds of the SMs or more,
     else 256 over 4 stages where those cover 0.9 of them, else none (the dequant path's GEMM wins
     where SMs idle). Against 128 weight rows by 256 of x, the dequantization per product halves
-    (the H100 measurements at M=512 in docs/perf/HISTORY.md)."""
+    (the H100 measurements at M=512 in docs/perf/HISTORY.md). The copies from a loader warp where
+    the space admits it (each K whole 1024-code chunks): on an H100 the 512-row tile ran 0.97-0.99x
+    its plain K loop's time at M=1024 and 4096 on three shapes, and the re-tunes picked a loader
+    warp at four of five M=512 keys. Not the weight tile in registers: each warpgroup would
+    dequantize the shared tile for itself."""
     tiles = key.n // WGMMA_ROWS
     if key.n % WGMMA_ROWS:
         return None
@@ -271,6 +275,9 @@ def _tma_wide_default(key: Q4KKey) -> TmaConfig | None:
     else:
         return None
     limits = TargetLimits(smem_bytes=smem_limit_bytes((9, 0)))
+    loader = replace(config, LOADER_WARP=True)
+    if SPACE.infeasible_reason(loader, key, limits) is None:
+        return loader
     return config if SPACE.infeasible_reason(config, key, limits) is None else None
 
 

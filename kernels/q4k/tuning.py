@@ -270,11 +270,14 @@ class Q4KTuning(KernelTuning):
             wide, shared = (_with_loader_and_registers(group) for group in (wide, shared))
             shapes = shared + shapes + wide if key.m_bucket >= 512 else shapes + wide + shared
         default = tma_default(key)
-        # The default, with a stage more, with the other reduce where it splits (below), and
-        # dequantized in float32 (the exact weights).
+        # The default, with a stage more, with the other reduce where it splits (below),
+        # dequantized in float32 (the exact weights; not in registers, which need x's dtype), and
+        # with the plain K loop where it takes the loader warp or register-A.
         starts = [] if default is None else [default, dataclasses.replace(default, num_stages=4)]
         if default is not None:
-            starts.append(dataclasses.replace(default, PACKED_DEQUANT=not default.PACKED_DEQUANT))
+            starts.append(dataclasses.replace(default, PACKED_DEQUANT=not default.PACKED_DEQUANT, W_REGISTERS=False))
+            if default.LOADER_WARP or default.W_REGISTERS:
+                starts.append(dataclasses.replace(default, LOADER_WARP=False, W_REGISTERS=False))
         if default is not None and default.SPLIT_K > 1:
             # The default's split with the other reduce: by its last split or by a launch of its
             # own (where the space admits it: not with 256-row tiles; infeasible starts are
