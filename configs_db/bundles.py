@@ -13,7 +13,8 @@ A bundle lives at ``configs_db/bundles/<gpu-slug>.json`` and looks like::
         {"kernel": "...", "kernel_version": "...", "key": {...}, "config": {...},
          "time_ms": 0.1, "portable_ms": 0.2, "speedup": 2.0, "trials": 40,
          "peer_ms": 0.15, "peer_name": "SDPA flash",
-         "eager": {"config": {...}, "ms": 0.05, "winner_ms": 0.08}}
+         "eager": {"config": {...}, "ms": 0.05, "winner_ms": 0.08},
+         "portable_config": {...}}
       ]
     }
 
@@ -25,6 +26,11 @@ there: ``config`` a non-empty flat object like ``config``, ``ms`` and ``winner_m
 eager milliseconds per call of it and of the winner (finite, positive, ``ms`` below ``winner_ms``).
 An entry without it, or with ``null``, has none: the winner serves every call. A malformed one
 refuses its entry, as any other malformed field does.
+
+``portable_config`` (optional) is the portable default that ``portable_ms`` timed, a flat object
+like ``config``: ``speedup`` is against that config. Where the running code's default at the
+entry's key is another config, the entry does not serve (the speedup says nothing about the
+default that would serve instead). Left out or ``null`` in entries written before it was stored.
 
 Checks here are structural only: a file that is not a regular file (a FIFO, device, directory or
 dangling link), too big, not JSON, not a bundle, of an unknown schema version or for another GPU is
@@ -59,7 +65,14 @@ from .values import (
     text_problem,
     winner_numbers_problem,
 )
-from .winner_fields import eager_alternative, eager_fields, eager_problem, peer_problem
+from .winner_fields import (
+    eager_alternative,
+    eager_fields,
+    eager_problem,
+    flat_config_problem,
+    peer_problem,
+    portable_config_problem,
+)
 
 BUNDLE_SCHEMA = "tritune-bundle"
 BUNDLE_SCHEMA_VERSION = 1
@@ -70,8 +83,8 @@ MAX_BUNDLE_ENTRIES = 20_000
 PROVENANCE_FIELDS = ("cuda", "driver", "torch", "triton", "tritune")
 TOP_LEVEL_FIELDS = ("schema", "schema_version", "gpu", "gpu_name", "created", "provenance", "winners")
 ENTRY_FIELDS = ("kernel", "kernel_version", "key", "config", "time_ms", "portable_ms", "speedup", "trials")
-#: Entry fields that may be left out (no peer time or eager alternative, or written before either existed).
-OPTIONAL_ENTRY_FIELDS = ("peer_ms", "peer_name", "eager")
+#: Entry fields that may be left out (no peer time or eager alternative, or written before they were stored).
+OPTIONAL_ENTRY_FIELDS = ("peer_ms", "peer_name", "eager", "portable_config")
 #: GPU slugs as :class:`tritune.kernels.device.DeviceInfo` makes them; also keeps paths inside bundles/.
 GPU_SLUG = re.compile(r"[a-z0-9][a-z0-9-]*")
 #: Widths of the DB columns a bundle's strings are stored in (``configs_db.models``).
@@ -204,7 +217,7 @@ def _entry_problem(entry: Any) -> str | None:
         problem = peer_problem(entry["peer_ms"], entry["peer_name"])
         if problem is not None:
             return problem
-    problem = eager_problem(entry.get("eager"))
+    problem = eager_problem(entry.get("eager")) or portable_config_problem(entry.get("portable_config"))
     if problem is not None:
         return problem
     for name in ("kernel", "kernel_version"):
@@ -214,14 +227,9 @@ def _entry_problem(entry: Any) -> str | None:
         if problem is not None:
             return problem
     for name in ("key", "config"):
-        try:
-            flat = check_flat(entry[name], name)
-        except ValueError as exc:
-            return str(exc)
-        for field, value in flat.items():
-            problem = text_problem(field, f"a {name} field name") or text_problem(value, f"{name}.{field}")
-            if problem is not None:
-                return problem
+        problem = flat_config_problem(entry[name], name)
+        if problem is not None:
+            return problem
     return winner_numbers_problem(entry["time_ms"], entry["portable_ms"], entry["speedup"], entry["trials"])
 
 
@@ -294,6 +302,7 @@ def load_bundle(path: Path | str, expected_gpu: str | None = None) -> tuple[list
                 peer_ms=None if entry.get("peer_ms") is None else float(entry["peer_ms"]),
                 peer_name=entry.get("peer_name"),
                 eager=eager_alternative(entry.get("eager")),
+                portable_config=None if entry.get("portable_config") is None else dict(entry["portable_config"]),
                 triton_version=provenance["triton"],
                 torch_version=provenance["torch"],
                 tritune_version=provenance["tritune"],
@@ -308,7 +317,7 @@ def _entry(record: WinnerRecord) -> dict[str, Any]:
     problem = winner_numbers_problem(record.time_ms, record.portable_ms, record.speedup, record.trials)
     problem = problem or peer_problem(record.peer_ms, record.peer_name)
     fields = None if record.eager is None else eager_fields(record.eager)
-    problem = problem or eager_problem(fields)
+    problem = problem or eager_problem(fields) or portable_config_problem(record.portable_config)
     if problem is not None:
         raise ValueError(f"{record.kernel} at {record.key}: {problem}")
     optional: dict[str, Any] = {}
@@ -317,6 +326,8 @@ def _entry(record: WinnerRecord) -> dict[str, Any]:
     eager = eager_alternative(fields)
     if eager is not None:
         optional["eager"] = eager_fields(eager)
+    if record.portable_config is not None:
+        optional["portable_config"] = check_flat(record.portable_config, "portable_config")
     return {
         "kernel": record.kernel,
         "kernel_version": record.kernel_version,

@@ -211,6 +211,9 @@ class Winner(Base):
     #: eager ms per call: ``{"config": {...}, "ms": ..., "winner_ms": ...}`` as canonical JSON, or
     #: NULL (the winner serves every call). Checked on write and on read, not by a constraint.
     eager_json: Mapped[str | None] = mapped_column(Text)
+    #: The portable default that ``portable_ms`` timed, as canonical JSON (``speedup`` is against
+    #: it); NULL where the row predates this column. Checked on write and on read.
+    portable_config_json: Mapped[str | None] = mapped_column(Text)
     environment_id: Mapped[int] = mapped_column(ForeignKey("environments.id"))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

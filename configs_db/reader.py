@@ -27,7 +27,7 @@ from .errors import StoreError
 from .records import EagerAlternative, WinnerRecord
 from .urls import is_default_db, is_sqlite, not_a_db_file, sqlite_file
 from .values import parse_canonical_json, printable, strict_loads
-from .winner_fields import eager_alternative
+from .winner_fields import eager_alternative, portable_config_problem
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -85,10 +85,11 @@ def reason_of(exc: BaseException) -> str:
 
 #: Older schema revisions the runtime still reads (without the columns they lack); reading never
 #: upgrades a DB, and a tuner opening it for writing does.
-READABLE_REVISIONS = ("0002", "0003")
+READABLE_REVISIONS = ("0002", "0003", "0004")
 #: The revision that added each optional winners column group: a DB before it reads them as ``None``.
 PEER_REVISION = "0003"
 EAGER_REVISION = "0004"
+PORTABLE_CONFIG_REVISION = "0005"
 
 
 def _eager_from_row(winner: Winner, source: str) -> EagerAlternative | None:
@@ -113,10 +114,29 @@ def _eager_from_row(winner: Winner, source: str) -> EagerAlternative | None:
         return None
 
 
+def _portable_config_from_row(winner: Winner) -> dict[str, Any] | None:
+    """The row's portable default, or ``None`` where it has none; ``ValueError`` where it is malformed
+    (the row is skipped: its speedup cannot be checked against the running default)."""
+    if winner.portable_config_json is None:
+        return None
+    config = parse_canonical_json(winner.portable_config_json)
+    problem = portable_config_problem(config)
+    if problem is not None:
+        raise ValueError(problem)
+    return config
+
+
 def _record_from_row(
-    winner: Winner, environment: Environment, source: str, *, with_peer: bool, with_eager: bool
+    winner: Winner,
+    environment: Environment,
+    source: str,
+    *,
+    with_peer: bool,
+    with_eager: bool,
+    with_portable_config: bool,
 ) -> WinnerRecord:
-    """A :class:`WinnerRecord` from one winners row; ``ValueError`` if its key or config JSON is malformed."""
+    """A :class:`WinnerRecord` from one winners row; ``ValueError`` if its key, config or portable
+    default JSON is malformed."""
     return WinnerRecord(
         kernel=winner.kernel,
         kernel_version=winner.kernel_version,
@@ -134,6 +154,7 @@ def _record_from_row(
         peer_ms=(None if winner.peer_ms is None else float(winner.peer_ms)) if with_peer else None,
         peer_name=winner.peer_name if with_peer else None,
         eager=_eager_from_row(winner, source) if with_eager else None,
+        portable_config=_portable_config_from_row(winner) if with_portable_config else None,
         extra={
             "gpu_name": environment.gpu_name,
             "capability": environment.capability,
@@ -152,11 +173,13 @@ def winner_records(
     *,
     with_peer: bool = True,
     with_eager: bool = True,
+    with_portable_config: bool = True,
 ) -> list[WinnerRecord]:
     """Winner records from the database; a row with a malformed key or config is skipped with one
     warning, and a malformed eager alternative is left out of its record with one warning.
 
-    ``with_peer=False`` and ``with_eager=False`` read a DB at a revision before those columns existed.
+    ``with_peer=False``, ``with_eager=False`` and ``with_portable_config=False`` read a DB at a
+    revision before those columns existed.
     """
     from sqlalchemy import select
     from sqlalchemy.orm import defer
@@ -170,6 +193,8 @@ def winner_records(
         query = query.options(defer(Winner.peer_ms, raiseload=True), defer(Winner.peer_name, raiseload=True))
     if not with_eager:
         query = query.options(defer(Winner.eager_json, raiseload=True))
+    if not with_portable_config:
+        query = query.options(defer(Winner.portable_config_json, raiseload=True))
     if gpu is not None:
         query = query.where(Winner.gpu == gpu)
     if kernel is not None:
@@ -178,7 +203,16 @@ def winner_records(
     records = []
     for winner, environment in session.execute(query):
         try:
-            records.append(_record_from_row(winner, environment, source, with_peer=with_peer, with_eager=with_eager))
+            records.append(
+                _record_from_row(
+                    winner,
+                    environment,
+                    source,
+                    with_peer=with_peer,
+                    with_eager=with_eager,
+                    with_portable_config=with_portable_config,
+                )
+            )
         except (TypeError, ValueError) as exc:  # TypeError: a NULL where a number belongs
             log.warning(
                 "%s: skipping winners row %d (%s %s): %s",
@@ -361,6 +395,7 @@ def _read_engine(
                 source,
                 with_peer=order(revision) >= order(PEER_REVISION),
                 with_eager=order(revision) >= order(EAGER_REVISION),
+                with_portable_config=order(revision) >= order(PORTABLE_CONFIG_REVISION),
             )
     finally:
         engine.dispose()

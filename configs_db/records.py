@@ -75,6 +75,11 @@ class WinnerRecord:
     peer_name: str | None = None
     #: The config serving eager calls where it beats ``config`` there (``None``: the winner serves all).
     eager: EagerAlternative | None = None
+    #: The portable default that ``portable_ms`` timed (``speedup`` is against it); ``None`` where
+    #: the record predates storing it. Where the running code's default at the key is another
+    #: config, the speedup says nothing about it and the winner does not serve
+    #: (:mod:`tritune.kernels.winners`).
+    portable_config: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -49,9 +49,9 @@ from .urls import blocking_ancestor, not_a_db_file, sqlite_file
 from .values import printable
 
 #: The Alembic revision this code writes and reads; older known revisions can be upgraded.
-SCHEMA_HEAD = "0004"
+SCHEMA_HEAD = "0005"
 #: Every revision this code knows, oldest first (a test checks them against ``migrations/``).
-SCHEMA_REVISIONS = ("0001", "0002", "0003", "0004")
+SCHEMA_REVISIONS = ("0001", "0002", "0003", "0004", "0005")
 MIGRATIONS_DIR = Path(__file__).resolve().with_name("migrations")
 #: How long a tuner's connection waits for another process's write lock before giving up.
 BUSY_TIMEOUT_MS = 30_000

@@ -22,7 +22,7 @@ from .errors import StoreError
 from .reader import database_error_types, display_url, read_winners, reason_of, winner_records
 from .records import TRIAL_STATUSES, EagerAlternative, TrialRow, WinnerRecord
 from .values import canonical_json, number_problem, parse_canonical_json, printable, winner_numbers_problem
-from .winner_fields import eager_alternative, eager_fields, eager_problem, peer_problem
+from .winner_fields import eager_alternative, eager_fields, eager_problem, peer_problem, portable_config_problem
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -211,8 +211,9 @@ class ConfigStore:
         """Store ``record`` as the winner at its key unless a better one is stored; ``True`` if written.
 
         The stored winner is replaced when the offer is faster, or when the stored one was
-        measured under another Triton version (the runtime refuses those, so they must not
-        block a fresh measurement). One conditional upsert decides, so concurrent offers leave
+        measured under another Triton version or against another portable default than the
+        offer's (the runtime does not serve those as current, so they must not block a fresh
+        measurement). One conditional upsert decides, so concurrent offers leave
         exactly one row holding the best time. The record's peer time and name and its eager
         alternative travel with it: they are stored when the offer is (``None`` clears what the
         replaced winner had), and left as they are when it is not.
@@ -233,17 +234,19 @@ class ConfigStore:
         env_id: int,
         current: tuple[str, str] | None = None,
         refresh_eager: bool = False,
+        measured_here: bool = True,
     ) -> bool:
         """:meth:`offer_winner` inside the caller's transaction; ``ValueError`` before anything is written.
 
         ``current``: the (Triton, torch) versions under which a stored winner counts as current
         (not replaced unless the offer is faster); default the offer's own, as a tune's offers are.
+        ``measured_here``: see :func:`.upserts.offer_winner` (an import's records are not).
         """
         from . import upserts
 
         values, environment = self._values(session, record, env_id)
         triton_version, torch_version = current or (environment.triton_version, environment.torch_version)
-        stored = upserts.offer_winner(session, values, triton_version, torch_version)
+        stored = upserts.offer_winner(session, values, triton_version, torch_version, measured_here=measured_here)
         if not stored and refresh_eager:
             upserts.refresh_eager(session, values)
         return stored
@@ -254,6 +257,7 @@ class ConfigStore:
         problem = winner_numbers_problem(record.time_ms, record.portable_ms, record.speedup, record.trials)
         problem = problem or peer_problem(record.peer_ms, record.peer_name)
         problem = problem or eager_problem(None if record.eager is None else eager_fields(record.eager))
+        problem = problem or portable_config_problem(record.portable_config)
         if problem is not None:
             raise ValueError(f"winner for {record.kernel}: {problem}")
         eager = None if record.eager is None else eager_alternative(eager_fields(record.eager))
@@ -280,6 +284,7 @@ class ConfigStore:
             peer_ms=None if record.peer_ms is None else float(record.peer_ms),
             peer_name=record.peer_name,
             eager_json=None if eager is None else eager_json(eager),
+            portable_config_json=None if record.portable_config is None else canonical_json(record.portable_config),
         )
         return values, environment
 
@@ -321,7 +326,7 @@ class ConfigStore:
                 )
                 session.flush()
                 try:
-                    written = self._offer(session, record, int(environment.id), current)
+                    written = self._offer(session, record, int(environment.id), current, measured_here=False)
                 except ValueError as exc:
                     log.warning(
                         "not importing %s %s: %s",

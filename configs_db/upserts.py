@@ -1,7 +1,8 @@
 """Writes that stay correct when several tuner processes share one database.
 
 A trial is inserted with ``ON CONFLICT DO NOTHING`` and a winner with one conditional upsert
-(``ON CONFLICT DO UPDATE ... WHERE`` the offer is faster, or the stored winner is stale), so the
+(``ON CONFLICT DO UPDATE ... WHERE`` the offer is faster, or the stored winner is stale: measured
+under another Triton or torch, or against another portable default than the fresh offer's), so the
 database itself decides every race: no read-then-write window exists. SQLite and PostgreSQL
 have that syntax through their SQLAlchemy dialects; other databases get a portable fallback
 that locks the row (``SELECT ... FOR UPDATE``) and absorbs lost insert races in a savepoint.
@@ -34,6 +35,7 @@ _REPLACED = (
     "peer_ms",
     "peer_name",
     "eager_json",
+    "portable_config_json",
 )
 
 
@@ -56,6 +58,8 @@ class WinnerValues:
     peer_name: str | None = None
     #: The eager alternative measured in the same run, as canonical JSON (``None``: the winner serves all).
     eager_json: str | None = None
+    #: The portable default the offer's speedup is against, as canonical JSON (``None``: not recorded).
+    portable_config_json: str | None = None
 
     def columns(self, now: datetime) -> dict[str, Any]:
         values = dict(self.__dict__)
@@ -97,16 +101,23 @@ def insert_trial(session: Session, values: dict[str, Any]) -> bool:
     return _wrote_row(session, statement)
 
 
-def offer_winner(session: Session, values: WinnerValues, triton_version: str, torch_version: str) -> bool:
+def offer_winner(
+    session: Session, values: WinnerValues, triton_version: str, torch_version: str, *, measured_here: bool = True
+) -> bool:
     """Write the winner unless a better, current one is stored; ``True`` if written.
 
     A stored winner measured under another Triton or torch version is not current (it serves only
-    provisionally): a fresh measurement replaces it even where the old time was lower.
+    provisionally): a fresh measurement replaces it even where the old time was lower. So does an
+    offer timed against another portable default than the one the stored winner names, where
+    ``measured_here``: the offer was just measured, so its default is the running code's, and the
+    stored speedup says nothing about that one. A stored winner that names none (written before
+    the column existed) serves as before and is replaced by time alone, as is any winner by an
+    imported record (``measured_here=False``).
     """
     dialect = session.get_bind().dialect.name
     if dialect not in UPSERT_DIALECTS:
-        return offer_portable(session, values, triton_version, torch_version)
-    return offer_upsert(session, values, triton_version, torch_version, dialect)
+        return offer_portable(session, values, triton_version, torch_version, measured_here=measured_here)
+    return offer_upsert(session, values, triton_version, torch_version, dialect, measured_here=measured_here)
 
 
 def refresh_eager(session: Session, values: WinnerValues) -> bool:
@@ -162,7 +173,15 @@ def _stale_environments(triton_version: str, torch_version: str) -> Any:
     )
 
 
-def offer_upsert(session: Session, values: WinnerValues, triton_version: str, torch_version: str, dialect: str) -> bool:
+def offer_upsert(
+    session: Session,
+    values: WinnerValues,
+    triton_version: str,
+    torch_version: str,
+    dialect: str,
+    *,
+    measured_here: bool = True,
+) -> bool:
     """``offer_winner`` as one ``INSERT ... ON CONFLICT DO UPDATE ... WHERE`` statement."""
     table = Winner.__table__
     now = utcnow()
@@ -170,16 +189,23 @@ def offer_upsert(session: Session, values: WinnerValues, triton_version: str, to
     excluded = statement.excluded
     replace = {name: excluded[name] for name in _REPLACED}
     replace["updated_at"] = now
+    better = (excluded.time_ms < table.c.time_ms) | table.c.environment_id.in_(
+        _stale_environments(triton_version, torch_version)
+    )
+    if measured_here and values.portable_config_json is not None:
+        other_default = table.c.portable_config_json.is_not(None) & (
+            table.c.portable_config_json != excluded.portable_config_json
+        )
+        better = better | other_default
     statement = statement.on_conflict_do_update(
-        index_elements=["gpu", "kernel", "kernel_version", "key_json"],
-        set_=replace,
-        where=(excluded.time_ms < table.c.time_ms)
-        | table.c.environment_id.in_(_stale_environments(triton_version, torch_version)),
+        index_elements=["gpu", "kernel", "kernel_version", "key_json"], set_=replace, where=better
     )
     return _wrote_row(session, statement)
 
 
-def offer_portable(session: Session, values: WinnerValues, triton_version: str, torch_version: str) -> bool:
+def offer_portable(
+    session: Session, values: WinnerValues, triton_version: str, torch_version: str, *, measured_here: bool = True
+) -> bool:
     """``offer_winner`` for databases without ``ON CONFLICT``: row lock, then insert or update.
 
     An insert that loses a race to another process hits the unique constraint inside a
@@ -205,7 +231,13 @@ def offer_portable(session: Session, values: WinnerValues, triton_version: str, 
         stale = held_env is not None and (
             held_env.triton_version != triton_version or held_env.torch_version != torch_version
         )
-        if not (values.time_ms < held.time_ms or stale):
+        other_default = (
+            measured_here
+            and values.portable_config_json is not None
+            and held.portable_config_json is not None
+            and held.portable_config_json != values.portable_config_json
+        )
+        if not (values.time_ms < held.time_ms or stale or other_default):
             return False
         for name in _REPLACED:
             setattr(held, name, getattr(values, name))

@@ -21,7 +21,9 @@ __all__ = [
     "eager_alternative",
     "eager_fields",
     "eager_problem",
+    "flat_config_problem",
     "peer_problem",
+    "portable_config_problem",
 ]
 
 #: The fields of an entry's ``eager`` object (and of the DB's ``winners.eager_json``).
@@ -124,3 +126,27 @@ def eager_alternative(value: object) -> EagerAlternative | None:
         winner_ms=float(value["winner_ms"]),
         replayed="replayed" in value,
     )
+
+
+def flat_config_problem(value: object, what: str) -> str | None:
+    """Why ``value`` is not a config in its stored form (a flat object of scalars whose names and
+    strings are printable), or ``None``. The same rule as a winner's own config."""
+    try:
+        flat = check_flat(value, what)
+    except ValueError as exc:
+        return str(exc)
+    for name, item in flat.items():
+        problem = text_problem(name, f"a {what} field name") or text_problem(item, f"{what}.{name}")
+        if problem is not None:
+            return problem
+    return None
+
+
+def portable_config_problem(value: object) -> str | None:
+    """Why a winner's ``portable_config`` (the default its ``portable_ms`` timed) is unusable, or
+    ``None`` (``None`` itself: not recorded, which older records are)."""
+    if value is None:
+        return None
+    if isinstance(value, dict) and not value:
+        return "portable_config is an empty object, expected the default config's fields"
+    return flat_config_problem(value, "portable_config")

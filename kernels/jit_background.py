@@ -23,7 +23,7 @@ import torch
 
 from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.values import check_flat, printable, strict_loads, text_problem, winner_numbers_problem
-from tritune.configs_db.winner_fields import eager_alternative
+from tritune.configs_db.winner_fields import eager_alternative, portable_config_problem
 
 from . import registry
 from .device import DeviceInfo
@@ -76,7 +76,17 @@ def record_from_plain(values: Any, source: str) -> WinnerRecord:
         trials=int(values["trials"]),
         source=source,
         eager=eager_alternative(values.get("eager")),
+        portable_config=_portable_config(values.get("portable_config")),
     )
+
+
+def _portable_config(value: Any) -> dict[str, Any] | None:
+    """A reported winner's portable default (see :class:`~tritune.configs_db.records.WinnerRecord`);
+    ``ValueError`` where it is malformed."""
+    problem = portable_config_problem(value)
+    if problem is not None:
+        raise ValueError(f"winner: {problem}")
+    return None if value is None else dict(value)
 
 
 class BackgroundWorker:

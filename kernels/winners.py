@@ -4,9 +4,11 @@ Records come from two places: the bundle shipped for the detected GPU and the us
 (and, with ``TRITUNE_CROSS_GPU=serve``, the nearest other GPUs' bundles at the keys this GPU's
 bundle lacks: :mod:`.prior`). Each record is checked against the running environment before it
 is admitted: the kernel must exist, its version must match the running code, it must be for this
-GPU, and its key and config must parse strictly against the kernel's key type and search space and
-be feasible here. Anything else is refused with one logged reason, and the portable path serves
-that key instead.
+GPU, its key and config must parse strictly against the kernel's key type and search space and
+be feasible here, and where it names the portable default its speedup was measured against, that
+must be the running code's default at its key (a default can change while the kernel's version,
+its Triton code and space, stays). Anything else is refused with one logged reason, and the
+portable path serves that key instead.
 
 A record that passes every check but was tuned under another Triton or torch version is admitted
 *provisional* (``Entry.provisional``): an upgrade rarely changes which tile is fastest by much,
@@ -124,6 +126,14 @@ def admit(record: WinnerRecord, device: DeviceInfo) -> tuple[str, TuningKey, Ent
         )
 
 
+#: Why a winner timed against another portable default than the running one's at its key is refused:
+#: its speedup says nothing about the default that serves instead, which may be the faster one.
+OTHER_DEFAULT = (
+    "its speedup was measured against another portable default than this tritune's at its key; "
+    "the default serves until `tune` measures the key again"
+)
+
+
 def _admit(record: WinnerRecord, device: DeviceInfo) -> tuple[str, TuningKey, Entry] | Rejection:
     where = f"{record.source} {record.kernel}"
     try:
@@ -152,6 +162,8 @@ def _admit(record: WinnerRecord, device: DeviceInfo) -> tuple[str, TuningKey, En
         return Rejection(record.source, f"{where}: config infeasible on this GPU ({why})")
     if not (record.speedup > 0 and record.speedup < 1e3):
         return Rejection(record.source, f"{where}: absurd speedup {record.speedup!r}")
+    if _against_other_default(record, spec, key):
+        return Rejection(record.source, f"{where}: {OTHER_DEFAULT}")
     eager = _eager(record, key, spec, limits, device)
     entry = Entry(config=config, speedup=record.speedup, source=record.source, eager_config=eager)
     under = tuned_under(record)
@@ -202,6 +214,26 @@ def is_current(record: WinnerRecord) -> bool:
     the DB (``configs_db.upserts`` applies the same rule in SQL).
     """
     return record.triton_version == triton.__version__ and record.torch_version == torch.__version__
+
+
+def _against_other_default(record: WinnerRecord, spec: Any, key: TuningKey) -> bool:
+    """Whether ``record`` names the portable default its speedup is against, and that is not
+    ``spec``'s default at ``key`` in the running code."""
+    return record.portable_config is not None and record.portable_config != spec.space.to_dict(spec.default_config(key))
+
+
+def against_other_default(record: WinnerRecord) -> bool:
+    """Whether ``record`` was timed against another portable default than the running code's at its
+    key: refused by the dispatcher (:data:`OTHER_DEFAULT`), so ``tune`` and online tuning measure
+    its key again as they do a key with no current winner. ``False`` where the record names no
+    default, or its kernel or key is not one this process can read (refused for that reason)."""
+    if record.portable_config is None:
+        return False
+    try:
+        spec = get_spec(record.kernel)
+        return _against_other_default(record, spec, spec.key_type.from_dict(record.key))
+    except Exception:  # an unknown kernel or a malformed key: refused for that, by admit
+        return False
 
 
 def tuned_under(record: WinnerRecord) -> str:

@@ -471,11 +471,11 @@ def test_import_that_fails_part_way_writes_nothing(tmp_path: Path, monkeypatch: 
     real = upserts.offer_winner
     offered: list[Any] = []
 
-    def full_on_the_second(session: Any, values: Any, triton_version: str, torch_version: str) -> bool:
+    def full_on_the_second(session: Any, values: Any, triton_version: str, torch_version: str, **options: Any) -> bool:
         offered.append(values)
         if len(offered) == 2:
             raise OperationalError("INSERT INTO winners ...", {}, sqlite3.OperationalError("database or disk is full"))
-        return bool(real(session, values, triton_version, torch_version))
+        return bool(real(session, values, triton_version, torch_version, **options))
 
     monkeypatch.setattr(upserts, "offer_winner", full_on_the_second)
     db = f"sqlite:///{tmp_path / 'c.sqlite'}"

@@ -235,7 +235,7 @@ def test_runtime_reads_a_revision_0003_db_without_eager_alternatives(old_db: Pat
     assert old_db.read_bytes() == before
     with ConfigStore(f"sqlite:///{old_db}") as store:
         upgraded = {w.key["seqlen"]: (w.peer_ms, w.eager) for w in store.winners()}
-    assert _revision(old_db) == "0004"
+    assert _revision(old_db) == storage.SCHEMA_HEAD
     assert upgraded == {1024: (0.4, None), 4096: (None, None)}
 
 
@@ -264,5 +264,54 @@ def test_revision_0004_adds_eager_json_and_downgrades_without_it(old_db: Path) -
         assert "eager_json" not in {row[1] for row in db.execute("PRAGMA table_info(winners)")}
     winners = {w.key["seqlen"]: (w.time_ms, w.peer_ms, w.eager) for w in read_winners(url, GPU)}
     assert winners == {1024: (0.21, 0.4, None), 4096: (0.5, None, None)}
-    assert storage.upgrade(url) == "0004"
+    assert storage.upgrade(url) == storage.SCHEMA_HEAD
     assert _schema_diff(url) == []
+
+
+def test_runtime_reads_a_revision_0004_db_without_portable_configs(old_db: Path) -> None:
+    """A DB one revision behind (no portable_config_json) serves its winners, eager alternatives
+    included, none naming a default; only a tuner upgrades it."""
+    url = f"sqlite:///{old_db}"
+    storage.upgrade(url, revision="0004")
+    eager = '{"config":{"BLOCK_M":64},"ms":0.1,"winner_ms":0.2}'
+    with _sqlite(old_db) as db:
+        db.execute("UPDATE winners SET eager_json = ? WHERE key_json = ?", (eager, KEY_A))
+    before = old_db.read_bytes()
+    winners = {w.key["seqlen"]: (w.eager is not None, w.portable_config) for w in read_winners(url, GPU)}
+    assert winners == {1024: (True, None), 4096: (False, None)}
+    assert _revision(old_db) == "0004"
+    assert old_db.read_bytes() == before
+
+
+def test_revision_0005_adds_portable_config_json_and_downgrades_without_it(old_db: Path) -> None:
+    from alembic import command
+
+    url = f"sqlite:///{old_db}"
+    storage.upgrade(url)
+    with _sqlite(old_db) as db:
+        assert [row[0] for row in db.execute("SELECT portable_config_json FROM winners")] == [None, None]
+        db.execute("UPDATE winners SET portable_config_json = ? WHERE key_json = ?", ('{"BLOCK_M":32}', KEY_A))
+    assert {w.key["seqlen"]: w.portable_config for w in read_winners(url, GPU)} == {1024: {"BLOCK_M": 32}, 4096: None}
+    engine = storage.make_engine(url)
+    try:
+        with engine.begin() as connection:
+            config = storage.alembic_config()
+            config.attributes["connection"] = connection
+            command.downgrade(config, "0004")
+    finally:
+        engine.dispose()
+    with _sqlite(old_db) as db:
+        assert "portable_config_json" not in {row[1] for row in db.execute("PRAGMA table_info(winners)")}
+    assert {w.key["seqlen"]: w.portable_config for w in read_winners(url, GPU)} == {1024: None, 4096: None}
+    assert storage.upgrade(url) == "0005"
+    assert _schema_diff(url) == []
+
+
+def test_a_malformed_portable_config_skips_its_row(old_db: Path) -> None:
+    """A winner whose stored default cannot be read cannot be checked against the running default:
+    its row is skipped (with a warning), the others served."""
+    url = f"sqlite:///{old_db}"
+    storage.upgrade(url)
+    with _sqlite(old_db) as db:
+        db.execute("UPDATE winners SET portable_config_json = ? WHERE key_json = ?", ('{"BLOCK_M":[1]}', KEY_A))
+    assert [w.key["seqlen"] for w in read_winners(url, GPU)] == [4096]

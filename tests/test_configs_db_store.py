@@ -319,6 +319,39 @@ def test_portable_offer_keeps_the_best(store: ConfigStore, env_id: int) -> None:
     assert offer(0.95, 64, newest_torch, "3.7.0", "9.9.0"), "a winner from another torch is stale"
 
 
+@pytest.mark.parametrize("measured_here", [True, False], ids=["measured", "imported"])
+def test_portable_offer_against_another_default(store: ConfigStore, env_id: int, measured_here: bool) -> None:
+    """The fallback for databases without ON CONFLICT applies the upsert's rule: a fresh measurement
+    against another portable default replaces a faster winner; an import replaces by time alone."""
+
+    def offer(time_ms: float, default_block_m: int | None) -> bool:
+        default = None if default_block_m is None else storage_key({**CONFIG, "BLOCK_M": default_block_m})
+        values = WinnerValues(
+            gpu=GPU,
+            kernel="tma_prefill",
+            kernel_version="abc123",
+            key_json=storage_key(KEY),
+            config_json=storage_key(CONFIG),
+            time_ms=time_ms,
+            portable_ms=2.0,
+            speedup=2.0 / time_ms,
+            trial_count=5,
+            environment_id=env_id,
+            portable_config_json=default,
+        )
+        with storage.session_scope(store.engine) as session:
+            return offer_portable(session, values, "3.6.0", ENV["torch_version"], measured_here=measured_here)
+
+    assert offer(1.0, None)
+    assert not offer(1.1, 32), "a stored winner naming no default is replaced by time alone"
+    assert offer(0.9, 32)
+    assert not offer(1.2, 32), "against the same default the faster winner stays"
+    assert offer(1.2, 64) is measured_here
+    assert not offer(1.3, None), "an offer naming no default replaces by time alone"
+    [stored] = store.winners()
+    assert (stored.time_ms, stored.portable_config["BLOCK_M"]) == ((1.2, 64) if measured_here else (0.9, 32))
+
+
 # ---- durability and misc --------------------------------------------------------------------
 
 

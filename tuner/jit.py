@@ -39,7 +39,7 @@ from tritune.configs_db.store import ConfigStore
 from tritune.configs_db.winner_fields import eager_fields
 from tritune.kernels.device import DeviceInfo, device_info
 from tritune.kernels.spec import KernelSpec, TuningKey
-from tritune.kernels.winners import is_current
+from tritune.kernels.winners import against_other_default, is_current
 
 from .candidates import OK, PRUNED, Bench, BenchError
 from .options import TuneOptions, TuningError, environment_id
@@ -259,10 +259,16 @@ def stored_winner(
     store: ConfigStore, spec: KernelSpec[Any, Any], device: DeviceInfo, key: TuningKey
 ) -> WinnerRecord | None:
     """The current winner ``store`` holds for ``key`` (the running kernel version, Triton and torch:
-    :func:`~tritune.kernels.winners.is_current`), if any; another one is tuned again."""
+    :func:`~tritune.kernels.winners.is_current`, timed against the running default), if any;
+    another one is tuned again."""
     wanted = key.to_dict()
     for record in store.winners(gpu=device.slug, kernel=spec.name):
-        if record.key == wanted and record.kernel_version == spec.version and is_current(record):
+        if (
+            record.key == wanted
+            and record.kernel_version == spec.version
+            and is_current(record)
+            and not against_other_default(record)
+        ):
             return record
     return None
 
@@ -283,6 +289,7 @@ def plain_winner(record: WinnerRecord) -> dict[str, Any]:
         "torch_version": record.torch_version,
         "tritune_version": record.tritune_version,
         "eager": None if record.eager is None else eager_fields(record.eager),
+        "portable_config": record.portable_config,
     }
 
 

@@ -27,7 +27,7 @@ from tritune.configs_db.records import WinnerRecord, key_text
 from tritune.configs_db.values import canonical_json
 from tritune.kernels.device import DeviceInfo
 from tritune.kernels.spec import KernelSpec, TuningKey
-from tritune.kernels.winners import is_current
+from tritune.kernels.winners import against_other_default, is_current
 
 from .app import app, check_database_path, console, db_url, load_kernels, plain
 from .failures import CommandError
@@ -92,7 +92,7 @@ def missed_plan(
     tuned = {
         (w.kernel, w.kernel_version, canonical_json(w.key)): w.trials
         for w in winners
-        if w.gpu == device.slug and is_current(w)
+        if w.gpu == device.slug and is_current(w) and not against_other_default(w)
     }
     result = MissedPlan()
     older: dict[str, int] = {}

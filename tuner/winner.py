@@ -109,6 +109,7 @@ def offer_winner(search: KeySearch, bench: Bench, default: Any) -> KeyResult:
         peer_ms=peer_ms,
         peer_name=peer_name,
         eager=eager,
+        portable_config=search.space.to_dict(default),
     )
     # An alternative measured as a serving process runs eager calls (replayed) replaces the one a
     # kept winner of the same config holds; a failed or replay-off timing leaves that one alone.
