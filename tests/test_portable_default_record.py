@@ -19,12 +19,12 @@ import pytest
 import torch
 import toy_kernel
 import triton
+from toy_records import CPU, SPEC, TUNED, offer, toy_key, toy_record
 
 from tritune.configs_db.bundles import read_bundle, write_bundle
 from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.store import ConfigStore
 from tritune.kernels import registry, settings
-from tritune.kernels.device import device_info
 from tritune.kernels.dispatcher import DISPATCHER, dispatch_config
 from tritune.kernels.jit_background import record_from_plain
 from tritune.kernels.winners import OTHER_DEFAULT, against_other_default
@@ -32,9 +32,6 @@ from tritune.tuner.jit import plain_winner
 from tritune.tuner.study import KeyTuner, TuneOptions, environment_id
 from tritune.tuner.timing import FakeTimer
 
-CPU = device_info("cpu")
-SPEC = toy_kernel.SPEC
-TUNED = {"BLOCK": 64, "BROKEN": False, "num_warps": 2}
 #: A toy config that is not the toy's default at any key (its default is 32-wide, 4 warps).
 OTHER = {"BLOCK": 16, "BROKEN": False, "num_warps": 4}
 
@@ -47,49 +44,16 @@ def toy_registered(monkeypatch):
     DISPATCHER.clear()
 
 
-def _key(n_bucket: int) -> toy_kernel.ToyKey:
-    return toy_kernel.ToyKey(CPU.arch, CPU.sm_count, "float32", n_bucket)
-
-
 def _default(n_bucket: int) -> dict:
-    return SPEC.space.to_dict(SPEC.default_config(_key(n_bucket)))
+    return SPEC.space.to_dict(SPEC.default_config(toy_key(n_bucket)))
 
 
 def _winner(n_bucket: int = 128, **changes) -> WinnerRecord:
-    fields = dict(
-        kernel=SPEC.name,
-        kernel_version=SPEC.version,
-        gpu=CPU.slug,
-        key=_key(n_bucket).to_dict(),
-        config=TUNED,
-        time_ms=1.0,
-        portable_ms=1.5,
-        speedup=1.5,
-        trials=5,
-        triton_version=triton.__version__,
-        torch_version=torch.__version__,
-        tritune_version="test",
-    )
-    fields.update(changes)
-    return WinnerRecord(**fields)
+    return toy_record(n_bucket, **changes)
 
 
 def _provenance() -> dict[str, str]:
     return {"cuda": "", "driver": "", "torch": torch.__version__, "triton": triton.__version__, "tritune": "test"}
-
-
-def _environment(store: ConfigStore, record: WinnerRecord) -> int:
-    return store.environment(
-        gpu=record.gpu,
-        gpu_name=record.gpu,
-        capability="0.0",
-        sm_count=1,
-        driver="",
-        cuda="",
-        torch_version=record.torch_version,
-        triton_version=record.triton_version,
-        tritune_version=record.tritune_version,
-    )
 
 
 def _served(n: int) -> dict:
@@ -107,7 +71,7 @@ def test_a_winner_serves_only_against_the_running_default(portable, served, capl
     recorded = {"running": _default(128), "other": OTHER, None: None}[portable]
     store = ConfigStore(settings.settings().db_url)
     record = _winner(portable_config=recorded)
-    assert store.offer_winner(record, _environment(store, record))
+    assert offer(store, record)
     assert _served(100) == (_default(128) if served == "default" else served)
     refused = [r.getMessage() for r in caplog.records if OTHER_DEFAULT in r.getMessage()]
     assert len(refused) == (1 if portable == "other" else 0), refused
@@ -118,7 +82,7 @@ def test_a_refused_winner_lends_nothing_to_its_neighbours():
     """A neighbour's speedup is against its own key's default: timed against another, it lends nothing."""
     store = ConfigStore(settings.settings().db_url)
     record = _winner(256, portable_config=OTHER)
-    assert store.offer_winner(record, _environment(store, record))
+    assert offer(store, record)
     assert _served(100) == _default(128)
 
 
@@ -178,18 +142,17 @@ def test_the_store_refuses_a_malformed_portable_default(tmp_path: Path):
     store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
     record = _winner(portable_config={"BLOCK": float("nan")})
     with pytest.raises(ValueError, match=r"portable_config\.BLOCK"):
-        store.offer_winner(record, _environment(store, record))
+        offer(store, record)
 
 
 def test_a_measurement_against_another_default_replaces_a_faster_stored_winner(tmp_path: Path):
     store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
     old = _winner(time_ms=0.5, portable_ms=0.75, portable_config=OTHER)
-    env = _environment(store, old)
-    assert store.offer_winner(old, env)
+    assert offer(store, old)
     fresh = _winner(config=_default(128), time_ms=0.8, portable_ms=0.8, speedup=1.0, portable_config=_default(128))
-    assert store.offer_winner(fresh, env), "the stored speedup says nothing about the running default"
+    assert offer(store, fresh), "the stored speedup says nothing about the running default"
     slower = dataclasses.replace(fresh, config=TUNED, time_ms=0.9, portable_ms=0.9, speedup=1.0)
-    assert not store.offer_winner(slower, env), "against the same default the faster winner stays"
+    assert not offer(store, slower), "against the same default the faster winner stays"
     (stored,) = store.winners()
     assert (stored.config, stored.time_ms, stored.portable_config) == (_default(128), 0.8, _default(128))
 
@@ -198,10 +161,9 @@ def test_a_winner_that_names_no_default_is_replaced_by_time_alone(tmp_path: Path
     """Written before the field was stored, it serves as before, and so it stays until beaten."""
     store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
     old = _winner(time_ms=0.5, portable_ms=0.75)
-    env = _environment(store, old)
-    assert store.offer_winner(old, env)
-    assert not store.offer_winner(_winner(time_ms=0.8, portable_ms=1.2, portable_config=_default(128)), env)
-    assert store.offer_winner(_winner(time_ms=0.4, portable_ms=0.6, portable_config=_default(128)), env)
+    assert offer(store, old)
+    assert not offer(store, _winner(time_ms=0.8, portable_ms=1.2, portable_config=_default(128)))
+    assert offer(store, _winner(time_ms=0.4, portable_ms=0.6, portable_config=_default(128)))
     (stored,) = store.winners()
     assert (stored.time_ms, stored.portable_config) == (0.4, _default(128))
 
@@ -211,7 +173,7 @@ def test_an_import_replaces_by_time_alone(tmp_path: Path):
     displaces a faster stored winner for naming another one."""
     store = ConfigStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
     fresh = _winner(time_ms=0.5, portable_ms=0.75, portable_config=_default(128))
-    assert store.offer_winner(fresh, _environment(store, fresh))
+    assert offer(store, fresh)
     assert store.import_records([_winner(time_ms=0.8, portable_ms=1.2, portable_config=OTHER)]) == (0, 1)
     assert store.import_records([_winner(time_ms=0.4, portable_ms=0.6, portable_config=OTHER)]) == (1, 0)
     (stored,) = store.winners()

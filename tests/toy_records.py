@@ -13,6 +13,7 @@ import triton
 from tritune.configs_db import bundles
 from tritune.configs_db.bundles import write_bundle
 from tritune.configs_db.records import WinnerRecord
+from tritune.configs_db.store import ConfigStore
 from tritune.kernels import settings
 from tritune.kernels.device import DeviceInfo, device_info
 
@@ -70,3 +71,19 @@ def ship(
         "tritune": "test",
     }
     write_bundle(records, folder / f"{device.slug}.json", device.slug, device.name, provenance)
+
+
+def offer(store: ConfigStore, record: WinnerRecord) -> bool:
+    """Offer ``record`` to ``store`` under an environment row stamped with its own provenance."""
+    env = store.environment(
+        gpu=record.gpu,
+        gpu_name=record.gpu,
+        capability="0.0",
+        sm_count=1,
+        driver="",
+        cuda="",
+        torch_version=record.torch_version,
+        triton_version=record.triton_version,
+        tritune_version=record.tritune_version,
+    )
+    return store.offer_winner(record, env)
