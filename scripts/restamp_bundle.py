@@ -7,7 +7,8 @@ For a change that moves a kernel's version but not its generated code: a reshape
 entry of ``--kernel`` keeps its key, times and trial count; its config keeps exactly the fields
 its path's member space has (for a :class:`~tritune.search_spaces.base.UnionSpace`; all fields
 otherwise), with unchanged values, and its ``kernel_version`` becomes the one this source computes
-(``KernelSpec.version``, :mod:`tritune.kernels.versioning`). Fields the new space lacks are
+(``KernelSpec.version``, :mod:`tritune.kernels.versioning`); its ``portable_config``, where it has
+one, is reshaped by the same rules. Fields the new space lacks are
 dropped and listed, so that each can be checked to have held a value that launched nothing different
 (a neutral value). An entry missing a field of its member is refused: the member's default might
 not be what the entry ran. A field the space has gained is filled only where the caller names
@@ -85,6 +86,24 @@ def parse_additions(items: list[str]) -> dict[str, Any]:
     return additions
 
 
+def reshape(
+    space: Any, config: dict[str, Any], additions: dict[str, Any], what: str
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """``config`` with exactly its member's fields: ``additions`` set where it lacks them, the fields
+    the space lacks dropped; and what was added and dropped. A field still missing refuses it."""
+    fields = member_fields(space, config)
+    added = {name: value for name, value in additions.items() if name in fields and name not in config}
+    config = {**config, **added}
+    missing = [name for name in fields if name not in config]
+    if missing:
+        raise SystemExit(f"{what} lacks {missing}; re-tune it instead")
+    dropped = {name: value for name, value in config.items() if name not in fields}
+    config = {name: config[name] for name in fields}
+    # Refuses values outside the member's choices, naming the field.
+    space.parse(config)
+    return config, added, dropped
+
+
 def restamp(doc: dict[str, Any], kernel: str, additions: dict[str, Any] | None = None) -> list[str]:
     """Rewrite ``kernel``'s entries of ``doc`` in place; one line per entry saying what changed.
 
@@ -100,16 +119,8 @@ def restamp(doc: dict[str, Any], kernel: str, additions: dict[str, Any] | None =
     for index, entry in enumerate(doc["winners"]):
         if entry["kernel"] != kernel:
             continue
-        fields = member_fields(spec.space, entry["config"])
-        added = {name: value for name, value in additions.items() if name in fields and name not in entry["config"]}
-        entry["config"] = {**entry["config"], **added}
-        missing = [name for name in fields if name not in entry["config"]]
-        if missing:
-            raise SystemExit(f"winners[{index}] ({kernel}): config lacks {missing}; re-tune it instead")
-        dropped = {name: value for name, value in entry["config"].items() if name not in fields}
-        config = {name: entry["config"][name] for name in fields}
-        # Refuses values outside the member's choices, naming the field.
-        spec.space.parse(config)
+        where = f"winners[{index}] ({kernel})"
+        config, added, dropped = reshape(spec.space, entry["config"], additions, f"{where}: config")
         old = entry["kernel_version"]
         change = "current" if old == spec.version else f"{old} -> {spec.version}"
         notes.append(
@@ -119,6 +130,11 @@ def restamp(doc: dict[str, Any], kernel: str, additions: dict[str, Any] | None =
         )
         entry["config"] = config
         entry["kernel_version"] = spec.version
+        if entry.get("portable_config") is not None:
+            # The default its speedup is against, in the same shape; the loader then checks that it
+            # is the running default at the key.
+            portable = reshape(spec.space, entry["portable_config"], additions, f"{where}: portable_config")
+            entry["portable_config"] = portable[0]
     if not notes:
         raise SystemExit(f"--kernel: the bundle has no {kernel} entries")
     return notes

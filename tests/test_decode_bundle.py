@@ -93,3 +93,27 @@ def test_restamp_refuses_a_bad_addition(restamp_bundle, tmp_path, item, error, m
     with pytest.raises(error, match=message):
         restamp_bundle.main([str(path), "--kernel", KERNEL.name, "--add", item])
     assert path.read_text() == before
+
+
+@pytest.mark.parametrize("default_kept", [True, False], ids=["the-running-default", "another-default"])
+def test_restamp_reshapes_the_portable_default_and_the_loader_checks_it(restamp_bundle, tmp_path, capsys, default_kept):
+    """An entry's ``portable_config`` takes the added field as its config does; where the result is
+    not the running default at the entry's key the loader would refuse it, and nothing is written."""
+    doc = _decode_without_kv_tma("76c8e2ee9253e531")
+    for entry in doc["winners"]:
+        if entry["kernel"] == KERNEL.name:
+            default = SPACE.to_dict(KERNEL.default_config(KERNEL.key_type.from_dict(entry["key"])))
+            if not default_kept:
+                default["BLOCK_N"] = 16 if default["BLOCK_N"] != 16 else 32
+            entry["portable_config"] = {name: value for name, value in default.items() if name != "KV_TMA"}
+    path = tmp_path / BUNDLE.name
+    path.write_text(restamp_bundle.document_text(doc))
+    status = restamp_bundle.main([str(path), "--kernel", KERNEL.name, "--add", "KV_TMA=false"])
+    if not default_kept:
+        assert status == 1 and "another portable default" in capsys.readouterr().err
+        return
+    assert status == 0
+    restamped = json.loads(path.read_text())["winners"]
+    portable = [e["portable_config"] for e in restamped if e["kernel"] == KERNEL.name]
+    assert len(portable) == SHIPPED_DECODE_WINNERS
+    assert all(p["KV_TMA"] is False and set(p) == set(SPACE.dimensions) for p in portable)
