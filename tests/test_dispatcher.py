@@ -9,6 +9,7 @@ import pytest
 import torch
 import toy_kernel
 import triton
+from toy_records import offer
 
 from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.store import ConfigStore
@@ -54,18 +55,7 @@ def _store(*records: WinnerRecord) -> None:
     store = ConfigStore(settings.settings().db_url)
     for record in records:
         # Provenance is stamped from the environment row, so each record gets a matching one.
-        env = store.environment(
-            gpu=record.gpu,
-            gpu_name=record.gpu,
-            capability="0.0",
-            sm_count=1,
-            driver="",
-            cuda="",
-            torch_version=record.torch_version,
-            triton_version=record.triton_version,
-            tritune_version="test",
-        )
-        assert store.offer_winner(record, env)
+        assert offer(store, record)
 
 
 def _served(n: int, dtype: torch.dtype = torch.float32) -> dict:
