@@ -56,6 +56,22 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def toy_dispatch(monkeypatch):
+    """The toy kernel (``tests/toy_kernel.py``) declared as ``toy_scale``, with the dispatcher's
+    tables cleared before and after the test (a module takes it with
+    ``pytestmark = pytest.mark.usefixtures("toy_dispatch")``)."""
+    import toy_kernel
+
+    from tritune.kernels import registry
+    from tritune.kernels.dispatcher import DISPATCHER
+
+    monkeypatch.setitem(registry._SPECS, "toy_scale", f"{toy_kernel.__name__}:SPEC")
+    DISPATCHER.clear()
+    yield
+    DISPATCHER.clear()
+
+
+@pytest.fixture
 def restamp_bundle(monkeypatch):
     """``scripts/restamp_bundle.py``, imported as the scripts import each other."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "scripts"))

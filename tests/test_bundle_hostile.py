@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +26,10 @@ from typer.testing import CliRunner
 from tritune.configs_db import bundles
 from tritune.configs_db.store import ConfigStore
 from tritune.kernels import registry, settings
-from tritune.kernels.dispatcher import DISPATCHER, dispatch_config
+from tritune.kernels.dispatcher import dispatch_config
 from tritune.tuner.cli import app
+
+pytestmark = pytest.mark.usefixtures("toy_dispatch")
 
 PORTABLE = {"BLOCK": 32, "BROKEN": False, "num_warps": 4}
 TUNED = {"BLOCK": 128, "BROKEN": False, "num_warps": 2}
@@ -192,14 +194,6 @@ FILE_CASES: dict[str, tuple[Callable[[Path], None], str]] = {
         "gpu_name is '\\ud800', which holds a control character or a lone surrogate",
     ),
 }
-
-
-@pytest.fixture(autouse=True)
-def toy_registered(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setitem(registry._SPECS, "toy_scale", f"{toy_kernel.__name__}:SPEC")
-    DISPATCHER.clear()
-    yield
-    DISPATCHER.clear()
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from toy_records import offer
 
 from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.store import ConfigStore
-from tritune.kernels import dispatcher, pins, registry, settings
+from tritune.kernels import dispatcher, pins, settings
 from tritune.kernels.device import device_info
 from tritune.kernels.dispatcher import DISPATCHER, dispatch_config
 from tritune.kernels.pins import use_config
@@ -22,12 +22,7 @@ from tritune.search_spaces.base import ConfigError
 CPU = device_info("cpu")
 
 
-@pytest.fixture(autouse=True)
-def toy_registered(monkeypatch):
-    monkeypatch.setitem(registry._SPECS, "toy_scale", f"{toy_kernel.__name__}:SPEC")
-    DISPATCHER.clear()
-    yield
-    DISPATCHER.clear()
+pytestmark = pytest.mark.usefixtures("toy_dispatch")
 
 
 def _winner(n_bucket: int, chosen: dict, speedup: float, **overrides) -> WinnerRecord:

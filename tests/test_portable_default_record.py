@@ -17,15 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import toy_kernel
 import triton
 from toy_records import CPU, SPEC, TUNED, offer, toy_key, toy_record
 
 from tritune.configs_db.bundles import read_bundle, write_bundle
 from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.store import ConfigStore
-from tritune.kernels import registry, settings
-from tritune.kernels.dispatcher import DISPATCHER, dispatch_config
+from tritune.kernels import settings
+from tritune.kernels.dispatcher import dispatch_config
 from tritune.kernels.jit_background import record_from_plain
 from tritune.kernels.winners import OTHER_DEFAULT, against_other_default
 from tritune.tuner.jit import plain_winner
@@ -36,12 +35,7 @@ from tritune.tuner.timing import FakeTimer
 OTHER = {"BLOCK": 16, "BROKEN": False, "num_warps": 4}
 
 
-@pytest.fixture(autouse=True)
-def toy_registered(monkeypatch):
-    monkeypatch.setitem(registry._SPECS, "toy_scale", f"{toy_kernel.__name__}:SPEC")
-    DISPATCHER.clear()
-    yield
-    DISPATCHER.clear()
+pytestmark = pytest.mark.usefixtures("toy_dispatch")
 
 
 def _default(n_bucket: int) -> dict:

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import toy_kernel
 import triton
 from toy_records import CPU, SPEC, TUNED, ship
 from toy_records import toy_key as key
@@ -20,7 +19,7 @@ from tritune.configs_db import bundles
 from tritune.configs_db.bundles import shipped_records
 from tritune.configs_db.records import Rejection, WinnerRecord
 from tritune.configs_db.store import ConfigStore
-from tritune.kernels import registry, settings
+from tritune.kernels import settings
 from tritune.kernels.device import DeviceInfo
 from tritune.kernels.dispatcher import DISPATCHER, dispatch_config
 from tritune.kernels.winners import admit, build_table
@@ -33,12 +32,7 @@ H200 = DeviceInfo("NVIDIA H200", "nvidia", (9, 0), 132, "sm90")
 OLD_TRITON = "3.5.0"
 
 
-@pytest.fixture(autouse=True)
-def toy_registered(monkeypatch):
-    monkeypatch.setitem(registry._SPECS, "toy_scale", f"{toy_kernel.__name__}:SPEC")
-    DISPATCHER.clear()
-    yield
-    DISPATCHER.clear()
+pytestmark = pytest.mark.usefixtures("toy_dispatch")
 
 
 def store(*records: WinnerRecord) -> str:

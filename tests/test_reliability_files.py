@@ -24,10 +24,12 @@ from typer.testing import CliRunner
 from tritune.configs_db import bundles
 from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.store import ConfigStore
-from tritune.kernels import registry, settings
+from tritune.kernels import settings
 from tritune.kernels.device import device_info
-from tritune.kernels.dispatcher import DISPATCHER, dispatch_config
+from tritune.kernels.dispatcher import dispatch_config
 from tritune.tuner.cli import app
+
+pytestmark = pytest.mark.usefixtures("toy_dispatch")
 
 CORPUS = Path(__file__).resolve().parent / "data" / "bad_bundles"
 CPU = device_info("cpu")
@@ -99,14 +101,6 @@ def write_bad(name: str, path: Path) -> Path:
     else:
         path.write_text(corpus_text(name))
     return path
-
-
-@pytest.fixture(autouse=True)
-def toy_registered(monkeypatch):
-    monkeypatch.setitem(registry._SPECS, "toy_scale", f"{toy_kernel.__name__}:SPEC")
-    DISPATCHER.clear()
-    yield
-    DISPATCHER.clear()
 
 
 @pytest.fixture

@@ -13,8 +13,7 @@ from typer.testing import CliRunner
 from tritune.configs_db import bundles
 from tritune.configs_db.records import WinnerRecord
 from tritune.configs_db.store import ConfigStore
-from tritune.kernels import registry, settings
-from tritune.kernels.dispatcher import DISPATCHER
+from tritune.kernels import settings
 from tritune.tuner.cli import app
 from tritune.tuner.keys import parse_overrides
 from tritune.tuner.plan import KeySource, plan_keys
@@ -23,12 +22,7 @@ from tritune.tuner.plan import KeySource, plan_keys
 SHIPPED = {"BLOCK": 16, "BROKEN": False, "num_warps": 1}
 
 
-@pytest.fixture(autouse=True)
-def toy_registered(monkeypatch):
-    monkeypatch.setitem(registry._SPECS, "toy_scale", f"{toy_kernel.__name__}:SPEC")
-    DISPATCHER.clear()
-    yield
-    DISPATCHER.clear()
+pytestmark = pytest.mark.usefixtures("toy_dispatch")
 
 
 def record(n_bucket: int, **changes) -> WinnerRecord:
